@@ -1,0 +1,23 @@
+"""The `larql` command."""
+
+from __future__ import annotations
+
+import typer
+
+from larql.cli.catalog_cmd import engines, models
+from larql.cli.run_cmd import run
+
+app = typer.Typer(
+    name="larql",
+    help="Decode with language models through pluggable KV engines, and measure them.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.command()(run)
+app.command()(engines)
+app.command()(models)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,81 @@
+"""What every command shares: typed errors become one clear line and exit code 2, and the
+model / engine / prompt options are read the same way everywhere."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import typer
+from rich.console import Console
+
+from larql.errors import LarqlError
+from larql.models.model import Model, load_model
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+stderr = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
+stdout = Console(highlight=False, soft_wrap=True, markup=False)
+
+EXIT_USER_ERROR = 2
+
+
+class InvalidInput(LarqlError):
+    """A command-line value that is out of range or inconsistent."""
+
+
+class ContextOverflow(LarqlError):
+    """The prompt does not fit the model's context."""
+
+
+def user_errors(command: F) -> F:
+    """Run a command body; a `LarqlError` prints `error: …` on stderr and exits 2."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except LarqlError as e:
+            stderr.print(f"error: {e}")
+            raise typer.Exit(EXIT_USER_ERROR) from None
+        except KeyboardInterrupt:
+            stderr.print("interrupted")
+            raise typer.Exit(130) from None
+        except BrokenPipeError:
+            raise typer.Exit(0) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def read_prompt(prompt: str) -> str:
+    """`-` reads the prompt from stdin."""
+    text = sys.stdin.read() if prompt == "-" else prompt
+    if not text.strip():
+        raise InvalidInput("the prompt is empty (pass text, or - to read it from stdin)")
+    return text
+
+
+def open_model(model: str | None, dtype: str, device: str, threads: int | None = None) -> Model:
+    if threads is not None:
+        if threads < 1:
+            raise InvalidInput(f"--threads must be ≥ 1, got {threads}")
+        torch.set_num_threads(threads)
+    return load_model(model, dtype=dtype, device=device)
+
+
+def check_context(model: Model, prompt_tokens: int) -> None:
+    limit = model.config.max_positions
+    if prompt_tokens >= limit:
+        raise ContextOverflow(
+            f"the prompt is {prompt_tokens} tokens; {model.name}'s context is {limit} tokens "
+            "(the prompt must leave room for at least one new token)"
+        )
+
+
+def encode_prompt(model: Model, text: str, chat: bool) -> list[int]:
+    if chat:
+        return model.tokenizer.encode_chat([{"role": "user", "content": text}])
+    return model.tokenizer.encode(text)

@@ -1,0 +1,113 @@
+"""`larql run`: generate from a prompt through any live-decode engine, streaming the text."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+
+from larql.cli.common import (
+    InvalidInput,
+    check_context,
+    encode_prompt,
+    open_model,
+    read_prompt,
+    stderr,
+    user_errors,
+)
+from larql.inference.ffn import DenseFfn
+from larql.inference.generation import generate
+from larql.inference.sampling import Sampler, SamplingParams
+from larql.kv.resolve import KV_CACHE_CHOICES, resolve_engine
+
+OUTPUTS = ("text", "json")
+
+
+@user_errors
+def run(
+    prompt: Annotated[str, typer.Argument(help="Prompt text, or - to read it from stdin.")],
+    model: Annotated[
+        str | None, typer.Option("-m", "--model", help="Registry name, .gguf path or HF dir.")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option("-n", "--max-tokens", help="New tokens.")] = 64,
+    engine: Annotated[
+        str | None, typer.Option("--engine", help="Engine spec, e.g. standard:window=512.")
+    ] = None,
+    kv_cache: Annotated[
+        str, typer.Option("--kv-cache", help=f"Legacy: {'|'.join(KV_CACHE_CHOICES)}.")
+    ] = "standard",
+    context_window: Annotated[
+        int, typer.Option("--context-window", help="Legacy window for --kv-cache markov-bounded.")
+    ] = 0,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="Wrap the prompt in the chat template.")
+    ] = False,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 = no limit.")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16, float16, float64.")] = "float32",
+    output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
+    verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+) -> None:
+    """Generate text from PROMPT with the chosen KV engine."""
+    if output not in OUTPUTS:
+        raise InvalidInput(f"unknown --output {output!r}; accepted: {', '.join(OUTPUTS)}")
+    if max_tokens < 1:
+        raise InvalidInput(f"-n/--max-tokens must be ≥ 1, got {max_tokens}")
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    choice = resolve_engine(engine, kv_cache, context_window)
+    choice.kind.require_live_decode()
+    for warning in choice.warnings:
+        stderr.print(f"warning: {warning}")
+    text = read_prompt(prompt)
+    lm = open_model(model, dtype, device)
+    prompt_ids = encode_prompt(lm, text, chat)
+    check_context(lm, len(prompt_ids))
+    built = choice.kind.build(lm)
+    stream = lm.tokenizer.stream_decoder()
+    stop_ids = lm.tokenizer.stop_ids
+
+    def on_token(token: int) -> None:
+        if output == "text" and token not in stop_ids:
+            sys.stdout.write(stream.step(token))
+            sys.stdout.flush()
+
+    result = generate(
+        built, lm, DenseFfn(lm), prompt_ids, max_tokens, Sampler(sampling), on_token, stop_ids
+    )
+    visible = [t for t in result.tokens if t not in stop_ids]
+    if output == "json":
+        print(
+            json.dumps(
+                {
+                    "model": lm.name,
+                    "engine": choice.kind.spec(),
+                    "prompt_tokens": len(prompt_ids),
+                    "tokens": result.tokens,
+                    "text": lm.tokenizer.decode(visible),
+                    "finish_reason": result.finish_reason,
+                    "prefill_ms": round(result.prefill_ms, 3),
+                    "decode_tok_s": result.decode_tok_s,
+                    "memory_bytes": built.memory_bytes(),
+                }
+            )
+        )
+    else:
+        sys.stdout.write("\n")
+    if verbose:
+        rate = result.decode_tok_s
+        stderr.print(f"engine: {built.info().summary()}  (from {choice.source})")
+        stderr.print(f"prompt tokens: {len(prompt_ids)}   generated: {len(result.tokens)}")
+        stderr.print(
+            f"prefill: {result.prefill_ms:.1f} ms   decode: "
+            + (f"{rate:.1f} tok/s" if rate else "n/a (one token)")
+        )
+        memory = built.memory()
+        stderr.print(
+            f"engine memory: {memory.total:,} B (hot {memory.hot:,}, cold {memory.cold:,}, "
+            f"derivative {memory.derivative:,})   finish: {result.finish_reason}"
+        )

@@ -1,0 +1,9 @@
+"""The root of every error larql raises on purpose.
+
+Anything that is a `LarqlError` carries a message meant for the user (what was wrong and what is
+accepted); the CLI prints it without a traceback and exits 2, the server turns it into a 4xx.
+"""
+
+
+class LarqlError(Exception):
+    """A typed, user-facing error."""

@@ -1,0 +1,1 @@
+"""How one token flows: shared layer math, FFN backends, the engine protocol, generation."""

@@ -1,0 +1,257 @@
+"""The shared per-layer math. Every engine composes these functions and nothing else:
+
+    embed → for each layer: attention_block (K/V handed to the engine's `KvSink`) → ffn_block
+          → final_logits
+
+`recompute_kv` rebuilds a layer's K/V from stored pre-layer residuals through the very same
+norm / projection / k-norm / RoPE code as `attention_block`.
+
+Shapes: S query rows, T key rows, H hidden, D head_dim, Hq/Hkv query/kv heads.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from larql.inference.ffn import FfnBackend
+from larql.inference.rope import RopeTable, apply_rope
+from larql.models.model import Model
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class KvSink(Protocol):
+    """Where an engine keeps a layer's K/V. `append` takes the new rows and returns every key
+    and value the new queries may attend to, oldest first, ending with the new rows (keys are
+    contiguous absolute positions ending at the last query's)."""
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: [Hkv, S, D] → keys, values: [Hkv, T, D] with T ≥ S."""
+        ...
+
+
+class FreshKv:
+    """A K/V sink with no history: the keys are exactly the new rows (prefill, recompute)."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k, self.v = k, v
+        return k, v
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype in _LOW_PRECISION:  # statistics in float32, as the reference implementations do
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return normed.to(x.dtype) * weight
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def rope_table(model: Model, layer: int) -> RopeTable:
+    spec = model.config.layers[layer].rope
+    key = ("rope", spec, model.dtype, model.device)
+    table = model.runtime.get(key)
+    if table is None:
+        table = model.runtime[key] = RopeTable(spec, model.dtype, model.device)
+    return table
+
+
+def embed(model: Model, token_ids: torch.Tensor) -> torch.Tensor:
+    """token_ids: [S] → [S, H]."""
+    h = F.embedding(token_ids.to(model.device), model.weights.embed)
+    scale = model.config.embed_scale
+    return h * scale if scale != 1.0 else h
+
+
+def token_tensor(model: Model, token_ids: list[int] | tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(token_ids, dtype=torch.long, device=model.device)
+
+
+def effective_window(model: Model, layer: int, engine_window: int | None) -> int | None:
+    """Keys a query may see on this layer, itself included: the smaller of the architecture's
+    sliding window and the engine's (None = unbounded)."""
+    arch_window = model.config.layers[layer].sliding_window
+    if arch_window is None:
+        return engine_window
+    if engine_window is None:
+        return arch_window
+    return min(arch_window, engine_window)
+
+
+def _heads_k_v(
+    model: Model, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v: [S, kv_dim] projections → k (k-normed, rotated), v: [Hkv, S, D]."""
+    cfg = model.config
+    lw = model.weights.layers[layer]
+    s = k.shape[0]
+    k = k.view(s, cfg.num_kv_heads, cfg.head_dim)
+    if lw.k_norm is not None:
+        k = rms_norm(k, lw.k_norm, cfg.norm_eps)
+    cos, sin = rope_table(model, layer).slice(start, s)
+    k = apply_rope(k.transpose(0, 1), cos, sin)
+    v = v.view(s, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+    return k, v
+
+
+def project_qkv(
+    model: Model, layer: int, h: torch.Tensor, start: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pre-layer residual h: [S, H] at positions start.. → q [Hq,S,D], k [Hkv,S,D], v [Hkv,S,D]."""
+    cfg = model.config
+    lw = model.weights.layers[layer]
+    x = rms_norm(h, lw.attn_norm, cfg.norm_eps)
+    qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [S, q_dim + 2·kv_dim]
+    q, k, v = qkv.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
+    s = h.shape[0]
+    q = q.view(s, cfg.num_heads, cfg.head_dim)
+    if lw.q_norm is not None:
+        q = rms_norm(q, lw.q_norm, cfg.norm_eps)
+    cos, sin = rope_table(model, layer).slice(start, s)
+    q = apply_rope(q.transpose(0, 1), cos, sin)
+    k, v = _heads_k_v(model, layer, k, v, start)
+    return q, k, v
+
+
+def recompute_kv(
+    model: Model, layer: int, h_stored: torch.Tensor, abs_start: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of stored pre-layer residuals h_stored: [N, H] at positions abs_start.. →
+    k, v: [Hkv, N, D], equal to what `attention_block` cached for the same rows."""
+    cfg = model.config
+    lw = model.weights.layers[layer]
+    x = rms_norm(h_stored, lw.attn_norm, cfg.norm_eps)
+    w_kv = lw.wqkv[cfg.q_dim :]
+    b_kv = lw.bqkv[cfg.q_dim :] if lw.bqkv is not None else None
+    k, v = F.linear(x, w_kv, b_kv).split([cfg.kv_dim, cfg.kv_dim], dim=-1)  # [N, kv_dim] each
+    return _heads_k_v(model, layer, k, v, abs_start)
+
+
+def attend(
+    model: Model,
+    layer: int,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    window: int | None,
+) -> torch.Tensor:
+    """q: [Hq, S, D] at positions start..start+S-1; keys/values: [Hkv, T, D] at the contiguous
+    positions ending at start+S-1 → attention output [S, q_dim]. A query at position i sees key j
+    iff j ≤ i and i − j < window."""
+    cfg = model.config
+    s, t = q.shape[1], keys.shape[1]
+    w = effective_window(model, layer, window)
+    if w is not None and t > w + s - 1:  # keys no query can reach
+        keys, values = keys[:, t - (w + s - 1) :], values[:, t - (w + s - 1) :]
+        t = keys.shape[1]
+    mask = None
+    causal = False
+    if s > 1 or (w is not None and t > w):
+        if t == s and w is None:
+            causal = True
+        else:
+            q_pos = torch.arange(start, start + s, device=q.device).unsqueeze(1)  # [S, 1]
+            k_pos = torch.arange(start + s - t, start + s, device=q.device).unsqueeze(0)  # [1, T]
+            mask = k_pos <= q_pos
+            if w is not None:
+                mask &= (q_pos - k_pos) < w  # [S, T]
+    if cfg.arch.attn_softcap is not None:
+        out = _softcapped_attention(
+            q, keys, values, mask, causal, cfg.attn_scale, cfg.arch.attn_softcap
+        )
+    else:
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=cfg.attn_scale,
+            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+        )[0]  # [Hq, S, D]
+    return out.transpose(0, 1).reshape(s, cfg.q_dim)
+
+
+def _softcapped_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    cap: float,
+) -> torch.Tensor:
+    # SDPA has no soft-cap: scores = cap·tanh(q·k·scale / cap) before the mask and softmax.
+    group = q.shape[0] // keys.shape[0]
+    keys = keys.repeat_interleave(group, dim=0)  # [Hq, T, D]
+    values = values.repeat_interleave(group, dim=0)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [Hq, S, T]
+    scores = torch.tanh(scores / cap) * cap
+    if causal:
+        s, t = scores.shape[-2:]
+        mask = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values)
+
+
+def attention_block(
+    model: Model,
+    layer: int,
+    h: torch.Tensor,
+    start: int,
+    kv: KvSink,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Pre-layer residual h: [S, H] at positions start.. → residual after attention [S, H].
+    The new rows' K (k-normed, rotated) and V go to `kv`."""
+    lw = model.weights.layers[layer]
+    q, k, v = project_qkv(model, layer, h, start)
+    keys, values = kv.append(k, v)
+    attn = attend(model, layer, q, keys, values, start, window)  # [S, q_dim]
+    out = F.linear(attn, lw.wo, lw.bo)
+    if lw.post_attn_norm is not None:
+        out = rms_norm(out, lw.post_attn_norm, model.config.norm_eps)
+    return h + out
+
+
+def ffn_block(model: Model, layer: int, h: torch.Tensor, ffn: FfnBackend) -> torch.Tensor:
+    """Residual after attention h: [S, H] → residual after the FFN [S, H]."""
+    lw = model.weights.layers[layer]
+    eps = model.config.norm_eps
+    out = ffn.forward(layer, rms_norm(h, lw.ffn_norm, eps))
+    if lw.post_ffn_norm is not None:
+        out = rms_norm(out, lw.post_ffn_norm, eps)
+    return h + out
+
+
+def layer_step(
+    model: Model,
+    layer: int,
+    h: torch.Tensor,
+    start: int,
+    kv: KvSink,
+    ffn: FfnBackend,
+    window: int | None = None,
+) -> torch.Tensor:
+    """One whole layer: attention (K/V into `kv`) then FFN. h: [S, H] → [S, H]."""
+    return ffn_block(model, layer, attention_block(model, layer, h, start, kv, window), ffn)
+
+
+def final_logits(model: Model, h: torch.Tensor) -> torch.Tensor:
+    """Pre-final-norm hidden h: [S, H] → logits [S, V] (final norm, LM head, soft-cap)."""
+    w = model.weights
+    x = rms_norm(h, w.final_norm, model.config.norm_eps)
+    logits = F.linear(x, w.lm_head)
+    cap = model.config.arch.final_softcap
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits

@@ -1,0 +1,67 @@
+"""Picking the next token from logits: greedy, or temperature / top-k / top-p with a seeded
+generator (same seed, same tokens)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from larql.errors import LarqlError
+
+
+class InvalidSampling(LarqlError):
+    """A sampling parameter is out of range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = no limit
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise InvalidSampling(f"temperature must be ≥ 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidSampling(f"top_k must be ≥ 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidSampling(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams | None = None) -> None:
+        self.params = params or SamplingParams()
+        self._generator: torch.Generator | None = None
+        if not self.params.greedy:
+            self._generator = torch.Generator()
+            seed = self.params.seed
+            self._generator.manual_seed(seed if seed is not None else torch.seed())
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """logits: [V] → token id."""
+        if self.params.greedy:
+            return int(torch.argmax(logits))
+        probs = self.distribution(logits)
+        return int(torch.multinomial(probs, 1, generator=self._generator))
+
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """The (float32, CPU) distribution sampling draws from, after temperature/top-k/top-p."""
+        p = self.params
+        scores = logits.detach().float().cpu() / p.temperature
+        if p.top_k and p.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, p.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+            sorted_probs[before >= p.top_p] = 0.0  # keep the smallest head reaching top_p
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+            probs /= probs.sum()
+        return probs

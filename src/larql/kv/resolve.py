@@ -1,0 +1,58 @@
+"""Which engine a command runs: `--engine` > `LARQL_KV_ENGINE` > legacy `--kv-cache` > standard
+(reference §8.1). A non-default `--kv-cache` next to an engine spec loses, with a warning."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from larql.kv.catalog import from_name
+from larql.kv.spec import EngineKind, MalformedEngineSpec
+
+ENV_VAR = "LARQL_KV_ENGINE"
+KV_CACHE_CHOICES = ("standard", "markov-bounded", "none")
+_KV_CACHE_ALIASES = {
+    "standard": "standard",
+    "full": "standard",
+    "fp32": "standard",
+    "markov-bounded": "markov-bounded",
+    "markov": "markov-bounded",
+    "bounded": "markov-bounded",
+    "sliding": "markov-bounded",
+    "none": "none",
+    "off": "none",
+}
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    kind: EngineKind
+    source: str  # "--engine", "LARQL_KV_ENGINE", "--kv-cache" or "default"
+    warnings: tuple[str, ...] = ()
+
+
+def resolve_engine(
+    engine: str | None = None,
+    kv_cache: str = "standard",
+    context_window: int = 0,
+    env: dict[str, str] | None = None,
+) -> EngineChoice:
+    env_spec = (os.environ if env is None else env).get(ENV_VAR) or None
+    legacy = _KV_CACHE_ALIASES.get(kv_cache.strip().lower())
+    if legacy is None:
+        raise MalformedEngineSpec(
+            f"unknown --kv-cache {kv_cache!r}; accepted: {', '.join(KV_CACHE_CHOICES)} "
+            "(or use --engine SPEC)"
+        )
+    spec, source = (engine, "--engine") if engine else (env_spec, ENV_VAR)
+    if spec:
+        warnings = ()
+        if legacy != "standard":
+            warnings = (f"--kv-cache {kv_cache} is ignored: {source} {spec!r} wins",)
+        return EngineChoice(from_name(spec), source, warnings)
+    if legacy == "markov-bounded":
+        window = f":window={context_window}" if context_window > 0 else ""
+        return EngineChoice(from_name(f"standard{window}"), "--kv-cache")
+    if legacy == "none":
+        return EngineChoice(from_name("no-cache"), "--kv-cache")
+    return EngineChoice(from_name("standard"), "default")

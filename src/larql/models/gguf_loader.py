@@ -1,0 +1,172 @@
+"""GGUF → (`ModelConfig`, canonical state dict) for the `llama` and `gemma3` architectures.
+
+Layout facts handled here (checked against transformers, see shared/reference/models.md):
+- llama.cpp permutes llama Q/K rows for its interleaved RoPE; we un-permute to the split-half
+  layout every other architecture uses.
+- Gemma norms are stored as (1 + w) already: that is the multiplier we keep.
+- Gemma 3: layers with (i + 1) % 6 == 0 attend globally, the others slide over
+  `gemma3.attention.sliding_window` keys with RoPE base 10 000 (not in the file).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from larql.models.config import Arch, LayerSpec, ModelConfig, RopeSpec
+from larql.models.errors import UnsupportedArchitecture
+from larql.models.gguf_file import GgufFile
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3")
+
+_LAYER_TENSORS = {
+    "attn_norm": "attn_norm",
+    "attn_q": "wq",
+    "attn_k": "wk",
+    "attn_v": "wv",
+    "attn_output": "wo",
+    "attn_q_norm": "q_norm",
+    "attn_k_norm": "k_norm",
+    "post_attention_norm": "post_attn_norm",
+    "ffn_norm": "ffn_norm",
+    "ffn_gate": "w_gate",
+    "ffn_up": "w_up",
+    "ffn_down": "w_down",
+    "post_ffw_norm": "post_ffn_norm",
+}
+_BIASES = {"attn_q": "bq", "attn_k": "bk", "attn_v": "bv", "attn_output": "bo"}
+
+GEMMA3_LOCAL_ROPE_BASE = 10_000.0
+GEMMA3_GLOBAL_EVERY = 6
+
+
+def gguf_config(gguf: GgufFile, name: str = "") -> ModelConfig:
+    arch_name = gguf.architecture
+    if arch_name not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"GGUF architecture {arch_name!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)} "
+            "(other architectures load from an HF directory)"
+        )
+    hidden = int(gguf.arch_key("embedding_length"))
+    heads = int(gguf.arch_key("attention.head_count"))
+    kv_heads = int(gguf.arch_key("attention.head_count_kv", heads))
+    head_dim = int(gguf.arch_key("attention.key_length", hidden // heads))
+    num_layers = int(gguf.arch_key("block_count"))
+    rope = _rope_spec(gguf, head_dim)
+    tokens = gguf.get("tokenizer.ggml.tokens", [])
+    vocab = int(
+        gguf.arch_key("vocab_size", len(tokens) or gguf.tensors["token_embd.weight"].shape[0])
+    )
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(gguf.arch_key("feed_forward_length")),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_positions=int(gguf.arch_key("context_length", 2048)),
+        norm_eps=float(gguf.arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
+        attn_scale=head_dim**-0.5,
+        tie_embeddings="output.weight" not in gguf.tensors,
+        bos_token_id=_opt_int(gguf.get("tokenizer.ggml.bos_token_id")),
+        eos_token_ids=_eos_ids(gguf),
+        name=name or str(gguf.get("general.name", gguf.path.stem)),
+    )
+    if arch_name == "llama":
+        arch = Arch(name="llama", activation="silu")
+        layers = tuple(LayerSpec(None, rope) for _ in range(num_layers))
+    else:
+        arch = Arch(
+            name="gemma3",
+            activation="gelu_tanh",
+            norm_offset=1.0,
+            qk_norm=True,
+            post_norms=True,
+            scale_embeddings=True,
+        )
+        window = _opt_int(gguf.arch_key("attention.sliding_window"))
+        local = RopeSpec(base=GEMMA3_LOCAL_ROPE_BASE, rotary_dim=rope.rotary_dim)
+        layers = tuple(
+            LayerSpec(None, rope)
+            if (i + 1) % GEMMA3_GLOBAL_EVERY == 0
+            else LayerSpec(window, local)
+            for i in range(num_layers)
+        )
+    return ModelConfig(arch=arch, layers=layers, **common)
+
+
+def gguf_state_dict(
+    gguf: GgufFile, config: ModelConfig, progress: Callable[[int, int], None] | None = None
+) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor into the canonical layout (float32)."""
+    state: dict[str, torch.Tensor] = {}
+    names = list(gguf.tensors)
+    for n, gguf_name in enumerate(names):
+        canonical = _canonical_name(gguf_name)
+        if canonical is not None:
+            array = gguf.dequantize(gguf_name)
+            if config.arch.name == "llama" and canonical.endswith((".wq", ".wk")):
+                n_head = config.num_heads if canonical.endswith(".wq") else config.num_kv_heads
+                array = _unpermute_rows(array, n_head)
+            state[canonical] = torch.from_numpy(np.ascontiguousarray(array))
+        if progress is not None:
+            progress(n + 1, len(names))
+    return state
+
+
+def _canonical_name(gguf_name: str) -> str | None:
+    if gguf_name == "token_embd.weight":
+        return "embed"
+    if gguf_name == "output.weight":
+        return "lm_head"
+    if gguf_name == "output_norm.weight":
+        return "final_norm"
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk":
+        _, layer, kind, suffix = parts
+        if suffix == "weight" and kind in _LAYER_TENSORS:
+            return f"layers.{layer}.{_LAYER_TENSORS[kind]}"
+        if suffix == "bias" and kind in _BIASES:
+            return f"layers.{layer}.{_BIASES[kind]}"
+    return None  # rope_freqs and friends are read into the config, not the state
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp interleaves each head's rotary pairs; restore the split-half row order.
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def _rope_spec(gguf: GgufFile, head_dim: int) -> RopeSpec:
+    base = float(gguf.arch_key("rope.freq_base", 10_000.0))
+    rotary_dim = int(gguf.arch_key("rope.dimension_count", head_dim))
+    scaling_type = str(gguf.arch_key("rope.scaling.type", "none"))
+    divisors = None
+    if "rope_freqs.weight" in gguf.tensors:
+        divisors = tuple(float(x) for x in gguf.dequantize("rope_freqs.weight").reshape(-1))
+    if scaling_type in ("none", ""):
+        return RopeSpec(base=base, rotary_dim=rotary_dim, freq_divisors=divisors)
+    if scaling_type == "linear":
+        factor = float(gguf.arch_key("rope.scaling.factor", 1.0))
+        return RopeSpec(base, rotary_dim, "linear", factor, freq_divisors=divisors)
+    raise UnsupportedArchitecture(
+        f"RoPE scaling {scaling_type!r} in {gguf.path.name} is not supported (supported: linear)"
+    )
+
+
+def _eos_ids(gguf: GgufFile) -> tuple[int, ...]:
+    ids = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+        value = _opt_int(gguf.get(key))
+        if value is not None and value not in ids:
+            ids.append(value)
+    return tuple(ids)
+
+
+def _opt_int(value: object) -> int | None:
+    return None if value is None else int(value)  # type: ignore[arg-type]

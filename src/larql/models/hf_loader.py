@@ -1,0 +1,232 @@
+"""HF-format directories (config.json + *.safetensors + tokenizer.json) → (`ModelConfig`,
+canonical state dict).
+
+Each supported `model_type` is a row of data (`_ARCHS`); the per-layer attention span and RoPE
+come from the config the same way for all of them, in both the transformers 4 form
+(`rope_theta`, `rope_scaling`, `sliding_window_pattern`) and the 5 form (`rope_parameters`,
+`layer_types`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from larql.models.config import Arch, LayerSpec, ModelConfig, RopeSpec
+from larql.models.errors import ModelFormatError, UnsupportedArchitecture
+
+_ARCHS: dict[str, Arch] = {
+    "llama": Arch(name="llama"),
+    "mistral": Arch(name="mistral"),
+    "qwen2": Arch(name="qwen2"),
+    "qwen3": Arch(name="qwen3", qk_norm=True),
+    "gemma2": Arch(
+        name="gemma2", activation="gelu_tanh", norm_offset=1.0, post_norms=True,
+        scale_embeddings=True,
+    ),
+    "gemma3": Arch(
+        name="gemma3", activation="gelu_tanh", norm_offset=1.0, qk_norm=True, post_norms=True,
+        scale_embeddings=True,
+    ),
+}  # fmt: skip
+_ALIASES = {"gemma3_text": "gemma3"}
+SUPPORTED_HF_ARCHITECTURES = tuple(_ARCHS)
+
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu": "gelu",
+}
+_WEIGHT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+_LAYER_TENSORS = {
+    "self_attn.q_proj.weight": "wq",
+    "self_attn.k_proj.weight": "wk",
+    "self_attn.v_proj.weight": "wv",
+    "self_attn.o_proj.weight": "wo",
+    "self_attn.q_proj.bias": "bq",
+    "self_attn.k_proj.bias": "bk",
+    "self_attn.v_proj.bias": "bv",
+    "self_attn.o_proj.bias": "bo",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "w_gate",
+    "mlp.up_proj.weight": "w_up",
+    "mlp.down_proj.weight": "w_down",
+    "input_layernorm.weight": "attn_norm",
+}
+# Which norm sits where differs between the sandwich-norm (Gemma) and pre-norm layouts.
+_POST_NORM_LAYOUT = {
+    "post_attention_layernorm.weight": "post_attn_norm",
+    "pre_feedforward_layernorm.weight": "ffn_norm",
+    "post_feedforward_layernorm.weight": "post_ffn_norm",
+}
+_PRE_NORM_LAYOUT = {"post_attention_layernorm.weight": "ffn_norm"}
+_NORMS = {"attn_norm", "q_norm", "k_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm"}
+
+
+def read_hf_config(directory: Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"cannot read {path}: {e}") from e
+    if "text_config" in raw and raw.get("model_type") in ("gemma3", "gemma3n"):
+        raw = {**raw["text_config"], "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
+    return raw
+
+
+def hf_config(raw: dict[str, Any], name: str = "") -> ModelConfig:
+    model_type = _ALIASES.get(raw.get("model_type", ""), raw.get("model_type", ""))
+    if model_type not in _ARCHS:
+        raise UnsupportedArchitecture(
+            f"model_type {raw.get('model_type')!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
+        )
+    if raw.get("mlp_bias"):
+        raise UnsupportedArchitecture(f"{model_type} with mlp_bias=true is not supported")
+    activation = raw.get("hidden_activation") or raw.get("hidden_act", "silu")
+    if activation not in _ACTIVATIONS:
+        raise UnsupportedArchitecture(f"activation {activation!r} is not supported")
+    base_arch = _ARCHS[model_type]
+    arch = Arch(
+        **{
+            **vars(base_arch),
+            "activation": _ACTIVATIONS[activation],
+            "attn_softcap": raw.get("attn_logit_softcapping"),
+            "final_softcap": raw.get("final_logit_softcapping"),
+        }
+    )
+    hidden = int(raw["hidden_size"])
+    heads = int(raw["num_attention_heads"])
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    num_layers = int(raw["num_hidden_layers"])
+    scalar = raw.get("query_pre_attn_scalar")
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return ModelConfig(
+        arch=arch,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        max_positions=int(raw.get("max_position_embeddings", 2048)),
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        attn_scale=float(scalar) ** -0.5 if scalar else head_dim**-0.5,
+        layers=_layer_specs(raw, model_type, num_layers, head_dim),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", model_type.startswith("gemma"))),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        name=name,
+    )
+
+
+def _layer_specs(
+    raw: dict[str, Any], model_type: str, num_layers: int, head_dim: int
+) -> tuple[LayerSpec, ...]:
+    types = raw.get("layer_types") or _default_layer_types(raw, model_type, num_layers)
+    window = raw.get("sliding_window")
+    specs = []
+    for layer_type in types:
+        sliding = layer_type == "sliding_attention"
+        rope = _rope_for(raw, model_type, layer_type, head_dim)
+        # A layer that says it slides but has no width attends fully (never a window of 0).
+        specs.append(LayerSpec(int(window) if sliding and window else None, rope))
+    return tuple(specs)
+
+
+def _default_layer_types(raw: dict[str, Any], model_type: str, num_layers: int) -> list[str]:
+    full, sliding = "full_attention", "sliding_attention"
+    if model_type == "gemma2":
+        return [sliding if i % 2 == 0 else full for i in range(num_layers)]
+    if model_type == "gemma3":
+        every = int(raw.get("sliding_window_pattern", 6))
+        return [full if (i + 1) % every == 0 else sliding for i in range(num_layers)]
+    if model_type == "mistral" and raw.get("sliding_window"):
+        return [sliding] * num_layers
+    if model_type in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+        first = int(raw.get("max_window_layers", num_layers))
+        return [sliding if i >= first else full for i in range(num_layers)]
+    return [full] * num_layers
+
+
+def _rope_for(raw: dict[str, Any], model_type: str, layer_type: str, head_dim: int) -> RopeSpec:
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and layer_type in params:
+        params = params[layer_type]
+    if not isinstance(params, dict):
+        params = dict(raw.get("rope_scaling") or {})
+        params.setdefault("rope_theta", raw.get("rope_theta", 10_000.0))
+        if model_type == "gemma3" and layer_type == "sliding_attention":
+            params = {"rope_type": "default", "rope_theta": raw.get("rope_local_base_freq", 1e4)}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    fraction = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    rotary_dim = int(head_dim * fraction)
+    base = float(params.get("rope_theta", raw.get("rope_theta", 10_000.0)))
+    if kind == "default":
+        return RopeSpec(base=base, rotary_dim=rotary_dim)
+    if kind == "linear":
+        return RopeSpec(base, rotary_dim, "linear", float(params["factor"]))
+    if kind == "llama3":
+        return RopeSpec(
+            base,
+            rotary_dim,
+            "llama3",
+            float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_positions=int(params["original_max_position_embeddings"]),
+        )
+    raise UnsupportedArchitecture(
+        f"RoPE type {kind!r} is not supported (supported: default, linear, llama3)"
+    )
+
+
+def hf_state_dict(directory: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelFormatError(f"{directory} has no *.safetensors files")
+    layout = _POST_NORM_LAYOUT if config.arch.post_norms else _PRE_NORM_LAYOUT
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                canonical = _canonical_name(key, layout)
+                if canonical is not None:
+                    tensor = f.get_tensor(key).to(torch.float32)
+                    if canonical.rsplit(".", 1)[-1] in _NORMS or canonical == "final_norm":
+                        tensor = tensor + config.arch.norm_offset
+                    state[canonical] = tensor
+    if config.tie_embeddings:
+        state.pop("lm_head", None)
+    elif "lm_head" not in state:
+        raise ModelFormatError(f"{directory}: untied model without lm_head.weight")
+    return state
+
+
+def _canonical_name(key: str, layout: dict[str, str]) -> str | None:
+    if key == "lm_head.weight":
+        return "lm_head"
+    for prefix in _WEIGHT_PREFIXES:
+        if key.startswith(prefix):
+            key = key[len(prefix) :]
+            break
+    if key == "embed_tokens.weight":
+        return "embed"
+    if key == "norm.weight":
+        return "final_norm"
+    parts = key.split(".", 2)
+    if len(parts) == 3 and parts[0] == "layers":
+        name = _LAYER_TENSORS.get(parts[2]) or layout.get(parts[2])
+        if name is not None:
+            return f"layers.{parts[1]}.{name}"
+    return None

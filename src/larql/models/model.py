@@ -1,0 +1,163 @@
+"""`Model` = config + weights + tokenizer; `load_model` is what every command calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from larql.models.cache import cached_state_dict, cached_tokenizer
+from larql.models.config import ModelConfig
+from larql.models.errors import ModelError, ModelFormatError
+from larql.models.gguf_file import GgufFile
+from larql.models.gguf_loader import gguf_config, gguf_state_dict
+from larql.models.hf_loader import hf_config, hf_state_dict, read_hf_config
+from larql.models.registry import resolve_model_path
+from larql.models.tokenizer import (
+    TextTokenizer,
+    chat_template_from_dir,
+    stop_ids_for,
+    tokenizer_from_gguf,
+)
+from larql.models.weights import ModelWeights
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+}
+
+
+@dataclass
+class Model:
+    name: str
+    source: Path
+    config: ModelConfig
+    weights: ModelWeights
+    tokenizer: TextTokenizer
+    # Derived per-model artefacts (RoPE tables, ...) that the forward pass builds on first use.
+    runtime: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weights.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.device
+
+    def to(self, dtype: torch.dtype | None = None, device: str | None = None) -> Model:
+        """A copy of the model with its weights in another dtype/device (tokenizer shared)."""
+        state = _state_from_weights(self.weights)
+        weights = ModelWeights.from_state(
+            self.config, state, dtype or self.dtype, device or self.device
+        )
+        return Model(self.name, self.source, self.config, weights, self.tokenizer)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ModelError(
+            f"unknown dtype {name!r}; accepted: float32, bfloat16, float16, float64"
+        ) from None
+
+
+def parse_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ModelError(f"unknown device {name!r}; accepted: cpu, cuda, cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError("--device cuda was asked for but torch sees no CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        raise ModelError(f"device {name!r} is not supported; accepted: cpu, cuda, cuda:N")
+    return device
+
+
+def load_model(
+    model: str | None = None,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Model:
+    """Load a registry model, a `.gguf` file or an HF directory."""
+    dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    device = parse_device(device) if isinstance(device, str) else device
+    name, path = resolve_model_path(model)
+    if path.is_dir():
+        config, state, tokenizer = _load_hf_dir(path, name)
+    else:
+        config, state, tokenizer = _load_gguf(path, name)
+    weights = ModelWeights.from_state(config, state, dtype, device)
+    return Model(name=name, source=path, config=config, weights=weights, tokenizer=tokenizer)
+
+
+def _load_gguf(path: Path, name: str) -> tuple[ModelConfig, dict, TextTokenizer]:
+    gguf = GgufFile(path)
+    config = gguf_config(gguf, name)
+    state = cached_state_dict(path, lambda: gguf_state_dict(gguf, config))
+    tok = cached_tokenizer(path, lambda: tokenizer_from_gguf(gguf))
+    tokens = gguf.get("tokenizer.ggml.tokens") or []
+    tokenizer = TextTokenizer(
+        tokenizer=tok,
+        bos_token=_token_at(tokens, config.bos_token_id),
+        eos_token=_token_at(tokens, config.eos_token_ids[0] if config.eos_token_ids else None),
+        chat_template=gguf.get("tokenizer.chat_template"),
+        stop_ids=stop_ids_for(tok, config.eos_token_ids),
+    )
+    return config, state, tokenizer
+
+
+def _load_hf_dir(path: Path, name: str) -> tuple[ModelConfig, dict, TextTokenizer]:
+    config = hf_config(read_hf_config(path), name)
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.exists():
+        raise ModelFormatError(f"{path} has no tokenizer.json")
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    state = hf_state_dict(path, config)
+    bos = config.bos_token_id
+    eos = config.eos_token_ids[0] if config.eos_token_ids else None
+    tokenizer = TextTokenizer(
+        tokenizer=tok,
+        bos_token=tok.id_to_token(bos) if bos is not None else None,
+        eos_token=tok.id_to_token(eos) if eos is not None else None,
+        chat_template=chat_template_from_dir(path),
+        stop_ids=stop_ids_for(tok, config.eos_token_ids),
+    )
+    return config, state, tokenizer
+
+
+def _token_at(tokens: list[str], index: int | None) -> str | None:
+    return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+
+def _state_from_weights(weights: ModelWeights) -> dict[str, torch.Tensor]:
+    """Canonical names back from fused weights (used to change dtype or device)."""
+    state = {"embed": weights.embed, "final_norm": weights.final_norm}
+    if weights.lm_head.data_ptr() != weights.embed.data_ptr():
+        state["lm_head"] = weights.lm_head
+    for i, lw in enumerate(weights.layers):
+        p = f"layers.{i}."
+        q_dim = lw.wo.shape[1]
+        kv_dim = (lw.wqkv.shape[0] - q_dim) // 2
+        state[p + "wq"], state[p + "wk"], state[p + "wv"] = lw.wqkv.split([q_dim, kv_dim, kv_dim])
+        if lw.bqkv is not None:
+            state[p + "bq"], state[p + "bk"], state[p + "bv"] = lw.bqkv.split(
+                [q_dim, kv_dim, kv_dim]
+            )
+        gate, up = lw.w_gate_up.chunk(2)
+        state[p + "w_gate"], state[p + "w_up"] = gate, up
+        for key in ("attn_norm", "q_norm", "k_norm", "wo", "bo", "post_attn_norm", "ffn_norm",
+                    "w_down", "post_ffn_norm"):  # fmt: skip
+            value = getattr(lw, key)
+            if value is not None:
+                state[p + key] = value
+    return state

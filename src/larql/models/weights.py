@@ -1,0 +1,132 @@
+"""Model weights as plain tensors, in the layout the forward pass wants.
+
+Loaders produce a *canonical state dict* (names below, float32, `nn.Linear` layout, norm offsets
+already folded in); `ModelWeights.from_state` fuses the per-layer projections (Q|K|V and
+gate|up, one matmul each) and moves everything to the requested dtype and device.
+
+Canonical names: `embed`, `lm_head` (absent when tied), `final_norm`, and per layer
+`layers.{i}.{attn_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, post_attn_norm,
+ffn_norm, w_gate, w_up, w_down, post_ffn_norm}` (biases and optional norms may be absent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from larql.models.config import ModelConfig
+from larql.models.errors import ModelFormatError
+
+StateDict = Mapping[str, torch.Tensor]
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # [H]
+    wqkv: torch.Tensor  # [q_dim + 2·kv_dim, H]
+    bqkv: torch.Tensor | None  # [q_dim + 2·kv_dim]
+    q_norm: torch.Tensor | None  # [head_dim]
+    k_norm: torch.Tensor | None  # [head_dim]
+    wo: torch.Tensor  # [H, q_dim]
+    bo: torch.Tensor | None  # [H]
+    post_attn_norm: torch.Tensor | None  # [H]
+    ffn_norm: torch.Tensor  # [H]
+    w_gate_up: torch.Tensor  # [2·F, H]
+    w_down: torch.Tensor  # [H, F]
+    post_ffn_norm: torch.Tensor | None  # [H]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, H]
+    lm_head: torch.Tensor  # [V, H]; the same storage as `embed` when tied
+    final_norm: torch.Tensor  # [H]
+    layers: list[LayerWeights]
+
+    @classmethod
+    def from_state(
+        cls,
+        config: ModelConfig,
+        state: StateDict,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> ModelWeights:
+        def get(name: str) -> torch.Tensor:
+            if name not in state:
+                raise ModelFormatError(f"weights are missing tensor {name!r}")
+            return state[name].to(device=device, dtype=dtype)
+
+        def opt(name: str) -> torch.Tensor | None:
+            return get(name) if name in state else None
+
+        layers = []
+        for i in range(config.num_layers):
+            p = f"layers.{i}."
+            biases = [opt(p + b) for b in ("bq", "bk", "bv")]
+            bqkv = None
+            if any(b is not None for b in biases):
+                sizes = (config.q_dim, config.kv_dim, config.kv_dim)
+                bqkv = torch.cat(
+                    [b if b is not None else torch.zeros(n, dtype=dtype, device=device)
+                     for b, n in zip(biases, sizes, strict=True)]
+                )  # fmt: skip
+            layers.append(
+                LayerWeights(
+                    attn_norm=get(p + "attn_norm"),
+                    wqkv=torch.cat([get(p + "wq"), get(p + "wk"), get(p + "wv")]),
+                    bqkv=bqkv,
+                    q_norm=opt(p + "q_norm"),
+                    k_norm=opt(p + "k_norm"),
+                    wo=get(p + "wo"),
+                    bo=opt(p + "bo"),
+                    post_attn_norm=opt(p + "post_attn_norm"),
+                    ffn_norm=get(p + "ffn_norm"),
+                    w_gate_up=torch.cat([get(p + "w_gate"), get(p + "w_up")]),
+                    w_down=get(p + "w_down"),
+                    post_ffn_norm=opt(p + "post_ffn_norm"),
+                )
+            )
+        embed = get("embed")
+        lm_head = embed if "lm_head" not in state else get("lm_head")
+        weights = cls(embed=embed, lm_head=lm_head, final_norm=get("final_norm"), layers=layers)
+        weights._check_shapes(config)
+        return weights
+
+    def _check_shapes(self, config: ModelConfig) -> None:
+        h, f = config.hidden_size, config.intermediate_size
+        expected = {
+            "embed": (self.embed.shape, (config.vocab_size, h)),
+            "layers.0.wqkv": (self.layers[0].wqkv.shape, (config.q_dim + 2 * config.kv_dim, h)),
+            "layers.0.w_gate_up": (self.layers[0].w_gate_up.shape, (2 * f, h)),
+            "layers.0.w_down": (self.layers[0].w_down.shape, (h, f)),
+        }
+        for name, (got, want) in expected.items():
+            if tuple(got) != want:
+                raise ModelFormatError(f"tensor {name} has shape {tuple(got)}, expected {want}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def nbytes(self) -> int:
+        """Bytes of weights held (a tied LM head is counted once)."""
+        tensors = [self.embed, self.final_norm, *(t for lw in self.layers for t in lw.tensors())]
+        if self.lm_head.data_ptr() != self.embed.data_ptr():
+            tensors.append(self.lm_head)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def decode_read_bytes(self) -> int:
+        """Weight bytes one decode step reads: every layer matrix, the norms and the LM head
+        (only one embedding row is read)."""
+        layer_bytes = sum(t.numel() * t.element_size() for lw in self.layers for t in lw.tensors())
+        head = self.lm_head.numel() * self.lm_head.element_size()
+        return layer_bytes + head + self.final_norm.numel() * self.final_norm.element_size()

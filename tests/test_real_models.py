@@ -1,0 +1,90 @@
+"""The real GGUF models against transformers (the oracle), through transformers' own GGUF loader:
+tokenizer, prefill logits and greedy generation. Gemma 3 runs a prompt longer than its 512-key
+sliding window so the sliding layers matter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_oracle import SAMPLE_TEXTS, hf_greedy, hf_logits, licence_text, load_hf_gguf
+from larql.inference.ffn import DenseFfn
+from larql.inference.forward import run_layers
+from larql.inference.generation import generate
+from larql.inference.layer import embed, final_logits, token_tensor
+from larql.kv import from_name
+from larql.models import Model
+
+pytestmark = pytest.mark.slow
+
+
+def larql_logits(model: Model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        h = run_layers(model, DenseFfn(model), embed(model, token_tensor(model, ids)))
+        return final_logits(model, h)
+
+
+def larql_greedy(model: Model, ids: list[int], n: int) -> list[int]:
+    engine = from_name("standard").build(model)
+    return generate(engine, model, DenseFfn(model), ids, n, stop_ids=frozenset()).tokens
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2(smollm2: Model):
+    pytest.importorskip("transformers")
+    return load_hf_gguf(smollm2.source)
+
+
+def test_smollm2_tokenizer_matches_transformers(smollm2: Model, hf_smollm2) -> None:
+    _, hf_tok = hf_smollm2
+    for text in [*SAMPLE_TEXTS, licence_text()[:4000]]:
+        ours = smollm2.tokenizer.encode(text)
+        assert ours == hf_tok.encode(text), text
+        assert smollm2.tokenizer.decode(ours) == hf_tok.decode(ours)
+
+
+def test_smollm2_prefill_logits_match_transformers(smollm2: Model, hf_smollm2) -> None:
+    hf_model, _ = hf_smollm2
+    ids = smollm2.tokenizer.encode(licence_text()[:1200])
+    ours, theirs = larql_logits(smollm2, ids), hf_logits(hf_model, ids)
+    assert (ours - theirs).abs().max().item() < 1e-3
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_smollm2_greedy_20_tokens_match_transformers(smollm2: Model, hf_smollm2) -> None:
+    hf_model, _ = hf_smollm2
+    ids = smollm2.tokenizer.encode("The capital of France is")
+    ours = larql_greedy(smollm2, ids, 20)
+    assert ours == hf_greedy(hf_model, ids, 20)
+    assert smollm2.tokenizer.decode(ours).startswith(" Paris")
+
+
+@pytest.fixture(scope="module")
+def hf_gemma3(gemma3: Model):
+    pytest.importorskip("transformers")
+    return load_hf_gguf(gemma3.source)
+
+
+@pytest.mark.gemma
+def test_gemma3_tokenizer_matches_transformers(gemma3: Model, hf_gemma3) -> None:
+    _, hf_tok = hf_gemma3
+    for text in [*SAMPLE_TEXTS, licence_text()[:4000]]:
+        assert gemma3.tokenizer.encode(text) == hf_tok.encode(text), text
+
+
+@pytest.mark.gemma
+def test_gemma3_long_prompt_logits_match_transformers(gemma3: Model, hf_gemma3) -> None:
+    hf_model, _ = hf_gemma3
+    ids = gemma3.tokenizer.encode(licence_text())[:700]
+    assert len(ids) > 512 + 100  # past the sliding window
+    ours, theirs = larql_logits(gemma3, ids), hf_logits(hf_model, ids)
+    assert (ours - theirs).abs().max().item() < 2e-3
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@pytest.mark.gemma
+def test_gemma3_engine_decode_past_window_matches_transformers(gemma3: Model, hf_gemma3) -> None:
+    hf_model, _ = hf_gemma3
+    ids = gemma3.tokenizer.encode(licence_text())[:540]
+    ours = larql_greedy(gemma3, ids, 8)
+    assert ours == hf_greedy(hf_model, ids, 8)

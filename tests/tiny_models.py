@@ -1,0 +1,117 @@
+"""Tiny random HF models of every supported architecture, built with transformers' own config
+classes and saved as HF directories (config.json + model.safetensors + tokenizer.json) for
+larql to load; the in-memory transformers model is the oracle."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+VOCAB = 96
+WINDOW = 6  # sliding window of the tiny sliding-layer models; prompts are longer than this
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=12,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+ARCH_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        model_type="llama",
+        tie_word_embeddings=False,
+        rope_parameters=dict(
+            rope_type="llama3", rope_theta=10_000.0, factor=8.0, low_freq_factor=1.0,
+            high_freq_factor=4.0, original_max_position_embeddings=32,
+        ),
+    ),
+    "mistral": dict(model_type="mistral", sliding_window=WINDOW, tie_word_embeddings=False),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", tie_word_embeddings=True),
+    "gemma2": dict(
+        model_type="gemma2", sliding_window=WINDOW, attn_logit_softcapping=2.0,
+        final_logit_softcapping=0.5, query_pre_attn_scalar=16,
+        hidden_activation="gelu_pytorch_tanh",
+    ),
+    "gemma3": dict(
+        model_type="gemma3_text", sliding_window=WINDOW, query_pre_attn_scalar=16,
+        num_hidden_layers=6,
+        layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2
+        + ["full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 8.0},
+        },
+    ),
+}  # fmt: skip
+
+
+@dataclass
+class TinyModel:
+    arch: str
+    directory: Path
+    hf_model: Any  # transformers PreTrainedModel
+
+    @torch.no_grad()
+    def hf_logits(self, ids: list[int]) -> torch.Tensor:
+        """[S, V] logits of the whole sequence from transformers."""
+        return self.hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def build_tiny_model(arch: str, directory: Path, seed: int = 0) -> TinyModel:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(ARCH_CONFIGS[arch])
+    model_type = spec.pop("model_type")
+    config = AutoConfig.for_model(model_type, **{**_COMMON, **spec})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # random norms, so a wrong norm offset cannot hide
+                p.copy_(torch.randn_like(p) * 0.3 + (0.0 if "gemma" in arch else 1.0))
+            elif name.endswith(".bias"):
+                p.copy_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory, safe_serialization=True)
+    save_tokenizer(directory)
+    return TinyModel(arch, directory, model)
+
+
+def save_tokenizer(directory: Path) -> None:
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(directory / "tokenizer.json"))
+
+
+def rewrite_config(directory: Path, **changes: Any) -> None:
+    """Edit config.json in place (None removes a key), e.g. to write the transformers-4 form."""
+    path = directory / "config.json"
+    raw = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    path.write_text(json.dumps(raw))
+
+
+def random_ids(n: int, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n,), generator=g).tolist()
