@@ -1,0 +1,145 @@
+"""Every engine of the catalog against the engine protocol: empty state before prefill, typed
+errors for misuse, non-empty descriptions, and — for the engines whose contract is exact —
+agreement with `standard` on the real default model and on tiny random architectures
+(DESIGN decision 1). New engines are picked up from the catalog automatically."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from larql.inference.engine import EmptyPrompt, EngineError, InvariantViolation
+from larql.inference.ffn import DenseFfn
+from larql.inference.generation import generate, next_token_logits
+from larql.kv import CATALOG, from_name
+from larql.models import Model, load_model
+from tiny_models import build_tiny_model, random_ids
+
+# One spec per engine with its default parameters.
+ALL_SPECS = [entry.name for entry in CATALOG.entries]
+LIVE_SPECS = [e.name for e in CATALOG.entries if e.live_decode]
+
+# Specs whose contract is exact vs standard for a prompt shorter than 64 tokens and ≤ 32 steps
+# (windowed engines at windows that overflow where the contract still holds).
+EXACT_SPECS = [
+    "no-cache",
+    "markov-rs",
+    "markov-rs:window=4",
+    "markov-rs-codec",
+    "boundary-kv:chunk_tokens=4",
+    "boundary-per-layer",
+    "windowed-checkpoint:window=128",
+]
+PROMPT = "Alice put the red ball in the box, and Bob"
+
+
+def registered(spec: str) -> bool:
+    return CATALOG.parses(spec)
+
+
+def exact_specs() -> list[str]:
+    return [s for s in EXACT_SPECS if registered(s)]
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_nothing_held_before_prefill(spec: str, smollm2: Model) -> None:
+    engine = from_name(spec).build(smollm2)
+    assert engine.memory_bytes() == 0
+    assert engine.memory().total == 0
+    assert engine.window_tokens() == 0
+    assert engine.cold_bytes() == 0
+    assert engine.stage_summary() is None
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_decode_before_prefill_is_an_invariant_violation(spec: str, smollm2: Model) -> None:
+    engine = from_name(spec).build(smollm2)
+    with pytest.raises(InvariantViolation) as raised:
+        engine.decode_step(smollm2, DenseFfn(smollm2), 42)
+    assert raised.value.recoverable is False
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_empty_prompt_is_typed(spec: str, smollm2: Model) -> None:
+    engine = from_name(spec).build(smollm2)
+    with pytest.raises(EmptyPrompt) as raised:
+        engine.prefill(smollm2, DenseFfn(smollm2), [])
+    assert raised.value.recoverable is True
+    assert str(raised.value) == "engine called with empty prompt"
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_info_is_complete(spec: str, smollm2: Model) -> None:
+    kind = from_name(spec)
+    engine = kind.build(smollm2)
+    info = engine.info()
+    assert info.name == kind.display_name == engine.name
+    assert info.backend and info.description
+    assert info.name in info.summary()
+
+
+@pytest.mark.parametrize("spec", LIVE_SPECS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_live_engines_decode_in_both_cpu_dtypes(
+    spec: str, dtype: torch.dtype, smollm2: Model, smollm2_f64: Model
+) -> None:
+    model = smollm2 if dtype == torch.float32 else smollm2_f64
+    engine = from_name(spec).build(model)
+    ids = model.tokenizer.encode(PROMPT)
+    result = generate(engine, model, DenseFfn(model), ids, 4, stop_ids=frozenset())
+    assert len(result.tokens) == 4
+    assert engine.memory_bytes() > 0
+
+
+def teacher_forced(model: Model, spec: str, ids: list[int], prompt_len: int) -> torch.Tensor:
+    engine = from_name(spec).build(model)
+    ffn = DenseFfn(model)
+    with torch.inference_mode():
+        rows = [next_token_logits(model, engine.prefill(model, ffn, ids[:prompt_len]))]
+        rows += [
+            next_token_logits(model, engine.decode_step(model, ffn, t)) for t in ids[prompt_len:]
+        ]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("spec", exact_specs())
+def test_exact_engine_logits_match_standard_in_float64(spec: str, smollm2_f64: Model) -> None:
+    ids = smollm2_f64.tokenizer.encode(PROMPT + " took it out again and ran away")
+    ours = teacher_forced(smollm2_f64, spec, ids, 8)
+    reference = teacher_forced(smollm2_f64, "standard", ids, 8)
+    assert ((ours - reference).abs().max() / reference.abs().max()).item() <= 1e-9
+
+
+@pytest.mark.parametrize("spec", exact_specs())
+def test_exact_engine_greedy_tokens_match_standard(spec: str, smollm2: Model) -> None:
+    ids = smollm2.tokenizer.encode(PROMPT)
+    ffn = DenseFfn(smollm2)
+    tokens = {}
+    for s in ("standard", spec):
+        engine = from_name(s).build(smollm2)
+        tokens[s] = generate(engine, smollm2, ffn, ids, 32, stop_ids=frozenset()).tokens
+    assert tokens[spec] == tokens["standard"]
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Model:
+    pytest.importorskip("transformers")
+    directory: Path = tmp_path_factory.mktemp(f"compliance-{request.param}")
+    build_tiny_model(request.param, directory)
+    return load_model(str(directory), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("spec", LIVE_SPECS)
+def test_live_engines_run_on_tiny_architectures(spec: str, tiny_model: Model) -> None:
+    """The gemma3 tiny model has sliding layers narrower than the prompt."""
+    ids = random_ids(20, seed=7)
+    try:
+        logits = teacher_forced(tiny_model, spec, ids, 10)
+    except EngineError as e:
+        pytest.fail(f"{spec} failed on {tiny_model.config.arch.name}: {e}")
+    assert torch.isfinite(logits).all()
+    if spec in exact_specs() or spec == "standard":
+        reference = teacher_forced(tiny_model, "standard", ids, 10)
+        assert ((logits - reference).abs().max() / reference.abs().max()).item() <= 1e-9

@@ -1,0 +1,87 @@
+"""DESIGN decision 1 on the real default model: the exact engines agree with `standard`
+(≤1e-9 relative logits in float64; identical greedy tokens in float32), and `standard:window=N`
+equals a band-masked full forward pass."""
+
+from __future__ import annotations
+
+import torch
+
+from larql.inference.ffn import DenseFfn
+from larql.inference.forward import run_layers
+from larql.inference.generation import generate, next_token_logits
+from larql.inference.layer import embed, final_logits, token_tensor
+from larql.kv import from_name
+from larql.models import Model
+
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+
+
+def teacher_forced_logits(model: Model, spec: str, ids: list[int], prompt_len: int) -> torch.Tensor:
+    """Logits after the prompt and after each later token of `ids` fed one by one: [N, V]."""
+    engine = from_name(spec).build(model)
+    ffn = DenseFfn(model)
+    with torch.inference_mode():
+        rows = [next_token_logits(model, engine.prefill(model, ffn, ids[:prompt_len]))]
+        rows += [
+            next_token_logits(model, engine.decode_step(model, ffn, t)) for t in ids[prompt_len:]
+        ]
+    return torch.stack(rows)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_no_cache_matches_standard_in_float64(smollm2_f64: Model) -> None:
+    ids = smollm2_f64.tokenizer.encode(PROMPT + " it was tired of running all day long")
+    standard = teacher_forced_logits(smollm2_f64, "standard", ids, 6)
+    no_cache = teacher_forced_logits(smollm2_f64, "no-cache", ids, 6)
+    assert standard.dtype == torch.float64
+    assert relative_error(no_cache, standard) <= 1e-9
+
+
+def test_no_cache_greedy_tokens_match_standard_in_float32(smollm2: Model) -> None:
+    ids = smollm2.tokenizer.encode(PROMPT)
+    ffn = DenseFfn(smollm2)
+    runs = {}
+    for spec in ("standard", "no-cache"):
+        engine = from_name(spec).build(smollm2)
+        runs[spec] = generate(engine, smollm2, ffn, ids, 32, stop_ids=frozenset()).tokens
+    assert len(runs["standard"]) == 32
+    assert runs["no-cache"] == runs["standard"]
+
+
+def test_no_cache_float32_logits_within_1e3(smollm2: Model) -> None:
+    ids = smollm2.tokenizer.encode(PROMPT + " and then")
+    standard = teacher_forced_logits(smollm2, "standard", ids, 4)
+    no_cache = teacher_forced_logits(smollm2, "no-cache", ids, 4)
+    assert (standard - no_cache).abs().max().item() <= 1e-3
+
+
+def band_masked_logits(model: Model, ids: list[int], window: int) -> torch.Tensor:
+    with torch.inference_mode():
+        h = run_layers(
+            model, DenseFfn(model), embed(model, token_tensor(model, ids)), window=window
+        )
+        return final_logits(model, h)
+
+
+def test_windowed_standard_equals_band_masked_forward(smollm2_f64: Model) -> None:
+    window = 4
+    ids = smollm2_f64.tokenizer.encode(PROMPT + " it was tired")
+    prompt_len = 7  # longer than the window: prefill itself is band-masked
+    engine_rows = teacher_forced_logits(smollm2_f64, f"standard:window={window}", ids, prompt_len)
+    oracle = band_masked_logits(smollm2_f64, ids, window)[prompt_len - 1 :]
+    assert relative_error(engine_rows, oracle) <= 1e-9
+    unwindowed = teacher_forced_logits(smollm2_f64, "standard", ids, prompt_len)
+    assert relative_error(unwindowed, oracle) > 1e-3  # the window really changes the output
+
+
+def test_window_keeps_only_reachable_rows(smollm2: Model) -> None:
+    engine = from_name("standard:window=4").build(smollm2)
+    ffn = DenseFfn(smollm2)
+    with torch.inference_mode():
+        engine.prefill(smollm2, ffn, smollm2.tokenizer.encode(PROMPT))
+        for token in (11, 12, 13):
+            engine.decode_step(smollm2, ffn, token)
+    assert engine.window_tokens() == 3  # window − 1 prior rows; the next token is the 4th key
