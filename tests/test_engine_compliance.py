@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import teacher_forced
 from larql.inference.engine import EmptyPrompt, EngineError, InvariantViolation
 from larql.inference.ffn import DenseFfn
-from larql.inference.generation import generate, next_token_logits
+from larql.inference.generation import generate
 from larql.kv import CATALOG, from_name
 from larql.models import Model, load_model
 from tiny_models import build_tiny_model, random_ids
@@ -91,17 +92,6 @@ def test_live_engines_decode_in_both_cpu_dtypes(
     result = generate(engine, model, DenseFfn(model), ids, 4, stop_ids=frozenset())
     assert len(result.tokens) == 4
     assert engine.memory_bytes() > 0
-
-
-def teacher_forced(model: Model, spec: str, ids: list[int], prompt_len: int) -> torch.Tensor:
-    engine = from_name(spec).build(model)
-    ffn = DenseFfn(model)
-    with torch.inference_mode():
-        rows = [next_token_logits(model, engine.prefill(model, ffn, ids[:prompt_len]))]
-        rows += [
-            next_token_logits(model, engine.decode_step(model, ffn, t)) for t in ids[prompt_len:]
-        ]
-    return torch.stack(rows)
 
 
 @pytest.mark.parametrize("spec", exact_specs())

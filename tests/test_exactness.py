@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from helpers import full_forward_logits, relative_error, teacher_forced
 from larql.inference.ffn import DenseFfn
 from larql.inference.forward import run_layers
-from larql.inference.generation import generate, next_token_logits
+from larql.inference.generation import generate
 from larql.inference.layer import embed, final_logits, token_tensor
 from larql.kv import from_name
 from larql.models import Model
@@ -16,26 +17,10 @@ from larql.models import Model
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
 
-def teacher_forced_logits(model: Model, spec: str, ids: list[int], prompt_len: int) -> torch.Tensor:
-    """Logits after the prompt and after each later token of `ids` fed one by one: [N, V]."""
-    engine = from_name(spec).build(model)
-    ffn = DenseFfn(model)
-    with torch.inference_mode():
-        rows = [next_token_logits(model, engine.prefill(model, ffn, ids[:prompt_len]))]
-        rows += [
-            next_token_logits(model, engine.decode_step(model, ffn, t)) for t in ids[prompt_len:]
-        ]
-    return torch.stack(rows)
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 def test_no_cache_matches_standard_in_float64(smollm2_f64: Model) -> None:
     ids = smollm2_f64.tokenizer.encode(PROMPT + " it was tired of running all day long")
-    standard = teacher_forced_logits(smollm2_f64, "standard", ids, 6)
-    no_cache = teacher_forced_logits(smollm2_f64, "no-cache", ids, 6)
+    standard = teacher_forced(smollm2_f64, "standard", ids, 6)
+    no_cache = teacher_forced(smollm2_f64, "no-cache", ids, 6)
     assert standard.dtype == torch.float64
     assert relative_error(no_cache, standard) <= 1e-9
 
@@ -53,8 +38,8 @@ def test_no_cache_greedy_tokens_match_standard_in_float32(smollm2: Model) -> Non
 
 def test_no_cache_float32_logits_within_1e3(smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode(PROMPT + " and then")
-    standard = teacher_forced_logits(smollm2, "standard", ids, 4)
-    no_cache = teacher_forced_logits(smollm2, "no-cache", ids, 4)
+    standard = teacher_forced(smollm2, "standard", ids, 4)
+    no_cache = teacher_forced(smollm2, "no-cache", ids, 4)
     assert (standard - no_cache).abs().max().item() <= 1e-3
 
 
@@ -70,10 +55,10 @@ def test_windowed_standard_equals_band_masked_forward(smollm2_f64: Model) -> Non
     window = 4
     ids = smollm2_f64.tokenizer.encode(PROMPT + " it was tired")
     prompt_len = 7  # longer than the window: prefill itself is band-masked
-    engine_rows = teacher_forced_logits(smollm2_f64, f"standard:window={window}", ids, prompt_len)
-    oracle = band_masked_logits(smollm2_f64, ids, window)[prompt_len - 1 :]
+    engine_rows = teacher_forced(smollm2_f64, f"standard:window={window}", ids, prompt_len)
+    oracle = full_forward_logits(smollm2_f64, ids, window)[prompt_len - 1 :]
     assert relative_error(engine_rows, oracle) <= 1e-9
-    unwindowed = teacher_forced_logits(smollm2_f64, "standard", ids, prompt_len)
+    unwindowed = teacher_forced(smollm2_f64, "standard", ids, prompt_len)
     assert relative_error(unwindowed, oracle) > 1e-3  # the window really changes the output
 
 

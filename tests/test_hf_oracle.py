@@ -10,11 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from larql.inference.ffn import DenseFfn
-from larql.inference.forward import run_layers
-from larql.inference.generation import next_token_logits
-from larql.inference.layer import embed, final_logits, token_tensor
-from larql.kv import from_name
+from helpers import full_forward_logits, teacher_forced
 from larql.models import load_model
 from tiny_models import ARCH_CONFIGS, TinyModel, build_tiny_model, random_ids, rewrite_config
 
@@ -29,10 +25,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 def larql_logits(directory: Path, ids: list[int]) -> torch.Tensor:
-    model = load_model(str(directory))
-    with torch.inference_mode():
-        h = run_layers(model, DenseFfn(model), embed(model, token_tensor(model, ids)))
-        return final_logits(model, h)
+    return full_forward_logits(load_model(str(directory)), ids)
 
 
 def test_full_forward_matches_transformers(tiny: TinyModel) -> None:
@@ -46,14 +39,8 @@ def test_full_forward_matches_transformers(tiny: TinyModel) -> None:
 def test_standard_engine_decode_matches_transformers(tiny: TinyModel) -> None:
     ids = random_ids(SEQ, seed=2)
     theirs = tiny.hf_logits(ids)
-    model = load_model(str(tiny.directory))
-    ffn = DenseFfn(model)
-    engine = from_name("standard").build(model)
     prompt = 8
-    with torch.inference_mode():
-        rows = [next_token_logits(model, engine.prefill(model, ffn, ids[:prompt]))]
-        rows += [next_token_logits(model, engine.decode_step(model, ffn, t)) for t in ids[prompt:]]
-    ours = torch.stack(rows)
+    ours = teacher_forced(load_model(str(tiny.directory)), "standard", ids, prompt)
     assert (ours - theirs[prompt - 1 :]).abs().max().item() < TOL
 
 
@@ -66,9 +53,7 @@ def test_sliding_layers_matter(tiny: TinyModel) -> None:
     theirs = tiny.hf_logits(ids)
     layers = tuple(replace(spec, sliding_window=None) for spec in model.config.layers)
     model.config = replace(model.config, layers=layers)
-    with torch.inference_mode():
-        h = run_layers(model, DenseFfn(model), embed(model, token_tensor(model, ids)))
-        ours = final_logits(model, h)
+    ours = full_forward_logits(model, ids)
     assert (ours - theirs).abs().max().item() > 1e-3
 
 

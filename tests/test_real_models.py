@@ -7,21 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import full_forward_logits
 from hf_oracle import SAMPLE_TEXTS, hf_greedy, hf_logits, licence_text, load_hf_gguf
 from larql.inference.ffn import DenseFfn
-from larql.inference.forward import run_layers
 from larql.inference.generation import generate
-from larql.inference.layer import embed, final_logits, token_tensor
 from larql.kv import from_name
 from larql.models import Model
 
 pytestmark = pytest.mark.slow
-
-
-def larql_logits(model: Model, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        h = run_layers(model, DenseFfn(model), embed(model, token_tensor(model, ids)))
-        return final_logits(model, h)
 
 
 def larql_greedy(model: Model, ids: list[int], n: int) -> list[int]:
@@ -46,7 +39,7 @@ def test_smollm2_tokenizer_matches_transformers(smollm2: Model, hf_smollm2) -> N
 def test_smollm2_prefill_logits_match_transformers(smollm2: Model, hf_smollm2) -> None:
     hf_model, _ = hf_smollm2
     ids = smollm2.tokenizer.encode(licence_text()[:1200])
-    ours, theirs = larql_logits(smollm2, ids), hf_logits(hf_model, ids)
+    ours, theirs = full_forward_logits(smollm2, ids), hf_logits(hf_model, ids)
     assert (ours - theirs).abs().max().item() < 1e-3
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
@@ -77,7 +70,7 @@ def test_gemma3_long_prompt_logits_match_transformers(gemma3: Model, hf_gemma3) 
     hf_model, _ = hf_gemma3
     ids = gemma3.tokenizer.encode(licence_text())[:700]
     assert len(ids) > 512 + 100  # past the sliding window
-    ours, theirs = larql_logits(gemma3, ids), hf_logits(hf_model, ids)
+    ours, theirs = full_forward_logits(gemma3, ids), hf_logits(hf_model, ids)
     assert (ours - theirs).abs().max().item() < 2e-3
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 

@@ -83,3 +83,16 @@ def generate(
             token = sampler.pick(next_token_logits(model, hidden))
             result.step_ms.append((time.perf_counter() - t0) * 1000)
     return result
+
+
+def teacher_forced_logits(
+    engine: AnyEngine, model: Model, ffn: FfnBackend, ids: Sequence[int], prompt_len: int
+) -> torch.Tensor:
+    """Prefill `ids[:prompt_len]`, then feed each later id as a decode step regardless of what
+    the model would pick → next-token logits after the prompt and after every fed token,
+    [len(ids) − prompt_len + 1, V]."""
+    with torch.inference_mode():
+        rows = [next_token_logits(model, engine.prefill(model, ffn, ids[:prompt_len]))]
+        for token in ids[prompt_len:]:
+            rows.append(next_token_logits(model, engine.decode_step(model, ffn, token)))
+    return torch.stack(rows)
