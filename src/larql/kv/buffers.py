@@ -65,11 +65,14 @@ class KvBuffer:
         self._end = self._start + min(n_rows, len(self))
 
     def replace_row(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Overwrite live row `index` with k, v: [Hkv, 1, D]."""
+        """Overwrite live rows `index`.. with k, v: [Hkv, n, D] (n = 1 for one row)."""
         assert self._k is not None and self._v is not None
+        n = k.shape[1]
+        if index < 0 or index + n > len(self):
+            raise IndexError(f"rows {index}..{index + n} outside the {len(self)} live rows")
         row = self._start + index
-        self._k[:, row : row + 1] = k
-        self._v[:, row : row + 1] = v
+        self._k[:, row : row + n] = k
+        self._v[:, row : row + n] = v
 
     def nbytes(self) -> int:
         """Bytes allocated (what the process actually holds), not just the live rows."""
@@ -92,7 +95,8 @@ class KvBuffer:
             return
         live = len(self)
         needed = live + s
-        if self.keep is not None and needed + self._slack(self.keep) <= capacity:
+        # compacting is worth it when it frees at least a slack's worth of rows (amortised O(1))
+        if self.keep is not None and live + max(s, self._slack(self.keep)) <= capacity:
             self._compact()
             return
         self._grow(max(needed + self._slack(needed), int(capacity * _GROWTH)), like)

@@ -158,6 +158,12 @@ class EngineCatalog:
         return "supported: " + ", ".join(self.supported_names())
 
     def from_name(self, spec: str) -> EngineKind:
+        try:
+            return self._parse(spec)
+        except MalformedEngineSpec as e:
+            raise MalformedEngineSpec(f"{e} ({self.supported_message()})") from None
+
+    def _parse(self, spec: str) -> EngineKind:
         name, _, raw_params = spec.partition(":")
         name = name.strip().lower()
         entry = self._by_name.get(name)

@@ -1,0 +1,179 @@
+"""`larql run`, `larql engines`, `larql models` as a user calls them: precedence, warnings, typed
+errors with exit code 2 and no traceback, JSON schema, stdin, chat template."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from larql.cli.app import app
+from larql.kv import supported_names
+from larql.kv.resolve import ENV_VAR
+from larql.models import Model
+
+RUN_KEYS = {
+    "model",
+    "engine",
+    "prompt_tokens",
+    "tokens",
+    "text",
+    "finish_reason",
+    "prefill_ms",
+    "decode_tok_s",
+    "memory_bytes",
+}
+
+
+@pytest.fixture
+def cli(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    runner = CliRunner()
+
+    def invoke(*args: str, input: str | None = None, env: dict[str, str] | None = None):
+        return runner.invoke(app, list(args), input=input, env=env)
+
+    return invoke
+
+
+def run_json(cli, *args: str, **kwargs) -> dict:
+    result = cli("run", *args, "--output", "json", **kwargs)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_json_output_schema(cli, smollm2: Model) -> None:
+    out = run_json(cli, "The capital of France is", "-n", "6")
+    assert set(out) == RUN_KEYS
+    assert out["model"] == "smollm2-135m"
+    assert out["engine"] == "standard"
+    assert out["prompt_tokens"] == len(smollm2.tokenizer.encode("The capital of France is"))
+    assert len(out["tokens"]) == 6
+    assert out["finish_reason"] == "length"
+    assert out["text"].startswith(" Paris")
+    assert out["memory_bytes"] > 0 and out["prefill_ms"] > 0 and out["decode_tok_s"] > 0
+
+
+def test_text_output_streams_the_same_text(cli) -> None:
+    as_json = run_json(cli, "The capital of France is", "-n", "8")
+    as_text = cli("run", "The capital of France is", "-n", "8")
+    assert as_text.exit_code == 0
+    assert as_text.stdout == as_json["text"] + "\n"
+
+
+def test_engine_option_and_window(cli) -> None:
+    out = run_json(cli, "The capital of France is", "-n", "4", "--engine", "standard:window=8")
+    assert out["engine"] == "standard:window=8"
+
+
+def test_env_var_selects_the_engine(cli) -> None:
+    out = run_json(cli, "Hello", "-n", "3", env={ENV_VAR: "no-cache"})
+    assert out["engine"] == "no-cache"
+    out = run_json(cli, "Hello", "-n", "3", "--engine", "standard", env={ENV_VAR: "no-cache"})
+    assert out["engine"] == "standard"
+
+
+def test_kv_cache_legacy_flag_and_warning(cli) -> None:
+    assert run_json(cli, "Hello", "-n", "2", "--kv-cache", "none")["engine"] == "no-cache"
+    bounded = run_json(
+        cli, "Hello", "-n", "2", "--kv-cache", "markov-bounded", "--context-window", "16"
+    )
+    assert bounded["engine"] == "standard:window=16"
+    result = cli("run", "Hello", "-n", "2", "--engine", "standard", "--kv-cache", "none")
+    assert result.exit_code == 0
+    assert "warning: --kv-cache none is ignored" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--engine", "foo"], "unknown engine 'foo'"),
+        (["--engine", "standard:window=abc"], "is not an integer"),
+        (["--kv-cache", "nonsense"], "unknown --kv-cache"),
+        (["-m", "no-such-model"], "unknown model 'no-such-model'"),
+        (["-n", "0"], "must be ≥ 1"),
+        (["--output", "xml"], "unknown --output"),
+        (["--temperature", "-1"], "temperature must be ≥ 0"),
+        (["--dtype", "int3"], "unknown dtype"),
+        (["--device", "tpu"], "device"),
+    ],
+)
+def test_bad_input_exits_2_with_a_message(cli, args: list[str], message: str) -> None:
+    result = cli("run", "Hello", *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_unknown_engine_lists_the_catalog(cli) -> None:
+    result = cli("run", "Hello", "--engine", "nope")
+    assert result.exit_code == 2
+    assert "supported: " + ", ".join(supported_names()) in result.stderr
+
+
+def test_empty_prompt(cli) -> None:
+    for prompt, stdin in (("", None), ("-", "   \n")):
+        result = cli("run", prompt, input=stdin)
+        assert result.exit_code == 2
+        assert "prompt is empty" in result.stderr
+
+
+def test_prompt_from_stdin(cli) -> None:
+    out = run_json(cli, "-", "-n", "3", input="The capital of France is")
+    assert out["prompt_tokens"] == 5
+
+
+def test_prompt_beyond_the_context_is_refused(cli) -> None:
+    result = cli("run", "-", "-n", "2", input="hello " * 9000)
+    assert result.exit_code == 2
+    assert "context is 8192 tokens" in result.stderr
+
+
+def test_chat_uses_the_model_template(cli, smollm2: Model) -> None:
+    question = "What is the capital of France?"
+    out = run_json(cli, "--chat", question, "-n", "16")
+    rendered = smollm2.tokenizer.render_chat([{"role": "user", "content": question}])
+    assert rendered.startswith("<|im_start|>system\n")
+    assert rendered.endswith(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+    assert out["prompt_tokens"] == len(smollm2.tokenizer.encode(rendered))
+    assert "Paris" in out["text"]
+    assert out["finish_reason"] == "stop"  # the model closes its turn with <|im_end|>
+    assert "<|im_end|>" not in out["text"]
+
+
+def test_engines_lists_the_catalog(cli) -> None:
+    result = cli("engines", "--output", "json")
+    assert result.exit_code == 0
+    rows = json.loads(result.stdout)
+    assert [r["name"] for r in rows] == supported_names()
+    assert all(r["contract"] and r["keeps"] for r in rows)
+    table = cli("engines")
+    assert table.exit_code == 0 and "standard" in table.stdout
+
+
+def test_models_lists_the_registry(cli) -> None:
+    result = cli("models", "--output", "json")
+    assert result.exit_code == 0
+    rows = {r["name"]: r for r in json.loads(result.stdout)}
+    assert rows["smollm2-135m"]["installed"] and rows["smollm2-135m"]["default"]
+    assert Path(rows["smollm2-135m"]["path"]).exists()
+    assert "gemma3-270m" in rows
+
+
+def test_console_script_runs(tmp_path: Path) -> None:
+    larql = Path(sys.executable).with_name("larql")
+    env = {**os.environ, "LARQL_KV_ENGINE": ""}
+    proc = subprocess.run(
+        [str(larql), "run", "The capital of France is", "-n", "3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout

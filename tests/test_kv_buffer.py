@@ -1,0 +1,65 @@
+"""`KvBuffer` against a plain list of rows: appends, clipping to `keep`, growth and compaction
+never lose or reorder a live row, and memory stays bounded when windowed."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from larql.kv.buffers import KvBuffer
+
+HEADS, DIM = 2, 3
+
+
+def rows(start: int, n: int) -> torch.Tensor:
+    """n distinct rows numbered start.. : [HEADS, n, DIM]."""
+    values = torch.arange(start, start + n, dtype=torch.float32)
+    return values.view(1, n, 1).expand(HEADS, n, DIM).clone()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    keep=st.one_of(st.none(), st.integers(0, 40)),
+    appends=st.lists(st.integers(1, 30), min_size=1, max_size=60),
+)
+def test_matches_a_list_of_rows(keep: int | None, appends: list[int]) -> None:
+    buffer = KvBuffer(keep=keep)
+    model: list[float] = []
+    counter = 0
+    for n in appends:
+        new = rows(counter, n)
+        keys, values = buffer.append(new, -new)
+        model += [float(counter + i) for i in range(n)]
+        counter += n
+        assert keys[0, :, 0].tolist() == model  # every live row plus the new ones, in order
+        assert torch.equal(values, -keys)
+        buffer.clip()
+        if keep is not None:
+            model = model[len(model) - min(keep, len(model)) :]
+        assert len(buffer) == len(model)
+        if model:
+            assert buffer.keys[0, :, 0].tolist() == model
+
+
+def test_windowed_buffer_memory_is_bounded() -> None:
+    buffer = KvBuffer(keep=7)
+    buffer.append(rows(0, 500), rows(0, 500))  # a long prefill
+    buffer.clip()
+    shrunk = buffer.nbytes()
+    for i in range(1000):
+        buffer.append(rows(500 + i, 1), rows(0, 1))
+        buffer.clip()
+    assert buffer.nbytes() == shrunk < 500 * HEADS * DIM * 4 * 2
+    assert buffer.keys[0, :, 0].tolist() == [float(x) for x in range(1493, 1500)]
+
+
+def test_replace_and_truncate() -> None:
+    buffer = KvBuffer()
+    buffer.append(rows(0, 5), rows(0, 5))
+    buffer.replace_row(2, rows(99, 1), rows(98, 1))
+    assert buffer.keys[0, :, 0].tolist() == [0.0, 1.0, 99.0, 3.0, 4.0]
+    assert buffer.values[0, 2, 0].item() == 98.0
+    buffer.truncate(3)
+    assert len(buffer) == 3
+    assert buffer.live_nbytes() == 2 * HEADS * 3 * DIM * 4 <= buffer.nbytes()
