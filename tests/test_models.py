@@ -12,8 +12,14 @@ import torch
 from typer.testing import CliRunner
 
 from larql.cli.app import app
-from larql.models import Model, ModelFormatError, ModelNotFound, UnsupportedArchitecture, load_model
-from larql.models import gguf_loader
+from larql.models import (
+    Model,
+    ModelFormatError,
+    ModelNotFound,
+    UnsupportedArchitecture,
+    gguf_loader,
+    load_model,
+)
 from larql.models.gguf_file import GgufFile
 from larql.models.registry import resolve_model_path
 from tiny_models import build_tiny_model, rewrite_config
@@ -38,11 +44,11 @@ def test_header_and_tensors_match_gguf_reader(smollm2: Model) -> None:
 def test_unknown_and_missing_models(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFound, match="unknown model 'nope'"):
         resolve_model_path("nope")
-    with pytest.raises(ModelNotFound, match="without config.json"):
+    with pytest.raises(ModelNotFound, match=r"without config\.json"):
         resolve_model_path(str(tmp_path))
     not_gguf = tmp_path / "weights.bin"
     not_gguf.write_bytes(b"1234")
-    with pytest.raises(ModelNotFound, match="neither a .gguf file"):
+    with pytest.raises(ModelNotFound, match=r"neither a \.gguf file"):
         resolve_model_path(str(not_gguf))
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"NOPE" + bytes(20))
@@ -57,7 +63,7 @@ def test_hf_directory_errors(tmp_path: Path) -> None:
         load_model(str(tiny.directory))
     rewrite_config(tiny.directory, model_type="llama")
     (tiny.directory / "tokenizer.json").unlink()
-    with pytest.raises(ModelFormatError, match="no tokenizer.json"):
+    with pytest.raises(ModelFormatError, match=r"no tokenizer\.json"):
         load_model(str(tiny.directory))
 
 
