@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from larql.cli.bench_cmd import bench
 from larql.cli.catalog_cmd import engines, models
 from larql.cli.run_cmd import run
 
@@ -17,6 +18,7 @@ app = typer.Typer(
 app.command()(run)
 app.command()(engines)
 app.command()(models)
+app.command()(bench)
 
 
 def main() -> None:

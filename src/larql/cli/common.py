@@ -18,7 +18,8 @@ from larql.models.model import Model, load_model
 F = TypeVar("F", bound=Callable[..., Any])
 
 stderr = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
-stdout = Console(highlight=False, soft_wrap=True, markup=False)
+# Piped output gets wide tables instead of rich's 80-column default.
+stdout = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 180)
 
 EXIT_USER_ERROR = 2
 

@@ -1,0 +1,116 @@
+"""`larql bench`: speed, memory and roofline of every engine, optionally against HF transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import Progress
+
+from larql.cli.common import InvalidInput, open_model, stderr, stdout, user_errors
+from larql.data import read_text
+from larql.harness.bench.engine_bench import BenchSettings
+from larql.harness.bench.report import render_table, save_plot, stage_tables
+from larql.harness.bench.run import default_specs, run_bench
+from larql.harness.contexts import context_ids
+from larql.inference.ffn import DenseFfn
+from larql.kv.catalog import CATALOG
+
+
+def parse_depths(value: str | None) -> list[int]:
+    if not value:
+        return []
+    try:
+        depths = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidInput(f"--depths must be comma-separated integers, got {value!r}") from None
+    if any(d < 0 for d in depths):
+        raise InvalidInput("--depths must be ≥ 0")
+    return depths
+
+
+@user_errors
+def bench(
+    model: Annotated[str | None, typer.Option("-m", "--model")] = None,
+    engine: Annotated[
+        str | None, typer.Option("--engine", help='Specs, e.g. "standard;markov-rs:window=64".')
+    ] = None,
+    context: Annotated[
+        int | None, typer.Option("--context", help="Prompt of N tokens cut from --text.")
+    ] = None,
+    prompt: Annotated[str | None, typer.Option("--prompt", help="Prompt text instead.")] = None,
+    text: Annotated[
+        Path | None, typer.Option("--text", help="Text to cut contexts from (default: shipped).")
+    ] = None,
+    tokens: Annotated[int, typer.Option("-n", "--tokens", help="Timed decode steps.")] = 32,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed steps first.")] = 3,
+    repeats: Annotated[int, typer.Option("--repeats", help="Fresh runs per engine.")] = 3,
+    depths: Annotated[
+        str | None, typer.Option("--depths", help="Context depths, e.g. 0,512,2048.")
+    ] = None,
+    profile: Annotated[bool, typer.Option("--profile", help="Per-stage breakdown.")] = False,
+    vs_hf: Annotated[bool, typer.Option("--vs-hf", help="Add HF transformers generate.")] = False,
+    output: Annotated[str, typer.Option("--output", "-o", help="table or json.")] = "table",
+    output_file: Annotated[Path | None, typer.Option("--output-file", help="Write JSON.")] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="PNG of tok/s, memory vs depth.")
+    ] = None,
+    device: Annotated[str, typer.Option()] = "cpu",
+    dtype: Annotated[str, typer.Option()] = "float32",
+    threads: Annotated[int | None, typer.Option("--threads")] = None,
+) -> None:
+    """Time every engine (whole tokens), report memory and roofline, optionally vs HF."""
+    if output not in ("table", "json"):
+        raise InvalidInput(f"unknown --output {output!r}; accepted: table, json")
+    if context is not None and prompt is not None:
+        raise InvalidInput("give --context N or --prompt TEXT, not both")
+    for name, value, low in (("-n/--tokens", tokens, 1), ("--repeats", repeats, 1),
+                             ("--warmup", warmup, 0), ("--context", context or 1, 1)):  # fmt: skip
+        if value < low:
+            raise InvalidInput(f"{name} must be ≥ {low}, got {value}")
+    specs = CATALOG.split_specs(engine) if engine else default_specs()
+    kinds = [CATALOG.from_name(spec) for spec in specs]
+    if not kinds:
+        raise InvalidInput(f"--engine lists no engine; {CATALOG.supported_message()}")
+    depth_list = parse_depths(depths)
+    source_text, text_label = read_text(text)
+    lm = open_model(model, dtype, device, threads)
+    if prompt is not None:
+        base_ids = lm.tokenizer.encode(prompt)
+        if not base_ids:
+            raise InvalidInput("--prompt encodes to no tokens")
+    else:
+        base_ids = context_ids(lm, context or 128, source_text)
+    prompts = [(0, base_ids)] if not depth_list else [
+        (d, context_ids(lm, d, source_text) if d > 0 else base_ids) for d in depth_list
+    ]  # fmt: skip
+    limit = lm.config.max_positions
+    for d, ids in prompts:
+        if len(ids) + warmup + tokens > limit:
+            raise InvalidInput(f"depth {d}: {len(ids)} + {warmup + tokens} tokens exceed the "
+                               f"model's context of {limit}")  # fmt: skip
+    settings = BenchSettings(new_tokens=tokens, warmup=warmup, repeats=repeats, profile=profile)
+    total = len(prompts) * (len(kinds) + (1 if vs_hf else 0))
+    with Progress(console=stderr, transient=True) as bar:
+        task = bar.add_task("bench", total=total)
+
+        def advance(label: str) -> None:
+            bar.update(task, description=label)
+            bar.advance(task)
+
+        report = run_bench(
+            lm, DenseFfn(lm), kinds, prompts, settings, vs_hf, text_label, progress=advance
+        )
+    data = report.as_dict()
+    if output_file is not None:
+        output_file.write_text(json.dumps(data, indent=2))
+    if plot is not None:
+        save_plot(report, plot)
+    if output == "json":
+        print(json.dumps(data, indent=2))
+        return
+    stdout.print(render_table(report))
+    for table in stage_tables(report):
+        stdout.print(table)

@@ -1,0 +1,1 @@
+"""User-facing measurement: `bench` (speed and memory) and `accuracy` (fidelity)."""

@@ -1,0 +1,175 @@
+"""Timing one engine: prefill (+ first pick), then `warmup + tokens` decode steps, each a whole
+token (forward + logits + pick), split into forward and head; memory after decode; roofline."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from larql.harness.bench.machine import sync
+from larql.harness.bench.stats import StepStats
+from larql.inference.engine import EngineError, MemoryBreakdown
+from larql.inference.ffn import FfnBackend
+from larql.inference.generation import next_token_logits
+from larql.kv.spec import EngineKind
+from larql.models.model import Model
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    new_tokens: int = 32
+    warmup: int = 3
+    repeats: int = 3
+    profile: bool = False
+
+
+@dataclass
+class EngineRow:
+    """One engine at one depth. Times in ms; memory in bytes; None where nothing was measured."""
+
+    spec: str
+    label: str
+    depth: int
+    prompt_tokens: int
+    prefill_ms: float | None = None
+    step: StepStats | None = None
+    fwd_ms: float | None = None
+    head_ms: float | None = None
+    tok_s: float | None = None
+    tok_s_runs: list[float] = field(default_factory=list)
+    memory: MemoryBreakdown | None = None
+    context_tokens: int = 0  # prompt + generated: the length the memory was measured at
+    fp16_full_bytes: int = 0
+    weight_read_bytes: int = 0
+    bandwidth_gbs: float = 0.0
+    stages: dict[str, float] | None = None
+    error: str | None = None
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        if self.memory is None or self.memory.total == 0 or not self.context_tokens:
+            return None
+        return self.memory.total / self.context_tokens
+
+    @property
+    def ratio_vs_fp16_full(self) -> float | None:
+        if self.memory is None or self.memory.total == 0 or not self.fp16_full_bytes:
+            return None
+        return self.memory.total / self.fp16_full_bytes
+
+    @property
+    def achieved_gbs(self) -> float | None:
+        """(weights read per token + engine state) × tok/s: the state is read once per step by
+        attention, so this is exact for `standard` and an estimate for the other engines."""
+        if self.tok_s is None or self.memory is None:
+            return None
+        return (self.weight_read_bytes + self.memory.total) * self.tok_s / 1e9
+
+    @property
+    def bandwidth_share(self) -> float | None:
+        gbs = self.achieved_gbs
+        return gbs / self.bandwidth_gbs if gbs is not None and self.bandwidth_gbs else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec,
+            "label": self.label,
+            "depth": self.depth,
+            "prompt_tokens": self.prompt_tokens,
+            "prefill_ms": self.prefill_ms,
+            "decode_ms": self.step.as_dict() if self.step else None,
+            "fwd_ms": self.fwd_ms,
+            "head_ms": self.head_ms,
+            "tok_s": self.tok_s,
+            "tok_s_runs": self.tok_s_runs,
+            "memory": None
+            if self.memory is None
+            else {
+                "hot": self.memory.hot,
+                "cold": self.memory.cold,
+                "derivative": self.memory.derivative,
+                "total": self.memory.total,
+            },
+            "context_tokens": self.context_tokens,
+            "bytes_per_token": self.bytes_per_token,
+            "fp16_full_bytes": self.fp16_full_bytes,
+            "ratio_vs_fp16_full": self.ratio_vs_fp16_full,
+            "achieved_gbs": self.achieved_gbs,
+            "bandwidth_share": self.bandwidth_share,
+            "stages": self.stages,
+            "error": self.error,
+        }
+
+
+def bench_engine(
+    model: Model,
+    ffn: FfnBackend,
+    kind: EngineKind,
+    prompt_ids: list[int],
+    settings: BenchSettings,
+    depth: int = 0,
+    bandwidth_gbs: float = 0.0,
+) -> EngineRow:
+    row = EngineRow(
+        spec=kind.spec(),
+        label=kind.spec(),
+        depth=depth,
+        prompt_tokens=len(prompt_ids),
+        weight_read_bytes=model.weights.decode_read_bytes(),
+        bandwidth_gbs=bandwidth_gbs,
+    )
+    try:
+        _measure(model, ffn, kind, prompt_ids, settings, row)
+    except EngineError as e:
+        row.error = f"{type(e).__name__}: {e}"
+    return row
+
+
+def _measure(
+    model: Model,
+    ffn: FfnBackend,
+    kind: EngineKind,
+    prompt_ids: list[int],
+    settings: BenchSettings,
+    row: EngineRow,
+) -> None:
+    device = model.device
+    prefill_ms, fwd, head, whole = [], [], [], []
+    for _ in range(settings.repeats):
+        engine = kind.build(model, profiling=settings.profile)
+        with torch.inference_mode():
+            sync(device)
+            t0 = time.perf_counter()
+            token = int(
+                torch.argmax(next_token_logits(model, engine.prefill(model, ffn, prompt_ids)))
+            )
+            prefill_ms.append((time.perf_counter() - t0) * 1000)
+            run_whole = []
+            for i in range(settings.warmup + settings.new_tokens):
+                t0 = time.perf_counter()
+                hidden = engine.decode_step(model, ffn, token)
+                sync(device)
+                t1 = time.perf_counter()
+                token = int(torch.argmax(next_token_logits(model, hidden)))
+                t2 = time.perf_counter()
+                if i >= settings.warmup:
+                    fwd.append((t1 - t0) * 1000)
+                    head.append((t2 - t1) * 1000)
+                    run_whole.append((t2 - t0) * 1000)
+        whole += run_whole
+        row.tok_s_runs.append(1000 * len(run_whole) / sum(run_whole) if run_whole else 0.0)
+    row.prefill_ms = sorted(prefill_ms)[len(prefill_ms) // 2]
+    row.step = StepStats.of(whole)
+    row.fwd_ms = sum(fwd) / len(fwd) if fwd else None
+    row.head_ms = sum(head) / len(head) if head else None
+    row.tok_s = sorted(row.tok_s_runs)[len(row.tok_s_runs) // 2] if whole else None
+    row.memory = engine.memory()
+    row.context_tokens = len(prompt_ids) + settings.warmup + settings.new_tokens
+    row.fp16_full_bytes = model.config.kv_bytes_per_token(2) * row.context_tokens
+    row.label = engine.info().summary().split("  ")[0]
+    summary = engine.stage_summary()
+    if summary is not None:
+        row.stages = {stage: us for stage, us in summary.rows()}

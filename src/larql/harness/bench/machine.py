@@ -1,0 +1,53 @@
+"""Facts about the machine a benchmark ran on: measured copy bandwidth, git commit, versions."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+_COPY_BYTES = 256 * 1024 * 1024
+
+
+@functools.cache
+def copy_bandwidth_gbs(device: str = "cpu", nbytes: int = _COPY_BYTES, repeats: int = 5) -> float:
+    """Best-of-`repeats` bandwidth of one large tensor copy, counting bytes read + written."""
+    dev = torch.device(device)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src)
+    best = math_inf = float("inf")
+    for _ in range(repeats):
+        sync(dev)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return 0.0 if best == math_inf else 2 * nbytes / best / 1e9
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def git_commit() -> str | None:
+    root = Path(__file__).resolve().parents[4]
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def ids_hash(ids: list[int]) -> str:
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]

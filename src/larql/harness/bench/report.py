@@ -1,0 +1,130 @@
+"""Rendering a bench report: a rich table, JSON, and a PNG of tok/s and memory vs depth."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from rich.table import Table
+
+from larql.harness.bench.run import BenchReport
+
+
+def _num(value: float | None, fmt: str, missing: str = "—") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return missing
+    return format(value, fmt)
+
+
+def _mib(n: int | None) -> str:
+    return "—" if not n else f"{n / 1_048_576:.2f}"
+
+
+def render_table(report: BenchReport) -> Table:
+    meta = report.meta
+    title = (
+        f"{meta['model']} · {meta['dtype']} · {meta['device']} · {meta['threads']} threads · "
+        f"{meta['new_tokens']} tokens × {meta['repeats']} repeats (warmup {meta['warmup']}) · "
+        f"copy bandwidth {meta['copy_bandwidth_gbs']:.1f} GB/s"
+    )
+    table = Table(title=title, caption=meta["method"], caption_justify="left")
+    columns = [
+        "engine", "depth", "prefill ms", "ms/tok mean p50 p99", "tok/s (spread)", "fwd/head ms",
+        "MiB hot/cold/deriv", "B/token", "× fp16 full", "GB/s (share)", "× HF",
+    ]  # fmt: skip
+    for i, name in enumerate(columns):
+        table.add_column(name, justify="left" if i == 0 else "right", overflow="fold")
+    for row in report.rows:
+        if row.error:
+            table.add_row(row.spec, str(row.depth), f"[red]{row.error}[/]", *[""] * 8)
+            continue
+        step = row.step
+        memory = row.memory
+        spread = (
+            f"{_num(row.tok_s, '.1f')} ({min(row.tok_s_runs):.1f}–{max(row.tok_s_runs):.1f})"
+            if row.tok_s_runs
+            else "—"
+        )
+        gbs = row.achieved_gbs
+        share = row.bandwidth_share
+        times = " ".join(_num(x, ".2f") for x in (step.mean, step.p50, step.p99)) if step else "—"
+        table.add_row(
+            row.spec,
+            str(row.depth),
+            _num(row.prefill_ms, ".1f"),
+            times,
+            spread,
+            f"{_num(row.fwd_ms, '.2f')}/{_num(row.head_ms, '.2f')}",
+            "/".join(_mib(x) for x in (memory.hot, memory.cold, memory.derivative))
+            if memory and memory.total
+            else "—",
+            _num(row.bytes_per_token, ",.0f"),
+            _num(row.ratio_vs_fp16_full, ".2f"),
+            f"{_num(gbs, '.1f')} ({_num(share * 100 if share else None, '.0f')}%)",
+            _num(report.peer_ratio(row), ".2f"),
+        )
+    for depth, peer in report.peers.items():
+        runs = peer.tok_s_runs
+        table.add_row(
+            "hf-transformers",
+            str(depth),
+            _num(peer.prefill_ms, ".1f"),
+            _num(1000 / peer.tok_s if peer.tok_s else None, ".2f"),
+            f"{peer.tok_s:.1f} ({min(runs):.1f}–{max(runs):.1f})" if runs else "—",
+            "",
+            _mib(peer.cache_bytes),
+            "",
+            "",
+            "",
+            "1.00",
+        )
+    return table
+
+
+def stage_tables(report: BenchReport) -> list[Table]:
+    tables = []
+    for row in report.rows:
+        if not row.stages:
+            continue
+        total = row.stages.get("total (measured)", 0.0)
+        table = Table(title=f"Stage breakdown ({row.label}, depth {row.depth}, µs per step)")
+        table.add_column("stage")
+        table.add_column("µs", justify="right")
+        table.add_column("share", justify="right")
+        for stage, us in row.stages.items():
+            table.add_row(stage, f"{us:.1f}", f"{100 * us / total:.1f}%" if total else "0.0%")
+        tables.append(table)
+    return tables
+
+
+def save_plot(report: BenchReport, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(12, 4.5))
+    specs = list(dict.fromkeys(r.spec for r in report.rows))
+    for spec in specs:
+        rows = sorted(
+            (r for r in report.rows if r.spec == spec and not r.error), key=lambda r: r.depth
+        )
+        if not rows:
+            continue
+        depths = [r.prompt_tokens for r in rows]
+        speed.plot(depths, [r.tok_s or 0 for r in rows], marker="o", label=spec)
+        memory.plot(depths, [(r.memory.total if r.memory else 0) / 1_048_576 for r in rows],
+                    marker="o", label=spec)  # fmt: skip
+    if report.peers:
+        peers = sorted(report.peers.items())
+        speed.plot([p.prompt_tokens for _, p in peers], [p.tok_s for _, p in peers], "k--",
+                   marker="s", label="hf-transformers")  # fmt: skip
+    speed.set(xlabel="context tokens", ylabel="decode tok/s", title="decode speed vs depth")
+    memory.set(xlabel="context tokens", ylabel="engine memory (MiB)", title="memory vs depth")
+    for ax in (speed, memory):
+        ax.grid(alpha=0.3)
+    speed.legend(fontsize=7)
+    fig.suptitle(f"{report.meta['model']} · {report.meta['dtype']} · {report.meta['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

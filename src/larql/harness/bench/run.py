@@ -1,0 +1,120 @@
+"""A bench run: every engine spec at every depth, plus the HF peer when asked, and the facts
+about the machine the numbers came from."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from larql.harness.bench.engine_bench import BenchSettings, EngineRow, bench_engine
+from larql.harness.bench.hf_peer import PeerRow, bench_hf, load_hf_model
+from larql.harness.bench.machine import copy_bandwidth_gbs, git_commit, ids_hash
+from larql.inference.ffn import FfnBackend
+from larql.kv.catalog import CATALOG
+from larql.kv.spec import EngineKind
+from larql.models.model import Model
+
+SCHEMA = "larql.bench/1"
+
+# The catalog with small windows so every engine's windowed path runs (reference §3.3);
+# apollo needs a store, so it only runs when a spec names one.
+DEFAULT_SPECS = (
+    "standard",
+    "standard:window=4",
+    "no-cache",
+    "markov-rs",
+    "markov-rs:window=4",
+    "markov-rs-codec:window=4",
+    "windowed-checkpoint:window=4",
+    "turbo-quant:bits=4",
+    "turbo-quant:bits=3",
+    "boundary-kv:chunk_tokens=4",
+    "boundary-per-layer:window=4",
+)
+
+
+def default_specs() -> list[str]:
+    return [s for s in DEFAULT_SPECS if CATALOG.parses(s)]
+
+
+@dataclass
+class BenchReport:
+    meta: dict[str, Any]
+    rows: list[EngineRow] = field(default_factory=list)
+    peers: dict[int, PeerRow] = field(default_factory=dict)  # depth → HF row
+
+    def peer_ratio(self, row: EngineRow) -> float | None:
+        peer = self.peers.get(row.depth)
+        if peer is None or row.tok_s is None or not peer.tok_s:
+            return None
+        return row.tok_s / peer.tok_s
+
+    def as_dict(self) -> dict[str, Any]:
+        rows = []
+        for row in self.rows:
+            d = row.as_dict()
+            d["vs_hf"] = self.peer_ratio(row)
+            rows.append(d)
+        return {
+            **self.meta,
+            "rows": rows,
+            "hf": {str(depth): peer.as_dict() for depth, peer in self.peers.items()},
+        }
+
+
+Progress = Callable[[str], None]
+
+
+def run_bench(
+    model: Model,
+    ffn: FfnBackend,
+    kinds: list[EngineKind],
+    prompts: list[tuple[int, list[int]]],
+    settings: BenchSettings,
+    vs_hf: bool = False,
+    text_label: str = "",
+    progress: Progress | None = None,
+) -> BenchReport:
+    """`prompts`: (depth, prompt ids) pairs; every engine runs at every depth."""
+    bandwidth = copy_bandwidth_gbs(model.device.type)
+    report = BenchReport(
+        meta={
+            "schema": SCHEMA,
+            "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "model": model.name,
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "device": str(model.device),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "git_commit": git_commit(),
+            "text": text_label,
+            "prompt_hashes": {str(d): ids_hash(ids) for d, ids in prompts},
+            "new_tokens": settings.new_tokens,
+            "warmup": settings.warmup,
+            "repeats": settings.repeats,
+            "ffn": ffn.name,
+            "copy_bandwidth_gbs": bandwidth,
+            "method": (
+                "whole token = forward + logits + argmax; prefill includes the first pick; "
+                "median tok/s over repeats, percentiles nearest-rank over all kept steps; "
+                "memory = engine tensors after decode; fp16 full cache at the same length; "
+                "achieved GB/s = (weights read per token + engine state) × tok/s"
+            ),
+        }
+    )
+    for depth, ids in prompts:
+        for kind in kinds:
+            if progress:
+                progress(f"{kind.spec()} @ depth {depth}")
+            report.rows.append(bench_engine(model, ffn, kind, ids, settings, depth, bandwidth))
+    if vs_hf:
+        hf_model = load_hf_model(model)
+        for depth, ids in prompts:
+            if progress:
+                progress(f"hf-transformers @ depth {depth}")
+            report.peers[depth] = bench_hf(hf_model, ids, settings.new_tokens, settings.repeats)
+    return report

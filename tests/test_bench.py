@@ -1,0 +1,128 @@
+"""`larql bench` on the real default model with tiny token counts: JSON schema, the arithmetic
+behind every derived figure, the percentile rule, and honest gaps (no ratio without a measure).
+No test asserts a speed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from larql.cli.app import app
+from larql.harness.bench.engine_bench import BenchSettings, EngineRow, bench_engine
+from larql.harness.bench.stats import StepStats, nearest_rank
+from larql.inference.engine import MemoryBreakdown
+from larql.inference.ffn import DenseFfn
+from larql.kv import from_name
+from larql.models import Model
+
+ROW_KEYS = {
+    "spec", "label", "depth", "prompt_tokens", "prefill_ms", "decode_ms", "fwd_ms", "head_ms",
+    "tok_s", "tok_s_runs", "memory", "context_tokens", "bytes_per_token", "fp16_full_bytes",
+    "ratio_vs_fp16_full", "achieved_gbs", "bandwidth_share", "stages", "error", "vs_hf",
+}  # fmt: skip
+META_KEYS = {
+    "schema", "timestamp", "model", "dtype", "device", "threads", "torch", "git_commit", "text",
+    "prompt_hashes", "new_tokens", "warmup", "repeats", "ffn", "copy_bandwidth_gbs", "method",
+    "rows", "hf",
+}  # fmt: skip
+
+
+def test_nearest_rank_percentiles() -> None:
+    samples = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert nearest_rank(samples, 50) == 3.0  # index floor(5·0.5) = 2 of [1, 2, 3, 4, 5]
+    assert nearest_rank(samples, 99) == 5.0  # index floor(4.95) = 4
+    assert nearest_rank(samples, 0) == 1.0
+    assert nearest_rank([7.0], 99) == 7.0
+    stats = StepStats.of([1.0, 2.0, 3.0, 10.0])
+    assert (stats.mean, stats.p50, stats.p99, stats.n) == (4.0, 3.0, 10.0, 4)
+
+
+def test_derived_figures_follow_their_definitions() -> None:
+    row = EngineRow(spec="x", label="x", depth=0, prompt_tokens=10)
+    assert row.ratio_vs_fp16_full is None and row.bytes_per_token is None  # nothing measured
+    row.memory = MemoryBreakdown(hot=600, cold=300, derivative=100)
+    row.context_tokens = 20
+    row.fp16_full_bytes = 4000
+    row.tok_s = 10.0
+    row.weight_read_bytes = 9000
+    row.bandwidth_gbs = 1e-3
+    assert row.bytes_per_token == 50.0
+    assert row.ratio_vs_fp16_full == 0.25
+    assert row.achieved_gbs == pytest.approx((9000 + 1000) * 10 / 1e9)
+    assert row.bandwidth_share == pytest.approx(0.1)
+    row.memory = MemoryBreakdown()
+    assert row.ratio_vs_fp16_full is None  # an engine holding nothing gets no ratio
+
+
+def test_bench_engine_measures_whole_tokens(smollm2: Model) -> None:
+    ids = smollm2.tokenizer.encode("The capital of France is")
+    settings = BenchSettings(new_tokens=3, warmup=1, repeats=2)
+    row = bench_engine(smollm2, DenseFfn(smollm2), from_name("standard"), ids, settings)
+    assert row.error is None
+    assert row.step is not None and row.step.n == 6  # 3 kept steps × 2 repeats
+    assert len(row.tok_s_runs) == 2
+    assert row.fwd_ms + row.head_ms == pytest.approx(row.step.mean, rel=1e-6)
+    assert row.context_tokens == len(ids) + 4
+    assert row.fp16_full_bytes == smollm2.config.kv_bytes_per_token(2) * row.context_tokens
+    assert row.memory.total > 0 and row.ratio_vs_fp16_full > 0
+
+
+def test_engine_errors_become_rows_not_crashes(smollm2: Model) -> None:
+    row = bench_engine(
+        smollm2, DenseFfn(smollm2), from_name("standard"), [], BenchSettings(1, 0, 1)
+    )
+    assert row.error == "EmptyPrompt: engine called with empty prompt"
+    assert row.as_dict()["tok_s"] is None
+
+
+def test_cli_json_schema_and_depths(tmp_path: Path) -> None:
+    out_file = tmp_path / "bench.json"
+    plot = tmp_path / "bench.png"
+    result = CliRunner().invoke(
+        app,
+        ["bench", "--engine", "standard;no-cache", "-n", "2", "--warmup", "0", "--repeats", "1",
+         "--depths", "0,12", "--context", "8", "--output", "json", "--output-file", str(out_file),
+         "--plot", str(plot)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert set(data) == META_KEYS
+    assert data == json.loads(out_file.read_text())
+    assert data["schema"] == "larql.bench/1" and data["copy_bandwidth_gbs"] > 0
+    assert [(r["spec"], r["depth"], r["prompt_tokens"]) for r in data["rows"]] == [
+        ("standard", 0, 8), ("no-cache", 0, 8), ("standard", 12, 12), ("no-cache", 12, 12),
+    ]  # fmt: skip
+    for row in data["rows"]:
+        assert set(row) == ROW_KEYS
+        assert row["vs_hf"] is None  # no peer was measured
+        assert row["memory"]["total"] > 0
+    assert plot.stat().st_size > 1000
+
+
+def test_cli_rejects_unknown_engines_and_bad_options() -> None:
+    runner = CliRunner()
+    result = runner.invoke(app, ["bench", "--engine", "standard;warp-drive"])
+    assert result.exit_code == 2 and "supported: standard" in result.stderr
+    result = runner.invoke(app, ["bench", "--context", "8", "--prompt", "hi"])
+    assert result.exit_code == 2 and "not both" in result.stderr
+    result = runner.invoke(app, ["bench", "--depths", "1,x"])
+    assert result.exit_code == 2 and "--depths" in result.stderr
+
+
+@pytest.mark.slow
+def test_vs_hf_adds_a_peer_row_and_ratios() -> None:
+    pytest.importorskip("transformers")
+    result = CliRunner().invoke(
+        app,
+        ["bench", "--engine", "standard", "-n", "2", "--warmup", "0", "--repeats", "1",
+         "--context", "8", "--vs-hf", "--output", "json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    peer = data["hf"]["0"]
+    assert peer["tok_s"] > 0 and peer["cache_bytes"] > 0 and peer["prompt_tokens"] == 8
+    row = data["rows"][0]
+    assert row["vs_hf"] == pytest.approx(row["tok_s"] / peer["tok_s"])
