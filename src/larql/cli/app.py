@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from larql.cli.accuracy_cmd import accuracy
 from larql.cli.bench_cmd import bench
 from larql.cli.catalog_cmd import engines, models
 from larql.cli.run_cmd import run
@@ -19,6 +20,7 @@ app.command()(run)
 app.command()(engines)
 app.command()(models)
 app.command()(bench)
+app.command()(accuracy)
 
 
 def main() -> None:

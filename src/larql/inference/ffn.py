@@ -11,6 +11,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from larql.errors import LarqlError
 from larql.models.model import Model
 
 
@@ -44,3 +45,18 @@ class DenseFfn:
         lw = self._layers[layer]
         gate, up = F.linear(x, lw.w_gate_up).chunk(2, dim=-1)  # [S, F] each
         return F.linear(gated_activation(gate, self._activation) * up, lw.w_down)
+
+
+class UnknownFfnBackend(LarqlError):
+    """An FFN spec that names no backend."""
+
+
+FFN_BACKENDS = {"dense": ("dense", "weight", "weights")}
+
+
+def build_ffn(model: Model, spec: str = "dense") -> FfnBackend:
+    """The FFN backend a spec names (only `dense` so far)."""
+    name = spec.strip().lower()
+    if name in FFN_BACKENDS["dense"]:
+        return DenseFfn(model)
+    raise UnknownFfnBackend(f"unknown FFN backend {spec!r}; supported: {', '.join(FFN_BACKENDS)}")

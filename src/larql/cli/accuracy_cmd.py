@@ -1,0 +1,94 @@
+"""`larql accuracy`: what each engine changes — three prompt corpora and teacher-forced fidelity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import Progress
+
+from larql.cli.common import InvalidInput, open_model, stderr, stdout, user_errors
+from larql.data import read_text
+from larql.harness.accuracy.aggregate import served_lines, split_table
+from larql.harness.accuracy.report import fidelity_table
+from larql.harness.accuracy.run import AccuracySettings, run_accuracy
+from larql.kv.catalog import CATALOG
+
+# Every engine, windowed ones at windows that overflow on the fidelity text.
+DEFAULT_ENGINES = (
+    "standard;standard:window=256;no-cache;markov-rs:window=64;markov-rs-codec:window=64;"
+    "windowed-checkpoint:window=256;turbo-quant:bits=4;turbo-quant:bits=3;turbo-quant:bits=2;"
+    "boundary-kv:chunk_tokens=64;boundary-per-layer:window=64"
+)
+
+
+def default_engines() -> str:
+    return ";".join(s for s in CATALOG.split_specs(DEFAULT_ENGINES) if CATALOG.parses(s))
+
+
+@user_errors
+def accuracy(
+    model: Annotated[str | None, typer.Option("-m", "--model")] = None,
+    engines: Annotated[
+        str | None, typer.Option("--engines", help="Engine specs (; or , separated).")
+    ] = None,
+    ffn: Annotated[str, typer.Option("--ffn", help="FFN backends, comma separated.")] = "dense",
+    quick: Annotated[
+        bool, typer.Option("--quick", help="5 parametric, 2 needles, 5 conflicts, 256 positions.")
+    ] = False,
+    needle_max_tokens: Annotated[int, typer.Option("--needle-max-tokens")] = 8192,
+    no_conflict: Annotated[bool, typer.Option("--no-conflict")] = False,
+    no_fidelity: Annotated[bool, typer.Option("--no-fidelity")] = False,
+    text: Annotated[
+        Path | None, typer.Option("--text", help="Fidelity text (default: the shipped one).")
+    ] = None,
+    positions: Annotated[
+        int | None, typer.Option("--positions", help="Teacher-forced positions (default: all).")
+    ] = None,
+    output_file: Annotated[Path | None, typer.Option("--output-file", help="JSON report.")] = None,
+    dtype: Annotated[str, typer.Option()] = "float32",
+    device: Annotated[str, typer.Option()] = "cpu",
+    verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+) -> None:
+    """Score every engine on parametric facts, needles and conflicts, and measure its
+    teacher-forced fidelity against the full cache."""
+    specs = CATALOG.split_specs(engines or default_engines())
+    kinds = [CATALOG.from_name(s) for s in specs]
+    if not kinds:
+        raise InvalidInput(f"--engines lists no engine; {CATALOG.supported_message()}")
+    ffn_specs = [f.strip() for f in ffn.split(",") if f.strip()] or ["dense"]
+    if positions is not None and positions < 1:
+        raise InvalidInput(f"--positions must be ≥ 1, got {positions}")
+    body, label = read_text(text)
+    lm = open_model(model, dtype, device)
+    settings = AccuracySettings(
+        quick=quick,
+        needle_max_tokens=needle_max_tokens,
+        conflict=not no_conflict,
+        fidelity=not no_fidelity,
+        fidelity_positions=256 if quick and positions is None else positions,
+        text=body,
+        text_label=label,
+    )
+    with Progress(console=stderr, transient=True) as bar:
+        task = bar.add_task("accuracy", total=None)
+        report = run_accuracy(
+            lm, kinds, ffn_specs, settings, progress=lambda s: bar.update(task, description=s)
+        )
+    stdout.print(split_table(report.splits))
+    for line in served_lines(report.splits):
+        stdout.print(line)
+    if verbose:
+        for s in report.scores:
+            verdict = s.outcome.value if not s.served else (
+                ("FOLLOW" if s.followed_context else "FALLBACK" if s.parametric_fallback
+                 else "OTHER") if s.source == "conflict" else ("HIT" if s.matched else "MISS")
+            )  # fmt: skip
+            stdout.print(f"  [{s.strategy}] {s.category:<12} {verdict:<9} "
+                         f"predicted={s.predicted!r} expected={s.expected!r}")  # fmt: skip
+    if report.fidelity:
+        stdout.print(fidelity_table(report.fidelity, label))
+    if output_file is not None:
+        output_file.write_text(json.dumps(report.as_dict(), indent=2))

@@ -1,0 +1,138 @@
+"""Teacher-forced fidelity against the full cache (llama-perplexity style) and free-running
+greedy agreement.
+
+Every engine decodes the same text token by token (teacher forcing); at each position we compare
+its next-token distribution Q with the `standard` engine's P: KL(P‖Q), same top-1, the change
+in probability of the true next token (Δp), and the perplexity ratio."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from larql.harness.bench.stats import nearest_rank
+from larql.inference.engine import AnyEngine, EngineError
+from larql.inference.ffn import FfnBackend
+from larql.inference.generation import generate, next_token_logits
+from larql.kv.spec import EngineKind
+from larql.models.model import Model
+
+
+def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(P‖Q) in nats per row, from logits [N, V] (float64 log-softmax)."""
+    log_p = torch.log_softmax(p_logits.double(), dim=-1)
+    log_q = torch.log_softmax(q_logits.double(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1).clamp_min(0.0)
+
+
+@dataclass
+class ReferenceRun:
+    """The reference engine's logits at every scored position, as computed (model dtype, CPU),
+    so comparing the reference with itself gives exactly 0."""
+
+    logits: torch.Tensor  # [N, V]
+    targets: torch.Tensor  # [N] the true next tokens
+
+
+@dataclass
+class Fidelity:
+    spec: str
+    positions: int
+    mean_kl: float
+    median_kl: float
+    p99_kl: float
+    max_kl: float
+    same_top1: float
+    delta_p_rms: float
+    ln_ppl_ratio: float
+    memory_bytes: int
+    first_divergence: int | None = None  # greedy step where tokens first differ (None = never)
+    greedy_steps: int = 0
+    note: str = ""
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            k: (None if isinstance(v, float) and math.isnan(v) else v)
+            for k, v in vars(self).items()
+        }
+
+
+def reference_run(
+    model: Model, ffn: FfnBackend, reference: EngineKind, ids: list[int], prompt_len: int
+) -> ReferenceRun:
+    engine = reference.build(model)
+    rows = [logits.cpu() for logits in teacher_forced(model, ffn, engine, ids, prompt_len)]
+    return ReferenceRun(torch.stack(rows), torch.tensor(ids[prompt_len:]))
+
+
+def teacher_forced(
+    model: Model, ffn: FfnBackend, engine: AnyEngine, ids: list[int], prompt_len: int
+) -> Iterator[torch.Tensor]:
+    """Logits [V] predicting ids[prompt_len], ids[prompt_len + 1], …, ids[-1], in turn."""
+    with torch.inference_mode():
+        yield next_token_logits(model, engine.prefill(model, ffn, ids[:prompt_len]))
+        for token in ids[prompt_len:-1]:
+            yield next_token_logits(model, engine.decode_step(model, ffn, token))
+
+
+def measure_fidelity(
+    model: Model,
+    ffn: FfnBackend,
+    kind: EngineKind,
+    ids: list[int],
+    prompt_len: int,
+    reference: ReferenceRun,
+    max_positions: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Fidelity:
+    n = (
+        len(reference.targets)
+        if max_positions is None
+        else min(max_positions, len(reference.targets))
+    )
+    kls, top1, dp, nll_q, nll_p = [], [], [], [], []
+    try:
+        engine = kind.build(model)
+        stream = teacher_forced(model, ffn, engine, ids[: prompt_len + n], prompt_len)
+        for i, logits in enumerate(stream):
+            log_q = torch.log_softmax(logits.double().cpu(), dim=-1)
+            log_p = torch.log_softmax(reference.logits[i].double(), dim=-1)
+            target = int(reference.targets[i])
+            kls.append(float(kl_divergence(log_p, log_q)))
+            top1.append(int(log_p.argmax()) == int(log_q.argmax()))
+            dp.append(float(log_q[target].exp() - log_p[target].exp()))
+            nll_q.append(-float(log_q[target]))
+            nll_p.append(-float(log_p[target]))
+            if progress:
+                progress(i)
+    except EngineError as e:
+        return Fidelity(kind.spec(), 0, *([math.nan] * 7), 0, error=f"{type(e).__name__}: {e}")
+    return Fidelity(
+        spec=kind.spec(),
+        positions=len(kls),
+        mean_kl=sum(kls) / len(kls),
+        median_kl=nearest_rank(kls, 50),
+        p99_kl=nearest_rank(kls, 99),
+        max_kl=max(kls),
+        same_top1=sum(top1) / len(top1),
+        delta_p_rms=math.sqrt(sum(x * x for x in dp) / len(dp)),
+        ln_ppl_ratio=(sum(nll_q) - sum(nll_p)) / len(kls),
+        memory_bytes=engine.memory_bytes(),
+    )
+
+
+def greedy_divergence(
+    model: Model, ffn: FfnBackend, kind: EngineKind, prompt_ids: list[int], reference: list[int]
+) -> int | None:
+    """First step at which the engine's free-running greedy tokens leave the reference's."""
+    engine = kind.build(model)
+    tokens = generate(engine, model, ffn, prompt_ids, len(reference), stop_ids=frozenset()).tokens
+    for step, (ours, theirs) in enumerate(zip(tokens, reference, strict=False)):
+        if ours != theirs:
+            return step
+    return None

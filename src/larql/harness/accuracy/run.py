@@ -1,0 +1,195 @@
+"""An accuracy run: every (KV engine × FFN backend) strategy over the three corpora, then the
+teacher-forced fidelity of every strategy against `standard` with the dense FFN."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from larql.harness.accuracy.aggregate import StrategySplit, strategy_splits
+from larql.harness.accuracy.corpora import (
+    CONFLICT,
+    PARAMETRIC,
+    ConflictPrompt,
+    FactPrompt,
+    needle_prompts,
+)
+from larql.harness.accuracy.fidelity import (
+    Fidelity,
+    greedy_divergence,
+    measure_fidelity,
+    reference_run,
+)
+from larql.harness.accuracy.scoring import PromptScore, answer_matches, score_prompt
+from larql.inference.engine import EngineError
+from larql.inference.ffn import build_ffn
+from larql.inference.generation import generate
+from larql.kv.catalog import from_name
+from larql.kv.spec import EngineKind
+from larql.models.model import Model
+
+SCHEMA = "larql.accuracy/1"
+# Engines that re-run the whole context every step: their teacher-forced run is capped.
+QUADRATIC = {"no-cache", "apollo"}
+
+
+@dataclass(frozen=True)
+class AccuracySettings:
+    quick: bool = False
+    needle_max_tokens: int = 8192
+    conflict: bool = True
+    fidelity: bool = True
+    fidelity_prompt_tokens: int = 16
+    fidelity_positions: int | None = None  # None = the whole text
+    quadratic_positions: int = 256
+    greedy_steps: int = 64
+    text: str = ""
+    text_label: str = ""
+
+
+@dataclass
+class Strategy:
+    kind: EngineKind
+    ffn_spec: str
+
+    @property
+    def label(self) -> str:
+        return self.kind.spec()
+
+    def strategy(self, cross_product: bool) -> str:
+        return f"{self.kind.spec()}@{self.ffn_spec}" if cross_product else self.kind.spec()
+
+
+@dataclass
+class AccuracyReport:
+    meta: dict[str, Any]
+    scores: list[PromptScore] = field(default_factory=list)
+    fidelity: list[Fidelity] = field(default_factory=list)
+
+    @property
+    def splits(self) -> list[StrategySplit]:
+        return strategy_splits(self.scores)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **self.meta,
+            "splits": [s.as_dict() for s in self.splits],
+            "per_prompt": [s.as_dict() for s in self.scores if s.source != "conflict"],
+            "per_conflict": [s.as_dict() for s in self.scores if s.source == "conflict"],
+            "fidelity": [f.as_dict() for f in self.fidelity],
+        }
+
+
+def corpora(
+    model: Model, settings: AccuracySettings
+) -> tuple[list[FactPrompt], list[FactPrompt], list[ConflictPrompt]]:
+    parametric = list(PARAMETRIC)
+    needles = [p for _, p in needle_prompts(model.tokenizer, settings.needle_max_tokens,
+                                            model.config.max_positions)]  # fmt: skip
+    conflict = list(CONFLICT) if settings.conflict else []
+    if settings.quick:
+        parametric = parametric[::8][:5]
+        needles = needles[:2]
+        seen: set[str] = set()
+        conflict = [c for c in conflict if not (c.category in seen or seen.add(c.category))][:5]
+    return parametric, needles, conflict
+
+
+Progress = Callable[[str], None]
+
+
+def run_accuracy(
+    model: Model,
+    kinds: list[EngineKind],
+    ffn_specs: list[str],
+    settings: AccuracySettings,
+    progress: Progress | None = None,
+) -> AccuracyReport:
+    cross = len(ffn_specs) > 1 or ffn_specs != ["dense"]
+    strategies = [Strategy(k, f) for k in kinds for f in ffn_specs]
+    parametric, needles, conflicts = corpora(model, settings)
+    report = AccuracyReport(
+        meta={
+            "schema": SCHEMA,
+            "model": model.name,
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "kv_engines": [k.spec() for k in kinds],
+            "ffn_backends": ffn_specs,
+            "parametric_n": len(parametric),
+            "needle_n": len(needles),
+            "conflict_n": len(conflicts),
+            "fidelity_text": settings.text_label,
+        }
+    )
+    for strategy in strategies:
+        ffn = build_ffn(model, strategy.ffn_spec)
+        labels = (strategy.kind.spec(), strategy.ffn_spec, strategy.strategy(cross))
+        if progress:
+            progress(f"corpora: {labels[2]}")
+        for fact in [*parametric, *needles]:
+            score, _ = score_prompt(model, ffn, strategy.kind, fact.prompt, fact.expected, labels,
+                                    fact.category, fact.source)  # fmt: skip
+            report.scores.append(score)
+        for c in conflicts:
+            score, predicted = score_prompt(model, ffn, strategy.kind, c.prompt, c.override,
+                                            labels, c.category, "conflict")  # fmt: skip
+            if predicted is not None:
+                followed = answer_matches(predicted, c.override)
+                fallback = not followed and answer_matches(predicted, c.parametric)
+                score = dataclasses.replace(score, followed_context=followed,
+                                            parametric_fallback=fallback)  # fmt: skip
+            report.scores.append(score)
+    if settings.fidelity:
+        report.fidelity = _fidelity(model, strategies, cross, settings, progress)
+        report.meta["fidelity_method"] = (
+            f"teacher-forced over {settings.text_label}: prompt of "
+            f"{settings.fidelity_prompt_tokens} tokens, then every next token fed as a decode "
+            "step; KL(standard‖engine) in nats per position; O(N²) engines capped at "
+            f"{settings.quadratic_positions} positions; greedy agreement over "
+            f"{settings.greedy_steps} free-running steps"
+        )
+    return report
+
+
+def _fidelity(
+    model: Model,
+    strategies: list[Strategy],
+    cross: bool,
+    settings: AccuracySettings,
+    progress: Progress | None,
+) -> list[Fidelity]:
+    ids = model.tokenizer.encode(settings.text)
+    ids = ids[: model.config.max_positions]
+    prompt_len = settings.fidelity_prompt_tokens
+    if settings.fidelity_positions is not None:
+        ids = ids[: prompt_len + settings.fidelity_positions]
+    dense = build_ffn(model, "dense")
+    standard = from_name("standard")
+    if progress:
+        progress("fidelity: reference (standard)")
+    reference = reference_run(model, dense, standard, ids, prompt_len)
+    greedy_ref = generate(standard.build(model), model, dense, ids[:prompt_len],
+                          settings.greedy_steps, stop_ids=frozenset()).tokens  # fmt: skip
+    results = []
+    for strategy in strategies:
+        if progress:
+            progress(f"fidelity: {strategy.strategy(cross)}")
+        ffn = build_ffn(model, strategy.ffn_spec)
+        quadratic = strategy.kind.display_name in QUADRATIC
+        cap = settings.quadratic_positions if quadratic else None
+        result = measure_fidelity(model, ffn, strategy.kind, ids, prompt_len, reference, cap)
+        result.spec = strategy.strategy(cross)
+        if quadratic:
+            result.note = f"O(N²) engine: first {result.positions} positions only"
+        if result.error is None:
+            try:
+                result.first_divergence = greedy_divergence(
+                    model, ffn, strategy.kind, ids[:prompt_len], greedy_ref
+                )
+                result.greedy_steps = len(greedy_ref)
+            except EngineError as e:
+                result.note = f"greedy run failed: {e}"
+        results.append(result)
+    return results

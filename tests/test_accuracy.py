@@ -1,0 +1,151 @@
+"""`larql accuracy` logic on the real default model with small counts: metric arithmetic,
+outcome mapping and served-rate rules, exact engines at zero KL, the JSON report."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from larql.cli.app import app
+from larql.harness.accuracy.aggregate import conflict_axis, fact_axis, strategy_splits
+from larql.harness.accuracy.corpora import haystack_with_needle, needle_prompts
+from larql.harness.accuracy.fidelity import kl_divergence, measure_fidelity, reference_run
+from larql.harness.accuracy.scoring import Outcome, PromptScore, answer_bits, answer_matches
+from larql.inference.engine import (
+    BackendFailure,
+    BackendUnavailable,
+    EmptyPrompt,
+    InvariantViolation,
+    RetrievalMiss,
+)
+from larql.inference.ffn import DenseFfn
+from larql.kv import from_name
+from larql.models import Model
+
+
+def test_kl_of_identical_distributions_is_zero() -> None:
+    logits = torch.randn(3, 50, dtype=torch.float64)
+    assert torch.equal(kl_divergence(logits, logits), torch.zeros(3, dtype=torch.float64))
+
+
+def test_kl_of_a_known_pair_matches_a_hand_computation() -> None:
+    p = torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64)
+    q = torch.tensor([0.25, 0.5, 0.25], dtype=torch.float64)
+    by_hand = 0.5 * math.log(0.5 / 0.25) + 0.25 * math.log(0.25 / 0.5) + 0.25 * math.log(1.0)
+    assert float(kl_divergence(p.log(), q.log())) == pytest.approx(by_hand, abs=1e-15)
+    assert by_hand == pytest.approx(0.25 * math.log(2))
+
+
+def test_answer_matching_and_bits(smollm2: Model) -> None:
+    assert answer_matches(" Paris", "Paris") and answer_matches(" Row", "Rowling")
+    assert not answer_matches(" ", "Paris") and not answer_matches(" London", "Paris")
+    paris = smollm2.tokenizer.encode(" Paris")[0]
+    logits = torch.full((smollm2.config.vocab_size,), -1e9)
+    logits[paris] = 0.0
+    logits[0] = 0.0  # two equally likely tokens → exactly 1 bit
+    assert answer_bits(smollm2, logits, "Paris") == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("error", "outcome"),
+    [
+        (EmptyPrompt(), Outcome.SKIPPED_EMPTY_PROMPT),
+        (RetrievalMiss("x"), Outcome.SKIPPED_RETRIEVAL_MISS),
+        (BackendUnavailable(), Outcome.SKIPPED_BACKEND_UNAVAILABLE),
+        (InvariantViolation("x"), Outcome.SKIPPED_INVARIANT_VIOLATION),
+        (BackendFailure("x"), Outcome.SKIPPED_BACKEND_FAILURE),
+    ],
+)
+def test_each_engine_error_maps_to_its_own_outcome(error, outcome: Outcome) -> None:
+    assert Outcome.from_error(error) is outcome
+
+
+def score(source: str, outcome: Outcome = Outcome.SERVED, **fields) -> PromptScore:
+    return PromptScore(
+        prompt="p", category="c", source=source, kv_engine="e", ffn_backend="dense",
+        strategy="e", expected="x", outcome=outcome, **fields,
+    )  # fmt: skip
+
+
+def test_served_rate_rules() -> None:
+    served = [score("parametric", matched=True, bits=1.0), score("parametric", matched=False,
+              bits=3.0), score("parametric", Outcome.SKIPPED_RETRIEVAL_MISS)]  # fmt: skip
+    axis = fact_axis(served)
+    assert (axis.n, axis.served) == (3, 2)
+    assert axis.rate == 0.5 and axis.mean_bits == 2.0  # over served prompts only
+    assert axis.served_rate == pytest.approx(2 / 3)
+    nothing_served = fact_axis([score("parametric", Outcome.SKIPPED_BACKEND_FAILURE)])
+    assert math.isnan(nothing_served.rate) and nothing_served.served_rate == 0.0
+    empty = fact_axis([])
+    assert math.isnan(empty.rate) and math.isnan(empty.served_rate)
+    conflicts = conflict_axis([
+        score("conflict", followed_context=True, parametric_fallback=False),
+        score("conflict", followed_context=False, parametric_fallback=True),
+        score("conflict", followed_context=False, parametric_fallback=False),
+        score("conflict", Outcome.SKIPPED_EMPTY_PROMPT),
+    ])  # fmt: skip
+    assert conflicts.rate == pytest.approx(1 / 3) and conflicts.fallback_rate == pytest.approx(
+        1 / 3
+    )
+    assert conflicts.served_rate == 0.75
+    (split,) = strategy_splits([*served, *conflicts_list()])
+    assert split.parametric.served == 2
+
+
+def conflicts_list() -> list[PromptScore]:
+    return [score("conflict", followed_context=True, parametric_fallback=False)]
+
+
+def test_needles_have_the_requested_length(smollm2: Model) -> None:
+    for n, prompt in needle_prompts(smollm2.tokenizer, 1024, smollm2.config.max_positions):
+        length = len(smollm2.tokenizer.encode(prompt.prompt))
+        assert n - 32 <= length <= n + 32
+        assert "ZEPHYR-4821" in prompt.prompt and prompt.expected == "ZEPHYR"
+    assert [n for n, _ in needle_prompts(smollm2.tokenizer, 100_000, 8192)][-1] == 4096
+    assert haystack_with_needle(smollm2.tokenizer, 300).endswith("code name is")
+
+
+def test_exact_engines_have_zero_kl_and_full_agreement(smollm2: Model) -> None:
+    ffn = DenseFfn(smollm2)
+    ids = smollm2.tokenizer.encode(Path(__file__).resolve().parents[1].joinpath("LICENSE")
+                                   .read_text())[:60]  # fmt: skip
+    reference = reference_run(smollm2, ffn, from_name("standard"), ids, 12)
+    same = measure_fidelity(smollm2, ffn, from_name("standard"), ids, 12, reference)
+    assert same.positions == 48
+    assert same.mean_kl == 0.0 and same.max_kl == 0.0 and same.same_top1 == 1.0
+    assert same.delta_p_rms == 0.0 and same.ln_ppl_ratio == 0.0
+    oracle = measure_fidelity(smollm2, ffn, from_name("no-cache"), ids, 12, reference, 20)
+    assert oracle.positions == 20
+    assert oracle.max_kl <= 1e-6 and oracle.same_top1 == 1.0
+    windowed = measure_fidelity(smollm2, ffn, from_name("standard:window=8"), ids, 12, reference)
+    assert windowed.mean_kl > 1e-3  # a sliding window of 8 really changes the distribution
+
+
+def test_cli_report(tmp_path: Path) -> None:
+    out = tmp_path / "accuracy.json"
+    result = CliRunner().invoke(
+        app,
+        ["accuracy", "--quick", "--engines", "standard;standard:window=16", "--positions", "16",
+         "--needle-max-tokens", "256", "--output-file", str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "Engine Split" in result.stdout and "Teacher-forced fidelity" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["schema"] == "larql.accuracy/1"
+    assert report["kv_engines"] == ["standard", "standard:window=16"]
+    assert (report["parametric_n"], report["needle_n"], report["conflict_n"]) == (5, 1, 5)
+    assert [s["strategy"] for s in report["splits"]] == ["standard", "standard:window=16"]
+    assert len(report["per_prompt"]) == 2 * 6 and len(report["per_conflict"]) == 2 * 5
+    standard = report["fidelity"][0]
+    assert standard["mean_kl"] == 0.0 and standard["positions"] == 16
+    assert "Apache License" in report["fidelity_text"]
+
+
+def test_cli_rejects_unknown_engines() -> None:
+    result = CliRunner().invoke(app, ["accuracy", "--engines", "standard,bogus"])
+    assert result.exit_code == 2 and "unknown engine 'bogus'" in result.stderr
