@@ -1,0 +1,238 @@
+"""`windowed-checkpoint` (alias `unlimited-context`): tumbling windows of W tokens, each seeded
+by a one-row K/V checkpoint of the previous window's last token.
+
+A token in window w ≥ 1 attends to that checkpoint row (at its true absolute position
+w·W − 1) plus the tokens of window w so far — nothing earlier; window 0 attends normally, so the
+engine is exact vs `standard` inside the first window and deliberately lossy after it (DESIGN
+decision 2: the third meaning of "window"). Memory stays O(W) for K/V: when a window fills, its
+last row on every layer becomes the checkpoint, its token ids go to the archive, and its K/V is
+dropped. `replay_window(id)` rebuilds a closed window's K/V from the previous checkpoint and the
+archived tokens.
+
+A chunk of tokens that falls inside one window runs as one batched attention call (the K/V sink
+hands back [checkpoint ; window rows so far ; new rows] and `attend` masks causally within the
+chunk) — the same result as feeding the tokens one at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+
+from larql.inference.engine import (
+    EmptyPrompt,
+    EngineInfo,
+    InvariantViolation,
+    KvEngine,
+    MemoryBreakdown,
+    backend_name,
+    mib,
+)
+from larql.inference.ffn import FfnBackend
+from larql.inference.layer import attention_block, embed, ffn_block, token_tensor
+from larql.inference.profiling import DecodeStageSummary, EngineProfiler
+from larql.kv.buffers import KvBuffer
+from larql.kv.spec import EngineBuildError
+from larql.kv.window_checkpoints import (
+    Checkpoint,
+    CheckpointStore,
+    TokenArchive,
+    WindowedCheckpointStats,
+)
+from larql.models.model import Model
+
+DEFAULT_WINDOW = 512
+
+LayerKv = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [Hkv, n, D]
+
+
+class WindowedCheckpointEngine(KvEngine):
+    name = "windowed-checkpoint"
+
+    def __init__(self, window: int = DEFAULT_WINDOW, profiling: bool = False) -> None:
+        if window < 1:  # a zero-token window would never close
+            raise EngineBuildError(f"windowed-checkpoint: window must be ≥ 1, got {window}")
+        self.window = window
+        self._profiler = EngineProfiler(enabled=profiling)
+        self._backend = "cpu"
+        self._reset()
+
+    def _reset(self) -> None:
+        # Per layer: [checkpoint row (windows ≥ 1) ; rows of the current window].
+        self._layers: list[KvBuffer] | None = None
+        self._seeded = False  # whether the current window's buffers start with a checkpoint row
+        self.checkpoints = CheckpointStore()
+        self.archive = TokenArchive()
+        self.window_id = 0  # id of the open window
+        self.offset = 0  # absolute position of the open window's first token
+        self._decoding = False
+        self._model: Model | None = None
+        self._ffn: FfnBackend | None = None
+
+    # ------------------------------------------------------------------ protocol
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            name=self.name,
+            description=(
+                "window-boundary K/V checkpoints + token replay (windows="
+                f"{len(self.checkpoints)}, tokens={self.archive.total_tokens}, "
+                f"mem={mib(self.memory_bytes())})"
+            ),
+            backend=self._backend,
+            config=f"window={self.window}",
+        )
+
+    def memory(self) -> MemoryBreakdown:
+        hot = sum(b.nbytes() for b in self._layers or [])
+        cold = self.checkpoints.nbytes() + self.archive.nbytes()
+        return MemoryBreakdown(hot=hot, cold=cold)
+
+    def window_tokens(self) -> int:
+        return len(self.archive.pending)
+
+    def stage_summary(self) -> DecodeStageSummary | None:
+        return self._profiler.summary(self.name, self._backend)
+
+    def prefill(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
+        if len(token_ids) == 0:
+            raise EmptyPrompt()
+        self._reset()
+        self._backend = backend_name(model)
+        self._model, self._ffn = model, ffn
+        self._layers = [KvBuffer() for _ in range(model.config.num_layers)]
+        return self._process(model, ffn, list(token_ids))
+
+    def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
+        if self._layers is None:
+            raise InvariantViolation("decode_step called before prefill")
+        self._decoding = True
+        try:
+            with self._stage("decode_total", model):
+                return self._process(model, ffn, [token_id])
+        finally:
+            self._decoding = False
+
+    # ------------------------------------------------------------------ windows
+
+    def _process(self, model: Model, ffn: FfnBackend, token_ids: list[int]) -> torch.Tensor:
+        """Feed tokens window by window; a window that fills is closed at once."""
+        hidden: torch.Tensor | None = None
+        done = 0
+        while done < len(token_ids):
+            take = min(len(token_ids) - done, self.window - len(self.archive.pending))
+            hidden = self._extend_current(model, ffn, token_ids[done : done + take])
+            done += take
+            if len(self.archive.pending) == self.window:
+                self._close_window(model)
+        assert hidden is not None
+        return hidden
+
+    def _extend_current(self, model: Model, ffn: FfnBackend, chunk: list[int]) -> torch.Tensor:
+        """Run `chunk` (all in the open window) through every layer → last hidden [1, H]."""
+        assert self._layers is not None
+        if not self.archive.pending:
+            self._seed_window()
+        start = self.offset + len(self.archive.pending)
+        with self._stage("embed", model):
+            h = embed(model, token_tensor(model, chunk))  # [S, H]
+        for layer, kv in enumerate(self._layers):
+            with self._stage("attention", model):
+                h = attention_block(model, layer, h, start, kv)
+            with self._stage("ffn", model):
+                h = ffn_block(model, layer, h, ffn)
+        self.archive.pending.extend(chunk)
+        return h[-1:]
+
+    def _seed_window(self) -> None:
+        """Start the open window: empty K/V, or the previous window's checkpoint row."""
+        assert self._layers is not None
+        previous = self.checkpoints.get(self.window_id - 1)
+        for layer, kv in enumerate(self._layers):
+            kv.truncate(0)
+            if previous is not None:
+                kv.append(previous.keys[layer], previous.values[layer])
+        self._seeded = previous is not None
+
+    def _close_window(self, model: Model) -> None:
+        """Checkpoint the last row of every layer, archive the ids, drop the window's K/V."""
+        assert self._layers is not None
+        with self._stage("state_capture", model):
+            n = len(self.archive.pending)
+            checkpoint = Checkpoint(
+                position=self.offset + n - 1,
+                keys=tuple(kv.keys[:, -1:].clone() for kv in self._layers),
+                values=tuple(kv.values[:, -1:].clone() for kv in self._layers),
+            )
+            self.checkpoints.put(self.window_id, checkpoint)
+            self.archive.close(self.window_id, self.offset, model.device)
+            for kv in self._layers:
+                kv.truncate(0)
+            self._seeded = False
+            self.offset += n
+            self.window_id += 1
+
+    def _stage(self, name: str, model: Model) -> AbstractContextManager[None]:
+        if not self._decoding:
+            return nullcontext()
+        return self._profiler.stage(name, model.device)
+
+    # ------------------------------------------------------------------ introspection
+
+    def key_positions(self) -> range:
+        """Absolute positions of the K/V rows the next token will attend to (besides itself)."""
+        n = len(self.archive.pending)
+        if n == 0:  # the next token opens a new window
+            has_checkpoint = self.window_id - 1 in self.checkpoints
+            return range(self.offset - int(has_checkpoint), self.offset)
+        return range(self.offset - int(self._seeded), self.offset + n)
+
+    def current_window_kv(self) -> LayerKv:
+        """K/V of the open window's own tokens (checkpoint row excluded), per layer."""
+        if self._layers is None or not self.archive.pending:
+            return []
+        skip = int(self._seeded)
+        return [(kv.keys[:, skip:].clone(), kv.values[:, skip:].clone()) for kv in self._layers]
+
+    def replay_window(
+        self, window_id: int, model: Model | None = None, ffn: FfnBackend | None = None
+    ) -> LayerKv:
+        """Rebuild closed window `window_id`'s K/V from checkpoint `window_id − 1` (none for
+        window 0) and the archived tokens, at their absolute positions → per layer
+        (keys, values) [Hkv, n, D], the window's own rows. Defaults to the model and FFN of the
+        last prefill."""
+        model = model or self._model
+        ffn = ffn or self._ffn
+        archived = self.archive.get(window_id)
+        if archived is None or model is None or ffn is None:
+            raise InvariantViolation(
+                f"replay_window({window_id}): no closed window with that id "
+                f"(closed: {len(self.archive)})"
+            )
+        previous = self.checkpoints.get(window_id - 1)
+        sinks = [KvBuffer() for _ in range(model.config.num_layers)]
+        with torch.inference_mode():
+            h = embed(model, archived.token_ids.long())  # [n, H]
+            for layer, kv in enumerate(sinks):
+                if previous is not None:
+                    kv.append(previous.keys[layer], previous.values[layer])
+                h = attention_block(model, layer, h, archived.offset, kv)
+                h = ffn_block(model, layer, h, ffn)
+        skip = int(previous is not None)
+        return [(kv.keys[:, skip:].clone(), kv.values[:, skip:].clone()) for kv in sinks]
+
+    def stats(self) -> WindowedCheckpointStats:
+        tokens = self.archive.total_tokens
+        per_token = self._model.config.kv_bytes_per_token(2) if self._model is not None else 0
+        return WindowedCheckpointStats(
+            windows=len(self.checkpoints),
+            tokens=tokens,
+            equivalent_kv_bytes=tokens * per_token,
+            checkpoint_bytes=self.checkpoints.nbytes(),
+            archive_bytes=self.archive.nbytes(),
+        )
+
+    def summary(self) -> str:
+        return self.stats().summary()
