@@ -1,0 +1,106 @@
+"""Cold-tier codecs: how a layer's evicted pre-layer residuals are stored.
+
+`IdentityCodec` keeps them as they are (markov-rs: the cold tier is lossless and the K/V computed
+while the rows were hot stays valid). `Bf16Codec` keeps the float32 bit pattern rounded to
+bfloat16, round-to-nearest-even, as uint16 — half the bytes, and lossy, so the engine replaces
+the evicted rows' K/V with K/V recomputed from the round-tripped residuals (reference §5.4).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from larql.kv.residual.rows import RowBuffer
+
+
+def bf16_encode(x: torch.Tensor) -> torch.Tensor:
+    """x: [...] floating → uint16 bfloat16 bit patterns [...], round-to-nearest-even on the
+    float32 bit pattern: `(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16` in u32 arithmetic."""
+    bits = x.to(torch.float32).contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFFFFFF  # u32 wrap, as in the reference
+    return (rounded >> 16).to(torch.uint16)
+
+
+def bf16_decode(payload: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint16 bfloat16 bit patterns [...] → values [...] in `dtype` (exact: bf16 ⊂ float32)."""
+    return (payload.to(torch.int32) << 16).view(torch.float32).to(dtype)
+
+
+class ColdCodec(Protocol):
+    """One layer's cold tier. `lossless` codecs return their input from `append` unchanged."""
+
+    label: str
+    lossless: bool
+
+    def __len__(self) -> int: ...
+
+    def append(self, rows: torch.Tensor) -> torch.Tensor:
+        """Store rows [n, H]; return them as `decode` will give them back, [n, H]."""
+        ...
+
+    def decode(self) -> torch.Tensor:
+        """Every stored row, oldest first, in the dtype they were given: [len, H]."""
+        ...
+
+    def nbytes(self) -> int: ...
+
+
+class IdentityCodec:
+    """Rows kept as given (model dtype)."""
+
+    label = "identity"
+    lossless = True
+
+    def __init__(self) -> None:
+        self._rows = RowBuffer()
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def append(self, rows: torch.Tensor) -> torch.Tensor:
+        self._rows.append(rows)
+        return rows
+
+    def decode(self) -> torch.Tensor:
+        return self._rows.rows
+
+    def nbytes(self) -> int:
+        return self._rows.nbytes()
+
+
+class Bf16Codec:
+    """Rows kept as bfloat16 bit patterns (2 bytes per element)."""
+
+    label = "bf16"
+    lossless = False
+
+    def __init__(self) -> None:
+        self._payload = RowBuffer()  # [n, H] uint16
+        self._dtype = torch.float32
+
+    def __len__(self) -> int:
+        return len(self._payload)
+
+    def append(self, rows: torch.Tensor) -> torch.Tensor:
+        self._dtype = rows.dtype
+        encoded = bf16_encode(rows)  # [n, H] uint16
+        self._payload.append(encoded)
+        return bf16_decode(encoded, rows.dtype)
+
+    def decode(self) -> torch.Tensor:
+        return bf16_decode(self._payload.rows, self._dtype)
+
+    def nbytes(self) -> int:
+        return self._payload.nbytes()
+
+
+CODECS: dict[str, type[IdentityCodec] | type[Bf16Codec]] = {
+    IdentityCodec.label: IdentityCodec,
+    Bf16Codec.label: Bf16Codec,
+}
+
+
+def new_codec(label: str) -> ColdCodec:
+    return CODECS[label]()

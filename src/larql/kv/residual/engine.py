@@ -1,0 +1,190 @@
+"""The prefill and decode walk every residual-stream engine shares (reference §5.3, §5.4, §5.8).
+
+An engine of this family is configured by two things only: the hot-tier `window` and the cold
+codec of each layer. The walk stores each layer's pre-layer residual, runs the shared attention
+block with the layer's derivative K/V buffer as its sink, runs the caller's FFN, then evicts hot
+rows beyond the window into the cold tier. A lossless cold tier leaves the evicted rows' K/V as
+they are; a lossy one replaces them with K/V recomputed from the stored (round-tripped) rows at
+their true positions — one row per layer per step, O(1).
+
+Attention is always over the full history (DESIGN decision 2: `window` only splits storage), so
+with a lossless cold tier the engine is exact against `standard` at any window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from larql.inference.engine import (
+    BackendUnavailable,
+    EmptyPrompt,
+    InvariantViolation,
+    KvEngine,
+    MemoryBreakdown,
+    backend_name,
+)
+from larql.inference.ffn import FfnBackend
+from larql.inference.layer import attention_block, embed, ffn_block, token_tensor
+from larql.inference.profiling import DecodeStageSummary, EngineProfiler
+from larql.kv.buffers import KvBuffer
+from larql.kv.residual.store import ResidualStore
+from larql.models.model import Model
+
+_NOT_PROFILED = EngineProfiler(enabled=False)  # prefill is not part of the decode breakdown
+
+
+def check_preconditions(model: Model, engine: str) -> None:
+    """Refuse an architecture whose layer state is not a function of (pre-layer residual,
+    absolute position): storing residuals instead of K/V would not be exact there."""
+    arch = model.config.arch
+    if not arch.residual_is_sufficient:
+        raise BackendUnavailable(
+            f"{engine} needs layer state that is a function of the pre-layer residual and the "
+            f"absolute position; architecture {arch.name!r} does not guarantee it"
+        )
+
+
+class ResidualStreamEngine(KvEngine):
+    """Base of markov-rs, markov-rs-codec and boundary-per-layer; subclasses choose codecs."""
+
+    def __init__(
+        self, window: int | None = None, profiling: bool = False, model: Model | None = None
+    ) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"window must be ≥ 1, got {window}")
+        self.window = window
+        self._store: ResidualStore | None = None
+        self._profiler = EngineProfiler(enabled=profiling)
+        self._backend = "cpu"
+        if model is not None:
+            self.validate_for(model)
+
+    # ------------------------------------------------------------------ configuration
+
+    def validate_for(self, model: Model) -> None:
+        """Raise a typed error if this engine cannot decode with `model` (build or prefill)."""
+        check_preconditions(model, self.name)
+
+    def codec_labels(self, model: Model) -> list[str]:
+        """The cold codec of each layer."""
+        raise NotImplementedError
+
+    def window_config(self) -> str:
+        return f"window={self.window}" if self.window is not None else "window=full"
+
+    # ------------------------------------------------------------------ state and accounting
+
+    @property
+    def store(self) -> ResidualStore:
+        self._require_prefill()
+        assert self._store is not None
+        return self._store
+
+    def memory(self) -> MemoryBreakdown:
+        return self._store.memory() if self._store is not None else MemoryBreakdown()
+
+    def window_tokens(self) -> int:
+        return self._store.hot_len if self._store is not None else 0
+
+    def stage_summary(self) -> DecodeStageSummary | None:
+        return self._profiler.summary(self.name, self._backend)
+
+    def supports_multimodal(self) -> bool:
+        return True
+
+    def drop_derivative(self) -> None:
+        """Forget all cached K/V; the next step recomputes them from the stored residuals."""
+        self.store.drop_derivative()
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
+        if len(token_ids) == 0:
+            raise EmptyPrompt()
+        return self.prefill_from_hidden(model, ffn, embed(model, token_tensor(model, token_ids)))
+
+    def prefill_from_hidden(
+        self, model: Model, ffn: FfnBackend, initial_hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """initial_hidden: [S, H] rows at positions 0.. → last hidden [1, H]."""
+        if initial_hidden.shape[0] == 0:
+            raise EmptyPrompt()
+        self.validate_for(model)
+        self._backend = backend_name(model)
+        store = ResidualStore(self.window, self.codec_labels(model))
+        assert store.kv is not None
+        h = initial_hidden
+        for layer, buffer in enumerate(store.kv):
+            store.push(layer, h)
+            h = attention_block(model, layer, h, 0, buffer)
+            h = ffn_block(model, layer, h, ffn)
+        store.advance(initial_hidden.shape[0])
+        self._store = store
+        self._evict(model, _NOT_PROFILED)
+        return h[-1:]
+
+    # ------------------------------------------------------------------ decode
+
+    def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
+        self._require_prefill()
+        prof = self._profiler
+        with prof.stage("decode_total", model.device):
+            with prof.stage("embed", model.device):
+                h = embed(model, token_tensor(model, [token_id]))  # [1, H]
+            return self._step(model, ffn, h, prof)
+
+    def decode_step_from_hidden(
+        self, model: Model, ffn: FfnBackend, hidden_row: torch.Tensor
+    ) -> torch.Tensor:
+        self._require_prefill()
+        with self._profiler.stage("decode_total", model.device):
+            return self._step(model, ffn, hidden_row, self._profiler)
+
+    def _step(
+        self, model: Model, ffn: FfnBackend, h: torch.Tensor, prof: EngineProfiler
+    ) -> torch.Tensor:
+        """h: [1, H] at the next absolute position → its pre-final-norm hidden [1, H]."""
+        store = self.store
+        position = store.next_position
+        device = model.device
+        for layer, buffer in enumerate(self._derivative_kv(model, prof)):
+            with prof.stage("state_append", device):
+                store.push(layer, h)
+            with prof.stage("attention", device):
+                h = attention_block(model, layer, h, position, buffer)
+            with prof.stage("ffn", device):
+                h = ffn_block(model, layer, h, ffn)
+        store.advance(1)
+        self._evict(model, prof)
+        return h
+
+    def _derivative_kv(self, model: Model, prof: EngineProfiler) -> list[KvBuffer]:
+        """Each layer's K/V of positions [0, next_position), rebuilt if it was dropped."""
+        store = self.store
+        if store.kv is None:
+            buffers = []
+            for layer in range(store.num_layers):
+                with prof.stage("recompute_cold", model.device):
+                    buffer = store.rebuild_cold_kv(model, layer)
+                with prof.stage("recompute_hot", model.device):
+                    store.rebuild_hot_kv(model, layer, buffer)
+                buffers.append(buffer)
+            store.kv = buffers
+        return store.kv
+
+    def _evict(self, model: Model, prof: EngineProfiler) -> None:
+        """Move overflowing hot rows to the cold tier; re-derive K/V of lossily stored rows."""
+        store = self.store
+        with prof.stage("state_append", model.device):
+            blocks = store.evict_overflow()
+        lossy = [block for block in blocks if not block.lossless]
+        if lossy and store.kv is not None:
+            with prof.stage("recompute_cold", model.device):
+                for block in lossy:
+                    store.replace_kv(model, block)
+
+    def _require_prefill(self) -> None:
+        if self._store is None:
+            raise InvariantViolation("decode_step called before prefill")
