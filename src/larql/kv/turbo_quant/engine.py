@@ -1,0 +1,191 @@
+"""`turbo-quant`: K/V kept only in quantised form (TurboQuant-style, reference §5.6).
+
+Prefill attends over the exact K/V of the prompt (so its output equals `standard`'s), then stores
+each layer's K/V encoded. Every decode step, per layer: decode the stored rows, attend over
+[decoded history ; exact new row], then encode only the new row and append it (append-only: a
+stored row is never re-encoded). The decoded history is a temporary, never kept, so the memory
+held is the encoded bytes alone; decoding is O(T) per step by nature, done for a whole layer at
+once.
+
+Each K and V row is encoded per head (per head_dim chunk) by a `RowCodec`, by default
+`TurboQuantCodec(head_dim, bits)`. One token's entry in a layer's store is
+[K head 0 … K head Hkv−1, V head 0 … V head Hkv−1], each a codec vector. On an architecture's
+sliding layers only the rows a later query can still see are kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from larql.inference.engine import (
+    EmptyPrompt,
+    EngineInfo,
+    InvariantViolation,
+    KvEngine,
+    MemoryBreakdown,
+    backend_name,
+    mib,
+)
+from larql.inference.ffn import FfnBackend
+from larql.inference.layer import (
+    FreshKv,
+    attention_block,
+    effective_window,
+    embed,
+    ffn_block,
+    token_tensor,
+)
+from larql.inference.profiling import DecodeStageSummary, EngineProfiler
+from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
+from larql.kv.turbo_quant.store import EncodedRows
+from larql.models.model import Model
+
+CodecFactory = Callable[[int], RowCodec]  # head_dim → codec
+
+
+class HistoryThenNew:
+    """A K/V sink for one decode step: the new rows attend over the decoded history followed by
+    themselves; the exact new rows are kept for encoding after the step."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self._keys, self._values = keys, values  # [Hkv, n, D]
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k, self.v = k, v
+        return torch.cat((self._keys, k), dim=1), torch.cat((self._values, v), dim=1)
+
+
+class TurboQuantEngine(KvEngine):
+    name = "turbo-quant"
+
+    def __init__(
+        self, bits: int = 4, profiling: bool = False, codec_factory: CodecFactory | None = None
+    ) -> None:
+        self.bits = bits
+        self.position = 0  # absolute position of the next token
+        self._codec_factory = codec_factory or (lambda dim: TurboQuantCodec(dim, bits))
+        self._codec: RowCodec | None = None
+        self._layers: list[EncodedRows] | None = None
+        self._backend = "cpu"
+        self._profiler = EngineProfiler(enabled=profiling)
+
+    # ------------------------------------------------------------------ description
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            name=self.name,
+            description=(f"{self.bits}-bit WHT+Lloyd-Max K/V (mem={mib(self.memory_bytes())})"),
+            backend=self._backend,
+            config=f"bits={self.bits}",
+        )
+
+    def memory(self) -> MemoryBreakdown:
+        return MemoryBreakdown(hot=sum(rows.stored_bytes() for rows in self._layers or []))
+
+    def stored_rows(self, layer: int) -> int:
+        """Tokens whose K/V layer `layer` holds (encoded)."""
+        return len(self._layers[layer]) if self._layers else 0
+
+    def stage_summary(self) -> DecodeStageSummary | None:
+        return self._profiler.summary(self.name, self._backend)
+
+    def supports_multimodal(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
+        if len(token_ids) == 0:
+            raise EmptyPrompt()
+        return self.prefill_from_hidden(model, ffn, embed(model, token_tensor(model, token_ids)))
+
+    def prefill_from_hidden(
+        self, model: Model, ffn: FfnBackend, initial_hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """initial_hidden: [S, H] → last position's hidden [1, H], attending over exact K/V."""
+        if initial_hidden.shape[0] == 0:
+            raise EmptyPrompt()
+        self._backend = backend_name(model)
+        cfg = model.config
+        self._codec = self._codec_factory(cfg.head_dim)
+        row_bytes = 2 * cfg.num_kv_heads * self._codec.bytes_per_vector
+        self._layers = [
+            EncodedRows(row_bytes, keep=self._keep(model, layer)) for layer in range(cfg.num_layers)
+        ]
+        h = initial_hidden  # [S, H]
+        for layer in range(cfg.num_layers):
+            exact = FreshKv()
+            h = attention_block(model, layer, h, 0, exact)
+            assert exact.k is not None and exact.v is not None
+            self._encode_and_append(layer, exact.k, exact.v)
+            h = ffn_block(model, layer, h, ffn)
+        self.position = initial_hidden.shape[0]
+        return h[-1:]
+
+    # ------------------------------------------------------------------ decode
+
+    def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
+        self._require_prefill()
+        stage = self._profiler.stage
+        with stage("decode_total", model.device):
+            with stage("embed", model.device):
+                h = embed(model, token_tensor(model, [token_id]))  # [1, H]
+            return self._decode_layers(model, ffn, h)
+
+    def decode_step_from_hidden(
+        self, model: Model, ffn: FfnBackend, hidden_row: torch.Tensor
+    ) -> torch.Tensor:
+        self._require_prefill()
+        with self._profiler.stage("decode_total", model.device):
+            return self._decode_layers(model, ffn, hidden_row)
+
+    def _decode_layers(self, model: Model, ffn: FfnBackend, h: torch.Tensor) -> torch.Tensor:
+        """h: [1, H] at `self.position` → [1, H] after every layer; stores the new row."""
+        assert self._layers is not None
+        stage, device = self._profiler.stage, model.device
+        for layer in range(len(self._layers)):
+            with stage("state_materialise", device):
+                keys, values = self._decode_layer(layer, model.dtype)  # [Hkv, n, D]
+            sink = HistoryThenNew(keys, values)
+            with stage("attention", device):
+                h = attention_block(model, layer, h, self.position, sink)
+            with stage("state_append", device):
+                assert sink.k is not None and sink.v is not None
+                self._encode_and_append(layer, sink.k, sink.v)
+            with stage("ffn", device):
+                h = ffn_block(model, layer, h, ffn)
+        self.position += 1
+        return h
+
+    # ------------------------------------------------------------------ state
+
+    def _encode_and_append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [Hkv, S, D] exact rows → one encoded entry per token appended to the layer."""
+        assert self._layers is not None and self._codec is not None
+        heads, s, dim = k.shape
+        vectors = torch.stack((k, v)).permute(2, 0, 1, 3).reshape(s * 2 * heads, dim)
+        encoded = self._codec.encode(vectors)  # [S·2·Hkv, bytes_per_vector]
+        self._layers[layer].append(encoded.view(s, -1))
+
+    def _decode_layer(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's stored rows decoded → keys, values [Hkv, n, D] in `dtype`."""
+        assert self._layers is not None and self._codec is not None
+        rows = self._layers[layer].rows  # [n, row_bytes]
+        n = rows.shape[0]
+        vectors = self._codec.decode(rows.reshape(-1, self._codec.bytes_per_vector), dtype)
+        kv = vectors.view(n, 2, -1, self._codec.dim)  # [n, 2, Hkv, D]
+        return kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)
+
+    @staticmethod
+    def _keep(model: Model, layer: int) -> int | None:
+        # A query sees w keys including itself, so w − 1 stored rows are all a later one can use.
+        w = effective_window(model, layer, None)
+        return None if w is None else w - 1
+
+    def _require_prefill(self) -> None:
+        if self._layers is None:
+            raise InvariantViolation("decode_step called before prefill")
