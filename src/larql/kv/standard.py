@@ -54,11 +54,21 @@ class StandardEngine(KvEngine):
         return True
 
     def prefill(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
+        return self.prefill_rows(model, ffn, token_ids)[-1:]
+
+    def prefill_rows(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
+        """`prefill` that returns the pre-final-norm hidden of every prompt row [S, H], for
+        callers that read positions inside the prompt (boundary frames)."""
         if len(token_ids) == 0:
             raise EmptyPrompt()
-        return self.prefill_from_hidden(model, ffn, embed(model, token_tensor(model, token_ids)))
+        return self._prefill_rows(model, ffn, embed(model, token_tensor(model, token_ids)))
 
     def prefill_from_hidden(
+        self, model: Model, ffn: FfnBackend, initial_hidden: torch.Tensor
+    ) -> torch.Tensor:
+        return self._prefill_rows(model, ffn, initial_hidden)[-1:]
+
+    def _prefill_rows(
         self, model: Model, ffn: FfnBackend, initial_hidden: torch.Tensor
     ) -> torch.Tensor:
         if initial_hidden.shape[0] == 0:
@@ -67,7 +77,7 @@ class StandardEngine(KvEngine):
         self._layers = [self._new_buffer(model, i) for i in range(model.config.num_layers)]
         h = self._run(model, ffn, initial_hidden, start=0)
         self.position = initial_hidden.shape[0]
-        return h[-1:]
+        return h
 
     def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
         self._require_prefill()

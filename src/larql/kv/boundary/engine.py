@@ -1,0 +1,188 @@
+"""`boundary-kv`: a `standard` engine that also emits a boundary frame at the end of every chunk
+of `chunk_tokens` tokens — the residual there, how confident the model was, and whether an int8
+copy would still predict the same token (reference §5.7).
+
+Decoding is done entirely by the inner `StandardEngine`, so the output is the standard output.
+Frames are emitted at every multiple of `chunk_tokens` the sequence reaches, including those
+crossed inside the prompt at prefill (the reference emits one only when the prompt length itself
+is a multiple). The frame for token_end = e carries the hidden of position e − 1 (the last layer's
+output, before the final norm). Frames live in the archive, not in the engine's memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from larql.inference.engine import (
+    BackendFailure,
+    EngineInfo,
+    KvEngine,
+    MemoryBreakdown,
+    mib,
+)
+from larql.inference.ffn import FfnBackend
+from larql.inference.layer import final_logits
+from larql.kv.boundary import codecs
+from larql.kv.boundary.archive import BoundaryArchive, InMemoryBoundaryArchive
+from larql.kv.boundary.frames import (
+    FRAME_VERSION,
+    Agreement,
+    BoundaryFrame,
+    BoundaryMetadata,
+    BoundaryModelIdentity,
+    BoundaryPayload,
+)
+from larql.kv.boundary.gate import GateConfig, payload_plan
+from larql.kv.boundary.identity import model_identity
+from larql.kv.spec import EngineBuildError
+from larql.kv.standard import StandardEngine
+from larql.models.model import Model
+
+DEFAULT_CHUNK_TOKENS = 512
+DEFAULT_SEQUENCE_ID = "default"
+AGREEMENT_CODEC = "int8_clip3sigma"
+
+
+class BoundaryKvEngine(KvEngine):
+    name = "boundary-kv"
+
+    def __init__(
+        self,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        sequence_id: str = DEFAULT_SEQUENCE_ID,
+        window: int | None = None,
+        archive: BoundaryArchive | None = None,
+        identity: BoundaryModelIdentity | None = None,
+        gate: GateConfig | None = None,
+        verify_agreement: bool = True,
+    ) -> None:
+        if chunk_tokens < 1:
+            raise EngineBuildError(f"boundary-kv: chunk_tokens must be ≥ 1, got {chunk_tokens}")
+        self.chunk_tokens = chunk_tokens
+        self.sequence_id = sequence_id
+        self.window = window
+        self.inner = StandardEngine(window)
+        self.archive = archive if archive is not None else InMemoryBoundaryArchive()
+        self.identity = identity
+        self.gate = gate or GateConfig()
+        self.verify_agreement = verify_agreement
+        self.frames_emitted = 0
+        self.payload_bytes_emitted = 0
+
+    def info(self) -> EngineInfo:
+        window = self.window if self.window is not None else "full"
+        return EngineInfo(
+            name=self.name,
+            description=(
+                f"standard K/V + boundary-frame emission every {self.chunk_tokens} tokens "
+                f"(archived={self.frames_emitted} frames, {self.payload_bytes_emitted} payload "
+                f"bytes in {self.archive.describe()}; mem={mib(self.memory_bytes())})"
+            ),
+            backend=self.inner.info().backend,
+            config=f"chunk_tokens={self.chunk_tokens},sequence_id={self.sequence_id},"
+            f"window={window}",
+        )
+
+    def memory(self) -> MemoryBreakdown:
+        return self.inner.memory()  # frames are in the archive, reported in info()
+
+    def window_tokens(self) -> int:
+        return self.inner.window_tokens()
+
+    def prefill(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
+        rows = self.inner.prefill_rows(model, ffn, token_ids)  # [S, H]
+        for end in range(self.chunk_tokens, rows.shape[0] + 1, self.chunk_tokens):
+            self._emit(model, rows[end - 1 : end], end)
+        return rows[-1:]
+
+    def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
+        hidden = self.inner.decode_step(model, ffn, token_id)  # [1, H]
+        if self.inner.position % self.chunk_tokens == 0:
+            self._emit(model, hidden, self.inner.position)
+        return hidden
+
+    def frames(self) -> list[BoundaryFrame]:
+        """This engine's sequence chain, in token order."""
+        return self.archive.load_chain(self.sequence_id)
+
+    def _emit(self, model: Model, row: torch.Tensor, token_end: int) -> None:
+        if self.identity is None:
+            self.identity = model_identity(model)
+        frame = build_frame(
+            model,
+            row,
+            token_start=max(token_end - self.chunk_tokens, 0),
+            token_end=token_end,
+            sequence_id=self.sequence_id,
+            identity=self.identity,
+            gate=self.gate,
+            verify_agreement=self.verify_agreement,
+        )
+        try:
+            self.archive.append(frame)
+        except Exception as e:  # any archive failure surfaces as the typed engine error
+            raise BackendFailure(f"boundary frame emit failed: {e}") from e
+        self.frames_emitted += 1
+        self.payload_bytes_emitted += frame.payload.nbytes
+
+
+def boundary_metadata(
+    model: Model, row: torch.Tensor, gate: GateConfig, verify_agreement: bool
+) -> BoundaryMetadata:
+    """row: [1, H] pre-final-norm hidden → metadata from its raw logits."""
+    logits = final_logits(model, row)[0].double()  # [V]
+    log_probs = torch.log_softmax(logits, dim=-1)
+    top = torch.topk(logits, 2)
+    top1, top2 = int(top.indices[0]), int(top.indices[1])
+    log_prob_margin = float(log_probs[top1] - log_probs[top2])
+    top1_prob = float(log_probs[top1].exp())
+    agreement = Agreement.NOT_CHECKED
+    if verify_agreement:
+        decoded = codecs.round_trip(AGREEMENT_CODEC, row[0])  # float32 [H]
+        restored = decoded.to(device=row.device, dtype=row.dtype).view(1, -1)
+        agrees = int(final_logits(model, restored)[0].argmax()) == top1
+        agreement = Agreement.AGREES if agrees else Agreement.DISAGREES
+    return BoundaryMetadata(
+        top1_token_id=top1,
+        top1_logit=float(top.values[0]),
+        top2_token_id=top2,
+        top2_logit=float(top.values[1]),
+        raw_logit_margin=float(top.values[0] - top.values[1]),
+        raw_log_prob_margin=log_prob_margin,
+        raw_top1_prob=top1_prob,
+        agreement=agreement,
+        codec_fragile=agreement is Agreement.DISAGREES,
+        boundary_fragile=gate.boundary_fragile(log_prob_margin, top1_prob),
+        top1_text=model.tokenizer.decode([top1]),
+    )
+
+
+def build_frame(
+    model: Model,
+    row: torch.Tensor,
+    token_start: int,
+    token_end: int,
+    sequence_id: str,
+    identity: BoundaryModelIdentity,
+    gate: GateConfig,
+    verify_agreement: bool = True,
+) -> BoundaryFrame:
+    """The frame for the chunk [token_start, token_end) from the hidden row [1, H] of position
+    token_end − 1."""
+    metadata = boundary_metadata(model, row, gate, verify_agreement)
+    codec, contract = payload_plan(gate.decide(metadata.agreement, metadata.boundary_fragile))
+    data = b"" if codec == "none" else codecs.encode(codec, row[0])
+    return BoundaryFrame(
+        version=FRAME_VERSION,
+        identity=identity,
+        sequence_id=sequence_id,
+        boundary_id=f"{sequence_id}:{token_end}",
+        token_start=token_start,
+        token_end=token_end,
+        layer=model.config.num_layers - 1,
+        hidden_size=model.config.hidden_size,
+        metadata=metadata,
+        payload=BoundaryPayload(codec, data, contract),
+    )
