@@ -5,7 +5,9 @@ from __future__ import annotations
 import typer
 
 from larql.cli.accuracy_cmd import accuracy
+from larql.cli.apollo_cmd import apollo_app
 from larql.cli.bench_cmd import bench
+from larql.cli.boundary_cmd import boundary_app
 from larql.cli.catalog_cmd import engines, models
 from larql.cli.run_cmd import run
 
@@ -21,6 +23,8 @@ app.command()(engines)
 app.command()(models)
 app.command()(bench)
 app.command()(accuracy)
+app.add_typer(apollo_app, name="apollo")
+app.add_typer(boundary_app, name="boundary")
 
 
 def main() -> None:
