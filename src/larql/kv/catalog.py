@@ -22,6 +22,10 @@ WINDOW_DOC = "keys each query sees, itself included (none = unbounded)"
 
 CATALOG = EngineCatalog()
 
+HOT_WINDOW_DOC = (
+    "hot residual rows per layer; older rows go to the cold tier (attention stays full)"
+)
+
 CATALOG.register(
     EngineEntry(
         name="standard",
@@ -32,6 +36,7 @@ CATALOG.register(
         factory=lambda p, model: StandardEngine(window=p["window"]),
     )
 )
+
 CATALOG.register(
     EngineEntry(
         name="no-cache",
@@ -40,6 +45,35 @@ CATALOG.register(
         keeps="token ids only; re-runs the whole forward pass each step (O(N²))",
         contract="exact vs standard (logits ≤1e-9 relative in float64)",
         factory=lambda p, model: NoCacheEngine(),
+    )
+)
+
+CATALOG.register(
+    EngineEntry(
+        name="markov-rs",
+        aliases=("markov_rs", "markov-residual", "markov_residual"),
+        params=(Param("window", int, None, HOT_WINDOW_DOC, at_least(1)),),
+        keeps="pre-layer residuals per layer (hot: last window rows; cold: the rest, lossless); "
+        "K/V of every position as a droppable derivative",
+        contract="exact vs standard at any window (window splits storage, not attention)",
+        factory=lambda p, model: MarkovResidualEngine(
+            window=p["window"], profiling=p["profiling"], model=model
+        ),
+    )
+)
+
+CATALOG.register(
+    EngineEntry(
+        name="markov-rs-codec",
+        aliases=("markov_rs_codec", "markov-residual-codec", "markov_residual_codec"),
+        params=(Param("window", int, None, HOT_WINDOW_DOC, at_least(1)),),
+        keeps="as markov-rs, cold residuals as bf16 (2 bytes/element); cold K/V recomputed "
+        "from the round-tripped residuals at their true positions",
+        contract="identical to markov-rs until a row overflows the window; then mean KL vs "
+        "standard ≤ 0.01 nats",
+        factory=lambda p, model: MarkovResidualCodecEngine(
+            window=p["window"], profiling=p["profiling"], model=model
+        ),
     )
 )
 
@@ -63,58 +97,6 @@ CATALOG.register(
         "the checkpoint row and its own window (documented loss)",
         factory=lambda p, model: WindowedCheckpointEngine(
             window=p["window"], profiling=p["profiling"]
-        ),
-    )
-)
-
-
-HOT_WINDOW_DOC = (
-    "hot residual rows per layer; older rows go to the cold tier (attention stays full)"
-)
-
-CATALOG.register(
-    EngineEntry(
-        name="markov-rs",
-        aliases=("markov_rs", "markov-residual", "markov_residual"),
-        params=(Param("window", int, None, HOT_WINDOW_DOC, at_least(1)),),
-        keeps="pre-layer residuals per layer (hot: last window rows; cold: the rest, lossless); "
-        "K/V of every position as a droppable derivative",
-        contract="exact vs standard at any window (window splits storage, not attention)",
-        factory=lambda p, model: MarkovResidualEngine(
-            window=p["window"], profiling=p["profiling"], model=model
-        ),
-    )
-)
-CATALOG.register(
-    EngineEntry(
-        name="markov-rs-codec",
-        aliases=("markov_rs_codec", "markov-residual-codec", "markov_residual_codec"),
-        params=(Param("window", int, None, HOT_WINDOW_DOC, at_least(1)),),
-        keeps="as markov-rs, cold residuals as bf16 (2 bytes/element); cold K/V recomputed "
-        "from the round-tripped residuals at their true positions",
-        contract="identical to markov-rs until a row overflows the window; then mean KL vs "
-        "standard ≤ 0.01 nats",
-        factory=lambda p, model: MarkovResidualCodecEngine(
-            window=p["window"], profiling=p["profiling"], model=model
-        ),
-    )
-)
-CATALOG.register(
-    EngineEntry(
-        name="boundary-per-layer",
-        aliases=("boundary_per_layer", "boundary-pl"),
-        params=(
-            Param("window", int, None, HOT_WINDOW_DOC, at_least(1)),
-            Param(
-                "layers", int, None, "layers of the codec policy (none = model depth)", at_least(1)
-            ),
-        ),
-        keeps="as markov-rs-codec, with a per-layer cold codec policy (v1: bf16 per layer) "
-        "and its calibration record",
-        contract="bounded KL per calibrated policy (bf16: 0.01 nats); greedy tokens agree "
-        "with markov-rs-codec at the same window",
-        factory=lambda p, model: BoundaryPerLayerEngine(
-            window=p["window"], layers=p["layers"], profiling=p["profiling"], model=model
         ),
     )
 )
@@ -178,6 +160,26 @@ CATALOG.register(
             sequence_id=p["sequence_id"],
             window=p["window"],
             archive=DirectoryBoundaryArchive(p["archive"]) if p["archive"] else None,
+        ),
+    )
+)
+
+CATALOG.register(
+    EngineEntry(
+        name="boundary-per-layer",
+        aliases=("boundary_per_layer", "boundary-pl"),
+        params=(
+            Param("window", int, None, HOT_WINDOW_DOC, at_least(1)),
+            Param(
+                "layers", int, None, "layers of the codec policy (none = model depth)", at_least(1)
+            ),
+        ),
+        keeps="as markov-rs-codec, with a per-layer cold codec policy (v1: bf16 per layer) "
+        "and its calibration record",
+        contract="bounded KL per calibrated policy (bf16: 0.01 nats); greedy tokens agree "
+        "with markov-rs-codec at the same window",
+        factory=lambda p, model: BoundaryPerLayerEngine(
+            window=p["window"], layers=p["layers"], profiling=p["profiling"], model=model
         ),
     )
 )
