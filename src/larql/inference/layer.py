@@ -85,7 +85,12 @@ def effective_window(model: Model, layer: int, engine_window: int | None) -> int
 
 
 def _heads_k_v(
-    model: Model, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
+    model: Model,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """k, v: [S, kv_dim] projections → k (k-normed, rotated), v: [Hkv, S, D]."""
     cfg = model.config
@@ -94,7 +99,6 @@ def _heads_k_v(
     k = k.view(s, cfg.num_kv_heads, cfg.head_dim)
     if lw.k_norm is not None:
         k = rms_norm(k, lw.k_norm, cfg.norm_eps)
-    cos, sin = rope_table(model, layer).slice(start, s)
     k = apply_rope(k.transpose(0, 1), cos, sin)
     v = v.view(s, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
     return k, v
@@ -104,18 +108,25 @@ def project_qkv(
     model: Model, layer: int, h: torch.Tensor, start: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pre-layer residual h: [S, H] at positions start.. → q [Hq,S,D], k [Hkv,S,D], v [Hkv,S,D]."""
+    cos, sin = rope_table(model, layer).slice(start, h.shape[0])
+    return project_qkv_rotated(model, layer, h, cos, sin)
+
+
+def project_qkv_rotated(
+    model: Model, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`project_qkv` with the rows' RoPE cos/sin [S, rotary_dim/2] given (they may be gathered
+    by a position tensor on the device, for a captured CUDA graph)."""
     cfg = model.config
     lw = model.weights.layers[layer]
     x = rms_norm(h, lw.attn_norm, cfg.norm_eps)
     qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [S, q_dim + 2·kv_dim]
     q, k, v = qkv.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
-    s = h.shape[0]
-    q = q.view(s, cfg.num_heads, cfg.head_dim)
+    q = q.view(h.shape[0], cfg.num_heads, cfg.head_dim)
     if lw.q_norm is not None:
         q = rms_norm(q, lw.q_norm, cfg.norm_eps)
-    cos, sin = rope_table(model, layer).slice(start, s)
     q = apply_rope(q.transpose(0, 1), cos, sin)
-    k, v = _heads_k_v(model, layer, k, v, start)
+    k, v = _heads_k_v(model, layer, k, v, cos, sin)
     return q, k, v
 
 
@@ -130,7 +141,8 @@ def recompute_kv(
     w_kv = lw.wqkv[cfg.q_dim :]
     b_kv = lw.bqkv[cfg.q_dim :] if lw.bqkv is not None else None
     k, v = F.linear(x, w_kv, b_kv).split([cfg.kv_dim, cfg.kv_dim], dim=-1)  # [N, kv_dim] each
-    return _heads_k_v(model, layer, k, v, abs_start)
+    cos, sin = rope_table(model, layer).slice(abs_start, h_stored.shape[0])
+    return _heads_k_v(model, layer, k, v, cos, sin)
 
 
 def attend(
@@ -179,6 +191,41 @@ def attend(
     return out.transpose(0, 1).reshape(s, cfg.q_dim)
 
 
+def attend_static(
+    model: Model,
+    layer: int,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    position: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """One decode query q: [Hq, 1, D] at `position` (a 0-dim or [1] long tensor on the device)
+    over a fixed-capacity cache keys/values: [Hkv, C, D] whose row i holds position i. Rows not
+    yet written (i > position) and rows outside the window are masked, so every shape is static
+    and the step can be captured in a CUDA graph. → [1, q_dim]"""
+    cfg = model.config
+    rows = torch.arange(keys.shape[1], device=keys.device)  # [C]
+    valid = rows <= position
+    w = effective_window(model, layer, window)
+    if w is not None:
+        valid &= (position - rows) < w
+    mask = valid.view(1, -1)  # [1, C]
+    if cfg.arch.attn_softcap is not None:
+        cap = cfg.arch.attn_softcap
+        out = _softcapped_attention(q, keys, values, mask, False, cfg.attn_scale, cap)
+    else:
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask,
+            scale=cfg.attn_scale,
+            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+        )[0]  # [Hq, 1, D]
+    return out.transpose(0, 1).reshape(1, cfg.q_dim)
+
+
 def _softcapped_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -213,10 +260,15 @@ def attention_block(
 ) -> torch.Tensor:
     """Pre-layer residual h: [S, H] at positions start.. → residual after attention [S, H].
     The new rows' K (k-normed, rotated) and V go to `kv`."""
-    lw = model.weights.layers[layer]
     q, k, v = project_qkv(model, layer, h, start)
     keys, values = kv.append(k, v)
     attn = attend(model, layer, q, keys, values, start, window)  # [S, q_dim]
+    return attention_output(model, layer, h, attn)
+
+
+def attention_output(model: Model, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """Output projection (+ post-attention norm) added to the residual: [S, H]."""
+    lw = model.weights.layers[layer]
     out = F.linear(attn, lw.wo, lw.bo)
     if lw.post_attn_norm is not None:
         out = rms_norm(out, lw.post_attn_norm, model.config.norm_eps)

@@ -4,7 +4,10 @@ its correctness contract. `larql engines`, the README table and the spec parser 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
+from larql.inference.engine import KvEngine
 from larql.kv.apollo import build_apollo
 from larql.kv.boundary import BoundaryKvEngine, DirectoryBoundaryArchive
 from larql.kv.no_cache import NoCacheEngine
@@ -15,12 +18,26 @@ from larql.kv.residual import (
 )
 from larql.kv.spec import EngineCatalog, EngineEntry, EngineKind, Param, at_least, one_of
 from larql.kv.standard import StandardEngine
+from larql.kv.static_cache import StaticCacheEngine
 from larql.kv.turbo_quant import TurboQuantEngine
 from larql.kv.windowed_checkpoint import DEFAULT_WINDOW, WindowedCheckpointEngine
+from larql.models.model import Model
 
 WINDOW_DOC = "keys each query sees, itself included (none = unbounded)"
 
+GRAPH_DOC = (
+    "on CUDA, decode through a static cache and a captured CUDA graph (1) or eagerly (0); "
+    "CPU always runs eagerly"
+)
+
 CATALOG = EngineCatalog()
+
+
+def build_standard(p: Mapping[str, Any], model: Model | None) -> KvEngine:
+    if p["graph"] and model is not None and model.device.type == "cuda":
+        return StaticCacheEngine(window=p["window"])
+    return StandardEngine(window=p["window"])
+
 
 HOT_WINDOW_DOC = (
     "hot residual rows per layer; older rows go to the cold tier (attention stays full)"
@@ -30,10 +47,13 @@ CATALOG.register(
     EngineEntry(
         name="standard",
         aliases=("full", "fp32", "markov-bounded", "bounded", "sliding"),
-        params=(Param("window", int, None, WINDOW_DOC, at_least(1)),),
+        params=(
+            Param("window", int, None, WINDOW_DOC, at_least(1)),
+            Param("graph", int, 1, GRAPH_DOC, one_of(0, 1)),
+        ),
         keeps="K/V of every layer (the last window−1 rows when windowed), model dtype",
         contract="the reference; window=N is sliding-window attention over N keys",
-        factory=lambda p, model: StandardEngine(window=p["window"]),
+        factory=build_standard,
     )
 )
 

@@ -117,8 +117,10 @@ class EngineKind:
         return self.entry.live_decode
 
     def spec(self) -> str:
-        """Canonical spec string; parsing it gives back an equal `EngineKind`."""
-        shown = [f"{k}={v}" for k, v in self.params.items() if v is not None]
+        """Canonical spec string (defaults left out); parsing it gives back an equal
+        `EngineKind`."""
+        defaults = {p.name: p.default for p in self.entry.params}
+        shown = [f"{k}={v}" for k, v in self.params.items() if v is not None and v != defaults[k]]
         return f"{self.entry.name}:{','.join(shown)}" if shown else self.entry.name
 
     def build(self, model: Model | None = None, profiling: bool = False) -> AnyEngine:

@@ -1,0 +1,187 @@
+"""`standard` with a preallocated (static) K/V cache and, on CUDA, the one-token decode step
+captured in a CUDA graph: the fast path of `standard` on a GPU.
+
+A small model's decode step on a GPU is bound by kernel launches, not by the GPU: replaying a
+captured graph launches the ~30 layers' kernels with one call. Capture needs static shapes, so
+each layer's K/V lives in a [Hkv, capacity, D] buffer whose row i is position i; the step writes
+its row with `index_copy_` at a position held in a device tensor and attends over the whole
+buffer with a mask (`attend_static`). Capacity grows by doubling (a re-capture each time).
+
+It computes exactly what `StandardEngine` computes (same primitives; the eager `StandardEngine`
+stays the reference and the tests compare the two). The graph is used only with an FFN backend
+that is safe to capture (`DenseFfn`); any other backend runs the same static step eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from larql.inference.engine import (
+    EmptyPrompt,
+    EngineInfo,
+    InvariantViolation,
+    KvEngine,
+    MemoryBreakdown,
+    backend_name,
+    mib,
+    tensor_bytes,
+)
+from larql.inference.ffn import DenseFfn, FfnBackend
+from larql.inference.layer import (
+    attend_static,
+    attention_output,
+    embed,
+    ffn_block,
+    layer_step,
+    project_qkv_rotated,
+    rope_table,
+    token_tensor,
+)
+from larql.models.model import Model
+
+_MIN_CAPACITY = 256
+_DECODE_HEADROOM = 128  # rows reserved past the prompt before the first growth
+
+
+class _PrefillSink:
+    """Writes a layer's prompt K/V into rows 0..S-1 of the static buffers."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys, self.values = keys, values
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = k.shape[1]
+        self.keys[:, :s] = k
+        self.values[:, :s] = v
+        return self.keys[:, :s], self.values[:, :s]
+
+
+class StaticCacheEngine(KvEngine):
+    name = "standard"
+
+    def __init__(self, window: int | None = None, use_graph: bool = True) -> None:
+        self.window = window
+        self.use_graph = use_graph
+        self.position = 0
+        self._keys: list[torch.Tensor] | None = None  # per layer [Hkv, capacity, D]
+        self._values: list[torch.Tensor] | None = None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_ffn: FfnBackend | None = None
+        self._token: torch.Tensor | None = None  # [1] long, graph input
+        self._pos: torch.Tensor | None = None  # [1] long, graph input
+        self._out: torch.Tensor | None = None  # [1, H], graph output
+        self._captured_tables: list[torch.Tensor] = []  # kept alive: the graph reads them
+        self._backend = "cpu"
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._keys is None else self._keys[0].shape[1]
+
+    def info(self) -> EngineInfo:
+        path = "cuda-graph" if self._graph is not None else "static"
+        return EngineInfo(
+            name=self.name,
+            description=f"static K/V cache, {path} decode step (mem={mib(self.memory_bytes())})",
+            backend=self._backend,
+            config=f"window={self.window}" if self.window else "window=full",
+        )
+
+    def memory(self) -> MemoryBreakdown:
+        return MemoryBreakdown(hot=tensor_bytes(*(self._keys or []), *(self._values or [])))
+
+    def window_tokens(self) -> int:
+        return min(self.position, self.window) if self.window else self.position
+
+    def dispatch_path(self) -> str | None:
+        return "cuda-graph" if self._graph is not None else "static"
+
+    def prefill(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
+        if len(token_ids) == 0:
+            raise EmptyPrompt()
+        self._backend = backend_name(model)
+        n = len(token_ids)
+        self._allocate(model, _next_power_of_two(max(_MIN_CAPACITY, n + _DECODE_HEADROOM)))
+        assert self._keys is not None and self._values is not None
+        h = embed(model, token_tensor(model, token_ids))  # [S, H]
+        for layer in range(model.config.num_layers):
+            sink = _PrefillSink(self._keys[layer], self._values[layer])
+            h = layer_step(model, layer, h, 0, sink, ffn, self.window)
+        self.position = n
+        return h[-1:]
+
+    def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
+        if self._keys is None:
+            raise InvariantViolation("decode_step called before prefill")
+        if self.position >= self.capacity:
+            self._allocate(model, self.capacity * 2)
+        assert self._token is not None and self._pos is not None
+        self._token.fill_(token_id)
+        self._pos.fill_(self.position)
+        if self._graph_ready(model, ffn):
+            assert self._graph is not None and self._out is not None
+            self._graph.replay()
+            hidden = self._out.clone()
+        else:
+            hidden = self._step(model, ffn)
+        self.position += 1
+        return hidden
+
+    def _step(self, model: Model, ffn: FfnBackend) -> torch.Tensor:
+        """One token at the position in `self._pos`, every shape static. → hidden [1, H]."""
+        assert self._keys is not None and self._values is not None and self._pos is not None
+        h = embed(model, self._token)  # [1, H]
+        for layer in range(model.config.num_layers):
+            table = rope_table(model, layer)
+            cos = table.cos.index_select(0, self._pos)  # [1, rotary_dim/2]
+            sin = table.sin.index_select(0, self._pos)
+            q, k, v = project_qkv_rotated(model, layer, h, cos, sin)
+            self._keys[layer].index_copy_(1, self._pos, k)
+            self._values[layer].index_copy_(1, self._pos, v)
+            attn = attend_static(
+                model, layer, q, self._keys[layer], self._values[layer], self._pos, self.window
+            )
+            h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn)
+        return h
+
+    def _graph_ready(self, model: Model, ffn: FfnBackend) -> bool:
+        """Capture the step once per capacity (and FFN backend); False = run it eagerly."""
+        if not (self.use_graph and model.device.type == "cuda" and type(ffn) is DenseFfn):
+            return False
+        if self._graph is not None and self._graph_ffn is ffn:
+            return True
+        side = torch.cuda.Stream(device=model.device)
+        side.wait_stream(torch.cuda.current_stream(model.device))
+        with torch.cuda.stream(side):
+            self._step(model, ffn)  # warm-up; it writes the same K/V row the replay will write
+        torch.cuda.current_stream(model.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._out = self._step(model, ffn)
+        self._graph, self._graph_ffn = graph, ffn
+        # A RoPE table that grows later is a new tensor; the graph keeps reading these.
+        tables = (rope_table(model, layer) for layer in range(model.config.num_layers))
+        self._captured_tables = [t for table in tables for t in (table.cos, table.sin)]
+        return True
+
+    def _allocate(self, model: Model, capacity: int) -> None:
+        cfg = model.config
+        shape = (cfg.num_kv_heads, capacity, cfg.head_dim)
+        old_k, old_v = self._keys, self._values
+        kw = {"dtype": model.dtype, "device": model.device}
+        self._keys = [torch.zeros(shape, **kw) for _ in range(cfg.num_layers)]
+        self._values = [torch.zeros(shape, **kw) for _ in range(cfg.num_layers)]
+        if old_k is not None and old_v is not None:
+            n = old_k[0].shape[1]
+            for new, old in zip(self._keys + self._values, old_k + old_v, strict=True):
+                new[:, :n] = old
+        for layer in range(cfg.num_layers):
+            rope_table(model, layer).slice(0, capacity)  # tables sized before any capture
+        self._token = torch.zeros(1, dtype=torch.long, device=model.device)
+        self._pos = torch.zeros(1, dtype=torch.long, device=model.device)
+        self._graph, self._graph_ffn, self._out = None, None, None
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()

@@ -1,0 +1,70 @@
+"""The GPU fast path of `standard` (static cache, CUDA-graph decode step) computes what the
+eager `StandardEngine` computes. Its static step runs on the CPU too, so its math is checked
+here on every machine; the captured graph itself is checked only where CUDA exists."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import relative_error
+from larql.inference.engine import AnyEngine
+from larql.inference.ffn import DenseFfn
+from larql.inference.generation import generate, teacher_forced_logits
+from larql.kv import from_name
+from larql.kv.standard import StandardEngine
+from larql.kv.static_cache import StaticCacheEngine
+from larql.models import Model
+from larql.models.model import load_model
+
+PROMPT = "Alice put the red ball in the box, and Bob"
+
+
+def engines_agree(model: Model, window: int | None, ids: list[int], prompt_len: int) -> float:
+    ffn = DenseFfn(model)
+    static = StaticCacheEngine(window=window, use_graph=False)
+    eager = StandardEngine(window=window)
+    ours = teacher_forced_logits(AnyEngine(static), model, ffn, ids, prompt_len)
+    reference = teacher_forced_logits(AnyEngine(eager), model, ffn, ids, prompt_len)
+    return relative_error(ours, reference)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_static_step_equals_the_eager_engine_in_float64(window, smollm2_f64: Model) -> None:
+    ids = smollm2_f64.tokenizer.encode(PROMPT + " took it out again and ran")
+    assert engines_agree(smollm2_f64, window, ids, 6) <= 1e-9
+
+
+def test_capacity_grows_past_the_first_allocation(smollm2: Model) -> None:
+    engine = StaticCacheEngine(use_graph=False)
+    ffn = DenseFfn(smollm2)
+    with torch.inference_mode():
+        engine.prefill(smollm2, ffn, smollm2.tokenizer.encode(PROMPT))
+        first = engine.capacity
+        for i in range(first - engine.position + 3):
+            engine.decode_step(smollm2, ffn, 100 + i % 50)
+    assert engine.capacity == 2 * first
+    assert engine.memory_bytes() == 2 * smollm2.config.num_layers * smollm2.config.kv_dim * 4 * (
+        2 * first
+    )
+
+
+def test_cpu_builds_the_eager_engine(smollm2: Model) -> None:
+    assert isinstance(from_name("standard").build(smollm2).inner, StandardEngine)
+    assert isinstance(from_name("standard:graph=0").build(smollm2).inner, StandardEngine)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_path_gives_the_eager_tokens(dtype: torch.dtype) -> None:
+    model = load_model("smollm2-135m", dtype=dtype, device="cuda")
+    ids = model.tokenizer.encode(PROMPT)
+    ffn = DenseFfn(model)
+    fast = from_name("standard").build(model)
+    assert isinstance(fast.inner, StaticCacheEngine)
+    eager = from_name("standard:graph=0").build(model)
+    fast_tokens = generate(fast, model, ffn, ids, 64, stop_ids=frozenset()).tokens
+    eager_tokens = generate(eager, model, ffn, ids, 64, stop_ids=frozenset()).tokens
+    assert fast.dispatch_path() == "cuda-graph"
+    agreement = sum(a == b for a, b in zip(fast_tokens, eager_tokens, strict=True)) / 64
+    assert agreement == 1.0 if dtype == torch.float32 else agreement >= 0.9
