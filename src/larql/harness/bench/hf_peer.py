@@ -82,8 +82,13 @@ class _TokenClock:
         pass
 
 
-def time_generate(hf_model: Any, ids: list[int], new_tokens: int) -> PeerRow:
+def time_generate(
+    hf_model: Any, ids: list[int], new_tokens: int, cache_implementation: str | None = None
+) -> PeerRow:
+    """One `generate` call; `cache_implementation="static"` is transformers' static cache
+    (which `generate` compiles on its own where it can)."""
     clock = _TokenClock()
+    extra = {"cache_implementation": cache_implementation} if cache_implementation else {}
     device = next(hf_model.parameters()).device
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -95,12 +100,14 @@ def time_generate(hf_model: Any, ids: list[int], new_tokens: int) -> PeerRow:
             streamer=clock,
             pad_token_id=0,
             return_dict_in_generate=True,
+            **extra,
         )
     # times[0]: the prompt echoed; times[1]: the first new token; then one per decode step
     first, last = clock.times[1], clock.times[-1]
     steps = len(clock.times) - 2
+    cache = "StaticCache" if cache_implementation == "static" else "DynamicCache"
     return PeerRow(
-        label="hf-transformers generate (DynamicCache)",
+        label=f"hf-transformers generate ({cache})",
         prompt_tokens=len(ids),
         new_tokens=new_tokens,
         prefill_ms=(first - t0) * 1000,
@@ -120,9 +127,17 @@ def _cache_bytes(cache: Any) -> int:
     return total
 
 
-def bench_hf(hf_model: Any, ids: list[int], new_tokens: int, repeats: int) -> PeerRow:
-    time_generate(hf_model, ids, min(4, new_tokens))  # warm-up
-    runs = [time_generate(hf_model, ids, new_tokens) for _ in range(repeats)]
+def bench_hf(
+    hf_model: Any,
+    ids: list[int],
+    new_tokens: int,
+    repeats: int,
+    cache_implementation: str | None = None,
+    warmups: int = 1,
+) -> PeerRow:
+    for _ in range(warmups):
+        time_generate(hf_model, ids, min(4, new_tokens), cache_implementation)
+    runs = [time_generate(hf_model, ids, new_tokens, cache_implementation) for _ in range(repeats)]
     row = runs[len(runs) // 2]
     row.tok_s_runs = [r.tok_s for r in runs]
     row.tok_s = statistics.median(row.tok_s_runs)
