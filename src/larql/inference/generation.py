@@ -1,5 +1,7 @@
 """The one generation loop every command uses: prefill, pick, then decode step by step through
-an engine, streaming each token to a callback."""
+an engine. `GenerationSession` is that loop in a form the caller steps (the server interleaves
+many sessions token by token); `generate` runs one session to the end, streaming each token to a
+callback."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from larql.inference.engine import AnyEngine, EmptyPrompt
+from larql.inference.engine import AnyEngine, EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import final_logits
 from larql.inference.sampling import Sampler
@@ -39,6 +41,89 @@ def next_token_logits(model: Model, hidden: torch.Tensor) -> torch.Tensor:
     return final_logits(model, hidden)[0]
 
 
+class GenerationSession:
+    """One generation that the caller steps: `prefill()` gives the first token, each `step()`
+    the next, until `finished`. `generate` drives it in a loop; the server interleaves many.
+
+    The engine's state lives as long as the session; drop the session to free it."""
+
+    def __init__(
+        self,
+        engine: AnyEngine,
+        model: Model,
+        ffn: FfnBackend,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampler: Sampler | None = None,
+        stop_ids: frozenset[int] | None = None,
+        max_positions: int | None = None,
+    ) -> None:
+        if not prompt_ids:
+            raise EmptyPrompt()
+        self.engine = engine
+        self.model = model
+        self.ffn = ffn
+        self.prompt_ids = list(prompt_ids)
+        self.sampler = sampler or Sampler()
+        self.stop_ids = model.tokenizer.stop_ids if stop_ids is None else stop_ids
+        limit = model.config.max_positions if max_positions is None else max_positions
+        # `max_positions` caps prompt + generated tokens
+        self.budget = min(max_new_tokens, max(limit - len(self.prompt_ids), 0))
+        self.tokens: list[int] = []
+        self.finish_reason: FinishReason = "length"
+        self.finished = self.budget <= 0
+        self.prefill_ms = 0.0
+        self.step_ms: list[float] = []
+
+    @property
+    def started(self) -> bool:
+        return bool(self.tokens)
+
+    def prefill(self) -> int:
+        """Run the prompt through the engine → the first generated token."""
+        if self.started or self.finished:
+            raise InvariantViolation("prefill called twice or after the session finished")
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            hidden = self.engine.prefill(self.model, self.ffn, self.prompt_ids)
+            token = self.sampler.pick(next_token_logits(self.model, hidden))
+            self.prefill_ms = (time.perf_counter() - t0) * 1000
+        self._accept(token)
+        return token
+
+    def step(self) -> int:
+        """Feed the last token as one decode step → the next token."""
+        if not self.started:
+            raise InvariantViolation("step called before prefill")
+        if self.finished:
+            raise InvariantViolation("step called after the session finished")
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            hidden = self.engine.decode_step(self.model, self.ffn, self.tokens[-1])
+            token = self.sampler.pick(next_token_logits(self.model, hidden))
+            self.step_ms.append((time.perf_counter() - t0) * 1000)
+        self._accept(token)
+        return token
+
+    def stop(self) -> None:
+        """End the session early on the caller's behalf (a stop string, a client gone)."""
+        self.finished = True
+        self.finish_reason = "stop"
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(
+            list(self.tokens), self.finish_reason, self.prefill_ms, list(self.step_ms)
+        )
+
+    def _accept(self, token: int) -> None:
+        # A stop token is emitted, then ends the run.
+        self.tokens.append(token)
+        if token in self.stop_ids:
+            self.stop()
+        elif len(self.tokens) >= self.budget:
+            self.finished = True
+
+
 def generate(
     engine: AnyEngine,
     model: Model,
@@ -53,36 +138,18 @@ def generate(
     """Generate up to `max_new_tokens` tokens (a stop token is emitted, then ends the run).
 
     `max_positions` caps prompt + generated tokens (the model's context by default)."""
-    if not prompt_ids:
-        raise EmptyPrompt()
-    sampler = sampler or Sampler()
-    stop_ids = model.tokenizer.stop_ids if stop_ids is None else stop_ids
-    limit = model.config.max_positions if max_positions is None else max_positions
-    budget = min(max_new_tokens, max(limit - len(prompt_ids), 0))
-    result = GenerationResult(tokens=[], finish_reason="length", prefill_ms=0.0)
-    if budget <= 0:
-        return result
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        hidden = engine.prefill(model, ffn, prompt_ids)
-        token = sampler.pick(next_token_logits(model, hidden))
-        result.prefill_ms = (time.perf_counter() - t0) * 1000
-        while True:
-            result.tokens.append(token)
-            stop_requested = on_token(token) if on_token is not None else False
-            if token in stop_ids:
-                result.finish_reason = "stop"
-                break
-            if stop_requested:
-                result.finish_reason = "stop"
-                break
-            if len(result.tokens) >= budget:
-                break
-            t0 = time.perf_counter()
-            hidden = engine.decode_step(model, ffn, token)
-            token = sampler.pick(next_token_logits(model, hidden))
-            result.step_ms.append((time.perf_counter() - t0) * 1000)
-    return result
+    session = GenerationSession(
+        engine, model, ffn, prompt_ids, max_new_tokens, sampler, stop_ids, max_positions
+    )
+    if session.finished:
+        return session.result()
+    token = session.prefill()
+    while True:
+        if on_token is not None and on_token(token):
+            session.stop()
+        if session.finished:
+            return session.result()
+        token = session.step()
 
 
 def teacher_forced_logits(
