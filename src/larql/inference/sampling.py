@@ -53,7 +53,11 @@ class Sampler:
     def distribution(self, logits: torch.Tensor) -> torch.Tensor:
         """The (float32, CPU) distribution sampling draws from, after temperature/top-k/top-p."""
         p = self.params
-        scores = logits.detach().float().cpu() / p.temperature
+        scores = logits.detach().float().cpu()
+        # Shifted first and the divisor kept a float32 number: a tiny temperature then gives
+        # -inf scores around a 0 (→ greedy), never inf − inf or 0 / 0.
+        temperature = max(p.temperature, torch.finfo(torch.float32).tiny)
+        scores = (scores - scores.max()) / temperature
         if p.top_k and p.top_k < scores.shape[-1]:
             kth = torch.topk(scores, p.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -61,7 +65,9 @@ class Sampler:
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-            sorted_probs[before >= p.top_p] = 0.0  # keep the smallest head reaching top_p
+            drop = before >= p.top_p  # keep the smallest head reaching top_p
+            drop[0] = False  # and always the top token (a top_p below float32's range)
+            sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
             probs /= probs.sum()
         return probs
