@@ -10,6 +10,7 @@ from larql.cli.bench_cmd import bench
 from larql.cli.boundary_cmd import boundary_app
 from larql.cli.catalog_cmd import engines, models
 from larql.cli.run_cmd import run
+from larql.cli.serve_cmd import serve
 
 app = typer.Typer(
     name="larql",
@@ -19,6 +20,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.command()(run)
+app.command()(serve)
 app.command()(engines)
 app.command()(models)
 app.command()(bench)

@@ -1,0 +1,120 @@
+"""`larql serve`: the OpenAI-compatible server (or, with --ffn-only, an FFN shard)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from larql.cli.common import InvalidInput, open_model, stderr, user_errors
+from larql.kv.resolve import resolve_engine
+
+
+@user_errors
+def serve(
+    model: Annotated[
+        str | None, typer.Option("-m", "--model", help="Registry name, .gguf path or HF dir.")
+    ] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option("--engine", help="Default engine spec; a request may name its own."),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port (0 = any free port).")] = 8080,
+    max_sessions: Annotated[
+        int, typer.Option("--max-sessions", help="Sessions decoding at once.")
+    ] = 4,
+    max_queue: Annotated[
+        int, typer.Option("--max-queue", help="Requests waiting behind them; beyond: 429.")
+    ] = 16,
+    max_prompt_tokens: Annotated[
+        int | None,
+        typer.Option("--max-prompt-tokens", help="Longest prompt accepted (default: context)."),
+    ] = None,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", help="Largest max_tokens a request may ask.")
+    ] = 512,
+    request_timeout: Annotated[
+        float, typer.Option("--request-timeout", help="Seconds a request may take, queue included.")
+    ] = 300.0,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16, float16, float64.")] = "float32",
+    threads: Annotated[int | None, typer.Option(help="Torch threads (default: torch's).")] = None,
+    ffn_only: Annotated[
+        bool, typer.Option("--ffn-only", help="Serve the FFN of some layers as a shard.")
+    ] = False,
+    layers: Annotated[
+        str | None, typer.Option("--layers", help="With --ffn-only: layers A-B (inclusive).")
+    ] = None,
+) -> None:
+    """Serve the model over HTTP: OpenAI completions and chat, decoded through the KV engines."""
+    if not 0 <= port <= 65535:
+        raise InvalidInput(f"--port must be in 0..65535, got {port}")
+    if ffn_only:
+        layer_range = parse_layers(layers) if layers is not None else None
+        lm = open_model(model, dtype, device, threads)
+        from larql.server.ffn_shard import run_ffn_shard
+
+        run_ffn_shard(lm, layer_range, host, port)
+        return
+    if layers is not None:
+        raise InvalidInput("--layers applies to an FFN shard only (add --ffn-only)")
+    check_limits(max_sessions, max_queue, max_prompt_tokens, max_new_tokens, request_timeout)
+    choice = resolve_engine(engine)
+    choice.kind.require_live_decode()
+    lm = open_model(model, dtype, device, threads)
+    choice.kind.build(lm)  # a spec that cannot be built for this model fails now, not per request
+
+    from larql.server.app import create_app
+    from larql.server.runner import serve_forever
+    from larql.server.settings import ServerSettings
+
+    settings = ServerSettings(
+        default_engine=choice.kind,
+        max_sessions=max_sessions,
+        max_queue=max_queue,
+        max_prompt_tokens=max_prompt_tokens,
+        max_new_tokens=max_new_tokens,
+        request_timeout_s=request_timeout,
+        model_aliases=(model,) if model and model != lm.name else (),
+    )
+
+    def announce(url: str) -> None:
+        stderr.print(
+            f"larql serve: {lm.name} on {url}  (engine {choice.kind.spec()} from {choice.source}, "
+            f"{max_sessions} sessions, queue {max_queue})"
+        )
+
+    serve_forever(create_app(lm, settings), host, port, announce)
+
+
+def parse_layers(text: str) -> tuple[int, int]:
+    """`A-B` (inclusive, A ≤ B) or a single layer `A` → (A, B)."""
+    first, dash, last = text.strip().partition("-")
+    try:
+        start = int(first)
+        end = int(last) if dash else start
+    except ValueError:
+        raise InvalidInput(f"--layers must be A-B (e.g. 0-15), got {text!r}") from None
+    if start < 0 or end < start:
+        raise InvalidInput(f"--layers must be A-B with 0 ≤ A ≤ B, got {text!r}")
+    return start, end
+
+
+def check_limits(
+    max_sessions: int,
+    max_queue: int,
+    max_prompt_tokens: int | None,
+    max_new_tokens: int,
+    request_timeout: float,
+) -> None:
+    if max_sessions < 1:
+        raise InvalidInput(f"--max-sessions must be ≥ 1, got {max_sessions}")
+    if max_queue < 0:
+        raise InvalidInput(f"--max-queue must be ≥ 0, got {max_queue}")
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise InvalidInput(f"--max-prompt-tokens must be ≥ 1, got {max_prompt_tokens}")
+    if max_new_tokens < 1:
+        raise InvalidInput(f"--max-new-tokens must be ≥ 1, got {max_new_tokens}")
+    if not request_timeout > 0:
+        raise InvalidInput(f"--request-timeout must be > 0, got {request_timeout}")

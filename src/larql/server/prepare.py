@@ -1,0 +1,176 @@
+"""A validated OpenAI request → what the scheduler runs: prompt ids, limits, sampling and an
+engine built from the request's spec. Every problem is an `ApiError` naming the field."""
+
+from __future__ import annotations
+
+from larql.errors import LarqlError
+from larql.inference.engine import AnyEngine
+from larql.inference.sampling import SamplingParams
+from larql.kv.catalog import CATALOG, from_name
+from larql.kv.spec import EngineKind, EngineSpecError
+from larql.models.model import Model
+from larql.models.tokenizer import ChatTemplateMissing
+from larql.server.errors import ApiError, bad_request
+from larql.server.scheduler import SessionRequest
+from larql.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
+from larql.server.settings import ServerSettings
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: a request without temperature samples
+# Engine parameters naming a path on the server: only the operator may set them (--engine).
+SERVER_PATH_PARAMS = frozenset({"archive", "store"})
+
+
+def prepare_completion(
+    body: CompletionRequest, model: Model, settings: ServerSettings
+) -> tuple[SessionRequest, AnyEngine]:
+    check_model_name(body.model, model, settings)
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise bad_request("prompt is empty", "prompt")
+        ids = model.tokenizer.encode(unicode_text(prompt, "prompt"))
+    else:
+        ids = [int(t) for t in prompt]
+        vocab = model.config.vocab_size
+        if not ids:
+            raise bad_request("prompt is empty", "prompt")
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+    return _session_request(body, ids, body.max_tokens, DEFAULT_COMPLETION_TOKENS, model, settings)
+
+
+def prepare_chat(
+    body: ChatCompletionRequest, model: Model, settings: ServerSettings
+) -> tuple[SessionRequest, AnyEngine]:
+    check_model_name(body.model, model, settings)
+    if not body.messages:
+        raise bad_request("messages is empty", "messages")
+    if not any(m.text().strip() for m in body.messages):
+        raise bad_request("every message is empty", "messages")
+    for m in body.messages:
+        unicode_text(m.text(), "messages")
+    try:
+        ids = model.tokenizer.encode_chat([m.for_template() for m in body.messages])
+    except ChatTemplateMissing:
+        raise bad_request(
+            f"{model.name} has no chat template; use /v1/completions", "messages",
+            "chat_template_missing",
+        ) from None  # fmt: skip
+    except LarqlError as e:  # the template refused the conversation (e.g. role order)
+        raise bad_request(str(e), "messages") from None
+    return _session_request(
+        body, ids, body.requested_tokens, settings.max_new_tokens, model, settings
+    )
+
+
+def unicode_text(text: str, param: str) -> str:
+    """JSON can carry lone surrogates (`"\\ud800"`); no tokenizer can encode them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"{param} is not valid Unicode text (a lone surrogate?)", param) from None
+    return text
+
+
+def check_model_name(name: str | None, model: Model, settings: ServerSettings) -> None:
+    if name is None or name in (model.name, *settings.model_aliases):
+        return
+    raise ApiError(
+        404,
+        f"unknown model {name!r}; this server serves {model.name!r}",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def choose_engine(spec: str | None, model: Model, settings: ServerSettings) -> EngineKind:
+    """The request's engine spec (or the server's default), parsed by the catalog's parser."""
+    if spec is None:
+        return settings.default_engine
+    try:
+        kind = from_name(spec)
+        kind.require_live_decode()
+    except EngineSpecError as e:
+        message = str(e)
+        if CATALOG.supported_message() not in message:
+            message += f" (live-decode engines: {', '.join(live_engine_names())})"
+        raise bad_request(message, "engine", "invalid_engine") from None
+    for name in SERVER_PATH_PARAMS:
+        if kind.params.get(name) is not None:
+            raise bad_request(
+                f"engine parameter {name!r} names a path on the server; only the operator "
+                "sets it (larql serve --engine)",
+                "engine",
+                "invalid_engine",
+            )
+    return kind
+
+
+def live_engine_names() -> list[str]:
+    return [e.name for e in CATALOG.entries if e.live_decode]
+
+
+def _session_request(
+    body: GenerationFields,
+    ids: list[int],
+    requested: int | None,
+    default_tokens: int,
+    model: Model,
+    settings: ServerSettings,
+) -> tuple[SessionRequest, AnyEngine]:
+    _check_prompt_length(len(ids), model, settings)
+    max_new = min(default_tokens, settings.max_new_tokens) if requested is None else requested
+    if max_new < 1:
+        raise bad_request(f"max_tokens must be ≥ 1, got {max_new}", "max_tokens")
+    if max_new > settings.max_new_tokens:
+        raise bad_request(
+            f"max_tokens {max_new} is over this server's limit of {settings.max_new_tokens} "
+            "(--max-new-tokens)",
+            "max_tokens",
+        )
+    temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
+    try:
+        sampling = SamplingParams(
+            temperature=temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            seed=body.seed,
+        )
+    except LarqlError as e:
+        raise bad_request(str(e)) from None
+    kind = choose_engine(body.engine, model, settings)
+    try:
+        engine = kind.build(model)
+    except LarqlError as e:
+        raise bad_request(str(e), "engine", "invalid_engine") from None
+    request = SessionRequest(
+        prompt_ids=tuple(ids),
+        max_new_tokens=max_new,
+        sampling=sampling,
+        engine_spec=kind.spec(),
+        engine_name=kind.entry.name,
+        stop_strings=body.stop_strings(),
+        ignore_eos=body.ignore_eos,
+    )
+    return request, engine
+
+
+def _check_prompt_length(n: int, model: Model, settings: ServerSettings) -> None:
+    context = model.config.max_positions
+    if n >= context:
+        raise bad_request(
+            f"the prompt is {n} tokens; {model.name}'s context is {context} tokens and the "
+            "prompt must leave room for at least one new token",
+            "prompt",
+            "context_length_exceeded",
+        )
+    limit = settings.max_prompt_tokens
+    if limit is not None and n > limit:
+        raise bad_request(
+            f"the prompt is {n} tokens; this server accepts at most {limit} (--max-prompt-tokens)",
+            "prompt",
+            "context_length_exceeded",
+        )

@@ -1,0 +1,107 @@
+"""Running the app with uvicorn on a socket we bind ourselves, so `--port 0` works and the
+actual address is known (and printed) before the first request."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI
+
+from larql.errors import LarqlError
+
+GRACEFUL_SHUTDOWN_S = 5
+
+
+class ServerStartError(LarqlError):
+    """The address cannot be bound (in use, not local, no permission)."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except (OSError, OverflowError) as e:
+        sock.close()
+        reason = getattr(e, "strerror", None) or str(e)
+        raise ServerStartError(f"cannot listen on {host}:{port}: {reason}") from None
+    sock.listen(2048)  # connections queue from now on, even before uvicorn starts serving
+    return sock
+
+
+def url_of(sock: socket.socket, host: str) -> str:
+    port = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn waits for open connections before the app's shutdown runs; ending the sessions
+    first lets open streams finish with an error event instead of being cut off."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self._app = app
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        self.end_sessions()
+        super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    def end_sessions(self) -> None:
+        scheduler = getattr(self._app.state, "scheduler", None)
+        if scheduler is not None:
+            scheduler.begin_shutdown()
+
+
+def _server(app: FastAPI) -> _Server:
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    return _Server(config, app)
+
+
+def serve_forever(
+    app: FastAPI, host: str, port: int, on_listening: Callable[[str], None] | None = None
+) -> None:
+    """Serve until interrupted (Ctrl-C / SIGTERM)."""
+    sock = bind(host, port)
+    if on_listening is not None:
+        on_listening(url_of(sock, host))
+    _server(app).run(sockets=[sock])
+
+
+@dataclass
+class BackgroundServer:
+    """A server on a thread of this process (tests, benchmarks, embedding)."""
+
+    url: str
+    _server: _Server
+    _thread: threading.Thread
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._server.end_sessions()
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+
+    def __enter__(self) -> BackgroundServer:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> BackgroundServer:
+    sock = bind(host, port)
+    server = _server(app)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    return BackgroundServer(url_of(sock, host), server, thread)

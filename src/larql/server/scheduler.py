@@ -1,0 +1,356 @@
+"""One model, many streams: a scheduler thread steps every active session one token per turn.
+
+Each session is a `GenerationSession` (the loop `larql run` uses) over its own engine: its first
+turn is the prefill, every later turn one decode step, so every stream progresses and none waits
+for another to finish; a new session's prefill goes before the others' next steps. At most
+`max_sessions` decode at once; up to `max_queue` more wait in order behind them; beyond that
+`submit` raises `QueueFull` (the HTTP layer answers 429).
+
+The compute runs on this thread, never on the event loop: tokens travel to the request's
+coroutine through an `asyncio.Queue` fed with `call_soon_threadsafe`. A cancelled session (its
+client went away) is dropped before the next step of any session, which frees its engine; an
+error inside one session ends that session only, as an `ErrorEvent` in its stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from larql.errors import LarqlError
+from larql.inference.engine import AnyEngine, BackendUnavailable, EngineError
+from larql.inference.ffn import FfnBackend
+from larql.inference.generation import FinishReason, GenerationSession
+from larql.inference.sampling import Sampler, SamplingParams
+from larql.models.model import Model
+from larql.server.metrics import ServerMetrics
+from larql.server.text import TextAssembler
+
+log = logging.getLogger("larql.server")
+
+
+@dataclass(frozen=True)
+class SessionRequest:
+    """A validated request: what to generate and with which engine (a spec, not state)."""
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams
+    engine_spec: str  # canonical spec, shown to the client
+    engine_name: str  # catalog name, the metrics label
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    text: str  # a non-empty piece of the generated text
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    finish_reason: FinishReason
+    prompt_tokens: int
+    token_ids: tuple[int, ...]
+    memory_bytes: int  # the engine's state at the end of the generation
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    status: int
+    message: str
+    type: str
+    code: str | None = None
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent
+
+
+def error_event(error: LarqlError) -> ErrorEvent:
+    """A typed error inside a session: the engine's own failures are the server's fault (5xx),
+    anything else was asked for (4xx)."""
+    if isinstance(error, BackendUnavailable):
+        return ErrorEvent(503, str(error), "server_error")
+    if isinstance(error, EngineError) and not error.recoverable:
+        return ErrorEvent(500, str(error), "server_error")
+    return ErrorEvent(400, str(error), "invalid_request_error")
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__("the server is at capacity")
+        self.retry_after_s = retry_after_s
+
+
+class SchedulerClosed(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_sessions: int = 4
+    max_queue: int = 16
+    request_timeout_s: float = 300.0
+    retry_after_s: int = 1
+
+
+class Session:
+    """One request's generation; only the scheduler thread touches its engine."""
+
+    def __init__(
+        self,
+        request: SessionRequest,
+        engine: AnyEngine,
+        loop: asyncio.AbstractEventLoop,
+        text: TextAssembler,
+        timeout_s: float,
+    ) -> None:
+        self.request = request
+        self.engine: AnyEngine | None = engine
+        self.generation: GenerationSession | None = None
+        self.text = text
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.arrived = time.perf_counter()
+        self.deadline = self.arrived + timeout_s
+        self.last_token_at = self.arrived
+        self.memory_bytes = 0
+        self.cancelled = False
+        self.ended = False
+        self._loop = loop
+
+    def emit(self, event: Event) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone: nobody is listening any more
+            self.cancelled = True
+
+
+class Scheduler:
+    def __init__(
+        self, model: Model, ffn: FfnBackend, limits: SchedulerLimits, metrics: ServerMetrics
+    ) -> None:
+        self.model = model
+        self.ffn = ffn
+        self.limits = limits
+        self.metrics = metrics
+        self._cond = threading.Condition()
+        self._active: deque[Session] = deque()
+        self._queue: deque[Session] = deque()
+        self._engines_seen: set[str] = set()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        metrics.watch_engine_memory(self.memory_by_engine)
+
+    # ------------------------------------------------------------------ called from the event loop
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="larql-scheduler")
+                self._thread.daemon = True
+                self._thread.start()
+
+    def begin_shutdown(self) -> None:
+        """Refuse new sessions; every live one ends after the current step with an error event
+        (so open streams finish at once instead of holding the server's shutdown)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self.begin_shutdown()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def submit(
+        self, request: SessionRequest, engine: AnyEngine, loop: asyncio.AbstractEventLoop
+    ) -> Session:
+        text = TextAssembler(self.model.tokenizer, request.stop_strings)
+        session = Session(request, engine, loop, text, self.limits.request_timeout_s)
+        self.start()
+        with self._cond:
+            if self._closing:
+                raise SchedulerClosed()
+            if len(self._active) < self.limits.max_sessions and not self._queue:
+                self._active.append(session)
+            elif len(self._queue) < self.limits.max_queue:
+                self._queue.append(session)
+            else:
+                raise QueueFull(self.limits.retry_after_s)
+            self._engines_seen.add(request.engine_name)
+            self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+            self._update_gauges()
+            self._cond.notify_all()
+        return session
+
+    def cancel(self, session: Session) -> None:
+        """The client is gone: a queued session leaves now, an active one before the next step."""
+        with self._cond:
+            if session.ended:
+                return
+            session.cancelled = True
+            if session in self._queue:
+                self._queue.remove(session)
+                self._end(session, "cancelled")
+            self._cond.notify_all()
+
+    def counts(self) -> tuple[int, int]:
+        with self._cond:
+            return len(self._active), len(self._queue)
+
+    def memory_by_engine(self) -> dict[str, int]:
+        with self._cond:
+            held = dict.fromkeys(self._engines_seen, 0)
+            for s in self._active:
+                held[s.request.engine_name] += s.memory_bytes
+            return held
+
+    # ------------------------------------------------------------------ the scheduler thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._admit()
+                while not self._closing and not self._active:
+                    self._cond.wait()
+                    self._admit()
+                if self._closing:
+                    break
+                session = self._pick()
+            self._advance(session)
+        self._shut_down()
+
+    def _pick(self) -> Session:
+        """A session not yet prefilled goes first (its time to first token is one step away at
+        most); otherwise the sessions take turns, one token each (lock held)."""
+        fresh = next((s for s in self._active if s.generation is None), None)
+        if fresh is not None:
+            return fresh
+        session = self._active[0]
+        self._active.rotate(-1)
+        return session
+
+    def _admit(self) -> None:
+        """Between two steps: free cancelled sessions, drop timed-out queued ones, then fill free
+        decode slots in arrival order (lock held)."""
+        for session in [s for s in self._active if s.cancelled]:
+            self._active.remove(session)
+            self._end(session, "cancelled")
+        now = time.perf_counter()
+        for session in [s for s in self._queue if now >= s.deadline]:
+            self._queue.remove(session)
+            session.emit(self._timeout_event())
+            self._end(session, "timeout")
+        while self._queue and len(self._active) < self.limits.max_sessions:
+            self._active.append(self._queue.popleft())
+        self._update_gauges()
+
+    def _advance(self, session: Session) -> None:
+        if session.cancelled:
+            self._retire(session, "cancelled")
+            return
+        if time.perf_counter() >= session.deadline:
+            session.emit(self._timeout_event())
+            self._retire(session, "timeout")
+            return
+        try:
+            token = self._next_token(session)
+        except LarqlError as e:
+            session.emit(error_event(e))
+            self._retire(session, "error")
+            return
+        except Exception as e:  # a bug: end this session only, keep serving the others
+            log.exception("session failed")
+            message = f"internal error in this session: {type(e).__name__}: {e}"
+            session.emit(ErrorEvent(500, message, "server_error"))
+            self._retire(session, "error")
+            return
+        self._deliver(session, token)
+
+    def _next_token(self, session: Session) -> int:
+        if session.generation is None:
+            assert session.engine is not None
+            request = session.request
+            session.generation = GenerationSession(
+                session.engine,
+                self.model,
+                self.ffn,
+                request.prompt_ids,
+                request.max_new_tokens,
+                Sampler(request.sampling),
+                stop_ids=frozenset() if request.ignore_eos else None,
+            )
+            token = session.generation.prefill()
+            now = time.perf_counter()
+            self.metrics.time_to_first_token.observe(now - session.arrived)
+        else:
+            token = session.generation.step()
+            now = time.perf_counter()
+            self.metrics.time_per_output_token.observe(now - session.last_token_at)
+        session.last_token_at = now
+        return token
+
+    def _deliver(self, session: Session, token: int) -> None:
+        generation = session.generation
+        assert generation is not None and session.engine is not None
+        session.memory_bytes = session.engine.memory_bytes()
+        self.metrics.completion_tokens.inc()
+        piece = session.text.feed(token)
+        if session.text.hit_stop_string:
+            generation.stop()
+        if piece:
+            session.emit(TokenEvent(piece))
+        if not generation.finished:
+            return
+        tail = session.text.flush()
+        if tail:
+            session.emit(TokenEvent(tail))
+        done = DoneEvent(
+            generation.finish_reason,
+            len(session.request.prompt_ids),
+            tuple(generation.tokens),
+            session.memory_bytes,
+        )
+        session.emit(done)
+        self.metrics.e2e_latency.observe(time.perf_counter() - session.arrived)
+        self._retire(session, "finished")
+
+    def _retire(self, session: Session, outcome: str) -> None:
+        with self._cond:
+            if session in self._active:
+                self._active.remove(session)
+            self._end(session, outcome)
+
+    def _end(self, session: Session, outcome: str) -> None:
+        """Free the session's engine state and count how it ended (lock held)."""
+        if session.ended:
+            return
+        session.ended = True
+        session.generation = None
+        session.engine = None
+        session.memory_bytes = 0
+        self.metrics.sessions.labels(outcome).inc()
+        self._update_gauges()
+
+    def _shut_down(self) -> None:
+        with self._cond:
+            for session in [*self._active, *self._queue]:
+                session.emit(ErrorEvent(503, "the server is shutting down", "server_error"))
+                self._end(session, "shutdown")
+            self._active.clear()
+            self._queue.clear()
+            self._update_gauges()
+
+    def _timeout_event(self) -> ErrorEvent:
+        seconds = f"{self.limits.request_timeout_s:g}"
+        return ErrorEvent(
+            408, f"the request timed out after {seconds} s (--request-timeout)", "timeout_error"
+        )
+
+    def _update_gauges(self) -> None:
+        self.metrics.active_sessions.set(len(self._active))
+        self.metrics.queued_sessions.set(len(self._queue))

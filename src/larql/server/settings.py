@@ -1,0 +1,31 @@
+"""What `larql serve` was started with: the default engine and the limits every request obeys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from larql.kv.catalog import from_name
+from larql.kv.spec import EngineKind
+from larql.server.scheduler import SchedulerLimits
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    default_engine: EngineKind = field(default_factory=lambda: from_name("standard"))
+    max_sessions: int = 4
+    max_queue: int = 16
+    max_prompt_tokens: int | None = None  # None: the model's context (less one new token)
+    max_new_tokens: int = 512
+    request_timeout_s: float = 300.0
+    max_body_bytes: int = 8 * 2**20  # a prompt of the whole context as token ids is ~60 kB
+    retry_after_s: int = 1
+    # names the `model` field may carry besides the model's own (e.g. the -m path it came from)
+    model_aliases: tuple[str, ...] = ()
+
+    def scheduler_limits(self) -> SchedulerLimits:
+        return SchedulerLimits(
+            max_sessions=self.max_sessions,
+            max_queue=self.max_queue,
+            request_timeout_s=self.request_timeout_s,
+            retry_after_s=self.retry_after_s,
+        )

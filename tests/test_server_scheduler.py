@@ -1,0 +1,176 @@
+"""The server's scheduler and text assembly without HTTP: an engine failure ends only its own
+session, timeouts, cancellation of queued and active sessions, the queue bound, and stop strings
+that arrive split over several tokens."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from larql.inference.engine import AnyEngine, BackendFailure, EngineInfo, KvEngine, MemoryBreakdown
+from larql.inference.ffn import DenseFfn, FfnBackend
+from larql.inference.generation import generate
+from larql.inference.sampling import SamplingParams
+from larql.kv import from_name
+from larql.models import Model
+from larql.server.metrics import ServerMetrics
+from larql.server.scheduler import (
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    QueueFull,
+    Scheduler,
+    SchedulerLimits,
+    Session,
+    SessionRequest,
+    TokenEvent,
+)
+from larql.server.text import TextAssembler
+
+PROMPT = "The capital of France is"
+BOUND_S = 120  # a bound on waiting, never asserted as a timing
+
+
+class FailsOnSecondStep(KvEngine):
+    """The standard engine, until its second decode step raises a backend failure."""
+
+    name = "fails-on-second-step"
+
+    def __init__(self, inner: KvEngine) -> None:
+        self.inner = inner
+        self.steps = 0
+
+    def info(self) -> EngineInfo:
+        return self.inner.info()
+
+    def memory(self) -> MemoryBreakdown:
+        return self.inner.memory()
+
+    def prefill(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
+        return self.inner.prefill(model, ffn, token_ids)
+
+    def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
+        self.steps += 1
+        if self.steps == 2:
+            raise BackendFailure("the disk is on fire")
+        return self.inner.decode_step(model, ffn, token_id)
+
+
+def request(model: Model, n: int, spec: str = "standard", **kw) -> SessionRequest:
+    ids = tuple(model.tokenizer.encode(PROMPT))
+    kind = from_name(spec)
+    return SessionRequest(ids, n, SamplingParams(), kind.spec(), kind.entry.name, **kw)
+
+
+def standard(model: Model) -> AnyEngine:
+    return from_name("standard").build(model)
+
+
+async def events_of(session: Session) -> list[Event]:
+    out: list[Event] = []
+    while not out or isinstance(out[-1], TokenEvent):
+        out.append(await asyncio.wait_for(session.events.get(), BOUND_S))
+    return out
+
+
+def scheduler(model: Model, **limits) -> Scheduler:
+    return Scheduler(model, DenseFfn(model), SchedulerLimits(**limits), ServerMetrics())
+
+
+def sessions_ended(s: Scheduler, outcome: str) -> float:
+    return s.metrics.registry.get_sample_value("larql_sessions_total", {"outcome": outcome}) or 0
+
+
+def test_an_engine_failure_ends_only_its_session(smollm2: Model) -> None:
+    async def scenario() -> tuple[list[Event], list[Event], Scheduler]:
+        s = scheduler(smollm2, max_sessions=2)
+        loop = asyncio.get_running_loop()
+        failing = AnyEngine(FailsOnSecondStep(standard(smollm2).inner))  # type: ignore[arg-type]
+        bad = s.submit(request(smollm2, 6), failing, loop)
+        good = s.submit(request(smollm2, 6), standard(smollm2), loop)
+        results = await asyncio.gather(events_of(bad), events_of(good))
+        s.close()
+        return *results, s
+
+    bad, good, s = asyncio.run(scenario())
+    assert isinstance(bad[-1], ErrorEvent) and bad[-1].status == 500
+    assert "the disk is on fire" in bad[-1].message
+    assert isinstance(good[-1], DoneEvent)
+    ids = smollm2.tokenizer.encode(PROMPT)
+    expected = generate(standard(smollm2), smollm2, DenseFfn(smollm2), ids, 6).tokens
+    assert list(good[-1].token_ids) == expected
+    assert "".join(e.text for e in good if isinstance(e, TokenEvent)) == (
+        smollm2.tokenizer.decode(expected)
+    )
+    assert sessions_ended(s, "error") == 1 and sessions_ended(s, "finished") == 1
+    assert s.counts() == (0, 0)
+
+
+def test_a_request_past_its_deadline_times_out(smollm2: Model) -> None:
+    async def scenario() -> list[Event]:
+        s = scheduler(smollm2, request_timeout_s=1e-9)
+        session = s.submit(request(smollm2, 4), standard(smollm2), asyncio.get_running_loop())
+        events = await events_of(session)
+        s.close()
+        return events
+
+    events = asyncio.run(scenario())
+    assert isinstance(events[-1], ErrorEvent) and events[-1].status == 408
+    assert "--request-timeout" in events[-1].message
+
+
+def test_queue_bound_and_cancellation(smollm2: Model) -> None:
+    async def scenario() -> Scheduler:
+        s = scheduler(smollm2, max_sessions=1, max_queue=1)
+        loop = asyncio.get_running_loop()
+        running = s.submit(request(smollm2, 64, ignore_eos=True), standard(smollm2), loop)
+        waiting = s.submit(request(smollm2, 4), standard(smollm2), loop)
+        with pytest.raises(QueueFull):
+            s.submit(request(smollm2, 4), standard(smollm2), loop)
+        assert s.counts() == (1, 1)
+        s.cancel(waiting)  # a queued session leaves at once
+        assert s.counts() == (1, 0) and waiting.engine is None
+        await asyncio.wait_for(running.events.get(), BOUND_S)  # it is decoding
+        s.cancel(running)
+        for _ in range(BOUND_S * 20):
+            if s.counts() == (0, 0):
+                break
+            await asyncio.sleep(0.05)
+        s.close()
+        return s
+
+    s = asyncio.run(scenario())
+    assert s.counts() == (0, 0)
+    assert sessions_ended(s, "cancelled") == 2
+    assert s.memory_by_engine() == {"standard": 0}
+
+
+def test_stop_string_split_over_tokens_never_leaks(smollm2: Model) -> None:
+    tok = smollm2.tokenizer
+    ids = tok.encode(" Paris.\n\nThe answer is: 42", add_special_tokens=False)
+    text = TextAssembler(tok, ["\n\nThe"])
+    pieces = [text.feed(t) for t in ids]
+    assert "".join(pieces) == " Paris." == text.text
+    assert text.hit_stop_string and text.flush() == ""
+    assert not any("\n" in p for p in pieces)
+
+
+def test_text_held_for_a_possible_stop_string_is_released(smollm2: Model) -> None:
+    tok = smollm2.tokenizer
+    ids = tok.encode(" Paris.\n\nThe answer", add_special_tokens=False)
+    text = TextAssembler(tok, ["\n\nThe question"])
+    pieces = [text.feed(t) for t in ids]
+    assert not text.hit_stop_string and text.flush() == ""
+    assert "".join(pieces) == " Paris.\n\nThe answer"
+    assert pieces[-1] == "\n\nThe answer"  # held while it could still become the stop string
+
+
+def test_stop_tokens_are_not_text(smollm2: Model) -> None:
+    tok = smollm2.tokenizer
+    text = TextAssembler(tok)
+    eos = min(tok.stop_ids)
+    assert text.feed(tok.encode(" Paris", add_special_tokens=False)[0]) == " Paris"
+    assert text.feed(eos) == "" and text.flush() == ""
