@@ -14,6 +14,7 @@ from larql.data import read_text
 from larql.harness.accuracy.aggregate import served_lines, split_table
 from larql.harness.accuracy.report import fidelity_table
 from larql.harness.accuracy.run import AccuracySettings, run_accuracy
+from larql.inference.ffn_policy import FfnLayerPolicy, split_specs
 from larql.kv.catalog import CATALOG
 
 # Every engine, windowed ones at windows that overflow on the fidelity text.
@@ -34,7 +35,14 @@ def accuracy(
     engines: Annotated[
         str | None, typer.Option("--engines", help="Engine specs (; or , separated).")
     ] = None,
-    ffn: Annotated[str, typer.Option("--ffn", help="FFN backends, comma separated.")] = "dense",
+    ffn: Annotated[
+        str,
+        typer.Option(
+            "--ffn",
+            help="FFN policies, comma separated (braces keep their commas), e.g. "
+            "'dense,walk:k=100'; more than one (or not dense) labels strategies kv@ffn.",
+        ),
+    ] = "dense",
     quick: Annotated[
         bool, typer.Option("--quick", help="5 parametric, 2 needles, 5 conflicts, 256 positions.")
     ] = False,
@@ -58,7 +66,9 @@ def accuracy(
     kinds = [CATALOG.from_name(s) for s in specs]
     if not kinds:
         raise InvalidInput(f"--engines lists no engine; {CATALOG.supported_message()}")
-    ffn_specs = [f.strip() for f in ffn.split(",") if f.strip()] or ["dense"]
+    ffn_specs = split_specs(ffn) or ["dense"]
+    for spec in ffn_specs:
+        FfnLayerPolicy.from_spec(spec)  # a typo fails before the model loads
     if positions is not None and positions < 1:
         raise InvalidInput(f"--positions must be ≥ 1, got {positions}")
     body, label = read_text(text)

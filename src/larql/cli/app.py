@@ -11,6 +11,7 @@ from larql.cli.boundary_cmd import boundary_app
 from larql.cli.catalog_cmd import engines, models
 from larql.cli.run_cmd import run
 from larql.cli.serve_cmd import serve
+from larql.cli.walk_cmd import walk
 
 app = typer.Typer(
     name="larql",
@@ -20,6 +21,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.command()(run)
+app.command()(walk)
 app.command()(serve)
 app.command()(engines)
 app.command()(models)

@@ -10,12 +10,18 @@ import typer
 from rich.progress import Progress
 
 from larql.cli.common import InvalidInput, open_model, stderr, stdout, user_errors
+from larql.cli.ffn_options import (
+    FfnPolicyOption,
+    FfnUrlOption,
+    build_router,
+    check_policy,
+    ffn_policy_spec,
+)
 from larql.data import read_text
 from larql.harness.bench.engine_bench import BenchSettings
 from larql.harness.bench.report import render_table, save_plot, stage_tables
 from larql.harness.bench.run import default_specs, run_bench
 from larql.harness.contexts import context_ids
-from larql.inference.ffn import DenseFfn
 from larql.kv.catalog import CATALOG
 
 
@@ -57,6 +63,8 @@ def bench(
     plot: Annotated[
         Path | None, typer.Option("--plot", help="PNG of tok/s, memory vs depth.")
     ] = None,
+    ffn_policy: FfnPolicyOption = None,
+    ffn: FfnUrlOption = None,
     device: Annotated[str, typer.Option()] = "cpu",
     dtype: Annotated[str, typer.Option()] = "float32",
     threads: Annotated[int | None, typer.Option("--threads")] = None,
@@ -75,6 +83,8 @@ def bench(
     if not kinds:
         raise InvalidInput(f"--engine lists no engine; {CATALOG.supported_message()}")
     depth_list = parse_depths(depths)
+    ffn_spec = ffn_policy_spec(ffn_policy, ffn)
+    check_policy(ffn_spec)
     source_text, text_label = read_text(text)
     lm = open_model(model, dtype, device, threads)
     if prompt is not None:
@@ -91,6 +101,7 @@ def bench(
         if len(ids) + warmup + tokens > limit:
             raise InvalidInput(f"depth {d}: {len(ids)} + {warmup + tokens} tokens exceed the "
                                f"model's context of {limit}")  # fmt: skip
+    router = build_router(lm, ffn_spec)
     settings = BenchSettings(new_tokens=tokens, warmup=warmup, repeats=repeats, profile=profile)
     total = len(prompts) * (len(kinds) + (1 if vs_hf else 0))
     with Progress(console=stderr, transient=True) as bar:
@@ -100,9 +111,12 @@ def bench(
             bar.update(task, description=label)
             bar.advance(task)
 
-        report = run_bench(
-            lm, DenseFfn(lm), kinds, prompts, settings, vs_hf, text_label, progress=advance
-        )
+        try:
+            report = run_bench(
+                lm, router, kinds, prompts, settings, vs_hf, text_label, progress=advance
+            )
+        finally:
+            router.close()
     data = report.as_dict()
     if output_file is not None:
         output_file.write_text(json.dumps(data, indent=2))

@@ -17,7 +17,13 @@ from larql.cli.common import (
     stderr,
     user_errors,
 )
-from larql.inference.ffn import DenseFfn
+from larql.cli.ffn_options import (
+    FfnPolicyOption,
+    FfnUrlOption,
+    build_router,
+    check_policy,
+    ffn_policy_spec,
+)
 from larql.inference.generation import generate
 from larql.inference.sampling import Sampler, SamplingParams
 from larql.kv.resolve import KV_CACHE_CHOICES, resolve_engine
@@ -51,6 +57,8 @@ def run(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     dtype: Annotated[str, typer.Option(help="float32, bfloat16, float16, float64.")] = "float32",
     output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
+    ffn_policy: FfnPolicyOption = None,
+    ffn: FfnUrlOption = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Generate text from PROMPT with the chosen KV engine."""
@@ -59,6 +67,8 @@ def run(
     if max_tokens < 1:
         raise InvalidInput(f"-n/--max-tokens must be ≥ 1, got {max_tokens}")
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    ffn_spec = ffn_policy_spec(ffn_policy, ffn)
+    check_policy(ffn_spec)
     choice = resolve_engine(engine, kv_cache, context_window)
     choice.kind.require_live_decode()
     for warning in choice.warnings:
@@ -68,6 +78,7 @@ def run(
     prompt_ids = encode_prompt(lm, text, chat)
     check_context(lm, len(prompt_ids))
     built = choice.kind.build(lm)
+    router = build_router(lm, ffn_spec)
     stream = lm.tokenizer.stream_decoder()
     stop_ids = lm.tokenizer.stop_ids
 
@@ -76,9 +87,12 @@ def run(
             sys.stdout.write(stream.step(token))
             sys.stdout.flush()
 
-    result = generate(
-        built, lm, DenseFfn(lm), prompt_ids, max_tokens, Sampler(sampling), on_token, stop_ids
-    )
+    try:
+        result = generate(
+            built, lm, router, prompt_ids, max_tokens, Sampler(sampling), on_token, stop_ids
+        )
+    finally:
+        router.close()
     visible = [t for t in result.tokens if t not in stop_ids]
     if output == "json":
         print(
@@ -101,6 +115,7 @@ def run(
     if verbose:
         rate = result.decode_tok_s
         stderr.print(f"engine: {built.info().summary()}  (from {choice.source})")
+        stderr.print(f"ffn: {router.name}")
         stderr.print(f"prompt tokens: {len(prompt_ids)}   generated: {len(result.tokens)}")
         stderr.print(
             f"prefill: {result.prefill_ms:.1f} ms   decode: "

@@ -2,6 +2,10 @@
 
 An `FfnBackend` takes the *pre-FFN-normed* residual of one layer and returns the raw FFN output;
 the caller applies the post-FFN norm (if any) and the residual add (`layer.ffn_block`).
+
+The backends a policy can name live next to this module: `DenseFfn` and `NullFfn` here,
+`WalkFfn` in `ffn_walk`, `RemoteWalkFfn` in `ffn_remote`; `ffn_policy` parses the per-layer
+policy grammar and builds the router (itself an `FfnBackend`) that `build_ffn` returns.
 """
 
 from __future__ import annotations
@@ -11,7 +15,6 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from larql.errors import LarqlError
 from larql.models.model import Model
 
 
@@ -47,16 +50,20 @@ class DenseFfn:
         return F.linear(gated_activation(gate, self._activation) * up, lw.w_down)
 
 
-class UnknownFfnBackend(LarqlError):
-    """An FFN spec that names no backend."""
+class NullFfn:
+    """The FFN ablated: it contributes nothing, so the layer is attention only (DESIGN
+    decision 6 — zeros, not the identity; a post-FFN norm of zeros is still zero)."""
 
+    name = "null"
 
-FFN_BACKENDS = {"dense": ("dense", "weight", "weights")}
+    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)  # [S, H]
 
 
 def build_ffn(model: Model, spec: str = "dense") -> FfnBackend:
-    """The FFN backend a spec names (only `dense` so far)."""
-    name = spec.strip().lower()
-    if name in FFN_BACKENDS["dense"]:
-        return DenseFfn(model)
-    raise UnknownFfnBackend(f"unknown FFN backend {spec!r}; supported: {', '.join(FFN_BACKENDS)}")
+    """The FFN a policy spec names (`dense`, `walk:k=100`,
+    `{walk:k=100}@layers=14-27;{dense}@otherwise`, …), validated against the model's depth
+    and built as a per-layer router. Errors are the typed `FfnPolicyError`s of `ffn_policy`."""
+    from larql.inference.ffn_policy import FfnLayerPolicy  # the policy module builds on this one
+
+    return FfnLayerPolicy.from_spec(spec).validate_for(model.config.num_layers).build_router(model)

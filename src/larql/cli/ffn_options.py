@@ -1,0 +1,50 @@
+"""The FFN options `run`, `walk` and `bench` share: `--ffn-policy SPEC` (any per-layer policy)
+and `--ffn URL` (an FFN shard on every layer, shorthand for `remote-walk:endpoint=URL`)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from larql.cli.common import InvalidInput
+from larql.inference.ffn_policy import FfnLayerPolicy, LayerFfnRouter
+from larql.models.model import Model
+
+FfnPolicyOption = Annotated[
+    str | None,
+    typer.Option(
+        "--ffn-policy",
+        help="FFN per layer: dense | walk[:k=N] | null | remote-walk:endpoint=URL[,wire=f32|"
+        "f16|i8], or bindings like '{walk:k=100}@layers=14-27;{dense}@otherwise'.",
+    ),
+]
+FfnUrlOption = Annotated[
+    str | None,
+    typer.Option(
+        "--ffn", help="URL of an FFN shard (larql serve --ffn-only) that runs every layer's FFN."
+    ),
+]
+
+
+def ffn_policy_spec(policy: str | None, url: str | None, default: str = "dense") -> str:
+    """The policy spec the two options ask for (`default` when neither is given)."""
+    if policy is not None and url is not None:
+        raise InvalidInput("give --ffn URL or --ffn-policy SPEC, not both")
+    if url is not None:
+        if "://" not in url:
+            raise InvalidInput(
+                f"--ffn takes the URL of an FFN shard (http://host:port), got {url!r}; "
+                "use --ffn-policy for local backends"
+            )
+        return f"remote-walk:endpoint={url}"
+    return default if policy is None else policy
+
+
+def check_policy(spec: str) -> None:
+    """Parse early, before a model is loaded, so a typo fails fast."""
+    FfnLayerPolicy.from_spec(spec)
+
+
+def build_router(model: Model, spec: str) -> LayerFfnRouter:
+    return FfnLayerPolicy.from_spec(spec).validate_for(model.config.num_layers).build_router(model)

@@ -1,0 +1,135 @@
+"""`walk`: the FFN computed feature by feature instead of by dense matmuls (reference §7.2).
+
+A feature f of layer ℓ is one intermediate neuron: its gate row, its up row and its down column.
+The walk scores every feature's gate against the normed residual, keeps the k features with the
+largest |activated gate|, and computes up and down only for those:
+
+    out = Σ_{f ∈ top-k} act(gate_f · x) · (up_f · x) · down_f
+
+With k absent (or k ≥ the number of features) every feature is kept, and the walk takes the
+dense code path itself — bit-identical to `DenseFfn`, not merely close.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from larql.inference.ffn import DenseFfn, FfnBackend, gated_activation
+from larql.models.model import Model
+
+# Rows of a prefill gathered at once: bounds the [rows, k, H] gather buffers.
+_GATHER_ELEMENTS = 1 << 22
+
+
+def select_features(activated_gate: torch.Tensor, k: int) -> torch.Tensor:
+    """activated_gate: [S, F] → the k features with the largest |activation| per row, [S, k]."""
+    return activated_gate.abs().topk(k, dim=-1).indices
+
+
+def down_rows(model: Model, layer: int) -> torch.Tensor:
+    """Layer's down projection feature-major, [F, H] contiguous: row f is feature f's down
+    vector (the vindex layout of reference §7.2), so a walk reads k whole rows instead of k
+    strided columns. Built on first use and kept in `model.runtime`, shared by every walk."""
+    key = ("walk_down_rows", layer, model.dtype, model.device)
+    rows = model.runtime.get(key)
+    if rows is None:
+        rows = model.runtime[key] = model.weights.layers[layer].w_down.t().contiguous()
+    return rows  # type: ignore[return-value]
+
+
+class WalkFfn:
+    """Top-k sparse FFN; `k=None` is the dense-equivalent walk."""
+
+    def __init__(self, model: Model, k: int | None = None) -> None:
+        if k is not None and k < 1:
+            raise ValueError(f"walk k must be ≥ 1, got {k}")
+        self.k = k
+        self.name = "walk" if k is None else f"walk:k={k}"
+        self._model = model
+        self._dense = DenseFfn(model)
+        self._activation = model.config.arch.activation
+        self._features = model.config.intermediate_size
+
+    @property
+    def is_dense(self) -> bool:
+        return self.k is None or self.k >= self._features
+
+    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        if self.is_dense:
+            return self._dense.forward(layer, x)
+        assert self.k is not None
+        n = self._features
+        w_gate_up = self._model.weights.layers[layer].w_gate_up
+        w_gate, w_up = w_gate_up[:n], w_gate_up[n:]  # [F, H] each (views)
+        w_down = down_rows(self._model, layer)  # [F, H]
+        activated = gated_activation(F.linear(x, w_gate), self._activation)  # [S, F]
+        chosen = select_features(activated, self.k)  # [S, k]
+        if x.shape[0] == 1:  # decode: whole-row gathers and two small mat-vecs
+            idx = chosen[0]
+            coefficient = activated[0, idx] * (w_up.index_select(0, idx) @ x[0])  # [k]
+            return (coefficient @ w_down.index_select(0, idx)).unsqueeze(0)  # [1, H]
+        out = torch.empty_like(x)  # [S, H]
+        step = max(1, _GATHER_ELEMENTS // (self.k * x.shape[1]))
+        for start in range(0, x.shape[0], step):
+            rows = slice(start, start + step)
+            idx = chosen[rows]  # [s, k]
+            up = torch.bmm(w_up[idx], x[rows].unsqueeze(-1)).squeeze(-1)  # [s, k]
+            coefficient = activated[rows].gather(1, idx) * up  # [s, k]
+            out[rows] = torch.bmm(coefficient.unsqueeze(1), w_down[idx]).squeeze(1)
+        return out
+
+
+# ---------------------------------------------------------------------------- feature view
+
+
+@dataclass(frozen=True)
+class FiringFeature:
+    feature: int
+    activation: float  # act(gate·x) · (up·x): the coefficient of the feature's down column
+    gate: float  # act(gate·x), what the walk ranks by
+
+
+def firing_features(
+    model: Model, layer: int, x: torch.Tensor, k: int | None, top: int
+) -> list[FiringFeature]:
+    """x: [H] pre-FFN-normed residual of one position → the `top` features with the largest
+    |activation| among those a walk with this k keeps (all features when k is None)."""
+    lw = model.weights.layers[layer]
+    gate, up = F.linear(x.unsqueeze(0), lw.w_gate_up).chunk(2, dim=-1)  # [1, F] each
+    activated = gated_activation(gate, model.config.arch.activation)
+    n = activated.shape[-1]
+    kept = (
+        select_features(activated, min(k, n))[0]
+        if k is not None
+        else torch.arange(n, device=x.device)
+    )
+    coefficient = (activated * up)[0, kept]  # [k]
+    order = coefficient.abs().argsort(descending=True)[:top]
+    return [
+        FiringFeature(int(kept[i]), float(coefficient[i]), float(activated[0, kept[i]]))
+        for i in order
+    ]
+
+
+def down_tokens(model: Model, layer: int, feature: int, n: int) -> list[int]:
+    """The n token ids the feature's down column writes most strongly through the unembedding
+    (top of lm_head · down_f; a negative activation pushes these tokens down instead)."""
+    column = model.weights.layers[layer].w_down[:, feature]  # [H]
+    return F.linear(column, model.weights.lm_head).topk(n).indices.tolist()
+
+
+class LastRowRecorder:
+    """Wraps an FFN and keeps each layer's pre-FFN-normed input at the last position, so a
+    caller can ask which features fired there."""
+
+    def __init__(self, inner: FfnBackend) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.inputs: dict[int, torch.Tensor] = {}
+
+    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        self.inputs[layer] = x[-1].detach().clone()  # [H]
+        return self.inner.forward(layer, x)

@@ -1,0 +1,318 @@
+"""An FFN shard: serves the FFN of a range of layers over HTTP (reference §7.4), so a client's
+`remote-walk` backend can run its layers elsewhere.
+
+    POST /v1/walk-ffn   one layer or a batch of layers of one residual → FFN output
+                        (binary framing of `larql.inference.ffn_wire`, or JSON)
+    GET  /v1/stats      what the shard serves and what it has done
+    GET  /health        liveness
+
+The shard runs the walk FFN (top_k = 0: dense-equivalent) on the normed residual it is sent.
+A layer outside the shard's range, a malformed body or a wrong hidden size is a 4xx with a JSON
+error. Model compute runs in a worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from larql.errors import LarqlError
+from larql.inference.ffn_walk import WalkFfn
+from larql.inference.ffn_wire import (
+    F32,
+    JSON_MEDIA_TYPE,
+    MEDIA_TYPES,
+    WalkRequest,
+    WireFormatError,
+    decode_json_request,
+    decode_request,
+    encode_response,
+    wire_for_media_type,
+)
+from larql.models.model import Model
+from larql.server.errors import error_body
+
+
+class ShardLayersError(LarqlError):
+    """A `--layers` range the model does not have."""
+
+
+class ShardRequestError(Exception):
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+Layers = range | tuple[int, int] | None  # a range, or inclusive (A, B) as `--layers A-B` says
+
+
+def shard_layers(model: Model, layers: Layers) -> range:
+    n = model.config.num_layers
+    if layers is None:
+        return range(n)
+    if isinstance(layers, tuple):
+        layers = range(layers[0], layers[1] + 1)
+    if layers.step != 1 or len(layers) == 0 or layers.start < 0 or layers.stop > n:
+        shown = f"{layers.start}-{layers.stop - 1}" if len(layers) else "an empty range"
+        raise ShardLayersError(f"cannot serve layers {shown}: {model.name} has layers 0-{n - 1}")
+    return layers
+
+
+class FfnShard:
+    """The model side of the shard: checks requests and computes their layers."""
+
+    def __init__(self, model: Model, layers: Layers = None) -> None:
+        self.model = model
+        self.layers = shard_layers(model, layers)
+        self.hidden_size = model.config.hidden_size
+        # A generous bound on one body: every position of the context, f32, plus headers.
+        self.max_body = model.config.max_positions * self.hidden_size * 4 + 65_536
+        self._walks: dict[int, WalkFfn] = {}
+        self._lock = threading.Lock()
+        self._started = time.time()
+        self.counts: Counter[str] = Counter()
+        self.compute_ms = 0.0
+
+    def describe(self) -> dict[str, Any]:
+        with self._lock:
+            counts, compute_ms = dict(self.counts), self.compute_ms
+        return {
+            "model": self.model.name,
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "hidden_size": self.hidden_size,
+            "num_layers": self.model.config.num_layers,
+            "layers": [self.layers.start, self.layers.stop - 1],
+            "wire": list(MEDIA_TYPES),
+            "uptime_s": round(time.time() - self._started, 3),
+            "compute_ms": round(compute_ms, 3),
+            **counts,
+        }
+
+    def count(self, **increments: float) -> None:
+        with self._lock:
+            for key, value in increments.items():
+                self.counts[key] += value
+
+    def parse(self, body: bytes, content_type: str) -> tuple[WalkRequest, bool]:
+        """→ (request, whether it came as JSON)."""
+        base = content_type.split(";", 1)[0].strip().lower()
+        try:
+            if base == JSON_MEDIA_TYPE:
+                try:
+                    payload = json.loads(body)
+                except (ValueError, RecursionError):
+                    raise WireFormatError("the request body is not valid JSON") from None
+                return decode_json_request(payload, self.hidden_size), True
+            if base in ("", MEDIA_TYPES[F32], "application/octet-stream"):
+                return decode_request(body, self.hidden_size), False
+        except WireFormatError as e:
+            code = "wrong_hidden_size" if e.status == 422 else "malformed_body"
+            raise ShardRequestError(e.status, str(e), code) from None
+        raise ShardRequestError(
+            415,
+            f"unsupported Content-Type {content_type!r}; send {MEDIA_TYPES[F32]} or "
+            f"{JSON_MEDIA_TYPE}",
+            "unsupported_media_type",
+        )
+
+    def check_layers(self, request: WalkRequest) -> None:
+        for layer in request.layers:
+            if layer not in self.layers:
+                raise ShardRequestError(
+                    422,
+                    f"layer {layer} is not served by this shard (layers {self.layers.start}-"
+                    f"{self.layers.stop - 1})",
+                    "layer_not_served",
+                )
+
+    def compute(self, request: WalkRequest) -> tuple[list[tuple[int, np.ndarray]], float]:
+        """→ ([(layer, FFN output [S, H] float32)], compute ms). Runs in a worker thread."""
+        t0 = time.perf_counter()
+        walk = self._walk(request.top_k)
+        x = torch.from_numpy(np.array(request.residual, dtype=np.float32))
+        x = x.to(self.model.device, self.model.dtype)  # [S, H]
+        with torch.inference_mode():
+            results = [
+                (layer, walk.forward(layer, x).to("cpu", torch.float32).numpy())
+                for layer in request.layers
+            ]
+        ms = (time.perf_counter() - t0) * 1000
+        with self._lock:
+            self.compute_ms += ms
+            self.counts["layer_calls"] += len(request.layers)
+            self.counts["rows"] += request.seq_len * len(request.layers)
+        return results, ms
+
+    def _walk(self, top_k: int) -> WalkFfn:
+        with self._lock:
+            walk = self._walks.get(top_k)
+            if walk is None:
+                walk = self._walks[top_k] = WalkFfn(self.model, top_k or None)
+            return walk
+
+
+def negotiate(accept: str, json_request: bool) -> str | None:
+    """The response encoding: the first supported type `Accept` lists, in its order
+    (None = JSON); with no preference, answer in the request's own form."""
+    for item in accept.split(","):
+        media = item.split(";", 1)[0].strip().lower()
+        if media == JSON_MEDIA_TYPE:
+            return None
+        wire = wire_for_media_type(media)
+        if wire is not None:
+            return wire
+        if media in ("*/*", "application/*"):
+            return None if json_request else F32
+    if not accept.strip():
+        return None if json_request else F32
+    raise ShardRequestError(
+        406,
+        f"cannot answer in {accept!r}; accepted: {', '.join(MEDIA_TYPES.values())}, "
+        f"{JSON_MEDIA_TYPE}",
+        "not_acceptable",
+    )
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse(error_body(message, code=code), status_code=status)
+
+
+def create_ffn_app(model: Model, layers: Layers = None) -> FastAPI:
+    """The shard's FastAPI app for `layers` of `model` (all layers when None)."""
+    shard = FfnShard(model, layers)
+    app = FastAPI(title="larql FFN shard", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.shard = shard
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/stats")
+    async def stats() -> dict[str, Any]:
+        return shard.describe()
+
+    @app.post("/v1/walk-ffn")
+    async def walk_ffn(request: Request) -> Response:
+        try:
+            declared = int(request.headers.get("content-length") or 0)
+        except ValueError:
+            declared = 0
+        if declared > shard.max_body:
+            shard.count(errors=1)
+            return _error(413, f"body of {declared} bytes exceeds {shard.max_body}", "too_large")
+        body = await request.body()
+        try:
+            if len(body) > shard.max_body:
+                raise ShardRequestError(413, f"body exceeds {shard.max_body} bytes", "too_large")
+            walk, json_request = shard.parse(body, request.headers.get("content-type", ""))
+            wire = negotiate(request.headers.get("accept", ""), json_request)
+            shard.check_layers(walk)
+        except ShardRequestError as e:
+            shard.count(errors=1)
+            return _error(e.status, e.message, e.code)
+        results, ms = await run_in_threadpool(shard.compute, walk)
+        shard.count(requests=1, bytes_in=len(body), **{f"wire_{wire or 'json'}": 1})
+        if wire is None:
+            if walk.batched:
+                payload: dict[str, Any] = {"latency_ms": ms, "results": [
+                    {"layer": layer, "seq_len": out.shape[0], "output": out.ravel().tolist()}
+                    for layer, out in results
+                ]}  # fmt: skip
+            else:
+                layer, out = results[0]
+                payload = {"layer": layer, "seq_len": out.shape[0], "latency_ms": ms,
+                           "output": out.ravel().tolist()}  # fmt: skip
+            return JSONResponse(payload)
+        content = encode_response(results, ms, wire, walk.batched)
+        shard.count(bytes_out=len(content))
+        return Response(content, media_type=MEDIA_TYPES[wire])
+
+    return app
+
+
+# ---------------------------------------------------------------------------- running it
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0 = an ephemeral port; read it back with getsockname).
+
+    Created with proto=IPPROTO_TCP on purpose: asyncio only sets TCP_NODELAY on accepted
+    sockets whose proto says TCP, and without it every small response waits out the client's
+    delayed ACK (~40 ms per request)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def run_ffn_shard(
+    model: Model, layers: Layers = None, host: str = "127.0.0.1", port: int = 8080
+) -> None:
+    """Serve `layers` of `model` until interrupted; announces the address on stderr."""
+    app = create_ffn_app(model, layers)
+    served = app.state.shard.layers
+    sock = bind(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    print(
+        f"larql FFN shard: {model.name} layers {served.start}-{served.stop - 1} listening on "
+        f"http://{bound_host}:{bound_port}",
+        file=sys.stderr,
+        flush=True,
+    )
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=30))
+    server.run(sockets=[sock])
+
+
+class BackgroundShard:
+    """A shard served by uvicorn on a thread of this process, on an ephemeral loopback port
+    (tests and benchmarks): `with BackgroundShard(create_ffn_app(model)) as url: …`."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1") -> None:
+        self._sock = bind(host, 0)
+        port = self._sock.getsockname()[1]
+        self.url = f"http://{host}:{port}"
+        config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
+
+    def start(self) -> str:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the FFN shard did not start")
+            time.sleep(0.01)
+        return self.url
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
