@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from larql.inference.linear import linear
 from larql.models.model import Model
 
 
@@ -46,8 +47,8 @@ class DenseFfn:
 
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         lw = self._layers[layer]
-        gate, up = F.linear(x, lw.w_gate_up).chunk(2, dim=-1)  # [S, F] each
-        return F.linear(gated_activation(gate, self._activation) * up, lw.w_down)
+        gate, up = linear(x, lw.w_gate_up).chunk(2, dim=-1)  # [S, F] each
+        return linear(gated_activation(gate, self._activation) * up, lw.w_down)
 
 
 class NullFfn:

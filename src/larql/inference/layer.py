@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from larql.inference.ffn import FfnBackend
+from larql.inference.linear import linear
 from larql.inference.rope import RopeTable, apply_rope
 from larql.models.model import Model
 
@@ -120,7 +121,7 @@ def project_qkv_rotated(
     cfg = model.config
     lw = model.weights.layers[layer]
     x = rms_norm(h, lw.attn_norm, cfg.norm_eps)
-    qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [S, q_dim + 2·kv_dim]
+    qkv = linear(x, lw.wqkv, lw.bqkv)  # [S, q_dim + 2·kv_dim]
     q, k, v = qkv.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
     q = q.view(h.shape[0], cfg.num_heads, cfg.head_dim)
     if lw.q_norm is not None:
@@ -140,7 +141,7 @@ def recompute_kv(
     x = rms_norm(h_stored, lw.attn_norm, cfg.norm_eps)
     w_kv = lw.wqkv[cfg.q_dim :]
     b_kv = lw.bqkv[cfg.q_dim :] if lw.bqkv is not None else None
-    k, v = F.linear(x, w_kv, b_kv).split([cfg.kv_dim, cfg.kv_dim], dim=-1)  # [N, kv_dim] each
+    k, v = linear(x, w_kv, b_kv).split([cfg.kv_dim, cfg.kv_dim], dim=-1)  # [N, kv_dim] each
     cos, sin = rope_table(model, layer).slice(abs_start, h_stored.shape[0])
     return _heads_k_v(model, layer, k, v, cos, sin)
 
@@ -178,6 +179,8 @@ def attend(
         out = _softcapped_attention(
             q, keys, values, mask, causal, cfg.attn_scale, cfg.arch.attn_softcap
         )
+    elif s == 1 and mask is None and q.device.type == "cpu" and q.dtype in _LOW_PRECISION:
+        out = _decode_attention_float32(q, keys, values, cfg.attn_scale)
     else:
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0),
@@ -226,6 +229,19 @@ def attend_static(
     return out.transpose(0, 1).reshape(1, cfg.q_dim)
 
 
+def _decode_attention_float32(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    # SDPA's CPU kernels in bfloat16/float16 take 4-7x longer for one query than this float32
+    # product (grouped per K/V head, so K/V are not repeated): q [Hq, 1, D] → [Hq, 1, D].
+    heads, _, dim = q.shape
+    kv_heads = keys.shape[0]
+    grouped = q.reshape(kv_heads, heads // kv_heads, dim).float()  # [Hkv, g, D]
+    scores = torch.bmm(grouped, keys.float().transpose(1, 2)) * scale  # [Hkv, g, T]
+    out = torch.bmm(torch.softmax(scores, dim=-1), values.float())  # [Hkv, g, D]
+    return out.to(q.dtype).reshape(heads, 1, dim)
+
+
 def _softcapped_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -269,7 +285,7 @@ def attention_block(
 def attention_output(model: Model, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """Output projection (+ post-attention norm) added to the residual: [S, H]."""
     lw = model.weights.layers[layer]
-    out = F.linear(attn, lw.wo, lw.bo)
+    out = linear(attn, lw.wo, lw.bo)
     if lw.post_attn_norm is not None:
         out = rms_norm(out, lw.post_attn_norm, model.config.norm_eps)
     return h + out
@@ -302,7 +318,7 @@ def final_logits(model: Model, h: torch.Tensor) -> torch.Tensor:
     """Pre-final-norm hidden h: [S, H] → logits [S, V] (final norm, LM head, soft-cap)."""
     w = model.weights
     x = rms_norm(h, w.final_norm, model.config.norm_eps)
-    logits = F.linear(x, w.lm_head)
+    logits = linear(x, w.lm_head)
     cap = model.config.arch.final_softcap
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap
