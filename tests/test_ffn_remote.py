@@ -42,7 +42,7 @@ from larql.inference.ffn_wire import (
 from larql.inference.generation import generate, teacher_forced_logits
 from larql.kv import from_name
 from larql.models import Model
-from larql.server.ffn_shard import BackgroundShard, create_ffn_app
+from larql.server.ffn_shard import create_ffn_app, start_shard
 
 TEXT = ("The capital of France is Paris. The capital of Germany is Berlin. Water boils at 100 "
         "degrees Celsius at sea level, and the")  # fmt: skip
@@ -52,17 +52,17 @@ H = 576
 
 @pytest.fixture(scope="module")
 def shard(smollm2: Model) -> Iterator[str]:
-    with BackgroundShard(create_ffn_app(smollm2)) as url:
-        yield url
+    with start_shard(create_ffn_app(smollm2)) as server:
+        yield server.url
 
 
 @pytest.fixture(scope="module")
 def halves(smollm2: Model) -> Iterator[tuple[str, str]]:
     with (
-        BackgroundShard(create_ffn_app(smollm2, range(0, 15))) as low,
-        BackgroundShard(create_ffn_app(smollm2, range(15, 30))) as high,
+        start_shard(create_ffn_app(smollm2, range(0, 15))) as low,
+        start_shard(create_ffn_app(smollm2, range(15, 30))) as high,
     ):
-        yield low, high
+        yield low.url, high.url
 
 
 def stats(url: str) -> dict:
@@ -267,8 +267,8 @@ def test_bad_requests_are_4xx_with_a_json_error(
 
 
 def test_nothing_listening_is_backend_unavailable() -> None:
-    with BackgroundShard(FastAPI()) as url:
-        pass  # the port is free again
+    with start_shard(FastAPI()) as server:
+        url = server.url  # after the block the port is free again
     client = RemoteWalkFfn(url, hidden_size=H, connect_timeout_s=2)
     with pytest.raises(BackendUnavailable, match="cannot be reached") as raised:
         client.forward(0, torch.zeros(1, H))
@@ -308,8 +308,8 @@ def _misbehaving_app() -> FastAPI:
     ],
 )
 def test_a_misbehaving_shard_is_backend_failure(path: str, message: str) -> None:
-    with BackgroundShard(_misbehaving_app()) as url:
-        client = RemoteWalkFfn(url + path, hidden_size=H)
+    with start_shard(_misbehaving_app()) as server:
+        client = RemoteWalkFfn(server.url + path, hidden_size=H)
         with pytest.raises(BackendFailure, match=re.escape(message)):
             client.forward(0, torch.zeros(1, H))
         client.close()

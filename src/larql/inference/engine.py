@@ -39,8 +39,14 @@ class BackendUnavailable(EngineError):
     recoverable = True
 
     def __init__(self, detail: str = "") -> None:
-        message = "backend does not support this operation"
-        super().__init__(f"{message}: {detail}" if detail else message)
+        # The reference's bare text; with a detail (a missing capability, an unreachable FFN
+        # shard) the detail says what is unavailable.
+        message = (
+            f"backend unavailable: {detail}"
+            if detail
+            else ("backend does not support this operation")
+        )
+        super().__init__(message)
         self.detail = detail
 
 

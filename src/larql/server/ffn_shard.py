@@ -14,7 +14,6 @@ error. Model compute runs in a worker thread, never on the event loop.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import threading
 import time
@@ -23,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
@@ -43,6 +41,7 @@ from larql.inference.ffn_wire import (
 )
 from larql.models.model import Model
 from larql.server.errors import error_body
+from larql.server.runner import BackgroundServer, serve_forever, serve_in_thread
 
 
 class ShardLayersError(LarqlError):
@@ -245,74 +244,27 @@ def create_ffn_app(model: Model, layers: Layers = None) -> FastAPI:
 # ---------------------------------------------------------------------------- running it
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket (port 0 = an ephemeral port; read it back with getsockname).
-
-    Created with proto=IPPROTO_TCP on purpose: asyncio only sets TCP_NODELAY on accepted
-    sockets whose proto says TCP, and without it every small response waits out the client's
-    delayed ACK (~40 ms per request)."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def run_ffn_shard(
     model: Model, layers: Layers = None, host: str = "127.0.0.1", port: int = 8080
 ) -> None:
     """Serve `layers` of `model` until interrupted; announces the address on stderr."""
     app = create_ffn_app(model, layers)
     served = app.state.shard.layers
-    sock = bind(host, port)
-    bound_host, bound_port = sock.getsockname()[:2]
-    print(
-        f"larql FFN shard: {model.name} layers {served.start}-{served.stop - 1} listening on "
-        f"http://{bound_host}:{bound_port}",
-        file=sys.stderr,
-        flush=True,
-    )
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=30))
-    server.run(sockets=[sock])
 
-
-class BackgroundShard:
-    """A shard served by uvicorn on a thread of this process, on an ephemeral loopback port
-    (tests and benchmarks): `with BackgroundShard(create_ffn_app(model)) as url: …`."""
-
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1") -> None:
-        self._sock = bind(host, 0)
-        port = self._sock.getsockname()[1]
-        self.url = f"http://{host}:{port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30)
-        self.server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True
+    def announce(url: str) -> None:
+        print(
+            f"larql FFN shard: {model.name} layers {served.start}-{served.stop - 1} "
+            f"listening on {url}",
+            file=sys.stderr,
+            flush=True,
         )
 
-    def start(self) -> str:
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the FFN shard did not start")
-            time.sleep(0.01)
-        return self.url
+    serve_forever(app, host, port, on_listening=announce)
 
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self._thread.join(timeout=10)
-        self._sock.close()
 
-    def __enter__(self) -> str:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+def start_shard(app: FastAPI, host: str = "127.0.0.1") -> BackgroundServer:
+    """A shard on a thread of this process, on an ephemeral port (tests and benchmarks):
+    `with start_shard(create_ffn_app(model)) as shard: … shard.url …`."""
+    server = serve_in_thread(app, host, 0)
+    server.wait_started()
+    return server

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from fastapi import FastAPI
 from larql.errors import LarqlError
 
 GRACEFUL_SHUTDOWN_S = 5
+KEEP_ALIVE_S = 30  # FFN-shard clients hold one connection across a whole generation
 
 
 class ServerStartError(LarqlError):
@@ -21,11 +23,21 @@ class ServerStartError(LarqlError):
 
 
 def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    """A listening TCP socket (port 0 = an ephemeral port).
+
+    Created with proto=IPPROTO_TCP on purpose: asyncio only sets TCP_NODELAY on accepted
+    sockets whose proto says TCP, and without it every small response waits out the client's
+    delayed ACK (~40 ms per request)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+        )[0]
+    except (OSError, OverflowError, UnicodeError) as e:
+        raise ServerStartError(f"cannot listen on {host}:{port}: {e}") from None
+    sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock.bind(address)
     except (OSError, OverflowError) as e:
         sock.close()
         reason = getattr(e, "strerror", None) or str(e)
@@ -65,6 +77,7 @@ def _server(app: FastAPI) -> _Server:
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     return _Server(config, app)
 
@@ -94,6 +107,13 @@ class BackgroundServer:
 
     def __enter__(self) -> BackgroundServer:
         return self
+
+    def wait_started(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise ServerStartError("the server did not start")
+            time.sleep(0.01)
 
     def __exit__(self, *_: object) -> None:
         self.stop()

@@ -3,6 +3,7 @@ teacher-forced fidelity of every strategy against `standard` with the dense FFN.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from larql.harness.accuracy.fidelity import (
 )
 from larql.harness.accuracy.scoring import PromptScore, answer_matches, score_prompt
 from larql.inference.engine import EngineError
-from larql.inference.ffn import build_ffn
+from larql.inference.ffn import FfnBackend, build_ffn
 from larql.inference.generation import generate
 from larql.kv.catalog import from_name
 from larql.kv.spec import EngineKind
@@ -82,9 +83,10 @@ class AccuracyReport:
         }
 
 
-def corpora(
-    model: Model, settings: AccuracySettings
-) -> tuple[list[FactPrompt], list[FactPrompt], list[ConflictPrompt]]:
+Corpora = tuple[list[FactPrompt], list[FactPrompt], list[ConflictPrompt]]
+
+
+def corpora(model: Model, settings: AccuracySettings) -> Corpora:
     parametric = list(PARAMETRIC)
     needles = [p for _, p in needle_prompts(model.tokenizer, settings.needle_max_tokens,
                                             model.config.max_positions)]  # fmt: skip
@@ -123,8 +125,37 @@ def run_accuracy(
             "fidelity_text": settings.text_label,
         }
     )
+    with contextlib.ExitStack() as stack:
+        ffns = {spec: build_ffn(model, spec) for spec in ffn_specs}
+        for ffn in ffns.values():  # remote FFN clients hold connections until closed
+            if hasattr(ffn, "close"):
+                stack.callback(ffn.close)
+        _score_corpora(model, strategies, ffns, cross, (parametric, needles, conflicts), report,
+                       progress)  # fmt: skip
+        if settings.fidelity:
+            report.fidelity = _fidelity(model, strategies, ffns, cross, settings, progress)
+            report.meta["fidelity_method"] = (
+                f"teacher-forced over {settings.text_label}: prompt of "
+                f"{settings.fidelity_prompt_tokens} tokens, then every next token fed as a "
+                "decode step; KL(standard‖engine) in nats per position; O(N²) engines capped at "
+                f"{settings.quadratic_positions} positions; greedy agreement over "
+                f"{settings.greedy_steps} free-running steps"
+            )
+    return report
+
+
+def _score_corpora(
+    model: Model,
+    strategies: list[Strategy],
+    ffns: dict[str, FfnBackend],
+    cross: bool,
+    prompts: Corpora,
+    report: AccuracyReport,
+    progress: Progress | None,
+) -> None:
+    parametric, needles, conflicts = prompts
     for strategy in strategies:
-        ffn = build_ffn(model, strategy.ffn_spec)
+        ffn = ffns[strategy.ffn_spec]
         labels = (strategy.kind.spec(), strategy.ffn_spec, strategy.strategy(cross))
         if progress:
             progress(f"corpora: {labels[2]}")
@@ -141,21 +172,12 @@ def run_accuracy(
                 score = dataclasses.replace(score, followed_context=followed,
                                             parametric_fallback=fallback)  # fmt: skip
             report.scores.append(score)
-    if settings.fidelity:
-        report.fidelity = _fidelity(model, strategies, cross, settings, progress)
-        report.meta["fidelity_method"] = (
-            f"teacher-forced over {settings.text_label}: prompt of "
-            f"{settings.fidelity_prompt_tokens} tokens, then every next token fed as a decode "
-            "step; KL(standard‖engine) in nats per position; O(N²) engines capped at "
-            f"{settings.quadratic_positions} positions; greedy agreement over "
-            f"{settings.greedy_steps} free-running steps"
-        )
-    return report
 
 
 def _fidelity(
     model: Model,
     strategies: list[Strategy],
+    ffns: dict[str, FfnBackend],
     cross: bool,
     settings: AccuracySettings,
     progress: Progress | None,
@@ -165,7 +187,7 @@ def _fidelity(
     prompt_len = settings.fidelity_prompt_tokens
     if settings.fidelity_positions is not None:
         ids = ids[: prompt_len + settings.fidelity_positions]
-    dense = build_ffn(model, "dense")
+    dense = ffns.get("dense") or build_ffn(model, "dense")
     standard = from_name("standard")
     if progress:
         progress("fidelity: reference (standard)")
@@ -176,7 +198,7 @@ def _fidelity(
     for strategy in strategies:
         if progress:
             progress(f"fidelity: {strategy.strategy(cross)}")
-        ffn = build_ffn(model, strategy.ffn_spec)
+        ffn = ffns[strategy.ffn_spec]
         quadratic = strategy.kind.display_name in QUADRATIC
         cap = settings.quadratic_positions if quadratic else None
         result = measure_fidelity(model, ffn, strategy.kind, ids, prompt_len, reference, cap)
