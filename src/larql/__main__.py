@@ -1,0 +1,5 @@
+"""`python -m larql …` = the `larql` command."""
+
+from larql.cli.app import main
+
+main()
