@@ -9,7 +9,7 @@ import torch
 
 from helpers import relative_error
 from larql.inference.engine import AnyEngine
-from larql.inference.ffn import DenseFfn
+from larql.inference.ffn import DenseFfn, build_ffn
 from larql.inference.generation import generate, teacher_forced_logits
 from larql.kv import from_name
 from larql.kv.standard import StandardEngine
@@ -63,7 +63,9 @@ def test_cuda_graph_path_gives_the_eager_tokens(dtype: torch.dtype) -> None:
     fast = from_name("standard").build(model)
     assert isinstance(fast.inner, StaticCacheEngine)
     eager = from_name("standard:graph=0").build(model)
-    fast_tokens = generate(fast, model, ffn, ids, 64, stop_ids=frozenset()).tokens
+    fast_tokens = generate(
+        fast, model, build_ffn(model, "dense"), ids, 64, stop_ids=frozenset()
+    ).tokens
     eager_tokens = generate(eager, model, ffn, ids, 64, stop_ids=frozenset()).tokens
     assert fast.dispatch_path() == "cuda-graph"
     agreement = sum(a == b for a, b in zip(fast_tokens, eager_tokens, strict=True)) / 64

@@ -21,6 +21,9 @@ from larql.models.model import Model
 
 @runtime_checkable
 class FfnBackend(Protocol):
+    """A backend may also say `graph_safe = True`: its forward launches only device work with
+    static shapes, so a decode step that calls it can be captured in a CUDA graph."""
+
     name: str
 
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -40,6 +43,7 @@ class DenseFfn:
     """The model's own gated MLP: down(act(gate·x) ⊙ up·x), gate and up in one matmul."""
 
     name = "dense"
+    graph_safe = True
 
     def __init__(self, model: Model) -> None:
         self._layers = model.weights.layers
@@ -56,6 +60,7 @@ class NullFfn:
     decision 6 — zeros, not the identity; a post-FFN norm of zeros is still zero)."""
 
     name = "null"
+    graph_safe = True
 
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(x)  # [S, H]

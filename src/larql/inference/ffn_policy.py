@@ -331,6 +331,10 @@ class LayerFfnRouter:
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         return self.backend_for(layer).forward(layer, x)
 
+    @property
+    def graph_safe(self) -> bool:
+        return all(getattr(b, "graph_safe", False) for b in self.backends)
+
     def close(self) -> None:
         """Close remote clients (their keep-alive connections)."""
         for backend in {id(b): b for b in self.backends}.values():

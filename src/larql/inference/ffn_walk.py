@@ -57,6 +57,10 @@ class WalkFfn:
     def is_dense(self) -> bool:
         return self.k is None or self.k >= self._features
 
+    @property
+    def graph_safe(self) -> bool:
+        return self.is_dense  # the sparse path builds feature-major copies on first use
+
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         if self.is_dense:
             return self._dense.forward(layer, x)

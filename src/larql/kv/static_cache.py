@@ -9,7 +9,8 @@ buffer with a mask (`attend_static`). Capacity grows by doubling (a re-capture e
 
 It computes exactly what `StandardEngine` computes (same primitives; the eager `StandardEngine`
 stays the reference and the tests compare the two). The graph is used only with an FFN backend
-that is safe to capture (`DenseFfn`); any other backend runs the same static step eagerly.
+that says it is `graph_safe` (dense, null, a router of those); any other backend (a remote
+shard, a sparse walk) runs the same static step eagerly.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from larql.inference.engine import (
     mib,
     tensor_bytes,
 )
-from larql.inference.ffn import DenseFfn, FfnBackend
+from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
     attend_static,
     attention_output,
@@ -147,7 +148,8 @@ class StaticCacheEngine(KvEngine):
 
     def _graph_ready(self, model: Model, ffn: FfnBackend) -> bool:
         """Capture the step once per capacity (and FFN backend); False = run it eagerly."""
-        if not (self.use_graph and model.device.type == "cuda" and type(ffn) is DenseFfn):
+        capturable = getattr(ffn, "graph_safe", False)
+        if not (self.use_graph and model.device.type == "cuda" and capturable):
             return False
         if self._graph is not None and self._graph_ffn is ffn:
             return True
