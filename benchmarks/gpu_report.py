@@ -62,6 +62,7 @@ CHECK_SPECS = [
     "boundary-per-layer:window=16",
 ]
 SPEED_SPECS = [
+    "standard:compile=1",
     "standard",
     "standard:graph=0",
     "markov-rs",
@@ -76,6 +77,7 @@ SPEED_SPECS = [
     "no-cache",
 ]
 DEPTH_SPECS = [
+    "standard:compile=1",
     "standard",
     "standard:graph=0",
     "standard:window=512",
@@ -137,7 +139,7 @@ def check_correctness(cpu, gpus: dict, log: list[str]) -> list[dict]:
 
 def reset_peak() -> None:
     if torch.cuda.is_available():
-        reset_peak()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def peak() -> int:
@@ -157,10 +159,13 @@ def time_engines(gpu, specs: list[str], ids: list[int], new: int, bandwidth: flo
     return rows
 
 
-def time_hf(gpu, ids: list[int], new: int, skip_compile: bool) -> list[dict]:
-    rows = []
+def time_hf(gpu, ids: list[int], new: int, caches: list[str | None]) -> list[dict]:
+    rows: list[dict] = []
+    if not caches:
+        return rows
     hf = load_hf_model(gpu)
-    for cache, warmups in [(None, 1)] + ([] if skip_compile else [("static", 3)]):
+    for cache in caches:
+        warmups = 3 if cache == "static" else 1
         reset_peak()
         try:
             t0 = time.perf_counter()
@@ -181,8 +186,12 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--depth", type=int, default=8128)
-    parser.add_argument("--skip-compile", action="store_true")
-    parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument(
+        "--sections",
+        default="checks,speed,hf,hf-static,depth",
+        help="any of checks, speed, hf, hf-static, depth (comma-separated)",
+    )
+    parser.add_argument("--specs", help="override the speed/depth engine lists (;-separated)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     args = parser.parse_args()
@@ -200,16 +209,20 @@ def main() -> None:
         "float32": load_model(args.model, dtype=torch.float32, device=args.device),
         "bfloat16": load_model(args.model, dtype=torch.bfloat16, device=args.device),
     }
-    if not args.skip_checks:
+    sections = set(args.sections.split(","))
+    chosen = args.specs.split(";") if args.specs else None
+    if "checks" in sections:
         report["checks"] = check_correctness(cpu, gpus, log)
     bf16 = gpus["bfloat16"]
     ids = context_ids(bf16, args.prompt, default_text())
-    report["speed"] = time_engines(
-        bf16, [s for s in SPEED_SPECS if CATALOG.parses(s)], ids, args.new, bandwidth
-    )
-    report["hf"] = time_hf(bf16, ids, args.new, args.skip_compile)
-    deep = context_ids(bf16, args.depth, default_text())
-    report["depth"] = time_engines(bf16, DEPTH_SPECS, deep, 32, bandwidth)
+    if "speed" in sections:
+        specs = [s for s in chosen or SPEED_SPECS if CATALOG.parses(s)]
+        report["speed"] = time_engines(bf16, specs, ids, args.new, bandwidth)
+    caches = [c for c, name in ((None, "hf"), ("static", "hf-static")) if name in sections]
+    report["hf"] = time_hf(bf16, ids, args.new, caches)
+    if "depth" in sections:
+        deep = context_ids(bf16, args.depth, default_text())
+        report["depth"] = time_engines(bf16, chosen or DEPTH_SPECS, deep, 32, bandwidth)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_report.json").write_text(json.dumps(report, indent=2))
@@ -233,7 +246,7 @@ def summarize(report: dict) -> None:
     )
     for section in ("speed", "depth"):
         print(f"-- {section} (bf16) --")
-        for r in report[section]:
+        for r in report.get(section, []):
             ratio = f"{r['tok_s'] / hf_eager:.2f}x HF" if hf_eager and r["tok_s"] else ""
             ms = (r["decode_ms"] or {}).get("mean", 0)
             print(

@@ -47,7 +47,9 @@ class FreshKv:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype in _LOW_PRECISION:  # statistics in float32, as the reference implementations do
+    if x.dtype in _LOW_PRECISION and x.device.type == "cpu":
+        # statistics in float32, as the reference implementations do (the fused CUDA kernel
+        # accumulates in float32 itself)
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return normed.to(x.dtype) * weight
@@ -116,14 +118,22 @@ def project_qkv(
 def project_qkv_rotated(
     model: Model, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`project_qkv` with the rows' RoPE cos/sin [S, rotary_dim/2] given (they may be gathered
+    """`project_qkv` with the rows' RoPE cos/sin [S, rotary_dim] given (they may be gathered
     by a position tensor on the device, for a captured CUDA graph)."""
     cfg = model.config
     lw = model.weights.layers[layer]
+    s = h.shape[0]
     x = rms_norm(h, lw.attn_norm, cfg.norm_eps)
     qkv = linear(x, lw.wqkv, lw.bqkv)  # [S, q_dim + 2·kv_dim]
+    if lw.q_norm is None and lw.k_norm is None:
+        # q and k rotate together: one set of RoPE kernels for both
+        qk = qkv[:, : cfg.q_dim + cfg.kv_dim].view(s, cfg.num_heads + cfg.num_kv_heads, -1)
+        qk = apply_rope(qk.transpose(0, 1), cos, sin)  # [Hq + Hkv, S, D]
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads])
+        v = qkv[:, cfg.q_dim + cfg.kv_dim :].view(s, cfg.num_kv_heads, cfg.head_dim)
+        return q, k, v.transpose(0, 1)
     q, k, v = qkv.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
-    q = q.view(h.shape[0], cfg.num_heads, cfg.head_dim)
+    q = q.view(s, cfg.num_heads, cfg.head_dim)
     if lw.q_norm is not None:
         q = rms_norm(q, lw.q_norm, cfg.norm_eps)
     q = apply_rope(q.transpose(0, 1), cos, sin)
@@ -194,26 +204,29 @@ def attend(
     return out.transpose(0, 1).reshape(s, cfg.q_dim)
 
 
+def static_mask(capacity: int, position: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Keys a decode query at `position` (a [1] long tensor on the device) may see in a
+    fixed-capacity cache whose row i holds position i: i ≤ position and position − i < window.
+    → [1, capacity] bool, computed on the device (so a captured graph recomputes it)."""
+    rows = torch.arange(capacity, device=position.device)  # [C]
+    valid = rows <= position
+    if window is not None:
+        valid &= (position - rows) < window
+    return valid.view(1, capacity)
+
+
 def attend_static(
     model: Model,
     layer: int,
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    position: torch.Tensor,
-    window: int | None,
+    mask: torch.Tensor,
 ) -> torch.Tensor:
-    """One decode query q: [Hq, 1, D] at `position` (a 0-dim or [1] long tensor on the device)
-    over a fixed-capacity cache keys/values: [Hkv, C, D] whose row i holds position i. Rows not
-    yet written (i > position) and rows outside the window are masked, so every shape is static
-    and the step can be captured in a CUDA graph. → [1, q_dim]"""
+    """One decode query q: [Hq, 1, D] over a fixed-capacity cache keys/values: [Hkv, C, D]
+    with `mask` [1, C] from `static_mask` (built with this layer's `effective_window`). Every
+    shape is static, so the step can be captured in a CUDA graph. → [1, q_dim]"""
     cfg = model.config
-    rows = torch.arange(keys.shape[1], device=keys.device)  # [C]
-    valid = rows <= position
-    w = effective_window(model, layer, window)
-    if w is not None:
-        valid &= (position - rows) < w
-    mask = valid.view(1, -1)  # [1, C]
     if cfg.arch.attn_softcap is not None:
         cap = cfg.arch.attn_softcap
         out = _softcapped_attention(q, keys, values, mask, False, cfg.attn_scale, cap)

@@ -30,12 +30,17 @@ GRAPH_DOC = (
     "CPU always runs eagerly"
 )
 
+COMPILE_DOC = (
+    "on CUDA, also fuse the decode step's small kernels with torch.compile (1; the first "
+    "step compiles for a minute) or not (0)"
+)
+
 CATALOG = EngineCatalog()
 
 
 def build_standard(p: Mapping[str, Any], model: Model | None) -> KvEngine:
     if p["graph"] and model is not None and model.device.type == "cuda":
-        return StaticCacheEngine(window=p["window"])
+        return StaticCacheEngine(window=p["window"], compile=bool(p["compile"]))
     return StandardEngine(window=p["window"])
 
 
@@ -50,6 +55,7 @@ CATALOG.register(
         params=(
             Param("window", int, None, WINDOW_DOC, at_least(1)),
             Param("graph", int, 1, GRAPH_DOC, one_of(0, 1)),
+            Param("compile", int, 0, COMPILE_DOC, one_of(0, 1)),
         ),
         keeps="K/V of every layer (the last window−1 rows when windowed), model dtype",
         contract="the reference; window=N is sliding-window attention over N keys",

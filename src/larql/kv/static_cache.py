@@ -15,7 +15,7 @@ shard, a sparse walk) runs the same static step eagerly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -33,11 +33,13 @@ from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
     attend_static,
     attention_output,
+    effective_window,
     embed,
     ffn_block,
     layer_step,
     project_qkv_rotated,
     rope_table,
+    static_mask,
     token_tensor,
 )
 from larql.models.model import Model
@@ -62,9 +64,13 @@ class _PrefillSink:
 class StaticCacheEngine(KvEngine):
     name = "standard"
 
-    def __init__(self, window: int | None = None, use_graph: bool = True) -> None:
+    def __init__(
+        self, window: int | None = None, use_graph: bool = True, compile: bool = False
+    ) -> None:
         self.window = window
         self.use_graph = use_graph
+        self.compile = compile  # fuse the step's small kernels with torch.compile (slow start)
+        self._compiled_step = None
         self.position = 0
         self._keys: list[torch.Tensor] | None = None  # per layer [Hkv, capacity, D]
         self._values: list[torch.Tensor] | None = None
@@ -125,23 +131,39 @@ class StaticCacheEngine(KvEngine):
             self._graph.replay()
             hidden = self._out.clone()
         else:
-            hidden = self._step(model, ffn)
+            hidden = self._step_function()(model, ffn)
         self.position += 1
         return hidden
+
+    def _step_function(self) -> Callable[[Model, FfnBackend], torch.Tensor]:
+        if not self.compile:
+            return self._step
+        if self._compiled_step is None:
+            self._compiled_step = torch.compile(self._step, dynamic=False)
+        return self._compiled_step
 
     def _step(self, model: Model, ffn: FfnBackend) -> torch.Tensor:
         """One token at the position in `self._pos`, every shape static. → hidden [1, H]."""
         assert self._keys is not None and self._values is not None and self._pos is not None
+        capacity = self.capacity
+        masks: dict[int | None, torch.Tensor] = {}  # per window: layers share them
+        rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per RoPE table
         h = embed(model, self._token)  # [1, H]
         for layer in range(model.config.num_layers):
+            window = effective_window(model, layer, self.window)
+            if window not in masks:
+                masks[window] = static_mask(capacity, self._pos, window)
             table = rope_table(model, layer)
-            cos = table.cos.index_select(0, self._pos)  # [1, rotary_dim/2]
-            sin = table.sin.index_select(0, self._pos)
-            q, k, v = project_qkv_rotated(model, layer, h, cos, sin)
+            if id(table) not in rotations:
+                rotations[id(table)] = (
+                    table.cos.index_select(0, self._pos),  # [1, rotary_dim]
+                    table.sin.index_select(0, self._pos),
+                )
+            q, k, v = project_qkv_rotated(model, layer, h, *rotations[id(table)])
             self._keys[layer].index_copy_(1, self._pos, k)
             self._values[layer].index_copy_(1, self._pos, v)
             attn = attend_static(
-                model, layer, q, self._keys[layer], self._values[layer], self._pos, self.window
+                model, layer, q, self._keys[layer], self._values[layer], masks[window]
             )
             h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn)
         return h
@@ -155,12 +177,13 @@ class StaticCacheEngine(KvEngine):
             return True
         side = torch.cuda.Stream(device=model.device)
         side.wait_stream(torch.cuda.current_stream(model.device))
+        step = self._step_function()
         with torch.cuda.stream(side):
-            self._step(model, ffn)  # warm-up; it writes the same K/V row the replay will write
+            step(model, ffn)  # warm-up (compiles, if asked); writes the row the replay rewrites
         torch.cuda.current_stream(model.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._out = self._step(model, ffn)
+            self._out = step(model, ffn)
         self._graph, self._graph_ffn = graph, ffn
         # A RoPE table that grows later is a new tensor; the graph keeps reading these.
         tables = (rope_table(model, layer) for layer in range(model.config.num_layers))
