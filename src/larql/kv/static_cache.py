@@ -15,6 +15,7 @@ shard, a sparse walk) runs the same static step eagerly.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -70,7 +71,6 @@ class StaticCacheEngine(KvEngine):
         self.window = window
         self.use_graph = use_graph
         self.compile = compile  # fuse the step's small kernels with torch.compile (slow start)
-        self._compiled_step = None
         self.position = 0
         self._keys: list[torch.Tensor] | None = None  # per layer [Hkv, capacity, D]
         self._values: list[torch.Tensor] | None = None
@@ -138,9 +138,8 @@ class StaticCacheEngine(KvEngine):
     def _step_function(self) -> Callable[[Model, FfnBackend], torch.Tensor]:
         if not self.compile:
             return self._step
-        if self._compiled_step is None:
-            self._compiled_step = torch.compile(self._step, dynamic=False)
-        return self._compiled_step
+        compiled = _compiled_static_step()
+        return lambda model, ffn: compiled(self, model, ffn)
 
     def _step(self, model: Model, ffn: FfnBackend) -> torch.Tensor:
         """One token at the position in `self._pos`, every shape static. → hidden [1, H]."""
@@ -206,6 +205,17 @@ class StaticCacheEngine(KvEngine):
         self._token = torch.zeros(1, dtype=torch.long, device=model.device)
         self._pos = torch.zeros(1, dtype=torch.long, device=model.device)
         self._graph, self._graph_ffn, self._out = None, None, None
+
+
+@functools.cache
+def _compiled_static_step() -> Callable[..., torch.Tensor]:
+    """One compiled step shared by every engine, so a new engine of the same shapes reuses the
+    compiled kernels instead of compiling again (torch.compile guards on shapes, not objects)."""
+
+    def step(engine: StaticCacheEngine, model: Model, ffn: FfnBackend) -> torch.Tensor:
+        return engine._step(model, ffn)
+
+    return torch.compile(step, dynamic=False)
 
 
 def _next_power_of_two(n: int) -> int:
