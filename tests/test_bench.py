@@ -43,7 +43,7 @@ def test_nearest_rank_percentiles() -> None:
 def test_derived_figures_follow_their_definitions() -> None:
     row = EngineRow(spec="x", label="x", depth=0, prompt_tokens=10)
     assert row.ratio_vs_fp16_full is None and row.bytes_per_token is None  # nothing measured
-    row.memory = MemoryBreakdown(hot=600, cold=300, derivative=100)
+    row.memory = MemoryBreakdown(hot=600, cold=300, derivative=100, reserved=500)
     row.context_tokens = 20
     row.fp16_full_bytes = 4000
     row.tok_s = 10.0

@@ -422,14 +422,13 @@ def test_memory_is_counted_from_the_tensors_held(smollm2: Model) -> None:
                 engine.decode_step(model, ffn, token)
         store = engine.store
         memory = engine.memory()
-        assert memory.hot == sum(r._data.numel() * 4 for r in store.hot)  # type: ignore[union-attr]
-        assert memory.hot >= layers * 4 * hidden * 4  # 4 hot rows of float32 per layer
+        assert memory.hot == sum(r.live_nbytes() for r in store.hot)
+        assert memory.hot == layers * 4 * hidden * 4  # 4 hot rows of float32 per layer
         assert store.kv is not None
-        assert memory.derivative == sum(
-            b._k.numel() * 8
-            for b in store.kv  # type: ignore[union-attr]
-        )
-        assert memory.derivative >= layers * 2 * len(ids) * kv_dim * 4
+        assert memory.derivative == sum(b.live_nbytes() for b in store.kv)
+        held = sum(s.nbytes() for group in (store.hot, store.cold, store.kv) for s in group)
+        assert memory.total == held == memory.state + memory.reserved
+        assert memory.derivative == layers * 2 * len(ids) * kv_dim * 4
         assert engine.window_tokens() == 4 and store.cold_len == len(ids) - 4
         assert engine.cold_bytes() == memory.cold > 0
         assert memory.total == engine.memory_bytes()

@@ -17,6 +17,7 @@ from larql.inference.engine import AnyEngine
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import teacher_forced_logits
 from larql.kv import EngineSpecError, from_name
+from larql.kv.rows import GrowableRows
 from larql.kv.turbo_quant import TurboQuantCodec, TurboQuantEngine
 from larql.kv.turbo_quant.codebook import (
     codebook,
@@ -31,7 +32,6 @@ from larql.kv.turbo_quant.rotation import (
     signed_walsh_hadamard,
     walsh_hadamard,
 )
-from larql.kv.turbo_quant.store import EncodedRows
 from larql.models import Model, load_model
 from tiny_models import build_tiny_model, random_ids
 
@@ -223,26 +223,28 @@ def test_non_power_of_two_dims_are_padded() -> None:
 
 
 def test_store_appends_grow_geometrically() -> None:
-    store = EncodedRows(row_bytes=3)
+    store = GrowableRows()
     reallocations, last_capacity = 0, 0
     for i in range(2_000):
         store.append(torch.full((1, 3), i % 251, dtype=torch.uint8))
-        if store.allocated_bytes() != last_capacity:
-            reallocations, last_capacity = reallocations + 1, store.allocated_bytes()
-    assert len(store) == 2_000 and store.stored_bytes() == 6_000
+        if store.nbytes() != last_capacity:
+            reallocations, last_capacity = reallocations + 1, store.nbytes()
+    assert len(store) == 2_000 and store.live_nbytes() == 6_000
     assert reallocations < 30  # geometric growth, not one copy per append
     assert store.rows[:, 0].tolist() == [i % 251 for i in range(2_000)]
 
 
 def test_store_keeps_only_the_last_rows() -> None:
-    store = EncodedRows(row_bytes=2, keep=5)
+    store = GrowableRows(keep=5)
     store.append(torch.arange(16, dtype=torch.uint8).view(8, 2))  # a prompt longer than keep
+    store.clip()
     assert store.rows[:, 0].tolist() == [6, 8, 10, 12, 14]
     for i in range(100):
         store.append(torch.tensor([[i, i]], dtype=torch.uint8))
+        store.clip()
     assert store.rows[:, 0].tolist() == [95, 96, 97, 98, 99]
-    assert store.stored_bytes() == 10
-    assert store.allocated_bytes() < 100
+    assert store.live_nbytes() == 10
+    assert store.nbytes() < 100
 
 
 # ---------------------------------------------------------------------------- spec
@@ -302,13 +304,14 @@ def test_memory_is_the_bytes_stored(bits: int, smollm2: Model) -> None:
     row = 2 * cfg.num_kv_heads * (4 + math.ceil(cfg.head_dim * bits / 8))
     with torch.inference_mode():
         engine.prefill(smollm2, ffn, ids)
-        assert engine.memory_bytes() == cfg.num_layers * len(ids) * row
+        assert engine.memory().state == cfg.num_layers * len(ids) * row
         for step in range(3):
-            before = engine.memory_bytes()
+            before = engine.memory().state
             engine.decode_step(smollm2, ffn, 42 + step)
-            assert engine.memory_bytes() - before == cfg.num_layers * row
+            assert engine.memory().state - before == cfg.num_layers * row
     memory = engine.memory()
-    assert memory.hot == memory.total and memory.cold == memory.derivative == 0
+    assert memory.hot == memory.state and memory.cold == memory.derivative == 0
+    assert memory.total == memory.state + memory.reserved  # growth capacity is reported too
     assert engine.cold_bytes() == 0
     inner = engine.inner
     assert isinstance(inner, TurboQuantEngine)

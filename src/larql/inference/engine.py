@@ -9,8 +9,9 @@ position, shape [1, H]; the caller turns it into logits with `layer.final_logits
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -86,26 +87,60 @@ class EngineInfo:
         return f"{self.name} [{self.backend}]  {self.description}"
 
 
+class Storage(Protocol):
+    """Anything an engine keeps state in: bytes allocated, and optionally bytes in use."""
+
+    def nbytes(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes an engine holds right now, counted from its tensors (`numel × element_size`).
 
     hot: canonical state of the recent rows; cold: canonical state of older rows (any codec);
-    derivative: caches that can be rebuilt from the canonical state (e.g. K/V of residuals).
+    derivative: caches that can be rebuilt from the canonical state (e.g. K/V of residuals);
+    reserved: capacity allocated ahead by growable buffers and not yet holding rows.
+    `total` is everything held; `state` leaves the reserve out (what the rows themselves cost).
     """
 
     hot: int = 0
     cold: int = 0
     derivative: int = 0
+    reserved: int = 0
+
+    @property
+    def state(self) -> int:
+        return self.hot + self.cold + self.derivative
 
     @property
     def total(self) -> int:
-        return self.hot + self.cold + self.derivative
+        return self.state + self.reserved
+
+    @classmethod
+    def of(
+        cls,
+        hot: Iterable[Storage] = (),
+        cold: Iterable[Storage] = (),
+        derivative: Iterable[Storage] = (),
+    ) -> MemoryBreakdown:
+        """From storages (`GrowableRows`, `KvBuffer`, …): their live bytes per category, the
+        rest of what they allocated as `reserved`."""
+        live = [sum(_live(s) for s in group) for group in (hot, cold, derivative)]
+        held = sum(s.nbytes() for group in (hot, cold, derivative) for s in group)
+        return cls(*live, reserved=held - sum(live))
 
     def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
         return MemoryBreakdown(
-            self.hot + other.hot, self.cold + other.cold, self.derivative + other.derivative
+            self.hot + other.hot,
+            self.cold + other.cold,
+            self.derivative + other.derivative,
+            self.reserved + other.reserved,
         )
+
+
+def _live(storage: Storage) -> int:
+    live = getattr(storage, "live_nbytes", None)
+    return live() if live is not None else storage.nbytes()
 
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:

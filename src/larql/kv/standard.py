@@ -45,7 +45,7 @@ class StandardEngine(KvEngine):
         )
 
     def memory(self) -> MemoryBreakdown:
-        return MemoryBreakdown(hot=sum(b.nbytes() for b in self._layers or []))
+        return MemoryBreakdown.of(hot=self._layers or [])
 
     def window_tokens(self) -> int:
         return len(self._layers[0]) if self._layers else 0

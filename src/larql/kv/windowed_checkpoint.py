@@ -86,9 +86,7 @@ class WindowedCheckpointEngine(KvEngine):
         )
 
     def memory(self) -> MemoryBreakdown:
-        hot = sum(b.nbytes() for b in self._layers or [])
-        cold = self.checkpoints.nbytes() + self.archive.nbytes()
-        return MemoryBreakdown(hot=hot, cold=cold)
+        return MemoryBreakdown.of(hot=self._layers or [], cold=[self.checkpoints, self.archive])
 
     def window_tokens(self) -> int:
         return len(self.archive.pending)

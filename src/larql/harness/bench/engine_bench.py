@@ -50,15 +50,17 @@ class EngineRow:
 
     @property
     def bytes_per_token(self) -> float | None:
-        if self.memory is None or self.memory.total == 0 or not self.context_tokens:
+        """State bytes (growth reserve left out) per token of context."""
+        if self.memory is None or self.memory.state == 0 or not self.context_tokens:
             return None
-        return self.memory.total / self.context_tokens
+        return self.memory.state / self.context_tokens
 
     @property
     def ratio_vs_fp16_full(self) -> float | None:
-        if self.memory is None or self.memory.total == 0 or not self.fp16_full_bytes:
+        """State bytes over an fp16 K/V cache of the same length (reserve shown apart)."""
+        if self.memory is None or self.memory.state == 0 or not self.fp16_full_bytes:
             return None
-        return self.memory.total / self.fp16_full_bytes
+        return self.memory.state / self.fp16_full_bytes
 
     @property
     def achieved_gbs(self) -> float | None:
@@ -66,7 +68,7 @@ class EngineRow:
         attention, so this is exact for `standard` and an estimate for the other engines."""
         if self.tok_s is None or self.memory is None:
             return None
-        return (self.weight_read_bytes + self.memory.total) * self.tok_s / 1e9
+        return (self.weight_read_bytes + self.memory.state) * self.tok_s / 1e9
 
     @property
     def bandwidth_share(self) -> float | None:
@@ -91,6 +93,8 @@ class EngineRow:
                 "hot": self.memory.hot,
                 "cold": self.memory.cold,
                 "derivative": self.memory.derivative,
+                "reserved": self.memory.reserved,
+                "state": self.memory.state,
                 "total": self.memory.total,
             },
             "context_tokens": self.context_tokens,

@@ -30,7 +30,7 @@ def render_table(report: BenchReport) -> Table:
     table = Table(title=title, caption=meta["method"], caption_justify="left")
     columns = [
         "engine", "depth", "prefill ms", "ms/tok mean p50 p99", "tok/s (spread)", "fwd/head ms",
-        "MiB hot/cold/deriv", "B/token", "× fp16 full", "GB/s (share)", "× HF",
+        "MiB hot/cold/deriv +reserve", "B/token", "× fp16 full", "GB/s (share)", "× HF",
     ]  # fmt: skip
     for i, name in enumerate(columns):
         table.add_column(name, justify="left" if i == 0 else "right", overflow="fold")
@@ -56,6 +56,7 @@ def render_table(report: BenchReport) -> Table:
             spread,
             f"{_num(row.fwd_ms, '.2f')}/{_num(row.head_ms, '.2f')}",
             "/".join(_mib(x) for x in (memory.hot, memory.cold, memory.derivative))
+            + f" +{_mib(memory.reserved)}"
             if memory and memory.total
             else "—",
             _num(row.bytes_per_token, ",.0f"),

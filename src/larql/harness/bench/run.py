@@ -101,7 +101,8 @@ def run_bench(
             "method": (
                 "whole token = forward + logits + argmax; prefill includes the first pick; "
                 "median tok/s over repeats, percentiles nearest-rank over all kept steps; "
-                "memory = engine tensors after decode; fp16 full cache at the same length; "
+                "memory = engine tensors after decode (+ growth reserve); ratio = state bytes / an "
+                "fp16 full cache at the same length; "
                 "achieved GB/s = (weights read per token + engine state) × tok/s"
             ),
         }

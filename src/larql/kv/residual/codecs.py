@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from larql.kv.residual.rows import RowBuffer
+from larql.kv.rows import GrowableRows
 
 
 def bf16_encode(x: torch.Tensor) -> torch.Tensor:
@@ -54,7 +54,7 @@ class IdentityCodec:
     lossless = True
 
     def __init__(self) -> None:
-        self._rows = RowBuffer()
+        self._rows = GrowableRows()
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -69,6 +69,9 @@ class IdentityCodec:
     def nbytes(self) -> int:
         return self._rows.nbytes()
 
+    def live_nbytes(self) -> int:
+        return self._rows.live_nbytes()
+
 
 class Bf16Codec:
     """Rows kept as bfloat16 bit patterns (2 bytes per element)."""
@@ -77,7 +80,7 @@ class Bf16Codec:
     lossless = False
 
     def __init__(self) -> None:
-        self._payload = RowBuffer()  # [n, H] uint16
+        self._payload = GrowableRows()  # [n, H] uint16
         self._dtype = torch.float32
 
     def __len__(self) -> int:
@@ -94,6 +97,9 @@ class Bf16Codec:
 
     def nbytes(self) -> int:
         return self._payload.nbytes()
+
+    def live_nbytes(self) -> int:
+        return self._payload.live_nbytes()
 
 
 CODECS: dict[str, type[IdentityCodec] | type[Bf16Codec]] = {

@@ -23,7 +23,7 @@ from larql.inference.engine import MemoryBreakdown
 from larql.inference.layer import recompute_kv
 from larql.kv.buffers import KvBuffer
 from larql.kv.residual.codecs import ColdCodec, new_codec
-from larql.kv.residual.rows import RowBuffer
+from larql.kv.rows import GrowableRows
 from larql.models.model import Model
 
 
@@ -42,7 +42,7 @@ class ResidualStore:
 
     def __init__(self, window: int | None, codec_labels: Sequence[str]) -> None:
         self.window = window
-        self.hot = [RowBuffer() for _ in codec_labels]  # [hot_len, H] each
+        self.hot = [GrowableRows() for _ in codec_labels]  # [hot_len, H] each
         self.cold: list[ColdCodec] = [new_codec(label) for label in codec_labels]
         self.kv: list[KvBuffer] | None = [KvBuffer() for _ in codec_labels]
         self.next_position = 0
@@ -117,8 +117,4 @@ class ResidualStore:
     # ------------------------------------------------------------------ accounting
 
     def memory(self) -> MemoryBreakdown:
-        return MemoryBreakdown(
-            hot=sum(rows.nbytes() for rows in self.hot),
-            cold=sum(codec.nbytes() for codec in self.cold),
-            derivative=sum(buffer.nbytes() for buffer in self.kv or []),
-        )
+        return MemoryBreakdown.of(hot=self.hot, cold=self.cold, derivative=self.kv or [])

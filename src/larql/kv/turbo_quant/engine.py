@@ -38,8 +38,8 @@ from larql.inference.layer import (
     token_tensor,
 )
 from larql.inference.profiling import DecodeStageSummary, EngineProfiler
+from larql.kv.rows import GrowableRows
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
-from larql.kv.turbo_quant.store import EncodedRows
 from larql.models.model import Model
 
 CodecFactory = Callable[[int], RowCodec]  # head_dim → codec
@@ -69,7 +69,7 @@ class TurboQuantEngine(KvEngine):
         self.position = 0  # absolute position of the next token
         self._codec_factory = codec_factory or (lambda dim: TurboQuantCodec(dim, bits))
         self._codec: RowCodec | None = None
-        self._layers: list[EncodedRows] | None = None
+        self._layers: list[GrowableRows] | None = None  # [n, row_bytes] uint8 each
         self._backend = "cpu"
         self._profiler = EngineProfiler(enabled=profiling)
 
@@ -84,7 +84,7 @@ class TurboQuantEngine(KvEngine):
         )
 
     def memory(self) -> MemoryBreakdown:
-        return MemoryBreakdown(hot=sum(rows.stored_bytes() for rows in self._layers or []))
+        return MemoryBreakdown.of(hot=self._layers or [])
 
     def stored_rows(self, layer: int) -> int:
         """Tokens whose K/V layer `layer` holds (encoded)."""
@@ -112,9 +112,8 @@ class TurboQuantEngine(KvEngine):
         self._backend = backend_name(model)
         cfg = model.config
         self._codec = self._codec_factory(cfg.head_dim)
-        row_bytes = 2 * cfg.num_kv_heads * self._codec.bytes_per_vector
         self._layers = [
-            EncodedRows(row_bytes, keep=self._keep(model, layer)) for layer in range(cfg.num_layers)
+            GrowableRows(keep=self._keep(model, layer)) for layer in range(cfg.num_layers)
         ]
         h = initial_hidden  # [S, H]
         for layer in range(cfg.num_layers):
@@ -169,7 +168,8 @@ class TurboQuantEngine(KvEngine):
         heads, s, dim = k.shape
         vectors = torch.stack((k, v)).permute(2, 0, 1, 3).reshape(s * 2 * heads, dim)
         encoded = self._codec.encode(vectors)  # [S·2·Hkv, bytes_per_vector]
-        self._layers[layer].append(encoded.view(s, -1))
+        self._layers[layer].append(encoded.view(s, -1))  # [S, row_bytes]
+        self._layers[layer].clip()
 
     def _decode_layer(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's stored rows decoded → keys, values [Hkv, n, D] in `dtype`."""
