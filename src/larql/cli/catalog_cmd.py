@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from larql.cli.common import InvalidInput, stdout, user_errors
-from larql.kv.catalog import CATALOG
+from larql.kv.catalog import CATALOG, catalog_rows
 from larql.models.registry import DEFAULT_MODEL, KNOWN_MODELS
 
 
@@ -18,21 +18,7 @@ def engines(
     output: Annotated[str, typer.Option("--output", "-o", help="table or json.")] = "table",
 ) -> None:
     """List the engine catalog: names, parameters, what each keeps and its contract."""
-    rows = [
-        {
-            "name": e.name,
-            "aliases": list(e.aliases),
-            "params": [
-                {"name": p.name, "type": p.type.__name__, "default": p.default, "doc": p.doc}
-                for p in e.params
-            ],
-            "keeps": e.keeps,
-            "contract": e.contract,
-            "kind": e.kind,
-            "live_decode": e.live_decode,
-        }
-        for e in CATALOG.entries
-    ]
+    rows = catalog_rows()
     if output == "json":
         print(json.dumps(rows, indent=2))
         return

@@ -17,6 +17,7 @@ import torch
 
 from larql.errors import LarqlError
 from larql.inference.ffn import FfnBackend
+from larql.inference.layer import embed, token_tensor
 from larql.inference.profiling import DecodeStageSummary
 from larql.models.model import Model
 
@@ -189,9 +190,14 @@ class _EngineBase(ABC):
 class KvEngine(_EngineBase):
     """Keeps decode state across tokens; the FFN is whatever backend the caller hands in."""
 
-    @abstractmethod
     def prefill(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
-        """Run the prompt; return the last position's pre-final-norm hidden [1, H]."""
+        """Run the prompt; return the last position's pre-final-norm hidden [1, H].
+
+        By default: embed the ids and `prefill_from_hidden` (engines that cannot start from
+        hidden rows override this instead)."""
+        if len(token_ids) == 0:
+            raise EmptyPrompt()
+        return self.prefill_from_hidden(model, ffn, embed(model, token_tensor(model, token_ids)))
 
     @abstractmethod
     def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:

@@ -192,15 +192,7 @@ def attend(
     elif s == 1 and mask is None and q.device.type == "cpu" and q.dtype in _LOW_PRECISION:
         out = _decode_attention_float32(q, keys, values, cfg.attn_scale)
     else:
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(0),
-            keys.unsqueeze(0),
-            values.unsqueeze(0),
-            attn_mask=mask,
-            is_causal=causal,
-            scale=cfg.attn_scale,
-            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-        )[0]  # [Hq, S, D]
+        out = _sdpa(model, q, keys, values, mask, causal)
     return out.transpose(0, 1).reshape(s, cfg.q_dim)
 
 
@@ -231,15 +223,29 @@ def attend_static(
         cap = cfg.arch.attn_softcap
         out = _softcapped_attention(q, keys, values, mask, False, cfg.attn_scale, cap)
     else:
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(0),
-            keys.unsqueeze(0),
-            values.unsqueeze(0),
-            attn_mask=mask,
-            scale=cfg.attn_scale,
-            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-        )[0]  # [Hq, 1, D]
+        out = _sdpa(model, q, keys, values, mask, causal=False)
     return out.transpose(0, 1).reshape(1, cfg.q_dim)
+
+
+def _sdpa(
+    model: Model,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+) -> torch.Tensor:
+    """torch's fused attention, K/V heads shared by query groups: → [Hq, S, D]."""
+    cfg = model.config
+    return F.scaled_dot_product_attention(
+        q.unsqueeze(0),
+        keys.unsqueeze(0),
+        values.unsqueeze(0),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=cfg.attn_scale,
+        enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+    )[0]
 
 
 def _decode_attention_float32(

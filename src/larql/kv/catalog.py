@@ -211,6 +211,25 @@ CATALOG.register(
 )
 
 
+def catalog_rows() -> list[dict[str, Any]]:
+    """The catalog as plain data (`larql engines --output json`, `GET /v1/engines`)."""
+    return [
+        {
+            "name": e.name,
+            "aliases": list(e.aliases),
+            "params": [
+                {"name": p.name, "type": p.type.__name__, "default": p.default, "doc": p.doc}
+                for p in e.params
+            ],
+            "keeps": e.keeps,
+            "contract": e.contract,
+            "kind": e.kind,
+            "live_decode": e.live_decode,
+        }
+        for e in CATALOG.entries
+    ]
+
+
 def from_name(spec: str) -> EngineKind:
     return CATALOG.from_name(spec)
 

@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from larql.inference.engine import AnyEngine
 from larql.inference.ffn import DenseFfn
-from larql.kv.catalog import CATALOG
+from larql.kv.catalog import catalog_rows
 from larql.models.model import Model
 from larql.server.errors import ApiError, error_body, install_error_handlers
 from larql.server.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
@@ -147,24 +147,6 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
         return await answer(request, body, prepare_chat(body, model, settings), True)
 
     return app
-
-
-def catalog_rows() -> list[dict[str, Any]]:
-    return [
-        {
-            "name": e.name,
-            "aliases": list(e.aliases),
-            "params": [
-                {"name": p.name, "type": p.type.__name__, "default": p.default, "doc": p.doc}
-                for p in e.params
-            ],
-            "keeps": e.keeps,
-            "contract": e.contract,
-            "kind": e.kind,
-            "live_decode": e.live_decode,
-        }
-        for e in CATALOG.entries
-    ]
 
 
 class CountRequests:

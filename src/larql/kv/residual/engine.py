@@ -13,8 +13,6 @@ with a lossless cold tier the engine is exact against `standard` at any window.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from larql.inference.engine import (
@@ -99,11 +97,6 @@ class ResidualStreamEngine(KvEngine):
         self.store.drop_derivative()
 
     # ------------------------------------------------------------------ prefill
-
-    def prefill(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
-        if len(token_ids) == 0:
-            raise EmptyPrompt()
-        return self.prefill_from_hidden(model, ffn, embed(model, token_tensor(model, token_ids)))
 
     def prefill_from_hidden(
         self, model: Model, ffn: FfnBackend, initial_hidden: torch.Tensor

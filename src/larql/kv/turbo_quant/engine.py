@@ -15,7 +15,7 @@ sliding layers only the rows a later query can still see are kept.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -97,11 +97,6 @@ class TurboQuantEngine(KvEngine):
         return True
 
     # ------------------------------------------------------------------ prefill
-
-    def prefill(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
-        if len(token_ids) == 0:
-            raise EmptyPrompt()
-        return self.prefill_from_hidden(model, ffn, embed(model, token_tensor(model, token_ids)))
 
     def prefill_from_hidden(
         self, model: Model, ffn: FfnBackend, initial_hidden: torch.Tensor
