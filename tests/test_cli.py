@@ -177,3 +177,36 @@ def test_console_script_runs(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+
+
+ACCEPTANCE_SPECS = [
+    "markov-rs",
+    "markov-rs:window=4",
+    "markov-rs-codec",
+    "boundary-kv:chunk_tokens=4",
+    "boundary-per-layer",
+    "windowed-checkpoint:window=128",
+]
+
+
+def test_exact_engines_give_standard_tokens_through_the_cli(cli) -> None:
+    """Issue 3's acceptance run: the same 24 tokens from `larql run` for every exact engine."""
+    prompt = "Alice put the red ball in the box, and Bob"
+    reference = run_json(cli, prompt, "-n", "24")["tokens"]
+    for spec in ACCEPTANCE_SPECS:
+        assert run_json(cli, prompt, "-n", "24", "--engine", spec)["tokens"] == reference, spec
+
+
+def test_turbo_quant_reports_its_compressed_memory(cli) -> None:
+    standard = run_json(cli, "Alice put the red ball", "-n", "8")["memory_bytes"]
+    for bits in (2, 3, 4):
+        out = run_json(
+            cli, "Alice put the red ball", "-n", "8", "--engine", f"turbo-quant:bits={bits}"
+        )
+        assert 0 < out["memory_bytes"] < standard / 4
+
+
+def test_apollo_is_refused_for_live_decode(cli) -> None:
+    result = cli("run", "Hello", "--engine", "apollo")
+    assert result.exit_code == 2
+    assert "not available for live decode" in result.stderr
