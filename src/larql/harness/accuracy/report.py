@@ -22,7 +22,8 @@ def fidelity_table(rows: list[Fidelity], text_label: str) -> Table:
     )
     for col in ("strategy", "positions", "mean KL", "median", "p99", "max", "same top-1",
                 "Δp RMS", "ln PPL ratio", "greedy divergence", "memory MiB", "note"):  # fmt: skip
-        table.add_column(col, justify="left" if col in ("strategy", "note") else "right")
+        left = col in ("strategy", "note")
+        table.add_column(col, justify="left" if left else "right", overflow="fold")
     for r in rows:
         if r.error:
             table.add_row(r.spec, *[""] * 10, f"error: {r.error}")
