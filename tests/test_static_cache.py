@@ -70,3 +70,32 @@ def test_cuda_graph_path_gives_the_eager_tokens(dtype: torch.dtype) -> None:
     assert fast.dispatch_path() == "cuda-graph"
     agreement = sum(a == b for a, b in zip(fast_tokens, eager_tokens, strict=True)) / 64
     assert agreement == 1.0 if dtype == torch.float32 else agreement >= 0.9
+
+
+def test_static_step_traces_as_one_graph(smollm2: Model) -> None:
+    """torch.compile must see the whole decode step as one graph: a break splits it into
+    per-layer pieces that recompile per layer and, past dynamo's recompile limit, run uncompiled
+    (a break at `torch.get_num_threads()` once cost the compiled fast path ~15%)."""
+    engine = StaticCacheEngine(use_graph=False)
+    ffn = DenseFfn(smollm2)
+    with torch.inference_mode():
+        engine.prefill(smollm2, ffn, smollm2.tokenizer.encode(PROMPT))
+        explanation = torch._dynamo.explain(engine._step)(smollm2, ffn)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_cuda_step_gives_the_eager_tokens() -> None:
+    model = load_model("smollm2-135m", dtype=torch.float32, device="cuda")
+    ids = model.tokenizer.encode(PROMPT)
+    ffn = DenseFfn(model)
+    compiled = from_name("standard:compile=1").build(model)
+    eager = from_name("standard:graph=0").build(model)
+    compiled_tokens = generate(compiled, model, ffn, ids, 32, stop_ids=frozenset()).tokens
+    eager_tokens = generate(eager, model, ffn, ids, 32, stop_ids=frozenset()).tokens
+    assert compiled.dispatch_path() == "cuda-graph"
+    assert compiled_tokens == eager_tokens
+    with torch.inference_mode():  # traced on CUDA too: the CPU trace does not see GPU-only breaks
+        explanation = torch._dynamo.explain(compiled.inner._step)(model, ffn)
+    assert explanation.graph_break_count == 0, explanation.break_reasons

@@ -18,13 +18,15 @@ _SPLIT_DTYPES = (torch.float32, torch.float64)
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [S, in] @ weight[out, in]ᵀ (+ bias) → [S, out]."""
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or x.shape[0] != 1:
+        # decided before asking for the thread count, which torch.compile cannot trace: a
+        # compiled step must not break its graph here (a compiler fuses the product itself)
+        return F.linear(x, weight, bias)
     blocks = torch.get_num_threads()
     out_features, in_features = weight.shape
     if (
-        x.shape[0] != 1
-        or not x.is_contiguous()
+        not x.is_contiguous()
         or blocks < 2
-        or x.device.type != "cpu"
         or weight.dtype not in _SPLIT_DTYPES
         or out_features % blocks
         or not weight.is_contiguous()

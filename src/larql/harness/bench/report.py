@@ -29,14 +29,14 @@ def render_table(report: BenchReport) -> Table:
     )
     table = Table(title=title, caption=meta["method"], caption_justify="left")
     columns = [
-        "engine", "depth", "prefill ms", "ms/tok mean p50 p99", "tok/s (spread)", "fwd/head ms",
+        "engine", "context", "prefill ms", "ms/tok mean p50 p99", "tok/s (spread)", "fwd/head ms",
         "MiB hot/cold/deriv +reserve", "B/token", "× fp16 full", "GB/s (share)", "× HF",
     ]  # fmt: skip
     for i, name in enumerate(columns):
         table.add_column(name, justify="left" if i == 0 else "right", overflow="fold")
     for row in report.rows:
         if row.error:
-            table.add_row(row.spec, str(row.depth), f"[red]{row.error}[/]", *[""] * 8)
+            table.add_row(row.spec, str(row.prompt_tokens), f"[red]{row.error}[/]", *[""] * 8)
             continue
         step = row.step
         memory = row.memory
@@ -50,7 +50,7 @@ def render_table(report: BenchReport) -> Table:
         times = " ".join(_num(x, ".2f") for x in (step.mean, step.p50, step.p99)) if step else "—"
         table.add_row(
             row.spec,
-            str(row.depth),
+            str(row.prompt_tokens),
             _num(row.prefill_ms, ".1f"),
             times,
             spread,
@@ -64,11 +64,11 @@ def render_table(report: BenchReport) -> Table:
             f"{_num(gbs, '.1f')} ({_num(share * 100 if share else None, '.0f')}%)",
             _num(report.peer_ratio(row), ".2f"),
         )
-    for depth, peer in report.peers.items():
+    for peer in report.peers.values():
         runs = peer.tok_s_runs
         table.add_row(
             "hf-transformers",
-            str(depth),
+            str(peer.prompt_tokens),
             _num(peer.prefill_ms, ".1f"),
             _num(1000 / peer.tok_s if peer.tok_s else None, ".2f"),
             f"{peer.tok_s:.1f} ({min(runs):.1f}–{max(runs):.1f})" if runs else "—",
