@@ -241,6 +241,37 @@ def test_codecs_store_what_they_say() -> None:
     assert len(bf16) == 7 and bf16.decode().shape == (7, 8)
 
 
+def test_bf16_codec_stores_bf16_rows_bit_for_bit() -> None:
+    rows = torch.randn(5, 8).to(torch.bfloat16)
+    codec = Bf16Codec()
+    back = codec.append(rows)
+    assert back.dtype == torch.bfloat16 and torch.equal(back, rows)
+    assert torch.equal(codec.decode(), rows) and codec.nbytes() >= 5 * 8 * 2
+    assert codec.lossless_for(torch.bfloat16)
+    assert not codec.lossless_for(torch.float32) and not codec.lossless_for(torch.float16)
+    assert IdentityCodec().lossless_for(torch.float32)
+
+
+def test_codec_equals_markov_rs_in_a_bf16_model(smollm2: Model) -> None:
+    """In a bfloat16 model the bf16 cold tier loses nothing, so the codec engine keeps the K/V it
+    computed (no recompute) and decodes exactly as markov-rs at the same window."""
+    model = smollm2.to(dtype=torch.bfloat16)
+    ids = model.tokenizer.encode(LONG_TEXT)
+    ffn = DenseFfn(model)
+    outputs = []
+    for name in ("markov-rs", "markov-rs-codec"):
+        engine = from_name(markov_spec(4, name)).build(model, profiling=True)
+        outputs.append(teacher_forced_logits(engine, model, ffn, ids, PROMPT_LEN))
+        summary = engine.stage_summary()
+        assert engine.cold_bytes() > 0 and summary is not None
+        assert summary.avg_recompute_cold_us == 0  # every step evicted a row; none recomputed
+    assert torch.equal(outputs[0], outputs[1])
+    lossy = from_name(markov_spec(4, "markov-rs-codec")).build(smollm2, profiling=True)
+    teacher_forced_logits(lossy, smollm2, DenseFfn(smollm2), ids, PROMPT_LEN)
+    summary = lossy.stage_summary()
+    assert summary is not None and summary.avg_recompute_cold_us > 0  # float32: recomputed
+
+
 @pytest.mark.slow
 def test_codec_is_bit_identical_to_markov_rs_without_overflow(smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode(LONG_TEXT)[:16]

@@ -4,6 +4,8 @@
 while the rows were hot stays valid). `Bf16Codec` keeps the float32 bit pattern rounded to
 bfloat16, round-to-nearest-even, as uint16 — half the bytes, and lossy, so the engine replaces
 the evicted rows' K/V with K/V recomputed from the round-tripped residuals (reference §5.4).
+Rows that are bfloat16 already (a bf16 model) are stored bit for bit: there the codec is
+lossless, costs no conversion, and the K/V need no recompute.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from larql.kv.rows import GrowableRows
 def bf16_encode(x: torch.Tensor) -> torch.Tensor:
     """x: [...] floating → uint16 bfloat16 bit patterns [...], round-to-nearest-even on the
     float32 bit pattern: `(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16` in u32 arithmetic."""
+    if x.dtype == torch.bfloat16:
+        return x.contiguous().view(torch.uint16)  # already those bits: the rounding is a no-op
     bits = x.to(torch.float32).contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFFFFFF  # u32 wrap, as in the reference
     return (rounded >> 16).to(torch.uint16)
@@ -25,14 +29,18 @@ def bf16_encode(x: torch.Tensor) -> torch.Tensor:
 
 def bf16_decode(payload: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint16 bfloat16 bit patterns [...] → values [...] in `dtype` (exact: bf16 ⊂ float32)."""
+    if dtype == torch.bfloat16:
+        return payload.view(torch.bfloat16)
     return (payload.to(torch.int32) << 16).view(torch.float32).to(dtype)
 
 
 class ColdCodec(Protocol):
-    """One layer's cold tier. `lossless` codecs return their input from `append` unchanged."""
+    """One layer's cold tier. A codec lossless for a dtype returns rows of that dtype from
+    `append` unchanged."""
 
     label: str
-    lossless: bool
+
+    def lossless_for(self, dtype: torch.dtype) -> bool: ...
 
     def __len__(self) -> int: ...
 
@@ -51,10 +59,12 @@ class IdentityCodec:
     """Rows kept as given (model dtype)."""
 
     label = "identity"
-    lossless = True
 
     def __init__(self) -> None:
         self._rows = GrowableRows()
+
+    def lossless_for(self, dtype: torch.dtype) -> bool:
+        return True
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -77,11 +87,13 @@ class Bf16Codec:
     """Rows kept as bfloat16 bit patterns (2 bytes per element)."""
 
     label = "bf16"
-    lossless = False
 
     def __init__(self) -> None:
         self._payload = GrowableRows()  # [n, H] uint16
         self._dtype = torch.float32
+
+    def lossless_for(self, dtype: torch.dtype) -> bool:
+        return dtype == torch.bfloat16
 
     def __len__(self) -> int:
         return len(self._payload)

@@ -81,8 +81,9 @@ class ResidualStore:
         first = self.cold_len  # snapshot before appending: the true position of the first row
         blocks = []
         for layer, (hot, cold) in enumerate(zip(self.hot, self.cold, strict=True)):
-            stored = cold.append(hot.pop_front(overflow))  # [overflow, H]
-            blocks.append(EvictedBlock(layer, first, stored, cold.lossless))
+            rows = hot.pop_front(overflow)  # [overflow, H]
+            stored = cold.append(rows)
+            blocks.append(EvictedBlock(layer, first, stored, cold.lossless_for(rows.dtype)))
         return blocks
 
     # ------------------------------------------------------------------ derivative K/V
