@@ -383,6 +383,43 @@ def test_sliding_layers_keep_only_the_window(tiny_gemma3: Model) -> None:
     assert torch.isfinite(logits).all()
 
 
+def rotated_vs_decoded(model: Model, ids: list[int], prompt_len: int, bits: int) -> float:
+    """Relative error between the engine attending in the rotated basis and the reference that
+    decodes every stored row, teacher-forced over the same tokens."""
+    logits = []
+    for rotated in (True, False):
+        engine = AnyEngine(TurboQuantEngine(bits=bits, rotated_attention=rotated))
+        logits.append(teacher_forced_logits(engine, model, DenseFfn(model), ids, prompt_len))
+    ours, reference = logits
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+    return ((ours - reference).norm() / reference.norm()).item()
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_rotated_basis_attention_equals_decoding_every_row(bits: int, smollm2: Model) -> None:
+    ids = smollm2.tokenizer.encode(PROMPT + " took it out again and ran away with it")
+    assert rotated_vs_decoded(smollm2, ids, 6, bits) <= 1e-5  # float32 rounding only
+
+
+def test_rotated_basis_attention_with_a_padded_head_width(tiny_gemma3: Model) -> None:
+    """head_dim 12 rotates in 16 coordinates; sliding layers and q/k norms on the way."""
+    assert TurboQuantCodec(12, 3).rotated_dim == 16
+    assert rotated_vs_decoded(tiny_gemma3, random_ids(24, seed=5), 9, 3) <= 1e-5  # codec: f32
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma2(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    pytest.importorskip("transformers")
+    directory: Path = tmp_path_factory.mktemp("tq-gemma2")
+    build_tiny_model("gemma2", directory)
+    return load_model(str(directory), dtype=torch.float64)
+
+
+def test_rotated_basis_attention_with_soft_capped_scores(tiny_gemma2: Model) -> None:
+    assert tiny_gemma2.config.arch.attn_softcap is not None
+    assert rotated_vs_decoded(tiny_gemma2, random_ids(24, seed=6), 9, 4) <= 1e-5
+
+
 class ScaledFfn:
     """The dense FFN scaled by a constant: an FFN only an engine that honours it would use."""
 

@@ -166,8 +166,8 @@ def attend(
     window: int | None,
 ) -> torch.Tensor:
     """q: [Hq, S, D] at positions start..start+S-1; keys/values: [Hkv, T, D] at the contiguous
-    positions ending at start+S-1 → attention output [S, q_dim]. A query at position i sees key j
-    iff j ≤ i and i − j < window."""
+    positions ending at start+S-1 → attention output [S, Hq·D] (= [S, q_dim] for the model's own
+    head width). A query at position i sees key j iff j ≤ i and i − j < window."""
     cfg = model.config
     s, t = q.shape[1], keys.shape[1]
     w = effective_window(model, layer, window)
@@ -193,7 +193,7 @@ def attend(
         out = _decode_attention_float32(q, keys, values, cfg.attn_scale)
     else:
         out = _sdpa(model, q, keys, values, mask, causal)
-    return out.transpose(0, 1).reshape(s, cfg.q_dim)
+    return out.transpose(0, 1).reshape(s, -1)  # [S, Hq·D] (D: the width q and keys came in)
 
 
 def static_mask(capacity: int, position: torch.Tensor, window: int | None) -> torch.Tensor:

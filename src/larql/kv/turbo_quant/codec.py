@@ -81,11 +81,17 @@ class TurboQuantCodec:
 
     def decode(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """uint8 [N, bytes_per_vector] → [N, dim] in `dtype`."""
+        rotation = rotation_matrix(self.rotated_dim, torch.float32, data.device)
+        x = self.decode_rotated(data, torch.float32) @ rotation  # [N, d']
+        return x[:, : self.dim].to(dtype)
+
+    def decode_rotated(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """uint8 [N, bytes_per_vector] → the vectors still in the rotated basis, [N, d'] in
+        `dtype`: `decode` is this @ R, cut to `dim`. Dot products and weighted sums can be taken
+        here and rotated once afterwards (R is orthogonal), instead of rotating every row."""
         norms, payload = split_norms(data)
         unit = self._centroid_values(payload)  # [N, d'] rotated unit vectors
-        rotation = rotation_matrix(self.rotated_dim, torch.float32, data.device)
-        x = (unit @ rotation)[:, : self.dim].mul_(norms)  # [N, dim]
-        return x.to(dtype)
+        return unit.mul_(norms).to(dtype)
 
     def decode_indices(self, payload: torch.Tensor) -> torch.Tensor:
         """uint8 [N, payload_bytes] → quantiser indices [N, d'] (the plain, slower path)."""

@@ -7,6 +7,14 @@ stored row is never re-encoded). The decoded history is a temporary, never kept,
 held is the encoded bytes alone; decoding is O(T) per step by nature, done for a whole layer at
 once.
 
+The attention runs in the codec's rotated basis: a stored row is x = ‖x‖·u·R with R orthogonal
+and symmetric, so q·x = ‖x‖·u·(q·R) and Σ pᵢ·xᵢ = (Σ pᵢ·‖xᵢ‖·uᵢ)·R. The step rotates q and the
+new row once, attends over the rows as stored (centroids × norm, no per-row rotation) and
+rotates the output back: the same attention, without the [T, D] × [D, D] product per layer that
+decoding every row costs. A head width that the codec pads to a power of two D' works the same
+way: q and the new row are zero-padded (so the padded coordinates, which hold only quantisation
+noise, meet zeros) and the rotated-back output is cut to D.
+
 Each K and V row is encoded per head (per head_dim chunk) by a `RowCodec`, by default
 `TurboQuantCodec(head_dim, bits)`. One token's entry in a layer's store is
 [K head 0 … K head Hkv−1, V head 0 … V head Hkv−1], each a codec vector. On an architecture's
@@ -18,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from larql.inference.engine import (
     EmptyPrompt,
@@ -31,15 +40,19 @@ from larql.inference.engine import (
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
     FreshKv,
+    attend,
     attention_block,
+    attention_output,
     effective_window,
     embed,
     ffn_block,
+    project_qkv,
     token_tensor,
 )
 from larql.inference.profiling import DecodeStageSummary, EngineProfiler
 from larql.kv.rows import GrowableRows
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
+from larql.kv.turbo_quant.rotation import rotation_matrix
 from larql.models.model import Model
 
 CodecFactory = Callable[[int], RowCodec]  # head_dim → codec
@@ -63,9 +76,14 @@ class TurboQuantEngine(KvEngine):
     name = "turbo-quant"
 
     def __init__(
-        self, bits: int = 4, profiling: bool = False, codec_factory: CodecFactory | None = None
+        self,
+        bits: int = 4,
+        profiling: bool = False,
+        codec_factory: CodecFactory | None = None,
+        rotated_attention: bool = True,
     ) -> None:
         self.bits = bits
+        self.rotated_attention = rotated_attention  # False: decode every row (the reference)
         self.position = 0  # absolute position of the next token
         self._codec_factory = codec_factory or (lambda dim: TurboQuantCodec(dim, bits))
         self._codec: RowCodec | None = None
@@ -141,19 +159,55 @@ class TurboQuantEngine(KvEngine):
         """h: [1, H] at `self.position` → [1, H] after every layer; stores the new row."""
         assert self._layers is not None
         stage, device = self._profiler.stage, model.device
+        rotation = self._rotation(device)
         for layer in range(len(self._layers)):
-            with stage("state_materialise", device):
-                keys, values = self._decode_layer(layer, model.dtype)  # [Hkv, n, D]
-            sink = HistoryThenNew(keys, values)
-            with stage("attention", device):
-                h = attention_block(model, layer, h, self.position, sink)
-            with stage("state_append", device):
+            if rotation is None:
+                with stage("state_materialise", device):
+                    keys, values = self._decode_layer(layer, model.dtype)  # [Hkv, n, D]
+                sink = HistoryThenNew(keys, values)
+                with stage("attention", device):
+                    h = attention_block(model, layer, h, self.position, sink)
                 assert sink.k is not None and sink.v is not None
-                self._encode_and_append(layer, sink.k, sink.v)
+                k, v = sink.k, sink.v
+            else:
+                h, k, v = self._rotated_attention_block(model, layer, h, rotation)
+            with stage("state_append", device):
+                self._encode_and_append(layer, k, v)
             with stage("ffn", device):
                 h = ffn_block(model, layer, h, ffn)
         self.position += 1
         return h
+
+    def _rotated_attention_block(
+        self, model: Model, layer: int, h: torch.Tensor, rotation: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`attention_block` over the stored rows in the rotated basis. h: [1, H] → (residual
+        after attention [1, H], the new row's exact k, v [Hkv, 1, D])."""
+        stage, device, dtype = self._profiler.stage, model.device, model.dtype
+        with stage("state_materialise", device):
+            keys, values = self._decode_layer(layer, dtype, rotated=True)  # [Hkv, n, D'], basis R
+        with stage("attention", device):
+            q, k, v = project_qkv(model, layer, h, self.position)  # [Hq|Hkv, 1, D]
+
+            cfg = model.config
+            padding = rotation.shape[0] - cfg.head_dim
+
+            def rotate(x: torch.Tensor) -> torch.Tensor:  # [..., D] → [..., D'], x·R in float32
+                return (F.pad(x.float(), (0, padding)) @ rotation).to(dtype)
+
+            keys = torch.cat((keys, rotate(k)), dim=1)  # [Hkv, n + 1, D']
+            values = torch.cat((values, rotate(v)), dim=1)
+            attn = attend(model, layer, rotate(q), keys, values, self.position, None)  # [1, Hq·D']
+            back = attn.view(cfg.num_heads, -1).float() @ rotation  # [Hq, D'] (R·R = I)
+            attn = back[:, : cfg.head_dim].to(dtype).reshape(1, cfg.q_dim)
+            return attention_output(model, layer, h, attn), k, v
+
+    def _rotation(self, device: torch.device) -> torch.Tensor | None:
+        """R [D', D'] float32 when the step attends in the codec's rotated basis, else None."""
+        codec = self._codec
+        if not (self.rotated_attention and isinstance(codec, TurboQuantCodec)):
+            return None
+        return rotation_matrix(codec.rotated_dim, torch.float32, device)
 
     # ------------------------------------------------------------------ state
 
@@ -166,13 +220,21 @@ class TurboQuantEngine(KvEngine):
         self._layers[layer].append(encoded.view(s, -1))  # [S, row_bytes]
         self._layers[layer].clip()
 
-    def _decode_layer(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's stored rows decoded → keys, values [Hkv, n, D] in `dtype`."""
+    def _decode_layer(
+        self, layer: int, dtype: torch.dtype, rotated: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's stored rows decoded → keys, values [Hkv, n, D] in `dtype` (`rotated`:
+        left in the codec's rotated basis)."""
         assert self._layers is not None and self._codec is not None
         rows = self._layers[layer].rows  # [n, row_bytes]
         n = rows.shape[0]
-        vectors = self._codec.decode(rows.reshape(-1, self._codec.bytes_per_vector), dtype)
-        kv = vectors.view(n, 2, -1, self._codec.dim)  # [n, 2, Hkv, D]
+        data = rows.reshape(-1, self._codec.bytes_per_vector)
+        if rotated:
+            assert isinstance(self._codec, TurboQuantCodec)
+            vectors = self._codec.decode_rotated(data, dtype)
+        else:
+            vectors = self._codec.decode(data, dtype)
+        kv = vectors.view(n, 2, -1, vectors.shape[-1])  # [n, 2, Hkv, D] (rotated: D')
         return kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)
 
     @staticmethod
