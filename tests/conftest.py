@@ -12,6 +12,11 @@ from larql.models import KNOWN_MODELS, Model, load_model
 
 torch.set_num_threads(int(os.environ.get("LARQL_TEST_THREADS", "2")))
 
+# Without a GPU, larql's Triton kernels (where Triton is installed) run in Triton's interpreter
+# for their tests; `triton.jit` reads this when a kernel is defined, before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def smollm2() -> Model:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from larql.inference.ffn import FfnBackend
 from larql.inference.linear import linear
 from larql.inference.rope import RopeTable, apply_rope
+from larql.kernels import DecodeAttention
 from larql.models.model import Model
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -225,6 +226,25 @@ def attend_static(
     else:
         out = _sdpa(model, q, keys, values, mask, causal=False)
     return out.transpose(0, 1).reshape(1, cfg.q_dim)
+
+
+def attend_static_kernel(
+    model: Model,
+    layer: int,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    position: torch.Tensor,
+    window: int | None,
+    kernel: DecodeAttention,
+) -> torch.Tensor:
+    """`attend_static` through a decode-attention kernel (`larql.kernels`) that reads the
+    position from the device and skips the rows past it instead of masking a whole-capacity
+    product; `window` is this layer's `effective_window`. → [1, q_dim]"""
+    cfg = model.config
+    softcap = cfg.arch.attn_softcap or 0.0
+    out = kernel(q, keys, values, position, cfg.attn_scale, window or 0, softcap)  # [Hq, 1, D]
+    return out.reshape(1, cfg.q_dim)
 
 
 def _sdpa(

@@ -35,12 +35,20 @@ COMPILE_DOC = (
     "step compiles for a minute) or not (0)"
 )
 
+ATTENTION_DOC = (
+    "decode attention of the CUDA fast path: larql's split-key Triton kernel (triton), torch's "
+    "fused attention over the masked static cache (sdpa), or the faster of the two as measured "
+    "on an H200 (auto: triton for the captured graph, sdpa inside a compiled step)"
+)
+
 CATALOG = EngineCatalog()
 
 
 def build_standard(p: Mapping[str, Any], model: Model | None) -> KvEngine:
     if p["graph"] and model is not None and model.device.type == "cuda":
-        return StaticCacheEngine(window=p["window"], compile=bool(p["compile"]))
+        return StaticCacheEngine(
+            window=p["window"], compile=bool(p["compile"]), attention=p["attention"]
+        )
     return StandardEngine(window=p["window"])
 
 
@@ -56,6 +64,7 @@ CATALOG.register(
             Param("window", int, None, WINDOW_DOC, at_least(1)),
             Param("graph", int, 1, GRAPH_DOC, one_of(0, 1)),
             Param("compile", int, 0, COMPILE_DOC, one_of(0, 1)),
+            Param("attention", str, "auto", ATTENTION_DOC, one_of("auto", "triton", "sdpa")),
         ),
         keeps="K/V of every layer (the last window−1 rows when windowed), model dtype",
         contract="the reference; window=N is sliding-window attention over N keys",

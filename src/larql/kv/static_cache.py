@@ -33,6 +33,7 @@ from larql.inference.engine import (
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
     attend_static,
+    attend_static_kernel,
     attention_output,
     effective_window,
     embed,
@@ -43,6 +44,7 @@ from larql.inference.layer import (
     static_mask,
     token_tensor,
 )
+from larql.kernels import DecodeAttention, decode_attention_kernel
 from larql.models.model import Model
 
 _MIN_CAPACITY = 256
@@ -66,11 +68,18 @@ class StaticCacheEngine(KvEngine):
     name = "standard"
 
     def __init__(
-        self, window: int | None = None, use_graph: bool = True, compile: bool = False
+        self,
+        window: int | None = None,
+        use_graph: bool = True,
+        compile: bool = False,
+        attention: str = "auto",
     ) -> None:
         self.window = window
         self.use_graph = use_graph
         self.compile = compile  # fuse the step's small kernels with torch.compile (slow start)
+        # "triton" (larql's decode kernel, where Triton runs), "sdpa", or "auto": the faster on
+        # an H200 — triton in the captured graph, sdpa once torch.compile has tuned the step
+        self.attention = attention
         self.position = 0
         self._keys: list[torch.Tensor] | None = None  # per layer [Hkv, capacity, D]
         self._values: list[torch.Tensor] | None = None
@@ -81,6 +90,7 @@ class StaticCacheEngine(KvEngine):
         self._out: torch.Tensor | None = None  # [1, H], graph output
         self._captured_tables: list[torch.Tensor] = []  # kept alive: the graph reads them
         self._backend = "cpu"
+        self._kernel: DecodeAttention | None = None  # resolved at prefill, for the model's device
 
     @property
     def capacity(self) -> int:
@@ -88,9 +98,13 @@ class StaticCacheEngine(KvEngine):
 
     def info(self) -> EngineInfo:
         path = "cuda-graph" if self._graph is not None else "static"
+        attention = "triton" if self._kernel is not None else "sdpa"
         return EngineInfo(
             name=self.name,
-            description=f"static K/V cache, {path} decode step (mem={mib(self.memory_bytes())})",
+            description=(
+                f"static K/V cache, {path} decode step, {attention} attention "
+                f"(mem={mib(self.memory_bytes())})"
+            ),
             backend=self._backend,
             config=f"window={self.window}" if self.window else "window=full",
         )
@@ -108,6 +122,8 @@ class StaticCacheEngine(KvEngine):
         if len(token_ids) == 0:
             raise EmptyPrompt()
         self._backend = backend_name(model)
+        use_kernel = self.attention == "triton" or (self.attention == "auto" and not self.compile)
+        self._kernel = decode_attention_kernel(model.device) if use_kernel else None
         n = len(token_ids)
         self._allocate(model, _next_power_of_two(max(_MIN_CAPACITY, n + _DECODE_HEADROOM)))
         assert self._keys is not None and self._values is not None
@@ -145,12 +161,13 @@ class StaticCacheEngine(KvEngine):
         """One token at the position in `self._pos`, every shape static. → hidden [1, H]."""
         assert self._keys is not None and self._values is not None and self._pos is not None
         capacity = self.capacity
+        kernel = self._kernel
         masks: dict[int | None, torch.Tensor] = {}  # per window: layers share them
         rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per RoPE table
         h = embed(model, self._token)  # [1, H]
         for layer in range(model.config.num_layers):
             window = effective_window(model, layer, self.window)
-            if window not in masks:
+            if window not in masks and kernel is None:
                 masks[window] = static_mask(capacity, self._pos, window)
             table = rope_table(model, layer)
             if id(table) not in rotations:
@@ -161,9 +178,11 @@ class StaticCacheEngine(KvEngine):
             q, k, v = project_qkv_rotated(model, layer, h, *rotations[id(table)])
             self._keys[layer].index_copy_(1, self._pos, k)
             self._values[layer].index_copy_(1, self._pos, v)
-            attn = attend_static(
-                model, layer, q, self._keys[layer], self._values[layer], masks[window]
-            )
+            kv = self._keys[layer], self._values[layer]  # [Hkv, C, D] each
+            if kernel is not None:
+                attn = attend_static_kernel(model, layer, q, *kv, self._pos, window, kernel)
+            else:
+                attn = attend_static(model, layer, q, *kv, masks[window])
             h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn)
         return h
 
@@ -215,7 +234,9 @@ def _compiled_static_step() -> Callable[..., torch.Tensor]:
     def step(engine: StaticCacheEngine, model: Model, ffn: FfnBackend) -> torch.Tensor:
         return engine._step(model, ffn)
 
-    return torch.compile(step, dynamic=False)
+    # coordinate descent tunes the block sizes of every generated kernel for these exact
+    # shapes (norms, RoPE, the K/V writes): ~25% off the H200 step (docs/PERFORMANCE.md)
+    return torch.compile(step, dynamic=False, options={"coordinate_descent_tuning": True})
 
 
 def _next_power_of_two(n: int) -> int:

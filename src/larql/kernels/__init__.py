@@ -1,0 +1,32 @@
+"""Triton kernels for the CUDA decode step (one query row per step).
+
+Triton comes with torch's CUDA builds; a CPU install has none and never reaches these modules
+(`triton_available` says whether they can run). Each kernel has a torch reference in
+`larql.inference.layer` that the tests compare it with.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import torch
+
+DecodeAttention = Callable[..., torch.Tensor]  # as `decode_attention.decode_attention`
+
+
+def triton_available(device: torch.device) -> bool:
+    """True when the Triton kernels run on `device`: a CUDA device, with Triton installed.
+    (The tests also run them on the CPU, in Triton's interpreter.)"""
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def decode_attention_kernel(device: torch.device) -> DecodeAttention | None:
+    """The split-key decode attention to call on `device` (None where Triton does not run): on
+    CUDA the custom op torch.compile can trace, elsewhere the plain launcher. Resolved outside a
+    compiled step, since importing inside one breaks its graph."""
+    if not triton_available(device):
+        return None
+    from larql.kernels import decode_attention as module
+
+    return module.decode_attention_op if device.type == "cuda" else module.decode_attention

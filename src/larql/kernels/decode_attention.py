@@ -1,0 +1,226 @@
+"""Decode attention over a fixed-capacity K/V cache: one query per head, split over the keys.
+
+The static-cache engine keeps each layer's K/V in [Hkv, C, D] buffers whose row i is position i
+and reads the current position from a device tensor, so the step can be captured in a CUDA
+graph. torch's fused attention over that buffer takes a mask over all C rows and costs ~17 µs
+per layer on an H200 for one query (it is built for many). This is the flash-decoding scheme
+instead, in two launches:
+
+1. `_partial_kernel`, one program per (K/V head, split of the keys): the G query heads that
+   share the K/V head, padded to 16 rows for the matrix units, against BLOCK_N keys at a time;
+   keys past the position (or before the window) are masked off, so their loads never happen.
+   Each split leaves its running max m, sum l and unnormalised output acc (float32).
+2. `_combine_kernel`, one program per K/V head: rescales the splits to the global max and
+   divides, → [Hq, D] in the query's dtype.
+
+Soft-capped scores (Gemma 2: cap·tanh(s / cap)) are supported; tanh(x) = 2σ(2x) − 1.
+`decode_attention` is the function to call; `decode_attention_op` is the same thing registered
+as a torch custom op so torch.compile can trace a step that calls it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # keys per block
+MAX_SPLITS = 32  # the combine loops over splits; past this a split takes several blocks
+_MIN_DOT = 16  # tl.dot needs every dimension ≥ 16
+
+
+@triton.jit
+def _partial_kernel(
+    q_ptr,  # [Hq, D]
+    k_ptr,  # [Hkv, C, D]
+    v_ptr,  # [Hkv, C, D]
+    pos_ptr,  # [1] int64: the query's position
+    m_ptr,  # [Hkv, NS, GP] float32
+    l_ptr,  # [Hkv, NS, GP] float32
+    acc_ptr,  # [Hkv, NS, GP, DP] float32
+    scale,
+    window,
+    softcap,
+    capacity,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCKS_PER_SPLIT: tl.constexpr,
+    NS: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for float32 operands (not tf32); ignored for 16-bit ones
+):
+    head = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tl.arange(0, GP)
+    dims = tl.arange(0, DP)
+    row_ok = rows < G
+    dim_ok = dims < D
+    q = tl.load(
+        q_ptr + (head * G + rows)[:, None] * D + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )  # [GP, DP]
+    pos = tl.load(pos_ptr)
+    lowest = 0
+    if WINDOWED:
+        lowest = pos - window + 1
+    base = head * capacity * D
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
+    for b in tl.static_range(BLOCKS_PER_SPLIT):
+        keys = (split * BLOCKS_PER_SPLIT + b) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+        visible = (keys <= pos) & (keys >= lowest) & (keys < capacity)
+        offsets = base + keys[:, None] * D + dims[None, :]  # [BLOCK, DP]
+        load_mask = visible[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + offsets, mask=load_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GP, BLOCK]
+        if SOFTCAP:
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [GP]
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)  # 0 while m_i is still -inf
+        p = tl.exp(s - m_safe[:, None])  # [GP, BLOCK], 0 where masked
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + offsets, mask=load_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # [GP, DP]
+        m_i = m_new
+    stat = (head * NS + split) * GP + rows
+    tl.store(m_ptr + stat, m_i)
+    tl.store(l_ptr + stat, l_i)
+    tl.store(acc_ptr + stat[:, None] * DP + dims[None, :], acc)
+
+
+@triton.jit
+def _combine_kernel(
+    m_ptr,  # [Hkv, NS, GP] float32
+    l_ptr,
+    acc_ptr,  # [Hkv, NS, GP, DP] float32
+    out_ptr,  # [Hq, D]
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    NS: tl.constexpr,
+):
+    head = tl.program_id(0)
+    rows = tl.arange(0, GP)
+    dims = tl.arange(0, DP)
+    top = tl.full([GP], float("-inf"), tl.float32)
+    for split in tl.static_range(NS):
+        top = tl.maximum(top, tl.load(m_ptr + (head * NS + split) * GP + rows))
+    total = tl.zeros([GP], tl.float32)
+    out = tl.zeros([GP, DP], tl.float32)
+    for split in tl.static_range(NS):
+        stat = (head * NS + split) * GP + rows
+        weight = tl.exp(tl.load(m_ptr + stat) - top)  # [GP]; 0 for an empty split
+        total += weight * tl.load(l_ptr + stat)
+        out += weight[:, None] * tl.load(acc_ptr + stat[:, None] * DP + dims[None, :])
+    out = out / total[:, None]
+    mask = (rows < G)[:, None] & (dims < D)[None, :]
+    offsets = (head * G + rows)[:, None] * D + dims[None, :]
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@functools.cache
+def _layout(heads: int, kv_heads: int, dim: int, capacity: int) -> tuple[int, ...]:
+    """(G, GP, DP, blocks_per_split, splits) for these shapes."""
+    group = heads // kv_heads
+    blocks = -(-capacity // BLOCK_N)
+    per_split = -(-blocks // MAX_SPLITS)
+    splits = -(-blocks // per_split)
+    return (
+        group,
+        max(_MIN_DOT, _next_power_of_two(group)),
+        max(_MIN_DOT, _next_power_of_two(dim)),
+        per_split,
+        splits,
+    )
+
+
+def _launch(
+    wrap,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    position: torch.Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    heads, _, dim = q.shape
+    kv_heads, capacity, _ = keys.shape
+    group, gp, dp, per_split, splits = _layout(heads, kv_heads, dim, capacity)
+    f32 = {"dtype": torch.float32, "device": q.device}
+    m = torch.empty((kv_heads, splits, gp), **f32)
+    l_sum = torch.empty((kv_heads, splits, gp), **f32)
+    acc = torch.empty((kv_heads, splits, gp, dp), **f32)
+    out = torch.empty((heads, dim), dtype=q.dtype, device=q.device)
+    wrap(_partial_kernel)[(kv_heads, splits)](
+        q,
+        keys,
+        values,
+        position,
+        m,
+        l_sum,
+        acc,
+        scale,
+        window,
+        softcap,
+        capacity,
+        G=group,
+        GP=gp,
+        D=dim,
+        DP=dp,
+        BLOCK=BLOCK_N,
+        BLOCKS_PER_SPLIT=per_split,
+        NS=splits,
+        WINDOWED=window > 0,
+        SOFTCAP=softcap > 0.0,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    wrap(_combine_kernel)[(kv_heads,)](m, l_sum, acc, out, G=group, GP=gp, D=dim, DP=dp, NS=splits)
+    return out.view(heads, 1, dim)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    position: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """One query per head q: [Hq, 1, D] (contiguous) at `position` ([1] int64 on the device)
+    over keys/values [Hkv, C, D] whose row i is position i; a key is seen iff i ≤ position and
+    (window > 0) position − i < window. softcap > 0: scores cap·tanh(s / cap). → [Hq, 1, D]."""
+    args = (q.contiguous(), keys, values, position, scale, window, softcap)
+    return _launch(lambda kernel: kernel, *args)
+
+
+@torch.library.triton_op("larql::decode_attention", mutates_args=())
+def decode_attention_op(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    position: torch.Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """`decode_attention` as a custom op torch.compile traces (the kernels stay Triton's)."""
+    return _launch(
+        torch.library.wrap_triton, q.contiguous(), keys, values, position, scale, window, softcap
+    )

@@ -1,0 +1,162 @@
+"""The Triton split-key decode attention (`larql.kernels.decode_attention`) against a float64
+reference, and the static-cache engine that uses it against the eager `standard`.
+
+On a CUDA machine the kernels run compiled; on a CPU machine with Triton installed they run in
+Triton's interpreter (float32 and float16: the interpreter mishandles bfloat16, which the CUDA
+tests cover); without Triton these tests skip (a CPU install of torch brings none)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import pytest
+import torch
+
+import larql.kernels
+from helpers import relative_error
+from larql.inference.engine import AnyEngine
+from larql.inference.ffn import DenseFfn
+from larql.inference.generation import generate, teacher_forced_logits
+from larql.kv import from_name
+from larql.kv.spec import MalformedEngineSpec
+from larql.kv.standard import StandardEngine
+from larql.kv.static_cache import StaticCacheEngine
+from larql.models import Model
+from larql.models.model import load_model
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+PROMPT = "Alice put the red ball in the box, and Bob"
+
+
+@pytest.fixture(scope="module")
+def kernels() -> ModuleType:
+    """The kernel module; on a CPU machine under Triton's interpreter (conftest turns it on)."""
+    pytest.importorskip("triton")
+    assert CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+    return importlib.import_module("larql.kernels.decode_attention")
+
+
+def reference(q, keys, values, position: int, scale: float, window: int, softcap: float):
+    """float64 attention of one query per head over rows 0..C-1 → [Hq, 1, D]."""
+    group = q.shape[0] // keys.shape[0]
+    k = keys.double().repeat_interleave(group, 0)  # [Hq, C, D]
+    v = values.double().repeat_interleave(group, 0)
+    scores = q.double() @ k.transpose(1, 2) * scale  # [Hq, 1, C]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    rows = torch.arange(keys.shape[1], device=keys.device)
+    seen = rows <= position
+    if window:
+        seen &= (position - rows) < window
+    return torch.softmax(scores.masked_fill(~seen, float("-inf")), -1) @ v
+
+
+SHAPES = [
+    # Hq, Hkv, D, capacity, position, window, softcap
+    (9, 3, 64, 1024, 600, 0, 0.0),  # SmolLM2's heads, the static cache after a 512 prompt
+    (9, 3, 64, 256, 0, 0, 0.0),  # the first position: one key
+    (9, 3, 64, 256, 255, 0, 0.0),  # the last row of the buffer
+    (4, 1, 32, 4096, 4000, 0, 0.0),  # 64 blocks: several blocks per split
+    (8, 2, 80, 512, 300, 50, 0.0),  # a head width padded to 128, a window
+    (4, 4, 16, 128, 90, 0, 0.0),  # no grouping
+    (4, 2, 64, 256, 200, 0, 30.0),  # soft-capped scores (Gemma 2)
+]
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16 if CUDA else torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_kernel_equals_float64_attention(kernels, shape, dtype) -> None:
+    heads, kv_heads, dim, capacity, position, window, softcap = shape
+    generator = torch.Generator().manual_seed(sum(shape[:5]))
+
+    def draw(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator).to(DEVICE, dtype)
+
+    q, keys, values = (
+        draw(heads, 1, dim),
+        draw(kv_heads, capacity, dim),
+        draw(kv_heads, capacity, dim),
+    )
+    pos = torch.tensor([position], device=DEVICE)
+    scale = dim**-0.5
+    out = kernels.decode_attention(q, keys, values, pos, scale, window, softcap)
+    expected = reference(q, keys, values, position, scale, window, softcap)
+    assert out.shape == (heads, 1, dim) and out.dtype == dtype
+    assert relative_error(out, expected) <= TOLERANCE[dtype]
+
+
+def test_rows_past_the_position_are_never_read(kernels) -> None:
+    """The rows after the position hold garbage (NaN): masking after a product would spread it."""
+    q = torch.randn(9, 1, 64, device=DEVICE)
+    keys, values = torch.randn(2, 3, 256, 64, device=DEVICE)
+    keys[:, 101:], values[:, 101:] = float("nan"), float("nan")
+    out = kernels.decode_attention(q, keys, values, torch.tensor([100], device=DEVICE), 0.125)
+    assert torch.isfinite(out).all()
+    expected = reference(q, keys[:, :101], values[:, :101], 100, 0.125, 0, 0.0)
+    assert relative_error(out, expected) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [None, 4])
+def test_engine_with_the_kernel_equals_the_eager_engine(
+    kernels, window, smollm2: Model, monkeypatch
+) -> None:
+    if CUDA:
+        model = load_model("smollm2-135m", dtype=torch.float32, device="cuda")
+    else:  # the engine asks for CUDA; the interpreter runs the kernel on the CPU
+        model = smollm2
+        monkeypatch.setattr(larql.kernels, "triton_available", lambda device: True)
+    ffn = DenseFfn(model)
+    ids = model.tokenizer.encode(PROMPT + " took it out again and ran")
+    static = StaticCacheEngine(window=window, use_graph=False)
+    ours = teacher_forced_logits(AnyEngine(static), model, ffn, ids, 6)
+    eager = teacher_forced_logits(AnyEngine(StandardEngine(window=window)), model, ffn, ids, 6)
+    assert relative_error(ours, eager) <= 1e-5
+    assert "triton attention" in static.info().description
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", ["standard", "standard:compile=1,attention=triton"])
+def test_cuda_kernel_path_gives_the_sdpa_path_tokens(spec: str) -> None:
+    model = load_model("smollm2-135m", dtype=torch.float32, device="cuda")
+    ids = model.tokenizer.encode(PROMPT)
+    ffn = DenseFfn(model)
+    fast = from_name(spec).build(model)
+    sdpa = from_name("standard:attention=sdpa").build(model)
+    fast_tokens = generate(fast, model, ffn, ids, 64, stop_ids=frozenset()).tokens
+    sdpa_tokens = generate(sdpa, model, ffn, ids, 64, stop_ids=frozenset()).tokens
+    assert fast.dispatch_path() == "cuda-graph"
+    assert "triton attention" in fast.info().description
+    assert fast_tokens == sdpa_tokens
+
+
+@pytest.mark.parametrize(
+    ("spec_attention", "compile_step", "expected"),
+    [
+        ("auto", False, "triton"),
+        ("auto", True, "sdpa"),
+        ("triton", True, "triton"),
+        ("sdpa", False, "sdpa"),
+    ],
+)
+def test_auto_attention_takes_the_faster_kernel_of_each_path(
+    spec_attention: str, compile_step: bool, expected: str, smollm2: Model, monkeypatch
+) -> None:
+    """auto = what measured faster on the H200 (docs/PERFORMANCE.md): the Triton kernel in the
+    captured graph, torch's attention once torch.compile has tuned the step around it."""
+    monkeypatch.setattr(larql.kernels, "triton_available", lambda device: True)
+    engine = StaticCacheEngine(use_graph=False, compile=compile_step, attention=spec_attention)
+    with torch.inference_mode():
+        engine.prefill(smollm2, DenseFfn(smollm2), smollm2.tokenizer.encode(PROMPT))
+    assert f"{expected} attention" in engine.info().description
+
+
+def test_attention_spec_names_what_it_accepts() -> None:
+    with pytest.raises(
+        MalformedEngineSpec, match="attention=flash must be one of auto, triton, sdpa"
+    ):
+        from_name("standard:attention=flash")
