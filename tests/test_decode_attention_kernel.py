@@ -7,15 +7,13 @@ tests cover); without Triton these tests skip (a CPU install of torch brings non
 
 from __future__ import annotations
 
-import importlib
-import os
 from types import ModuleType
 
 import pytest
 import torch
 
 import larql.kernels
-from helpers import relative_error
+from helpers import kernel_module, model_for_kernels, relative_error
 from larql.inference.engine import AnyEngine
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import generate, teacher_forced_logits
@@ -33,10 +31,7 @@ PROMPT = "Alice put the red ball in the box, and Bob"
 
 @pytest.fixture(scope="module")
 def kernels() -> ModuleType:
-    """The kernel module; on a CPU machine under Triton's interpreter (conftest turns it on)."""
-    pytest.importorskip("triton")
-    assert CUDA or os.environ.get("TRITON_INTERPRET") == "1"
-    return importlib.import_module("larql.kernels.decode_attention")
+    return kernel_module("decode_attention")
 
 
 def reference(q, keys, values, position: int, scale: float, window: int, softcap: float):
@@ -105,22 +100,18 @@ def test_rows_past_the_position_are_never_read(kernels) -> None:
 def test_engine_with_the_kernel_equals_the_eager_engine(
     kernels, window, smollm2: Model, monkeypatch
 ) -> None:
-    if CUDA:
-        model = load_model("smollm2-135m", dtype=torch.float32, device="cuda")
-    else:  # the engine asks for CUDA; the interpreter runs the kernel on the CPU
-        model = smollm2
-        monkeypatch.setattr(larql.kernels, "triton_available", lambda device: True)
+    model = model_for_kernels(smollm2, monkeypatch)
     ffn = DenseFfn(model)
     ids = model.tokenizer.encode(PROMPT + " took it out again and ran")
     static = StaticCacheEngine(window=window, use_graph=False)
     ours = teacher_forced_logits(AnyEngine(static), model, ffn, ids, 6)
     eager = teacher_forced_logits(AnyEngine(StandardEngine(window=window)), model, ffn, ids, 6)
-    assert relative_error(ours, eager) <= 1e-5
+    assert relative_error(ours, eager) <= 1e-4  # CUDA's SDPA differs from float64 by ~1e-5
     assert "triton attention" in static.info().description
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("spec", ["standard", "standard:compile=1,attention=triton"])
+@pytest.mark.parametrize("spec", ["standard", "standard:compile=1"])
 def test_cuda_kernel_path_gives_the_sdpa_path_tokens(spec: str) -> None:
     model = load_model("smollm2-135m", dtype=torch.float32, device="cuda")
     ids = model.tokenizer.encode(PROMPT)
@@ -138,16 +129,16 @@ def test_cuda_kernel_path_gives_the_sdpa_path_tokens(spec: str) -> None:
     ("spec_attention", "compile_step", "expected"),
     [
         ("auto", False, "triton"),
-        ("auto", True, "sdpa"),
+        ("auto", True, "triton"),
         ("triton", True, "triton"),
         ("sdpa", False, "sdpa"),
     ],
 )
-def test_auto_attention_takes_the_faster_kernel_of_each_path(
+def test_attention_choice(
     spec_attention: str, compile_step: bool, expected: str, smollm2: Model, monkeypatch
 ) -> None:
-    """auto = what measured faster on the H200 (docs/PERFORMANCE.md): the Triton kernel in the
-    captured graph, torch's attention once torch.compile has tuned the step around it."""
+    """auto = the Triton kernel wherever Triton runs (6.7 µs against SDPA's 12.2 per layer on
+    the H200, docs/PERFORMANCE.md); sdpa keeps torch's attention."""
     monkeypatch.setattr(larql.kernels, "triton_available", lambda device: True)
     engine = StaticCacheEngine(use_graph=False, compile=compile_step, attention=spec_attention)
     with torch.inference_mode():

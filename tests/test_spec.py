@@ -15,14 +15,30 @@ from larql.kv.spec import EngineSpecError, MalformedEngineSpec, UnknownEngine
 @pytest.mark.parametrize(
     ("spec", "name", "params"),
     [
-        ("standard", "standard", {"window": None, "graph": 1, "compile": 0}),
-        ("standard:window=1024", "standard", {"window": 1024, "graph": 1, "compile": 0}),
-        ("full", "standard", {"window": None, "graph": 1, "compile": 0}),
-        ("FP32", "standard", {"window": None, "graph": 1, "compile": 0}),
-        ("  standard  ", "standard", {"window": None, "graph": 1, "compile": 0}),
-        ("markov-bounded:window=256", "standard", {"window": 256, "graph": 1, "compile": 0}),
-        ("sliding", "standard", {"window": None, "graph": 1, "compile": 0}),
-        ("standard: window = 8 ", "standard", {"window": 8, "graph": 1, "compile": 0}),
+        ("standard", "standard", {"window": None, "graph": 1, "compile": 0, "attention": "auto"}),
+        (
+            "standard:window=1024",
+            "standard",
+            {"window": 1024, "graph": 1, "compile": 0, "attention": "auto"},
+        ),
+        ("full", "standard", {"window": None, "graph": 1, "compile": 0, "attention": "auto"}),
+        ("FP32", "standard", {"window": None, "graph": 1, "compile": 0, "attention": "auto"}),
+        (
+            "  standard  ",
+            "standard",
+            {"window": None, "graph": 1, "compile": 0, "attention": "auto"},
+        ),
+        (
+            "markov-bounded:window=256",
+            "standard",
+            {"window": 256, "graph": 1, "compile": 0, "attention": "auto"},
+        ),
+        ("sliding", "standard", {"window": None, "graph": 1, "compile": 0, "attention": "auto"}),
+        (
+            "standard: window = 8 ",
+            "standard",
+            {"window": 8, "graph": 1, "compile": 0, "attention": "auto"},
+        ),
         ("none", "no-cache", {}),
         ("off", "no-cache", {}),
         ("no_cache", "no-cache", {}),

@@ -57,10 +57,15 @@ def test_cpu_builds_the_eager_engine(smollm2: Model) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_path_gives_the_eager_tokens(dtype: torch.dtype) -> None:
+    """float32: the same 64 greedy tokens. bfloat16: the graph path with torch's attention
+    (the eager path's arithmetic) agrees on ≥ 90%; with the Triton kernel (another rounding
+    order: 2e-2 from the eager bf16 logits) it is as close to the float32 logits as eager is
+    (measured on the H200: 1.89e-2 against 1.86e-2)."""
     model = load_model("smollm2-135m", dtype=dtype, device="cuda")
     ids = model.tokenizer.encode(PROMPT)
     ffn = DenseFfn(model)
-    fast = from_name("standard").build(model)
+    spec = "standard" if dtype == torch.float32 else "standard:attention=sdpa"
+    fast = from_name(spec).build(model)
     assert isinstance(fast.inner, StaticCacheEngine)
     eager = from_name("standard:graph=0").build(model)
     fast_tokens = generate(
@@ -70,6 +75,18 @@ def test_cuda_graph_path_gives_the_eager_tokens(dtype: torch.dtype) -> None:
     assert fast.dispatch_path() == "cuda-graph"
     agreement = sum(a == b for a, b in zip(fast_tokens, eager_tokens, strict=True)) / 64
     assert agreement == 1.0 if dtype == torch.float32 else agreement >= 0.9
+    if dtype == torch.bfloat16:  # the kernel is as close to float32 as torch's attention
+        f32 = load_model("smollm2-135m", dtype=torch.float32, device="cuda")
+        long_ids = model.tokenizer.encode(PROMPT + " took it out again and ran")
+        truth = teacher_forced_logits(StandardEngine(), f32, DenseFfn(f32), long_ids, 6)
+        errors = {
+            spec: relative_error(
+                teacher_forced_logits(from_name(spec).build(model), model, ffn, long_ids, 6),
+                truth,
+            )
+            for spec in ("standard", "standard:graph=0")
+        }
+        assert errors["standard"] <= 1.25 * errors["standard:graph=0"], errors
 
 
 def test_static_step_traces_as_one_graph(smollm2: Model) -> None:

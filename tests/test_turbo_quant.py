@@ -317,7 +317,8 @@ def test_memory_is_the_bytes_stored(bits: int, smollm2: Model) -> None:
     assert isinstance(inner, TurboQuantEngine)
     assert all(inner.stored_rows(layer) == len(ids) + 3 for layer in range(cfg.num_layers))
     info = engine.info()
-    assert info.description.startswith(f"{bits}-bit WHT+Lloyd-Max K/V (mem=")
+    path = "rotated-basis attention"  # the CPU path: the Triton kernels are for CUDA
+    assert info.description.startswith(f"{bits}-bit WHT+Lloyd-Max K/V, {path} (mem=")
     fp16_full = cfg.num_layers * (len(ids) + 3) * cfg.kv_dim * 2 * 2
     assert engine.memory_bytes() < fp16_full
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
@@ -30,3 +31,12 @@ def decode_attention_kernel(device: torch.device) -> DecodeAttention | None:
     from larql.kernels import decode_attention as module
 
     return module.decode_attention_op if device.type == "cuda" else module.decode_attention
+
+
+def turbo_quant_kernels(device: torch.device) -> ModuleType | None:
+    """`larql.kernels.turbo_quant` where Triton runs on `device`, else None."""
+    if not triton_available(device):
+        return None
+    from larql.kernels import turbo_quant
+
+    return turbo_quant

@@ -26,6 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
+from larql.kernels.online_softmax import (
+    block_update,
+    merge_splits,
+    soft_capped,
+    splits_max,
+    store_split,
+)
+
 BLOCK_N = 64  # keys per block
 MAX_SPLITS = 32  # the combine loops over splits; past this a split takes several blocks
 _MIN_DOT = 16  # tl.dot needs every dimension ≥ 16
@@ -81,21 +89,11 @@ def _partial_kernel(
         load_mask = visible[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + offsets, mask=load_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GP, BLOCK]
-        if SOFTCAP:
-            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
-        s = tl.where(visible[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [GP]
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)  # 0 while m_i is still -inf
-        p = tl.exp(s - m_safe[:, None])  # [GP, BLOCK], 0 where masked
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        s = soft_capped(s, softcap, SOFTCAP)
+        m_i, l_i, p, alpha = block_update(m_i, l_i, s, visible)
         v = tl.load(v_ptr + offsets, mask=load_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # [GP, DP]
-        m_i = m_new
-    stat = (head * NS + split) * GP + rows
-    tl.store(m_ptr + stat, m_i)
-    tl.store(l_ptr + stat, l_i)
-    tl.store(acc_ptr + stat[:, None] * DP + dims[None, :], acc)
+    store_split(m_ptr, l_ptr, acc_ptr, head * NS + split, rows, dims, m_i, l_i, acc, DP)
 
 
 @triton.jit
@@ -113,16 +111,9 @@ def _combine_kernel(
     head = tl.program_id(0)
     rows = tl.arange(0, GP)
     dims = tl.arange(0, DP)
-    top = tl.full([GP], float("-inf"), tl.float32)
-    for split in tl.static_range(NS):
-        top = tl.maximum(top, tl.load(m_ptr + (head * NS + split) * GP + rows))
-    total = tl.zeros([GP], tl.float32)
-    out = tl.zeros([GP, DP], tl.float32)
-    for split in tl.static_range(NS):
-        stat = (head * NS + split) * GP + rows
-        weight = tl.exp(tl.load(m_ptr + stat) - top)  # [GP]; 0 for an empty split
-        total += weight * tl.load(l_ptr + stat)
-        out += weight[:, None] * tl.load(acc_ptr + stat[:, None] * DP + dims[None, :])
+    top = splits_max(m_ptr, head, rows, tl.full([GP], float("-inf"), tl.float32), NS)
+    zeros = (tl.zeros([GP], tl.float32), tl.zeros([GP, DP], tl.float32))
+    total, out = merge_splits(m_ptr, l_ptr, acc_ptr, head, rows, dims, top, *zeros, NS, DP)
     out = out / total[:, None]
     mask = (rows < G)[:, None] & (dims < D)[None, :]
     offsets = (head * G + rows)[:, None] * D + dims[None, :]

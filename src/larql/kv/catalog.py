@@ -36,9 +36,13 @@ COMPILE_DOC = (
 )
 
 ATTENTION_DOC = (
-    "decode attention of the CUDA fast path: larql's split-key Triton kernel (triton), torch's "
-    "fused attention over the masked static cache (sdpa), or the faster of the two as measured "
-    "on an H200 (auto: triton for the captured graph, sdpa inside a compiled step)"
+    "decode attention of the CUDA fast path: larql's split-key Triton kernel (auto, triton; "
+    "where Triton is installed) or torch's fused attention over the masked static cache (sdpa)"
+)
+
+TQ_ATTENTION_DOC = (
+    "on CUDA, attend straight from the packed codes and encode through larql's Triton kernels "
+    "(auto, triton: 3 launches per layer) or decode the rows with torch and use SDPA (sdpa)"
 )
 
 CATALOG = EngineCatalog()
@@ -140,11 +144,16 @@ CATALOG.register(
     EngineEntry(
         name="turbo-quant",
         aliases=("turbo_quant", "turboquant", "tq4", "tq3", "tq2"),
-        params=(Param("bits", int, 4, "bits per K/V coordinate: 2, 3 or 4", one_of(2, 3, 4)),),
+        params=(
+            Param("bits", int, 4, "bits per K/V coordinate: 2, 3 or 4", one_of(2, 3, 4)),
+            Param("attention", str, "auto", TQ_ATTENTION_DOC, one_of("auto", "triton", "sdpa")),
+        ),
         keeps="K/V only in quantised form: per head, a float32 norm and the Lloyd–Max codes "
         "of the signed-Walsh–Hadamard-rotated unit vector (4 + ceil(head_dim·bits/8) bytes)",
         contract="bounded KL vs standard (destructive); prefill output exact",
-        factory=lambda p, model: TurboQuantEngine(bits=p["bits"], profiling=p["profiling"]),
+        factory=lambda p, model: TurboQuantEngine(
+            bits=p["bits"], profiling=p["profiling"], attention=p["attention"]
+        ),
         fixed={"tq4": {"bits": 4}, "tq3": {"bits": 3}, "tq2": {"bits": 2}},
     )
 )

@@ -77,8 +77,7 @@ class StaticCacheEngine(KvEngine):
         self.window = window
         self.use_graph = use_graph
         self.compile = compile  # fuse the step's small kernels with torch.compile (slow start)
-        # "triton" (larql's decode kernel, where Triton runs), "sdpa", or "auto": the faster on
-        # an H200 — triton in the captured graph, sdpa once torch.compile has tuned the step
+        # "auto"/"triton": larql's decode kernel where Triton runs (else SDPA); "sdpa"
         self.attention = attention
         self.position = 0
         self._keys: list[torch.Tensor] | None = None  # per layer [Hkv, capacity, D]
@@ -122,7 +121,7 @@ class StaticCacheEngine(KvEngine):
         if len(token_ids) == 0:
             raise EmptyPrompt()
         self._backend = backend_name(model)
-        use_kernel = self.attention == "triton" or (self.attention == "auto" and not self.compile)
+        use_kernel = self.attention != "sdpa"
         self._kernel = decode_attention_kernel(model.device) if use_kernel else None
         n = len(token_ids)
         self._allocate(model, _next_power_of_two(max(_MIN_CAPACITY, n + _DECODE_HEADROOM)))

@@ -15,6 +15,11 @@ decoding every row costs. A head width that the codec pads to a power of two D' 
 way: q and the new row are zero-padded (so the padded coordinates, which hold only quantisation
 noise, meet zeros) and the rotated-back output is cut to D.
 
+On CUDA (where Triton runs) the step uses `larql.kernels.turbo_quant` instead: attention read
+straight from the packed codes, with the rotations inside the kernel, and the new row encoded by
+one kernel — 3 launches per layer for what the torch path does in ~35, which on a GPU at batch 1
+is what the step costs. `attention=sdpa` keeps the torch path there; the tests hold the two equal.
+
 Each K and V row is encoded per head (per head_dim chunk) by a `RowCodec`, by default
 `TurboQuantCodec(head_dim, bits)`. One token's entry in a layer's store is
 [K head 0 … K head Hkv−1, V head 0 … V head Hkv−1], each a codec vector. On an architecture's
@@ -24,6 +29,7 @@ sliding layers only the rows a later query can still see are kept.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +56,7 @@ from larql.inference.layer import (
     token_tensor,
 )
 from larql.inference.profiling import DecodeStageSummary, EngineProfiler
+from larql.kernels import turbo_quant_kernels
 from larql.kv.rows import GrowableRows
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
 from larql.kv.turbo_quant.rotation import rotation_matrix
@@ -81,22 +88,29 @@ class TurboQuantEngine(KvEngine):
         profiling: bool = False,
         codec_factory: CodecFactory | None = None,
         rotated_attention: bool = True,
+        attention: str = "auto",
     ) -> None:
         self.bits = bits
         self.rotated_attention = rotated_attention  # False: decode every row (the reference)
+        self.attention = attention  # auto/triton: the Triton kernels where they run; sdpa: torch
         self.position = 0  # absolute position of the next token
         self._codec_factory = codec_factory or (lambda dim: TurboQuantCodec(dim, bits))
         self._codec: RowCodec | None = None
         self._layers: list[GrowableRows] | None = None  # [n, row_bytes] uint8 each
         self._backend = "cpu"
         self._profiler = EngineProfiler(enabled=profiling)
+        self._kernels: Any = None  # larql.kernels.turbo_quant, when the step uses it
+        self._tables: Any = None  # its CodecTables for this codec and device
 
     # ------------------------------------------------------------------ description
 
     def info(self) -> EngineInfo:
         return EngineInfo(
             name=self.name,
-            description=(f"{self.bits}-bit WHT+Lloyd-Max K/V (mem={mib(self.memory_bytes())})"),
+            description=(
+                f"{self.bits}-bit WHT+Lloyd-Max K/V, {self._path()} "
+                f"(mem={mib(self.memory_bytes())})"
+            ),
             backend=self._backend,
             config=f"bits={self.bits}",
         )
@@ -125,6 +139,7 @@ class TurboQuantEngine(KvEngine):
         self._backend = backend_name(model)
         cfg = model.config
         self._codec = self._codec_factory(cfg.head_dim)
+        self._resolve_kernels(model)
         self._layers = [
             GrowableRows(keep=self._keep(model, layer)) for layer in range(cfg.num_layers)
         ]
@@ -161,7 +176,9 @@ class TurboQuantEngine(KvEngine):
         stage, device = self._profiler.stage, model.device
         rotation = self._rotation(device)
         for layer in range(len(self._layers)):
-            if rotation is None:
+            if self._kernels is not None:
+                h, k, v = self._kernel_attention_block(model, layer, h)
+            elif rotation is None:
                 with stage("state_materialise", device):
                     keys, values = self._decode_layer(layer, model.dtype)  # [Hkv, n, D]
                 sink = HistoryThenNew(keys, values)
@@ -202,6 +219,40 @@ class TurboQuantEngine(KvEngine):
             attn = back[:, : cfg.head_dim].to(dtype).reshape(1, cfg.q_dim)
             return attention_output(model, layer, h, attn), k, v
 
+    def _kernel_attention_block(
+        self, model: Model, layer: int, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`attention_block` through the Triton kernels: the stored codes are read in place.
+        h: [1, H] → (residual after attention [1, H], the new row's exact k, v [Hkv, 1, D])."""
+        assert self._layers is not None
+        cfg = model.config
+        with self._profiler.stage("attention", model.device):
+            q, k, v = project_qkv(model, layer, h, self.position)  # [Hq|Hkv, 1, D]
+            store = self._layers[layer]
+            stored = store.rows if len(store) else None  # [n, row_bytes] uint8
+            softcap = cfg.arch.attn_softcap or 0.0
+            attn = self._kernels.attention(q, k, v, stored, self._tables, cfg.attn_scale, softcap)
+            return attention_output(model, layer, h, attn.reshape(1, cfg.q_dim)), k, v
+
+    def _resolve_kernels(self, model: Model) -> None:
+        """Use the Triton kernels when asked (auto/triton), where they run, for the
+        TurboQuant codec attending in its rotated basis with a head width tl.dot takes (≥ 16)."""
+        self._kernels = self._tables = None
+        codec = self._codec
+        if self.attention == "sdpa" or not self.rotated_attention:
+            return
+        if not isinstance(codec, TurboQuantCodec) or codec.rotated_dim < 16:
+            return
+        kernels = turbo_quant_kernels(model.device)
+        if kernels is not None:
+            self._kernels = kernels
+            self._tables = kernels.CodecTables.of(codec, model.device)
+
+    def _path(self) -> str:
+        if self._kernels is not None:
+            return "triton kernels"
+        return "rotated-basis attention" if self.rotated_attention else "decoded attention"
+
     def _rotation(self, device: torch.device) -> torch.Tensor | None:
         """R [D', D'] float32 when the step attends in the codec's rotated basis, else None."""
         codec = self._codec
@@ -216,7 +267,10 @@ class TurboQuantEngine(KvEngine):
         assert self._layers is not None and self._codec is not None
         heads, s, dim = k.shape
         vectors = torch.stack((k, v)).permute(2, 0, 1, 3).reshape(s * 2 * heads, dim)
-        encoded = self._codec.encode(vectors)  # [S·2·Hkv, bytes_per_vector]
+        if self._kernels is not None:
+            encoded = self._kernels.encode(vectors, self._tables)  # [S·2·Hkv, bytes_per_vector]
+        else:
+            encoded = self._codec.encode(vectors)
         self._layers[layer].append(encoded.view(s, -1))  # [S, row_bytes]
         self._layers[layer].clip()
 

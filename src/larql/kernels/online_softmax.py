@@ -1,0 +1,65 @@
+"""The pieces of split-key (flash-decoding) attention both decode kernels share, as Triton
+device functions: soft-capping, one block's online-softmax update, storing a split's partial
+state and merging the splits.
+
+A split's state is, per query row, the running max m, the sum l of exp(s − m) and the
+unnormalised output acc = Σ exp(s − m)·v, all float32; an empty split has m = −inf, l = 0,
+acc = 0 and weighs nothing in the merge.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def soft_capped(s, cap, SOFTCAP: tl.constexpr):
+    """cap·tanh(s / cap) when SOFTCAP (tanh(x) = 2σ(2x) − 1), else s."""
+    if SOFTCAP:
+        s = cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)
+    return s
+
+
+@triton.jit
+def block_update(m_i, l_i, s, visible):
+    """Scores s [GP, B] of one block (`visible` [B]) into the running max and sum → (m, l,
+    p [GP, B] the block's weights, alpha [GP] the factor the previous acc is rescaled by)."""
+    s = tl.where(visible[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [GP]
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)  # 0 while m_i is still -inf
+    p = tl.exp(s - m_safe[:, None])  # 0 where not visible
+    return m_new, l_i * alpha + tl.sum(p, axis=1), p, alpha
+
+
+@triton.jit
+def store_split(m_ptr, l_ptr, acc_ptr, slot, rows, dims, m_i, l_i, acc, DP: tl.constexpr):
+    """A split's state at `slot` (= head · NS + split) of [Hkv, NS, GP(, DP)] buffers."""
+    stat = slot * rows.shape[0] + rows
+    tl.store(m_ptr + stat, m_i)
+    tl.store(l_ptr + stat, l_i)
+    tl.store(acc_ptr + stat[:, None] * DP + dims[None, :], acc)
+
+
+@triton.jit
+def merge_splits(
+    m_ptr, l_ptr, acc_ptr, head, rows, dims, top, total, out, NS: tl.constexpr, DP: tl.constexpr
+):
+    """Merge head `head`'s NS splits into a state (top, total, out) whose max `top` already
+    covers every split's m (see `splits_max`) → (total, out) rescaled to `top`."""
+    gp = rows.shape[0]
+    for split in tl.static_range(NS):
+        stat = (head * NS + split) * gp + rows
+        weight = tl.exp(tl.load(m_ptr + stat) - top)  # [GP]; 0 for an empty split
+        total += weight * tl.load(l_ptr + stat)
+        out += weight[:, None] * tl.load(acc_ptr + stat[:, None] * DP + dims[None, :])
+    return total, out
+
+
+@triton.jit
+def splits_max(m_ptr, head, rows, top, NS: tl.constexpr):
+    """The larger of `top` [GP] and every split's running max."""
+    for split in tl.static_range(NS):
+        top = tl.maximum(top, tl.load(m_ptr + (head * NS + split) * rows.shape[0] + rows))
+    return top

@@ -1,0 +1,338 @@
+"""turbo-quant's decode step on CUDA in three launches per layer: attention straight from the
+packed codes (two) and the encoding of the new row (one).
+
+The torch path decodes every stored row into a temporary ([n, D'] per head, ~10 launches), rotates
+q and the new row, attends, rotates back and encodes the new row (~25 more launches: norm,
+rotation, bucketize, bit packing, norm bytes). On a GPU at batch 1 those launches are the cost, not
+the bytes. Here:
+
+- `_attention_partial`: one program per (K/V head, split of the stored rows). It rotates the
+  group's queries (q·R), unpacks each row's indices from the bit stream, looks up the centroids,
+  scales by the row's norm and runs the online softmax in the rotated basis (where
+  q·x = (q·R)·(x·R) since R is orthogonal and symmetric). Float32 throughout.
+- `_attention_combine`: one program per K/V head. It adds the exact new row (rotated in-kernel),
+  merges the splits and rotates the output back (·R), → [Hq, D] in the model's dtype.
+- `_encode`: one program per vector: norm, x/‖x‖·R, bucketize against the codebook boundaries,
+  LSB-first bit packing, the float32 norm in front — the same bytes as `TurboQuantCodec.encode`
+  (a coordinate within float32 rounding of a boundary may land in the neighbouring cell: the
+  rotation sums in a different order).
+
+The layouts are `TurboQuantCodec`'s and `TurboQuantEngine`'s: a stored token is
+[K head 0 … K head Hkv−1, V head 0 … V head Hkv−1], each vector [norm f32][packed indices].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from larql.kernels.online_softmax import (
+    block_update,
+    merge_splits,
+    soft_capped,
+    splits_max,
+    store_split,
+)
+from larql.kv.turbo_quant.codebook import codebook
+from larql.kv.turbo_quant.codec import NORM_BYTES, TurboQuantCodec
+from larql.kv.turbo_quant.rotation import rotation_matrix
+
+BLOCK_N = 32  # stored rows per block
+# Every launch has SPLITS programs per K/V head, each over BLOCKS_PER_SPLIT blocks, a power of two
+# ≥ the rows need: both are compile-time constants (loops Triton unrolls), so a growing history
+# re-specialises the kernel only when it doubles past 512 rows, not every step.
+SPLITS = 16
+_MIN_DOT = 16  # tl.dot needs every dimension ≥ 16
+NORM = tl.constexpr(NORM_BYTES)  # a kernel reads module globals only as constexprs
+
+
+@dataclass(frozen=True)
+class CodecTables:
+    """What the kernels need of a `TurboQuantCodec`, on the device."""
+
+    dim: int  # D, the head width
+    rotated_dim: int  # D' = next power of two ≥ D
+    bits: int
+    bytes_per_vector: int
+    rotation: torch.Tensor  # [D', D'] float32, symmetric, R·R = I
+    centroids: torch.Tensor  # [2^bits] float32
+    boundaries: torch.Tensor  # [2^bits − 1] float32
+
+    @staticmethod
+    def of(codec: TurboQuantCodec, device: torch.device) -> CodecTables:
+        book = codebook(codec.rotated_dim, codec.bits, device)
+        return CodecTables(
+            dim=codec.dim,
+            rotated_dim=codec.rotated_dim,
+            bits=codec.bits,
+            bytes_per_vector=codec.bytes_per_vector,
+            rotation=rotation_matrix(codec.rotated_dim, torch.float32, device).contiguous(),
+            centroids=book.centroids.contiguous(),
+            boundaries=book.boundaries.contiguous(),
+        )
+
+
+@triton.jit
+def _rotated_queries(
+    q_ptr, rot_ptr, head, rows, dims, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr
+):
+    """The G query heads sharing K/V head `head`, rotated: [GP, DP] float32 (padded rows 0)."""
+    q = tl.load(
+        q_ptr + (head * G + rows)[:, None] * D + dims[None, :],
+        mask=(rows < G)[:, None] & (dims < D)[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
+    return tl.dot(q, rotation, input_precision="ieee")
+
+
+@triton.jit
+def _decoded_rows(
+    codes_ptr,
+    norms_ptr,
+    centroids_ptr,
+    starts,
+    present,
+    dims,
+    BITS: tl.constexpr,
+    BPV: tl.constexpr,
+):
+    """Rows whose vectors begin at byte offsets `starts` [B] → ‖x‖·centroids [B, DP] float32,
+    in the rotated basis (0 where not `present`)."""
+    bit = dims * BITS
+    byte = NORM + bit // 8  # [DP]
+    where = starts[:, None] + byte[None, :]  # [B, DP]
+    low = tl.load(codes_ptr + where, mask=present[:, None], other=0).to(tl.int32)
+    spill = present[:, None] & ((byte + 1) < BPV)[None, :]  # an index may straddle two bytes
+    high = tl.load(codes_ptr + where + 1, mask=spill, other=0).to(tl.int32)
+    index = ((low | (high << 8)) >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
+    values = tl.load(centroids_ptr + index)  # [B, DP]
+    norms = tl.load(norms_ptr + starts // 4, mask=present, other=0.0)  # [B]
+    return values * norms[:, None]
+
+
+@triton.jit
+def _attention_partial(
+    q_ptr,  # [Hq, D] model dtype
+    rot_ptr,  # [DP, DP] float32
+    codes_ptr,  # uint8 view of the stored rows, row stride `row_stride` bytes
+    norms_ptr,  # float32 view of the same bytes
+    centroids_ptr,  # [2^BITS] float32
+    m_ptr,  # [Hkv, NS, GP] float32
+    l_ptr,
+    acc_ptr,  # [Hkv, NS, GP, DP] float32
+    n_rows,
+    row_stride,
+    scale,
+    softcap,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    HKV: tl.constexpr,
+    BLOCKS_PER_SPLIT: tl.constexpr,
+    NS: tl.constexpr,
+    BPV: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    head = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tl.arange(0, GP)
+    dims = tl.arange(0, DP)
+    q = _rotated_queries(q_ptr, rot_ptr, head, rows, dims, G, D, DP)  # [GP, DP]
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
+    for b in tl.static_range(BLOCKS_PER_SPLIT):
+        tokens = (split * BLOCKS_PER_SPLIT + b) * BLOCK + tl.arange(0, BLOCK)
+        present = tokens < n_rows
+        key_starts = tokens * row_stride + head * BPV
+        keys = _decoded_rows(
+            codes_ptr, norms_ptr, centroids_ptr, key_starts, present, dims, BITS, BPV
+        )
+        s = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [GP, BLOCK]
+        m_i, l_i, p, alpha = block_update(m_i, l_i, soft_capped(s, softcap, SOFTCAP), present)
+        value_starts = key_starts + HKV * BPV
+        values = _decoded_rows(
+            codes_ptr, norms_ptr, centroids_ptr, value_starts, present, dims, BITS, BPV
+        )
+        acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
+    store_split(m_ptr, l_ptr, acc_ptr, head * NS + split, rows, dims, m_i, l_i, acc, DP)
+
+
+@triton.jit
+def _attention_combine(
+    q_ptr,  # [Hq, D]
+    rot_ptr,  # [DP, DP] float32
+    k_new_ptr,  # [Hkv, D] the new token's exact key
+    v_new_ptr,  # [Hkv, D]
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,  # [Hq, D] model dtype
+    scale,
+    softcap,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    NS: tl.constexpr,  # 0: no stored rows
+    SOFTCAP: tl.constexpr,
+):
+    head = tl.program_id(0)
+    rows = tl.arange(0, GP)
+    dims = tl.arange(0, DP)
+    q = _rotated_queries(q_ptr, rot_ptr, head, rows, dims, G, D, DP)  # [GP, DP]
+    rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
+    new = head * D + dims
+    k_new = tl.load(k_new_ptr + new, mask=dims < D, other=0.0).to(tl.float32)
+    v_new = tl.load(v_new_ptr + new, mask=dims < D, other=0.0).to(tl.float32)
+    k_rot = tl.sum(k_new[:, None] * rotation, axis=0)  # [DP] = k·R
+    v_rot = tl.sum(v_new[:, None] * rotation, axis=0)
+    s_new = soft_capped(tl.sum(q * k_rot[None, :], axis=1) * scale, softcap, SOFTCAP)  # [GP]
+    top = splits_max(m_ptr, head, rows, s_new, NS)
+    total = tl.exp(s_new - top)  # the new row's state, then the splits'
+    out = total[:, None] * v_rot[None, :]  # [GP, DP]
+    total, out = merge_splits(m_ptr, l_ptr, acc_ptr, head, rows, dims, top, total, out, NS, DP)
+    out = tl.dot(out / total[:, None], rotation, input_precision="ieee")  # back: ·R
+    offsets = (head * G + rows)[:, None] * D + dims[None, :]
+    mask = (rows < G)[:, None] & (dims < D)[None, :]
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _encode(
+    x_ptr,  # [N, D] model dtype
+    rot_ptr,  # [DP, DP] float32
+    boundaries_ptr,  # [2^BITS − 1] float32
+    codes_ptr,  # uint8 [N · BPV]
+    norms_ptr,  # float32 view of the same bytes
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BITS: tl.constexpr,
+    BPV: tl.constexpr,
+    PAYLOAD: tl.constexpr,
+    PP: tl.constexpr,  # PAYLOAD rounded up to a power of two
+):
+    vector = tl.program_id(0)
+    dims = tl.arange(0, DP)
+    x = tl.load(x_ptr + vector * D + dims, mask=dims < D, other=0.0).to(tl.float32)  # [DP]
+    norm = tl.sqrt(tl.sum(x * x, axis=0))
+    nonzero = norm > 1e-12
+    unit = tl.where(nonzero, x / tl.where(nonzero, norm, 1.0), 0.0)
+    rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
+    y = tl.sum(unit[:, None] * rotation, axis=0)  # [DP] = unit·R
+    index = tl.zeros([DP], tl.int32)
+    for t in tl.static_range((1 << BITS) - 1):
+        index += (y >= tl.load(boundaries_ptr + t)).to(tl.int32)
+    # byte j of the LSB-first stream: bits 8j..8j+7, from every index whose bits reach it
+    byte = tl.arange(0, PP)
+    offset = dims[None, :] * BITS - byte[:, None] * 8  # [PP, DP]: index c's first bit in byte j
+    up = tl.where((offset >= 0) & (offset < 8), offset, 0)
+    down = tl.where((offset < 0) & (offset > -BITS), -offset, 0)
+    inside = (offset > -BITS) & (offset < 8)
+    piece = tl.where(offset >= 0, index[None, :] << up, index[None, :] >> down)
+    packed = tl.sum(tl.where(inside, piece & 0xFF, 0), axis=1)  # disjoint bits: sum = or
+    base = vector * BPV
+    tl.store(codes_ptr + base + NORM + byte, packed.to(tl.uint8), mask=byte < PAYLOAD)
+    tl.store(norms_ptr + base // 4, norm)
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    stored: torch.Tensor | None,
+    tables: CodecTables,
+    scale: float,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """One decode query per head q: [Hq, 1, D] over the stored rows (uint8 [n, row_bytes] in
+    the engine's layout, None or n = 0 for none) followed by the exact new row k_new, v_new:
+    [Hkv, 1, D] → [Hq, 1, D] in q's dtype."""
+    heads, _, dim = q.shape
+    kv_heads = k_new.shape[0]
+    group = heads // kv_heads
+    gp = max(_MIN_DOT, _next_power_of_two(group))
+    dp = tables.rotated_dim
+    q = q.reshape(heads, dim).contiguous()
+    n = 0 if stored is None else stored.shape[0]
+    splits = SPLITS if n else 0
+    per_split = _next_power_of_two(max(1, -(-n // (BLOCK_N * SPLITS))))
+    f32 = {"dtype": torch.float32, "device": q.device}
+    m = torch.empty((kv_heads, max(splits, 1), gp), **f32)
+    l_sum = torch.empty_like(m)
+    acc = torch.empty((kv_heads, max(splits, 1), gp, dp), **f32)
+    softcapped = softcap > 0.0
+    shape = {"G": group, "GP": gp, "D": dim, "DP": dp}
+    if splits:
+        assert stored is not None and stored.stride(1) == 1
+        _attention_partial[(kv_heads, splits)](
+            q,
+            tables.rotation,
+            stored,
+            stored.view(torch.float32),
+            tables.centroids,
+            m,
+            l_sum,
+            acc,
+            n,
+            stored.stride(0),
+            scale,
+            softcap,
+            **shape,
+            HKV=kv_heads,
+            BLOCKS_PER_SPLIT=per_split,
+            NS=splits,
+            BPV=tables.bytes_per_vector,
+            BITS=tables.bits,
+            BLOCK=BLOCK_N,
+            SOFTCAP=softcapped,
+        )
+    out = torch.empty((heads, dim), dtype=q.dtype, device=q.device)
+    _attention_combine[(kv_heads,)](
+        q,
+        tables.rotation,
+        k_new.reshape(kv_heads, dim).contiguous(),
+        v_new.reshape(kv_heads, dim).contiguous(),
+        m,
+        l_sum,
+        acc,
+        out,
+        scale,
+        softcap,
+        **shape,
+        NS=splits,
+        SOFTCAP=softcapped,
+    )
+    return out.view(heads, 1, dim)
+
+
+def encode(x: torch.Tensor, tables: CodecTables) -> torch.Tensor:
+    """x: [N, D] → uint8 [N, bytes_per_vector], `TurboQuantCodec.encode`'s layout."""
+    n, dim = x.shape
+    codes = torch.empty((n, tables.bytes_per_vector), dtype=torch.uint8, device=x.device)
+    payload = tables.bytes_per_vector - NORM_BYTES
+    _encode[(n,)](
+        x.contiguous(),
+        tables.rotation,
+        tables.boundaries,
+        codes,
+        codes.view(torch.float32),
+        D=dim,
+        DP=tables.rotated_dim,
+        BITS=tables.bits,
+        BPV=tables.bytes_per_vector,
+        PAYLOAD=payload,
+        PP=_next_power_of_two(payload),
+    )
+    return codes
