@@ -63,7 +63,9 @@ CHECK_SPECS = [
 ]
 SPEED_SPECS = [
     "standard:compile=1",
+    "standard:compile=1,attention=triton",
     "standard",
+    "standard:attention=sdpa",
     "standard:graph=0",
     "markov-rs",
     "markov-rs:window=256",
@@ -71,6 +73,7 @@ SPEED_SPECS = [
     "windowed-checkpoint:window=256",
     "turbo-quant:bits=4",
     "turbo-quant:bits=3",
+    "turbo-quant:bits=4,attention=sdpa",
     "boundary-kv:chunk_tokens=128",
     "boundary-per-layer:window=256",
     "standard:window=256",
@@ -85,6 +88,7 @@ DEPTH_SPECS = [
     "markov-rs-codec:window=512",
     "windowed-checkpoint:window=512",
     "turbo-quant:bits=4",
+    "turbo-quant:bits=4,attention=sdpa",
 ]
 PROMPT = "The capital of France is"
 
