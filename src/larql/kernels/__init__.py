@@ -1,8 +1,11 @@
-"""Triton kernels for the CUDA decode step (one query row per step).
+"""Triton kernels for the CUDA decode step (one query row per step): `decode_attention` for the
+static-cache fast path of `standard`, `turbo_quant` for turbo-quant's attention over packed codes
+and its encoder, and `online_softmax`, the device functions the two attentions share.
 
-Triton comes with torch's CUDA builds; a CPU install has none and never reaches these modules
-(`triton_available` says whether they can run). Each kernel has a torch reference in
-`larql.inference.layer` that the tests compare it with.
+Triton comes with torch's CUDA builds; a CPU install may have none, and nothing imports these
+modules unless `triton_available` says they run. Each kernel has a torch path it replaces
+(`attend_static` in `larql.inference.layer`; turbo-quant's torch codec and rotated-basis
+attention), kept as the reference the tests compare it with and selectable with `attention=sdpa`.
 """
 
 from __future__ import annotations

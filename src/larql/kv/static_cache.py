@@ -4,8 +4,11 @@ captured in a CUDA graph: the fast path of `standard` on a GPU.
 A small model's decode step on a GPU is bound by kernel launches, not by the GPU: replaying a
 captured graph launches the ~30 layers' kernels with one call. Capture needs static shapes, so
 each layer's K/V lives in a [Hkv, capacity, D] buffer whose row i is position i; the step writes
-its row with `index_copy_` at a position held in a device tensor and attends over the whole
-buffer with a mask (`attend_static`). Capacity grows by doubling (a re-capture each time).
+its row with `index_copy_` at a position held in a device tensor and attends through larql's
+split-key Triton kernel, which reads that position and skips the rows past it
+(`attend_static_kernel`; `attention=sdpa`: torch's attention over the whole buffer with a mask,
+`attend_static`). Capacity grows by doubling (a re-capture each time). `compile=1` also fuses the
+step's small kernels with torch.compile, tuning their block sizes for these shapes.
 
 It computes exactly what `StandardEngine` computes (same primitives; the eager `StandardEngine`
 stays the reference and the tests compare the two). The graph is used only with an FFN backend
