@@ -73,6 +73,7 @@ SPEED_SPECS = [
     "windowed-checkpoint:window=256",
     "turbo-quant:bits=4",
     "turbo-quant:bits=3",
+    "turbo-quant:bits=4,graph=0",
     "turbo-quant:bits=4,attention=sdpa",
     "boundary-kv:chunk_tokens=128",
     "boundary-per-layer:window=256",
@@ -88,6 +89,7 @@ DEPTH_SPECS = [
     "markov-rs-codec:window=512",
     "windowed-checkpoint:window=512",
     "turbo-quant:bits=4",
+    "turbo-quant:bits=4,graph=0",
     "turbo-quant:bits=4,attention=sdpa",
 ]
 PROMPT = "The capital of France is"

@@ -6,18 +6,24 @@ interpreter (tests/conftest.py turns it on); without Triton these tests skip."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
+import larql.kernels
 from helpers import kernel_module, model_for_kernels, relative_error
 from larql.inference.engine import AnyEngine
 from larql.inference.ffn import DenseFfn
-from larql.inference.generation import teacher_forced_logits
+from larql.inference.generation import generate, teacher_forced_logits
+from larql.kv import captured_step, from_name
 from larql.kv.turbo_quant import TurboQuantEngine
 from larql.kv.turbo_quant.codec import TurboQuantCodec, split_norms
-from larql.models import Model
+from larql.kv.turbo_quant.kernel_path import KernelPath
+from larql.kv.turbo_quant.layout import token_vectors
+from larql.models import Model, load_model
+from tiny_models import build_tiny_model, random_ids
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -36,16 +42,11 @@ def draw(generator: torch.Generator, *size: int) -> torch.Tensor:
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("dim", [64, 48, 128])
 def test_encode_writes_the_codec_bytes(kernels, bits: int, dim: int) -> None:
-    """Same indices as `TurboQuantCodec.encode`; the float32 norm may differ in its last bit
-    (the kernel sums the squares in another order)."""
     codec = TurboQuantCodec(dim, bits)
     x = draw(torch.Generator().manual_seed(bits * dim), 300, dim)
-    expected = codec.encode(x)
     got = kernels.encode(x, kernels.CodecTables.of(codec, DEVICE))
-    assert got.shape == expected.shape and got.dtype == torch.uint8
-    (norms, payload), (ref_norms, ref_payload) = split_norms(got), split_norms(expected)
-    assert torch.equal(codec.decode_indices(payload), codec.decode_indices(ref_payload))
-    assert relative_error(norms, ref_norms) <= 3e-7
+    assert got.shape == (300, codec.bytes_per_vector) and got.dtype == torch.uint8
+    assert_codec_bytes(codec, got, x)
 
 
 def reference_attention(q, k_new, v_new, stored, codec, scale: float, softcap: float):
@@ -65,47 +66,86 @@ def reference_attention(q, k_new, v_new, stored, codec, scale: float, softcap: f
     return torch.softmax(scores, -1) @ values.repeat_interleave(group, 0)
 
 
+def slots_holding(
+    codec, kv_heads: int, history: torch.Tensor, tokens: range, slots: int
+) -> torch.Tensor:
+    """A store of `slots` slots with the encoded `history` [len(tokens)·2·Hkv, D] of `tokens`,
+    token t in slot t mod slots (the other slots hold noise nobody may read)."""
+    row_bytes = 2 * kv_heads * codec.bytes_per_vector
+    rows = codec.encode(history).view(len(tokens), row_bytes)
+    store = torch.randint(0, 256, (slots, row_bytes), dtype=torch.uint8)
+    store = store.to(DEVICE)
+    store[torch.tensor([t % slots for t in tokens], dtype=torch.long, device=DEVICE)] = rows
+    return store
+
+
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim", "bits", "n", "softcap"),
+    ("heads", "kv_heads", "dim", "bits", "n", "slots", "softcap"),
     [
-        (9, 3, 64, 4, 70, 0.0),  # SmolLM2's heads
-        (9, 3, 64, 2, 1, 0.0),  # one stored row
-        (9, 3, 64, 3, 0, 0.0),  # none: the new row alone
-        (4, 1, 48, 3, 600, 0.0),  # padded head width; two blocks per split
-        (4, 2, 64, 4, 90, 30.0),  # soft-capped scores (Gemma 2)
+        (9, 3, 64, 4, 70, 96, 0.0),  # SmolLM2's heads
+        (9, 3, 64, 2, 1, 4, 0.0),  # one stored row
+        (9, 3, 64, 3, 0, 8, 0.0),  # none: the new row alone
+        (4, 1, 48, 3, 600, 1024, 0.0),  # padded head width; two blocks per split
+        (4, 2, 64, 4, 90, 128, 30.0),  # soft-capped scores (Gemma 2)
+        (4, 2, 64, 4, 20, 8, 0.0),  # a ring (sliding layer): tokens 12..19 in 8 slots
     ],
 )
-def test_attention_equals_float64_over_the_decoded_rows(
-    kernels, heads, kv_heads, dim, bits, n, softcap
+def test_attention_equals_float64_over_the_stored_rows_and_stores_the_new_one(
+    kernels, heads, kv_heads, dim, bits, n, slots, softcap
 ) -> None:
+    """The query at position n attends over the filled slots (the last min(n, slots) tokens)
+    and the exact new row, which it leaves encoded in slot n mod slots."""
     codec = TurboQuantCodec(dim, bits)
     generator = torch.Generator().manual_seed(n + dim + bits)
     q, k_new, v_new = (draw(generator, h, 1, dim) for h in (heads, kv_heads, kv_heads))
-    stored = None
-    if n:
-        history = draw(generator, n * 2 * kv_heads, dim)  # [K heads, V heads] per token
-        stored = codec.encode(history).view(n, -1)
+    tokens = range(max(0, n - slots), n)
+    history = draw(generator, len(tokens) * 2 * kv_heads, dim)  # [K heads, V heads] per token
+    store = slots_holding(codec, kv_heads, history, tokens, slots)
+    stored = store[torch.tensor([t % slots for t in tokens], dtype=torch.long, device=DEVICE)]
+    position = torch.tensor([n], device=DEVICE)
     tables = kernels.CodecTables.of(codec, DEVICE)
-    out = kernels.attention(q, k_new, v_new, stored, tables, dim**-0.5, softcap)
-    expected = reference_attention(q, k_new, v_new, stored, codec, dim**-0.5, softcap)
+
+    out = kernels.attention(q, k_new, v_new, store, position, tables, dim**-0.5, softcap)
+
+    expected = reference_attention(
+        q, k_new, v_new, stored if len(tokens) else None, codec, dim**-0.5, softcap
+    )
     assert out.shape == (heads, 1, dim)
     assert relative_error(out, expected) <= 2e-6
+    written = store[n % slots].view(2 * kv_heads, -1)
+    assert_codec_bytes(codec, written, token_vectors(k_new, v_new))
 
 
-def test_attention_reads_a_store_in_place(kernels) -> None:
-    """The engine passes a slice of a larger buffer (GrowableRows): a row offset and stride."""
+def assert_codec_bytes(codec, encoded: torch.Tensor, vectors: torch.Tensor) -> None:
+    """Same indices as `TurboQuantCodec.encode`; the float32 norm may differ in its last bit
+    (the kernel sums the squares in another order)."""
+    expected = codec.encode(vectors)
+    (norms, payload), (ref_norms, ref_payload) = split_norms(encoded), split_norms(expected)
+    assert torch.equal(codec.decode_indices(payload), codec.decode_indices(ref_payload))
+    assert relative_error(norms, ref_norms) <= 3e-7
+
+
+def test_workspace_is_reused_across_calls(kernels) -> None:
+    """The engine hands every layer the same workspace: a call leaves nothing the next reads."""
     codec = TurboQuantCodec(64, 4)
-    generator = torch.Generator().manual_seed(7)
-    buffer = codec.encode(draw(generator, 40 * 6, 64)).view(40, -1)
-    stored = buffer[5:33]  # [28, row_bytes], a view at an offset
-    q, k_new, v_new = (
-        draw(generator, 9, 1, 64),
-        draw(generator, 3, 1, 64),
-        draw(generator, 3, 1, 64),
-    )
-    out = kernels.attention(q, k_new, v_new, stored, kernels.CodecTables.of(codec, DEVICE), 0.125)
-    expected = reference_attention(q, k_new, v_new, stored, codec, 0.125, 0.0)
-    assert relative_error(out, expected) <= 2e-6
+    tables = kernels.CodecTables.of(codec, DEVICE)
+    workspace = kernels.Workspace.of(9, 3, tables, DEVICE)
+    generator = torch.Generator().manual_seed(3)
+    outs = []
+    for n in (50, 3):
+        q, k_new, v_new = (
+            draw(generator, 9, 1, 64),
+            draw(generator, 3, 1, 64),
+            draw(generator, 3, 1, 64),
+        )
+        store = slots_holding(codec, 3, draw(generator, n * 6, 64), range(n), 64)
+        position = torch.tensor([n], device=DEVICE)
+        shared = kernels.attention(
+            q, k_new, v_new, store.clone(), position, tables, 0.125, 0.0, workspace
+        )
+        fresh = kernels.attention(q, k_new, v_new, store.clone(), position, tables, 0.125, 0.0)
+        outs.append(torch.equal(shared, fresh))
+    assert outs == [True, True]
 
 
 @pytest.mark.slow
@@ -123,3 +163,74 @@ def test_engine_with_the_kernels_equals_its_torch_path(
     assert "triton kernels" in fused.info().description
     assert "triton" not in torch_path.info().description
     assert relative_error(ours, reference) <= 1e-4
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gemma2"])
+def tiny_sliding(request, tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """float32 tiny models with sliding layers (6 keys; gemma2 also soft-caps its scores) and
+    a head width the codec pads (12 → 16)."""
+    pytest.importorskip("transformers")
+    directory: Path = tmp_path_factory.mktemp(f"tq-kernels-{request.param}")
+    build_tiny_model(request.param, directory)
+    return load_model(str(directory), dtype=torch.float32, device=DEVICE)
+
+
+def test_kernel_path_rings_sliding_layers_and_grows_full_ones(
+    kernels, tiny_sliding: Model, monkeypatch
+) -> None:
+    """Sliding layers keep their window − 1 rows in a ring of slots; full layers' slots double
+    when the position reaches them (capacity 8 here, so a 5-token prompt grows twice in 15
+    steps). Same logits as the torch path; the memory is the slots. On CUDA the step is a
+    captured graph, captured again at each growth (its warm-up must not leave the ring's
+    oldest row overwritten)."""
+    model = tiny_sliding
+    if not CUDA:
+        monkeypatch.setattr(larql.kernels, "triton_available", lambda device: True)
+    monkeypatch.setattr(captured_step, "MIN_CAPACITY", 8)
+    monkeypatch.setattr(captured_step, "DECODE_HEADROOM", 2)
+    ids = random_ids(20, seed=4)
+    ffn = DenseFfn(model)
+    fused = TurboQuantEngine(bits=4)
+    torch_path = TurboQuantEngine(bits=4, attention="sdpa")
+    ours = teacher_forced_logits(AnyEngine(fused), model, ffn, ids, 5)
+    reference = teacher_forced_logits(AnyEngine(torch_path), model, ffn, ids, 5)
+    assert "triton kernels" in fused.info().description
+    assert fused.dispatch_path() == ("cuda-graph" if CUDA else "static")
+    assert relative_error(ours, reference) <= 1e-4
+    cfg = model.config
+    row_bytes = 2 * cfg.num_kv_heads * TurboQuantCodec(cfg.head_dim, 4).bytes_per_vector
+    slots = 0
+    for layer, spec in enumerate(cfg.layers):
+        kept = len(ids) if spec.sliding_window is None else spec.sliding_window - 1
+        assert fused.stored_rows(layer) == torch_path.stored_rows(layer) == kept
+        slots += 32 if spec.sliding_window is None else kept
+    assert fused.memory().state == sum(
+        torch_path.stored_rows(layer) * row_bytes for layer in range(cfg.num_layers)
+    )
+    assert fused.memory().total == slots * row_bytes  # full layers: 8 → 16 → 32 slots
+
+
+def test_spec_picks_the_path(smollm2: Model, monkeypatch) -> None:
+    monkeypatch.setattr(larql.kernels, "triton_available", lambda device: True)
+    for spec, expected in (("turbo-quant", KernelPath), ("turbo-quant:attention=sdpa", None)):
+        engine = from_name(spec).build(smollm2).inner
+        assert isinstance(engine, TurboQuantEngine)
+        with torch.inference_mode():
+            engine.prefill(smollm2, DenseFfn(smollm2), smollm2.tokenizer.encode(PROMPT))
+        assert (engine._fast is None) == (expected is None)
+    assert from_name("turbo-quant:graph=0").build(smollm2).inner.use_graph is False
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_step_gives_the_eager_kernel_tokens(dtype: torch.dtype) -> None:
+    """The captured step replays the same launches the eager step makes: the same 64 greedy
+    tokens, and the same bytes stored."""
+    model = load_model("smollm2-135m", dtype=dtype, device="cuda")
+    ids = model.tokenizer.encode(PROMPT)
+    ffn = DenseFfn(model)
+    engines = [from_name(spec).build(model) for spec in ("turbo-quant", "turbo-quant:graph=0")]
+    runs = [generate(e, model, ffn, ids, 64, stop_ids=frozenset()) for e in engines]
+    assert engines[0].dispatch_path() == "cuda-graph"
+    assert engines[1].dispatch_path() == "static"
+    assert runs[0].tokens == runs[1].tokens

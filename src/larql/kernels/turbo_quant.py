@@ -1,5 +1,5 @@
-"""turbo-quant's decode step on CUDA in three launches per layer: attention straight from the
-packed codes (two) and the encoding of the new row (one).
+"""turbo-quant's decode step on CUDA in two launches per layer: attention straight from the
+packed codes, and the new row encoded into the store by the launch that merges the attention.
 
 The torch path decodes every stored row into a temporary ([n, D'] per head, ~10 launches), rotates
 q and the new row, attends, rotates back and encodes the new row (~25 more launches: norm,
@@ -10,15 +10,22 @@ the bytes. Here:
   group's queries (q·R), unpacks each row's indices from the bit stream, looks up the centroids,
   scales by the row's norm and runs the online softmax in the rotated basis (where
   q·x = (q·R)·(x·R) since R is orthogonal and symmetric). Float32 throughout.
-- `_attention_combine`: one program per K/V head. It adds the exact new row (rotated in-kernel),
-  merges the splits and rotates the output back (·R), → [Hq, D] in the model's dtype.
-- `_encode`: one program per vector: norm, x/‖x‖·R, bucketize against the codebook boundaries,
-  LSB-first bit packing, the float32 norm in front — the same bytes as `TurboQuantCodec.encode`
-  (a coordinate within float32 rounding of a boundary may land in the neighbouring cell: the
-  rotation sums in a different order).
+- `_attention_combine`: one program per K/V head. It encodes the new k and v rows (norm,
+  x/‖x‖·R, bucketize against the codebook boundaries, LSB-first bit packing, the float32 norm in
+  front: `TurboQuantCodec.encode`'s bytes) into the store, adds the exact new row to the
+  attention, merges the splits and rotates the output back (·R), → [Hq, D] in the model's dtype.
+- `_encode`: the same encoding for many vectors at once (a prompt's K/V), one program each.
 
-The layouts are `TurboQuantCodec`'s and `TurboQuantEngine`'s: a stored token is
-[K head 0 … K head Hkv−1, V head 0 … V head Hkv−1], each vector [norm f32][packed indices].
+The store is a fixed-capacity uint8 [slots, row_bytes] buffer per layer (the engine's
+`CodeSlots`): token t lives in slot t mod slots, a stored token is [K head 0 … K head Hkv−1,
+V head 0 … V head Hkv−1], each vector [norm f32][packed indices]. The step reads its position
+from a device tensor: the min(position, slots) filled slots are the history, slot
+position mod slots receives the new row. Every shape and address is fixed, so the step can be
+captured in a CUDA graph. A layer with slots ≥ every position holds all rows; a sliding layer
+with slots = window − 1 is a ring of the rows a later query can still see.
+
+A coordinate within float32 rounding of a codebook boundary may land in the neighbouring cell:
+the kernels sum the rotation in a different order than torch.
 """
 
 from __future__ import annotations
@@ -42,11 +49,17 @@ from larql.kv.turbo_quant.rotation import rotation_matrix
 
 BLOCK_N = 32  # stored rows per block
 # Every launch has SPLITS programs per K/V head, each over BLOCKS_PER_SPLIT blocks, a power of two
-# ≥ the rows need: both are compile-time constants (loops Triton unrolls), so a growing history
-# re-specialises the kernel only when it doubles past 512 rows, not every step.
+# ≥ the slots need: both are compile-time constants (loops Triton unrolls); blocks past the
+# filled slots are skipped at run time.
 SPLITS = 16
 _MIN_DOT = 16  # tl.dot needs every dimension ≥ 16
 NORM = tl.constexpr(NORM_BYTES)  # a kernel reads module globals only as constexprs
+
+
+def supports(codec: TurboQuantCodec) -> bool:
+    """The kernels take head widths tl.dot takes (D' ≥ 16) and vectors whose float32 norms stay
+    4-byte aligned in the store."""
+    return codec.rotated_dim >= _MIN_DOT and codec.bytes_per_vector % NORM_BYTES == 0
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,28 @@ class CodecTables:
             centroids=book.centroids.contiguous(),
             boundaries=book.boundaries.contiguous(),
         )
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.bytes_per_vector - NORM_BYTES
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """The splits' partial softmax state, reused by every layer's launches (they run in stream
+    order): m, l [Hkv, SPLITS, GP], acc [Hkv, SPLITS, GP, D'] float32."""
+
+    m: torch.Tensor
+    l_sum: torch.Tensor
+    acc: torch.Tensor
+
+    @staticmethod
+    def of(heads: int, kv_heads: int, tables: CodecTables, device: torch.device) -> Workspace:
+        gp = _group_rows(heads // kv_heads)
+        f32 = {"dtype": torch.float32, "device": device}
+        m = torch.empty((kv_heads, SPLITS, gp), **f32)
+        acc = torch.empty((kv_heads, SPLITS, gp, tables.rotated_dim), **f32)
+        return Workspace(m=m, l_sum=torch.empty_like(m), acc=acc)
 
 
 @triton.jit
@@ -118,14 +153,14 @@ def _decoded_rows(
 def _attention_partial(
     q_ptr,  # [Hq, D] model dtype
     rot_ptr,  # [DP, DP] float32
-    codes_ptr,  # uint8 view of the stored rows, row stride `row_stride` bytes
+    codes_ptr,  # uint8 [slots, row_bytes], the store
     norms_ptr,  # float32 view of the same bytes
     centroids_ptr,  # [2^BITS] float32
+    pos_ptr,  # [1] int64: the new token's position
     m_ptr,  # [Hkv, NS, GP] float32
     l_ptr,
     acc_ptr,  # [Hkv, NS, GP, DP] float32
-    n_rows,
-    row_stride,
+    slots,
     scale,
     softcap,
     G: tl.constexpr,
@@ -144,44 +179,89 @@ def _attention_partial(
     split = tl.program_id(1)
     rows = tl.arange(0, GP)
     dims = tl.arange(0, DP)
+    filled = tl.minimum(tl.load(pos_ptr), slots)  # slots holding history
     q = _rotated_queries(q_ptr, rot_ptr, head, rows, dims, G, D, DP)  # [GP, DP]
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
+    row_stride = 2 * HKV * BPV
     for b in tl.static_range(BLOCKS_PER_SPLIT):
-        tokens = (split * BLOCKS_PER_SPLIT + b) * BLOCK + tl.arange(0, BLOCK)
-        present = tokens < n_rows
-        key_starts = tokens * row_stride + head * BPV
-        keys = _decoded_rows(
-            codes_ptr, norms_ptr, centroids_ptr, key_starts, present, dims, BITS, BPV
-        )
-        s = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [GP, BLOCK]
-        m_i, l_i, p, alpha = block_update(m_i, l_i, soft_capped(s, softcap, SOFTCAP), present)
-        value_starts = key_starts + HKV * BPV
-        values = _decoded_rows(
-            codes_ptr, norms_ptr, centroids_ptr, value_starts, present, dims, BITS, BPV
-        )
-        acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
+        first = (split * BLOCKS_PER_SPLIT + b) * BLOCK
+        if first < filled:
+            slot = first + tl.arange(0, BLOCK)
+            present = slot < filled
+            key_starts = slot * row_stride + head * BPV
+            keys = _decoded_rows(
+                codes_ptr, norms_ptr, centroids_ptr, key_starts, present, dims, BITS, BPV
+            )
+            s = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [GP, BLOCK]
+            m_i, l_i, p, alpha = block_update(m_i, l_i, soft_capped(s, softcap, SOFTCAP), present)
+            value_starts = key_starts + HKV * BPV
+            values = _decoded_rows(
+                codes_ptr, norms_ptr, centroids_ptr, value_starts, present, dims, BITS, BPV
+            )
+            acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
     store_split(m_ptr, l_ptr, acc_ptr, head * NS + split, rows, dims, m_i, l_i, acc, DP)
+
+
+@triton.jit
+def _encoded(x, rotation, boundaries_ptr, dims, BITS: tl.constexpr, PP: tl.constexpr):
+    """One vector x [DP] float32 (0 past D) → (‖x‖, x/‖x‖·R [DP], its packed index bytes [PP]
+    as int32: byte j of the LSB-first stream holds bits 8j..8j+7)."""
+    norm = tl.sqrt(tl.sum(x * x, axis=0))
+    nonzero = norm > 1e-12
+    unit = tl.where(nonzero, x / tl.where(nonzero, norm, 1.0), 0.0)
+    y = tl.sum(unit[:, None] * rotation, axis=0)  # [DP] = unit·R
+    index = tl.zeros_like(dims)  # [DP] int32
+    for t in tl.static_range((1 << BITS) - 1):
+        index += (y >= tl.load(boundaries_ptr + t)).to(tl.int32)
+    byte = tl.arange(0, PP)
+    offset = dims[None, :] * BITS - byte[:, None] * 8  # [PP, DP]: index c's first bit in byte j
+    up = tl.where((offset >= 0) & (offset < 8), offset, 0)
+    down = tl.where((offset < 0) & (offset > -BITS), -offset, 0)
+    inside = (offset > -BITS) & (offset < 8)
+    piece = tl.where(offset >= 0, index[None, :] << up, index[None, :] >> down)
+    packed = tl.sum(tl.where(inside, piece & 0xFF, 0), axis=1)  # disjoint bits: sum = or
+    return norm, y, packed
+
+
+@triton.jit
+def _store_encoded(
+    codes_ptr, norms_ptr, start, norm, packed, PAYLOAD: tl.constexpr, PP: tl.constexpr
+):
+    """A vector's bytes at byte offset `start` (a multiple of 4): [norm f32][packed indices]."""
+    byte = tl.arange(0, PP)
+    tl.store(codes_ptr + start + NORM + byte, packed.to(tl.uint8), mask=byte < PAYLOAD)
+    tl.store(norms_ptr + start // 4, norm)
 
 
 @triton.jit
 def _attention_combine(
     q_ptr,  # [Hq, D]
     rot_ptr,  # [DP, DP] float32
+    boundaries_ptr,  # [2^BITS − 1] float32
     k_new_ptr,  # [Hkv, D] the new token's exact key
     v_new_ptr,  # [Hkv, D]
+    codes_ptr,  # uint8 [slots, row_bytes], the store: the new row is written here
+    norms_ptr,  # float32 view of the same bytes
+    pos_ptr,  # [1] int64
     m_ptr,
     l_ptr,
     acc_ptr,
     out_ptr,  # [Hq, D] model dtype
+    slots,
     scale,
     softcap,
     G: tl.constexpr,
     GP: tl.constexpr,
     D: tl.constexpr,
     DP: tl.constexpr,
-    NS: tl.constexpr,  # 0: no stored rows
+    HKV: tl.constexpr,
+    NS: tl.constexpr,
+    BPV: tl.constexpr,
+    BITS: tl.constexpr,
+    PAYLOAD: tl.constexpr,
+    PP: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
     head = tl.program_id(0)
@@ -192,8 +272,14 @@ def _attention_combine(
     new = head * D + dims
     k_new = tl.load(k_new_ptr + new, mask=dims < D, other=0.0).to(tl.float32)
     v_new = tl.load(v_new_ptr + new, mask=dims < D, other=0.0).to(tl.float32)
-    k_rot = tl.sum(k_new[:, None] * rotation, axis=0)  # [DP] = k·R
-    v_rot = tl.sum(v_new[:, None] * rotation, axis=0)
+    k_norm, k_unit, k_packed = _encoded(k_new, rotation, boundaries_ptr, dims, BITS, PP)
+    v_norm, v_unit, v_packed = _encoded(v_new, rotation, boundaries_ptr, dims, BITS, PP)
+    slot = tl.load(pos_ptr) % slots
+    key_start = slot * (2 * HKV * BPV) + head * BPV
+    _store_encoded(codes_ptr, norms_ptr, key_start, k_norm, k_packed, PAYLOAD, PP)
+    _store_encoded(codes_ptr, norms_ptr, key_start + HKV * BPV, v_norm, v_packed, PAYLOAD, PP)
+    k_rot = k_unit * k_norm  # [DP] = k·R, exact (not quantised) for this step
+    v_rot = v_unit * v_norm
     s_new = soft_capped(tl.sum(q * k_rot[None, :], axis=1) * scale, softcap, SOFTCAP)  # [GP]
     top = splits_max(m_ptr, head, rows, s_new, NS)
     total = tl.exp(s_new - top)  # the new row's state, then the splits'
@@ -222,97 +308,91 @@ def _encode(
     vector = tl.program_id(0)
     dims = tl.arange(0, DP)
     x = tl.load(x_ptr + vector * D + dims, mask=dims < D, other=0.0).to(tl.float32)  # [DP]
-    norm = tl.sqrt(tl.sum(x * x, axis=0))
-    nonzero = norm > 1e-12
-    unit = tl.where(nonzero, x / tl.where(nonzero, norm, 1.0), 0.0)
     rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
-    y = tl.sum(unit[:, None] * rotation, axis=0)  # [DP] = unit·R
-    index = tl.zeros([DP], tl.int32)
-    for t in tl.static_range((1 << BITS) - 1):
-        index += (y >= tl.load(boundaries_ptr + t)).to(tl.int32)
-    # byte j of the LSB-first stream: bits 8j..8j+7, from every index whose bits reach it
-    byte = tl.arange(0, PP)
-    offset = dims[None, :] * BITS - byte[:, None] * 8  # [PP, DP]: index c's first bit in byte j
-    up = tl.where((offset >= 0) & (offset < 8), offset, 0)
-    down = tl.where((offset < 0) & (offset > -BITS), -offset, 0)
-    inside = (offset > -BITS) & (offset < 8)
-    piece = tl.where(offset >= 0, index[None, :] << up, index[None, :] >> down)
-    packed = tl.sum(tl.where(inside, piece & 0xFF, 0), axis=1)  # disjoint bits: sum = or
-    base = vector * BPV
-    tl.store(codes_ptr + base + NORM + byte, packed.to(tl.uint8), mask=byte < PAYLOAD)
-    tl.store(norms_ptr + base // 4, norm)
+    norm, _, packed = _encoded(x, rotation, boundaries_ptr, dims, BITS, PP)
+    _store_encoded(codes_ptr, norms_ptr, vector * BPV, norm, packed, PAYLOAD, PP)
 
 
 def _next_power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _group_rows(group: int) -> int:
+    """Query rows a program holds: the group, padded for tl.dot."""
+    return max(_MIN_DOT, _next_power_of_two(group))
+
+
 def attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
     v_new: torch.Tensor,
-    stored: torch.Tensor | None,
+    codes: torch.Tensor,
+    position: torch.Tensor,
     tables: CodecTables,
     scale: float,
     softcap: float = 0.0,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
-    """One decode query per head q: [Hq, 1, D] over the stored rows (uint8 [n, row_bytes] in
-    the engine's layout, None or n = 0 for none) followed by the exact new row k_new, v_new:
-    [Hkv, 1, D] → [Hq, 1, D] in q's dtype."""
+    """One decode step of one layer. q: [Hq, 1, D] attends over the min(position, slots) filled
+    slots of `codes` (uint8 [slots, row_bytes], contiguous) followed by the exact new row
+    k_new, v_new: [Hkv, 1, D], which is encoded into slot position mod slots.
+    position: [1] int64 on the device. → [Hq, 1, D] in q's dtype."""
     heads, _, dim = q.shape
     kv_heads = k_new.shape[0]
+    slots = codes.shape[0]
     group = heads // kv_heads
-    gp = max(_MIN_DOT, _next_power_of_two(group))
     dp = tables.rotated_dim
+    assert codes.is_contiguous() and codes.shape[1] == 2 * kv_heads * tables.bytes_per_vector
+    if workspace is None:
+        workspace = Workspace.of(heads, kv_heads, tables, q.device)
+    shape = {"G": group, "GP": _group_rows(group), "D": dim, "DP": dp}
+    common = {"BPV": tables.bytes_per_vector, "BITS": tables.bits, "SOFTCAP": softcap > 0.0}
     q = q.reshape(heads, dim).contiguous()
-    n = 0 if stored is None else stored.shape[0]
-    splits = SPLITS if n else 0
-    per_split = _next_power_of_two(max(1, -(-n // (BLOCK_N * SPLITS))))
-    f32 = {"dtype": torch.float32, "device": q.device}
-    m = torch.empty((kv_heads, max(splits, 1), gp), **f32)
-    l_sum = torch.empty_like(m)
-    acc = torch.empty((kv_heads, max(splits, 1), gp, dp), **f32)
-    softcapped = softcap > 0.0
-    shape = {"G": group, "GP": gp, "D": dim, "DP": dp}
-    if splits:
-        assert stored is not None and stored.stride(1) == 1
-        _attention_partial[(kv_heads, splits)](
-            q,
-            tables.rotation,
-            stored,
-            stored.view(torch.float32),
-            tables.centroids,
-            m,
-            l_sum,
-            acc,
-            n,
-            stored.stride(0),
-            scale,
-            softcap,
-            **shape,
-            HKV=kv_heads,
-            BLOCKS_PER_SPLIT=per_split,
-            NS=splits,
-            BPV=tables.bytes_per_vector,
-            BITS=tables.bits,
-            BLOCK=BLOCK_N,
-            SOFTCAP=softcapped,
-        )
-    out = torch.empty((heads, dim), dtype=q.dtype, device=q.device)
-    _attention_combine[(kv_heads,)](
+    per_split = _next_power_of_two(max(1, -(-slots // (BLOCK_N * SPLITS))))
+    _attention_partial[(kv_heads, SPLITS)](
         q,
         tables.rotation,
-        k_new.reshape(kv_heads, dim).contiguous(),
-        v_new.reshape(kv_heads, dim).contiguous(),
-        m,
-        l_sum,
-        acc,
-        out,
+        codes,
+        codes.view(torch.float32),
+        tables.centroids,
+        position,
+        workspace.m,
+        workspace.l_sum,
+        workspace.acc,
+        slots,
         scale,
         softcap,
         **shape,
-        NS=splits,
-        SOFTCAP=softcapped,
+        **common,
+        HKV=kv_heads,
+        BLOCKS_PER_SPLIT=per_split,
+        NS=SPLITS,
+        BLOCK=BLOCK_N,
+    )
+    out = torch.empty((heads, dim), dtype=q.dtype, device=q.device)
+    payload = tables.payload_bytes
+    _attention_combine[(kv_heads,)](
+        q,
+        tables.rotation,
+        tables.boundaries,
+        k_new.reshape(kv_heads, dim).contiguous(),
+        v_new.reshape(kv_heads, dim).contiguous(),
+        codes,
+        codes.view(torch.float32),
+        position,
+        workspace.m,
+        workspace.l_sum,
+        workspace.acc,
+        out,
+        slots,
+        scale,
+        softcap,
+        **shape,
+        **common,
+        HKV=kv_heads,
+        NS=SPLITS,
+        PAYLOAD=payload,
+        PP=_next_power_of_two(payload),
     )
     return out.view(heads, 1, dim)
 
@@ -321,7 +401,7 @@ def encode(x: torch.Tensor, tables: CodecTables) -> torch.Tensor:
     """x: [N, D] → uint8 [N, bytes_per_vector], `TurboQuantCodec.encode`'s layout."""
     n, dim = x.shape
     codes = torch.empty((n, tables.bytes_per_vector), dtype=torch.uint8, device=x.device)
-    payload = tables.bytes_per_vector - NORM_BYTES
+    payload = tables.payload_bytes
     _encode[(n,)](
         x.contiguous(),
         tables.rotation,

@@ -15,10 +15,11 @@ decoding every row costs. A head width that the codec pads to a power of two D' 
 way: q and the new row are zero-padded (so the padded coordinates, which hold only quantisation
 noise, meet zeros) and the rotated-back output is cut to D.
 
-On CUDA (where Triton runs) the step uses `larql.kernels.turbo_quant` instead: attention read
-straight from the packed codes, with the rotations inside the kernel, and the new row encoded by
-one kernel — 3 launches per layer for what the torch path does in ~35, which on a GPU at batch 1
-is what the step costs. `attention=sdpa` keeps the torch path there; the tests hold the two equal.
+On CUDA (where Triton runs) the step takes `KernelPath` instead: the codes in fixed slots,
+attention read straight from them with the rotations inside the kernel and the new row encoded by
+the same launch — 2 launches per layer for what the torch path does in ~35 — and the whole step
+captured in a CUDA graph (`graph=0`: replayed eagerly). `attention=sdpa` keeps the torch path
+there; the tests hold the two equal.
 
 Each K and V row is encoded per head (per head_dim chunk) by a `RowCodec`, by default
 `TurboQuantCodec(head_dim, bits)`. One token's entry in a layer's store is
@@ -29,7 +30,6 @@ sliding layers only the rows a later query can still see are kept.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,8 @@ from larql.inference.profiling import DecodeStageSummary, EngineProfiler
 from larql.kernels import turbo_quant_kernels
 from larql.kv.rows import GrowableRows
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
+from larql.kv.turbo_quant.kernel_path import KernelPath
+from larql.kv.turbo_quant.layout import token_vectors
 from larql.kv.turbo_quant.rotation import rotation_matrix
 from larql.models.model import Model
 
@@ -89,18 +91,19 @@ class TurboQuantEngine(KvEngine):
         codec_factory: CodecFactory | None = None,
         rotated_attention: bool = True,
         attention: str = "auto",
+        use_graph: bool = True,
     ) -> None:
         self.bits = bits
         self.rotated_attention = rotated_attention  # False: decode every row (the reference)
         self.attention = attention  # auto/triton: the Triton kernels where they run; sdpa: torch
+        self.use_graph = use_graph  # with the kernels on CUDA: capture the step in a CUDA graph
         self.position = 0  # absolute position of the next token
         self._codec_factory = codec_factory or (lambda dim: TurboQuantCodec(dim, bits))
         self._codec: RowCodec | None = None
-        self._layers: list[GrowableRows] | None = None  # [n, row_bytes] uint8 each
+        self._layers: list[GrowableRows] | None = None  # [n, row_bytes] uint8 each (torch path)
+        self._fast: KernelPath | None = None  # the state and step where the kernels run
         self._backend = "cpu"
         self._profiler = EngineProfiler(enabled=profiling)
-        self._kernels: Any = None  # larql.kernels.turbo_quant, when the step uses it
-        self._tables: Any = None  # its CodecTables for this codec and device
 
     # ------------------------------------------------------------------ description
 
@@ -116,11 +119,20 @@ class TurboQuantEngine(KvEngine):
         )
 
     def memory(self) -> MemoryBreakdown:
+        if self._fast is not None:
+            return self._fast.memory()
         return MemoryBreakdown.of(hot=self._layers or [])
 
     def stored_rows(self, layer: int) -> int:
         """Tokens whose K/V layer `layer` holds (encoded)."""
+        if self._fast is not None:
+            return self._fast.layers[layer].filled
         return len(self._layers[layer]) if self._layers else 0
+
+    def dispatch_path(self) -> str | None:
+        if self._fast is None:
+            return None
+        return "cuda-graph" if self._fast.captured else "static"
 
     def stage_summary(self) -> DecodeStageSummary | None:
         return self._profiler.summary(self.name, self._backend)
@@ -139,16 +151,20 @@ class TurboQuantEngine(KvEngine):
         self._backend = backend_name(model)
         cfg = model.config
         self._codec = self._codec_factory(cfg.head_dim)
-        self._resolve_kernels(model)
-        self._layers = [
-            GrowableRows(keep=self._keep(model, layer)) for layer in range(cfg.num_layers)
-        ]
+        keeps = [self._keep(model, layer) for layer in range(cfg.num_layers)]
+        self._fast = self._kernel_path(model, keeps)
+        self._layers = None if self._fast else [GrowableRows(keep=keep) for keep in keeps]
+        if self._fast is not None:
+            self._fast.start(model, initial_hidden.shape[0])
         h = initial_hidden  # [S, H]
         for layer in range(cfg.num_layers):
             exact = FreshKv()
             h = attention_block(model, layer, h, 0, exact)
             assert exact.k is not None and exact.v is not None
-            self._encode_and_append(layer, exact.k, exact.v)
+            if self._fast is not None:
+                self._fast.store_prompt(layer, exact.k, exact.v)
+            else:
+                self._encode_and_append(layer, exact.k, exact.v)
             h = ffn_block(model, layer, h, ffn)
         self.position = initial_hidden.shape[0]
         return h[-1:]
@@ -159,6 +175,10 @@ class TurboQuantEngine(KvEngine):
         self._require_prefill()
         stage = self._profiler.stage
         with stage("decode_total", model.device):
+            if self._fast is not None:
+                h = self._fast.decode(model, ffn, self.position, token_id=token_id)
+                self.position += 1
+                return h
             with stage("embed", model.device):
                 h = embed(model, token_tensor(model, [token_id]))  # [1, H]
             return self._decode_layers(model, ffn, h)
@@ -168,6 +188,10 @@ class TurboQuantEngine(KvEngine):
     ) -> torch.Tensor:
         self._require_prefill()
         with self._profiler.stage("decode_total", model.device):
+            if self._fast is not None:
+                h = self._fast.decode(model, ffn, self.position, hidden=hidden_row)
+                self.position += 1
+                return h
             return self._decode_layers(model, ffn, hidden_row)
 
     def _decode_layers(self, model: Model, ffn: FfnBackend, h: torch.Tensor) -> torch.Tensor:
@@ -176,9 +200,7 @@ class TurboQuantEngine(KvEngine):
         stage, device = self._profiler.stage, model.device
         rotation = self._rotation(device)
         for layer in range(len(self._layers)):
-            if self._kernels is not None:
-                h, k, v = self._kernel_attention_block(model, layer, h)
-            elif rotation is None:
+            if rotation is None:
                 with stage("state_materialise", device):
                     keys, values = self._decode_layer(layer, model.dtype)  # [Hkv, n, D]
                 sink = HistoryThenNew(keys, values)
@@ -219,38 +241,21 @@ class TurboQuantEngine(KvEngine):
             attn = back[:, : cfg.head_dim].to(dtype).reshape(1, cfg.q_dim)
             return attention_output(model, layer, h, attn), k, v
 
-    def _kernel_attention_block(
-        self, model: Model, layer: int, h: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`attention_block` through the Triton kernels: the stored codes are read in place.
-        h: [1, H] → (residual after attention [1, H], the new row's exact k, v [Hkv, 1, D])."""
-        assert self._layers is not None
-        cfg = model.config
-        with self._profiler.stage("attention", model.device):
-            q, k, v = project_qkv(model, layer, h, self.position)  # [Hq|Hkv, 1, D]
-            store = self._layers[layer]
-            stored = store.rows if len(store) else None  # [n, row_bytes] uint8
-            softcap = cfg.arch.attn_softcap or 0.0
-            attn = self._kernels.attention(q, k, v, stored, self._tables, cfg.attn_scale, softcap)
-            return attention_output(model, layer, h, attn.reshape(1, cfg.q_dim)), k, v
-
-    def _resolve_kernels(self, model: Model) -> None:
-        """Use the Triton kernels when asked (auto/triton), where they run, for the
-        TurboQuant codec attending in its rotated basis with a head width tl.dot takes (≥ 16)."""
-        self._kernels = self._tables = None
-        codec = self._codec
+    def _kernel_path(self, model: Model, keeps: list[int | None]) -> KernelPath | None:
+        """The Triton kernels' path when asked (auto/triton), where they run, for the
+        TurboQuant codec attending in its rotated basis; else None (the torch path)."""
         if self.attention == "sdpa" or not self.rotated_attention:
-            return
-        if not isinstance(codec, TurboQuantCodec) or codec.rotated_dim < 16:
-            return
+            return None
         kernels = turbo_quant_kernels(model.device)
-        if kernels is not None:
-            self._kernels = kernels
-            self._tables = kernels.CodecTables.of(codec, model.device)
+        if kernels is None or not KernelPath.supports(kernels, self._codec, keeps):
+            return None
+        assert isinstance(self._codec, TurboQuantCodec)
+        return KernelPath(kernels, self._codec, model, keeps, self.use_graph, self._profiler)
 
     def _path(self) -> str:
-        if self._kernels is not None:
-            return "triton kernels"
+        if self._fast is not None:
+            graph = ", cuda-graph step" if self._fast.captured else ""
+            return f"triton kernels{graph}"
         return "rotated-basis attention" if self.rotated_attention else "decoded attention"
 
     def _rotation(self, device: torch.device) -> torch.Tensor | None:
@@ -265,12 +270,9 @@ class TurboQuantEngine(KvEngine):
     def _encode_and_append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [Hkv, S, D] exact rows → one encoded entry per token appended to the layer."""
         assert self._layers is not None and self._codec is not None
-        heads, s, dim = k.shape
-        vectors = torch.stack((k, v)).permute(2, 0, 1, 3).reshape(s * 2 * heads, dim)
-        if self._kernels is not None:
-            encoded = self._kernels.encode(vectors, self._tables)  # [S·2·Hkv, bytes_per_vector]
-        else:
-            encoded = self._codec.encode(vectors)
+        s = k.shape[1]
+        vectors = token_vectors(k, v)  # [S·2·Hkv, D]
+        encoded = self._codec.encode(vectors)  # [S·2·Hkv, bytes_per_vector]
         self._layers[layer].append(encoded.view(s, -1))  # [S, row_bytes]
         self._layers[layer].clip()
 
@@ -298,5 +300,5 @@ class TurboQuantEngine(KvEngine):
         return None if w is None else w - 1
 
     def _require_prefill(self) -> None:
-        if self._layers is None:
+        if self._layers is None and self._fast is None:
             raise InvariantViolation("decode_step called before prefill")
