@@ -86,6 +86,7 @@ def slots_holding(
         (9, 3, 64, 2, 1, 4, 0.0),  # one stored row
         (9, 3, 64, 3, 0, 8, 0.0),  # none: the new row alone
         (4, 1, 48, 3, 600, 1024, 0.0),  # padded head width; two blocks per split
+        (4, 1, 64, 4, 3000, 8192, 0.0),  # a deep store: 64 splits
         (4, 2, 64, 4, 90, 128, 30.0),  # soft-capped scores (Gemma 2)
         (4, 2, 64, 4, 20, 8, 0.0),  # a ring (sliding layer): tokens 12..19 in 8 slots
     ],
@@ -211,14 +212,15 @@ def test_kernel_path_rings_sliding_layers_and_grows_full_ones(
 
 
 def test_spec_picks_the_path(smollm2: Model, monkeypatch) -> None:
-    monkeypatch.setattr(larql.kernels, "triton_available", lambda device: True)
-    for spec, expected in (("turbo-quant", KernelPath), ("turbo-quant:attention=sdpa", None)):
-        engine = from_name(spec).build(smollm2).inner
+    model = model_for_kernels(smollm2, monkeypatch)
+    for spec, on_kernels in (("turbo-quant", True), ("turbo-quant:attention=sdpa", False)):
+        engine = from_name(spec).build(model).inner
         assert isinstance(engine, TurboQuantEngine)
         with torch.inference_mode():
-            engine.prefill(smollm2, DenseFfn(smollm2), smollm2.tokenizer.encode(PROMPT))
-        assert (engine._fast is None) == (expected is None)
-    assert from_name("turbo-quant:graph=0").build(smollm2).inner.use_graph is False
+            engine.prefill(model, DenseFfn(model), model.tokenizer.encode(PROMPT))
+        assert isinstance(engine._fast, KernelPath) == on_kernels
+        assert ("triton kernels" in engine.info().description) == on_kernels
+    assert from_name("turbo-quant:graph=0").build(model).inner.use_graph is False
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -48,10 +48,14 @@ from larql.kv.turbo_quant.codec import NORM_BYTES, TurboQuantCodec
 from larql.kv.turbo_quant.rotation import rotation_matrix
 
 BLOCK_N = 32  # stored rows per block
-# Every launch has SPLITS programs per K/V head, each over BLOCKS_PER_SPLIT blocks, a power of two
-# ≥ the slots need: both are compile-time constants (loops Triton unrolls); blocks past the
-# filled slots are skipped at run time.
-SPLITS = 16
+# A launch has `splits(slots)` programs per K/V head, each over BLOCKS_PER_SPLIT blocks, a power
+# of two ≥ the slots need: both compile-time constants (loops Triton unrolls); blocks past the
+# filled slots are skipped at run time. Deep stores get more programs: 16 per head is 48 on
+# SmolLM2, a third of an H200's SMs, each walking 16 blocks at 8k rows.
+MIN_SPLITS = 16
+MAX_SPLITS = 64
+_BLOCKS_PER_PROGRAM = 4  # the split count aims at this many blocks per program
+COMBINE_WARPS = 8
 _MIN_DOT = 16  # tl.dot needs every dimension ≥ 16
 NORM = tl.constexpr(NORM_BYTES)  # a kernel reads module globals only as constexprs
 
@@ -87,15 +91,12 @@ class CodecTables:
             boundaries=book.boundaries.contiguous(),
         )
 
-    @property
-    def payload_bytes(self) -> int:
-        return self.bytes_per_vector - NORM_BYTES
-
 
 @dataclass(frozen=True)
 class Workspace:
     """The splits' partial softmax state, reused by every layer's launches (they run in stream
-    order): m, l [Hkv, SPLITS, GP], acc [Hkv, SPLITS, GP, D'] float32."""
+    order; a launch uses the first `splits(slots)`): m, l [Hkv, MAX_SPLITS, GP],
+    acc [Hkv, MAX_SPLITS, GP, D'] float32."""
 
     m: torch.Tensor
     l_sum: torch.Tensor
@@ -105,8 +106,8 @@ class Workspace:
     def of(heads: int, kv_heads: int, tables: CodecTables, device: torch.device) -> Workspace:
         gp = _group_rows(heads // kv_heads)
         f32 = {"dtype": torch.float32, "device": device}
-        m = torch.empty((kv_heads, SPLITS, gp), **f32)
-        acc = torch.empty((kv_heads, SPLITS, gp, tables.rotated_dim), **f32)
+        m = torch.empty((kv_heads, MAX_SPLITS, gp), **f32)
+        acc = torch.empty((kv_heads, MAX_SPLITS, gp, tables.rotated_dim), **f32)
         return Workspace(m=m, l_sum=torch.empty_like(m), acc=acc)
 
 
@@ -205,9 +206,10 @@ def _attention_partial(
 
 
 @triton.jit
-def _encoded(x, rotation, boundaries_ptr, dims, BITS: tl.constexpr, PP: tl.constexpr):
-    """One vector x [DP] float32 (0 past D) → (‖x‖, x/‖x‖·R [DP], its packed index bytes [PP]
-    as int32: byte j of the LSB-first stream holds bits 8j..8j+7)."""
+def _encoded(x, rotation, boundaries_ptr, dims, DP: tl.constexpr, BITS: tl.constexpr):
+    """One vector x [DP] float32 (0 past D) → (‖x‖, x/‖x‖·R [DP], its packed indices as
+    words [DP / 8] uint32: word g holds indices 8g..8g+7, BITS bits each from the lowest, which
+    are exactly bytes g·BITS .. g·BITS + BITS − 1 of the LSB-first stream)."""
     norm = tl.sqrt(tl.sum(x * x, axis=0))
     nonzero = norm > 1e-12
     unit = tl.where(nonzero, x / tl.where(nonzero, norm, 1.0), 0.0)
@@ -215,23 +217,19 @@ def _encoded(x, rotation, boundaries_ptr, dims, BITS: tl.constexpr, PP: tl.const
     index = tl.zeros_like(dims)  # [DP] int32
     for t in tl.static_range((1 << BITS) - 1):
         index += (y >= tl.load(boundaries_ptr + t)).to(tl.int32)
-    byte = tl.arange(0, PP)
-    offset = dims[None, :] * BITS - byte[:, None] * 8  # [PP, DP]: index c's first bit in byte j
-    up = tl.where((offset >= 0) & (offset < 8), offset, 0)
-    down = tl.where((offset < 0) & (offset > -BITS), -offset, 0)
-    inside = (offset > -BITS) & (offset < 8)
-    piece = tl.where(offset >= 0, index[None, :] << up, index[None, :] >> down)
-    packed = tl.sum(tl.where(inside, piece & 0xFF, 0), axis=1)  # disjoint bits: sum = or
-    return norm, y, packed
+    groups = tl.reshape(index.to(tl.uint32), [DP // 8, 8])
+    shift = (tl.arange(0, 8) * BITS).to(tl.uint32)
+    words = tl.sum(groups << shift[None, :], axis=1)  # disjoint bits: sum = or
+    return norm, y, words
 
 
 @triton.jit
-def _store_encoded(
-    codes_ptr, norms_ptr, start, norm, packed, PAYLOAD: tl.constexpr, PP: tl.constexpr
-):
+def _store_encoded(codes_ptr, norms_ptr, start, norm, words, DP: tl.constexpr, BITS: tl.constexpr):
     """A vector's bytes at byte offset `start` (a multiple of 4): [norm f32][packed indices]."""
-    byte = tl.arange(0, PP)
-    tl.store(codes_ptr + start + NORM + byte, packed.to(tl.uint8), mask=byte < PAYLOAD)
+    group = tl.arange(0, DP // 8)
+    for k in tl.static_range(BITS):
+        byte = (words >> (8 * k)) & 0xFF
+        tl.store(codes_ptr + start + NORM + group * BITS + k, byte.to(tl.uint8))
     tl.store(norms_ptr + start // 4, norm)
 
 
@@ -260,8 +258,6 @@ def _attention_combine(
     NS: tl.constexpr,
     BPV: tl.constexpr,
     BITS: tl.constexpr,
-    PAYLOAD: tl.constexpr,
-    PP: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
     head = tl.program_id(0)
@@ -272,12 +268,12 @@ def _attention_combine(
     new = head * D + dims
     k_new = tl.load(k_new_ptr + new, mask=dims < D, other=0.0).to(tl.float32)
     v_new = tl.load(v_new_ptr + new, mask=dims < D, other=0.0).to(tl.float32)
-    k_norm, k_unit, k_packed = _encoded(k_new, rotation, boundaries_ptr, dims, BITS, PP)
-    v_norm, v_unit, v_packed = _encoded(v_new, rotation, boundaries_ptr, dims, BITS, PP)
+    k_norm, k_unit, k_words = _encoded(k_new, rotation, boundaries_ptr, dims, DP, BITS)
+    v_norm, v_unit, v_words = _encoded(v_new, rotation, boundaries_ptr, dims, DP, BITS)
     slot = tl.load(pos_ptr) % slots
     key_start = slot * (2 * HKV * BPV) + head * BPV
-    _store_encoded(codes_ptr, norms_ptr, key_start, k_norm, k_packed, PAYLOAD, PP)
-    _store_encoded(codes_ptr, norms_ptr, key_start + HKV * BPV, v_norm, v_packed, PAYLOAD, PP)
+    _store_encoded(codes_ptr, norms_ptr, key_start, k_norm, k_words, DP, BITS)
+    _store_encoded(codes_ptr, norms_ptr, key_start + HKV * BPV, v_norm, v_words, DP, BITS)
     k_rot = k_unit * k_norm  # [DP] = k·R, exact (not quantised) for this step
     v_rot = v_unit * v_norm
     s_new = soft_capped(tl.sum(q * k_rot[None, :], axis=1) * scale, softcap, SOFTCAP)  # [GP]
@@ -302,19 +298,24 @@ def _encode(
     DP: tl.constexpr,
     BITS: tl.constexpr,
     BPV: tl.constexpr,
-    PAYLOAD: tl.constexpr,
-    PP: tl.constexpr,  # PAYLOAD rounded up to a power of two
 ):
     vector = tl.program_id(0)
     dims = tl.arange(0, DP)
     x = tl.load(x_ptr + vector * D + dims, mask=dims < D, other=0.0).to(tl.float32)  # [DP]
     rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
-    norm, _, packed = _encoded(x, rotation, boundaries_ptr, dims, BITS, PP)
-    _store_encoded(codes_ptr, norms_ptr, vector * BPV, norm, packed, PAYLOAD, PP)
+    norm, _, words = _encoded(x, rotation, boundaries_ptr, dims, DP, BITS)
+    _store_encoded(codes_ptr, norms_ptr, vector * BPV, norm, words, DP, BITS)
 
 
 def _next_power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+def splits(slots: int) -> int:
+    """Programs per K/V head for a store of `slots` slots: a power of two in
+    [MIN_SPLITS, MAX_SPLITS], aiming at _BLOCKS_PER_PROGRAM blocks each."""
+    wanted = _next_power_of_two(max(1, slots // (BLOCK_N * _BLOCKS_PER_PROGRAM)))
+    return min(MAX_SPLITS, max(MIN_SPLITS, wanted))
 
 
 def _group_rows(group: int) -> int:
@@ -348,8 +349,9 @@ def attention(
     shape = {"G": group, "GP": _group_rows(group), "D": dim, "DP": dp}
     common = {"BPV": tables.bytes_per_vector, "BITS": tables.bits, "SOFTCAP": softcap > 0.0}
     q = q.reshape(heads, dim).contiguous()
-    per_split = _next_power_of_two(max(1, -(-slots // (BLOCK_N * SPLITS))))
-    _attention_partial[(kv_heads, SPLITS)](
+    n_splits = splits(slots)
+    per_split = _next_power_of_two(max(1, -(-slots // (BLOCK_N * n_splits))))
+    _attention_partial[(kv_heads, n_splits)](
         q,
         tables.rotation,
         codes,
@@ -366,11 +368,10 @@ def attention(
         **common,
         HKV=kv_heads,
         BLOCKS_PER_SPLIT=per_split,
-        NS=SPLITS,
+        NS=n_splits,
         BLOCK=BLOCK_N,
     )
     out = torch.empty((heads, dim), dtype=q.dtype, device=q.device)
-    payload = tables.payload_bytes
     _attention_combine[(kv_heads,)](
         q,
         tables.rotation,
@@ -390,9 +391,10 @@ def attention(
         **shape,
         **common,
         HKV=kv_heads,
-        NS=SPLITS,
-        PAYLOAD=payload,
-        PP=_next_power_of_two(payload),
+        NS=n_splits,
+        # 8 warps: at Triton's default 4 this program spills registers and took 55 µs on an
+        # H200 instead of 6.5 (docs/PERFORMANCE.md)
+        num_warps=COMBINE_WARPS,
     )
     return out.view(heads, 1, dim)
 
@@ -401,7 +403,6 @@ def encode(x: torch.Tensor, tables: CodecTables) -> torch.Tensor:
     """x: [N, D] → uint8 [N, bytes_per_vector], `TurboQuantCodec.encode`'s layout."""
     n, dim = x.shape
     codes = torch.empty((n, tables.bytes_per_vector), dtype=torch.uint8, device=x.device)
-    payload = tables.payload_bytes
     _encode[(n,)](
         x.contiguous(),
         tables.rotation,
@@ -412,7 +413,5 @@ def encode(x: torch.Tensor, tables: CodecTables) -> torch.Tensor:
         DP=tables.rotated_dim,
         BITS=tables.bits,
         BPV=tables.bytes_per_vector,
-        PAYLOAD=payload,
-        PP=_next_power_of_two(payload),
     )
     return codes
