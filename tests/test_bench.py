@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from larql.cli.app import app
-from larql.harness.bench.engine_bench import BenchSettings, EngineRow, bench_engine
+from larql.harness.bench.engine_bench import BenchSettings, EngineRow, bench_engine, bench_engines
 from larql.harness.bench.stats import StepStats, nearest_rank
 from larql.inference.engine import MemoryBreakdown
 from larql.inference.ffn import DenseFfn
@@ -21,7 +21,8 @@ from larql.models import Model
 ROW_KEYS = {
     "spec", "label", "depth", "prompt_tokens", "prefill_ms", "decode_ms", "fwd_ms", "head_ms",
     "tok_s", "tok_s_runs", "memory", "context_tokens", "bytes_per_token", "fp16_full_bytes",
-    "ratio_vs_fp16_full", "achieved_gbs", "bandwidth_share", "stages", "error", "vs_hf",
+    "ratio_vs_fp16_full", "achieved_gbs", "bandwidth_share", "peak_memory_bytes", "stages", "error",
+    "vs_hf",
 }  # fmt: skip
 META_KEYS = {
     "schema", "timestamp", "model", "dtype", "device", "threads", "torch", "git_commit", "text",
@@ -68,6 +69,37 @@ def test_bench_engine_measures_whole_tokens(smollm2: Model) -> None:
     assert row.context_tokens == len(ids) + 4
     assert row.fp16_full_bytes == smollm2.config.kv_bytes_per_token(2) * row.context_tokens
     assert row.memory.total > 0 and row.ratio_vs_fp16_full > 0
+
+
+class RecordingKind:
+    """An engine kind that logs every build: one build is one timed run."""
+
+    def __init__(self, spec: str, log: list[str]) -> None:
+        self.inner, self.log = from_name(spec), log
+
+    def spec(self) -> str:
+        return self.inner.spec()
+
+    def build(self, model: Model, profiling: bool = False):
+        self.log.append(self.spec())
+        return self.inner.build(model, profiling=profiling)
+
+
+def test_engines_are_timed_in_interleaved_rounds(smollm2: Model) -> None:
+    """Round i runs every engine once, so run i of each happened in the same stretch of time;
+    an engine that fails stops being run but leaves the others' rounds intact."""
+    ids = smollm2.tokenizer.encode("The capital of France is")
+    log: list[str] = []
+    kinds = [RecordingKind(spec, log) for spec in ("standard", "markov-rs", "no-cache")]
+    rows = bench_engines(smollm2, DenseFfn(smollm2), kinds, ids, BenchSettings(2, 0, 3))
+    assert log == ["standard", "markov-rs", "no-cache"] * 3
+    assert [len(row.tok_s_runs) for row in rows] == [3, 3, 3]
+    assert all(row.error is None and row.step.n == 6 for row in rows)
+    log.clear()
+    failing = [RecordingKind(spec, log) for spec in ("standard", "markov-rs")]
+    rows = bench_engines(smollm2, DenseFfn(smollm2), failing, [], BenchSettings(1, 0, 2))
+    assert log == ["standard", "markov-rs"]  # each failed in round 1 and was not run again
+    assert all(row.error.startswith("EmptyPrompt") for row in rows)
 
 
 def test_engine_errors_become_rows_not_crashes(smollm2: Model) -> None:

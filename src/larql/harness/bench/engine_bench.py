@@ -1,5 +1,9 @@
-"""Timing one engine: prefill (+ first pick), then `warmup + tokens` decode steps, each a whole
-token (forward + logits + pick), split into forward and head; memory after decode; roofline."""
+"""Timing engines: prefill (+ first pick), then `warmup + tokens` decode steps, each a whole
+token (forward + logits + pick), split into forward and head; memory after decode; roofline.
+
+Engines compared in one run are timed in rounds: every engine once per repeat, so a machine
+whose speed drifts over minutes (a GPU host's launch overhead swung 5-10x between passes)
+moves all of them alike instead of whichever ran during the slow stretch."""
 
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ class EngineRow:
     fp16_full_bytes: int = 0
     weight_read_bytes: int = 0
     bandwidth_gbs: float = 0.0
+    peak_memory_bytes: int | None = None  # CUDA: the allocator's peak over the runs
     stages: dict[str, float] | None = None
     error: str | None = None
 
@@ -103,9 +108,21 @@ class EngineRow:
             "ratio_vs_fp16_full": self.ratio_vs_fp16_full,
             "achieved_gbs": self.achieved_gbs,
             "bandwidth_share": self.bandwidth_share,
+            "peak_memory_bytes": self.peak_memory_bytes,
             "stages": self.stages,
             "error": self.error,
         }
+
+
+@dataclass
+class _Samples:
+    """One engine's measurements, run by run."""
+
+    prefill_ms: list[float] = field(default_factory=list)
+    fwd: list[float] = field(default_factory=list)
+    head: list[float] = field(default_factory=list)
+    whole: list[float] = field(default_factory=list)
+    engine: Any = None  # the last run's engine (memory, label, stages)
 
 
 def bench_engine(
@@ -117,59 +134,93 @@ def bench_engine(
     depth: int = 0,
     bandwidth_gbs: float = 0.0,
 ) -> EngineRow:
-    row = EngineRow(
-        spec=kind.spec(),
-        label=kind.spec(),
-        depth=depth,
-        prompt_tokens=len(prompt_ids),
-        weight_read_bytes=model.weights.decode_read_bytes(),
-        bandwidth_gbs=bandwidth_gbs,
-    )
-    try:
-        _measure(model, ffn, kind, prompt_ids, settings, row)
-    except EngineError as e:
-        row.error = f"{type(e).__name__}: {e}"
-    return row
+    return bench_engines(model, ffn, [kind], prompt_ids, settings, depth, bandwidth_gbs)[0]
 
 
-def _measure(
+def bench_engines(
+    model: Model,
+    ffn: FfnBackend,
+    kinds: list[EngineKind],
+    prompt_ids: list[int],
+    settings: BenchSettings,
+    depth: int = 0,
+    bandwidth_gbs: float = 0.0,
+) -> list[EngineRow]:
+    """Every engine of `kinds` on the same prompt, `settings.repeats` rounds of one run each:
+    run i of every engine happens in round i (`tok_s_runs[i]`)."""
+    rows = [
+        EngineRow(
+            spec=kind.spec(),
+            label=kind.spec(),
+            depth=depth,
+            prompt_tokens=len(prompt_ids),
+            weight_read_bytes=model.weights.decode_read_bytes(),
+            bandwidth_gbs=bandwidth_gbs,
+        )
+        for kind in kinds
+    ]
+    samples = [_Samples() for _ in kinds]
+    for _ in range(settings.repeats):
+        for kind, row, sample in zip(kinds, rows, samples, strict=True):
+            if row.error is not None:
+                continue
+            try:
+                _run_once(model, ffn, kind, prompt_ids, settings, row, sample)
+            except EngineError as e:
+                row.error = f"{type(e).__name__}: {e}"
+    for row, sample in zip(rows, samples, strict=True):
+        if row.error is None:
+            _summarise(model, prompt_ids, settings, row, sample)
+    return rows
+
+
+def _run_once(
     model: Model,
     ffn: FfnBackend,
     kind: EngineKind,
     prompt_ids: list[int],
     settings: BenchSettings,
     row: EngineRow,
+    sample: _Samples,
 ) -> None:
     device = model.device
-    prefill_ms, fwd, head, whole = [], [], [], []
-    for _ in range(settings.repeats):
-        engine = kind.build(model, profiling=settings.profile)
-        with torch.inference_mode():
-            sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    engine = kind.build(model, profiling=settings.profile)
+    with torch.inference_mode():
+        sync(device)
+        t0 = time.perf_counter()
+        token = int(torch.argmax(next_token_logits(model, engine.prefill(model, ffn, prompt_ids))))
+        sample.prefill_ms.append((time.perf_counter() - t0) * 1000)
+        run_whole = []
+        for i in range(settings.warmup + settings.new_tokens):
             t0 = time.perf_counter()
-            token = int(
-                torch.argmax(next_token_logits(model, engine.prefill(model, ffn, prompt_ids)))
-            )
-            prefill_ms.append((time.perf_counter() - t0) * 1000)
-            run_whole = []
-            for i in range(settings.warmup + settings.new_tokens):
-                t0 = time.perf_counter()
-                hidden = engine.decode_step(model, ffn, token)
-                sync(device)
-                t1 = time.perf_counter()
-                token = int(torch.argmax(next_token_logits(model, hidden)))
-                t2 = time.perf_counter()
-                if i >= settings.warmup:
-                    fwd.append((t1 - t0) * 1000)
-                    head.append((t2 - t1) * 1000)
-                    run_whole.append((t2 - t0) * 1000)
-        whole += run_whole
-        row.tok_s_runs.append(1000 * len(run_whole) / sum(run_whole) if run_whole else 0.0)
-    row.prefill_ms = sorted(prefill_ms)[len(prefill_ms) // 2]
-    row.step = StepStats.of(whole)
-    row.fwd_ms = sum(fwd) / len(fwd) if fwd else None
-    row.head_ms = sum(head) / len(head) if head else None
-    row.tok_s = sorted(row.tok_s_runs)[len(row.tok_s_runs) // 2] if whole else None
+            hidden = engine.decode_step(model, ffn, token)
+            sync(device)
+            t1 = time.perf_counter()
+            token = int(torch.argmax(next_token_logits(model, hidden)))
+            t2 = time.perf_counter()
+            if i >= settings.warmup:
+                sample.fwd.append((t1 - t0) * 1000)
+                sample.head.append((t2 - t1) * 1000)
+                run_whole.append((t2 - t0) * 1000)
+    sample.whole += run_whole
+    row.tok_s_runs.append(1000 * len(run_whole) / sum(run_whole) if run_whole else 0.0)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        row.peak_memory_bytes = max(row.peak_memory_bytes or 0, peak)
+    sample.engine = engine
+
+
+def _summarise(
+    model: Model, prompt_ids: list[int], settings: BenchSettings, row: EngineRow, sample: _Samples
+) -> None:
+    engine = sample.engine
+    row.prefill_ms = sorted(sample.prefill_ms)[len(sample.prefill_ms) // 2]
+    row.step = StepStats.of(sample.whole)
+    row.fwd_ms = sum(sample.fwd) / len(sample.fwd) if sample.fwd else None
+    row.head_ms = sum(sample.head) / len(sample.head) if sample.head else None
+    row.tok_s = sorted(row.tok_s_runs)[len(row.tok_s_runs) // 2] if sample.whole else None
     row.memory = engine.memory()
     row.context_tokens = len(prompt_ids) + settings.warmup + settings.new_tokens
     row.fp16_full_bytes = model.config.kv_bytes_per_token(2) * row.context_tokens

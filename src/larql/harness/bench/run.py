@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from larql.harness.bench.engine_bench import BenchSettings, EngineRow, bench_engine
+from larql.harness.bench.engine_bench import BenchSettings, EngineRow, bench_engines
 from larql.harness.bench.hf_peer import PeerRow, bench_hf, load_hf_model
 from larql.harness.bench.machine import copy_bandwidth_gbs, git_commit, ids_hash
 from larql.inference.ffn import FfnBackend
@@ -100,7 +100,8 @@ def run_bench(
             "copy_bandwidth_gbs": bandwidth,
             "method": (
                 "whole token = forward + logits + argmax; prefill includes the first pick; "
-                "median tok/s over repeats, percentiles nearest-rank over all kept steps; "
+                "engines interleaved: every engine once per round; "
+                "median tok/s over rounds, percentiles nearest-rank over all kept steps; "
                 "memory = engine tensors after decode (+ growth reserve); ratio = state bytes / an "
                 "fp16 full cache at the same length; "
                 "achieved GB/s = (weights read per token + engine state) × tok/s"
@@ -108,10 +109,10 @@ def run_bench(
         }
     )
     for depth, ids in prompts:
-        for kind in kinds:
-            if progress:
-                progress(f"{kind.spec()} @ depth {depth}")
-            report.rows.append(bench_engine(model, ffn, kind, ids, settings, depth, bandwidth))
+        if progress:
+            names = ", ".join(kind.spec() for kind in kinds)
+            progress(f"{names} @ depth {depth} ({settings.repeats} interleaved rounds)")
+        report.rows += bench_engines(model, ffn, kinds, ids, settings, depth, bandwidth)
     if vs_hf:
         hf_model = load_hf_model(model)
         for depth, ids in prompts:
