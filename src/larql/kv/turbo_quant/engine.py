@@ -18,8 +18,8 @@ noise, meet zeros) and the rotated-back output is cut to D.
 On CUDA (where Triton runs) the step takes `KernelPath` instead: the codes in fixed slots,
 attention read straight from them with the rotations inside the kernel and the new row encoded by
 the same launch — 2 launches per layer for what the torch path does in ~35 — and the whole step
-captured in a CUDA graph (`graph=0`: replayed eagerly). `attention=sdpa` keeps the torch path
-there; the tests hold the two equal.
+captured in a CUDA graph (`graph=0`: the same step run eagerly). `attention=sdpa` keeps the
+torch path there; the tests hold the two equal.
 
 Each K and V row is encoded per head (per head_dim chunk) by a `RowCodec`, by default
 `TurboQuantCodec(head_dim, bits)`. One token's entry in a layer's store is
