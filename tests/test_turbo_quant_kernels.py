@@ -176,25 +176,32 @@ def tiny_sliding(request, tmp_path_factory: pytest.TempPathFactory) -> Model:
     return load_model(str(directory), dtype=torch.float32, device=DEVICE)
 
 
+@pytest.mark.parametrize(
+    ("min_capacity", "headroom", "prompt"),
+    [
+        (8, 2, 5),  # capacity 8 → 16 → 32; sliding rings of 5 from the start
+        (4, 0, 3),  # capacity 4 < the 5 a sliding layer keeps: its slots grow 4 → 5 first
+    ],
+)
 def test_kernel_path_rings_sliding_layers_and_grows_full_ones(
-    kernels, tiny_sliding: Model, monkeypatch
+    kernels, tiny_sliding: Model, monkeypatch, min_capacity: int, headroom: int, prompt: int
 ) -> None:
     """Sliding layers keep their window − 1 rows in a ring of slots; full layers' slots double
-    when the position reaches them (capacity 8 here, so a 5-token prompt grows twice in 15
-    steps). Same logits as the torch path; the memory is the slots. On CUDA the step is a
-    captured graph, captured again at each growth (its warm-up must not leave the ring's
-    oldest row overwritten)."""
+    when the position reaches the capacity (made small here so 20 tokens grow it 2–3 times).
+    Same logits as the torch path; the memory is the slots. On CUDA the step is a captured
+    graph, captured again at each growth (its warm-up must not leave the ring's oldest row
+    overwritten)."""
     model = tiny_sliding
     if not CUDA:
         monkeypatch.setattr(larql.kernels, "triton_available", lambda device: True)
-    monkeypatch.setattr(captured_step, "MIN_CAPACITY", 8)
-    monkeypatch.setattr(captured_step, "DECODE_HEADROOM", 2)
+    monkeypatch.setattr(captured_step, "MIN_CAPACITY", min_capacity)
+    monkeypatch.setattr(captured_step, "DECODE_HEADROOM", headroom)
     ids = random_ids(20, seed=4)
     ffn = DenseFfn(model)
     fused = TurboQuantEngine(bits=4)
     torch_path = TurboQuantEngine(bits=4, attention="sdpa")
-    ours = teacher_forced_logits(AnyEngine(fused), model, ffn, ids, 5)
-    reference = teacher_forced_logits(AnyEngine(torch_path), model, ffn, ids, 5)
+    ours = teacher_forced_logits(AnyEngine(fused), model, ffn, ids, prompt)
+    reference = teacher_forced_logits(AnyEngine(torch_path), model, ffn, ids, prompt)
     assert "triton kernels" in fused.info().description
     assert fused.dispatch_path() == ("cuda-graph" if CUDA else "static")
     assert relative_error(ours, reference) <= 1e-4
@@ -208,7 +215,7 @@ def test_kernel_path_rings_sliding_layers_and_grows_full_ones(
     assert fused.memory().state == sum(
         torch_path.stored_rows(layer) * row_bytes for layer in range(cfg.num_layers)
     )
-    assert fused.memory().total == slots * row_bytes  # full layers: 8 → 16 → 32 slots
+    assert fused.memory().total == slots * row_bytes  # full layers end at 32 slots
 
 
 def test_spec_picks_the_path(smollm2: Model, monkeypatch) -> None:
