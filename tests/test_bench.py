@@ -4,14 +4,18 @@ No test asserts a speed."""
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from larql.cli.app import app
 from larql.harness.bench.engine_bench import BenchSettings, EngineRow, bench_engine, bench_engines
+from larql.harness.bench.machine import peak_above_resident
 from larql.harness.bench.stats import StepStats, nearest_rank
 from larql.inference.engine import MemoryBreakdown
 from larql.inference.ffn import DenseFfn
@@ -21,8 +25,8 @@ from larql.models import Model
 ROW_KEYS = {
     "spec", "label", "depth", "prompt_tokens", "prefill_ms", "decode_ms", "fwd_ms", "head_ms",
     "tok_s", "tok_s_runs", "memory", "context_tokens", "bytes_per_token", "fp16_full_bytes",
-    "ratio_vs_fp16_full", "achieved_gbs", "bandwidth_share", "peak_memory_bytes", "stages", "error",
-    "vs_hf",
+    "ratio_vs_fp16_full", "achieved_gbs", "bandwidth_share", "peak_working_bytes", "stages",
+    "error", "vs_hf",
 }  # fmt: skip
 META_KEYS = {
     "schema", "timestamp", "model", "dtype", "device", "threads", "torch", "git_commit", "text",
@@ -76,13 +80,16 @@ class RecordingKind:
 
     def __init__(self, spec: str, log: list[str]) -> None:
         self.inner, self.log = from_name(spec), log
+        self.built: list[weakref.ref] = []
 
     def spec(self) -> str:
         return self.inner.spec()
 
     def build(self, model: Model, profiling: bool = False):
         self.log.append(self.spec())
-        return self.inner.build(model, profiling=profiling)
+        engine = self.inner.build(model, profiling=profiling)
+        self.built.append(weakref.ref(engine))
+        return engine
 
 
 def test_engines_are_timed_in_interleaved_rounds(smollm2: Model) -> None:
@@ -100,6 +107,31 @@ def test_engines_are_timed_in_interleaved_rounds(smollm2: Model) -> None:
     rows = bench_engines(smollm2, DenseFfn(smollm2), failing, [], BenchSettings(1, 0, 2))
     assert log == ["standard", "markov-rs"]  # each failed in round 1 and was not run again
     assert all(row.error.startswith("EmptyPrompt") for row in rows)
+
+
+def test_rounds_do_not_keep_engines_alive(smollm2: Model) -> None:
+    """An engine's state is dropped after its run: engines timed in rounds must not hold each
+    other's caches (on CUDA that inflated every later engine's peak memory)."""
+    ids = smollm2.tokenizer.encode("The capital of France is")
+    kinds = [RecordingKind(spec, []) for spec in ("standard", "markov-rs")]
+    rows = bench_engines(smollm2, DenseFfn(smollm2), kinds, ids, BenchSettings(2, 0, 2))
+    gc.collect()
+    assert all(ref() is None for kind in kinds for ref in kind.built)
+    assert all(
+        row.memory.total > 0 and row.label.startswith(row.spec.split(":")[0]) for row in rows
+    )
+    assert all(row.peak_working_bytes is None for row in rows)  # the CPU keeps no peak
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_peak_above_resident_leaves_out_what_was_allocated_before() -> None:
+    device = torch.device("cuda")
+    resident = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    with peak_above_resident(device) as peak:
+        scratch = torch.empty(16 << 20, dtype=torch.uint8, device=device)
+        del scratch
+    assert peak.bytes == 16 << 20
+    del resident
 
 
 def test_engine_errors_become_rows_not_crashes(smollm2: Model) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from larql.harness.bench.machine import sync
+from larql.harness.bench.machine import peak_above_resident, sync
 from larql.harness.bench.stats import StepStats
 from larql.inference.engine import EngineError, MemoryBreakdown
 from larql.inference.ffn import FfnBackend
@@ -49,7 +49,9 @@ class EngineRow:
     fp16_full_bytes: int = 0
     weight_read_bytes: int = 0
     bandwidth_gbs: float = 0.0
-    peak_memory_bytes: int | None = None  # CUDA: the allocator's peak over the runs
+    # CUDA: the highest a run's allocations rose above what was resident when it began (state,
+    # growth reserve, workspace, captured graphs, activations; weights excluded), over the runs
+    peak_working_bytes: int | None = None
     stages: dict[str, float] | None = None
     error: str | None = None
 
@@ -108,7 +110,7 @@ class EngineRow:
             "ratio_vs_fp16_full": self.ratio_vs_fp16_full,
             "achieved_gbs": self.achieved_gbs,
             "bandwidth_share": self.bandwidth_share,
-            "peak_memory_bytes": self.peak_memory_bytes,
+            "peak_working_bytes": self.peak_working_bytes,
             "stages": self.stages,
             "error": self.error,
         }
@@ -122,7 +124,11 @@ class _Samples:
     fwd: list[float] = field(default_factory=list)
     head: list[float] = field(default_factory=list)
     whole: list[float] = field(default_factory=list)
-    engine: Any = None  # the last run's engine (memory, label, stages)
+    # from the last run; the engine itself is dropped after each run, so engines timed in
+    # rounds do not hold each other's state
+    memory: MemoryBreakdown | None = None
+    label: str = ""
+    stages: dict[str, float] | None = None
 
 
 def bench_engine(
@@ -184,10 +190,8 @@ def _run_once(
     sample: _Samples,
 ) -> None:
     device = model.device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    engine = kind.build(model, profiling=settings.profile)
-    with torch.inference_mode():
+    with peak_above_resident(device) as peak, torch.inference_mode():
+        engine = kind.build(model, profiling=settings.profile)
         sync(device)
         t0 = time.perf_counter()
         token = int(torch.argmax(next_token_logits(model, engine.prefill(model, ffn, prompt_ids))))
@@ -206,25 +210,24 @@ def _run_once(
                 run_whole.append((t2 - t0) * 1000)
     sample.whole += run_whole
     row.tok_s_runs.append(1000 * len(run_whole) / sum(run_whole) if run_whole else 0.0)
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-        row.peak_memory_bytes = max(row.peak_memory_bytes or 0, peak)
-    sample.engine = engine
+    if peak.bytes is not None:
+        row.peak_working_bytes = max(row.peak_working_bytes or 0, peak.bytes)
+    sample.memory = engine.memory()
+    sample.label = engine.info().summary().split("  ")[0]
+    summary = engine.stage_summary()
+    sample.stages = None if summary is None else {stage: us for stage, us in summary.rows()}
 
 
 def _summarise(
     model: Model, prompt_ids: list[int], settings: BenchSettings, row: EngineRow, sample: _Samples
 ) -> None:
-    engine = sample.engine
     row.prefill_ms = sorted(sample.prefill_ms)[len(sample.prefill_ms) // 2]
     row.step = StepStats.of(sample.whole)
     row.fwd_ms = sum(sample.fwd) / len(sample.fwd) if sample.fwd else None
     row.head_ms = sum(sample.head) / len(sample.head) if sample.head else None
     row.tok_s = sorted(row.tok_s_runs)[len(row.tok_s_runs) // 2] if sample.whole else None
-    row.memory = engine.memory()
+    row.memory = sample.memory
     row.context_tokens = len(prompt_ids) + settings.warmup + settings.new_tokens
     row.fp16_full_bytes = model.config.kv_bytes_per_token(2) * row.context_tokens
-    row.label = engine.info().summary().split("  ")[0]
-    summary = engine.stage_summary()
-    if summary is not None:
-        row.stages = {stage: us for stage, us in summary.rows()}
+    row.label = sample.label
+    row.stages = sample.stages

@@ -6,6 +6,9 @@ import functools
 import hashlib
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +36,29 @@ def copy_bandwidth_gbs(device: str = "cpu", nbytes: int = _COPY_BYTES, repeats: 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@dataclass
+class PeakAbove:
+    """CUDA: the allocator's peak during a block above what was allocated when it began, so
+    resident weights, other models and engines kept by the caller are not counted. None off
+    CUDA (the CPU allocator keeps no peak)."""
+
+    bytes: int | None = None
+
+
+@contextmanager
+def peak_above_resident(device: torch.device) -> Iterator[PeakAbove]:
+    measured = PeakAbove()
+    if device.type != "cuda":
+        yield measured
+        return
+    sync(device)
+    resident = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    yield measured
+    sync(device)
+    measured.bytes = torch.cuda.max_memory_allocated(device) - resident
 
 
 def git_commit() -> str | None:

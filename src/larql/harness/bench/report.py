@@ -32,11 +32,15 @@ def render_table(report: BenchReport) -> Table:
         "engine", "context", "prefill ms", "ms/tok mean p50 p99", "tok/s (spread)", "fwd/head ms",
         "MiB hot/cold/deriv +reserve", "B/token", "× fp16 full", "GB/s (share)", "× HF",
     ]  # fmt: skip
+    with_peak = any(row.peak_working_bytes for row in report.rows)
+    if with_peak:  # CUDA: the allocator's peak above the resident weights
+        columns.append("peak working MiB")
     for i, name in enumerate(columns):
         table.add_column(name, justify="left" if i == 0 else "right", overflow="fold")
     for row in report.rows:
         if row.error:
-            table.add_row(row.spec, str(row.prompt_tokens), f"[red]{row.error}[/]", *[""] * 8)
+            blanks = [""] * (len(columns) - 3)
+            table.add_row(row.spec, str(row.prompt_tokens), f"[red]{row.error}[/]", *blanks)
             continue
         step = row.step
         memory = row.memory
@@ -63,6 +67,7 @@ def render_table(report: BenchReport) -> Table:
             _num(row.ratio_vs_fp16_full, ".2f"),
             f"{_num(gbs, '.1f')} ({_num(share * 100 if share else None, '.0f')}%)",
             _num(report.peer_ratio(row), ".2f"),
+            *([_mib(row.peak_working_bytes)] if with_peak else []),
         )
     for peer in report.peers.values():
         runs = peer.tok_s_runs
@@ -78,6 +83,7 @@ def render_table(report: BenchReport) -> Table:
             "",
             "",
             "1.00",
+            *([""] if with_peak else []),
         )
     return table
 
