@@ -17,6 +17,7 @@ from larql.cli.app import app
 from larql.harness.bench.engine_bench import BenchSettings, EngineRow, bench_engine, bench_engines
 from larql.harness.bench.machine import peak_above_resident
 from larql.harness.bench.stats import StepStats, nearest_rank
+from larql.harness.bench.step_timer import StepTimer
 from larql.inference.engine import MemoryBreakdown
 from larql.inference.ffn import DenseFfn
 from larql.kv import from_name
@@ -132,6 +133,25 @@ def test_peak_above_resident_leaves_out_what_was_allocated_before() -> None:
         del scratch
     assert peak.bytes == 16 << 20
     del resident
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_step_timer_splits_on_the_gpu_timeline_without_a_sync() -> None:
+    """The forward is ~20 ms of GPU work queued in microseconds: the host clock at split() has
+    not seen it, the stream events have; the whole token waits for it at the token read."""
+    device = torch.device("cuda")
+    timer = StepTimer(device)
+    torch.cuda.synchronize()
+    cycles = 20_000_000  # ~10-20 ms at GPU clocks
+    timer.start()
+    torch.cuda._sleep(cycles)
+    timer.split()
+    picked = torch.argmax(torch.ones(8, device=device))
+    timer.end()
+    int(picked)
+    took = timer.stop()
+    assert took.forward_ms > 5 and took.head_ms < took.forward_ms / 5
+    assert took.whole_ms >= 0.9 * (took.forward_ms + took.head_ms)
 
 
 def test_engine_errors_become_rows_not_crashes(smollm2: Model) -> None:

@@ -1,5 +1,6 @@
 """Timing engines: prefill (+ first pick), then `warmup + tokens` decode steps, each a whole
-token (forward + logits + pick), split into forward and head; memory after decode; roofline.
+token (forward + logits + pick) as the generation loop runs it, split into forward and head
+(`step_timer`); memory after decode; roofline.
 
 Engines compared in one run are timed in rounds: every engine once per repeat, so a machine
 whose speed drifts over minutes (a GPU host's launch overhead swung 5-10x between passes)
@@ -15,6 +16,7 @@ import torch
 
 from larql.harness.bench.machine import peak_above_resident, sync
 from larql.harness.bench.stats import StepStats
+from larql.harness.bench.step_timer import StepTimer
 from larql.inference.engine import EngineError, MemoryBreakdown
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import next_token_logits
@@ -197,17 +199,19 @@ def _run_once(
         token = int(torch.argmax(next_token_logits(model, engine.prefill(model, ffn, prompt_ids))))
         sample.prefill_ms.append((time.perf_counter() - t0) * 1000)
         run_whole = []
+        timer = StepTimer(device)
         for i in range(settings.warmup + settings.new_tokens):
-            t0 = time.perf_counter()
+            timer.start()
             hidden = engine.decode_step(model, ffn, token)
-            sync(device)
-            t1 = time.perf_counter()
-            token = int(torch.argmax(next_token_logits(model, hidden)))
-            t2 = time.perf_counter()
+            timer.split()
+            picked = torch.argmax(next_token_logits(model, hidden))
+            timer.end()
+            token = int(picked)
+            took = timer.stop()
             if i >= settings.warmup:
-                sample.fwd.append((t1 - t0) * 1000)
-                sample.head.append((t2 - t1) * 1000)
-                run_whole.append((t2 - t0) * 1000)
+                sample.fwd.append(took.forward_ms)
+                sample.head.append(took.head_ms)
+                run_whole.append(took.whole_ms)
     sample.whole += run_whole
     row.tok_s_runs.append(1000 * len(run_whole) / sum(run_whole) if run_whole else 0.0)
     if peak.bytes is not None:

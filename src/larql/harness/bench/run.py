@@ -99,7 +99,9 @@ def run_bench(
             "ffn": ffn.name,
             "copy_bandwidth_gbs": bandwidth,
             "method": (
-                "whole token = forward + logits + argmax; prefill includes the first pick; "
+                "whole token = forward + logits + argmax as the generation loop runs it (no "
+                "sync between; on CUDA the forward/head split comes from stream events); "
+                "prefill includes the first pick; "
                 "engines interleaved: every engine once per round; "
                 "median tok/s over rounds, percentiles nearest-rank over all kept steps; "
                 "memory = engine tensors after decode (+ growth reserve); ratio = state bytes / an "
