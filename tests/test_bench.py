@@ -141,15 +141,16 @@ def test_step_timer_splits_on_the_gpu_timeline_without_a_sync() -> None:
     not seen it, the stream events have; the whole token waits for it at the token read."""
     device = torch.device("cuda")
     timer = StepTimer(device)
-    torch.cuda.synchronize()
     cycles = 20_000_000  # ~10-20 ms at GPU clocks
-    timer.start()
-    torch.cuda._sleep(cycles)
-    timer.split()
-    picked = torch.argmax(torch.ones(8, device=device))
-    timer.end()
-    int(picked)
-    took = timer.stop()
+    for _ in range(2):  # the first pass loads the kernels (CUDA lazy loading)
+        torch.cuda.synchronize()
+        timer.start()
+        torch.cuda._sleep(cycles)
+        timer.split()
+        picked = torch.argmax(torch.ones(8, device=device))
+        timer.end()
+        int(picked)
+        took = timer.stop()
     assert took.forward_ms > 5 and took.head_ms < took.forward_ms / 5
     assert took.whole_ms >= 0.9 * (took.forward_ms + took.head_ms)
 
