@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
 import torch
 
 import larql.kernels
+from larql.inference.engine import KvEngine
 from larql.inference.ffn import DenseFfn
 from larql.inference.forward import run_layers
-from larql.inference.generation import teacher_forced_logits
+from larql.inference.generation import next_token_logits, teacher_forced_logits
 from larql.inference.layer import embed, final_logits, token_tensor
 from larql.kv import from_name
 from larql.models import Model
@@ -44,10 +47,48 @@ def kernel_module(name: str) -> ModuleType:
     return importlib.import_module(f"larql.kernels.{name}")
 
 
-def model_for_kernels(cpu_model: Model, monkeypatch: pytest.MonkeyPatch) -> Model:
-    """The default model (float32) where engines will use the Triton kernels: on CUDA; on a
-    CPU machine the CPU model, with the kernels let run there (in the interpreter)."""
+def model_for_kernels(
+    cpu_model: Model, monkeypatch: pytest.MonkeyPatch, interpreted_layers: int = 3
+) -> Model:
+    """The default model (float32) where engines will use the Triton kernels: on CUDA, the whole
+    model; on a CPU machine its first `interpreted_layers` layers (Triton's interpreter runs a
+    launch thousands of times slower than a GPU; the layers are alike, the heads are real),
+    with the kernels let run there."""
     if torch.cuda.is_available():
         return load_model("smollm2-135m", dtype=torch.float32, device="cuda")
     monkeypatch.setattr(larql.kernels, "triton_available", lambda device: True)
-    return cpu_model
+    return first_layers(cpu_model, interpreted_layers)
+
+
+def steps_on_shared_state(
+    model: Model,
+    ids: list[int],
+    prompt_len: int,
+    leader: KvEngine,
+    follower_of: Callable[[KvEngine], KvEngine],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced decode steps of `leader`, and of a follower that takes each step from the
+    very state the leader holds before it (`follower_of(leader)`, built afresh every step) →
+    both step logits [len(ids) − prompt_len, V].
+
+    Two lossy paths compared over a whole teacher-forced run drift apart through their stores:
+    a float32 rounding difference moves a value across a quantisation boundary, the row is
+    stored differently and every later step differs. Stepping from one shared state leaves
+    only what the two steps compute."""
+    ffn = DenseFfn(model)
+    ours, theirs = [], []
+    with torch.inference_mode():
+        leader.prefill(model, ffn, ids[:prompt_len])
+        for token in ids[prompt_len:]:
+            follower = follower_of(leader)
+            theirs.append(next_token_logits(model, follower.decode_step(model, ffn, token)))
+            ours.append(next_token_logits(model, leader.decode_step(model, ffn, token)))
+    return torch.stack(ours), torch.stack(theirs)
+
+
+def first_layers(model: Model, n: int) -> Model:
+    """The model cut to its first `n` layers: its real weights, tokenizer and head shapes at a
+    fraction of the cost (for the kernels' tests in Triton's interpreter)."""
+    config = dataclasses.replace(model.config, num_layers=n, layers=model.config.layers[:n])
+    weights = dataclasses.replace(model.weights, layers=model.weights.layers[:n])
+    return Model(model.name, model.source, config, weights, model.tokenizer)

@@ -4,6 +4,7 @@ honest memory, FFN honoured, profiling inert, fidelity ordered by bits on the re
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
@@ -12,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import teacher_forced
-from larql.inference.engine import AnyEngine
+from helpers import steps_on_shared_state, teacher_forced
+from larql.inference.engine import AnyEngine, KvEngine
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import teacher_forced_logits
 from larql.kv import EngineSpecError, from_name
@@ -318,7 +319,8 @@ def test_memory_is_the_bytes_stored(bits: int, smollm2: Model) -> None:
     assert all(inner.stored_rows(layer) == len(ids) + 3 for layer in range(cfg.num_layers))
     info = engine.info()
     path = "rotated-basis attention"  # the CPU path: the Triton kernels are for CUDA
-    assert info.description.startswith(f"{bits}-bit WHT+Lloyd-Max K/V, {path} (mem=")
+    brief = engine.memory().brief()  # "state … MiB + reserve … MiB"
+    assert info.description == f"{bits}-bit WHT+Lloyd-Max K/V, {path} ({brief})"
     fp16_full = cfg.num_layers * (len(ids) + 3) * cfg.kv_dim * 2 * 2
     assert engine.memory_bytes() < fp16_full
 
@@ -385,13 +387,18 @@ def test_sliding_layers_keep_only_the_window(tiny_gemma3: Model) -> None:
 
 
 def rotated_vs_decoded(model: Model, ids: list[int], prompt_len: int, bits: int) -> float:
-    """Relative error between the engine attending in the rotated basis and the reference that
-    decodes every stored row, teacher-forced over the same tokens."""
-    logits = []
-    for rotated in (True, False):
-        engine = AnyEngine(TurboQuantEngine(bits=bits, rotated_attention=rotated))
-        logits.append(teacher_forced_logits(engine, model, DenseFfn(model), ids, prompt_len))
-    ours, reference = logits
+    """Relative error between a step attending in the rotated basis and the reference step
+    that decodes every stored row, both taken from the same stored codes at every position
+    (so only float32 rounding can differ, never which cell a value was quantised to)."""
+
+    def decoding_every_row(engine: KvEngine) -> KvEngine:
+        twin = copy.deepcopy(engine)
+        assert isinstance(twin, TurboQuantEngine)
+        twin.rotated_attention = False
+        return twin
+
+    leader = TurboQuantEngine(bits=bits, rotated_attention=True)
+    ours, reference = steps_on_shared_state(model, ids, prompt_len, leader, decoding_every_row)
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
     return ((ours - reference).norm() / reference.norm()).item()
 

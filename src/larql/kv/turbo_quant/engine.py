@@ -39,9 +39,7 @@ from larql.inference.engine import (
     EngineInfo,
     InvariantViolation,
     KvEngine,
-    MemoryBreakdown,
     backend_name,
-    mib,
 )
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
@@ -55,6 +53,7 @@ from larql.inference.layer import (
     project_qkv,
     token_tensor,
 )
+from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import DecodeStageSummary, EngineProfiler
 from larql.kernels import turbo_quant_kernels
 from larql.kv.rows import GrowableRows
@@ -111,8 +110,7 @@ class TurboQuantEngine(KvEngine):
         return EngineInfo(
             name=self.name,
             description=(
-                f"{self.bits}-bit WHT+Lloyd-Max K/V, {self._path()} "
-                f"(mem={mib(self.memory_bytes())})"
+                f"{self.bits}-bit WHT+Lloyd-Max K/V, {self._path()} ({self.memory().brief()})"
             ),
             backend=self._backend,
             config=f"bits={self.bits}",
@@ -128,6 +126,15 @@ class TurboQuantEngine(KvEngine):
         if self._fast is not None:
             return self._fast.layers[layer].filled
         return len(self._layers[layer]) if self._layers else 0
+
+    def stored_codes(self, layer: int) -> torch.Tensor:
+        """The layer's encoded rows, oldest first, whichever path holds them: uint8
+        [n, row_bytes], one row per token ([K heads ; V heads], a codec vector each)."""
+        if self._fast is not None:
+            return self._fast.layers[layer].in_token_order(self.position)
+        if not self._layers:
+            raise InvariantViolation("no codes stored before prefill")
+        return self._layers[layer].rows
 
     def dispatch_path(self) -> str | None:
         if self._fast is None:

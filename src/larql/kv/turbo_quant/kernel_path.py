@@ -18,7 +18,6 @@ from types import ModuleType
 
 import torch
 
-from larql.inference.engine import MemoryBreakdown
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
     attention_output,
@@ -26,6 +25,7 @@ from larql.inference.layer import (
     ffn_block,
     project_qkv_rotated,
 )
+from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import EngineProfiler
 from larql.kv.captured_step import (
     CapturedStep,
@@ -77,6 +77,12 @@ class CodeSlots:
         tokens = torch.arange(s - kept, s, device=self.device)
         self.data.index_copy_(0, tokens % self.slots, rows[s - kept :])
         self.filled = kept
+
+    def in_token_order(self, position: int) -> torch.Tensor:
+        """The filled slots as rows of tokens position − filled … position − 1, oldest first:
+        uint8 [filled, row_bytes] (`position` = the next token's)."""
+        tokens = torch.arange(position - self.filled, position, device=self.device)
+        return self.data.index_select(0, tokens % self.slots)
 
     def advance(self) -> None:
         """One more row written by the step."""
