@@ -217,6 +217,9 @@ def test_completion_is_larql_runs_generation(client: openai.OpenAI, smollm2: Mod
     assert out.choices[0].finish_reason == "length"
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 6)
     assert out.larql["engine"] == "standard" and out.larql["memory_bytes"] > 0
+    memory = out.larql["memory"]
+    assert memory["state_bytes"] == out.larql["memory_bytes"]  # the state, reserve apart
+    assert memory["held_bytes"] == memory["state_bytes"] + memory["reserve_bytes"]
 
 
 def test_streamed_completion_equals_whole(client: openai.OpenAI) -> None:

@@ -10,9 +10,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from larql.inference.engine import AnyEngine, BackendFailure, EngineInfo, KvEngine, MemoryBreakdown
+from larql.inference.engine import AnyEngine, BackendFailure, EngineInfo, KvEngine
 from larql.inference.ffn import DenseFfn, FfnBackend
 from larql.inference.generation import generate
+from larql.inference.memory import MemoryBreakdown
 from larql.inference.sampling import SamplingParams
 from larql.kv import from_name
 from larql.models import Model

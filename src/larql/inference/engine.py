@@ -9,15 +9,15 @@ position, shape [1, H]; the caller turns it into logits with `layer.final_logits
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from larql.errors import LarqlError
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import embed, token_tensor
+from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import DecodeStageSummary
 from larql.models.model import Model
 
@@ -88,70 +88,6 @@ class EngineInfo:
         return f"{self.name} [{self.backend}]  {self.description}"
 
 
-class Storage(Protocol):
-    """Anything an engine keeps state in: bytes allocated, and optionally bytes in use."""
-
-    def nbytes(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    """Bytes an engine holds right now, counted from its tensors (`numel × element_size`).
-
-    hot: canonical state of the recent rows; cold: canonical state of older rows (any codec);
-    derivative: caches that can be rebuilt from the canonical state (e.g. K/V of residuals);
-    reserved: capacity allocated ahead by growable buffers and not yet holding rows.
-    `total` is everything held; `state` leaves the reserve out (what the rows themselves cost).
-    """
-
-    hot: int = 0
-    cold: int = 0
-    derivative: int = 0
-    reserved: int = 0
-
-    @property
-    def state(self) -> int:
-        return self.hot + self.cold + self.derivative
-
-    @property
-    def total(self) -> int:
-        return self.state + self.reserved
-
-    @classmethod
-    def of(
-        cls,
-        hot: Iterable[Storage] = (),
-        cold: Iterable[Storage] = (),
-        derivative: Iterable[Storage] = (),
-    ) -> MemoryBreakdown:
-        """From storages (`GrowableRows`, `KvBuffer`, …): their live bytes per category, the
-        rest of what they allocated as `reserved`."""
-        live = [sum(_live(s) for s in group) for group in (hot, cold, derivative)]
-        held = sum(s.nbytes() for group in (hot, cold, derivative) for s in group)
-        return cls(*live, reserved=held - sum(live))
-
-    def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
-        return MemoryBreakdown(
-            self.hot + other.hot,
-            self.cold + other.cold,
-            self.derivative + other.derivative,
-            self.reserved + other.reserved,
-        )
-
-
-def _live(storage: Storage) -> int:
-    live = getattr(storage, "live_nbytes", None)
-    return live() if live is not None else storage.nbytes()
-
-
-def tensor_bytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def mib(n_bytes: int) -> str:
-    return f"{n_bytes / 1_048_576:.1f}MB"
-
-
 def backend_name(model: Model) -> str:
     return model.device.type
 
@@ -171,6 +107,7 @@ class _EngineBase(ABC):
     def memory(self) -> MemoryBreakdown: ...
 
     def memory_bytes(self) -> int:
+        """Everything held: the state and the growth reserve (`memory()` splits them)."""
         return self.memory().total
 
     def cold_bytes(self) -> int:

@@ -12,13 +12,12 @@ from larql.inference.engine import (
     EngineInfo,
     InvariantViolation,
     KvEngine,
-    MemoryBreakdown,
     backend_name,
-    tensor_bytes,
 )
 from larql.inference.ffn import FfnBackend
 from larql.inference.forward import run_layers
 from larql.inference.layer import embed
+from larql.inference.memory import MemoryBreakdown, tensor_bytes
 
 
 class NoCacheEngine(KvEngine):

@@ -17,12 +17,11 @@ from larql.inference.engine import (
     EngineInfo,
     InvariantViolation,
     KvEngine,
-    MemoryBreakdown,
     backend_name,
-    mib,
 )
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import effective_window, embed, layer_step, token_tensor
+from larql.inference.memory import MemoryBreakdown
 from larql.kv.buffers import KvBuffer
 from larql.models.model import Model
 
@@ -39,7 +38,7 @@ class StandardEngine(KvEngine):
     def info(self) -> EngineInfo:
         return EngineInfo(
             name=self.name,
-            description=f"full K/V cache per layer (mem={mib(self.memory_bytes())})",
+            description=f"full K/V cache per layer ({self.memory().brief()})",
             backend=self._backend,
             config=f"window={self.window}" if self.window else "window=full",
         )

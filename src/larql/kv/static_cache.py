@@ -26,10 +26,7 @@ from larql.inference.engine import (
     EngineInfo,
     InvariantViolation,
     KvEngine,
-    MemoryBreakdown,
     backend_name,
-    mib,
-    tensor_bytes,
 )
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
@@ -44,6 +41,7 @@ from larql.inference.layer import (
     static_mask,
     token_tensor,
 )
+from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.kernels import DecodeAttention, decode_attention_kernel
 from larql.kv.captured_step import (
     CapturedStep,
@@ -101,7 +99,7 @@ class StaticCacheEngine(KvEngine):
             name=self.name,
             description=(
                 f"static K/V cache, {self.dispatch_path()} decode step, {attention} attention "
-                f"(mem={mib(self.memory_bytes())})"
+                f"({self.memory().brief()})"
             ),
             backend=self._backend,
             config=f"window={self.window}" if self.window else "window=full",

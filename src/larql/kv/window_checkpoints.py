@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from larql.inference.engine import tensor_bytes
+from larql.inference.memory import tensor_bytes
 
 ARCHIVED_ID_BYTES = 4  # token ids are archived as int32
 

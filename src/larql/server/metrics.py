@@ -35,7 +35,7 @@ class _EngineMemory(Collector):
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(
             "larql_engine_memory_bytes",
-            "Bytes held by the engines of live sessions (hot + cold + derivative), by engine",
+            "Bytes held by the engines of live sessions (state + growth reserve), by engine",
             labels=["engine"],
         )
         for engine, held in sorted(self._source().items()):

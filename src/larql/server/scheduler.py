@@ -25,6 +25,7 @@ from larql.errors import LarqlError
 from larql.inference.engine import AnyEngine, BackendUnavailable, EngineError
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import FinishReason, GenerationSession
+from larql.inference.memory import MemoryBreakdown
 from larql.inference.sampling import Sampler, SamplingParams
 from larql.models.model import Model
 from larql.server.metrics import ServerMetrics
@@ -56,7 +57,7 @@ class DoneEvent:
     finish_reason: FinishReason
     prompt_tokens: int
     token_ids: tuple[int, ...]
-    memory_bytes: int  # the engine's state at the end of the generation
+    memory: MemoryBreakdown  # what the engine held at the end of the generation
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class Session:
         self.arrived = time.perf_counter()
         self.deadline = self.arrived + timeout_s
         self.last_token_at = self.arrived
-        self.memory_bytes = 0
+        self.memory = MemoryBreakdown()
         self.cancelled = False
         self.ended = False
         self._loop = loop
@@ -206,7 +207,7 @@ class Scheduler:
         with self._cond:
             held = dict.fromkeys(self._engines_seen, 0)
             for s in self._active:
-                held[s.request.engine_name] += s.memory_bytes
+                held[s.request.engine_name] += s.memory.total
             return held
 
     # ------------------------------------------------------------------ the scheduler thread
@@ -297,7 +298,7 @@ class Scheduler:
     def _deliver(self, session: Session, token: int) -> None:
         generation = session.generation
         assert generation is not None and session.engine is not None
-        session.memory_bytes = session.engine.memory_bytes()
+        session.memory = session.engine.memory()
         self.metrics.completion_tokens.inc()
         piece = session.text.feed(token)
         if session.text.hit_stop_string:
@@ -313,7 +314,7 @@ class Scheduler:
             generation.finish_reason,
             len(session.request.prompt_ids),
             tuple(generation.tokens),
-            session.memory_bytes,
+            session.memory,
         )
         session.emit(done)
         self.metrics.e2e_latency.observe(time.perf_counter() - session.arrived)
@@ -332,7 +333,7 @@ class Scheduler:
         session.ended = True
         session.generation = None
         session.engine = None
-        session.memory_bytes = 0
+        session.memory = MemoryBreakdown()
         self.metrics.sessions.labels(outcome).inc()
         self._update_gauges()
 

@@ -18,10 +18,12 @@ DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming request checks for
 
 
 def larql_extra(session: Session, done: DoneEvent) -> dict[str, Any]:
-    """What a client can see of its engine: the spec it got, the bytes it held, the token ids."""
+    """What a client can see of its engine: the spec it got, its state's bytes (`memory` splits
+    them by tier and adds the growth reserve), the token ids."""
     return {
         "engine": session.request.engine_spec,
-        "memory_bytes": done.memory_bytes,
+        "memory_bytes": done.memory.state,
+        "memory": done.memory.as_json(),
         "token_ids": list(done.token_ids),
     }
 

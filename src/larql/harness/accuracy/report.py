@@ -7,6 +7,7 @@ import math
 from rich.table import Table
 
 from larql.harness.accuracy.fidelity import Fidelity
+from larql.inference.memory import mib_value
 
 
 def _f(x: float | None, fmt: str) -> str:
@@ -21,9 +22,12 @@ def fidelity_table(rows: list[Fidelity], text_label: str) -> Table:
         caption_justify="left",
     )
     for col in ("strategy", "positions", "mean KL", "median", "p99", "max", "same top-1",
-                "Δp RMS", "ln PPL ratio", "greedy divergence", "memory MiB", "note"):  # fmt: skip
-        left = col in ("strategy", "note")
-        table.add_column(col, justify="left" if left else "right", overflow="fold")
+                "Δp RMS", "ln PPL ratio", "greedy divergence", "state MiB", "note"):  # fmt: skip
+        if col == "strategy":  # never broken inside: a spec has to stay pasteable
+            widest = max([len(r.spec) for r in rows] + [len(col)])
+            table.add_column(col, no_wrap=True, min_width=widest)
+            continue
+        table.add_column(col, justify="left" if col == "note" else "right", overflow="fold")
     for r in rows:
         if r.error:
             table.add_row(r.spec, *[""] * 10, f"error: {r.error}")
@@ -44,7 +48,7 @@ def fidelity_table(rows: list[Fidelity], text_label: str) -> Table:
             _f(r.delta_p_rms, ".2e"),
             _f(r.ln_ppl_ratio, "+.2e"),
             divergence,
-            _f(r.memory_bytes / 1_048_576, ".2f"),
+            _f(mib_value(r.memory_bytes), ".2f"),
             r.note,
         )
     return table

@@ -8,6 +8,7 @@ moves all of them alike instead of whichever ran during the slow stretch."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,9 +18,10 @@ import torch
 from larql.harness.bench.machine import peak_above_resident, sync
 from larql.harness.bench.stats import StepStats
 from larql.harness.bench.step_timer import StepTimer
-from larql.inference.engine import EngineError, MemoryBreakdown
+from larql.inference.engine import EngineError
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import next_token_logits
+from larql.inference.memory import MemoryBreakdown
 from larql.kv.spec import EngineKind
 from larql.models.model import Model
 
@@ -225,11 +227,11 @@ def _run_once(
 def _summarise(
     model: Model, prompt_ids: list[int], settings: BenchSettings, row: EngineRow, sample: _Samples
 ) -> None:
-    row.prefill_ms = sorted(sample.prefill_ms)[len(sample.prefill_ms) // 2]
+    row.prefill_ms = statistics.median(sample.prefill_ms)
     row.step = StepStats.of(sample.whole)
     row.fwd_ms = sum(sample.fwd) / len(sample.fwd) if sample.fwd else None
     row.head_ms = sum(sample.head) / len(sample.head) if sample.head else None
-    row.tok_s = sorted(row.tok_s_runs)[len(row.tok_s_runs) // 2] if sample.whole else None
+    row.tok_s = statistics.median(row.tok_s_runs) if sample.whole else None
     row.memory = sample.memory
     row.context_tokens = len(prompt_ids) + settings.warmup + settings.new_tokens
     row.fp16_full_bytes = model.config.kv_bytes_per_token(2) * row.context_tokens

@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.table import Table
 
 from larql.harness.bench.run import BenchReport
+from larql.inference.memory import mib_value
 
 
 def _num(value: float | None, fmt: str, missing: str = "—") -> str:
@@ -17,7 +18,7 @@ def _num(value: float | None, fmt: str, missing: str = "—") -> str:
 
 
 def _mib(n: int | None) -> str:
-    return "—" if not n else f"{n / 1_048_576:.2f}"
+    return "—" if not n else f"{mib_value(n):.2f}"
 
 
 def render_table(report: BenchReport) -> Table:
@@ -35,8 +36,11 @@ def render_table(report: BenchReport) -> Table:
     with_peak = any(row.peak_working_bytes for row in report.rows)
     if with_peak:  # CUDA: the allocator's peak above the resident weights
         columns.append("peak working MiB")
-    for i, name in enumerate(columns):
-        table.add_column(name, justify="left" if i == 0 else "right", overflow="fold")
+    # A spec is never broken inside (the numbers wrap instead): it has to stay pasteable.
+    widest = max([len(row.spec) for row in report.rows] + [len("hf-transformers")])
+    table.add_column(columns[0], no_wrap=True, min_width=widest)
+    for name in columns[1:]:
+        table.add_column(name, justify="right", overflow="fold")
     for row in report.rows:
         if row.error:
             blanks = [""] * (len(columns) - 3)
@@ -120,14 +124,14 @@ def save_plot(report: BenchReport, path: Path) -> None:
             continue
         depths = [r.prompt_tokens for r in rows]
         speed.plot(depths, [r.tok_s or 0 for r in rows], marker="o", label=spec)
-        memory.plot(depths, [(r.memory.total if r.memory else 0) / 1_048_576 for r in rows],
+        memory.plot(depths, [mib_value(r.memory.state if r.memory else 0) for r in rows],
                     marker="o", label=spec)  # fmt: skip
     if report.peers:
         peers = sorted(report.peers.items())
         speed.plot([p.prompt_tokens for _, p in peers], [p.tok_s for _, p in peers], "k--",
                    marker="s", label="hf-transformers")  # fmt: skip
     speed.set(xlabel="context tokens", ylabel="decode tok/s", title="decode speed vs depth")
-    memory.set(xlabel="context tokens", ylabel="engine memory (MiB)", title="memory vs depth")
+    memory.set(xlabel="context tokens", ylabel="engine state (MiB)", title="memory vs depth")
     for ax in (speed, memory):
         ax.grid(alpha=0.3)
     speed.legend(fontsize=7)

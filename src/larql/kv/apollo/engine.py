@@ -33,14 +33,13 @@ from larql.inference.engine import (
     EmptyPrompt,
     EngineInfo,
     InvariantViolation,
-    MemoryBreakdown,
     RetrievalEngine,
     RetrievalMiss,
-    tensor_bytes,
 )
 from larql.inference.ffn import DenseFfn
 from larql.inference.forward import run_layers
 from larql.inference.layer import embed, token_tensor
+from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.kv.apollo.entries import ScoredEntry, retrieve_entries
 from larql.kv.apollo.routing import WindowRouter
 from larql.kv.apollo.store import ApolloStore

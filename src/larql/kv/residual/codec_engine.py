@@ -10,7 +10,7 @@ the engine is bit-identical to markov-rs at the same window.
 
 from __future__ import annotations
 
-from larql.inference.engine import EngineInfo, mib
+from larql.inference.engine import EngineInfo
 from larql.kv.residual.codecs import Bf16Codec
 from larql.kv.residual.engine import ResidualStreamEngine
 from larql.models.model import Model
@@ -26,8 +26,7 @@ class MarkovResidualCodecEngine(ResidualStreamEngine):
         return EngineInfo(
             name=self.name,
             description=(
-                "residual-stream KV replacement with bf16 cold codec "
-                f"(mem={mib(self.memory_bytes())})"
+                f"residual-stream KV replacement with bf16 cold codec ({self.memory().brief()})"
             ),
             backend=self._backend,
             config=f"{self.window_config()},codec={Bf16Codec.label}",

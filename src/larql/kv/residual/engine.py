@@ -20,11 +20,11 @@ from larql.inference.engine import (
     EmptyPrompt,
     InvariantViolation,
     KvEngine,
-    MemoryBreakdown,
     backend_name,
 )
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import attention_block, embed, ffn_block, token_tensor
+from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import DecodeStageSummary, EngineProfiler
 from larql.kv.buffers import KvBuffer
 from larql.kv.residual.store import ResidualStore

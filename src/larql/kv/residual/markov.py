@@ -8,7 +8,7 @@ window: `window` splits storage, never attention.
 
 from __future__ import annotations
 
-from larql.inference.engine import EngineInfo, mib
+from larql.inference.engine import EngineInfo
 from larql.kv.residual.codecs import IdentityCodec
 from larql.kv.residual.engine import ResidualStreamEngine
 from larql.models.model import Model
@@ -25,7 +25,7 @@ class MarkovResidualEngine(ResidualStreamEngine):
             name=self.name,
             description=(
                 "residual-stream KV replacement — K/V recomputed from stored residuals "
-                f"(mem={mib(self.memory_bytes())})"
+                f"({self.memory().brief()})"
             ),
             backend=self._backend,
             config=self.window_config(),

@@ -9,7 +9,7 @@ the true position of the first evicted row, extending the cold K/V in place — 
 
 from __future__ import annotations
 
-from larql.inference.engine import EngineInfo, mib
+from larql.inference.engine import EngineInfo
 from larql.kv.residual.engine import ResidualStreamEngine
 from larql.kv.residual.policy import (
     DEFAULT_KL_BUDGET_NATS,
@@ -86,7 +86,7 @@ class BoundaryPerLayerEngine(ResidualStreamEngine):
             name=self.name,
             description=(
                 f"per-layer codec policy on cold tier (kl_bound={bound:.3f} nats, "
-                f"mem={mib(self.memory_bytes())})"
+                f"{self.memory().brief()})"
             ),
             backend=self._backend,
             config=f"{self.window_config()},layers={layers}",

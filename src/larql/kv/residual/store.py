@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from larql.inference.engine import MemoryBreakdown
 from larql.inference.layer import recompute_kv
+from larql.inference.memory import MemoryBreakdown
 from larql.kv.buffers import KvBuffer
 from larql.kv.residual.codecs import ColdCodec, new_codec
 from larql.kv.rows import GrowableRows
