@@ -84,7 +84,7 @@ def test_spec_defaults_and_validation() -> None:
     assert kind.display_name == "boundary-kv"
     assert dict(kind.params) == {
         "chunk_tokens": 512,
-        "sequence_id": "default",
+        "sequence_id": None,
         "window": None,
         "archive": None,
     }
@@ -153,7 +153,7 @@ def test_calibration_mode_stores_bf16_and_flags_fragile_boundaries(run: Run) -> 
 
 def test_identity_and_layout(run: Run, smollm2: Model) -> None:
     for frame in run.engine.frames():
-        assert frame.version == 1
+        assert frame.version == 2 and frame.run_id == run.engine.run_id
         assert frame.identity.model_id == smollm2.name
         assert frame.identity.architecture == smollm2.config.arch.name
         assert frame.identity.model_revision.startswith(smollm2.source.name + "@")
@@ -294,7 +294,11 @@ def test_odd_sequence_ids_get_distinct_safe_file_names() -> None:
 def test_archive_write_failure_is_a_backend_failure(smollm2: Model, tmp_path: Path) -> None:
     in_the_way = tmp_path / "not-a-directory"
     in_the_way.write_text("a file where the archive directory should be")
+    with pytest.raises(EngineBuildError, match="not a directory"):  # refused before decoding
+        from_name(f"boundary-kv:chunk_tokens=2,archive={in_the_way}").build(smollm2)
+    in_the_way.unlink()
     engine = from_name(f"boundary-kv:chunk_tokens=2,archive={in_the_way}").build(smollm2)
+    in_the_way.write_text("a file that appeared after the engine was built")
     ids = smollm2.tokenizer.encode(TEXT)[:3]
     with pytest.raises(BackendFailure, match="boundary frame emit failed"):
         engine.prefill(smollm2, DenseFfn(smollm2), ids)
@@ -394,13 +398,34 @@ def test_boundary_ls_lists_an_archive_written_by_larql_run(
     assert listed.exit_code == 0, listed.output
     rows = json.loads(listed.stdout)
     assert [r["token_end"] for r in rows] == expected_ends
-    assert {r["sequence_id"] for r in rows} == {"default"}
+    (sequence,) = {r["sequence_id"] for r in rows}  # a fresh id for the run
+    assert sequence.startswith("seq-") and len({r["run_id"] for r in rows}) == 1
     assert all(r["payload_codec"] == "bf16" and r["payload_bytes"] == 2 * 576 for r in rows)
     assert all(r["model_id"] == smollm2.name for r in rows)
 
     table = cli("boundary", "ls", str(archive))
     assert table.exit_code == 0, table.output
-    assert "default" in table.stdout and "bf16" in table.stdout
+    assert sequence in table.stdout and "bf16" in table.stdout
+
+
+def test_two_runs_into_one_archive_never_share_a_sequence(cli, tmp_path: Path) -> None:
+    archive = tmp_path / "frames"
+    for prompt, n in (("Once upon a time", "10"), ("The capital of France is", "6")):
+        spec = f"boundary-kv:chunk_tokens=4,archive={archive}"
+        assert cli("run", prompt, "-n", n, "--engine", spec).exit_code == 0
+    rows = json.loads(cli("boundary", "ls", str(archive), "--output", "json").stdout)
+    by_sequence: dict[str, set[str]] = {}
+    for r in rows:
+        by_sequence.setdefault(r["sequence_id"], set()).add(r["run_id"])
+    assert len(by_sequence) == 2 and all(len(runs) == 1 for runs in by_sequence.values())
+
+    named = f"boundary-kv:chunk_tokens=4,sequence_id=story,archive={archive}"
+    assert cli("run", "Once upon a time", "-n", "4", "--engine", named).exit_code == 0
+    before = cli("boundary", "ls", str(archive), "--output", "json").stdout
+    again = cli("run", "The capital of France is", "-n", "4", "--engine", named)
+    assert again.exit_code == 2
+    assert "already holds sequence 'story'" in again.stderr and "sequence_id=" in again.stderr
+    assert cli("boundary", "ls", str(archive), "--output", "json").stdout == before
 
 
 def test_boundary_ls_errors_are_clean(cli, tmp_path: Path) -> None:

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
 from larql.cli.common import InvalidInput, stderr, stdout, user_errors
-from larql.kv.boundary import BoundaryFrame, DirectoryBoundaryArchive
+
+if TYPE_CHECKING:
+    from larql.kv.boundary import BoundaryFrame
 
 OUTPUTS = ("table", "json")
 
@@ -26,6 +28,7 @@ def frame_row(frame: BoundaryFrame) -> dict[str, object]:
     meta = frame.metadata
     return {
         "sequence_id": frame.sequence_id,
+        "run_id": frame.run_id,
         "boundary_id": frame.boundary_id,
         "token_start": frame.token_start,
         "token_end": frame.token_end,
@@ -57,6 +60,8 @@ def ls(
     """List the boundary frames in DIRECTORY, by sequence and token range."""
     if output not in OUTPUTS:
         raise InvalidInput(f"unknown --output {output!r}; accepted: {', '.join(OUTPUTS)}")
+    from larql.kv.boundary import DirectoryBoundaryArchive
+
     frames = DirectoryBoundaryArchive(directory).frames()
     rows = [frame_row(f) for f in frames]
     if output == "json":

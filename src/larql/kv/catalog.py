@@ -201,7 +201,13 @@ CATALOG.register(
             Param(
                 "chunk_tokens", int, 512, "tokens per chunk; a frame at every multiple", at_least(1)
             ),
-            Param("sequence_id", str, "default", "sequence the frames belong to"),
+            Param(
+                "sequence_id",
+                str,
+                None,
+                "sequence the frames belong to (none: a fresh id per run; an archive refuses a "
+                "sequence another run wrote)",
+            ),
             Param("window", int, None, WINDOW_DOC + " (of the inner standard engine)", at_least(1)),
             Param("archive", str, None, "directory to write frames to (none = in memory)"),
         ),

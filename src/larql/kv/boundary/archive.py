@@ -4,9 +4,10 @@ directory archive that a later process can load and list.
 Directory layout: one file per frame, `{sequence}.{token_end:012d}.boundary.safetensors`, holding
 the payload bytes as a uint8 tensor named `payload` and the frame's JSON metadata document in the
 safetensors header under `larql_boundary_frame` — readable with any safetensors loader. A frame
-written again under the same sequence and token_end replaces the old one (in memory too), so a
-re-run of a sequence does not duplicate its chain. Writes go to a temporary file that is then
-renamed, so a reader never sees half a frame.
+written again under the same sequence and token_end replaces the old one (in memory too); the
+engine never lets a second run write into a sequence that is already there (a fresh sequence id
+per run by default), so a chain is always one run's, and each frame records the run that wrote
+it. Writes go to a temporary file that is then renamed, so a reader never sees half a frame.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class BoundaryArchive(ABC):
 
     @abstractmethod
     def describe(self) -> str: ...
+
+    def exists(self) -> bool:
+        """Whether there is anything to read yet."""
+        return True
 
     def load_chain(self, sequence_id: str) -> list[BoundaryFrame]:
         """The frames of one sequence in token order."""
@@ -123,6 +128,9 @@ class DirectoryBoundaryArchive(BoundaryArchive):
 
     def describe(self) -> str:
         return str(self.root)
+
+    def exists(self) -> bool:
+        return self.root.exists()
 
 
 def load_frame(path: Path) -> BoundaryFrame:

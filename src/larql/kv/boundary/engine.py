@@ -11,19 +11,17 @@ output, before the final norm). Frames live in the archive, not in the engine's 
 
 from __future__ import annotations
 
+import secrets
+import time
 from collections.abc import Sequence
 
 import torch
 
-from larql.inference.engine import (
-    BackendFailure,
-    EngineInfo,
-    KvEngine,
-    MemoryBreakdown,
-    mib,
-)
+from larql.errors import LarqlError
+from larql.inference.engine import BackendFailure, EngineInfo, KvEngine
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import final_logits
+from larql.inference.memory import MemoryBreakdown
 from larql.kv.boundary import codecs
 from larql.kv.boundary.archive import BoundaryArchive, InMemoryBoundaryArchive
 from larql.kv.boundary.frames import (
@@ -41,8 +39,12 @@ from larql.kv.standard import StandardEngine
 from larql.models.model import Model
 
 DEFAULT_CHUNK_TOKENS = 512
-DEFAULT_SEQUENCE_ID = "default"
 AGREEMENT_CODEC = "int8_clip3sigma"
+
+
+def fresh_sequence_id() -> str:
+    """A sequence id no other run has used: `seq-20261130T110502-3f9a1c` (UTC, then random)."""
+    return f"seq-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
 
 
 class BoundaryKvEngine(KvEngine):
@@ -51,7 +53,7 @@ class BoundaryKvEngine(KvEngine):
     def __init__(
         self,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-        sequence_id: str = DEFAULT_SEQUENCE_ID,
+        sequence_id: str | None = None,
         window: int | None = None,
         archive: BoundaryArchive | None = None,
         identity: BoundaryModelIdentity | None = None,
@@ -61,10 +63,12 @@ class BoundaryKvEngine(KvEngine):
         if chunk_tokens < 1:
             raise EngineBuildError(f"boundary-kv: chunk_tokens must be ≥ 1, got {chunk_tokens}")
         self.chunk_tokens = chunk_tokens
-        self.sequence_id = sequence_id
+        self.sequence_id = sequence_id if sequence_id is not None else fresh_sequence_id()
+        self.run_id = secrets.token_hex(8)  # recorded in every frame this engine writes
         self.window = window
         self.inner = StandardEngine(window)
         self.archive = archive if archive is not None else InMemoryBoundaryArchive()
+        self._refuse_a_sequence_of_another_run()
         self.identity = identity
         self.gate = gate or GateConfig()
         self.verify_agreement = verify_agreement
@@ -78,7 +82,7 @@ class BoundaryKvEngine(KvEngine):
             description=(
                 f"standard K/V + boundary-frame emission every {self.chunk_tokens} tokens "
                 f"(archived={self.frames_emitted} frames, {self.payload_bytes_emitted} payload "
-                f"bytes in {self.archive.describe()}; mem={mib(self.memory_bytes())})"
+                f"bytes in {self.archive.describe()}; {self.memory().brief()})"
             ),
             backend=self.inner.info().backend,
             config=f"chunk_tokens={self.chunk_tokens},sequence_id={self.sequence_id},"
@@ -107,6 +111,22 @@ class BoundaryKvEngine(KvEngine):
         """This engine's sequence chain, in token order."""
         return self.archive.load_chain(self.sequence_id)
 
+    def _refuse_a_sequence_of_another_run(self) -> None:
+        """An archive never mixes two runs in one sequence: frames of this sequence that are
+        already there were written by another run, and this one would overwrite some of them
+        and leave the rest."""
+        try:
+            held = self.archive.load_chain(self.sequence_id) if self.archive.exists() else []
+        except LarqlError as e:
+            raise EngineBuildError(f"boundary-kv: cannot read the archive: {e}") from None
+        if held:
+            raise EngineBuildError(
+                f"boundary-kv: {self.archive.describe()} already holds sequence "
+                f"{self.sequence_id!r} ({len(held)} frames, tokens up to {held[-1].token_end}, "
+                f"from another run); give another sequence_id=, leave it out for a fresh one, "
+                f"or use another archive="
+            )
+
     def _emit(self, model: Model, row: torch.Tensor, token_end: int) -> None:
         if self.identity is None:
             self.identity = model_identity(model)
@@ -119,6 +139,7 @@ class BoundaryKvEngine(KvEngine):
             identity=self.identity,
             gate=self.gate,
             verify_agreement=self.verify_agreement,
+            run_id=self.run_id,
         )
         try:
             self.archive.append(frame)
@@ -168,6 +189,7 @@ def build_frame(
     identity: BoundaryModelIdentity,
     gate: GateConfig,
     verify_agreement: bool = True,
+    run_id: str = "",
 ) -> BoundaryFrame:
     """The frame for the chunk [token_start, token_end) from the hidden row [1, H] of position
     token_end − 1."""
@@ -185,4 +207,5 @@ def build_frame(
         hidden_size=model.config.hidden_size,
         metadata=metadata,
         payload=BoundaryPayload(codec, data, contract),
+        run_id=run_id,
     )

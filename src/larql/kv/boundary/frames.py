@@ -16,7 +16,8 @@ import torch
 from larql.errors import LarqlError
 from larql.kv.boundary import codecs
 
-FRAME_VERSION = 1
+FRAME_VERSION = 2  # 2 added `run_id`; version 1 frames still read (their run_id is "")
+READABLE_VERSIONS = (1, 2)
 
 
 class BoundaryFormatError(LarqlError):
@@ -93,6 +94,7 @@ class BoundaryFrame:
     metadata: BoundaryMetadata
     payload: BoundaryPayload
     fallback_policy: str = "cold_replay"  # what a reader does without a usable payload
+    run_id: str = ""  # the engine run that wrote the frame
 
     def residual(self) -> torch.Tensor:
         """The decoded residual, float32 [hidden_size]."""
@@ -115,10 +117,10 @@ class BoundaryFrame:
     @classmethod
     def from_json(cls, doc: dict[str, Any], payload: bytes) -> BoundaryFrame:
         try:
-            if doc["version"] != FRAME_VERSION:
+            if doc["version"] not in READABLE_VERSIONS:
                 raise BoundaryFormatError(
                     f"frame version {doc['version']} is not supported (this larql reads "
-                    f"version {FRAME_VERSION})"
+                    f"versions {', '.join(map(str, READABLE_VERSIONS))})"
                 )
             meta = dict(doc["metadata"])
             meta["agreement"] = Agreement(meta["agreement"])
@@ -140,6 +142,7 @@ class BoundaryFrame:
                 metadata=BoundaryMetadata(**meta),
                 payload=BoundaryPayload(info["codec"], payload, PayloadContract(info["contract"])),
                 fallback_policy=doc.get("fallback_policy", "cold_replay"),
+                run_id=doc.get("run_id", ""),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise BoundaryFormatError(f"malformed boundary frame metadata: {e!r}") from None
