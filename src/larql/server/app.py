@@ -30,6 +30,7 @@ from larql.server.schemas import (
 from larql.server.settings import ServerSettings
 from larql.server.streaming import collect, stream_events
 
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
@@ -67,6 +68,7 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
     app.state.metrics = metrics
     install_error_handlers(app)
     app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyIsJson, paths=GENERATION_ENDPOINTS)
     app.add_middleware(CountRequests, metrics=metrics)
 
     @app.get("/health")
@@ -192,4 +194,20 @@ class LimitBody:
                 message = f"the body is {int(declared)} bytes; the limit is {self.max_bytes}"
                 await JSONResponse(error_body(message), status_code=413)(scope, receive, send)
                 return
+        await self.app(scope, receive, send)
+
+
+class BodyIsJson:
+    """Reads the body of a generation request as JSON whatever its Content-Type says, as the
+    OpenAI-compatible servers people use do: `curl -d '{…}'` sends a form type. A body that
+    is not JSON is still answered 400."""
+
+    def __init__(self, app: ASGIApp, paths: tuple[str, ...]) -> None:
+        self.app = app
+        self.paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path") in self.paths:
+            headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
         await self.app(scope, receive, send)
