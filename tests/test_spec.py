@@ -63,6 +63,8 @@ def test_parses(spec: str, name: str, params: dict) -> None:
         ("standard:window", MalformedEngineSpec, "is not key=value"),
         ("standard:window=4,window=5", MalformedEngineSpec, "given twice"),
         ("no-cache:window=4", MalformedEngineSpec, "takes no parameters"),
+        ("standard:", MalformedEngineSpec, "has a ':' but no parameters"),
+        ("no-cache: ", MalformedEngineSpec, "has a ':' but no parameters"),
     ],
 )
 def test_rejects_with_a_message_that_helps(spec: str, error: type, fragment: str) -> None:

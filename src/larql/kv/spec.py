@@ -166,12 +166,17 @@ class EngineCatalog:
             raise MalformedEngineSpec(f"{e} ({self.supported_message()})") from None
 
     def _parse(self, spec: str) -> EngineKind:
-        name, _, raw_params = spec.partition(":")
+        name, colon, raw_params = spec.partition(":")
         name = name.strip().lower()
         entry = self._by_name.get(name)
         if entry is None:
             shown = repr(spec.strip()) if spec.strip() else "an empty spec"
             raise UnknownEngine(f"unknown engine {shown}; {self.supported_message()}")
+        if colon and not raw_params.strip():
+            raise MalformedEngineSpec(
+                f"{spec.strip()!r} has a ':' but no parameters; write {entry.name!r} alone, or "
+                f"{entry.name}:key=value; {self._accepted(entry)}"
+            )
         params: dict[str, Any] = {p.name: p.default for p in entry.params}
         fixed = entry.fixed.get(name, {})
         params.update(fixed)
