@@ -121,18 +121,28 @@ def test_after_the_first_window_equals_the_tumbling_oracle(smollm2_f64: Model) -
     assert (per_row > 1e-3).all()
 
 
-def test_batched_prefill_equals_token_by_token(smollm2_f64: Model) -> None:
-    ids = smollm2_f64.tokenizer.encode(TEXT)[:8]
+@pytest.mark.parametrize("prompt_len", [8, 9])  # the open window holds 2 tokens / none
+def test_batched_prefill_equals_token_by_token(smollm2_f64: Model, prompt_len: int) -> None:
+    """A prompt over several windows runs in one masked pass; feeding it token by token gives
+    the same hidden rows, checkpoints, archive and state to decode on from."""
+    ids = smollm2_f64.tokenizer.encode(TEXT)[: prompt_len + 3]
     batched = WindowedCheckpointEngine(window=3)
     stepped = WindowedCheckpointEngine(window=3)
-    h_batched = run(batched, smollm2_f64, ids, len(ids))[-1]
-    h_stepped = run(stepped, smollm2_f64, ids, 1)[-1]
-    assert relative_error(h_batched, h_stepped) <= 1e-10
-    for w in range(2):
+    h_batched = run(batched, smollm2_f64, ids, prompt_len)
+    h_stepped = run(stepped, smollm2_f64, ids, 1)[prompt_len - 1 :]
+    for a, b in zip(h_batched, h_stepped, strict=True):
+        assert relative_error(a, b) <= 1e-10
+    assert len(batched.checkpoints) == len(stepped.checkpoints) == len(ids) // 3
+    for w in range(len(ids) // 3):
         a, b = batched.checkpoints.get(w), stepped.checkpoints.get(w)
         assert a is not None and b is not None and a.position == b.position == 3 * w + 2
         for ka, kb in zip(a.keys + a.values, b.keys + b.values, strict=True):
             assert relative_error(ka, kb) <= 1e-10
+        archived = batched.archive.get(w)
+        assert archived is not None and archived.offset == 3 * w
+        assert archived.token_ids.tolist() == ids[3 * w : 3 * w + 3]
+    assert batched.archive.pending == stepped.archive.pending
+    assert list(batched.key_positions()) == list(stepped.key_positions())
 
 
 def test_appendix_c_walk_through(smollm2_f64: Model) -> None:
@@ -266,9 +276,9 @@ def test_the_given_ffn_backend_is_used(smollm2: Model) -> None:
     engine = WindowedCheckpointEngine(window=4)
     ids = smollm2.tokenizer.encode(TEXT)[:6]
     with torch.inference_mode():
-        engine.prefill(smollm2, ffn, ids)  # chunks {0..3} and {4, 5}
+        engine.prefill(smollm2, ffn, ids)  # one pass over both windows
         engine.decode_step(smollm2, ffn, 42)
-    assert ffn.calls == 3 * smollm2.config.num_layers
+    assert ffn.calls == 2 * smollm2.config.num_layers
 
 
 def test_second_prefill_starts_afresh(smollm2: Model) -> None:

@@ -172,20 +172,24 @@ def attend(
     values: torch.Tensor,
     start: int,
     window: int | None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [Hq, S, D] at positions start..start+S-1; keys/values: [Hkv, T, D] at the contiguous
     positions ending at start+S-1 → attention output [S, Hq·D] (= [S, q_dim] for the model's own
-    head width). A query at position i sees key j iff j ≤ i and i − j < window."""
+    head width). A query at position i sees key j iff j ≤ i and i − j < window, and, when an
+    engine restricts it further, `allowed` [S, T] (bool, over the same keys) says so."""
     cfg = model.config
     s, t = q.shape[1], keys.shape[1]
     w = effective_window(model, layer, window)
     if w is not None and t > w + s - 1:  # keys no query can reach
         keys, values = keys[:, t - (w + s - 1) :], values[:, t - (w + s - 1) :]
+        if allowed is not None:
+            allowed = allowed[:, t - (w + s - 1) :]
         t = keys.shape[1]
     mask = None
     causal = False
-    if s > 1 or (w is not None and t > w):
-        if t == s and w is None:
+    if s > 1 or (w is not None and t > w) or allowed is not None:
+        if t == s and w is None and allowed is None:
             causal = True
         else:
             q_pos = torch.arange(start, start + s, device=q.device).unsqueeze(1)  # [S, 1]
@@ -193,6 +197,8 @@ def attend(
             mask = k_pos <= q_pos
             if w is not None:
                 mask &= (q_pos - k_pos) < w  # [S, T]
+            if allowed is not None:
+                mask &= allowed
     if cfg.arch.attn_softcap is not None:
         out = _softcapped_attention(
             q, keys, values, mask, causal, cfg.attn_scale, cfg.arch.attn_softcap
@@ -326,12 +332,13 @@ def attention_block(
     start: int,
     kv: KvSink,
     window: int | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pre-layer residual h: [S, H] at positions start.. → residual after attention [S, H].
-    The new rows' K (k-normed, rotated) and V go to `kv`."""
+    The new rows' K (k-normed, rotated) and V go to `kv`; `allowed` as in `attend`."""
     q, k, v = project_qkv(model, layer, h, start)
     keys, values = kv.append(k, v)
-    attn = attend(model, layer, q, keys, values, start, window)  # [S, q_dim]
+    attn = attend(model, layer, q, keys, values, start, window, allowed)  # [S, q_dim]
     return attention_output(model, layer, h, attn)
 
 

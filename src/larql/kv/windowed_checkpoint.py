@@ -11,7 +11,11 @@ archived tokens.
 
 A chunk of tokens that falls inside one window runs as one batched attention call (the K/V sink
 hands back [checkpoint ; window rows so far ; new rows] and `attend` masks causally within the
-chunk) — the same result as feeding the tokens one at a time.
+chunk) — the same result as feeding the tokens one at a time. A prompt that spans several
+windows is one pass too: a checkpoint is nothing but a row of the previous window, so every
+layer attends over the whole prompt with the tumbling-window mask (a query sees its own
+window's earlier tokens and the last token of the window before), then the windows are closed
+from the rows it computed.
 """
 
 from __future__ import annotations
@@ -26,12 +30,11 @@ from larql.inference.engine import (
     EngineInfo,
     InvariantViolation,
     KvEngine,
-    MemoryBreakdown,
     backend_name,
-    mib,
 )
 from larql.inference.ffn import FfnBackend
-from larql.inference.layer import attention_block, embed, ffn_block, token_tensor
+from larql.inference.layer import FreshKv, attention_block, embed, ffn_block, token_tensor
+from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import DecodeStageSummary, EngineProfiler
 from larql.kv.buffers import KvBuffer
 from larql.kv.spec import EngineBuildError
@@ -79,7 +82,7 @@ class WindowedCheckpointEngine(KvEngine):
             description=(
                 "window-boundary K/V checkpoints + token replay (windows="
                 f"{len(self.checkpoints)}, tokens={self.archive.total_tokens}, "
-                f"mem={mib(self.memory_bytes())})"
+                f"{self.memory().brief()})"
             ),
             backend=self._backend,
             config=f"window={self.window}",
@@ -101,7 +104,9 @@ class WindowedCheckpointEngine(KvEngine):
         self._backend = backend_name(model)
         self._model, self._ffn = model, ffn
         self._layers = [KvBuffer() for _ in range(model.config.num_layers)]
-        return self._process(model, ffn, list(token_ids))
+        if len(token_ids) <= self.window:
+            return self._process(model, ffn, list(token_ids))
+        return self._prefill_across_windows(model, ffn, list(token_ids))
 
     def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
         if self._layers is None:
@@ -143,6 +148,48 @@ class WindowedCheckpointEngine(KvEngine):
                 h = ffn_block(model, layer, h, ffn)
         self.archive.pending.extend(chunk)
         return h[-1:]
+
+    def _prefill_across_windows(
+        self, model: Model, ffn: FfnBackend, token_ids: list[int]
+    ) -> torch.Tensor:
+        """A prompt longer than one window in one pass per layer → last hidden [1, H]; leaves
+        the state feeding it window by window would: closed windows checkpointed and archived,
+        the open one (if any tokens are left) seeded with the last checkpoint."""
+        assert self._layers is not None
+        n, w = len(token_ids), self.window
+        positions = torch.arange(n, device=model.device)
+        window_of = positions // w
+        # query i sees key j: same window (causality comes from `attend`), or j is the last
+        # token of the window before i's
+        allowed = (window_of.unsqueeze(1) == window_of.unsqueeze(0)) | (
+            positions.unsqueeze(0) == (window_of * w - 1).unsqueeze(1)
+        )  # [S, S]
+        h = embed(model, token_tensor(model, token_ids))  # [S, H]
+        rows: list[FreshKv] = []
+        for layer in range(model.config.num_layers):
+            rows.append(FreshKv())
+            h = attention_block(model, layer, h, 0, rows[-1], allowed=allowed)
+            h = ffn_block(model, layer, h, ffn)
+        closed = n // w
+        for window_id in range(closed):
+            last = (window_id + 1) * w - 1
+            self.archive.pending = token_ids[window_id * w : last + 1]
+            self.checkpoints.put(window_id, self._rows_at(rows, last, last + 1))
+            self.archive.close(window_id, window_id * w, model.device)
+        self.window_id, self.offset = closed, closed * w
+        self._seed_window()
+        if self.offset < n:
+            self.archive.pending = token_ids[self.offset :]
+            for layer, kv in enumerate(self._layers):
+                kv.append(rows[layer].k[:, self.offset :], rows[layer].v[:, self.offset :])
+        return h[-1:]
+
+    @staticmethod
+    def _rows_at(rows: list[FreshKv], start: int, end: int) -> Checkpoint:
+        """The K/V rows start..end−1 of every layer as a checkpoint (the row end − 1's)."""
+        keys = tuple(r.k[:, start:end].clone() for r in rows if r.k is not None)
+        values = tuple(r.v[:, start:end].clone() for r in rows if r.v is not None)
+        return Checkpoint(position=end - 1, keys=keys, values=values)
 
     def _seed_window(self) -> None:
         """Start the open window: empty K/V, or the previous window's checkpoint row."""
