@@ -17,7 +17,7 @@ import torch
 from larql.harness.bench.stats import nearest_rank
 from larql.inference.engine import AnyEngine, EngineError
 from larql.inference.ffn import FfnBackend
-from larql.inference.generation import generate, next_token_logits
+from larql.inference.generation import generate, logits_of, teacher_forced_hidden
 from larql.kv.spec import EngineKind
 from larql.models.model import Model
 
@@ -49,7 +49,8 @@ class Fidelity:
     same_top1: float
     delta_p_rms: float
     ln_ppl_ratio: float
-    memory_bytes: int
+    memory_bytes: int  # the engine's state after the text (growth reserve apart)
+    reserve_bytes: int
     first_divergence: int | None = None  # greedy step where tokens first differ (None = never)
     greedy_steps: int = 0
     note: str = ""
@@ -74,10 +75,7 @@ def teacher_forced(
     model: Model, ffn: FfnBackend, engine: AnyEngine, ids: list[int], prompt_len: int
 ) -> Iterator[torch.Tensor]:
     """Logits [V] predicting ids[prompt_len], ids[prompt_len + 1], …, ids[-1], in turn."""
-    with torch.inference_mode():
-        yield next_token_logits(model, engine.prefill(model, ffn, ids[:prompt_len]))
-        for token in ids[prompt_len:-1]:
-            yield next_token_logits(model, engine.decode_step(model, ffn, token))
+    return logits_of(model, teacher_forced_hidden(engine, model, ffn, ids[:-1], prompt_len))
 
 
 def measure_fidelity(
@@ -111,7 +109,7 @@ def measure_fidelity(
             if progress:
                 progress(i)
     except EngineError as e:
-        return Fidelity(kind.spec(), 0, *([math.nan] * 7), 0, error=f"{type(e).__name__}: {e}")
+        return Fidelity(kind.spec(), 0, *([math.nan] * 7), 0, 0, error=f"{type(e).__name__}: {e}")
     return Fidelity(
         spec=kind.spec(),
         positions=len(kls),
@@ -122,7 +120,8 @@ def measure_fidelity(
         same_top1=sum(top1) / len(top1),
         delta_p_rms=math.sqrt(sum(x * x for x in dp) / len(dp)),
         ln_ppl_ratio=(sum(nll_q) - sum(nll_p)) / len(kls),
-        memory_bytes=engine.memory_bytes(),
+        memory_bytes=engine.memory().state,
+        reserve_bytes=engine.memory().reserved,
     )
 
 
