@@ -18,8 +18,8 @@ from larql.harness.bench.engine_bench import BenchSettings, EngineRow, bench_eng
 from larql.harness.bench.machine import peak_above_resident
 from larql.harness.bench.stats import StepStats, nearest_rank
 from larql.harness.bench.step_timer import StepTimer
-from larql.inference.engine import MemoryBreakdown
 from larql.inference.ffn import DenseFfn
+from larql.inference.memory import MemoryBreakdown
 from larql.kv import from_name
 from larql.models import Model
 
@@ -70,6 +70,7 @@ def test_bench_engine_measures_whole_tokens(smollm2: Model) -> None:
     assert row.error is None
     assert row.step is not None and row.step.n == 6  # 3 kept steps × 2 repeats
     assert len(row.tok_s_runs) == 2
+    assert row.tok_s == pytest.approx(sum(row.tok_s_runs) / 2)  # the median of two: their mean
     assert row.fwd_ms + row.head_ms == pytest.approx(row.step.mean, rel=1e-6)
     assert row.context_tokens == len(ids) + 4
     assert row.fp16_full_bytes == smollm2.config.kv_bytes_per_token(2) * row.context_tokens
@@ -169,7 +170,7 @@ def test_cli_json_schema_and_depths(tmp_path: Path) -> None:
     result = CliRunner().invoke(
         app,
         ["bench", "--engine", "standard;no-cache", "-n", "2", "--warmup", "0", "--repeats", "1",
-         "--depths", "0,12", "--context", "8", "--output", "json", "--output-file", str(out_file),
+         "--depths", "0,12", "--output", "json", "--output-file", str(out_file),
          "--plot", str(plot)],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
@@ -178,7 +179,7 @@ def test_cli_json_schema_and_depths(tmp_path: Path) -> None:
     assert data == json.loads(out_file.read_text())
     assert data["schema"] == "larql.bench/1" and data["copy_bandwidth_gbs"] > 0
     assert [(r["spec"], r["depth"], r["prompt_tokens"]) for r in data["rows"]] == [
-        ("standard", 0, 8), ("no-cache", 0, 8), ("standard", 12, 12), ("no-cache", 12, 12),
+        ("standard", 0, 1), ("no-cache", 0, 1), ("standard", 12, 12), ("no-cache", 12, 12),
     ]  # fmt: skip
     for row in data["rows"]:
         assert set(row) == ROW_KEYS
@@ -191,8 +192,12 @@ def test_cli_rejects_unknown_engines_and_bad_options() -> None:
     runner = CliRunner()
     result = runner.invoke(app, ["bench", "--engine", "standard;warp-drive"])
     assert result.exit_code == 2 and "supported: standard" in result.stderr
-    result = runner.invoke(app, ["bench", "--context", "8", "--prompt", "hi"])
-    assert result.exit_code == 2 and "not both" in result.stderr
+    for options in (["--context", "8", "--prompt", "hi"], ["--context", "8", "--depths", "8"]):
+        result = runner.invoke(app, ["bench", *options])
+        assert result.exit_code == 2
+        assert "give one of --context, --depths, --prompt" in result.stderr
+    result = runner.invoke(app, ["bench", "--context", "0"])
+    assert result.exit_code == 2 and "--context must be ≥ 1" in result.stderr
     result = runner.invoke(app, ["bench", "--depths", "1,x"])
     assert result.exit_code == 2 and "--depths" in result.stderr
 
@@ -207,7 +212,7 @@ def test_vs_hf_adds_a_peer_row_and_ratios() -> None:
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    peer = data["hf"]["0"]
+    peer = data["hf"]["8"]  # keyed by depth: the 8 tokens of context
     assert peer["tok_s"] > 0 and peer["cache_bytes"] > 0 and peer["prompt_tokens"] == 8
     row = data["rows"][0]
     assert row["vs_hf"] == pytest.approx(row["tok_s"] / peer["tok_s"])

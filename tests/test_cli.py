@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from larql import __version__ as larql_version
 from larql.cli.app import app
 from larql.kv import supported_names
 from larql.kv.resolve import ENV_VAR
@@ -27,6 +28,7 @@ RUN_KEYS = {
     "prefill_ms",
     "decode_tok_s",
     "memory_bytes",
+    "memory",
 }
 
 
@@ -56,7 +58,23 @@ def test_json_output_schema(cli, smollm2: Model) -> None:
     assert len(out["tokens"]) == 6
     assert out["finish_reason"] == "length"
     assert out["text"].startswith(" Paris")
-    assert out["memory_bytes"] > 0 and out["prefill_ms"] > 0 and out["decode_tok_s"] > 0
+    assert out["prefill_ms"] > 0 and out["decode_tok_s"] > 0
+    cfg = smollm2.config
+    rows = out["prompt_tokens"] + 5  # the last token picked is never fed back
+    memory = out["memory"]
+    assert out["memory_bytes"] == memory["state_bytes"] == memory["hot_bytes"]
+    assert memory["state_bytes"] == cfg.num_layers * 2 * cfg.kv_dim * 4 * rows  # float32 K/V
+    assert memory["held_bytes"] == memory["state_bytes"] + memory["reserve_bytes"]
+    assert memory["reserve_bytes"] > 0 and memory["cold_bytes"] == memory["derivative_bytes"] == 0
+
+
+def test_verbose_reports_state_and_reserve_apart(cli) -> None:
+    result = cli("run", "The capital of France is", "-n", "4", "-v")
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.stderr.splitlines() if x.startswith("engine memory:"))
+    assert "state " in line and "+ reserve " in line and " B held" in line
+    summary = next(x for x in result.stderr.splitlines() if x.startswith("engine:"))
+    assert "MiB" in summary and "MB" not in summary.replace("MiB", "")
 
 
 def test_text_output_streams_the_same_text(cli) -> None:
@@ -126,6 +144,9 @@ def test_empty_prompt(cli) -> None:
 def test_prompt_from_stdin(cli) -> None:
     out = run_json(cli, "-", "-n", "3", input="The capital of France is")
     assert out["prompt_tokens"] == 5
+    piped = run_json(cli, "-", "-n", "3", input="The capital of France is\n")  # as echo sends it
+    timings = {"prefill_ms": piped["prefill_ms"], "decode_tok_s": piped["decode_tok_s"]}
+    assert piped == {**out, **timings}
 
 
 def test_prompt_beyond_the_context_is_refused(cli) -> None:
@@ -210,3 +231,20 @@ def test_apollo_is_refused_for_live_decode(cli) -> None:
     result = cli("run", "Hello", "--engine", "apollo")
     assert result.exit_code == 2
     assert "not available for live decode" in result.stderr
+
+
+def test_help_and_version_answer_without_loading_torch() -> None:
+    """`larql --help`, `-h` and `--version` import no torch (they answer in a fraction of a
+    second); the commands import it in their bodies."""
+    script = (
+        "import sys; from larql.cli.app import app; "
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "assert 'larql.models.model' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True)
+    larql = Path(sys.executable).with_name("larql")
+    for args in (["--help"], ["-h"], ["run", "-h"], ["boundary", "ls", "-h"]):
+        shown = subprocess.run([str(larql), *args], capture_output=True, text=True)
+        assert shown.returncode == 0 and "Usage: larql" in shown.stdout, args
+    version = subprocess.run([str(larql), "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.strip() == f"larql {larql_version}"

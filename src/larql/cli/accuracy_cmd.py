@@ -10,28 +10,26 @@ import typer
 from rich.progress import Progress
 
 from larql.cli.common import InvalidInput, open_model, stderr, stdout, user_errors
+from larql.cli.options import DeviceOption, DtypeOption, ModelOption
 from larql.data import read_text
-from larql.harness.accuracy.aggregate import served_lines, split_table
-from larql.harness.accuracy.report import fidelity_table
-from larql.harness.accuracy.run import AccuracySettings, run_accuracy
-from larql.inference.ffn_policy import FfnLayerPolicy, split_specs
-from larql.kv.catalog import CATALOG
 
-# Every engine, windowed ones at windows that overflow on the fidelity text.
+# Every engine, windowed ones at windows that overflow on the fidelity text (also --quick's).
 DEFAULT_ENGINES = (
-    "standard;standard:window=256;no-cache;markov-rs:window=64;markov-rs-codec:window=64;"
-    "windowed-checkpoint:window=256;turbo-quant:bits=4;turbo-quant:bits=3;turbo-quant:bits=2;"
+    "standard;standard:window=64;no-cache;markov-rs:window=64;markov-rs-codec:window=64;"
+    "windowed-checkpoint:window=64;turbo-quant:bits=4;turbo-quant:bits=3;turbo-quant:bits=2;"
     "boundary-kv:chunk_tokens=64;boundary-per-layer:window=64"
 )
 
 
 def default_engines() -> str:
+    from larql.kv.catalog import CATALOG
+
     return ";".join(s for s in CATALOG.split_specs(DEFAULT_ENGINES) if CATALOG.parses(s))
 
 
 @user_errors
 def accuracy(
-    model: Annotated[str | None, typer.Option("-m", "--model")] = None,
+    model: ModelOption = None,
     engines: Annotated[
         str | None, typer.Option("--engines", help="Engine specs (; or , separated).")
     ] = None,
@@ -44,7 +42,12 @@ def accuracy(
         ),
     ] = "dense",
     quick: Annotated[
-        bool, typer.Option("--quick", help="5 parametric, 2 needles, 5 conflicts, 256 positions.")
+        bool,
+        typer.Option(
+            "--quick",
+            help="5 parametric, 2 needles, 5 conflicts; 128 positions (64 for O(N²) engines), "
+            "32 greedy steps.",
+        ),
     ] = False,
     needle_max_tokens: Annotated[int, typer.Option("--needle-max-tokens")] = 8192,
     no_conflict: Annotated[bool, typer.Option("--no-conflict")] = False,
@@ -56,12 +59,20 @@ def accuracy(
         int | None, typer.Option("--positions", help="Teacher-forced positions (default: all).")
     ] = None,
     output_file: Annotated[Path | None, typer.Option("--output-file", help="JSON report.")] = None,
-    dtype: Annotated[str, typer.Option()] = "float32",
-    device: Annotated[str, typer.Option()] = "cpu",
+    dtype: DtypeOption = "float32",
+    device: DeviceOption = "cpu",
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
-    """Score every engine on parametric facts, needles and conflicts, and measure its
-    teacher-forced fidelity against the full cache."""
+    """What each engine changes: prompt corpora scores and teacher-forced fidelity.
+
+    Every engine is scored on parametric facts, needles and conflicts, and its next-token
+    distributions are compared with the full cache's over a text."""
+    from larql.harness.accuracy.aggregate import served_lines, split_table
+    from larql.harness.accuracy.report import fidelity_table
+    from larql.harness.accuracy.run import AccuracySettings, run_accuracy
+    from larql.inference.ffn_policy import FfnLayerPolicy, split_specs
+    from larql.kv.catalog import CATALOG
+
     specs = CATALOG.split_specs(engines or default_engines())
     kinds = [CATALOG.from_name(s) for s in specs]
     if not kinds:
@@ -78,7 +89,8 @@ def accuracy(
         needle_max_tokens=needle_max_tokens,
         conflict=not no_conflict,
         fidelity=not no_fidelity,
-        fidelity_positions=256 if quick and positions is None else positions,
+        fidelity_positions=128 if quick and positions is None else positions,
+        **({"quadratic_positions": 64, "greedy_steps": 32} if quick else {}),
         text=body,
         text_label=label,
     )

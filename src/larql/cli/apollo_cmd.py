@@ -9,12 +9,7 @@ from typing import Annotated
 import typer
 
 from larql.cli.common import InvalidInput, open_model, stdout, user_errors
-from larql.kv.apollo.builder import (
-    DEFAULT_ENTRIES_PER_WINDOW,
-    DEFAULT_WINDOW,
-    BuildOptions,
-    build_store,
-)
+from larql.cli.options import DeviceOption, DtypeOption, ModelOption
 
 apollo_app = typer.Typer(
     name="apollo",
@@ -28,10 +23,8 @@ apollo_app = typer.Typer(
 def build_store_command(
     corpus: Annotated[Path, typer.Option("--corpus", help="UTF-8 text file to index.")],
     out: Annotated[Path, typer.Option("--out", help="Store directory to create.")],
-    model: Annotated[
-        str | None, typer.Option("-m", "--model", help="Registry name, .gguf path or HF dir.")
-    ] = None,
-    window: Annotated[int, typer.Option(help="Tokens per window.")] = DEFAULT_WINDOW,
+    model: ModelOption = None,
+    window: Annotated[int | None, typer.Option(help="Tokens per window (default 128).")] = None,
     crystal_layer: Annotated[
         int | None,
         typer.Option(
@@ -44,8 +37,8 @@ def build_store_command(
         typer.Option(help="Layer after which the engine injects (default: 7/8 of the depth)."),
     ] = None,
     entries_per_window: Annotated[
-        int, typer.Option(help="Most fact entries kept per window.")
-    ] = DEFAULT_ENTRIES_PER_WINDOW,
+        int | None, typer.Option(help="Most fact entries kept per window (default 16).")
+    ] = None,
     residuals: Annotated[
         bool,
         typer.Option(
@@ -54,11 +47,13 @@ def build_store_command(
             "window's tokens.",
         ),
     ] = True,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16, float16, float64.")] = "float32",
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
 ) -> None:
     """Build an apollo store from a text file: windows of tokens, each window's boundary
     residual at the crystal layer, and fact entries weighted by rarity."""
+    from larql.kv.apollo.builder import BuildOptions, build_store
+
     if not corpus.is_file():
         raise InvalidInput(f"--corpus {corpus} is not a file")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -68,12 +63,12 @@ def build_store_command(
     except UnicodeDecodeError as e:
         raise InvalidInput(f"--corpus {corpus} is not UTF-8 text ({e.reason})") from None
     lm = open_model(model, dtype, device)
+    sizes = {"window": window, "entries_per_window": entries_per_window}
     options = BuildOptions(
-        window=window,
         crystal_layer=crystal_layer,
         injection_layer=injection_layer,
-        entries_per_window=entries_per_window,
         residuals=residuals,
+        **{name: value for name, value in sizes.items() if value is not None},
     )
     store = build_store(lm, text, options)
     store.save(out)
@@ -85,4 +80,7 @@ def build_store_command(
         f"entries: {m.num_entries}   injection layer: {m.arch_config.injection_layer}"
     )
     stdout.print(f"  bytes: {store.total_bytes():,}")
-    stdout.print(f"  use it with: --engine apollo:store={out}")
+    stdout.print(
+        f"  use it with `larql bench` or `larql accuracy`: --engine apollo:store={out} "
+        "(a retrieval engine: run, walk and serve do not take it)"
+    )

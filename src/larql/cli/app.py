@@ -1,9 +1,13 @@
-"""The `larql` command."""
+"""The `larql` command. The command modules import torch and the models inside their bodies,
+so `larql --help`, `-h` and `--version` answer without loading them."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
+import larql
 from larql.cli.accuracy_cmd import accuracy
 from larql.cli.apollo_cmd import apollo_app
 from larql.cli.bench_cmd import bench
@@ -19,7 +23,28 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # subcommands inherit it
 )
+
+
+def show_version(asked: bool) -> None:
+    if asked:
+        typer.echo(f"larql {larql.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def larql_options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=show_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Decode with language models through pluggable KV engines, and measure them."""
+
+
 app.command()(run)
 app.command()(walk)
 app.command()(serve)

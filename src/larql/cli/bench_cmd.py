@@ -17,12 +17,8 @@ from larql.cli.ffn_options import (
     check_policy,
     ffn_policy_spec,
 )
+from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption
 from larql.data import read_text
-from larql.harness.bench.engine_bench import BenchSettings
-from larql.harness.bench.report import render_table, save_plot, stage_tables
-from larql.harness.bench.run import default_specs, run_bench
-from larql.harness.contexts import context_ids
-from larql.kv.catalog import CATALOG
 
 
 def parse_depths(value: str | None) -> list[int]:
@@ -39,12 +35,13 @@ def parse_depths(value: str | None) -> list[int]:
 
 @user_errors
 def bench(
-    model: Annotated[str | None, typer.Option("-m", "--model")] = None,
+    model: ModelOption = None,
     engine: Annotated[
         str | None, typer.Option("--engine", help='Specs, e.g. "standard;markov-rs:window=64".')
     ] = None,
     context: Annotated[
-        int | None, typer.Option("--context", help="Prompt of N tokens cut from --text.")
+        int | None,
+        typer.Option("--context", help="Prompt of N tokens cut from --text (default 128)."),
     ] = None,
     prompt: Annotated[str | None, typer.Option("--prompt", help="Prompt text instead.")] = None,
     text: Annotated[
@@ -54,7 +51,12 @@ def bench(
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed steps first.")] = 3,
     repeats: Annotated[int, typer.Option("--repeats", help="Fresh runs per engine.")] = 3,
     depths: Annotated[
-        str | None, typer.Option("--depths", help="Context depths, e.g. 0,512,2048.")
+        str | None,
+        typer.Option(
+            "--depths",
+            help="Several contexts, e.g. 0,512,2048: tokens in the engine before the timed steps "
+            "(0 = a one-token prompt).",
+        ),
     ] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Per-stage breakdown.")] = False,
     vs_hf: Annotated[bool, typer.Option("--vs-hf", help="Add HF transformers generate.")] = False,
@@ -65,17 +67,27 @@ def bench(
     ] = None,
     ffn_policy: FfnPolicyOption = None,
     ffn: FfnUrlOption = None,
-    device: Annotated[str, typer.Option()] = "cpu",
-    dtype: Annotated[str, typer.Option()] = "float32",
-    threads: Annotated[int | None, typer.Option("--threads")] = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
+    threads: ThreadsOption = None,
 ) -> None:
     """Time every engine (whole tokens), report memory and roofline, optionally vs HF."""
+    from larql.harness.bench.engine_bench import BenchSettings
+    from larql.harness.bench.report import render_table, save_plot, stage_tables
+    from larql.harness.bench.run import default_specs, run_bench
+    from larql.harness.contexts import context_ids
+    from larql.kv.catalog import CATALOG
+
     if output not in ("table", "json"):
         raise InvalidInput(f"unknown --output {output!r}; accepted: table, json")
-    if context is not None and prompt is not None:
-        raise InvalidInput("give --context N or --prompt TEXT, not both")
-    for name, value, low in (("-n/--tokens", tokens, 1), ("--repeats", repeats, 1),
-                             ("--warmup", warmup, 0), ("--context", context or 1, 1)):  # fmt: skip
+    given = [name for name, value in (("--context", context), ("--prompt", prompt),
+                                      ("--depths", depths)) if value is not None]  # fmt: skip
+    if len(given) > 1:
+        raise InvalidInput(f"give one of --context, --depths, --prompt (got {' and '.join(given)})")
+    checked = [("-n/--tokens", tokens, 1), ("--repeats", repeats, 1), ("--warmup", warmup, 0)]
+    if context is not None:
+        checked.append(("--context", context, 1))
+    for name, value, low in checked:
         if value < low:
             raise InvalidInput(f"{name} must be ≥ {low}, got {value}")
     specs = CATALOG.split_specs(engine) if engine else default_specs()
@@ -88,14 +100,14 @@ def bench(
     source_text, text_label = read_text(text)
     lm = open_model(model, dtype, device, threads)
     if prompt is not None:
-        base_ids = lm.tokenizer.encode(prompt)
-        if not base_ids:
+        ids = lm.tokenizer.encode(prompt)
+        if not ids:
             raise InvalidInput("--prompt encodes to no tokens")
-    else:
-        base_ids = context_ids(lm, context or 128, source_text)
-    prompts = [(0, base_ids)] if not depth_list else [
-        (d, context_ids(lm, d, source_text) if d > 0 else base_ids) for d in depth_list
-    ]  # fmt: skip
+        prompts = [(len(ids), ids)]
+    else:  # depth D: D tokens of context before the timed steps (a prefill needs at least one)
+        prompts = [
+            (d, context_ids(lm, max(d, 1), source_text)) for d in depth_list or [context or 128]
+        ]
     limit = lm.config.max_positions
     for d, ids in prompts:
         if len(ids) + warmup + tokens > limit:

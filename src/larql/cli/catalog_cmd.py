@@ -9,8 +9,6 @@ import typer
 from rich.table import Table
 
 from larql.cli.common import InvalidInput, stdout, user_errors
-from larql.kv.catalog import CATALOG, catalog_rows
-from larql.models.registry import DEFAULT_MODEL, KNOWN_MODELS
 
 
 @user_errors
@@ -18,6 +16,8 @@ def engines(
     output: Annotated[str, typer.Option("--output", "-o", help="table or json.")] = "table",
 ) -> None:
     """List the engine catalog: names, parameters, what each keeps and its contract."""
+    from larql.kv.catalog import CATALOG, catalog_rows
+
     rows = catalog_rows()
     if output == "json":
         print(json.dumps(rows, indent=2))
@@ -39,6 +39,8 @@ def models(
     output: Annotated[str, typer.Option("--output", "-o", help="table or json.")] = "table",
 ) -> None:
     """List the models larql knows by name and whether each is installed."""
+    from larql.models.registry import DEFAULT_MODEL, KNOWN_MODELS
+
     rows = []
     for known in KNOWN_MODELS.values():
         path = known.locate()

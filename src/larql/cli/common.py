@@ -6,14 +6,15 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 import typer
 from rich.console import Console
 
 from larql.errors import LarqlError
-from larql.models.model import Model, load_model
+
+if TYPE_CHECKING:  # torch and the models load in the commands' bodies, not for `--help`
+    from larql.models.model import Model
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -52,14 +53,19 @@ def user_errors(command: F) -> F:
 
 
 def read_prompt(prompt: str) -> str:
-    """`-` reads the prompt from stdin."""
-    text = sys.stdin.read() if prompt == "-" else prompt
+    """`-` reads the prompt from stdin, without the line ending(s) at its end (as the shell's
+    `$(…)` drops them): `echo "Once upon a time" | larql run -` prompts "Once upon a time"."""
+    text = sys.stdin.read().rstrip("\r\n") if prompt == "-" else prompt
     if not text.strip():
         raise InvalidInput("the prompt is empty (pass text, or - to read it from stdin)")
     return text
 
 
 def open_model(model: str | None, dtype: str, device: str, threads: int | None = None) -> Model:
+    import torch
+
+    from larql.models.model import load_model
+
     if threads is not None:
         if threads < 1:
             raise InvalidInput(f"--threads must be ≥ 1, got {threads}")

@@ -3,13 +3,15 @@ and `--ffn URL` (an FFN shard on every layer, shorthand for `remote-walk:endpoin
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from larql.cli.common import InvalidInput
-from larql.inference.ffn_policy import FfnLayerPolicy, LayerFfnRouter
-from larql.models.model import Model
+
+if TYPE_CHECKING:
+    from larql.inference.ffn_policy import LayerFfnRouter
+    from larql.models.model import Model
 
 FfnPolicyOption = Annotated[
     str | None,
@@ -43,8 +45,12 @@ def ffn_policy_spec(policy: str | None, url: str | None, default: str = "dense")
 
 def check_policy(spec: str) -> None:
     """Parse early, before a model is loaded, so a typo fails fast."""
+    from larql.inference.ffn_policy import FfnLayerPolicy
+
     FfnLayerPolicy.from_spec(spec)
 
 
 def build_router(model: Model, spec: str) -> LayerFfnRouter:
+    from larql.inference.ffn_policy import FfnLayerPolicy
+
     return FfnLayerPolicy.from_spec(spec).validate_for(model.config.num_layers).build_router(model)

@@ -24,9 +24,7 @@ from larql.cli.ffn_options import (
     check_policy,
     ffn_policy_spec,
 )
-from larql.inference.generation import generate
-from larql.inference.sampling import Sampler, SamplingParams
-from larql.kv.resolve import KV_CACHE_CHOICES, resolve_engine
+from larql.cli.options import DeviceOption, DtypeOption, ModelOption
 
 OUTPUTS = ("text", "json")
 
@@ -34,15 +32,13 @@ OUTPUTS = ("text", "json")
 @user_errors
 def run(
     prompt: Annotated[str, typer.Argument(help="Prompt text, or - to read it from stdin.")],
-    model: Annotated[
-        str | None, typer.Option("-m", "--model", help="Registry name, .gguf path or HF dir.")
-    ] = None,
+    model: ModelOption = None,
     max_tokens: Annotated[int, typer.Option("-n", "--max-tokens", help="New tokens.")] = 64,
     engine: Annotated[
         str | None, typer.Option("--engine", help="Engine spec, e.g. standard:window=512.")
     ] = None,
     kv_cache: Annotated[
-        str, typer.Option("--kv-cache", help=f"Legacy: {'|'.join(KV_CACHE_CHOICES)}.")
+        str, typer.Option("--kv-cache", help="Legacy: standard|markov-bounded|none.")
     ] = "standard",
     context_window: Annotated[
         int, typer.Option("--context-window", help="Legacy window for --kv-cache markov-bounded.")
@@ -54,14 +50,18 @@ def run(
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", help="0 = no limit.")] = 0,
     seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16, float16, float64.")] = "float32",
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
     output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
     ffn_policy: FfnPolicyOption = None,
     ffn: FfnUrlOption = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Generate text from PROMPT with the chosen KV engine."""
+    from larql.inference.generation import generate
+    from larql.inference.sampling import Sampler, SamplingParams
+    from larql.kv.resolve import resolve_engine
+
     if output not in OUTPUTS:
         raise InvalidInput(f"unknown --output {output!r}; accepted: {', '.join(OUTPUTS)}")
     if max_tokens < 1:
@@ -106,7 +106,8 @@ def run(
                     "finish_reason": result.finish_reason,
                     "prefill_ms": round(result.prefill_ms, 3),
                     "decode_tok_s": result.decode_tok_s,
-                    "memory_bytes": built.memory_bytes(),
+                    "memory_bytes": built.memory().state,
+                    "memory": built.memory().as_json(),
                 }
             )
         )
@@ -121,8 +122,5 @@ def run(
             f"prefill: {result.prefill_ms:.1f} ms   decode: "
             + (f"{rate:.1f} tok/s" if rate else "n/a (one token)")
         )
-        memory = built.memory()
-        stderr.print(
-            f"engine memory: {memory.total:,} B (hot {memory.hot:,}, cold {memory.cold:,}, "
-            f"derivative {memory.derivative:,})   finish: {result.finish_reason}"
-        )
+        stderr.print(f"engine memory: {built.memory().describe()}")
+        stderr.print(f"finish: {result.finish_reason}")

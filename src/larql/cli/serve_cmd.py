@@ -7,14 +7,12 @@ from typing import Annotated
 import typer
 
 from larql.cli.common import InvalidInput, open_model, stderr, user_errors
-from larql.kv.resolve import resolve_engine
+from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption
 
 
 @user_errors
 def serve(
-    model: Annotated[
-        str | None, typer.Option("-m", "--model", help="Registry name, .gguf path or HF dir.")
-    ] = None,
+    model: ModelOption = None,
     engine: Annotated[
         str | None,
         typer.Option("--engine", help="Default engine spec; a request may name its own."),
@@ -37,9 +35,9 @@ def serve(
     request_timeout: Annotated[
         float, typer.Option("--request-timeout", help="Seconds a request may take, queue included.")
     ] = 300.0,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16, float16, float64.")] = "float32",
-    threads: Annotated[int | None, typer.Option(help="Torch threads (default: torch's).")] = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
+    threads: ThreadsOption = None,
     ffn_only: Annotated[
         bool, typer.Option("--ffn-only", help="Serve the FFN of some layers as a shard.")
     ] = False,
@@ -60,6 +58,8 @@ def serve(
     if layers is not None:
         raise InvalidInput("--layers applies to an FFN shard only (add --ffn-only)")
     check_limits(max_sessions, max_queue, max_prompt_tokens, max_new_tokens, request_timeout)
+    from larql.kv.resolve import resolve_engine
+
     choice = resolve_engine(engine)
     choice.kind.require_live_decode()
     lm = open_model(model, dtype, device, threads)

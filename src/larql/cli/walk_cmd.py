@@ -4,10 +4,8 @@ one writes — or generate / compare with the walk FFN (top-k features per layer
 from __future__ import annotations
 
 import json
-import sys
 from typing import Annotated, Any
 
-import torch
 import typer
 from rich.table import Table
 
@@ -16,23 +14,13 @@ from larql.cli.common import (
     check_context,
     open_model,
     read_prompt,
-    stderr,
     stdout,
     user_errors,
 )
 from larql.cli.ffn_options import FfnPolicyOption, build_router, check_policy
-from larql.inference.ffn import NullFfn
-from larql.inference.ffn_policy import LayerFfnRouter
-from larql.inference.ffn_walk import LastRowRecorder, WalkFfn, down_tokens, firing_features
-from larql.inference.forward import run_layers
-from larql.inference.generation import generate
-from larql.inference.layer import embed, final_logits, token_tensor
-from larql.kv.resolve import resolve_engine
-from larql.models.model import Model
+from larql.cli.options import DeviceOption, DtypeOption, ModelOption
 
 OUTPUTS = ("table", "json")
-TOKENS_PER_FEATURE = 5
-COMPARE_TOP = 5
 
 
 def parse_layers(value: str | None, num_layers: int) -> range:
@@ -62,9 +50,7 @@ def walk_policy(k: int | None, policy: str | None) -> str:
 @user_errors
 def walk(
     prompt: Annotated[str, typer.Argument(help="Prompt text, or - to read it from stdin.")],
-    model: Annotated[
-        str | None, typer.Option("-m", "--model", help="Registry name, .gguf path or HF dir.")
-    ] = None,
+    model: ModelOption = None,
     k: Annotated[
         int | None,
         typer.Option("-k", "--top-k", help="Features kept per layer (walk:k=N); default all."),
@@ -85,19 +71,24 @@ def walk(
         bool, typer.Option("--compare", help="Dense vs walk next-token top-5 and their KL.")
     ] = False,
     output: Annotated[str, typer.Option("--output", "-o", help="table or json.")] = "table",
-    dtype: Annotated[str, typer.Option()] = "float32",
-    device: Annotated[str, typer.Option()] = "cpu",
+    dtype: DtypeOption = "float32",
+    device: DeviceOption = "cpu",
 ) -> None:
-    """Per layer, the features firing at the last position of PROMPT: feature id, activation
-    (act(gate·x)·(up·x), the coefficient of its down vector; with -k only the k features the
-    walk keeps) and the tokens its down vector writes most strongly through the unembedding
-    (top of lm_head · down column; a negative activation pushes those tokens down)."""
+    """Which FFN features fire at the last position of PROMPT, and what each one writes.
+
+    Per layer: feature id, activation (act(gate·x)·(up·x), the coefficient of its down vector;
+    with -k only the k features the walk keeps) and the tokens its down vector writes most
+    strongly through the unembedding (top of lm_head · down column; a negative activation
+    pushes those tokens down)."""
     if output not in OUTPUTS:
         raise InvalidInput(f"unknown --output {output!r}; accepted: {', '.join(OUTPUTS)}")
     if predict and compare:
         raise InvalidInput("give --predict or --compare, not both")
     if top < 1 or max_tokens < 1:
         raise InvalidInput("--top and -n/--max-tokens must be ≥ 1")
+    from larql.cli.walk_modes import compare_walk, feature_rows, predict_tokens
+    from larql.kv.resolve import resolve_engine
+
     spec = walk_policy(k, ffn_policy)
     check_policy(spec)
     choice = resolve_engine(engine) if predict else None
@@ -112,12 +103,12 @@ def walk(
     try:
         if predict:
             assert choice is not None
-            data = _predict(lm, router, choice.kind.build(lm), choice.kind.spec(), ids, max_tokens,
-                            output == "table")  # fmt: skip
+            data = predict_tokens(lm, router, choice.kind.build(lm), choice.kind.spec(), ids,
+                                  max_tokens, output == "table")  # fmt: skip
         elif compare:
-            data = _compare(lm, router, ids)
+            data = compare_walk(lm, router, ids)
         else:
-            data = _features(lm, router, ids, shown, top)
+            data = feature_rows(lm, router, ids, shown, top)
     finally:
         router.close()
     data = {"model": lm.name, "prompt_tokens": len(ids), "ffn": router.name, **data}
@@ -127,96 +118,6 @@ def walk(
         _print_compare(data)
     elif not predict:
         _print_features(data)
-
-
-# ---------------------------------------------------------------------------- modes
-
-
-def _forward_logits(model: Model, ffn: Any, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        h = run_layers(model, ffn, embed(model, token_tensor(model, ids)))
-        return final_logits(model, h[-1:])[0]  # [V]
-
-
-def _top_tokens(model: Model, logits: torch.Tensor, n: int) -> list[dict[str, Any]]:
-    probs = torch.softmax(logits.double(), dim=-1)
-    values, indices = probs.topk(n)
-    return [
-        {"id": int(i), "token": model.tokenizer.decode([int(i)]), "prob": round(float(p), 6)}
-        for p, i in zip(values, indices, strict=True)
-    ]
-
-
-def _features(
-    model: Model, router: LayerFfnRouter, ids: list[int], shown: range, top: int
-) -> dict[str, Any]:
-    recorder = LastRowRecorder(router)
-    logits = _forward_logits(model, recorder, ids)
-    rows = []
-    for layer in shown:
-        backend = router.backend_for(layer)
-        if isinstance(backend, NullFfn):
-            rows.append({"layer": layer, "backend": backend.name, "features": []})
-            continue
-        k = backend.k if isinstance(backend, WalkFfn) and not backend.is_dense else None
-        features = firing_features(model, layer, recorder.inputs[layer], k, top)
-        rows.append({
-            "layer": layer,
-            "backend": backend.name,
-            "features": [
-                {"feature": f.feature, "activation": round(f.activation, 5),
-                 "gate": round(f.gate, 5),
-                 "tokens": [model.tokenizer.decode([t])
-                            for t in down_tokens(model, layer, f.feature, TOKENS_PER_FEATURE)]}
-                for f in features
-            ],
-        })  # fmt: skip
-    return {"position": len(ids) - 1, "layers": rows, "prediction": _top_tokens(model, logits, 1)}
-
-
-def _compare(model: Model, router: LayerFfnRouter, ids: list[int]) -> dict[str, Any]:
-    dense = build_router(model, "dense")
-    p_logits, q_logits = _forward_logits(model, dense, ids), _forward_logits(model, router, ids)
-    log_p = torch.log_softmax(p_logits.double(), -1)
-    log_q = torch.log_softmax(q_logits.double(), -1)
-    kl = float((log_p.exp() * (log_p - log_q)).sum())
-    return {
-        "dense": _top_tokens(model, p_logits, COMPARE_TOP),
-        "walk": _top_tokens(model, q_logits, COMPARE_TOP),
-        "kl_dense_walk": kl,
-        "same_top1": int(p_logits.argmax()) == int(q_logits.argmax()),
-    }
-
-
-def _predict(
-    model: Model,
-    router: LayerFfnRouter,
-    engine: Any,
-    engine_spec: str,
-    ids: list[int],
-    max_tokens: int,
-    stream: bool,
-) -> dict[str, Any]:
-    decoder = model.tokenizer.stream_decoder()
-    stop_ids = model.tokenizer.stop_ids
-
-    def on_token(token: int) -> None:
-        if stream and token not in stop_ids:
-            sys.stdout.write(decoder.step(token))
-            sys.stdout.flush()
-
-    result = generate(engine, model, router, ids, max_tokens, on_token=on_token)
-    if stream:
-        sys.stdout.write("\n")
-        stderr.print(f"{len(result.tokens)} tokens — engine {engine_spec}, ffn {router.name}")
-    visible = [t for t in result.tokens if t not in stop_ids]
-    return {
-        "engine": engine_spec,
-        "tokens": result.tokens,
-        "text": model.tokenizer.decode(visible),
-        "finish_reason": result.finish_reason,
-        "decode_tok_s": result.decode_tok_s,
-    }
 
 
 # ---------------------------------------------------------------------------- rendering

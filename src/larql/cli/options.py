@@ -1,0 +1,20 @@
+"""The options every model-loading command declares the same way: `-m/--model`, `--device`,
+`--dtype`, `--threads`. Only typer here: `larql --help` must not import torch."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+ModelOption = Annotated[
+    str | None,
+    typer.Option(
+        "-m", "--model", help="Registry name (larql models), a .gguf file or an HF directory."
+    ),
+]
+DeviceOption = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
+DtypeOption = Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or float64.")]
+ThreadsOption = Annotated[
+    int | None, typer.Option("--threads", help="Torch CPU threads (default: torch's).")
+]
