@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PROMPT ?= The capital of France is
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test test-all lint clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,11 @@ run: setup
 
 test: setup
 	$(VENV)/bin/pytest -q
+
+# also the tests marked `long` (minutes each: the README's bench and accuracy examples, the
+# Gemma 3 oracle against transformers' GGUF loader)
+test-all: setup
+	$(VENV)/bin/pytest -q -m ""
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks

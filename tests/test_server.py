@@ -510,6 +510,22 @@ def test_bad_chat_request(server: str, body: Any, param: str) -> None:
     assert_openai_error(response, 400, param)
 
 
+@pytest.mark.parametrize(
+    "content_type", ["application/x-www-form-urlencoded", "text/plain", None]
+)  # curl -d, a bare client, no header at all
+def test_a_json_body_is_read_whatever_its_content_type(
+    server: str, smollm2: Model, content_type: str | None
+) -> None:
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 3, "temperature": 0}).encode()
+    headers = {"content-type": content_type} if content_type else {}
+    response = httpx.post(f"{server}/v1/completions", content=body, headers=headers, timeout=60)
+    assert response.status_code == 200, response.text
+    ids = smollm2.tokenizer.encode(PROMPT)
+    assert response.json()["larql"]["token_ids"] == local_tokens(smollm2, "standard", ids, 3)
+    not_json = httpx.post(f"{server}/v1/completions", content=b"prompt=hi", headers=headers)
+    assert "not valid JSON" in assert_openai_error(not_json, 400)
+
+
 def test_unknown_route_and_method_are_openai_errors(server: str) -> None:
     assert "/v1/nope" in assert_openai_error(httpx.get(f"{server}/v1/nope"), 404)
     assert "GET" in assert_openai_error(httpx.get(f"{server}/v1/completions"), 405)

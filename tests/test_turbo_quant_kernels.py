@@ -44,9 +44,9 @@ def draw(generator: torch.Generator, *size: int) -> torch.Tensor:
 @pytest.mark.parametrize("dim", [64, 48, 128])
 def test_encode_writes_the_codec_bytes(kernels, bits: int, dim: int) -> None:
     codec = TurboQuantCodec(dim, bits)
-    x = draw(torch.Generator().manual_seed(bits * dim), 300, dim)
+    x = draw(torch.Generator().manual_seed(bits * dim), 96, dim)
     got = kernels.encode(x, kernels.CodecTables.of(codec, DEVICE))
-    assert got.shape == (300, codec.bytes_per_vector) and got.dtype == torch.uint8
+    assert got.shape == (96, codec.bytes_per_vector) and got.dtype == torch.uint8
     assert_codec_bytes(codec, got, x)
 
 
@@ -206,7 +206,7 @@ def test_the_prompt_is_stored_as_the_codec_stores_it(kernels, smollm2: Model, mo
         assert relative_error(norms, ref_norms) <= 1e-5
 
 
-@pytest.fixture(scope="module", params=["gemma3", "gemma2"])
+@pytest.fixture(scope="module")
 def tiny_sliding(request, tmp_path_factory: pytest.TempPathFactory) -> Model:
     """float32 tiny models with sliding layers (6 keys; gemma2 also soft-caps its scores) and
     a head width the codec pads (12 → 16)."""
@@ -217,11 +217,12 @@ def tiny_sliding(request, tmp_path_factory: pytest.TempPathFactory) -> Model:
 
 
 @pytest.mark.parametrize(
-    ("min_capacity", "headroom", "prompt"),
+    ("tiny_sliding", "min_capacity", "headroom", "prompt"),
     [
-        (8, 2, 5),  # capacity 8 → 16; sliding rings of 5 from the start
-        (4, 0, 3),  # capacity 4 < the 5 a sliding layer keeps: its slots grow 4 → 5 first
+        ("gemma3", 4, 0, 3),  # capacity 4 < the 5 a sliding layer keeps: its slots grow 4 → 5 first
+        ("gemma2", 8, 2, 5),  # capacity 8 → 16; sliding rings of 5 from the start; soft-caps
     ],
+    indirect=["tiny_sliding"],
 )
 def test_kernel_path_rings_sliding_layers_and_grows_full_ones(
     kernels, tiny_sliding: Model, monkeypatch, min_capacity: int, headroom: int, prompt: int

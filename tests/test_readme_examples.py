@@ -1,0 +1,130 @@
+"""Every command the README shows runs as pasted: each shell block of its Commands and FFN
+sections, line by line through bash, in a scratch directory, with the project's virtualenv first
+on PATH. A `larql serve` line is left running in the background (as in another terminal) until
+its block ends; a line ending in `&` too. `notes.txt`, the corpus the apollo example indexes, is
+the shipped licence text.
+
+The bench and accuracy examples take minutes each; they run in `make test-all` (marked long)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from larql.data import default_text
+from larql.kv.resolve import ENV_VAR
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+LONG_BLOCKS = ("larql bench", "larql accuracy")  # headings of blocks that take minutes
+STARTUP_S = 180
+
+
+def readme_blocks() -> list[tuple[str, list[str]]]:
+    """(heading, commands) of every ``` block from '## Commands' to '## Models'; a command whose
+    quotes are still open continues on the next line."""
+    text = README.read_text().split("## Commands", 1)[1].split("## Models", 1)[0]
+    blocks: list[tuple[str, list[str]]] = []
+    heading, inside, commands = "", False, []
+    for line in text.splitlines():
+        if line.startswith("#") and not inside:
+            heading = line.lstrip("#").strip()
+        elif line.startswith("```"):
+            if inside:
+                blocks.append((heading, commands))
+            inside, commands = not inside, []
+        elif inside and line.strip() and not line.startswith("#"):
+            if commands and not closed(commands[-1]):
+                commands[-1] += "\n" + line
+            else:
+                commands.append(line.strip())
+    return blocks
+
+
+def closed(command: str) -> bool:
+    try:
+        shlex.split(command, comments=True)
+    except ValueError:  # an open quote
+        return False
+    return True
+
+
+def block_id(heading: str) -> str:
+    return re.sub(r"[^a-z-]+", "-", heading.split("—")[0].strip("` ").lower()).strip("-")
+
+
+BLOCKS = readme_blocks()
+
+
+def test_every_command_section_has_examples() -> None:
+    headings = [h for h, _ in BLOCKS]
+    for command in ("larql run", "larql walk", "larql serve", "larql bench", "larql accuracy",
+                    "larql apollo", "larql boundary"):  # fmt: skip
+        assert any(command in h for h in headings), command
+
+
+@pytest.mark.parametrize(
+    "heading, commands",
+    [
+        pytest.param(
+            h, c, id=block_id(h), marks=[pytest.mark.long] if h.strip("`").startswith(LONG_BLOCKS) else []
+        )
+        for h, c in BLOCKS
+    ],
+)
+def test_readme_block_runs_as_pasted(heading: str, commands: list[str], tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text(default_text())
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    background: list[subprocess.Popen[bytes]] = []
+    try:
+        for command in commands:
+            server = command.startswith("larql serve")
+            if command.endswith("&") or server:
+                background.append(start(command.rstrip("& "), tmp_path, env))
+                if server and "--ffn-only" not in command:
+                    wait_for_health(command, background[-1])
+                continue
+            done = subprocess.run(
+                ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True
+            )
+            shown = f"{command}\n{done.stdout[-800:]}{done.stderr[-800:]}"
+            assert done.returncode == 0, shown
+            assert "Traceback" not in done.stderr, shown
+            if command.startswith("curl"):
+                assert '"choices"' in done.stdout, shown
+    finally:
+        for proc in background:
+            proc.terminate()
+            proc.wait(30)
+
+
+def start(command: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        ["bash", "-c", f"exec {command}"],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def wait_for_health(command: str, proc: subprocess.Popen[bytes]) -> None:
+    port = re.search(r"--port (\d+)", command)
+    url = f"http://127.0.0.1:{port.group(1) if port else 8080}/health"
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{command} exited with {proc.returncode}"
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.25)
+    raise AssertionError(f"{command}: no answer at {url} within {STARTUP_S} s")
