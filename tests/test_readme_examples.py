@@ -56,6 +56,10 @@ def closed(command: str) -> bool:
     return True
 
 
+def is_long(heading: str) -> bool:
+    return heading.strip("`").startswith(LONG_BLOCKS)
+
+
 def block_id(heading: str) -> str:
     return re.sub(r"[^a-z-]+", "-", heading.split("—")[0].strip("` ").lower()).strip("-")
 
@@ -73,9 +77,7 @@ def test_every_command_section_has_examples() -> None:
 @pytest.mark.parametrize(
     "heading, commands",
     [
-        pytest.param(
-            h, c, id=block_id(h), marks=[pytest.mark.long] if h.strip("`").startswith(LONG_BLOCKS) else []
-        )
+        pytest.param(h, c, id=block_id(h), marks=[pytest.mark.long] if is_long(h) else [])
         for h, c in BLOCKS
     ],
 )

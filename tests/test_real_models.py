@@ -15,6 +15,8 @@ from larql.kv import from_name
 from larql.models import Model
 
 pytestmark = pytest.mark.slow
+# The Gemma 3 tests are `long` (make test-all): transformers takes a minute to read the Q4_K GGUF;
+# CI runs the tiny random gemma3 against transformers instead.
 
 
 def larql_greedy(model: Model, ids: list[int], n: int) -> list[int]:
@@ -59,7 +61,7 @@ def hf_gemma3(gemma3: Model):
 
 
 @pytest.mark.gemma
-@pytest.mark.long  # transformers reads the Q4_K GGUF for a minute; the tiny gemma3 oracle runs in CI
+@pytest.mark.long
 def test_gemma3_tokenizer_matches_transformers(gemma3: Model, hf_gemma3) -> None:
     _, hf_tok = hf_gemma3
     for text in [*SAMPLE_TEXTS, licence_text()[:4000]]:
@@ -67,7 +69,7 @@ def test_gemma3_tokenizer_matches_transformers(gemma3: Model, hf_gemma3) -> None
 
 
 @pytest.mark.gemma
-@pytest.mark.long  # transformers reads the Q4_K GGUF for a minute; the tiny gemma3 oracle runs in CI
+@pytest.mark.long
 def test_gemma3_long_prompt_logits_match_transformers(gemma3: Model, hf_gemma3) -> None:
     hf_model, _ = hf_gemma3
     ids = gemma3.tokenizer.encode(licence_text())[:700]
@@ -78,7 +80,7 @@ def test_gemma3_long_prompt_logits_match_transformers(gemma3: Model, hf_gemma3) 
 
 
 @pytest.mark.gemma
-@pytest.mark.long  # transformers reads the Q4_K GGUF for a minute; the tiny gemma3 oracle runs in CI
+@pytest.mark.long
 def test_gemma3_engine_decode_past_window_matches_transformers(gemma3: Model, hf_gemma3) -> None:
     hf_model, _ = hf_gemma3
     ids = gemma3.tokenizer.encode(licence_text())[:540]
