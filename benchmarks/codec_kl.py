@@ -20,7 +20,7 @@ import torch
 
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import teacher_forced_logits
-from larql.kv import from_name
+from larql.kv import parse_engine
 from larql.models import load_model, parse_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ def main() -> None:
     )
 
     def logits(spec: str) -> torch.Tensor:
-        engine = from_name(spec).build(model)
+        engine = parse_engine(spec).build(model)
         return teacher_forced_logits(engine, model, ffn, ids, args.prompt_len)
 
     reference = logits("standard")

@@ -20,7 +20,7 @@ from larql.harness.bench.engine_bench import BenchSettings, bench_engine
 from larql.harness.bench.hf_peer import bench_hf, load_hf_model
 from larql.harness.contexts import context_ids
 from larql.inference.ffn import DenseFfn
-from larql.kv import from_name
+from larql.kv import parse_engine
 from larql.models import load_model
 
 
@@ -40,7 +40,7 @@ def main() -> None:
     model = load_model(args.model, dtype=args.dtype)
     ids = context_ids(model, args.prompt_tokens, default_text())
     settings = BenchSettings(new_tokens=args.new_tokens, warmup=3, repeats=args.repeats)
-    ours = bench_engine(model, DenseFfn(model), from_name(args.engine), ids, settings)
+    ours = bench_engine(model, DenseFfn(model), parse_engine(args.engine), ids, settings)
     peer = bench_hf(load_hf_model(model), ids, args.new_tokens, args.repeats)
     report = {
         "model": model.name,

@@ -20,7 +20,7 @@ from larql.data import default_text
 from larql.harness.bench.engine_bench import BenchSettings, bench_engine
 from larql.harness.contexts import context_ids
 from larql.inference.ffn import DenseFfn
-from larql.kv import from_name, split_specs
+from larql.kv import parse_engine, split_specs
 from larql.models import load_model
 
 DEFAULT_ENGINES = (
@@ -51,7 +51,7 @@ def main() -> None:
     text = default_text()
     results: dict[str, dict[int, float | None]] = {}
     for spec in split_specs(args.engines):
-        kind = from_name(spec)
+        kind = parse_engine(spec)
         results[spec] = {}
         for depth in depths:
             if (

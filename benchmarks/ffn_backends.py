@@ -28,9 +28,9 @@ import torch
 from larql.data import default_text
 from larql.harness.bench.engine_bench import BenchSettings, bench_engine
 from larql.inference.ffn import DenseFfn, build_ffn
-from larql.inference.ffn_remote import RemoteWalkFfn
+from larql.inference.ffn.remote import RemoteWalkFfn
 from larql.inference.generation import teacher_forced_logits
-from larql.kv import from_name
+from larql.kv import parse_engine
 from larql.models import Model, load_model
 
 PROMPT = "The capital of France is"
@@ -54,7 +54,7 @@ def kl_stats(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, float
 
 def tok_s(model: Model, ffn, settings: BenchSettings) -> float:
     ids = model.tokenizer.encode(PROMPT)
-    row = bench_engine(model, ffn, from_name("standard"), ids, settings)
+    row = bench_engine(model, ffn, parse_engine("standard"), ids, settings)
     if row.error:
         raise SystemExit(f"bench failed: {row.error}")
     assert row.tok_s is not None
@@ -63,7 +63,7 @@ def tok_s(model: Model, ffn, settings: BenchSettings) -> float:
 
 def walk_table(model: Model, ks: list[int], settings: BenchSettings, positions: int) -> None:
     ids = model.tokenizer.encode(default_text())[: 16 + positions]
-    engine = from_name("standard")
+    engine = parse_engine("standard")
     dense_logits = teacher_forced_logits(engine.build(model), model, DenseFfn(model), ids, 16)
     dense_rate = tok_s(model, DenseFfn(model), settings)
     specs = ["dense", "walk", *(f"walk:k={k}" for k in ks),

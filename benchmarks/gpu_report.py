@@ -35,7 +35,7 @@ from larql.harness.bench.machine import copy_bandwidth_gbs, peak_above_resident
 from larql.harness.contexts import context_ids
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import generate, teacher_forced_logits
-from larql.kv import CATALOG, from_name
+from larql.kv import CATALOG, parse_engine
 from larql.models import load_model
 
 EXACT = [
@@ -103,12 +103,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def greedy(model, spec: str, ids: list[int], n: int) -> list[int]:
-    engine = from_name(spec).build(model)
+    engine = parse_engine(spec).build(model)
     return generate(engine, model, DenseFfn(model), ids, n, stop_ids=frozenset()).tokens
 
 
 def prefill_logits(model, spec: str, ids: list[int]) -> torch.Tensor:
-    engine = from_name(spec).build(model)
+    engine = parse_engine(spec).build(model)
     return teacher_forced_logits(engine, model, DenseFfn(model), ids, len(ids))[0]
 
 
@@ -131,10 +131,14 @@ def check_correctness(cpu, gpus: dict, log: list[str]) -> list[dict]:
                 if spec in EXACT or spec == "standard":
                     row["exact_vs_gpu_standard"] = tokens == gpu_standard
                     forced = teacher_forced_logits(
-                        from_name(spec).build(gpu), gpu, DenseFfn(gpu), long_ids, 64
+                        parse_engine(spec).build(gpu), gpu, DenseFfn(gpu), long_ids, 64
                     )
                     base = teacher_forced_logits(
-                        from_name("standard:graph=0").build(gpu), gpu, DenseFfn(gpu), long_ids, 64
+                        parse_engine("standard:graph=0").build(gpu),
+                        gpu,
+                        DenseFfn(gpu),
+                        long_ids,
+                        64,
                     )
                     row["teacher_forced_rel_err"] = rel(forced, base)
             except Exception as e:  # a failing engine is a finding, not a crash of the report
@@ -157,7 +161,7 @@ def time_engines(
     rounds of an engine's tok/s over the reference's in the same round."""
     # An untimed pass first: the first use of each kernel in a process loads it (CUDA lazy
     # loading) and the host ramps up; without it the first engines timed ran 5-10x slow.
-    kinds = [from_name(spec) for spec in specs]
+    kinds = [parse_engine(spec) for spec in specs]
     bench_engines(gpu, DenseFfn(gpu), kinds, ids, BenchSettings(16, 2, 1), len(ids))
     settings = BenchSettings(new_tokens=new, warmup=5, repeats=rounds)
     rows = [

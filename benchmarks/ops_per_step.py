@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from larql.data import default_text
 from larql.harness.contexts import context_ids
 from larql.inference.ffn import DenseFfn
-from larql.kv import from_name, split_specs
+from larql.kv import parse_engine, split_specs
 from larql.models import load_model
 
 DEFAULT_ENGINES = (
@@ -33,7 +33,7 @@ DEFAULT_ENGINES = (
 def aten_ops_per_step(model, spec: str, ids: list[int], steps: int) -> tuple[float, list]:
     """→ (aten operators per decode step, the 5 most frequent as (count per step, name))."""
     ffn = DenseFfn(model)
-    engine = from_name(spec).build(model)
+    engine = parse_engine(spec).build(model)
     with torch.inference_mode():
         engine.prefill(model, ffn, ids)
         for i in range(3):  # past any first-step setup

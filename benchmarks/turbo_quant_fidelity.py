@@ -34,7 +34,7 @@ from larql.inference.ffn import DenseFfn
 from larql.inference.forward import run_layers
 from larql.inference.generation import teacher_forced_logits
 from larql.inference.layer import embed, recompute_kv, token_tensor
-from larql.kv import from_name
+from larql.kv import parse_engine
 from larql.kv.turbo_quant import RowCodec, TurboQuantCodec, TurboQuantEngine
 from larql.kv.turbo_quant.codec import join_norms, split_norms
 from larql.kv.turbo_quant.packing import pack_indices, packed_size, unpack_indices
@@ -161,7 +161,7 @@ def main() -> None:
         logits = teacher_forced_logits(engine, model, ffn, ids, args.prompt_len)
         return logits, engine.memory_bytes()
 
-    reference, _ = run(from_name("standard").build(model))
+    reference, _ = run(parse_engine("standard").build(model))
     targets = ids[args.prompt_len :]
     reference_nll = mean_nll(reference, targets)
     keys, values = prompt_kv(model, ids[: args.prompt_len])
@@ -172,7 +172,7 @@ def main() -> None:
             (
                 f"turbo-quant:bits={bits}",
                 TurboQuantCodec(cfg.head_dim, bits),
-                lambda bits=bits: from_name(f"turbo-quant:bits={bits}").build(model),
+                lambda bits=bits: parse_engine(f"turbo-quant:bits={bits}").build(model),
             )
         )
         rows.append(

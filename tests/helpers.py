@@ -17,14 +17,14 @@ from larql.inference.ffn import DenseFfn
 from larql.inference.forward import run_layers
 from larql.inference.generation import next_token_logits, teacher_forced_logits
 from larql.inference.layer import embed, final_logits, token_tensor
-from larql.kv import from_name
+from larql.kv import parse_engine
 from larql.models import Model
 from larql.models.model import load_model
 
 
 def teacher_forced(model: Model, spec: str, ids: list[int], prompt_len: int) -> torch.Tensor:
     """Logits of engine `spec` after ids[:prompt_len] and after each later id: [N, V]."""
-    engine = from_name(spec).build(model)
+    engine = parse_engine(spec).build(model)
     return teacher_forced_logits(engine, model, DenseFfn(model), ids, prompt_len)
 
 
@@ -40,11 +40,12 @@ def relative_error(a: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def kernel_module(name: str) -> ModuleType:
-    """`larql.kernels.<name>`: compiled on a CUDA machine, in Triton's interpreter on a CPU one
-    (tests/conftest.py turns it on before anything imports Triton); skips without Triton."""
+    """The Triton kernel module `name`: compiled on a CUDA machine, in Triton's interpreter on a
+    CPU one (tests/conftest.py turns it on before anything imports Triton); skips without
+    Triton."""
     pytest.importorskip("triton")
     assert torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-    return importlib.import_module(f"larql.kernels.{name}")
+    return importlib.import_module(name)
 
 
 def model_for_kernels(

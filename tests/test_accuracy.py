@@ -16,7 +16,7 @@ from larql.harness.accuracy.aggregate import conflict_axis, fact_axis, strategy_
 from larql.harness.accuracy.corpora import haystack_with_needle, needle_prompts
 from larql.harness.accuracy.fidelity import kl_divergence, measure_fidelity, reference_run
 from larql.harness.accuracy.scoring import Outcome, PromptScore, answer_bits, answer_matches
-from larql.inference.engine import (
+from larql.inference.errors import (
     BackendFailure,
     BackendUnavailable,
     EmptyPrompt,
@@ -24,7 +24,7 @@ from larql.inference.engine import (
     RetrievalMiss,
 )
 from larql.inference.ffn import DenseFfn
-from larql.kv import from_name
+from larql.kv import parse_engine
 from larql.models import Model
 
 
@@ -114,15 +114,15 @@ def test_exact_engines_have_zero_kl_and_full_agreement(smollm2: Model) -> None:
     ffn = DenseFfn(smollm2)
     ids = smollm2.tokenizer.encode(Path(__file__).resolve().parents[1].joinpath("LICENSE")
                                    .read_text())[:60]  # fmt: skip
-    reference = reference_run(smollm2, ffn, from_name("standard"), ids, 12)
-    same = measure_fidelity(smollm2, ffn, from_name("standard"), ids, 12, reference)
+    reference = reference_run(smollm2, ffn, parse_engine("standard"), ids, 12)
+    same = measure_fidelity(smollm2, ffn, parse_engine("standard"), ids, 12, reference)
     assert same.positions == 48
     assert same.mean_kl == 0.0 and same.max_kl == 0.0 and same.same_top1 == 1.0
     assert same.delta_p_rms == 0.0 and same.ln_ppl_ratio == 0.0
-    oracle = measure_fidelity(smollm2, ffn, from_name("no-cache"), ids, 12, reference, 20)
+    oracle = measure_fidelity(smollm2, ffn, parse_engine("no-cache"), ids, 12, reference, 20)
     assert oracle.positions == 20
     assert oracle.max_kl <= 1e-6 and oracle.same_top1 == 1.0
-    windowed = measure_fidelity(smollm2, ffn, from_name("standard:window=8"), ids, 12, reference)
+    windowed = measure_fidelity(smollm2, ffn, parse_engine("standard:window=8"), ids, 12, reference)
     assert windowed.mean_kl > 1e-3  # a sliding window of 8 really changes the distribution
 
 

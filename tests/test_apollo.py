@@ -17,12 +17,13 @@ from typer.testing import CliRunner
 
 from larql.cli.app import app
 from larql.errors import LarqlError
-from larql.inference.engine import AnyEngine, RetrievalMiss
+from larql.inference.engine import AnyEngine
+from larql.inference.errors import RetrievalMiss
 from larql.inference.ffn import DenseFfn
 from larql.inference.forward import run_layers
 from larql.inference.generation import generate
 from larql.inference.layer import embed, final_logits, token_tensor
-from larql.kv import from_name
+from larql.kv import parse_engine
 from larql.kv.apollo.builder import BuildOptions, build_store
 from larql.kv.apollo.engine import ApolloEngine
 from larql.kv.apollo.entries import retrieve_entries
@@ -366,20 +367,20 @@ def test_entries_without_seeds_are_the_top_coefficients() -> None:
 
 
 def test_spec_parameters_and_kind() -> None:
-    kind = from_name("apollo")
+    kind = parse_engine("apollo")
     assert kind.entry.kind == "retrieval" and kind.live_decode is False
     assert dict(kind.params) == {"layer": None, "coef": 10.0, "top_k": 8, "store": None}
-    parsed = from_name("apollo:layer=25,coef=8.0,top_k=12")
+    parsed = parse_engine("apollo:layer=25,coef=8.0,top_k=12")
     assert (parsed.params["layer"], parsed.params["coef"], parsed.params["top_k"]) == (25, 8.0, 12)
     with pytest.raises(NotAvailableForLiveDecode, match="not available for live decode"):
         kind.require_live_decode()
     for bad in ("apollo:coef=abc", "apollo:top_k=0", "apollo:layer=-1", "apollo:coef=nan"):
         with pytest.raises(MalformedEngineSpec):
-            from_name(bad)
+            parse_engine(bad)
 
 
 def test_without_a_store_prefill_is_a_recoverable_miss(smollm2: Model) -> None:
-    engine = from_name("apollo").build(smollm2)
+    engine = parse_engine("apollo").build(smollm2)
     assert engine.is_retrieval
     assert "no store attached" in engine.info().description
     with pytest.raises(RetrievalMiss) as raised:
@@ -400,7 +401,7 @@ def test_a_query_that_matches_no_window_is_a_recoverable_miss(
         hidden=smollm2.config.hidden_size,
     )
     store.save(tmp_path / "s")
-    engine = from_name(f"apollo:store={tmp_path / 's'},layer=3").build(smollm2)
+    engine = parse_engine(f"apollo:store={tmp_path / 's'},layer=3").build(smollm2)
     assert engine.memory_bytes() == store.total_bytes()  # the attached store is held
     with pytest.raises(RetrievalMiss) as raised:
         engine.prefill(smollm2, DenseFfn(smollm2), [5000, 6000])
@@ -410,16 +411,16 @@ def test_a_query_that_matches_no_window_is_a_recoverable_miss(
 
 def test_bad_store_or_layer_fail_at_build(smollm2: Model, tmp_path: Path) -> None:
     with pytest.raises(StoreNotFound):
-        from_name(f"apollo:store={tmp_path / 'missing'}").build(smollm2)
+        parse_engine(f"apollo:store={tmp_path / 'missing'}").build(smollm2)
     toy = tmp_path / "toy"
     synthetic_store().save(toy)
     with pytest.raises(StoreModelMismatch, match="built with toy"):
-        from_name(f"apollo:store={toy}").build(smollm2)
+        parse_engine(f"apollo:store={toy}").build(smollm2)
     real = tmp_path / "real"
     synthetic_store(model=smollm2.name, hidden=smollm2.config.hidden_size).save(real)
     with pytest.raises(EngineBuildError, match="injection layer 30 is outside"):
-        from_name(f"apollo:store={real},layer=30").build(smollm2)
-    assert from_name(f"apollo:store={real},layer=29").build(smollm2).info().config == (
+        parse_engine(f"apollo:store={real},layer=30").build(smollm2)
+    assert parse_engine(f"apollo:store={real},layer=29").build(smollm2).info().config == (
         "inject_layer=29,coef=10.0,top_k=8"
     )
 
@@ -481,7 +482,7 @@ def built_stores(tmp_path_factory: pytest.TempPathFactory, smollm2: Model) -> di
 
 
 def fact_logprob(model: Model, store: Path, coef: float) -> tuple[float, AnyEngine]:
-    engine = from_name(f"apollo:store={store},coef={coef}").build(model)
+    engine = parse_engine(f"apollo:store={store},coef={coef}").build(model)
     hidden = engine.prefill(model, DenseFfn(model), model.tokenizer.encode(QUERY))
     logprobs = torch.log_softmax(final_logits(model, hidden)[0], dim=-1)
     return logprobs[model.tokenizer.encode(FACT)[0]].item(), engine
@@ -513,7 +514,7 @@ def test_injection_raises_the_fact_on_the_real_model(
 
 @pytest.mark.slow
 def test_decode_reruns_the_growing_context(built_stores: dict[str, Path], smollm2: Model) -> None:
-    engine = from_name(f"apollo:store={built_stores['compressed']}").build(smollm2)
+    engine = parse_engine(f"apollo:store={built_stores['compressed']}").build(smollm2)
     store_bytes = ApolloStore.load(built_stores["compressed"]).total_bytes()
     assert engine.memory_bytes() == store_bytes
     ids = smollm2.tokenizer.encode(QUERY)
@@ -525,10 +526,10 @@ def test_decode_reruns_the_growing_context(built_stores: dict[str, Path], smollm
     assert memory.cold == 0 and engine.window_tokens() == 0
     # a decode step is a fresh forward over the longer context (no K/V kept between steps)
     spec = f"apollo:store={built_stores['compressed']},coef=0"
-    stepped = from_name(spec).build(smollm2)
+    stepped = parse_engine(spec).build(smollm2)
     stepped.prefill(smollm2, DenseFfn(smollm2), ids)
     step = stepped.decode_step(smollm2, DenseFfn(smollm2), result.tokens[0])
-    fresh_engine = from_name(spec).build(smollm2)
+    fresh_engine = parse_engine(spec).build(smollm2)
     fresh = fresh_engine.prefill(smollm2, DenseFfn(smollm2), [*ids, result.tokens[0]])
     assert fresh_engine.inner.injection.window == stepped.inner.injection.window
     torch.testing.assert_close(step, fresh)
@@ -539,9 +540,9 @@ def test_injection_below_the_crystal_layer_warns_and_injects_nothing(
     built_stores: dict[str, Path], smollm2: Model
 ) -> None:
     ids = smollm2.tokenizer.encode(QUERY)
-    plain = from_name(f"apollo:store={built_stores['compressed']},coef=0").build(smollm2)
+    plain = parse_engine(f"apollo:store={built_stores['compressed']},coef=0").build(smollm2)
     expected = plain.prefill(smollm2, DenseFfn(smollm2), ids)
-    below = from_name(f"apollo:store={built_stores['compressed']},layer=10").build(smollm2)
+    below = parse_engine(f"apollo:store={built_stores['compressed']},layer=10").build(smollm2)
     with pytest.warns(UserWarning, match="injection layer 10 is below the store's crystal layer"):
         got = below.prefill(smollm2, DenseFfn(smollm2), ids)
     torch.testing.assert_close(got, expected)

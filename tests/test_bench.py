@@ -20,7 +20,7 @@ from larql.harness.bench.stats import StepStats, nearest_rank
 from larql.harness.bench.step_timer import StepTimer
 from larql.inference.ffn import DenseFfn
 from larql.inference.memory import MemoryBreakdown
-from larql.kv import from_name
+from larql.kv import parse_engine
 from larql.models import Model
 
 ROW_KEYS = {
@@ -66,7 +66,7 @@ def test_derived_figures_follow_their_definitions() -> None:
 def test_bench_engine_measures_whole_tokens(smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode("The capital of France is")
     settings = BenchSettings(new_tokens=3, warmup=1, repeats=2)
-    row = bench_engine(smollm2, DenseFfn(smollm2), from_name("standard"), ids, settings)
+    row = bench_engine(smollm2, DenseFfn(smollm2), parse_engine("standard"), ids, settings)
     assert row.error is None
     assert row.step is not None and row.step.n == 6  # 3 kept steps × 2 repeats
     assert len(row.tok_s_runs) == 2
@@ -81,7 +81,7 @@ class RecordingKind:
     """An engine kind that logs every build: one build is one timed run."""
 
     def __init__(self, spec: str, log: list[str]) -> None:
-        self.inner, self.log = from_name(spec), log
+        self.inner, self.log = parse_engine(spec), log
         self.built: list[weakref.ref] = []
 
     def spec(self) -> str:
@@ -158,7 +158,7 @@ def test_step_timer_splits_on_the_gpu_timeline_without_a_sync() -> None:
 
 def test_engine_errors_become_rows_not_crashes(smollm2: Model) -> None:
     row = bench_engine(
-        smollm2, DenseFfn(smollm2), from_name("standard"), [], BenchSettings(1, 0, 1)
+        smollm2, DenseFfn(smollm2), parse_engine("standard"), [], BenchSettings(1, 0, 1)
     )
     assert row.error == "EmptyPrompt: engine called with empty prompt"
     assert row.as_dict()["tok_s"] is None

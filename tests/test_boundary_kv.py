@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from larql.cli.app import app
-from larql.inference.engine import BackendFailure, InvariantViolation
+from larql.inference.errors import BackendFailure, InvariantViolation
 from larql.inference.ffn import DenseFfn
 from larql.inference.layer import final_logits
-from larql.kv import from_name
+from larql.kv import parse_engine
 from larql.kv.boundary import (
     BoundaryArchive,
     BoundaryFormatError,
@@ -80,7 +80,7 @@ def run(smollm2: Model) -> Run:
 
 
 def test_spec_defaults_and_validation() -> None:
-    kind = from_name("boundary")
+    kind = parse_engine("boundary")
     assert kind.display_name == "boundary-kv"
     assert dict(kind.params) == {
         "chunk_tokens": 512,
@@ -88,12 +88,12 @@ def test_spec_defaults_and_validation() -> None:
         "window": None,
         "archive": None,
     }
-    kind = from_name("boundary-kv:chunk_tokens=64,sequence_id=demo,window=128")
+    kind = parse_engine("boundary-kv:chunk_tokens=64,sequence_id=demo,window=128")
     assert (kind.params["chunk_tokens"], kind.params["sequence_id"]) == (64, "demo")
-    assert from_name(kind.spec()) == kind
+    assert parse_engine(kind.spec()) == kind
     for bad in ("boundary-kv:chunk_tokens=0", "boundary:window=0", "boundary:codec=int8"):
         with pytest.raises(MalformedEngineSpec):
-            from_name(bad)
+            parse_engine(bad)
     with pytest.raises(EngineBuildError):
         BoundaryKvEngine(chunk_tokens=0)
 
@@ -194,8 +194,10 @@ def test_prompt_of_an_exact_multiple_and_chunk_of_one(smollm2: Model) -> None:
 
 def test_windowed_inner_engine_matches_standard_window(smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode(TEXT)[:9]
-    ours = drive(from_name("boundary-kv:chunk_tokens=3,window=4").build(smollm2), smollm2, ids, 6)
-    reference = drive(from_name("standard:window=4").build(smollm2), smollm2, ids, 6)
+    ours = drive(
+        parse_engine("boundary-kv:chunk_tokens=3,window=4").build(smollm2), smollm2, ids, 6
+    )
+    reference = drive(parse_engine("standard:window=4").build(smollm2), smollm2, ids, 6)
     for a, b in zip(ours, reference, strict=True):
         assert torch.equal(a, b)
 
@@ -295,9 +297,9 @@ def test_archive_write_failure_is_a_backend_failure(smollm2: Model, tmp_path: Pa
     in_the_way = tmp_path / "not-a-directory"
     in_the_way.write_text("a file where the archive directory should be")
     with pytest.raises(EngineBuildError, match="not a directory"):  # refused before decoding
-        from_name(f"boundary-kv:chunk_tokens=2,archive={in_the_way}").build(smollm2)
+        parse_engine(f"boundary-kv:chunk_tokens=2,archive={in_the_way}").build(smollm2)
     in_the_way.unlink()
-    engine = from_name(f"boundary-kv:chunk_tokens=2,archive={in_the_way}").build(smollm2)
+    engine = parse_engine(f"boundary-kv:chunk_tokens=2,archive={in_the_way}").build(smollm2)
     in_the_way.write_text("a file that appeared after the engine was built")
     ids = smollm2.tokenizer.encode(TEXT)[:3]
     with pytest.raises(BackendFailure, match="boundary frame emit failed"):

@@ -17,7 +17,7 @@ from helpers import kernel_module, model_for_kernels, relative_error
 from larql.inference.engine import AnyEngine
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import generate, teacher_forced_logits
-from larql.kv import from_name
+from larql.kv import parse_engine
 from larql.kv.spec import MalformedEngineSpec
 from larql.kv.standard import StandardEngine
 from larql.kv.static_cache import StaticCacheEngine
@@ -31,7 +31,7 @@ PROMPT = "Alice put the red ball in the box, and Bob"
 
 @pytest.fixture(scope="module")
 def kernels() -> ModuleType:
-    return kernel_module("decode_attention")
+    return kernel_module("larql.kernels.decode_attention")
 
 
 def reference(q, keys, values, position: int, scale: float, window: int, softcap: float):
@@ -116,8 +116,8 @@ def test_cuda_kernel_path_gives_the_sdpa_path_tokens(spec: str) -> None:
     model = load_model("smollm2-135m", dtype=torch.float32, device="cuda")
     ids = model.tokenizer.encode(PROMPT)
     ffn = DenseFfn(model)
-    fast = from_name(spec).build(model)
-    sdpa = from_name("standard:attention=sdpa").build(model)
+    fast = parse_engine(spec).build(model)
+    sdpa = parse_engine("standard:attention=sdpa").build(model)
     fast_tokens = generate(fast, model, ffn, ids, 64, stop_ids=frozenset()).tokens
     sdpa_tokens = generate(sdpa, model, ffn, ids, 64, stop_ids=frozenset()).tokens
     assert fast.dispatch_path() == "cuda-graph"
@@ -150,4 +150,4 @@ def test_attention_spec_names_what_it_accepts() -> None:
     with pytest.raises(
         MalformedEngineSpec, match="attention=flash must be one of auto, triton, sdpa"
     ):
-        from_name("standard:attention=flash")
+        parse_engine("standard:attention=flash")

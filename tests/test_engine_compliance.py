@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from helpers import teacher_forced
-from larql.inference.engine import EmptyPrompt, EngineError, InvariantViolation
+from larql.inference.errors import EmptyPrompt, EngineError, InvariantViolation
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import generate
-from larql.kv import CATALOG, from_name
+from larql.kv import CATALOG, parse_engine
 from larql.models import Model, load_model
 from tiny_models import build_tiny_model, random_ids
 
@@ -46,7 +46,7 @@ def exact_specs() -> list[str]:
 
 @pytest.mark.parametrize("spec", ALL_SPECS)
 def test_nothing_held_before_prefill(spec: str, smollm2: Model) -> None:
-    engine = from_name(spec).build(smollm2)
+    engine = parse_engine(spec).build(smollm2)
     assert engine.memory_bytes() == 0
     assert engine.memory().total == 0
     assert engine.window_tokens() == 0
@@ -56,7 +56,7 @@ def test_nothing_held_before_prefill(spec: str, smollm2: Model) -> None:
 
 @pytest.mark.parametrize("spec", ALL_SPECS)
 def test_decode_before_prefill_is_an_invariant_violation(spec: str, smollm2: Model) -> None:
-    engine = from_name(spec).build(smollm2)
+    engine = parse_engine(spec).build(smollm2)
     with pytest.raises(InvariantViolation) as raised:
         engine.decode_step(smollm2, DenseFfn(smollm2), 42)
     assert raised.value.recoverable is False
@@ -64,7 +64,7 @@ def test_decode_before_prefill_is_an_invariant_violation(spec: str, smollm2: Mod
 
 @pytest.mark.parametrize("spec", ALL_SPECS)
 def test_empty_prompt_is_typed(spec: str, smollm2: Model) -> None:
-    engine = from_name(spec).build(smollm2)
+    engine = parse_engine(spec).build(smollm2)
     with pytest.raises(EmptyPrompt) as raised:
         engine.prefill(smollm2, DenseFfn(smollm2), [])
     assert raised.value.recoverable is True
@@ -73,7 +73,7 @@ def test_empty_prompt_is_typed(spec: str, smollm2: Model) -> None:
 
 @pytest.mark.parametrize("spec", ALL_SPECS)
 def test_info_is_complete(spec: str, smollm2: Model) -> None:
-    kind = from_name(spec)
+    kind = parse_engine(spec)
     engine = kind.build(smollm2)
     info = engine.info()
     assert info.name == kind.display_name == engine.name
@@ -87,7 +87,7 @@ def test_live_engines_decode_in_both_cpu_dtypes(
     spec: str, dtype: torch.dtype, smollm2: Model, smollm2_f64: Model
 ) -> None:
     model = smollm2 if dtype == torch.float32 else smollm2_f64
-    engine = from_name(spec).build(model)
+    engine = parse_engine(spec).build(model)
     ids = model.tokenizer.encode(PROMPT)
     result = generate(engine, model, DenseFfn(model), ids, 4, stop_ids=frozenset())
     assert len(result.tokens) == 4
@@ -108,7 +108,7 @@ def test_exact_engine_greedy_tokens_match_standard(spec: str, smollm2: Model) ->
     ffn = DenseFfn(smollm2)
     tokens = {}
     for s in ("standard", spec):
-        engine = from_name(s).build(smollm2)
+        engine = parse_engine(s).build(smollm2)
         tokens[s] = generate(engine, smollm2, ffn, ids, 32, stop_ids=frozenset()).tokens
     assert tokens[spec] == tokens["standard"]
 

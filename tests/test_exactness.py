@@ -11,7 +11,7 @@ from larql.inference.ffn import DenseFfn
 from larql.inference.forward import run_layers
 from larql.inference.generation import generate
 from larql.inference.layer import embed, final_logits, token_tensor
-from larql.kv import from_name
+from larql.kv import parse_engine
 from larql.models import Model
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
@@ -30,7 +30,7 @@ def test_no_cache_greedy_tokens_match_standard_in_float32(smollm2: Model) -> Non
     ffn = DenseFfn(smollm2)
     runs = {}
     for spec in ("standard", "no-cache"):
-        engine = from_name(spec).build(smollm2)
+        engine = parse_engine(spec).build(smollm2)
         runs[spec] = generate(engine, smollm2, ffn, ids, 32, stop_ids=frozenset()).tokens
     assert len(runs["standard"]) == 32
     assert runs["no-cache"] == runs["standard"]
@@ -63,7 +63,7 @@ def test_windowed_standard_equals_band_masked_forward(smollm2_f64: Model) -> Non
 
 
 def test_window_keeps_only_reachable_rows(smollm2: Model) -> None:
-    engine = from_name("standard:window=4").build(smollm2)
+    engine = parse_engine("standard:window=4").build(smollm2)
     ffn = DenseFfn(smollm2)
     with torch.inference_mode():
         engine.prefill(smollm2, ffn, smollm2.tokenizer.encode(PROMPT))

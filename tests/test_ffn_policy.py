@@ -13,10 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from larql.errors import LarqlError
-from larql.inference.engine import InvariantViolation
-from larql.inference.ffn import DenseFfn, NullFfn, build_ffn
-from larql.inference.ffn_backend_kind import FfnBackendKind
-from larql.inference.ffn_policy import (
+from larql.inference.errors import InvariantViolation
+from larql.inference.ffn import DenseFfn, FfnBackend, NullFfn, build_ffn
+from larql.inference.ffn.policy import (
     EmptySpec,
     FfnLayerPolicy,
     FfnPolicyError,
@@ -34,25 +33,26 @@ from larql.inference.ffn_policy import (
     UnknownPredicate,
     split_specs,
 )
-from larql.inference.ffn_remote import RemoteWalkFfn
-from larql.inference.ffn_walk import WalkFfn
+from larql.inference.ffn.remote import RemoteWalkFfn
+from larql.inference.ffn.spec import FfnSpec
+from larql.inference.ffn.walk import WalkFfn
 from larql.inference.forward import run_layers
 from larql.inference.generation import teacher_forced_logits
 from larql.inference.layer import embed, ffn_block, token_tensor
-from larql.kv import CATALOG, from_name
+from larql.kv import CATALOG, parse_engine
 from larql.models import Model, load_model
 from tiny_models import build_tiny_model
 
 LAYERS = 30  # SmolLM2-135M
-DENSE, NULL = FfnBackendKind("dense"), FfnBackendKind("null")
-MIDDLE_WALK = [DENSE] * 14 + [FfnBackendKind("walk", k=100)] * 14 + [DENSE] * 2
+DENSE, NULL = FfnSpec("dense"), FfnSpec("null")
+MIDDLE_WALK = [DENSE] * 14 + [FfnSpec("walk", k=100)] * 14 + [DENSE] * 2
 
 
-def walk(k: int | None = None) -> FfnBackendKind:
-    return FfnBackendKind("walk", k=k)
+def walk(k: int | None = None) -> FfnSpec:
+    return FfnSpec("walk", k=k)
 
 
-def layers_of(spec: str, num_layers: int = LAYERS) -> list[FfnBackendKind]:
+def layers_of(spec: str, num_layers: int = LAYERS) -> list[FfnSpec]:
     return FfnLayerPolicy.from_spec(spec).validate_for(num_layers).expand_to_layers()
 
 
@@ -70,13 +70,13 @@ def layers_of(spec: str, num_layers: int = LAYERS) -> list[FfnBackendKind]:
         ("{walk:k=100}@layers=14-27;{dense}@layers=0-13,28-29", MIDDLE_WALK),
     ],
 )  # fmt: skip
-def test_appendix_d_policies_that_validate(spec: str, expected: list[FfnBackendKind]) -> None:
+def test_appendix_d_policies_that_validate(spec: str, expected: list[FfnSpec]) -> None:
     assert layers_of(spec) == expected
 
 
 def test_remote_walk_binds_every_layer_and_builds_without_a_connection(smollm2: Model) -> None:
     spec = "remote-walk:endpoint=http://shard:8080,wire=f16"
-    assert layers_of(spec) == [FfnBackendKind("remote-walk", endpoint="http://shard:8080",
+    assert layers_of(spec) == [FfnSpec("remote-walk", endpoint="http://shard:8080",
                                               wire="f16")] * LAYERS  # fmt: skip
     router = build_ffn(smollm2, spec)  # the reference's RemoteWalkNotYetWired is wired here
     assert all(isinstance(b, RemoteWalkFfn) for b in router.backends)
@@ -180,12 +180,12 @@ def test_unbound_layer_is_the_first_gap() -> None:
         ("WALK:K=NONE", walk(None)),
         ("walk:k=1536", walk(1536)),
         ("remote_walk:endpoint=http://a:1/,wire=I8",
-         FfnBackendKind("remote-walk", endpoint="http://a:1", wire="i8")),
+         FfnSpec("remote-walk", endpoint="http://a:1", wire="i8")),
     ],
 )  # fmt: skip
-def test_aliases_and_case(spec: str, kind: FfnBackendKind) -> None:
-    assert FfnBackendKind.parse(spec) == kind
-    assert FfnBackendKind.parse(kind.spec()) == kind
+def test_aliases_and_case(spec: str, kind: FfnSpec) -> None:
+    assert FfnSpec.parse(spec) == kind
+    assert FfnSpec.parse(kind.spec()) == kind
 
 
 def test_all_fills_what_explicit_layers_leave() -> None:
@@ -258,7 +258,7 @@ def test_partitions_validate_and_round_trip(spec: str) -> None:
 # ---------------------------------------------------------------------------- router
 
 
-class Counting:
+class Counting(FfnBackend):
     """Wraps a backend; records (layer, rows) of every call."""
 
     def __init__(self, inner) -> None:
@@ -340,7 +340,7 @@ def test_every_engine_sends_every_position_and_layer_through_the_router(
     counting = [Counting(b) for b in router.backends]
     ffn = LayerFfnRouter(counting, router.name)
     ids = smollm2.tokenizer.encode("Alice put the red ball in the box, and Bob")
-    engine = from_name(spec).build(smollm2)
+    engine = parse_engine(spec).build(smollm2)
     steps = [len(ids), 1, 1, 1]
     with torch.inference_mode():
         for i, rows in enumerate(steps):
@@ -359,7 +359,7 @@ def test_every_engine_sends_every_position_and_layer_through_the_router(
 @pytest.fixture(scope="module")
 def policy_references(smollm2: Model) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     ids = smollm2.tokenizer.encode("Alice put the red ball in the box, and Bob went to the")
-    oracle = from_name("no-cache")
+    oracle = parse_engine("no-cache")
     policy = build_ffn(smollm2, POLICY)
     with_policy = teacher_forced_logits(oracle.build(smollm2), smollm2, policy, ids, 8)
     dense = teacher_forced_logits(oracle.build(smollm2), smollm2, DenseFfn(smollm2), ids, 8)
@@ -378,7 +378,7 @@ def test_every_engine_computes_with_the_policy_it_is_given(
     the dense model (lossy engines: closer to the policy than to dense)."""
     ids, with_policy, dense = policy_references
     ours = teacher_forced_logits(
-        from_name(spec).build(smollm2), smollm2, build_ffn(smollm2, POLICY), ids, 8
+        parse_engine(spec).build(smollm2), smollm2, build_ffn(smollm2, POLICY), ids, 8
     )
     to_policy = (ours - with_policy).abs().max().item()
     to_dense = (ours - dense).abs().max().item()

@@ -25,10 +25,10 @@ from fastapi.responses import Response
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from larql.inference.engine import BackendFailure, BackendUnavailable
+from larql.inference.errors import BackendFailure, BackendUnavailable
 from larql.inference.ffn import DenseFfn, build_ffn
-from larql.inference.ffn_remote import RemoteWalkFfn
-from larql.inference.ffn_wire import (
+from larql.inference.ffn.remote import RemoteWalkFfn
+from larql.inference.ffn.wire import (
     F16,
     F32,
     I8,
@@ -40,7 +40,7 @@ from larql.inference.ffn_wire import (
     encode_response,
 )
 from larql.inference.generation import generate, teacher_forced_logits
-from larql.kv import from_name
+from larql.kv import parse_engine
 from larql.models import Model
 from larql.server.ffn_shard import create_ffn_app, start_shard
 
@@ -71,7 +71,7 @@ def stats(url: str) -> dict:
 
 def greedy(model: Model, ffn, n: int = 6) -> list[int]:
     ids = model.tokenizer.encode(PROMPT)
-    return generate(from_name("standard").build(model), model, ffn, ids, n,
+    return generate(parse_engine("standard").build(model), model, ffn, ids, n,
                     stop_ids=frozenset()).tokens  # fmt: skip
 
 
@@ -138,7 +138,7 @@ def test_every_layer_remote_over_f32_is_exactly_dense(smollm2: Model, shard: str
     assert greedy(smollm2, remote) == greedy(smollm2, DenseFfn(smollm2))
     assert stats(shard)["layer_calls"] - before == 30 * 6  # the prefill + 5 decode steps
     ids = smollm2.tokenizer.encode(TEXT)[:12]
-    engine = from_name("standard")
+    engine = parse_engine("standard")
     local = teacher_forced_logits(engine.build(smollm2), smollm2, DenseFfn(smollm2), ids, 4)
     over = teacher_forced_logits(engine.build(smollm2), smollm2, remote, ids, 4)
     assert torch.equal(local, over)
@@ -150,7 +150,7 @@ def test_lossy_wires_report_their_kl(
     smollm2: Model, shard: str, wire: str, max_mean_kl: float
 ) -> None:
     ids = smollm2.tokenizer.encode(TEXT)
-    engine = from_name("standard")
+    engine = parse_engine("standard")
     dense = teacher_forced_logits(engine.build(smollm2), smollm2, DenseFfn(smollm2), ids, 4)
     remote = build_ffn(smollm2, f"remote-walk:endpoint={shard},wire={wire}")
     over = teacher_forced_logits(engine.build(smollm2), smollm2, remote, ids, 4)
@@ -403,7 +403,7 @@ def test_a_shard_killed_mid_generation_ends_with_a_typed_error(smollm2: Model) -
             process.kill()
             process.wait()
 
-        error = _finishes(lambda: generate(from_name("standard").build(smollm2), smollm2,
+        error = _finishes(lambda: generate(parse_engine("standard").build(smollm2), smollm2,
                                            remote, ids, 8, on_token=kill_after_first))  # fmt: skip
         assert seen == greedy(smollm2, DenseFfn(smollm2), 1)
         assert isinstance(error, BackendUnavailable), error

@@ -11,7 +11,7 @@ from helpers import full_forward_logits
 from hf_oracle import SAMPLE_TEXTS, hf_greedy, hf_logits, licence_text, load_hf_gguf
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import generate
-from larql.kv import from_name
+from larql.kv import parse_engine
 from larql.models import Model
 
 pytestmark = pytest.mark.slow
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 def larql_greedy(model: Model, ids: list[int], n: int) -> list[int]:
-    engine = from_name("standard").build(model)
+    engine = parse_engine("standard").build(model)
     return generate(engine, model, DenseFfn(model), ids, n, stop_ids=frozenset()).tokens
 
 

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from helpers import relative_error, teacher_forced
-from larql.inference.engine import BackendUnavailable, KvEngine
-from larql.inference.ffn import DenseFfn
+from larql.inference.engine import KvEngine
+from larql.inference.errors import BackendUnavailable
+from larql.inference.ffn import DenseFfn, FfnBackend
 from larql.inference.forward import run_layers
 from larql.inference.generation import generate, teacher_forced_logits
 from larql.inference.layer import embed, recompute_kv, token_tensor
-from larql.kv import from_name
+from larql.kv import parse_engine
 from larql.kv.residual import (
     BoundaryPerLayerEngine,
     MarkovResidualCodecEngine,
@@ -54,7 +55,7 @@ def markov_spec(window: int | None, name: str = "markov-rs") -> str:
 
 
 def residual_engine(spec: str, model: Model | None = None) -> ResidualStreamEngine:
-    engine = from_name(spec).build(model).inner
+    engine = parse_engine(spec).build(model).inner
     assert isinstance(engine, ResidualStreamEngine)
     return engine
 
@@ -108,7 +109,7 @@ def test_markov_rs_greedy_tokens_match_standard_in_float32(smollm2: Model) -> No
     ffn = DenseFfn(smollm2)
 
     def tokens(spec: str) -> list[int]:
-        engine = from_name(spec).build(smollm2)
+        engine = parse_engine(spec).build(smollm2)
         return generate(engine, smollm2, ffn, ids, 32, stop_ids=frozenset()).tokens
 
     reference = tokens("standard")
@@ -135,7 +136,7 @@ def test_markov_rs_exact_on_tiny_architectures(window: int | None, tiny: Model) 
 
 
 def test_every_engine_honours_the_ffn_backend(tiny: Model) -> None:
-    class OddLayersAblated:
+    class OddLayersAblated(FfnBackend):
         name = "odd-layers-ablated"
 
         def __init__(self) -> None:
@@ -147,9 +148,9 @@ def test_every_engine_honours_the_ffn_backend(tiny: Model) -> None:
 
     ids = random_ids(16, seed=5)
     ffn = OddLayersAblated()
-    reference = teacher_forced_logits(from_name("standard").build(tiny), tiny, ffn, ids, 6)
+    reference = teacher_forced_logits(parse_engine("standard").build(tiny), tiny, ffn, ids, 6)
     for spec in ("markov-rs:window=3", "boundary-per-layer"):
-        ours = teacher_forced_logits(from_name(spec).build(tiny), tiny, ffn, ids, 6)
+        ours = teacher_forced_logits(parse_engine(spec).build(tiny), tiny, ffn, ids, 6)
         assert relative_error(ours, reference) <= 1e-9, spec
     dense = teacher_forced(tiny, "standard", ids, 6)
     assert relative_error(dense, reference) > 1e-3  # the ablation really changes the output
@@ -260,13 +261,13 @@ def test_codec_equals_markov_rs_in_a_bf16_model(smollm2: Model) -> None:
     ffn = DenseFfn(model)
     outputs = []
     for name in ("markov-rs", "markov-rs-codec"):
-        engine = from_name(markov_spec(4, name)).build(model, profiling=True)
+        engine = parse_engine(markov_spec(4, name)).build(model, profiling=True)
         outputs.append(teacher_forced_logits(engine, model, ffn, ids, PROMPT_LEN))
         summary = engine.stage_summary()
         assert engine.cold_bytes() > 0 and summary is not None
         assert summary.avg_recompute_cold_us == 0  # every step evicted a row; none recomputed
     assert torch.equal(outputs[0], outputs[1])
-    lossy = from_name(markov_spec(4, "markov-rs-codec")).build(smollm2, profiling=True)
+    lossy = parse_engine(markov_spec(4, "markov-rs-codec")).build(smollm2, profiling=True)
     teacher_forced_logits(lossy, smollm2, DenseFfn(smollm2), ids, PROMPT_LEN)
     summary = lossy.stage_summary()
     assert summary is not None and summary.avg_recompute_cold_us > 0  # float32: recomputed
@@ -279,7 +280,7 @@ def test_codec_is_bit_identical_to_markov_rs_without_overflow(smollm2: Model) ->
     for window in (None, 64):
         outputs = []
         for name in ("markov-rs", "markov-rs-codec"):
-            engine = from_name(markov_spec(window, name)).build(smollm2)
+            engine = parse_engine(markov_spec(window, name)).build(smollm2)
             outputs.append(teacher_forced_logits(engine, smollm2, ffn, ids, 8))
             assert engine.cold_bytes() == 0
         assert torch.equal(outputs[0], outputs[1])
@@ -335,8 +336,8 @@ def insufficient(smollm2: Model) -> Model:
 @pytest.mark.parametrize("spec", ["markov-rs", "markov-rs-codec:window=2", "boundary-per-layer"])
 def test_precondition_refuses_insufficient_architecture(spec: str, insufficient: Model) -> None:
     with pytest.raises(BackendUnavailable, match="pre-layer residual"):
-        from_name(spec).build(insufficient)
-    engine = from_name(spec).build(None)  # model unknown at build: refused at prefill
+        parse_engine(spec).build(insufficient)
+    engine = parse_engine(spec).build(None)  # model unknown at build: refused at prefill
     with pytest.raises(BackendUnavailable):
         engine.prefill(insufficient, DenseFfn(insufficient), [1, 2, 3])
     assert engine.memory_bytes() == 0
@@ -364,10 +365,10 @@ def test_boundary_per_layer_policy_defaults_to_model_depth(smollm2: Model) -> No
 def test_boundary_per_layer_refusals_are_typed(smollm2: Model) -> None:
     depth = smollm2.config.num_layers
     with pytest.raises(LayerCountMismatch, match=f"the model has {depth}") as raised:
-        from_name("boundary-per-layer:layers=34").build(smollm2)
+        parse_engine("boundary-per-layer:layers=34").build(smollm2)
     assert isinstance(raised.value, EngineBuildError)
     # built without a model: the same typed error at prefill, nothing held
-    engine = from_name("boundary_per_layer:layers=34").build(None)
+    engine = parse_engine("boundary_per_layer:layers=34").build(None)
     with pytest.raises(LayerCountMismatch):
         engine.prefill(smollm2, DenseFfn(smollm2), [1, 2, 3])
     assert engine.memory_bytes() == 0
@@ -399,7 +400,7 @@ def test_boundary_per_layer_parity_gate_vs_codec(smollm2: Model) -> None:
     for window in (None, 8):
         runs = []
         for name in ("markov-rs-codec", "boundary-per-layer"):
-            engine = from_name(markov_spec(window, name)).build(smollm2)
+            engine = parse_engine(markov_spec(window, name)).build(smollm2)
             runs.append(generate(engine, smollm2, ffn, ids, 50, stop_ids=frozenset()).tokens)
         codec, per_layer = runs
         assert len(codec) == 50
@@ -420,7 +421,7 @@ def test_profiling_does_not_change_outputs(spec: str, tiny: Model) -> None:
     ids = random_ids(14, seed=9)
     outputs, summaries = [], []
     for profiling in (False, True):
-        engine = from_name(spec).build(tiny, profiling=profiling)
+        engine = parse_engine(spec).build(tiny, profiling=profiling)
         rows = []
         with torch.inference_mode():
             rows.append(engine.prefill(tiny, DenseFfn(tiny), ids[:5]))
@@ -508,9 +509,9 @@ def test_hot_tier_storage_stays_bounded_over_a_long_decode(tiny: Model) -> None:
 def test_aliases_build_the_canonical_engine(
     alias: str, canonical: str, engine_type: type, smollm2: Model
 ) -> None:
-    kind = from_name(alias)
+    kind = parse_engine(alias)
     assert kind.display_name == canonical
-    assert from_name(kind.spec()) == kind
+    assert parse_engine(kind.spec()) == kind
     assert isinstance(kind.build(smollm2).inner, engine_type)
 
 
@@ -525,4 +526,4 @@ def test_aliases_build_the_canonical_engine(
 )
 def test_malformed_specs_are_refused(spec: str) -> None:
     with pytest.raises(MalformedEngineSpec, match="supported"):
-        from_name(spec)
+        parse_engine(spec)

@@ -30,7 +30,7 @@ from larql.cli.app import app
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import generate
 from larql.inference.sampling import Sampler, SamplingParams
-from larql.kv import from_name, supported_names
+from larql.kv import parse_engine, supported_names
 from larql.kv.resolve import ENV_VAR
 from larql.models import Model
 from larql.server import runner
@@ -136,7 +136,7 @@ def client(server: str) -> openai.OpenAI:
 
 def local_tokens(model: Model, spec: str, ids: list[int], n: int, sampling=None) -> list[int]:
     """What `larql run`'s loop generates for the same request, in this process."""
-    engine = from_name(spec).build(model)
+    engine = parse_engine(spec).build(model)
     return generate(engine, model, DenseFfn(model), ids, n, Sampler(sampling)).tokens
 
 

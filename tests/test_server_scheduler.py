@@ -10,12 +10,13 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from larql.inference.engine import AnyEngine, BackendFailure, EngineInfo, KvEngine
+from larql.inference.engine import AnyEngine, EngineInfo, KvEngine
+from larql.inference.errors import BackendFailure
 from larql.inference.ffn import DenseFfn, FfnBackend
 from larql.inference.generation import generate
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.sampling import SamplingParams
-from larql.kv import from_name
+from larql.kv import parse_engine
 from larql.models import Model
 from larql.server.metrics import ServerMetrics
 from larql.server.scheduler import (
@@ -62,12 +63,12 @@ class FailsOnSecondStep(KvEngine):
 
 def request(model: Model, n: int, spec: str = "standard", **kw) -> SessionRequest:
     ids = tuple(model.tokenizer.encode(PROMPT))
-    kind = from_name(spec)
+    kind = parse_engine(spec)
     return SessionRequest(ids, n, SamplingParams(), kind.spec(), kind.entry.name, **kw)
 
 
 def standard(model: Model) -> AnyEngine:
-    return from_name("standard").build(model)
+    return parse_engine("standard").build(model)
 
 
 async def events_of(session: Session) -> list[Event]:

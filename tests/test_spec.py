@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from larql.kv import CATALOG, from_name, split_specs, supported_names
+from larql.kv import CATALOG, parse_engine, split_specs, supported_names
 from larql.kv.resolve import ENV_VAR, resolve_engine
 from larql.kv.spec import EngineSpecError, MalformedEngineSpec, UnknownEngine
 
@@ -45,7 +45,7 @@ from larql.kv.spec import EngineSpecError, MalformedEngineSpec, UnknownEngine
     ],
 )
 def test_parses(spec: str, name: str, params: dict) -> None:
-    kind = from_name(spec)
+    kind = parse_engine(spec)
     assert kind.display_name == name
     assert dict(kind.params) == params
 
@@ -63,19 +63,19 @@ def test_parses(spec: str, name: str, params: dict) -> None:
         ("standard:window", MalformedEngineSpec, "is not key=value"),
         ("standard:window=4,window=5", MalformedEngineSpec, "given twice"),
         ("no-cache:window=4", MalformedEngineSpec, "takes no parameters"),
-        ("standard:", MalformedEngineSpec, "has a ':' but no parameters"),
-        ("no-cache: ", MalformedEngineSpec, "has a ':' but no parameters"),
+        ("standard:", MalformedEngineSpec, "a ':' but no parameters"),
+        ("no-cache: ", MalformedEngineSpec, "a ':' but no parameters"),
     ],
 )
 def test_rejects_with_a_message_that_helps(spec: str, error: type, fragment: str) -> None:
     with pytest.raises(error) as raised:
-        from_name(spec)
+        parse_engine(spec)
     assert fragment in str(raised.value)
 
 
 def test_unknown_engine_lists_every_supported_engine() -> None:
     with pytest.raises(UnknownEngine) as raised:
-        from_name("foo")
+        parse_engine("foo")
     for name in supported_names():
         assert name in str(raised.value)
 
@@ -84,15 +84,15 @@ def test_every_name_and_alias_round_trips() -> None:
     assert len(supported_names()) == len(set(supported_names())) == len(CATALOG.entries)
     for entry in CATALOG.entries:
         for name in entry.all_names:
-            kind = from_name(name)
+            kind = parse_engine(name)
             assert kind.display_name == entry.name
-            assert from_name(kind.spec()) == kind  # the canonical spec parses back
+            assert parse_engine(kind.spec()) == kind  # the canonical spec parses back
 
 
 @given(st.text(max_size=40))
 def test_any_string_parses_or_raises_a_typed_error(spec: str) -> None:
     try:
-        kind = from_name(spec)
+        kind = parse_engine(spec)
     except EngineSpecError as e:
         assert "supported: " + ", ".join(supported_names()) in str(e)
     else:
@@ -106,7 +106,7 @@ def test_any_string_parses_or_raises_a_typed_error(spec: str) -> None:
 def test_parameter_soup_parses_or_raises_typed(name: str, pairs: list[tuple[str, str]]) -> None:
     spec = name + (":" + ",".join(f"{k}={v}" for k, v in pairs) if pairs else "")
     try:
-        from_name(spec)
+        parse_engine(spec)
     except EngineSpecError as e:
         assert "supported: " + ", ".join(supported_names()) in str(e)
 
@@ -135,22 +135,22 @@ def test_split_specs_keeps_multi_parameter_specs_together() -> None:
 class TestPrecedence:
     def test_engine_flag_wins_over_env(self) -> None:
         choice = resolve_engine("no-cache", env={ENV_VAR: "standard:window=4"})
-        assert (choice.kind.spec(), choice.source) == ("no-cache", "--engine")
+        assert (choice.engine.spec(), choice.source) == ("no-cache", "--engine")
 
     def test_env_wins_over_kv_cache(self) -> None:
         choice = resolve_engine(None, "none", env={ENV_VAR: "standard:window=4"})
-        assert choice.kind.spec() == "standard:window=4"
+        assert choice.engine.spec() == "standard:window=4"
         assert choice.warnings  # the ignored --kv-cache is reported
 
     def test_kv_cache_when_nothing_else(self) -> None:
-        assert resolve_engine(None, "none", env={}).kind.spec() == "no-cache"
+        assert resolve_engine(None, "none", env={}).engine.spec() == "no-cache"
         bounded = resolve_engine(None, "markov-bounded", context_window=64, env={})
-        assert bounded.kind.spec() == "standard:window=64"
-        assert resolve_engine(None, "markov-bounded", env={}).kind.spec() == "standard"
+        assert bounded.engine.spec() == "standard:window=64"
+        assert resolve_engine(None, "markov-bounded", env={}).engine.spec() == "standard"
 
     def test_default_is_unbounded_standard(self) -> None:
         choice = resolve_engine(None, env={})
-        assert (choice.kind.spec(), choice.source, choice.warnings) == ("standard", "default", ())
+        assert (choice.engine.spec(), choice.source, choice.warnings) == ("standard", "default", ())
 
     def test_default_kv_cache_with_engine_gives_no_warning(self) -> None:
         assert resolve_engine("no-cache", "standard", env={}).warnings == ()

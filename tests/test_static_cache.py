@@ -12,7 +12,7 @@ from helpers import relative_error
 from larql.inference.engine import AnyEngine
 from larql.inference.ffn import DenseFfn, build_ffn
 from larql.inference.generation import generate, teacher_forced_logits
-from larql.kv import from_name
+from larql.kv import parse_engine
 from larql.kv.standard import StandardEngine
 from larql.kv.static_cache import StaticCacheEngine
 from larql.models import Model
@@ -51,8 +51,8 @@ def test_capacity_grows_past_the_first_allocation(smollm2: Model) -> None:
 
 
 def test_cpu_builds_the_eager_engine(smollm2: Model) -> None:
-    assert isinstance(from_name("standard").build(smollm2).inner, StandardEngine)
-    assert isinstance(from_name("standard:graph=0").build(smollm2).inner, StandardEngine)
+    assert isinstance(parse_engine("standard").build(smollm2).inner, StandardEngine)
+    assert isinstance(parse_engine("standard:graph=0").build(smollm2).inner, StandardEngine)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -66,9 +66,9 @@ def test_cuda_graph_path_gives_the_eager_tokens(dtype: torch.dtype) -> None:
     ids = model.tokenizer.encode(PROMPT)
     ffn = DenseFfn(model)
     spec = "standard" if dtype == torch.float32 else "standard:attention=sdpa"
-    fast = from_name(spec).build(model)
+    fast = parse_engine(spec).build(model)
     assert isinstance(fast.inner, StaticCacheEngine)
-    eager = from_name("standard:graph=0").build(model)
+    eager = parse_engine("standard:graph=0").build(model)
     fast_tokens = generate(
         fast, model, build_ffn(model, "dense"), ids, 64, stop_ids=frozenset()
     ).tokens
@@ -82,7 +82,7 @@ def test_cuda_graph_path_gives_the_eager_tokens(dtype: torch.dtype) -> None:
         truth = teacher_forced_logits(StandardEngine(), f32, DenseFfn(f32), long_ids, 6)
         errors = {
             spec: relative_error(
-                teacher_forced_logits(from_name(spec).build(model), model, ffn, long_ids, 6),
+                teacher_forced_logits(parse_engine(spec).build(model), model, ffn, long_ids, 6),
                 truth,
             )
             for spec in ("standard", "standard:graph=0")
@@ -108,8 +108,8 @@ def test_compiled_cuda_step_gives_the_eager_tokens() -> None:
     model = load_model("smollm2-135m", dtype=torch.float32, device="cuda")
     ids = model.tokenizer.encode(PROMPT)
     ffn = DenseFfn(model)
-    compiled = from_name("standard:compile=1").build(model)
-    eager = from_name("standard:graph=0").build(model)
+    compiled = parse_engine("standard:compile=1").build(model)
+    eager = parse_engine("standard:graph=0").build(model)
     compiled_tokens = generate(compiled, model, ffn, ids, 32, stop_ids=frozenset()).tokens
     eager_tokens = generate(eager, model, ffn, ids, 32, stop_ids=frozenset()).tokens
     assert compiled.dispatch_path() == "cuda-graph"
@@ -125,7 +125,7 @@ def test_eager_cuda_attention_keeps_out_of_cudnn() -> None:
     shape (~2 ms of host time per step on the H200 host, 13-19 tok/s for standard eager at fresh
     lengths against 96-110 after the change), so `attend` leaves it out on CUDA."""
     model = load_model("smollm2-135m", dtype=torch.bfloat16, device="cuda")
-    engine = from_name("standard:graph=0").build(model)
+    engine = parse_engine("standard:graph=0").build(model)
     ffn = DenseFfn(model)
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.prefill(model, ffn, model.tokenizer.encode(PROMPT))

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from helpers import steps_on_shared_state, teacher_forced
 from larql.inference.engine import AnyEngine, KvEngine
-from larql.inference.ffn import DenseFfn
+from larql.inference.ffn import DenseFfn, FfnBackend
 from larql.inference.generation import teacher_forced_logits
-from larql.kv import EngineSpecError, from_name
+from larql.kv import EngineSpecError, parse_engine
 from larql.kv.rows import GrowableRows
 from larql.kv.turbo_quant import TurboQuantCodec, TurboQuantEngine
 from larql.kv.turbo_quant.codebook import (
@@ -266,10 +266,10 @@ def test_store_keeps_only_the_last_rows() -> None:
     ],
 )
 def test_specs_parse(spec: str, bits: int) -> None:
-    kind = from_name(spec)
+    kind = parse_engine(spec)
     assert kind.display_name == "turbo-quant"
     assert kind.params["bits"] == bits
-    assert from_name(kind.spec()).params == kind.params
+    assert parse_engine(kind.spec()).params == kind.params
     engine = kind.build()
     assert isinstance(engine.inner, TurboQuantEngine) and engine.inner.bits == bits
     assert engine.info().config == f"bits={bits}"
@@ -280,14 +280,14 @@ def test_specs_parse(spec: str, bits: int) -> None:
 )
 def test_bad_specs_are_typed_errors(spec: str) -> None:
     with pytest.raises(EngineSpecError, match=r"turbo-quant|tq3"):
-        from_name(spec)
+        parse_engine(spec)
 
 
 # ---------------------------------------------------------------------------- engine
 
 
 def run_engine(model: Model, spec: str, prompt: list[int], steps: list[int]) -> AnyEngine:
-    engine = from_name(spec).build(model)
+    engine = parse_engine(spec).build(model)
     ffn = DenseFfn(model)
     with torch.inference_mode():
         engine.prefill(model, ffn, prompt)
@@ -300,7 +300,7 @@ def run_engine(model: Model, spec: str, prompt: list[int], steps: list[int]) -> 
 def test_memory_is_the_bytes_stored(bits: int, smollm2: Model) -> None:
     cfg = smollm2.config
     ids = smollm2.tokenizer.encode(PROMPT)
-    engine = from_name(f"turbo-quant:bits={bits}").build(smollm2)
+    engine = parse_engine(f"turbo-quant:bits={bits}").build(smollm2)
     ffn = DenseFfn(smollm2)
     row = 2 * cfg.num_kv_heads * (4 + math.ceil(cfg.head_dim * bits / 8))
     with torch.inference_mode():
@@ -329,9 +329,9 @@ def test_prefill_is_exact(smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode(PROMPT)
     ffn = DenseFfn(smollm2)
     with torch.inference_mode():
-        exact = from_name("standard").build(smollm2).prefill(smollm2, ffn, ids)
+        exact = parse_engine("standard").build(smollm2).prefill(smollm2, ffn, ids)
         for spec in ("tq2", "tq4"):
-            ours = from_name(spec).build(smollm2).prefill(smollm2, ffn, ids)
+            ours = parse_engine(spec).build(smollm2).prefill(smollm2, ffn, ids)
             assert torch.equal(ours, exact)
 
 
@@ -428,7 +428,7 @@ def test_rotated_basis_attention_with_soft_capped_scores(tiny_gemma2: Model) -> 
     assert rotated_vs_decoded(tiny_gemma2, random_ids(24, seed=6), 9, 4) <= 1e-5
 
 
-class ScaledFfn:
+class ScaledFfn(FfnBackend):
     """The dense FFN scaled by a constant: an FFN only an engine that honours it would use."""
 
     name = "scaled"
@@ -446,15 +446,15 @@ def test_the_given_ffn_backend_is_used(smollm2: Model) -> None:
     layers = smollm2.config.num_layers
     with torch.inference_mode():
         ffn = ScaledFfn(smollm2, 0.5)
-        engine = from_name("tq4").build(smollm2)
+        engine = parse_engine("tq4").build(smollm2)
         ours = engine.prefill(smollm2, ffn, ids)
         reference = (
-            from_name("standard").build(smollm2).prefill(smollm2, ScaledFfn(smollm2, 0.5), ids)
+            parse_engine("standard").build(smollm2).prefill(smollm2, ScaledFfn(smollm2, 0.5), ids)
         )
         assert torch.equal(ours, reference)
         engine.decode_step(smollm2, ffn, 42)
         assert ffn.calls == 2 * layers
-        dense = from_name("tq4").build(smollm2).prefill(smollm2, DenseFfn(smollm2), ids)
+        dense = parse_engine("tq4").build(smollm2).prefill(smollm2, DenseFfn(smollm2), ids)
         assert not torch.allclose(ours, dense)
 
 
@@ -463,7 +463,7 @@ def test_profiling_does_not_change_outputs(smollm2: Model) -> None:
     ffn = DenseFfn(smollm2)
     outputs = {}
     for profiling in (False, True):
-        engine = from_name("tq3").build(smollm2, profiling=profiling)
+        engine = parse_engine("tq3").build(smollm2, profiling=profiling)
         outputs[profiling] = teacher_forced_logits(
             engine, smollm2, ffn, [*ids, 42, 43, 44], len(ids)
         )

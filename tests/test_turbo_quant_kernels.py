@@ -1,4 +1,4 @@
-"""turbo-quant's Triton kernels (`larql.kernels.turbo_quant`) against the torch codec and a
+"""turbo-quant's Triton kernels (`larql.kv.turbo_quant.kernels`) against the torch codec and a
 float64 attention over the decoded rows, and the engine that uses them against its torch path.
 
 On a CUDA machine the kernels run compiled; on a CPU machine with Triton installed, in Triton's
@@ -17,7 +17,7 @@ from helpers import kernel_module, model_for_kernels, relative_error, steps_on_s
 from larql.inference.engine import KvEngine
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import generate
-from larql.kv import captured_step, from_name
+from larql.kv import captured_step, parse_engine
 from larql.kv.rows import GrowableRows
 from larql.kv.turbo_quant import TurboQuantEngine
 from larql.kv.turbo_quant.codec import TurboQuantCodec, split_norms
@@ -33,7 +33,7 @@ PROMPT = "Alice put the red ball in the box, and Bob"
 
 @pytest.fixture(scope="module")
 def kernels() -> ModuleType:
-    return kernel_module("turbo_quant")
+    return kernel_module("larql.kv.turbo_quant.kernels")
 
 
 def draw(generator: torch.Generator, *size: int) -> torch.Tensor:
@@ -257,13 +257,13 @@ def test_kernel_path_rings_sliding_layers_and_grows_full_ones(
 def test_spec_picks_the_path(smollm2: Model, monkeypatch) -> None:
     model = model_for_kernels(smollm2, monkeypatch)
     for spec, on_kernels in (("turbo-quant", True), ("turbo-quant:attention=sdpa", False)):
-        engine = from_name(spec).build(model).inner
+        engine = parse_engine(spec).build(model).inner
         assert isinstance(engine, TurboQuantEngine)
         with torch.inference_mode():
             engine.prefill(model, DenseFfn(model), model.tokenizer.encode(PROMPT))
         assert isinstance(engine._fast, KernelPath) == on_kernels
         assert ("triton kernels" in engine.info().description) == on_kernels
-    assert from_name("turbo-quant:graph=0").build(model).inner.use_graph is False
+    assert parse_engine("turbo-quant:graph=0").build(model).inner.use_graph is False
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -274,7 +274,7 @@ def test_cuda_graph_step_gives_the_eager_kernel_tokens(dtype: torch.dtype) -> No
     model = load_model("smollm2-135m", dtype=dtype, device="cuda")
     ids = model.tokenizer.encode(PROMPT)
     ffn = DenseFfn(model)
-    engines = [from_name(spec).build(model) for spec in ("turbo-quant", "turbo-quant:graph=0")]
+    engines = [parse_engine(spec).build(model) for spec in ("turbo-quant", "turbo-quant:graph=0")]
     runs = [generate(e, model, ffn, ids, 64, stop_ids=frozenset()) for e in engines]
     assert engines[0].dispatch_path() == "cuda-graph"
     assert engines[1].dispatch_path() == "static"

@@ -12,11 +12,12 @@ from typer.testing import CliRunner
 
 from larql.cli.app import app
 from larql.inference.ffn import DenseFfn, build_ffn
-from larql.inference.ffn_walk import WalkFfn, down_tokens, firing_features
+from larql.inference.ffn.introspect import down_tokens, firing_features
+from larql.inference.ffn.walk import WalkFfn
 from larql.inference.forward import run_layers
 from larql.inference.generation import generate, teacher_forced_logits
 from larql.inference.layer import embed, final_logits, token_tensor
-from larql.kv import from_name
+from larql.kv import parse_engine
 from larql.kv.resolve import ENV_VAR
 from larql.models import Model
 
@@ -58,7 +59,7 @@ def test_walk_without_a_real_k_is_bit_identical_to_dense(smollm2: Model, k: int 
 
 def test_walk_policy_generation_is_bit_identical_to_dense(smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode("The capital of France is")
-    engine = from_name("standard")
+    engine = parse_engine("standard")
     walked = teacher_forced_logits(engine.build(smollm2), smollm2, build_ffn(smollm2, "walk"),
                                    smollm2.tokenizer.encode(TEXT), 6)  # fmt: skip
     dense = teacher_forced_logits(engine.build(smollm2), smollm2, DenseFfn(smollm2),
@@ -88,7 +89,7 @@ def test_walk_is_the_sum_over_its_top_k_features(smollm2_f64: Model, k: int, row
 
 def test_walk_with_most_features_changes_the_output_but_stays_close(smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode(TEXT)
-    engine = from_name("standard")
+    engine = parse_engine("standard")
     dense = teacher_forced_logits(engine.build(smollm2), smollm2, DenseFfn(smollm2), ids, 4)
     walked = teacher_forced_logits(engine.build(smollm2), smollm2,
                                    build_ffn(smollm2, "walk:k=1024"), ids, 4)  # fmt: skip

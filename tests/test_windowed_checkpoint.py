@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import full_forward_logits, relative_error, teacher_forced
-from larql.inference.engine import InvariantViolation
+from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import DenseFfn
 from larql.inference.layer import (
     effective_window,
@@ -27,7 +27,7 @@ from larql.inference.layer import (
     rms_norm,
     token_tensor,
 )
-from larql.kv import from_name
+from larql.kv import parse_engine
 from larql.kv.spec import EngineBuildError, MalformedEngineSpec
 from larql.kv.windowed_checkpoint import WindowedCheckpointEngine
 from larql.models import Model, load_model
@@ -86,13 +86,13 @@ def run(engine, model: Model, ids: list[int], prompt_len: int) -> list[torch.Ten
 
 def test_spec_names_defaults_and_validation() -> None:
     for name in ("windowed-checkpoint", "unlimited-context", "unlimited", "unlimited_context"):
-        kind = from_name(name)
+        kind = parse_engine(name)
         assert kind.display_name == "windowed-checkpoint"
         assert kind.params["window"] == 512
-    assert from_name("windowed_checkpoint:window=7").params["window"] == 7
+    assert parse_engine("windowed_checkpoint:window=7").params["window"] == 7
     for bad in ("windowed-checkpoint:window=0", "unlimited:window=-3", "unlimited:window=abc"):
         with pytest.raises(MalformedEngineSpec, match="window"):
-            from_name(bad)
+            parse_engine(bad)
     with pytest.raises(EngineBuildError):
         WindowedCheckpointEngine(window=0)
 

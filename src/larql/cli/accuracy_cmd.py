@@ -70,11 +70,11 @@ def accuracy(
     from larql.harness.accuracy.aggregate import served_lines, split_table
     from larql.harness.accuracy.report import fidelity_table
     from larql.harness.accuracy.run import AccuracySettings, run_accuracy
-    from larql.inference.ffn_policy import FfnLayerPolicy, split_specs
+    from larql.inference.ffn.policy import FfnLayerPolicy, split_specs
     from larql.kv.catalog import CATALOG
 
     specs = CATALOG.split_specs(engines or default_engines())
-    kinds = [CATALOG.from_name(s) for s in specs]
+    kinds = [CATALOG.parse(s) for s in specs]
     if not kinds:
         raise InvalidInput(f"--engines lists no engine; {CATALOG.supported_message()}")
     ffn_specs = split_specs(ffn) or ["dense"]

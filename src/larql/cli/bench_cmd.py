@@ -13,7 +13,6 @@ from larql.cli.common import InvalidInput, open_model, stderr, stdout, user_erro
 from larql.cli.ffn_options import (
     FfnPolicyOption,
     FfnUrlOption,
-    build_router,
     check_policy,
     ffn_policy_spec,
 )
@@ -76,6 +75,7 @@ def bench(
     from larql.harness.bench.report import render_table, save_plot, stage_tables
     from larql.harness.bench.run import default_specs, run_bench
     from larql.harness.contexts import context_ids
+    from larql.inference.ffn import build_ffn
     from larql.kv.catalog import CATALOG
 
     if output not in ("table", "json"):
@@ -91,7 +91,7 @@ def bench(
         if value < low:
             raise InvalidInput(f"{name} must be ≥ {low}, got {value}")
     specs = CATALOG.split_specs(engine) if engine else default_specs()
-    kinds = [CATALOG.from_name(spec) for spec in specs]
+    kinds = [CATALOG.parse(spec) for spec in specs]
     if not kinds:
         raise InvalidInput(f"--engine lists no engine; {CATALOG.supported_message()}")
     depth_list = parse_depths(depths)
@@ -113,7 +113,7 @@ def bench(
         if len(ids) + warmup + tokens > limit:
             raise InvalidInput(f"depth {d}: {len(ids)} + {warmup + tokens} tokens exceed the "
                                f"model's context of {limit}")  # fmt: skip
-    router = build_router(lm, ffn_spec)
+    router = build_ffn(lm, ffn_spec)
     settings = BenchSettings(new_tokens=tokens, warmup=warmup, repeats=repeats, profile=profile)
     total = len(prompts) * (len(kinds) + (1 if vs_hf else 0))
     with Progress(console=stderr, transient=True) as bar:

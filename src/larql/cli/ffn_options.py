@@ -3,15 +3,11 @@ and `--ffn URL` (an FFN shard on every layer, shorthand for `remote-walk:endpoin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
 from larql.cli.common import InvalidInput
-
-if TYPE_CHECKING:
-    from larql.inference.ffn_policy import LayerFfnRouter
-    from larql.models.model import Model
 
 FfnPolicyOption = Annotated[
     str | None,
@@ -45,12 +41,6 @@ def ffn_policy_spec(policy: str | None, url: str | None, default: str = "dense")
 
 def check_policy(spec: str) -> None:
     """Parse early, before a model is loaded, so a typo fails fast."""
-    from larql.inference.ffn_policy import FfnLayerPolicy
+    from larql.inference.ffn.policy import FfnLayerPolicy
 
     FfnLayerPolicy.from_spec(spec)
-
-
-def build_router(model: Model, spec: str) -> LayerFfnRouter:
-    from larql.inference.ffn_policy import FfnLayerPolicy
-
-    return FfnLayerPolicy.from_spec(spec).validate_for(model.config.num_layers).build_router(model)

@@ -20,7 +20,6 @@ from larql.cli.common import (
 from larql.cli.ffn_options import (
     FfnPolicyOption,
     FfnUrlOption,
-    build_router,
     check_policy,
     ffn_policy_spec,
 )
@@ -58,6 +57,7 @@ def run(
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Generate text from PROMPT with the chosen KV engine."""
+    from larql.inference.ffn import build_ffn
     from larql.inference.generation import generate
     from larql.inference.sampling import Sampler, SamplingParams
     from larql.kv.resolve import resolve_engine
@@ -70,15 +70,15 @@ def run(
     ffn_spec = ffn_policy_spec(ffn_policy, ffn)
     check_policy(ffn_spec)
     choice = resolve_engine(engine, kv_cache, context_window)
-    choice.kind.require_live_decode()
+    choice.engine.require_live_decode()
     for warning in choice.warnings:
         stderr.print(f"warning: {warning}")
     text = read_prompt(prompt)
     lm = open_model(model, dtype, device)
     prompt_ids = encode_prompt(lm, text, chat)
     check_context(lm, len(prompt_ids))
-    built = choice.kind.build(lm)
-    router = build_router(lm, ffn_spec)
+    built = choice.engine.build(lm)
+    router = build_ffn(lm, ffn_spec)
     stream = lm.tokenizer.stream_decoder()
     stop_ids = lm.tokenizer.stop_ids
 
@@ -99,7 +99,7 @@ def run(
             json.dumps(
                 {
                     "model": lm.name,
-                    "engine": choice.kind.spec(),
+                    "engine": choice.engine.spec(),
                     "prompt_tokens": len(prompt_ids),
                     "tokens": result.tokens,
                     "text": lm.tokenizer.decode(visible),

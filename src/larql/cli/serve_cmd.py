@@ -61,16 +61,16 @@ def serve(
     from larql.kv.resolve import resolve_engine
 
     choice = resolve_engine(engine)
-    choice.kind.require_live_decode()
+    choice.engine.require_live_decode()
     lm = open_model(model, dtype, device, threads)
-    choice.kind.build(lm)  # a spec that cannot be built for this model fails now, not per request
+    choice.engine.build(lm)  # a spec that cannot be built for this model fails now, not per request
 
     from larql.server.app import create_app
     from larql.server.runner import serve_forever
     from larql.server.settings import ServerSettings
 
     settings = ServerSettings(
-        default_engine=choice.kind,
+        default_engine=choice.engine,
         max_sessions=max_sessions,
         max_queue=max_queue,
         max_prompt_tokens=max_prompt_tokens,
@@ -81,8 +81,8 @@ def serve(
 
     def announce(url: str) -> None:
         stderr.print(
-            f"larql serve: {lm.name} on {url}  (engine {choice.kind.spec()} from {choice.source}, "
-            f"{max_sessions} sessions, queue {max_queue})"
+            f"larql serve: {lm.name} on {url}  (engine {choice.engine.spec()} from "
+            f"{choice.source}, {max_sessions} sessions, queue {max_queue})"
         )
 
     serve_forever(create_app(lm, settings), host, port, announce)

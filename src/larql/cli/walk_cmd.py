@@ -17,7 +17,7 @@ from larql.cli.common import (
     stdout,
     user_errors,
 )
-from larql.cli.ffn_options import FfnPolicyOption, build_router, check_policy
+from larql.cli.ffn_options import FfnPolicyOption, check_policy
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption
 
 OUTPUTS = ("table", "json")
@@ -87,23 +87,24 @@ def walk(
     if top < 1 or max_tokens < 1:
         raise InvalidInput("--top and -n/--max-tokens must be ≥ 1")
     from larql.cli.walk_modes import compare_walk, feature_rows, predict_tokens
+    from larql.inference.ffn import build_ffn
     from larql.kv.resolve import resolve_engine
 
     spec = walk_policy(k, ffn_policy)
     check_policy(spec)
     choice = resolve_engine(engine) if predict else None
     if choice is not None:
-        choice.kind.require_live_decode()
+        choice.engine.require_live_decode()
     text = read_prompt(prompt)
     lm = open_model(model, dtype, device)
     ids = lm.tokenizer.encode(text)
     check_context(lm, len(ids))
     shown = parse_layers(layers, lm.config.num_layers)
-    router = build_router(lm, spec)
+    router = build_ffn(lm, spec)
     try:
         if predict:
             assert choice is not None
-            data = predict_tokens(lm, router, choice.kind.build(lm), choice.kind.spec(), ids,
+            data = predict_tokens(lm, router, choice.engine.build(lm), choice.engine.spec(), ids,
                                   max_tokens, output == "table")  # fmt: skip
         elif compare:
             data = compare_walk(lm, router, ids)

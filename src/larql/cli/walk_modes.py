@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from larql.cli.common import stderr
-from larql.cli.ffn_options import build_router
-from larql.inference.ffn import NullFfn
-from larql.inference.ffn_policy import LayerFfnRouter
-from larql.inference.ffn_walk import LastRowRecorder, WalkFfn, down_tokens, firing_features
+from larql.inference.ffn import NullFfn, build_ffn
+from larql.inference.ffn.introspect import LastRowRecorder, down_tokens, firing_features
+from larql.inference.ffn.policy import LayerFfnRouter
+from larql.inference.ffn.walk import WalkFfn
 from larql.inference.forward import run_layers
 from larql.inference.generation import generate
 from larql.inference.layer import embed, final_logits, token_tensor
@@ -66,7 +66,7 @@ def feature_rows(
 
 
 def compare_walk(model: Model, router: LayerFfnRouter, ids: list[int]) -> dict[str, Any]:
-    dense = build_router(model, "dense")
+    dense = build_ffn(model, "dense")
     p_logits, q_logits = forward_logits(model, dense, ids), forward_logits(model, router, ids)
     log_p = torch.log_softmax(p_logits.double(), -1)
     log_q = torch.log_softmax(q_logits.double(), -1)

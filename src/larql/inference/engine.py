@@ -1,6 +1,6 @@
 """The engine protocol: `KvEngine` (keeps decode state, takes an FFN backend), `RetrievalEngine`
-(its sibling, no FFN, no K/V), `AnyEngine` (the one type the harnesses hold), and the typed
-`EngineError`s of the reference (§2.2).
+(its sibling, no FFN, no K/V) and `AnyEngine` (the one type the harnesses hold). Their typed
+failures are in `errors`.
 
 Output contract: `prefill` and `decode_step` return the pre-final-norm hidden state of the last
 position, shape [1, H]; the caller turns it into logits with `layer.final_logits`.
@@ -14,63 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from larql.errors import LarqlError
+from larql.inference.errors import BackendUnavailable, EmptyPrompt
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import embed, token_tensor
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import DecodeStageSummary
 from larql.models.model import Model
-
-# ---------------------------------------------------------------------------- errors
-
-
-class EngineError(LarqlError):
-    """Base of the five engine failures; `recoverable` says whether a caller may go on."""
-
-    recoverable: bool = False
-
-
-class EmptyPrompt(EngineError):
-    recoverable = True
-
-    def __init__(self) -> None:
-        super().__init__("engine called with empty prompt")
-
-
-class BackendUnavailable(EngineError):
-    recoverable = True
-
-    def __init__(self, detail: str = "") -> None:
-        # The reference's bare text; with a detail (a missing capability, an unreachable FFN
-        # shard) the detail says what is unavailable.
-        message = (
-            f"backend unavailable: {detail}"
-            if detail
-            else ("backend does not support this operation")
-        )
-        super().__init__(message)
-        self.detail = detail
-
-
-class RetrievalMiss(EngineError):
-    recoverable = True
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"retrieval miss: {reason}")
-        self.reason = reason
-
-
-class InvariantViolation(EngineError):
-    def __init__(self, what: str) -> None:
-        super().__init__(f"engine invariant violated: {what}")
-        self.what = what
-
-
-class BackendFailure(EngineError):
-    def __init__(self, details: str) -> None:
-        super().__init__(f"backend operation failed: {details}")
-        self.details = details
-
 
 # ---------------------------------------------------------------------------- descriptions
 

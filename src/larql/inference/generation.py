@@ -12,7 +12,8 @@ from typing import Literal
 
 import torch
 
-from larql.inference.engine import AnyEngine, EmptyPrompt, InvariantViolation
+from larql.inference.engine import AnyEngine
+from larql.inference.errors import EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import final_logits
 from larql.inference.sampling import Sampler

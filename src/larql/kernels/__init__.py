@@ -1,18 +1,18 @@
-"""Triton kernels for the CUDA decode step (one query row per step): `decode_attention` for the
-static-cache fast path of `standard`, `turbo_quant` for turbo-quant's attention over packed codes
-and its encoder, and `online_softmax`, the device functions the two attentions share.
+"""Generic Triton kernels for the CUDA decode step (one query row per step): `decode_attention`
+for the static-cache fast path of `standard`, and `online_softmax`, the device functions every
+attention kernel shares (turbo-quant's, which reads its codec's bytes, lives beside the codec in
+`larql.kv.turbo_quant.kernels`).
 
 Triton comes with torch's CUDA builds; a CPU install may have none, and nothing imports these
 modules unless `triton_available` says they run. Each kernel has a torch path it replaces
-(`attend_static` in `larql.inference.layer`; turbo-quant's torch codec and rotated-basis
-attention), kept as the reference the tests compare it with and selectable with `attention=sdpa`.
+(`attend_static` in `larql.inference.layer`), kept as the reference the tests compare it with and
+selectable with `attention=sdpa`.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from types import ModuleType
 
 import torch
 
@@ -34,12 +34,3 @@ def decode_attention_kernel(device: torch.device) -> DecodeAttention | None:
     from larql.kernels import decode_attention as module
 
     return module.decode_attention_op if device.type == "cuda" else module.decode_attention
-
-
-def turbo_quant_kernels(device: torch.device) -> ModuleType | None:
-    """`larql.kernels.turbo_quant` where Triton runs on `device`, else None."""
-    if not triton_available(device):
-        return None
-    from larql.kernels import turbo_quant
-
-    return turbo_quant

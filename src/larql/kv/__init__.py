@@ -1,13 +1,13 @@
 """What state is kept: the engine spec parser, the catalog and one module per engine."""
 
-from larql.kv.catalog import CATALOG, from_name, split_specs, supported_names
-from larql.kv.spec import EngineKind, EngineSpecError
+from larql.kv.catalog import CATALOG, parse_engine, split_specs, supported_names
+from larql.kv.spec import EngineSpec, EngineSpecError
 
 __all__ = [
     "CATALOG",
-    "EngineKind",
+    "EngineSpec",
     "EngineSpecError",
-    "from_name",
+    "parse_engine",
     "split_specs",
     "supported_names",
 ]

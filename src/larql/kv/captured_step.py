@@ -98,7 +98,7 @@ class CapturedStep:
         `preserve` are the state tensors that run must leave as they were (a ring buffer whose
         new row overwrites one the step reads); state the replay rewrites identically (a row
         at the position) needs nothing."""
-        if not (model.device.type == "cuda" and getattr(ffn, "graph_safe", False)):
+        if not (model.device.type == "cuda" and ffn.graph_safe):
             return False
         if self._graph is not None and self._ffn is ffn:
             return True

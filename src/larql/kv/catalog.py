@@ -16,12 +16,13 @@ from larql.kv.residual import (
     MarkovResidualCodecEngine,
     MarkovResidualEngine,
 )
-from larql.kv.spec import EngineCatalog, EngineEntry, EngineKind, Param, at_least, one_of
+from larql.kv.spec import EngineCatalog, EngineEntry, EngineSpec
 from larql.kv.standard import StandardEngine
 from larql.kv.static_cache import StaticCacheEngine
 from larql.kv.turbo_quant import TurboQuantEngine
 from larql.kv.windowed_checkpoint import DEFAULT_WINDOW, WindowedCheckpointEngine
 from larql.models.model import Model
+from larql.specs import Param, at_least, one_of
 
 WINDOW_DOC = "keys each query sees, itself included (none = unbounded)"
 
@@ -263,8 +264,8 @@ def catalog_rows() -> list[dict[str, Any]]:
     ]
 
 
-def from_name(spec: str) -> EngineKind:
-    return CATALOG.from_name(spec)
+def parse_engine(spec: str) -> EngineSpec:
+    return CATALOG.parse(spec)
 
 
 def supported_names() -> list[str]:

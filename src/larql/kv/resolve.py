@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from larql.kv.catalog import from_name
-from larql.kv.spec import EngineKind, MalformedEngineSpec
+from larql.kv.catalog import parse_engine
+from larql.kv.spec import EngineSpec, MalformedEngineSpec
 
 ENV_VAR = "LARQL_KV_ENGINE"
 KV_CACHE_CHOICES = ("standard", "markov-bounded", "none")
@@ -26,7 +26,7 @@ _KV_CACHE_ALIASES = {
 
 @dataclass(frozen=True)
 class EngineChoice:
-    kind: EngineKind
+    engine: EngineSpec
     source: str  # "--engine", "LARQL_KV_ENGINE", "--kv-cache" or "default"
     warnings: tuple[str, ...] = ()
 
@@ -49,10 +49,10 @@ def resolve_engine(
         warnings = ()
         if legacy != "standard":
             warnings = (f"--kv-cache {kv_cache} is ignored: {source} {spec!r} wins",)
-        return EngineChoice(from_name(spec), source, warnings)
+        return EngineChoice(parse_engine(spec), source, warnings)
     if legacy == "markov-bounded":
         window = f":window={context_window}" if context_window > 0 else ""
-        return EngineChoice(from_name(f"standard{window}"), "--kv-cache")
+        return EngineChoice(parse_engine(f"standard{window}"), "--kv-cache")
     if legacy == "none":
-        return EngineChoice(from_name("no-cache"), "--kv-cache")
-    return EngineChoice(from_name("standard"), "default")
+        return EngineChoice(parse_engine("no-cache"), "--kv-cache")
+    return EngineChoice(parse_engine("standard"), "default")

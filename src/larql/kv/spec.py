@@ -1,9 +1,8 @@
-"""Engine spec strings: `name` or `name:key=value[,key=value…]` (reference §3.1), parsed strictly.
-
-A spec is split at the first `:`, its parameters on `,` and each parameter at the first `=`.
-Names are case-insensitive and trimmed. Anything the catalog does not know — an engine name, a
-parameter, a value of the wrong type or out of range — is an `EngineSpecError` that names what
-was wrong and what is accepted (DESIGN decision 3: never a silent default).
+"""Engine specs: the catalog of engines (`EngineCatalog`, one `EngineEntry` per engine) and what
+parsing a spec string gives (`EngineSpec`). The grammar — `name` or
+`name:key=value[,key=value…]`, strict — is `larql.specs`'; anything the catalog does not know (an
+engine name, a parameter, a value of the wrong type or out of range) is an `EngineSpecError`
+that names what was wrong and what is accepted.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from typing import Any, Literal
 from larql.errors import LarqlError
 from larql.inference.engine import AnyEngine, KvEngine, RetrievalEngine
 from larql.models.model import Model
+from larql.specs import Param, accepted, parse_params, split_name, split_specs
 
 
 class EngineSpecError(LarqlError):
@@ -35,43 +35,6 @@ class EngineBuildError(EngineSpecError):
 
 class NotAvailableForLiveDecode(EngineSpecError):
     """Retrieval engines serve bench and accuracy, not run / walk / serve."""
-
-
-@dataclass(frozen=True)
-class Param:
-    name: str
-    type: type  # int, float or str
-    default: Any  # None = absent (e.g. unbounded window)
-    doc: str
-    check: Callable[[Any], str | None] | None = None  # returns an error message or None
-
-    def parse(self, raw: str, engine: str) -> Any:
-        try:
-            value = self.type(raw)
-        except ValueError:
-            kind = {int: "an integer", float: "a number", str: "a string"}[self.type]
-            raise MalformedEngineSpec(
-                f"{engine}: {self.name}={raw!r} is not {kind}; {self.name}: {self.doc}"
-            ) from None
-        if self.type is str and not value:
-            raise MalformedEngineSpec(f"{engine}: {self.name} must not be empty")
-        problem = self.check(value) if self.check else None
-        if problem:
-            raise MalformedEngineSpec(f"{engine}: {self.name}={raw} {problem}")
-        return value
-
-    def describe(self) -> str:
-        default = "none" if self.default is None else self.default
-        return f"{self.name}={self.type.__name__} (default {default})"
-
-
-def at_least(n: int) -> Callable[[Any], str | None]:
-    return lambda v: None if v >= n else f"must be ≥ {n}"
-
-
-def one_of(*allowed: Any) -> Callable[[Any], str | None]:
-    choices = ", ".join(str(a) for a in allowed)
-    return lambda v: None if v in allowed else f"must be one of {choices}"
 
 
 # The factory gets the resolved parameters and, when known, the model it will decode with.
@@ -102,8 +65,8 @@ class EngineEntry:
 
 
 @dataclass(frozen=True)
-class EngineKind:
-    """A parsed spec: which engine and its parameters (defaults filled in)."""
+class EngineSpec:
+    """A parsed engine spec: which engine and its parameters (defaults filled in)."""
 
     entry: EngineEntry
     params: Mapping[str, Any]
@@ -118,7 +81,7 @@ class EngineKind:
 
     def spec(self) -> str:
         """Canonical spec string (defaults left out); parsing it gives back an equal
-        `EngineKind`."""
+        `EngineSpec`."""
         defaults = {p.name: p.default for p in self.entry.params}
         shown = [f"{k}={v}" for k, v in self.params.items() if v is not None and v != defaults[k]]
         return f"{self.entry.name}:{','.join(shown)}" if shown else self.entry.name
@@ -136,7 +99,7 @@ class EngineKind:
 
 
 class EngineCatalog:
-    """The engines `from_name` knows, in display order."""
+    """The engines `parse_engine` knows, in display order."""
 
     def __init__(self) -> None:
         self._entries: list[EngineEntry] = []
@@ -159,80 +122,43 @@ class EngineCatalog:
     def supported_message(self) -> str:
         return "supported: " + ", ".join(self.supported_names())
 
-    def from_name(self, spec: str) -> EngineKind:
+    def parse(self, spec: str) -> EngineSpec:
         try:
             return self._parse(spec)
         except MalformedEngineSpec as e:
             raise MalformedEngineSpec(f"{e} ({self.supported_message()})") from None
 
-    def _parse(self, spec: str) -> EngineKind:
-        name, colon, raw_params = spec.partition(":")
-        name = name.strip().lower()
+    def _parse(self, spec: str) -> EngineSpec:
+        written, raw_params, colon = split_name(spec)
+        name = written.lower()
         entry = self._by_name.get(name)
         if entry is None:
             shown = repr(spec.strip()) if spec.strip() else "an empty spec"
             raise UnknownEngine(f"unknown engine {shown}; {self.supported_message()}")
-        if colon and not raw_params.strip():
-            raise MalformedEngineSpec(
-                f"{spec.strip()!r} has a ':' but no parameters; write {entry.name!r} alone, or "
-                f"{entry.name}:key=value; {self._accepted(entry)}"
-            )
-        params: dict[str, Any] = {p.name: p.default for p in entry.params}
-        fixed = entry.fixed.get(name, {})
-        params.update(fixed)
-        seen: set[str] = set()
-        for piece in raw_params.split(",") if raw_params.strip() else []:
-            key, eq, raw = piece.partition("=")
-            key = key.strip()
-            if not eq or not key:
-                raise MalformedEngineSpec(
-                    f"{entry.name}: {piece.strip()!r} is not key=value; {self._accepted(entry)}"
-                )
-            param = entry.param(key)
-            if param is None:
-                raise MalformedEngineSpec(
-                    f"{entry.name}: unknown parameter {key!r}; {self._accepted(entry)}"
-                )
-            if key in seen:
-                raise MalformedEngineSpec(f"{entry.name}: {key} given twice")
-            seen.add(key)
-            value = param.parse(raw.strip(), entry.name)
-            if key in fixed and fixed[key] != value:
-                raise MalformedEngineSpec(
-                    f"{name} fixes {key}={fixed[key]}; use {entry.name}:{key}={value} instead"
-                )
-            params[key] = value
-        return EngineKind(entry, params)
+        params = parse_params(
+            entry.name,
+            entry.params,
+            raw_params,
+            colon,
+            MalformedEngineSpec,
+            fixed=entry.fixed.get(name),
+            alias=name,
+        )
+        return EngineSpec(entry, params)
 
     def parses(self, spec: str) -> bool:
         try:
-            self.from_name(spec)
+            self.parse(spec)
         except EngineSpecError:
             return False
         return True
 
     def split_specs(self, specs: str) -> list[str]:
-        """Split an engine list (reference §3.4). With `;` anywhere, `;` separates specs.
-        Otherwise commas do, except that a piece which does not parse on its own continues
-        the previous spec (`boundary-kv:chunk_tokens=64,sequence_id=demo` stays one)."""
-        if ";" in specs:
-            return [s.strip() for s in specs.split(";") if s.strip()]
-        out: list[str] = []
-        for piece in (p.strip() for p in specs.split(",")):
-            if not piece:
-                continue
-            if out and not self.parses(piece) and _looks_like_param(piece):
-                out[-1] = f"{out[-1]},{piece}"
-            else:
-                out.append(piece)
-        return out
+        """Split an engine list: with `;` anywhere, `;` separates specs; otherwise commas do,
+        except that a piece which does not parse on its own continues the previous spec
+        (`boundary-kv:chunk_tokens=64,sequence_id=demo` stays one)."""
+        return split_specs(specs, self.parses)
 
     @staticmethod
     def _accepted(entry: EngineEntry) -> str:
-        if not entry.params:
-            return f"{entry.name} takes no parameters"
-        return "accepted: " + ", ".join(p.describe() for p in entry.params)
-
-
-def _looks_like_param(piece: str) -> bool:
-    return "=" in piece and ":" not in piece.split("=", 1)[0]
+        return accepted(entry.name, entry.params)

@@ -12,13 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from larql.inference.engine import (
-    EmptyPrompt,
-    EngineInfo,
-    InvariantViolation,
-    KvEngine,
-    backend_name,
-)
+from larql.inference.engine import EngineInfo, KvEngine, backend_name
+from larql.inference.errors import EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import effective_window, embed, layer_step, token_tensor
 from larql.inference.memory import MemoryBreakdown

@@ -21,13 +21,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from larql.inference.engine import (
-    EmptyPrompt,
-    EngineInfo,
-    InvariantViolation,
-    KvEngine,
-    backend_name,
-)
+from larql.inference.engine import EngineInfo, KvEngine, backend_name
+from larql.inference.errors import EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
     attend_static,

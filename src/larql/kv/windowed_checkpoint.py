@@ -25,13 +25,8 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from larql.inference.engine import (
-    EmptyPrompt,
-    EngineInfo,
-    InvariantViolation,
-    KvEngine,
-    backend_name,
-)
+from larql.inference.engine import EngineInfo, KvEngine, backend_name
+from larql.inference.errors import EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import FreshKv, attention_block, embed, ffn_block, token_tensor
 from larql.inference.memory import MemoryBreakdown

@@ -2,7 +2,7 @@
 `remote-walk` backend can run its layers elsewhere.
 
     POST /v1/walk-ffn   one layer or a batch of layers of one residual → FFN output
-                        (binary framing of `larql.inference.ffn_wire`, or JSON)
+                        (binary framing of `larql.inference.ffn.wire`, or JSON)
     GET  /v1/stats      what the shard serves and what it has done
     GET  /health        liveness
 
@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from larql.errors import LarqlError
-from larql.inference.ffn_walk import WalkFfn
-from larql.inference.ffn_wire import (
+from larql.inference.ffn.walk import WalkFfn
+from larql.inference.ffn.wire import (
     F32,
     JSON_MEDIA_TYPE,
     MEDIA_TYPES,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from larql.errors import LarqlError
 from larql.inference.engine import AnyEngine
 from larql.inference.sampling import SamplingParams
-from larql.kv.catalog import CATALOG, from_name
-from larql.kv.spec import EngineKind, EngineSpecError
+from larql.kv.catalog import CATALOG, parse_engine
+from larql.kv.spec import EngineSpec, EngineSpecError
 from larql.models.model import Model
 from larql.models.tokenizer import ChatTemplateMissing
 from larql.server.errors import ApiError, bad_request
@@ -86,12 +86,12 @@ def check_model_name(name: str | None, model: Model, settings: ServerSettings) -
     )
 
 
-def choose_engine(spec: str | None, model: Model, settings: ServerSettings) -> EngineKind:
+def choose_engine(spec: str | None, model: Model, settings: ServerSettings) -> EngineSpec:
     """The request's engine spec (or the server's default), parsed by the catalog's parser."""
     if spec is None:
         return settings.default_engine
     try:
-        kind = from_name(spec)
+        kind = parse_engine(spec)
         kind.require_live_decode()
     except EngineSpecError as e:
         message = str(e)

@@ -22,7 +22,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from larql.errors import LarqlError
-from larql.inference.engine import AnyEngine, BackendUnavailable, EngineError
+from larql.inference.engine import AnyEngine
+from larql.inference.errors import BackendUnavailable, EngineError
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import FinishReason, GenerationSession
 from larql.inference.memory import MemoryBreakdown

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from larql.kv.catalog import from_name
-from larql.kv.spec import EngineKind
+from larql.kv.catalog import parse_engine
+from larql.kv.spec import EngineSpec
 from larql.server.scheduler import SchedulerLimits
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    default_engine: EngineKind = field(default_factory=lambda: from_name("standard"))
+    default_engine: EngineSpec = field(default_factory=lambda: parse_engine("standard"))
     max_sessions: int = 4
     max_queue: int = 16
     max_prompt_tokens: int | None = None  # None: the model's context (less one new token)

@@ -15,10 +15,11 @@ from typing import Any
 import torch
 
 from larql.harness.bench.stats import nearest_rank
-from larql.inference.engine import AnyEngine, EngineError
+from larql.inference.engine import AnyEngine
+from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import generate, logits_of, teacher_forced_hidden
-from larql.kv.spec import EngineKind
+from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 
 
@@ -64,7 +65,7 @@ class Fidelity:
 
 
 def reference_run(
-    model: Model, ffn: FfnBackend, reference: EngineKind, ids: list[int], prompt_len: int
+    model: Model, ffn: FfnBackend, reference: EngineSpec, ids: list[int], prompt_len: int
 ) -> ReferenceRun:
     engine = reference.build(model)
     rows = [logits.cpu() for logits in teacher_forced(model, ffn, engine, ids, prompt_len)]
@@ -81,7 +82,7 @@ def teacher_forced(
 def measure_fidelity(
     model: Model,
     ffn: FfnBackend,
-    kind: EngineKind,
+    kind: EngineSpec,
     ids: list[int],
     prompt_len: int,
     reference: ReferenceRun,
@@ -126,7 +127,7 @@ def measure_fidelity(
 
 
 def greedy_divergence(
-    model: Model, ffn: FfnBackend, kind: EngineKind, prompt_ids: list[int], reference: list[int]
+    model: Model, ffn: FfnBackend, kind: EngineSpec, prompt_ids: list[int], reference: list[int]
 ) -> int | None:
     """First step at which the engine's free-running greedy tokens leave the reference's."""
     engine = kind.build(model)

@@ -24,11 +24,11 @@ from larql.harness.accuracy.fidelity import (
     reference_run,
 )
 from larql.harness.accuracy.scoring import PromptScore, answer_matches, score_prompt
-from larql.inference.engine import EngineError
+from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend, build_ffn
 from larql.inference.generation import generate
-from larql.kv.catalog import from_name
-from larql.kv.spec import EngineKind
+from larql.kv.catalog import parse_engine
+from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 
 SCHEMA = "larql.accuracy/1"
@@ -52,15 +52,15 @@ class AccuracySettings:
 
 @dataclass
 class Strategy:
-    kind: EngineKind
+    engine: EngineSpec
     ffn_spec: str
 
     @property
     def label(self) -> str:
-        return self.kind.spec()
+        return self.engine.spec()
 
     def strategy(self, cross_product: bool) -> str:
-        return f"{self.kind.spec()}@{self.ffn_spec}" if cross_product else self.kind.spec()
+        return f"{self.engine.spec()}@{self.ffn_spec}" if cross_product else self.engine.spec()
 
 
 @dataclass
@@ -104,7 +104,7 @@ Progress = Callable[[str], None]
 
 def run_accuracy(
     model: Model,
-    kinds: list[EngineKind],
+    kinds: list[EngineSpec],
     ffn_specs: list[str],
     settings: AccuracySettings,
     progress: Progress | None = None,
@@ -156,15 +156,15 @@ def _score_corpora(
     parametric, needles, conflicts = prompts
     for strategy in strategies:
         ffn = ffns[strategy.ffn_spec]
-        labels = (strategy.kind.spec(), strategy.ffn_spec, strategy.strategy(cross))
+        labels = (strategy.engine.spec(), strategy.ffn_spec, strategy.strategy(cross))
         if progress:
             progress(f"corpora: {labels[2]}")
         for fact in [*parametric, *needles]:
-            score, _ = score_prompt(model, ffn, strategy.kind, fact.prompt, fact.expected, labels,
+            score, _ = score_prompt(model, ffn, strategy.engine, fact.prompt, fact.expected, labels,
                                     fact.category, fact.source)  # fmt: skip
             report.scores.append(score)
         for c in conflicts:
-            score, predicted = score_prompt(model, ffn, strategy.kind, c.prompt, c.override,
+            score, predicted = score_prompt(model, ffn, strategy.engine, c.prompt, c.override,
                                             labels, c.category, "conflict")  # fmt: skip
             if predicted is not None:
                 followed = answer_matches(predicted, c.override)
@@ -188,7 +188,7 @@ def _fidelity(
     if settings.fidelity_positions is not None:
         ids = ids[: prompt_len + settings.fidelity_positions]
     dense = ffns.get("dense") or build_ffn(model, "dense")
-    standard = from_name("standard")
+    standard = parse_engine("standard")
     if progress:
         progress("fidelity: reference (standard)")
     reference = reference_run(model, dense, standard, ids, prompt_len)
@@ -199,16 +199,16 @@ def _fidelity(
         if progress:
             progress(f"fidelity: {strategy.strategy(cross)}")
         ffn = ffns[strategy.ffn_spec]
-        quadratic = strategy.kind.display_name in QUADRATIC
+        quadratic = strategy.engine.display_name in QUADRATIC
         cap = settings.quadratic_positions if quadratic else None
-        result = measure_fidelity(model, ffn, strategy.kind, ids, prompt_len, reference, cap)
+        result = measure_fidelity(model, ffn, strategy.engine, ids, prompt_len, reference, cap)
         result.spec = strategy.strategy(cross)
         if quadratic:
             result.note = f"O(N²) engine: first {result.positions} positions only"
         if result.error is None:
             try:
                 result.first_divergence = greedy_divergence(
-                    model, ffn, strategy.kind, ids[:prompt_len], greedy_ref
+                    model, ffn, strategy.engine, ids[:prompt_len], greedy_ref
                 )
                 result.greedy_steps = len(greedy_ref)
             except EngineError as e:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from larql.inference.engine import (
+from larql.inference.errors import (
     BackendFailure,
     BackendUnavailable,
     EmptyPrompt,
@@ -21,7 +21,7 @@ from larql.inference.engine import (
 )
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import next_token_logits
-from larql.kv.spec import EngineKind
+from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 
 
@@ -100,7 +100,7 @@ def answer_bits(model: Model, logits: torch.Tensor, expected: str) -> float:
 def score_prompt(
     model: Model,
     ffn: FfnBackend,
-    kind: EngineKind,
+    kind: EngineSpec,
     prompt: str,
     expected: str,
     labels: tuple[str, str, str],

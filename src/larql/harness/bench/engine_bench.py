@@ -18,11 +18,11 @@ import torch
 from larql.harness.bench.machine import peak_above_resident, sync
 from larql.harness.bench.stats import StepStats
 from larql.harness.bench.step_timer import StepTimer
-from larql.inference.engine import EngineError
+from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import next_token_logits
 from larql.inference.memory import MemoryBreakdown
-from larql.kv.spec import EngineKind
+from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 
 
@@ -138,7 +138,7 @@ class _Samples:
 def bench_engine(
     model: Model,
     ffn: FfnBackend,
-    kind: EngineKind,
+    kind: EngineSpec,
     prompt_ids: list[int],
     settings: BenchSettings,
     depth: int = 0,
@@ -150,7 +150,7 @@ def bench_engine(
 def bench_engines(
     model: Model,
     ffn: FfnBackend,
-    kinds: list[EngineKind],
+    kinds: list[EngineSpec],
     prompt_ids: list[int],
     settings: BenchSettings,
     depth: int = 0,
@@ -187,7 +187,7 @@ def bench_engines(
 def _run_once(
     model: Model,
     ffn: FfnBackend,
-    kind: EngineKind,
+    kind: EngineSpec,
     prompt_ids: list[int],
     settings: BenchSettings,
     row: EngineRow,

@@ -15,7 +15,7 @@ from larql.harness.bench.hf_peer import PeerRow, bench_hf, load_hf_model
 from larql.harness.bench.machine import copy_bandwidth_gbs, git_commit, ids_hash
 from larql.inference.ffn import FfnBackend
 from larql.kv.catalog import CATALOG
-from larql.kv.spec import EngineKind
+from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 
 SCHEMA = "larql.bench/1"
@@ -72,7 +72,7 @@ Progress = Callable[[str], None]
 def run_bench(
     model: Model,
     ffn: FfnBackend,
-    kinds: list[EngineKind],
+    kinds: list[EngineSpec],
     prompts: list[tuple[int, list[int]]],
     settings: BenchSettings,
     vs_hf: bool = False,

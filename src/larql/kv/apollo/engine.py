@@ -29,13 +29,8 @@ from pathlib import Path
 
 import torch
 
-from larql.inference.engine import (
-    EmptyPrompt,
-    EngineInfo,
-    InvariantViolation,
-    RetrievalEngine,
-    RetrievalMiss,
-)
+from larql.inference.engine import EngineInfo, RetrievalEngine
+from larql.inference.errors import EmptyPrompt, InvariantViolation, RetrievalMiss
 from larql.inference.ffn import DenseFfn
 from larql.inference.forward import run_layers
 from larql.inference.layer import embed, token_tensor

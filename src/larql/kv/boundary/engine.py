@@ -18,7 +18,8 @@ from collections.abc import Sequence
 import torch
 
 from larql.errors import LarqlError
-from larql.inference.engine import BackendFailure, EngineInfo, KvEngine
+from larql.inference.engine import EngineInfo, KvEngine
+from larql.inference.errors import BackendFailure
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import final_logits
 from larql.inference.memory import MemoryBreakdown

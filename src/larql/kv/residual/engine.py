@@ -15,13 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from larql.inference.engine import (
-    BackendUnavailable,
-    EmptyPrompt,
-    InvariantViolation,
-    KvEngine,
-    backend_name,
-)
+from larql.inference.engine import KvEngine, backend_name
+from larql.inference.errors import BackendUnavailable, EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import attention_block, embed, ffn_block, token_tensor
 from larql.inference.memory import MemoryBreakdown

@@ -34,13 +34,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from larql.inference.engine import (
-    EmptyPrompt,
-    EngineInfo,
-    InvariantViolation,
-    KvEngine,
-    backend_name,
-)
+import larql.kernels
+from larql.inference.engine import EngineInfo, KvEngine, backend_name
+from larql.inference.errors import EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
     FreshKv,
@@ -55,7 +51,6 @@ from larql.inference.layer import (
 )
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import DecodeStageSummary, EngineProfiler
-from larql.kernels import turbo_quant_kernels
 from larql.kv.rows import GrowableRows
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
 from larql.kv.turbo_quant.kernel_path import KernelPath
@@ -253,8 +248,11 @@ class TurboQuantEngine(KvEngine):
         TurboQuant codec attending in its rotated basis; else None (the torch path)."""
         if self.attention == "sdpa" or not self.rotated_attention:
             return None
-        kernels = turbo_quant_kernels(model.device)
-        if kernels is None or not KernelPath.supports(kernels, self._codec, keeps):
+        if not larql.kernels.triton_available(model.device):
+            return None
+        from larql.kv.turbo_quant import kernels  # imports Triton: only where it runs
+
+        if not KernelPath.supports(kernels, self._codec, keeps):
             return None
         assert isinstance(self._codec, TurboQuantCodec)
         return KernelPath(kernels, self._codec, model, keeps, self.use_graph, self._profiler)

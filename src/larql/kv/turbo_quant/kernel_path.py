@@ -6,7 +6,7 @@ Each layer's codes live in a `CodeSlots` buffer, uint8 [slots, row_bytes], token
 t mod slots: on a full-attention layer slots is the capacity (≥ every position; it doubles when
 the position reaches it, and the graph is captured again), on a sliding layer the window − 1 rows
 a later query can still see (a ring; smaller while the capacity is). The step reads its token
-and position from device tensors (`StepInputs`), so `larql.kernels.turbo_quant.attention`
+and position from device tensors (`StepInputs`), so `kernels.attention`
 attends over the filled slots and writes the new row into its slot inside the graph: no host
 sync, no allocation, one replay per token. The bytes held are the codec's, as on the torch path;
 the slots not yet filled are the growth reserve.

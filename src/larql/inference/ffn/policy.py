@@ -10,7 +10,7 @@ checks the ranges against the model's depth and, without `@all`/`@otherwise`, th
 is bound; the validated policy builds a `LayerFfnRouter`, one backend per layer.
 
 Every way a spec can be wrong is its own `FfnPolicyError` subclass whose message quotes the
-offending part (the backend errors live in `ffn_backend_kind`).
+offending part (the backend errors live in `spec`).
 """
 
 from __future__ import annotations
@@ -22,23 +22,24 @@ from typing import Literal
 
 import torch
 
-from larql.inference.engine import InvariantViolation
-from larql.inference.ffn import DenseFfn, FfnBackend, NullFfn
-from larql.inference.ffn_backend_kind import (
+from larql.inference.errors import InvariantViolation
+from larql.inference.ffn.backend import DenseFfn, FfnBackend, NullFfn
+from larql.inference.ffn.spec import (
     EmptySpec,
-    FfnBackendKind,
     FfnPolicyError,
+    FfnSpec,
     MalformedBackend,
     UnknownBackend,
 )
-from larql.inference.ffn_walk import WalkFfn
+from larql.inference.ffn.walk import WalkFfn
 from larql.models.model import Model
+from larql.specs import split_specs as split_list
 
 __all__ = [
     "EmptySpec",
-    "FfnBackendKind",
     "FfnLayerPolicy",
     "FfnPolicyError",
+    "FfnSpec",
     "LayerFfnRouter",
     "LayerOutOfRange",
     "LayerUnbound",
@@ -146,7 +147,7 @@ class RoutingPredicate:
 
 @dataclass(frozen=True)
 class Binding:
-    backend: FfnBackendKind
+    backend: FfnSpec
     predicate: RoutingPredicate
     text: str = field(default="", compare=False)  # as written, for messages
 
@@ -169,7 +170,7 @@ class FfnLayerPolicy:
         if "{" not in text:
             if "}" in text:
                 raise MalformedBraces(f"`{text}` has a '}}' without a '{{'; bindings are {GRAMMAR}")
-            return cls((Binding(FfnBackendKind.parse(text), RoutingPredicate("all"), text),))
+            return cls((Binding(FfnSpec.parse(text), RoutingPredicate("all"), text),))
         bindings = tuple(_parse_binding(piece.strip()) for piece in text.split(";"))
         _check_bindings(bindings)
         return cls(bindings)
@@ -222,7 +223,7 @@ def _parse_binding(piece: str) -> Binding:
         raise MissingPredicate(
             f"`{piece}` needs a predicate after the braces{shown}: @all, @otherwise or @layers=A-B"
         )
-    backend = FfnBackendKind.parse(inner, context=piece)
+    backend = FfnSpec.parse(inner, context=piece)
     return Binding(backend, RoutingPredicate.parse(rest[1:], piece), piece)
 
 
@@ -268,9 +269,9 @@ class ValidatedFfnLayerPolicy:
     def spec(self) -> str:
         return self.policy.spec()
 
-    def expand_to_layers(self) -> list[FfnBackendKind]:
+    def expand_to_layers(self) -> list[FfnSpec]:
         """One backend kind per layer: explicit layers first, then @all, then @otherwise."""
-        slots: list[FfnBackendKind | None] = [None] * self.num_layers
+        slots: list[FfnSpec | None] = [None] * self.num_layers
         for b in self.policy.bindings:
             for start, end in b.predicate.ranges:
                 slots[start:end] = [b.backend] * (end - start)
@@ -289,32 +290,32 @@ class ValidatedFfnLayerPolicy:
                 f"FFN policy `{self.spec()}` was validated for {self.num_layers} layers; "
                 f"{model.name} has {model.config.num_layers}"
             )
-        built: dict[FfnBackendKind, FfnBackend] = {}
-        for kind in self.expand_to_layers():
-            if kind not in built:
-                built[kind] = _build_backend(kind, model, remote_timeout_s)
+        built: dict[FfnSpec, FfnBackend] = {}
+        for spec in self.expand_to_layers():
+            if spec not in built:
+                built[spec] = _build_backend(spec, model, remote_timeout_s)
         return LayerFfnRouter([built[k] for k in self.expand_to_layers()], self.spec())
 
 
-def _build_backend(kind: FfnBackendKind, model: Model, remote_timeout_s: float) -> FfnBackend:
-    if kind.kind == "dense":
+def _build_backend(spec: FfnSpec, model: Model, remote_timeout_s: float) -> FfnBackend:
+    if spec.name == "dense":
         return DenseFfn(model)
-    if kind.kind == "walk":
-        return WalkFfn(model, kind.k)
-    if kind.kind == "null":
+    if spec.name == "walk":
+        return WalkFfn(model, spec.k)
+    if spec.name == "null":
         return NullFfn()
-    from larql.inference.ffn_remote import RemoteWalkFfn  # httpx only when a policy asks
+    from larql.inference.ffn.remote import RemoteWalkFfn  # httpx only when a policy asks
 
-    assert kind.endpoint is not None
+    assert spec.endpoint is not None
     return RemoteWalkFfn(
-        kind.endpoint,
-        wire=kind.wire or "f32",
+        spec.endpoint,
+        wire=spec.wire or "f32",
         hidden_size=model.config.hidden_size,
         read_timeout_s=remote_timeout_s,
     )
 
 
-class LayerFfnRouter:
+class LayerFfnRouter(FfnBackend):
     """An `FfnBackend` that hands each layer to the backend its policy binds there."""
 
     def __init__(self, backends: Sequence[FfnBackend], name: str) -> None:
@@ -332,42 +333,24 @@ class LayerFfnRouter:
         return self.backend_for(layer).forward(layer, x)
 
     @property
-    def graph_safe(self) -> bool:
-        return all(getattr(b, "graph_safe", False) for b in self.backends)
+    def graph_safe(self) -> bool:  # type: ignore[override]
+        return all(b.graph_safe for b in self.backends)
 
     def close(self) -> None:
         """Close remote clients (their keep-alive connections)."""
         for backend in {id(b): b for b in self.backends}.values():
-            close = getattr(backend, "close", None)
-            if close is not None:
-                close()
+            backend.close()
 
 
 # ---------------------------------------------------------------------------- lists
 
 
 def split_specs(specs: str) -> list[str]:
-    """Split a list of policies on top-level commas (commas inside braces stay). A piece that
-    does not parse on its own and looks like a continuation (`wire=f16` after a remote-walk,
-    `28-33` after a layer range) is glued back onto the previous policy."""
-    pieces, depth, current = [], 0, []
-    for ch in specs:
-        depth += (ch == "{") - (ch == "}")
-        if ch == "," and depth <= 0:
-            pieces.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-    pieces.append("".join(current))
-    out: list[str] = []
-    for piece in (p.strip() for p in pieces):
-        if not piece:
-            continue
-        if out and _continues(piece) and not _parses(piece):
-            out[-1] = f"{out[-1]},{piece}"
-        else:
-            out.append(piece)
-    return out
+    """Split a list of policies on commas outside braces (a policy's own `;` and braced
+    commas stay). A piece that does not parse on its own and reads as a continuation
+    (`wire=f16` after a remote-walk, `28-33` after a layer range) is glued back onto the
+    policy before it."""
+    return split_list(specs, _parses, semicolons=False)
 
 
 def _parses(spec: str) -> bool:
@@ -378,6 +361,8 @@ def _parses(spec: str) -> bool:
     return True
 
 
-def _continues(piece: str) -> bool:
-    key = piece.split("=", 1)[0]
-    return piece[0].isdigit() or ("=" in piece and ":" not in key and "{" not in key)
+def build_ffn(model: Model, spec: str = "dense") -> LayerFfnRouter:
+    """The FFN a policy spec names (`dense`, `walk:k=100`,
+    `{walk:k=100}@layers=14-27;{dense}@otherwise`, …), validated against the model's depth
+    and built as a per-layer router. Errors are the typed `FfnPolicyError`s above."""
+    return FfnLayerPolicy.from_spec(spec).validate_for(model.config.num_layers).build_router(model)

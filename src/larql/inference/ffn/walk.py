@@ -12,12 +12,10 @@ dense code path itself — bit-identical to `DenseFfn`, not merely close.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from larql.inference.ffn import DenseFfn, FfnBackend, gated_activation
+from larql.inference.ffn.backend import DenseFfn, FfnBackend, gated_activation
 from larql.models.model import Model
 
 # Rows of a prefill gathered at once: bounds the [rows, k, H] gather buffers.
@@ -40,7 +38,7 @@ def down_rows(model: Model, layer: int) -> torch.Tensor:
     return rows  # type: ignore[return-value]
 
 
-class WalkFfn:
+class WalkFfn(FfnBackend):
     """Top-k sparse FFN; `k=None` is the dense-equivalent walk."""
 
     def __init__(self, model: Model, k: int | None = None) -> None:
@@ -58,7 +56,7 @@ class WalkFfn:
         return self.k is None or self.k >= self._features
 
     @property
-    def graph_safe(self) -> bool:
+    def graph_safe(self) -> bool:  # type: ignore[override]
         return self.is_dense  # the sparse path builds feature-major copies on first use
 
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -87,53 +85,3 @@ class WalkFfn:
 
 
 # ---------------------------------------------------------------------------- feature view
-
-
-@dataclass(frozen=True)
-class FiringFeature:
-    feature: int
-    activation: float  # act(gate·x) · (up·x): the coefficient of the feature's down column
-    gate: float  # act(gate·x), what the walk ranks by
-
-
-def firing_features(
-    model: Model, layer: int, x: torch.Tensor, k: int | None, top: int
-) -> list[FiringFeature]:
-    """x: [H] pre-FFN-normed residual of one position → the `top` features with the largest
-    |activation| among those a walk with this k keeps (all features when k is None)."""
-    lw = model.weights.layers[layer]
-    gate, up = F.linear(x.unsqueeze(0), lw.w_gate_up).chunk(2, dim=-1)  # [1, F] each
-    activated = gated_activation(gate, model.config.arch.activation)
-    n = activated.shape[-1]
-    kept = (
-        select_features(activated, min(k, n))[0]
-        if k is not None
-        else torch.arange(n, device=x.device)
-    )
-    coefficient = (activated * up)[0, kept]  # [k]
-    order = coefficient.abs().argsort(descending=True)[:top]
-    return [
-        FiringFeature(int(kept[i]), float(coefficient[i]), float(activated[0, kept[i]]))
-        for i in order
-    ]
-
-
-def down_tokens(model: Model, layer: int, feature: int, n: int) -> list[int]:
-    """The n token ids the feature's down column writes most strongly through the unembedding
-    (top of lm_head · down_f; a negative activation pushes these tokens down instead)."""
-    column = model.weights.layers[layer].w_down[:, feature]  # [H]
-    return F.linear(column, model.weights.lm_head).topk(n).indices.tolist()
-
-
-class LastRowRecorder:
-    """Wraps an FFN and keeps each layer's pre-FFN-normed input at the last position, so a
-    caller can ask which features fired there."""
-
-    def __init__(self, inner: FfnBackend) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.inputs: dict[int, torch.Tensor] = {}
-
-    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        self.inputs[layer] = x[-1].detach().clone()  # [H]
-        return self.inner.forward(layer, x)

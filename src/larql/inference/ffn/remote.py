@@ -21,8 +21,9 @@ import httpx
 import numpy as np
 import torch
 
-from larql.inference.engine import BackendFailure, BackendUnavailable
-from larql.inference.ffn_wire import (
+from larql.inference.errors import BackendFailure, BackendUnavailable
+from larql.inference.ffn.backend import FfnBackend
+from larql.inference.ffn.wire import (
     F32,
     MEDIA_TYPES,
     WireFormatError,
@@ -43,7 +44,7 @@ class RemoteStats:
     server_ms: float = 0.0  # the shard's own compute time, as it reports it
 
 
-class RemoteWalkFfn:
+class RemoteWalkFfn(FfnBackend):
     """An `FfnBackend` whose every layer is a round trip to one FFN shard."""
 
     def __init__(

@@ -1,0 +1,69 @@
+"""The FFN side of a layer, behind one interface so engines never care how it is computed.
+
+An `FfnBackend` takes the *pre-FFN-normed* residual of one layer and returns the raw FFN output;
+the caller applies the post-FFN norm (if any) and the residual add (`layer.ffn_block`). The
+backends a policy can name: `DenseFfn` and `NullFfn` here, `WalkFfn` (`walk`), `RemoteWalkFfn`
+(`remote`); `policy` binds them to layers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+
+from larql.inference.linear import linear
+from larql.models.model import Model
+
+
+class FfnBackend(ABC):
+    """`graph_safe`: the forward launches only device work of static shapes, so a decode step
+    calling it can be captured in a CUDA graph. `close()` frees what the backend holds open
+    (a remote one's connections)."""
+
+    name: str = ""
+    graph_safe: bool = False
+
+    @abstractmethod
+    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """x: [S, H] pre-FFN-normed → FFN output [S, H]."""
+
+    def close(self) -> None:
+        return None
+
+
+def gated_activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return F.silu(gate)
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh")
+    return F.gelu(gate)
+
+
+class DenseFfn(FfnBackend):
+    """The model's own gated MLP: down(act(gate·x) ⊙ up·x), gate and up in one matmul."""
+
+    name = "dense"
+    graph_safe = True
+
+    def __init__(self, model: Model) -> None:
+        self._layers = model.weights.layers
+        self._activation = model.config.arch.activation
+
+    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        lw = self._layers[layer]
+        gate, up = linear(x, lw.w_gate_up).chunk(2, dim=-1)  # [S, F] each
+        return linear(gated_activation(gate, self._activation) * up, lw.w_down)
+
+
+class NullFfn(FfnBackend):
+    """The FFN ablated: it contributes nothing, so the layer is attention only (zeros, not the
+    identity: an ablation study removes the FFN's write, and a post-FFN norm of zeros is still
+    zero)."""
+
+    name = "null"
+    graph_safe = True
+
+    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)  # [S, H]

@@ -1,0 +1,117 @@
+"""One FFN backend spec — `dense`, `walk[:k=N|none]`, `null`,
+`remote-walk:endpoint=URL[,wire=f32|f16|i8]` — in the grammar engine specs use
+(`larql.specs`): strict, names and keys case-insensitive. A name we do not know is
+`UnknownBackend`; a known name with bad parameters is `MalformedBackend`. Both name the
+accepted forms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+from larql.errors import LarqlError
+from larql.specs import Param, at_least, one_of, parse_params, split_name
+
+BackendName = Literal["dense", "walk", "remote-walk", "null"]
+ALIASES: dict[str, BackendName] = {
+    "dense": "dense",
+    "weight": "dense",
+    "weights": "dense",
+    "walk": "walk",
+    "remote-walk": "remote-walk",
+    "remote_walk": "remote-walk",
+    "null": "null",
+    "off": "null",
+}
+SUPPORTED = ("dense", "walk", "remote-walk", "null")
+WIRES = ("f32", "f16", "i8")
+ACCEPTED = (
+    "supported: dense (alias weight, weights), walk[:k=N|none], null (alias off), "
+    "remote-walk:endpoint=URL[,wire=f32|f16|i8] (alias remote_walk)"
+)
+
+
+class FfnPolicyError(LarqlError):
+    """An FFN backend spec or per-layer policy that does not parse or does not fit the model."""
+
+
+class EmptySpec(FfnPolicyError):
+    """A policy with nothing in it."""
+
+
+class UnknownBackend(FfnPolicyError):
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class MalformedBackend(FfnPolicyError):
+    """A known backend name with parameters that do not parse."""
+
+
+def _http_url(endpoint: str) -> str | None:
+    try:
+        url = urlsplit(endpoint)
+        port_ok = url.port is None or url.port > 0
+    except ValueError:
+        return "is not an http(s)://host[:port] URL"
+    if url.scheme not in ("http", "https") or not url.hostname or not port_ok:
+        return "is not an http(s)://host[:port] URL"
+    return None
+
+
+PARAMS: dict[BackendName, tuple[Param, ...]] = {
+    "dense": (),
+    "null": (),
+    "walk": (
+        Param(
+            "k",
+            int,
+            None,
+            "features kept per position (none: all, the dense result)",
+            at_least(1),
+            none_word="none",
+        ),
+    ),
+    "remote-walk": (
+        Param("endpoint", str, None, "the FFN shard's http(s)://host[:port]", _http_url),
+        Param("wire", str, None, "f32 (lossless), f16 or i8", one_of(*WIRES), lower=True),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class FfnSpec:
+    """A parsed FFN backend spec."""
+
+    name: BackendName
+    k: int | None = None  # walk: features kept per position (None = all, dense-equivalent)
+    endpoint: str | None = None  # remote-walk
+    wire: str | None = None  # remote-walk: f32 | f16 | i8 (None = f32)
+
+    @classmethod
+    def parse(cls, spec: str, context: str | None = None) -> FfnSpec:
+        """`context` is the binding the spec came from, quoted in error messages."""
+        where = f" in `{context}`" if context else ""
+        written, raw, colon = split_name(spec)
+        name = ALIASES.get(written.lower())
+        if name is None:
+            shown = repr(written) if written else "an empty name"
+            raise UnknownBackend(f"unknown FFN backend {shown}{where}; {ACCEPTED}", written.lower())
+        values = parse_params(name, PARAMS[name], raw, colon, MalformedBackend, where)
+        if name == "remote-walk":
+            if values["endpoint"] is None:
+                raise MalformedBackend(f"remote-walk needs endpoint=URL{where}")
+            values["endpoint"] = values["endpoint"].rstrip("/")
+        return cls(name, **values)
+
+    def spec(self) -> str:
+        """Canonical spec; parsing it gives back an equal one."""
+        if self.name == "walk":
+            return "walk" if self.k is None else f"walk:k={self.k}"
+        if self.name == "remote-walk":
+            wire = f",wire={self.wire}" if self.wire else ""
+            return f"remote-walk:endpoint={self.endpoint}{wire}"
+        return self.name

@@ -1,0 +1,169 @@
+"""The spec grammar engines and FFN backends share: `name` or `name:key=value[,key=value…]`.
+
+A spec is split at the first `:`, its parameters on `,` and each parameter at the first `=`;
+names and keys are case-insensitive and trimmed. Parsing is strict: a name the caller does not
+know, a key without `=`, a key given twice, an unknown key, a `:` with nothing after it, or a
+value of the wrong type or out of range is an error naming what was wrong and what is accepted
+— never a silent default (a misspelt `windw=4` would otherwise mean an unbounded cache).
+
+`split_specs` cuts a list of specs; `Param` describes and checks one parameter. The engine
+catalog (`larql.kv.spec`) and the FFN backend specs (`larql.inference.ffn.spec`) both parse
+through `parse_params`, each raising its own error type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from larql.errors import LarqlError
+
+Check = Callable[[Any], str | None]  # a value → what is wrong with it, or None
+TYPE_NAMES = {int: "an integer", float: "a number", str: "a string"}
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter: `type` int, float or str; `default` None means absent (e.g. unbounded);
+    `none_word` is a value that spells None explicitly (`walk:k=none`); `lower` folds the
+    value's case before it is checked."""
+
+    name: str
+    type: type
+    default: Any
+    doc: str
+    check: Check | None = None
+    none_word: str | None = None
+    lower: bool = False
+
+    def parse(self, raw: str, owner: str, error: type[LarqlError], where: str = "") -> Any:
+        if self.none_word is not None and raw.lower() == self.none_word:
+            return None
+        try:
+            value = self.type(raw.lower() if self.lower else raw)
+        except ValueError:
+            raise error(
+                f"{owner}: {self.name}={raw!r} is not {TYPE_NAMES[self.type]}{where}; "
+                f"{self.name}: {self.doc}"
+            ) from None
+        if self.type is str and not value:
+            raise error(f"{owner}: {self.name} must not be empty{where}")
+        problem = self.check(value) if self.check else None
+        if problem:
+            raise error(f"{owner}: {self.name}={raw} {problem}{where}")
+        return value
+
+    def describe(self) -> str:
+        default = "none" if self.default is None else self.default
+        return f"{self.name}={self.type.__name__} (default {default})"
+
+
+def at_least(n: int) -> Check:
+    return lambda v: None if v >= n else f"must be ≥ {n}"
+
+
+def one_of(*allowed: Any) -> Check:
+    choices = ", ".join(str(a) for a in allowed)
+    return lambda v: None if v in allowed else f"must be one of {choices}"
+
+
+def accepted(owner: str, params: Sequence[Param]) -> str:
+    if not params:
+        return f"{owner} takes no parameters"
+    return "accepted: " + ", ".join(p.describe() for p in params)
+
+
+def split_name(spec: str) -> tuple[str, str, bool]:
+    """`name:params` → (name, as written but trimmed; the raw parameters; whether a `:` was
+    there)."""
+    name, colon, raw = spec.partition(":")
+    return name.strip(), raw, bool(colon)
+
+
+def parse_params(
+    owner: str,
+    params: Sequence[Param],
+    raw: str,
+    colon: bool,
+    error: type[LarqlError],
+    where: str = "",
+    fixed: Mapping[str, Any] | None = None,
+    alias: str = "",
+) -> dict[str, Any]:
+    """`key=value,…` → every parameter's value, defaults filled in. `fixed` are values the name
+    `alias` sets (`tq3` → bits=3): giving another value for one is an error."""
+    values: dict[str, Any] = {p.name: p.default for p in params}
+    fixed = fixed or {}
+    values.update(fixed)
+    if colon and not raw.strip():
+        raise error(
+            f"{owner}: a ':' but no parameters{where}; write {owner} alone or "
+            f"{owner}:key=value; {accepted(owner, params)}"
+        )
+    seen: set[str] = set()
+    for piece in raw.split(",") if raw.strip() else []:
+        key, eq, value = piece.partition("=")
+        key = key.strip().lower()
+        if not eq or not key:
+            raise error(f"{owner}: {piece.strip()!r} is not key=value{where}; "
+                        f"{accepted(owner, params)}")  # fmt: skip
+        param = next((p for p in params if p.name == key), None)
+        if param is None:
+            raise error(f"{owner}: unknown parameter {key!r}{where}; {accepted(owner, params)}")
+        if key in seen:
+            raise error(f"{owner}: {key} given twice{where}")
+        seen.add(key)
+        parsed = param.parse(value.strip(), owner, error, where)
+        if key in fixed and fixed[key] != parsed:
+            raise error(f"{alias} fixes {key}={fixed[key]}; use {owner}:{key}={parsed} instead")
+        values[key] = parsed
+    return values
+
+
+def split_specs(text: str, parses: Callable[[str], bool], semicolons: bool = True) -> list[str]:
+    """Cut a list of specs. With `semicolons` and a `;` outside braces, `;` separates them;
+    otherwise commas outside braces do, and a piece that does not parse on its own but reads as
+    a continuation (`key=value` with no `:` or brace in the key, or a digit first: `28-33`
+    after a layer range) is glued back onto the spec before it
+    (`boundary-kv:chunk_tokens=64,sequence_id=demo` stays one)."""
+    separator = ";" if semicolons and ";" in _outside_braces(text) else ","
+    pieces = [p.strip() for p in _split_outside_braces(text, separator)]
+    if separator == ";":
+        return [p for p in pieces if p]
+    out: list[str] = []
+    for piece in pieces:
+        if not piece:
+            continue
+        if out and _continues(piece) and not parses(piece):
+            out[-1] = f"{out[-1]},{piece}"
+        else:
+            out.append(piece)
+    return out
+
+
+def _outside_braces(text: str) -> str:
+    depth, kept = 0, []
+    for ch in text:
+        depth += (ch == "{") - (ch == "}")
+        if depth <= 0 and ch not in "{}":
+            kept.append(ch)
+    return "".join(kept)
+
+
+def _split_outside_braces(text: str, separator: str) -> list[str]:
+    pieces, depth, current = [], 0, []
+    for ch in text:
+        depth += (ch == "{") - (ch == "}")
+        if ch == separator and depth <= 0:
+            pieces.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    pieces.append("".join(current))
+    return pieces
+
+
+def _continues(piece: str) -> bool:
+    key = piece.split("=", 1)[0]
+    return piece[0].isdigit() or ("=" in piece and ":" not in key and "{" not in key)
