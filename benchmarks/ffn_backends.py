@@ -6,7 +6,7 @@
 2. remote FFN over loopback: an FFN shard in its own process on 127.0.0.1; for each wire
    format (f32, f16, i8) the ms per token remote-walk adds to a local dense decode, and the raw
    transport cost of one token's 30 layers sent streaming (one request per layer, what
-   generation does) vs as one batched request (the approximate predispatch of reference §7.4:
+   generation does) vs as one batched request (an approximate predispatch:
    every layer on the same residual — transport only, not a correct forward).
 
     .venv/bin/python benchmarks/ffn_backends.py [--ks 1024,768,512,256,100] [--tokens 32]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from larql.inference.engine import AnyEngine
+from larql.inference.engine import Engine
 from larql.inference.ffn import DenseFfn
 from larql.inference.forward import run_layers
 from larql.inference.generation import teacher_forced_logits
@@ -157,7 +157,7 @@ def main() -> None:
         f"positions={positions} tokens_stored={len(ids)} fp16_full_kv={fp16_bytes:,} B"
     )
 
-    def run(engine: AnyEngine) -> tuple[torch.Tensor, int]:
+    def run(engine: Engine) -> tuple[torch.Tensor, int]:
         logits = teacher_forced_logits(engine, model, ffn, ids, args.prompt_len)
         return logits, engine.memory_bytes()
 
@@ -166,7 +166,7 @@ def main() -> None:
     reference_nll = mean_nll(reference, targets)
     keys, values = prompt_kv(model, ids[: args.prompt_len])
 
-    rows: list[tuple[str, RowCodec, Callable[[], AnyEngine]]] = []
+    rows: list[tuple[str, RowCodec, Callable[[], Engine]]] = []
     for bits in (int(b) for b in args.bits.split(",") if b):
         rows.append(
             (
@@ -179,8 +179,8 @@ def main() -> None:
             (
                 f"tq{bits} +norm-fix",
                 NormCorrectedCodec(cfg.head_dim, bits),
-                lambda bits=bits: AnyEngine(
-                    TurboQuantEngine(bits=bits, codec_factory=lambda d: NormCorrectedCodec(d, bits))
+                lambda bits=bits: TurboQuantEngine(
+                    bits=bits, codec_factory=lambda d: NormCorrectedCodec(d, bits)
                 ),
             )
         )
@@ -192,9 +192,7 @@ def main() -> None:
                 (
                     name,
                     factory(cfg.head_dim),
-                    lambda f=factory, bits=bits: AnyEngine(
-                        TurboQuantEngine(bits=bits, codec_factory=f)
-                    ),
+                    lambda f=factory, bits=bits: TurboQuantEngine(bits=bits, codec_factory=f),
                 )
             )
 

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from larql.cli.app import app
 from larql.errors import LarqlError
-from larql.inference.engine import AnyEngine
+from larql.inference.engine import Engine, RetrievalEngine
 from larql.inference.errors import RetrievalMiss
 from larql.inference.ffn import DenseFfn
 from larql.inference.forward import run_layers
@@ -381,7 +381,7 @@ def test_spec_parameters_and_kind() -> None:
 
 def test_without_a_store_prefill_is_a_recoverable_miss(smollm2: Model) -> None:
     engine = parse_engine("apollo").build(smollm2)
-    assert engine.is_retrieval
+    assert isinstance(engine, RetrievalEngine) and engine.kind == "retrieval"
     assert "no store attached" in engine.info().description
     with pytest.raises(RetrievalMiss) as raised:
         engine.prefill(smollm2, DenseFfn(smollm2), [1, 2, 3])
@@ -481,7 +481,7 @@ def built_stores(tmp_path_factory: pytest.TempPathFactory, smollm2: Model) -> di
     return {"compressed": out, "uncompressed": uncompressed.save(root / "uncompressed")}
 
 
-def fact_logprob(model: Model, store: Path, coef: float) -> tuple[float, AnyEngine]:
+def fact_logprob(model: Model, store: Path, coef: float) -> tuple[float, Engine]:
     engine = parse_engine(f"apollo:store={store},coef={coef}").build(model)
     hidden = engine.prefill(model, DenseFfn(model), model.tokenizer.encode(QUERY))
     logprobs = torch.log_softmax(final_logits(model, hidden)[0], dim=-1)
@@ -503,7 +503,7 @@ def test_injection_raises_the_fact_on_the_real_model(
     )
     without, _ = fact_logprob(smollm2, built_stores[mode], 0.0)
     with_injection, engine = fact_logprob(smollm2, built_stores[mode], 10.0)
-    injection = engine.inner.injection
+    injection = engine.injection
     assert injection.window == fact_window
     assert set(fact_ids) <= set(injection.injected_tokens)
     # measured: compressed −14.39 → −13.80, uncompressed −1.49 → −0.85 nats
@@ -531,7 +531,7 @@ def test_decode_reruns_the_growing_context(built_stores: dict[str, Path], smollm
     step = stepped.decode_step(smollm2, DenseFfn(smollm2), result.tokens[0])
     fresh_engine = parse_engine(spec).build(smollm2)
     fresh = fresh_engine.prefill(smollm2, DenseFfn(smollm2), [*ids, result.tokens[0]])
-    assert fresh_engine.inner.injection.window == stepped.inner.injection.window
+    assert fresh_engine.injection.window == stepped.injection.window
     torch.testing.assert_close(step, fresh)
 
 
@@ -558,7 +558,7 @@ def test_crystal_zero_boundary_is_virtual_position_zero(smollm2: Model) -> None:
     bos = smollm2.config.bos_token_id
     query = [bos, *smollm2.tokenizer.encode(QUERY)]
     with torch.inference_mode():
-        got = engine.prefill(smollm2, query)
+        got = engine.prefill(smollm2, DenseFfn(smollm2), query)  # the FFN is not used
         injection = engine.injection
         last = int(store.window_tokens[injection.window][-1])
         h = embed(smollm2, token_tensor(smollm2, [last, *query[1:]]))

@@ -1,5 +1,5 @@
 """`boundary-kv`: standard decoding plus a boundary frame at every multiple of chunk_tokens —
-in the prompt and while decoding — with the frame contents of reference §5.7, an in-memory and a
+in the prompt and while decoding — with the frame contents, an in-memory and a
 directory archive, the residual codecs, and `larql boundary ls`."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def run(smollm2: Model) -> Run:
     standard = StandardEngine()
     standard_hidden = drive(standard, smollm2, ids, PROMPT_LEN)
     with torch.inference_mode():
-        prompt_rows = StandardEngine().prefill_rows(smollm2, DenseFfn(smollm2), ids[:PROMPT_LEN])
+        prompt_rows = StandardEngine().prefill_all(smollm2, DenseFfn(smollm2), ids[:PROMPT_LEN])
     rows = torch.cat([prompt_rows, *standard_hidden[1:]])
     return Run(engine, ids, hidden, standard_hidden, rows)
 

@@ -14,13 +14,11 @@ import torch
 
 import larql.kernels
 from helpers import kernel_module, model_for_kernels, relative_error
-from larql.inference.engine import AnyEngine
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import generate, teacher_forced_logits
 from larql.kv import parse_engine
 from larql.kv.spec import MalformedEngineSpec
 from larql.kv.standard import StandardEngine
-from larql.kv.static_cache import StaticCacheEngine
 from larql.models import Model
 from larql.models.model import load_model
 
@@ -103,9 +101,9 @@ def test_engine_with_the_kernel_equals_the_eager_engine(
     model = model_for_kernels(smollm2, monkeypatch)
     ffn = DenseFfn(model)
     ids = model.tokenizer.encode(PROMPT + " took it out again and ran")
-    static = StaticCacheEngine(window=window, use_graph=False)
-    ours = teacher_forced_logits(AnyEngine(static), model, ffn, ids, 6)
-    eager = teacher_forced_logits(AnyEngine(StandardEngine(window=window)), model, ffn, ids, 6)
+    static = StandardEngine(window=window, static=True)  # the static step, eagerly
+    ours = teacher_forced_logits(static, model, ffn, ids, 6)
+    eager = teacher_forced_logits(StandardEngine(window=window), model, ffn, ids, 6)
     assert relative_error(ours, eager) <= 1e-4  # CUDA's SDPA differs from float64 by ~1e-5
     assert "triton attention" in static.info().description
 
@@ -140,7 +138,7 @@ def test_attention_choice(
     """auto = the Triton kernel wherever Triton runs (6.7 µs against SDPA's 12.2 per layer on
     the H200, docs/PERFORMANCE.md); sdpa keeps torch's attention."""
     monkeypatch.setattr(larql.kernels, "triton_available", lambda device: True)
-    engine = StaticCacheEngine(use_graph=False, compile=compile_step, attention=spec_attention)
+    engine = StandardEngine(static=True, compile=compile_step, attention=spec_attention)
     with torch.inference_mode():
         engine.prefill(smollm2, DenseFfn(smollm2), smollm2.tokenizer.encode(PROMPT))
     assert f"{expected} attention" in engine.info().description

@@ -1,7 +1,7 @@
 """Every engine of the catalog against the engine protocol: empty state before prefill, typed
 errors for misuse, non-empty descriptions, and — for the engines whose contract is exact —
 agreement with `standard` on the real default model and on tiny random architectures
-(DESIGN decision 1). New engines are picked up from the catalog automatically."""
+(docs/DESIGN.md, decision 1). New engines are picked up from the catalog automatically."""
 
 from __future__ import annotations
 

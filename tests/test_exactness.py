@@ -1,4 +1,4 @@
-"""DESIGN decision 1 on the real default model: the exact engines agree with `standard`
+"""docs/DESIGN.md decision 1 on the real default model: the exact engines agree with `standard`
 (≤1e-9 relative logits in float64; identical greedy tokens in float32), and `standard:window=N`
 equals a band-masked full forward pass."""
 

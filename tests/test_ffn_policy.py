@@ -1,4 +1,4 @@
-"""The FFN policy grammar (reference §7.3, Appendix D adapted to SmolLM2's 30 layers), the
+"""The FFN policy grammar (its documented examples adapted to SmolLM2's 30 layers), the
 per-layer router, the null ablation, and — catalog-wide — that every live KV engine runs every
 (position, layer) through the FFN backend it is handed."""
 
@@ -56,7 +56,7 @@ def layers_of(spec: str, num_layers: int = LAYERS) -> list[FfnSpec]:
     return FfnLayerPolicy.from_spec(spec).validate_for(num_layers).expand_to_layers()
 
 
-# ---------------------------------------------------------------------------- Appendix D
+# ---------------------------------------------------------------------------- documented examples
 
 
 @pytest.mark.parametrize(
@@ -110,7 +110,7 @@ def test_appendix_d_errors(spec: str, error: type, attrs: dict, quoted: str) -> 
 
 
 def test_parse_errors_come_before_validation() -> None:
-    """Appendix D separates parse errors (no model needed) from validation errors."""
+    """Parse errors (no model needed) come apart from validation errors (against a depth)."""
     FfnLayerPolicy.from_spec("{walk:k=100}@layers=14-27")  # parses; only validation fails
     FfnLayerPolicy.from_spec("{dense}@layers=0-40")
     with pytest.raises(OverlappingLayers):

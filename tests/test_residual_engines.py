@@ -1,5 +1,5 @@
 """The residual-stream engines (markov-rs, markov-rs-codec, boundary-per-layer) as state policies:
-exactness vs `standard` at any window, the Appendix C position walk-through, the bf16 codec, the
+exactness vs `standard` at any window, the position walk-through, the bf16 codec, the
 codec's KL bound, sufficiency of the residuals (drop the K/V, rebuild, same output), the
 precondition check, boundary-per-layer's refusal rules and parity gate, profiling and memory."""
 
@@ -55,7 +55,7 @@ def markov_spec(window: int | None, name: str = "markov-rs") -> str:
 
 
 def residual_engine(spec: str, model: Model | None = None) -> ResidualStreamEngine:
-    engine = parse_engine(spec).build(model).inner
+    engine = parse_engine(spec).build(model)
     assert isinstance(engine, ResidualStreamEngine)
     return engine
 
@@ -427,7 +427,7 @@ def test_profiling_does_not_change_outputs(spec: str, tiny: Model) -> None:
             rows.append(engine.prefill(tiny, DenseFfn(tiny), ids[:5]))
             for i, token in enumerate(ids[5:]):
                 if i == 4:
-                    engine.inner.drop_derivative()  # type: ignore[union-attr]
+                    engine.drop_derivative()  # type: ignore[attr-defined]
                 rows.append(engine.decode_step(tiny, DenseFfn(tiny), token))
         outputs.append(torch.cat(rows))
         summaries.append(engine.stage_summary())
@@ -512,7 +512,7 @@ def test_aliases_build_the_canonical_engine(
     kind = parse_engine(alias)
     assert kind.display_name == canonical
     assert parse_engine(kind.spec()) == kind
-    assert isinstance(kind.build(smollm2).inner, engine_type)
+    assert isinstance(kind.build(smollm2), engine_type)
 
 
 @pytest.mark.parametrize(

@@ -5,18 +5,17 @@ that arrive split over several tokens."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 
 import pytest
 import torch
 
-from larql.inference.engine import AnyEngine, EngineInfo, KvEngine
+from larql.inference.engine import Engine
 from larql.inference.errors import BackendFailure
 from larql.inference.ffn import DenseFfn, FfnBackend
 from larql.inference.generation import generate
-from larql.inference.memory import MemoryBreakdown
 from larql.inference.sampling import SamplingParams
 from larql.kv import parse_engine
+from larql.kv.standard import StandardEngine
 from larql.models import Model
 from larql.server.metrics import ServerMetrics
 from larql.server.scheduler import (
@@ -36,29 +35,20 @@ PROMPT = "The capital of France is"
 BOUND_S = 120  # a bound on waiting, never asserted as a timing
 
 
-class FailsOnSecondStep(KvEngine):
+class FailsOnSecondStep(StandardEngine):
     """The standard engine, until its second decode step raises a backend failure."""
 
     name = "fails-on-second-step"
 
-    def __init__(self, inner: KvEngine) -> None:
-        self.inner = inner
+    def __init__(self) -> None:
+        super().__init__()
         self.steps = 0
 
-    def info(self) -> EngineInfo:
-        return self.inner.info()
-
-    def memory(self) -> MemoryBreakdown:
-        return self.inner.memory()
-
-    def prefill(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
-        return self.inner.prefill(model, ffn, token_ids)
-
-    def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
+    def _step(self, model: Model, ffn: FfnBackend, row: torch.Tensor) -> torch.Tensor:
         self.steps += 1
         if self.steps == 2:
             raise BackendFailure("the disk is on fire")
-        return self.inner.decode_step(model, ffn, token_id)
+        return super()._step(model, ffn, row)
 
 
 def request(model: Model, n: int, spec: str = "standard", **kw) -> SessionRequest:
@@ -67,7 +57,7 @@ def request(model: Model, n: int, spec: str = "standard", **kw) -> SessionReques
     return SessionRequest(ids, n, SamplingParams(), kind.spec(), kind.entry.name, **kw)
 
 
-def standard(model: Model) -> AnyEngine:
+def standard(model: Model) -> Engine:
     return parse_engine("standard").build(model)
 
 
@@ -90,7 +80,7 @@ def test_an_engine_failure_ends_only_its_session(smollm2: Model) -> None:
     async def scenario() -> tuple[list[Event], list[Event], Scheduler]:
         s = scheduler(smollm2, max_sessions=2)
         loop = asyncio.get_running_loop()
-        failing = AnyEngine(FailsOnSecondStep(standard(smollm2).inner))  # type: ignore[arg-type]
+        failing = FailsOnSecondStep()
         bad = s.submit(request(smollm2, 6), failing, loop)
         good = s.submit(request(smollm2, 6), standard(smollm2), loop)
         results = await asyncio.gather(events_of(bad), events_of(good))

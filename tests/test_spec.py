@@ -1,4 +1,4 @@
-"""The engine spec grammar (reference §3.1, strict values; DESIGN decision 3), `split_specs`
+"""The engine spec grammar (strict values; docs/DESIGN.md, decision 3), `split_specs`
 (§3.4) and the engine choice precedence of `larql run` (§8.1)."""
 
 from __future__ import annotations

@@ -9,12 +9,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from helpers import relative_error
-from larql.inference.engine import AnyEngine
 from larql.inference.ffn import DenseFfn, build_ffn
 from larql.inference.generation import generate, teacher_forced_logits
 from larql.kv import parse_engine
 from larql.kv.standard import StandardEngine
-from larql.kv.static_cache import StaticCacheEngine
 from larql.models import Model
 from larql.models.model import load_model
 
@@ -23,10 +21,10 @@ PROMPT = "Alice put the red ball in the box, and Bob"
 
 def engines_agree(model: Model, window: int | None, ids: list[int], prompt_len: int) -> float:
     ffn = DenseFfn(model)
-    static = StaticCacheEngine(window=window, use_graph=False)
+    static = StandardEngine(window=window, static=True)  # the static step, eagerly
     eager = StandardEngine(window=window)
-    ours = teacher_forced_logits(AnyEngine(static), model, ffn, ids, prompt_len)
-    reference = teacher_forced_logits(AnyEngine(eager), model, ffn, ids, prompt_len)
+    ours = teacher_forced_logits(static, model, ffn, ids, prompt_len)
+    reference = teacher_forced_logits(eager, model, ffn, ids, prompt_len)
     return relative_error(ours, reference)
 
 
@@ -37,22 +35,26 @@ def test_static_step_equals_the_eager_engine_in_float64(window, smollm2_f64: Mod
 
 
 def test_capacity_grows_past_the_first_allocation(smollm2: Model) -> None:
-    engine = StaticCacheEngine(use_graph=False)
+    engine = StandardEngine(static=True)
     ffn = DenseFfn(smollm2)
     with torch.inference_mode():
         engine.prefill(smollm2, ffn, smollm2.tokenizer.encode(PROMPT))
-        first = engine.capacity
+        assert engine.fast_path is not None
+        first = engine.fast_path.capacity
         for i in range(first - engine.position + 3):
             engine.decode_step(smollm2, ffn, 100 + i % 50)
-    assert engine.capacity == 2 * first
+    assert engine.fast_path.capacity == 2 * first
     assert engine.memory_bytes() == 2 * smollm2.config.num_layers * smollm2.config.kv_dim * 4 * (
         2 * first
     )
 
 
-def test_cpu_builds_the_eager_engine(smollm2: Model) -> None:
-    assert isinstance(parse_engine("standard").build(smollm2).inner, StandardEngine)
-    assert isinstance(parse_engine("standard:graph=0").build(smollm2).inner, StandardEngine)
+def test_cpu_runs_the_eager_path(smollm2: Model) -> None:
+    for spec in ("standard", "standard:graph=0"):
+        engine = parse_engine(spec).build(smollm2)
+        assert isinstance(engine, StandardEngine)
+        engine.prefill(smollm2, DenseFfn(smollm2), smollm2.tokenizer.encode(PROMPT))
+        assert engine.fast_path is None and engine.dispatch_path() == "per-layer"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -67,7 +69,6 @@ def test_cuda_graph_path_gives_the_eager_tokens(dtype: torch.dtype) -> None:
     ffn = DenseFfn(model)
     spec = "standard" if dtype == torch.float32 else "standard:attention=sdpa"
     fast = parse_engine(spec).build(model)
-    assert isinstance(fast.inner, StaticCacheEngine)
     eager = parse_engine("standard:graph=0").build(model)
     fast_tokens = generate(
         fast, model, build_ffn(model, "dense"), ids, 64, stop_ids=frozenset()
@@ -94,11 +95,12 @@ def test_static_step_traces_as_one_graph(smollm2: Model) -> None:
     """torch.compile must see the whole decode step as one graph: a break splits it into
     per-layer pieces that recompile per layer and, past dynamo's recompile limit, run uncompiled
     (a break at `torch.get_num_threads()` once cost the compiled fast path ~15%)."""
-    engine = StaticCacheEngine(use_graph=False)
+    engine = StandardEngine(static=True)
     ffn = DenseFfn(smollm2)
     with torch.inference_mode():
         engine.prefill(smollm2, ffn, smollm2.tokenizer.encode(PROMPT))
-        explanation = torch._dynamo.explain(engine._step)(smollm2, ffn)
+        assert engine.fast_path is not None
+        explanation = torch._dynamo.explain(engine.fast_path.static_step)(smollm2, ffn)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
 
@@ -115,7 +117,7 @@ def test_compiled_cuda_step_gives_the_eager_tokens() -> None:
     assert compiled.dispatch_path() == "cuda-graph"
     assert compiled_tokens == eager_tokens
     with torch.inference_mode():  # traced on CUDA too: the CPU trace does not see GPU-only breaks
-        explanation = torch._dynamo.explain(compiled.inner._step)(model, ffn)
+        explanation = torch._dynamo.explain(compiled.fast_path.static_step)(model, ffn)
     assert explanation.graph_break_count == 0, explanation.break_reasons
 
 

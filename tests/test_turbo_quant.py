@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import steps_on_shared_state, teacher_forced
-from larql.inference.engine import AnyEngine, KvEngine
+from larql.inference.engine import Engine, KvEngine
 from larql.inference.ffn import DenseFfn, FfnBackend
 from larql.inference.generation import teacher_forced_logits
 from larql.kv import EngineSpecError, parse_engine
@@ -271,7 +271,7 @@ def test_specs_parse(spec: str, bits: int) -> None:
     assert kind.params["bits"] == bits
     assert parse_engine(kind.spec()).params == kind.params
     engine = kind.build()
-    assert isinstance(engine.inner, TurboQuantEngine) and engine.inner.bits == bits
+    assert isinstance(engine, TurboQuantEngine) and engine.bits == bits
     assert engine.info().config == f"bits={bits}"
 
 
@@ -286,7 +286,7 @@ def test_bad_specs_are_typed_errors(spec: str) -> None:
 # ---------------------------------------------------------------------------- engine
 
 
-def run_engine(model: Model, spec: str, prompt: list[int], steps: list[int]) -> AnyEngine:
+def run_engine(model: Model, spec: str, prompt: list[int], steps: list[int]) -> Engine:
     engine = parse_engine(spec).build(model)
     ffn = DenseFfn(model)
     with torch.inference_mode():
@@ -314,7 +314,7 @@ def test_memory_is_the_bytes_stored(bits: int, smollm2: Model) -> None:
     assert memory.hot == memory.state and memory.cold == memory.derivative == 0
     assert memory.total == memory.state + memory.reserved  # growth capacity is reported too
     assert engine.cold_bytes() == 0
-    inner = engine.inner
+    inner = engine
     assert isinstance(inner, TurboQuantEngine)
     assert all(inner.stored_rows(layer) == len(ids) + 3 for layer in range(cfg.num_layers))
     info = engine.info()
@@ -351,7 +351,7 @@ class RawCodec:
 
 
 def lossless_turbo_logits(model: Model, ids: list[int], prompt_len: int) -> torch.Tensor:
-    engine = AnyEngine(TurboQuantEngine(bits=4, codec_factory=RawCodec))
+    engine = TurboQuantEngine(bits=4, codec_factory=RawCodec)
     return teacher_forced_logits(engine, model, DenseFfn(model), ids, prompt_len)
 
 
@@ -377,7 +377,7 @@ def test_sliding_layers_keep_only_the_window(tiny_gemma3: Model) -> None:
     reference = teacher_forced(tiny_gemma3, "standard", ids, 9)
     assert ((ours - reference).abs().max() / reference.abs().max()).item() <= 1e-9
     engine = run_engine(tiny_gemma3, "tq3", ids[:9], ids[9:])
-    inner = engine.inner
+    inner = engine
     assert isinstance(inner, TurboQuantEngine)
     for layer, spec in enumerate(tiny_gemma3.config.layers):
         expected = len(ids) if spec.sliding_window is None else spec.sliding_window - 1

@@ -154,7 +154,8 @@ def torch_path_holding_the_codes_of(engine: KvEngine) -> KvEngine:
     """A turbo-quant engine on the torch path whose store holds exactly `engine`'s codes."""
     assert isinstance(engine, TurboQuantEngine) and engine._fast is not None
     twin = TurboQuantEngine(bits=engine.bits, attention="sdpa")
-    twin._codec, twin._backend, twin.position = engine._codec, engine._backend, engine.position
+    twin._codec, twin._backend = engine._codec, engine._backend
+    twin._started(engine.position)  # a prefilled engine at the leader's position
     twin._layers = []
     for layer, slots in enumerate(engine._fast.layers):
         rows = GrowableRows(keep=slots.keep)
@@ -257,13 +258,13 @@ def test_kernel_path_rings_sliding_layers_and_grows_full_ones(
 def test_spec_picks_the_path(smollm2: Model, monkeypatch) -> None:
     model = model_for_kernels(smollm2, monkeypatch)
     for spec, on_kernels in (("turbo-quant", True), ("turbo-quant:attention=sdpa", False)):
-        engine = parse_engine(spec).build(model).inner
+        engine = parse_engine(spec).build(model)
         assert isinstance(engine, TurboQuantEngine)
         with torch.inference_mode():
             engine.prefill(model, DenseFfn(model), model.tokenizer.encode(PROMPT))
         assert isinstance(engine._fast, KernelPath) == on_kernels
         assert ("triton kernels" in engine.info().description) == on_kernels
-    assert parse_engine("turbo-quant:graph=0").build(model).inner.use_graph is False
+    assert parse_engine("turbo-quant:graph=0").build(model).use_graph is False
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -146,7 +146,7 @@ def test_batched_prefill_equals_token_by_token(smollm2_f64: Model, prompt_len: i
 
 
 def test_appendix_c_walk_through(smollm2_f64: Model) -> None:
-    """Reference Appendix C: window=3, prompt of 5, then decode at positions 5 and 6."""
+    """A worked example: window=3, prompt of 5, then decode at positions 5 and 6."""
     ids = smollm2_f64.tokenizer.encode(TEXT)[:7]
     engine = WindowedCheckpointEngine(window=3)
     ffn = DenseFfn(smollm2_f64)

@@ -1,9 +1,18 @@
-"""The engine protocol: `KvEngine` (keeps decode state, takes an FFN backend), `RetrievalEngine`
-(its sibling, no FFN, no K/V) and `AnyEngine` (the one type the harnesses hold). Their typed
-failures are in `errors`.
+"""The engine protocol. `Engine` is the one type every command and harness holds: `KvEngine`s keep
+decode state and run the FFN they are handed; `RetrievalEngine`s serve from a store, compute
+with the model's own FFN and are not for live decode. Their typed failures are in `errors`.
 
 Output contract: `prefill` and `decode_step` return the pre-final-norm hidden state of the last
 position, shape [1, H]; the caller turns it into logits with `layer.final_logits`.
+
+The base class does what every engine shares, so an engine writes only its state policy: an
+empty prompt is refused, decode before prefill is refused, the token is embedded, the backend
+and the absolute position are recorded, the decode step is profiled, and `info()` ends with the
+memory the engine holds. An engine implements `_start` (prompt rows [S, H] at positions 0.. →
+hidden rows ending with the prompt's last, [≥1, H]) and `_step` (one row [1, H] at
+`self.position` → [1, H]); an engine whose state is token ids, or whose step reads the token
+on the device, overrides `_start_tokens` / `_step_token` instead, and then cannot start from
+hidden rows.
 """
 
 from __future__ import annotations
@@ -11,17 +20,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 
-from larql.inference.errors import BackendUnavailable, EmptyPrompt
+from larql.inference.errors import BackendUnavailable, EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import embed, token_tensor
 from larql.inference.memory import MemoryBreakdown
-from larql.inference.profiling import DecodeStageSummary
+from larql.inference.profiling import DecodeStageSummary, EngineProfiler
 from larql.models.model import Model
-
-# ---------------------------------------------------------------------------- descriptions
 
 
 @dataclass(frozen=True)
@@ -41,19 +49,33 @@ def backend_name(model: Model) -> str:
     return model.device.type
 
 
-# ---------------------------------------------------------------------------- protocols
+class Engine(ABC):
+    name: ClassVar[str] = ""
+    kind: ClassVar[Literal["kv", "retrieval"]] = "kv"
 
+    def __init__(self, profiling: bool = False) -> None:
+        self.position = 0  # absolute position of the next token
+        self._backend = "cpu"
+        self._prefilled = False
+        self._profiler = EngineProfiler(enabled=profiling)
 
-class _EngineBase(ABC):
-    """What both engine kinds share: identity, memory, profiling hooks."""
-
-    name: str = ""
-
-    @abstractmethod
-    def info(self) -> EngineInfo: ...
+    # ------------------------------------------------------------------ what the engine holds
 
     @abstractmethod
     def memory(self) -> MemoryBreakdown: ...
+
+    @abstractmethod
+    def describe(self) -> str:
+        """What the engine keeps, in a few words (`info()` adds the memory)."""
+
+    def config(self) -> str:
+        """Its parameters as `key=value,…` (empty: none)."""
+        return ""
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            self.name, f"{self.describe()} ({self.memory().brief()})", self._backend, self.config()
+        )
 
     def memory_bytes(self) -> int:
         """Everything held: the state and the growth reserve (`memory()` splits them)."""
@@ -67,108 +89,91 @@ class _EngineBase(ABC):
         return 0
 
     def stage_summary(self) -> DecodeStageSummary | None:
-        return None
+        return self._profiler.summary(self.name, self._backend)
 
     def dispatch_path(self) -> str | None:
         return "per-layer"
 
+    def supports_multimodal(self) -> bool:
+        """Whether the engine can start from hidden rows (e.g. image embeddings)."""
+        return False
 
-class KvEngine(_EngineBase):
-    """Keeps decode state across tokens; the FFN is whatever backend the caller hands in."""
+    # ------------------------------------------------------------------ the protocol
 
     def prefill(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
-        """Run the prompt; return the last position's pre-final-norm hidden [1, H].
+        """Run the prompt; return the last position's pre-final-norm hidden [1, H]."""
+        return self.prefill_all(model, ffn, token_ids)[-1:]
 
-        By default: embed the ids and `prefill_from_hidden` (engines that cannot start from
-        hidden rows override this instead)."""
+    def prefill_all(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
+        """`prefill`, returning every hidden row the engine computed, ending with the prompt's
+        last ([S, H] for an engine that runs the whole prompt at once)."""
         if len(token_ids) == 0:
             raise EmptyPrompt()
-        return self.prefill_from_hidden(model, ffn, embed(model, token_tensor(model, token_ids)))
-
-    @abstractmethod
-    def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
-        """Append one token at the next absolute position; return its hidden [1, H]."""
-
-    def supports_multimodal(self) -> bool:
-        return False
+        self._backend = backend_name(model)
+        rows = self._start_tokens(model, ffn, list(token_ids))
+        self._started(len(token_ids))
+        return rows
 
     def prefill_from_hidden(
         self, model: Model, ffn: FfnBackend, initial_hidden: torch.Tensor
     ) -> torch.Tensor:
         """Prefill from given input rows [N, H] (e.g. image embeddings) instead of token ids."""
-        raise BackendUnavailable(f"{self.name} cannot prefill from hidden states")
+        if initial_hidden.shape[0] == 0:
+            raise EmptyPrompt()
+        self._backend = backend_name(model)
+        rows = self._start(model, ffn, initial_hidden)
+        self._started(initial_hidden.shape[0])
+        return rows[-1:]
+
+    def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
+        """Append one token at the next absolute position; return its hidden [1, H]."""
+        self._require_prefill()
+        with self._profiler.stage("decode_total", model.device):
+            hidden = self._step_token(model, ffn, token_id)
+        self.position += 1
+        return hidden
 
     def decode_step_from_hidden(
         self, model: Model, ffn: FfnBackend, hidden_row: torch.Tensor
     ) -> torch.Tensor:
+        """`decode_step` from a given input row [1, H] instead of a token id."""
+        self._require_prefill()
+        with self._profiler.stage("decode_total", model.device):
+            hidden = self._step(model, ffn, hidden_row)
+        self.position += 1
+        return hidden
+
+    # ------------------------------------------------------------------ the state policy
+
+    def _start_tokens(self, model: Model, ffn: FfnBackend, token_ids: list[int]) -> torch.Tensor:
+        return self._start(model, ffn, embed(model, token_tensor(model, token_ids)))
+
+    def _start(self, model: Model, ffn: FfnBackend, rows: torch.Tensor) -> torch.Tensor:
+        raise BackendUnavailable(f"{self.name} cannot prefill from hidden states")
+
+    def _step_token(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
+        with self._profiler.stage("embed", model.device):
+            row = embed(model, token_tensor(model, [token_id]))  # [1, H]
+        return self._step(model, ffn, row)
+
+    def _step(self, model: Model, ffn: FfnBackend, row: torch.Tensor) -> torch.Tensor:
         raise BackendUnavailable(f"{self.name} cannot decode from a hidden state")
 
+    def _started(self, prompt_tokens: int) -> None:
+        self.position = prompt_tokens
+        self._prefilled = True
 
-class RetrievalEngine(_EngineBase):
-    """Serves from a store instead of keeping K/V; takes no FFN backend."""
-
-    @abstractmethod
-    def prefill(self, model: Model, token_ids: Sequence[int]) -> torch.Tensor: ...
-
-    @abstractmethod
-    def decode_step(self, model: Model, token_id: int) -> torch.Tensor: ...
+    def _require_prefill(self) -> None:
+        if not self._prefilled:
+            raise InvariantViolation("decode_step called before prefill")
 
 
-class AnyEngine:
-    """A `KvEngine` or a `RetrievalEngine` behind one interface (the harness boundary)."""
+class KvEngine(Engine):
+    """Keeps decode state across tokens; the FFN is whatever backend the caller hands in."""
 
-    def __init__(self, engine: KvEngine | RetrievalEngine) -> None:
-        self.inner = engine
 
-    @property
-    def is_kv(self) -> bool:
-        return isinstance(self.inner, KvEngine)
+class RetrievalEngine(Engine):
+    """Serves from a store instead of keeping K/V, and computes with the model's own FFN (the
+    one handed in is not used): bench and accuracy only, never live decode."""
 
-    @property
-    def is_retrieval(self) -> bool:
-        return isinstance(self.inner, RetrievalEngine)
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    def info(self) -> EngineInfo:
-        return self.inner.info()
-
-    def memory(self) -> MemoryBreakdown:
-        return self.inner.memory()
-
-    def memory_bytes(self) -> int:
-        return self.inner.memory_bytes()
-
-    def cold_bytes(self) -> int:
-        return self.inner.cold_bytes()
-
-    def window_tokens(self) -> int:
-        return self.inner.window_tokens()
-
-    def stage_summary(self) -> DecodeStageSummary | None:
-        return self.inner.stage_summary()
-
-    def dispatch_path(self) -> str | None:
-        return self.inner.dispatch_path()
-
-    def supports_multimodal(self) -> bool:
-        return isinstance(self.inner, KvEngine) and self.inner.supports_multimodal()
-
-    def prefill(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
-        if isinstance(self.inner, KvEngine):
-            return self.inner.prefill(model, ffn, token_ids)
-        return self.inner.prefill(model, token_ids)
-
-    def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
-        if isinstance(self.inner, KvEngine):
-            return self.inner.decode_step(model, ffn, token_id)
-        return self.inner.decode_step(model, token_id)
-
-    def prefill_from_hidden(
-        self, model: Model, ffn: FfnBackend, initial_hidden: torch.Tensor
-    ) -> torch.Tensor:
-        if isinstance(self.inner, KvEngine):
-            return self.inner.prefill_from_hidden(model, ffn, initial_hidden)
-        raise BackendUnavailable(f"{self.name} is a retrieval engine: no prefill from hidden")
+    kind = "retrieval"

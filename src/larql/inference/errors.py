@@ -23,7 +23,7 @@ class BackendUnavailable(EngineError):
     recoverable = True
 
     def __init__(self, detail: str = "") -> None:
-        # The reference's bare text; with a detail (a missing capability, an unreachable FFN
+        # A bare message; with a detail (a missing capability, an unreachable FFN
         # shard) the detail says what is unavailable.
         message = (
             f"backend unavailable: {detail}"

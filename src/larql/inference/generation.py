@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from larql.inference.engine import AnyEngine
+from larql.inference.engine import Engine
 from larql.inference.errors import EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import final_logits
@@ -50,7 +50,7 @@ class GenerationSession:
 
     def __init__(
         self,
-        engine: AnyEngine,
+        engine: Engine,
         model: Model,
         ffn: FfnBackend,
         prompt_ids: Sequence[int],
@@ -126,7 +126,7 @@ class GenerationSession:
 
 
 def generate(
-    engine: AnyEngine,
+    engine: Engine,
     model: Model,
     ffn: FfnBackend,
     prompt_ids: Sequence[int],
@@ -157,7 +157,7 @@ HEAD_ROWS = 64  # hidden rows per LM-head product where many positions' logits a
 
 
 def teacher_forced_hidden(
-    engine: AnyEngine, model: Model, ffn: FfnBackend, ids: Sequence[int], prompt_len: int
+    engine: Engine, model: Model, ffn: FfnBackend, ids: Sequence[int], prompt_len: int
 ) -> Iterator[torch.Tensor]:
     """Prefill `ids[:prompt_len]`, then feed each later id as a decode step regardless of what
     the model would pick → the engine's hidden [1, H] after the prompt and after every fed id."""
@@ -182,7 +182,7 @@ def logits_of(model: Model, hidden_rows: Iterable[torch.Tensor]) -> Iterator[tor
 
 
 def teacher_forced_logits(
-    engine: AnyEngine, model: Model, ffn: FfnBackend, ids: Sequence[int], prompt_len: int
+    engine: Engine, model: Model, ffn: FfnBackend, ids: Sequence[int], prompt_len: int
 ) -> torch.Tensor:
     """Next-token logits after the prompt and after every fed token (`teacher_forced_hidden`),
     [len(ids) − prompt_len + 1, V]."""

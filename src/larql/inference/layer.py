@@ -80,6 +80,12 @@ def embed(model: Model, token_ids: torch.Tensor) -> torch.Tensor:
     return h * scale if scale != 1.0 else h
 
 
+def kept_rows(window: int | None) -> int | None:
+    """K/V rows a layer must keep for later queries when each query sees `window` keys,
+    itself included: window − 1 (None: every row)."""
+    return None if window is None else window - 1
+
+
 def token_tensor(model: Model, token_ids: list[int] | tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(token_ids, dtype=torch.long, device=model.device)
 
@@ -120,10 +126,10 @@ def project_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pre-layer residual h: [S, H] at positions start.. → q [Hq,S,D], k [Hkv,S,D], v [Hkv,S,D]."""
     cos, sin = rope_table(model, layer).slice(start, h.shape[0])
-    return project_qkv_rotated(model, layer, h, cos, sin)
+    return project_qkv_with_rope(model, layer, h, cos, sin)
 
 
-def project_qkv_rotated(
+def project_qkv_with_rope(
     model: Model, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`project_qkv` with the rows' RoPE cos/sin [S, rotary_dim] given (they may be gathered
@@ -230,7 +236,6 @@ def static_mask(capacity: int, position: torch.Tensor, window: int | None) -> to
 
 def attend_static(
     model: Model,
-    layer: int,
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -250,7 +255,6 @@ def attend_static(
 
 def attend_static_kernel(
     model: Model,
-    layer: int,
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,

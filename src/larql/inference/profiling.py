@@ -1,4 +1,4 @@
-"""Per-stage decode timings (reference §2.7): an `EngineProfiler` engines feed while decoding,
+"""Per-stage decode timings: an `EngineProfiler` engines feed while decoding,
 and the `DecodeStageSummary` it produces. Profiling only reads clocks; outputs are unchanged."""
 
 from __future__ import annotations

@@ -7,12 +7,12 @@ that names what was wrong and what is accepted.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from larql.errors import LarqlError
-from larql.inference.engine import AnyEngine, KvEngine, RetrievalEngine
+from larql.inference.engine import Engine
 from larql.models.model import Model
 from larql.specs import Param, accepted, parse_params, split_name, split_specs
 
@@ -38,7 +38,7 @@ class NotAvailableForLiveDecode(EngineSpecError):
 
 
 # The factory gets the resolved parameters and, when known, the model it will decode with.
-Factory = Callable[[Mapping[str, Any], Model | None], KvEngine | RetrievalEngine]
+Factory = Callable[[Mapping[str, Any], Model | None], Engine]
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,8 @@ class EngineSpec:
         shown = [f"{k}={v}" for k, v in self.params.items() if v is not None and v != defaults[k]]
         return f"{self.entry.name}:{','.join(shown)}" if shown else self.entry.name
 
-    def build(self, model: Model | None = None, profiling: bool = False) -> AnyEngine:
-        engine = self.entry.factory({**self.params, "profiling": profiling}, model)
-        return AnyEngine(engine)
+    def build(self, model: Model | None = None, profiling: bool = False) -> Engine:
+        return self.entry.factory({**self.params, "profiling": profiling}, model)
 
     def require_live_decode(self) -> None:
         if not self.entry.live_decode:
@@ -101,9 +100,11 @@ class EngineSpec:
 class EngineCatalog:
     """The engines `parse_engine` knows, in display order."""
 
-    def __init__(self) -> None:
+    def __init__(self, entries: Sequence[EngineEntry] = ()) -> None:
         self._entries: list[EngineEntry] = []
         self._by_name: dict[str, EngineEntry] = {}
+        for entry in entries:
+            self.register(entry)
 
     def register(self, entry: EngineEntry) -> None:
         for name in entry.all_names:

@@ -1,11 +1,13 @@
-"""GGUF → (`ModelConfig`, canonical state dict) for the `llama` and `gemma3` architectures.
+"""GGUF → (`ModelConfig`, canonical state dict) for the architectures of `larql.models.archs`
+that name a GGUF architecture (llama, gemma3).
 
-Layout facts handled here (checked against transformers, see shared/reference/models.md):
+Layout facts handled here (checked against transformers' own GGUF loader):
 - llama.cpp permutes llama Q/K rows for its interleaved RoPE; we un-permute to the split-half
-  layout every other architecture uses.
+  layout every other architecture uses (`gguf_interleaved_qk`).
 - Gemma norms are stored as (1 + w) already: that is the multiplier we keep.
-- Gemma 3: layers with (i + 1) % 6 == 0 attend globally, the others slide over
-  `gemma3.attention.sliding_window` keys with RoPE base 10 000 (not in the file).
+- Which layers slide is the preset's rule (Gemma 3: every 6th layer is global); sliding layers
+  take `<arch>.attention.sliding_window` keys and the preset's sliding RoPE base (not in the
+  file).
 """
 
 from __future__ import annotations
@@ -15,11 +17,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from larql.models.config import Arch, LayerSpec, ModelConfig, RopeSpec
+from larql.models.archs import preset_for_gguf
+from larql.models.config import LayerSpec, ModelConfig, RopeSpec
 from larql.models.errors import UnsupportedArchitecture
 from larql.models.gguf_file import GgufFile
-
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3")
 
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm",
@@ -38,18 +39,9 @@ _LAYER_TENSORS = {
 }
 _BIASES = {"attn_q": "bq", "attn_k": "bk", "attn_v": "bv", "attn_output": "bo"}
 
-GEMMA3_LOCAL_ROPE_BASE = 10_000.0
-GEMMA3_GLOBAL_EVERY = 6
-
 
 def gguf_config(gguf: GgufFile, name: str = "") -> ModelConfig:
-    arch_name = gguf.architecture
-    if arch_name not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise UnsupportedArchitecture(
-            f"GGUF architecture {arch_name!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)} "
-            "(other architectures load from an HF directory)"
-        )
+    preset = preset_for_gguf(gguf.architecture)
     hidden = int(gguf.arch_key("embedding_length"))
     heads = int(gguf.arch_key("attention.head_count"))
     kv_heads = int(gguf.arch_key("attention.head_count_kv", heads))
@@ -76,27 +68,15 @@ def gguf_config(gguf: GgufFile, name: str = "") -> ModelConfig:
         eos_token_ids=_eos_ids(gguf),
         name=name or str(gguf.get("general.name", gguf.path.stem)),
     )
-    if arch_name == "llama":
-        arch = Arch(name="llama", activation="silu")
-        layers = tuple(LayerSpec(None, rope) for _ in range(num_layers))
-    else:
-        arch = Arch(
-            name="gemma3",
-            activation="gelu_tanh",
-            norm_offset=1.0,
-            qk_norm=True,
-            post_norms=True,
-            scale_embeddings=True,
-        )
-        window = _opt_int(gguf.arch_key("attention.sliding_window"))
-        local = RopeSpec(base=GEMMA3_LOCAL_ROPE_BASE, rotary_dim=rope.rotary_dim)
-        layers = tuple(
-            LayerSpec(None, rope)
-            if (i + 1) % GEMMA3_GLOBAL_EVERY == 0
-            else LayerSpec(window, local)
-            for i in range(num_layers)
-        )
-    return ModelConfig(arch=arch, layers=layers, **common)
+    window = _opt_int(gguf.arch_key("attention.sliding_window"))
+    sliding = preset.sliding_layers({"sliding_window": window}, num_layers)
+    base = preset.sliding_rope_base
+    local = rope if base is None else RopeSpec(base=base, rotary_dim=rope.rotary_dim)
+    layers = tuple(
+        LayerSpec(window, local) if slides and window else LayerSpec(None, rope)
+        for slides in sliding
+    )
+    return ModelConfig(arch=preset.arch, layers=layers, **common)
 
 
 def gguf_state_dict(
@@ -104,12 +84,13 @@ def gguf_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Dequantize every tensor into the canonical layout (float32)."""
     state: dict[str, torch.Tensor] = {}
+    interleaved_qk = preset_for_gguf(gguf.architecture).gguf_interleaved_qk
     names = list(gguf.tensors)
     for n, gguf_name in enumerate(names):
         canonical = _canonical_name(gguf_name)
         if canonical is not None:
             array = gguf.dequantize(gguf_name)
-            if config.arch.name == "llama" and canonical.endswith((".wq", ".wk")):
+            if interleaved_qk and canonical.endswith((".wq", ".wk")):
                 n_head = config.num_heads if canonical.endswith(".wq") else config.num_kv_heads
                 array = _unpermute_rows(array, n_head)
             state[canonical] = torch.from_numpy(np.ascontiguousarray(array))

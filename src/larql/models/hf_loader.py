@@ -1,8 +1,8 @@
 """HF-format directories (config.json + *.safetensors + tokenizer.json) → (`ModelConfig`,
 canonical state dict).
 
-Each supported `model_type` is a row of data (`_ARCHS`); the per-layer attention span and RoPE
-come from the config the same way for all of them, in both the transformers 4 form
+Each supported `model_type` is a row of `larql.models.archs`; the per-layer attention span and
+RoPE come from the config the same way for all of them, in both the transformers 4 form
 (`rope_theta`, `rope_scaling`, `sliding_window_pattern`) and the 5 form (`rope_parameters`,
 `layer_types`).
 """
@@ -16,25 +16,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from larql.models.archs import ArchPreset, preset_for_hf
 from larql.models.config import Arch, LayerSpec, ModelConfig, RopeSpec
 from larql.models.errors import ModelFormatError, UnsupportedArchitecture
-
-_ARCHS: dict[str, Arch] = {
-    "llama": Arch(name="llama"),
-    "mistral": Arch(name="mistral"),
-    "qwen2": Arch(name="qwen2"),
-    "qwen3": Arch(name="qwen3", qk_norm=True),
-    "gemma2": Arch(
-        name="gemma2", activation="gelu_tanh", norm_offset=1.0, post_norms=True,
-        scale_embeddings=True,
-    ),
-    "gemma3": Arch(
-        name="gemma3", activation="gelu_tanh", norm_offset=1.0, qk_norm=True, post_norms=True,
-        scale_embeddings=True,
-    ),
-}  # fmt: skip
-_ALIASES = {"gemma3_text": "gemma3"}
-SUPPORTED_HF_ARCHITECTURES = tuple(_ARCHS)
 
 _ACTIVATIONS = {
     "silu": "silu",
@@ -83,21 +67,16 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
 
 
 def hf_config(raw: dict[str, Any], name: str = "") -> ModelConfig:
-    model_type = _ALIASES.get(raw.get("model_type", ""), raw.get("model_type", ""))
-    if model_type not in _ARCHS:
-        raise UnsupportedArchitecture(
-            f"model_type {raw.get('model_type')!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
-        )
+    preset = preset_for_hf(str(raw.get("model_type", "")))
+    model_type = preset.arch.name
     if raw.get("mlp_bias"):
         raise UnsupportedArchitecture(f"{model_type} with mlp_bias=true is not supported")
     activation = raw.get("hidden_activation") or raw.get("hidden_act", "silu")
     if activation not in _ACTIVATIONS:
         raise UnsupportedArchitecture(f"activation {activation!r} is not supported")
-    base_arch = _ARCHS[model_type]
     arch = Arch(
         **{
-            **vars(base_arch),
+            **vars(preset.arch),
             "activation": _ACTIVATIONS[activation],
             "attn_softcap": raw.get("attn_logit_softcapping"),
             "final_softcap": raw.get("final_logit_softcapping"),
@@ -122,8 +101,8 @@ def hf_config(raw: dict[str, Any], name: str = "") -> ModelConfig:
         max_positions=int(raw.get("max_position_embeddings", 2048)),
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         attn_scale=float(scalar) ** -0.5 if scalar else head_dim**-0.5,
-        layers=_layer_specs(raw, model_type, num_layers, head_dim),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", model_type.startswith("gemma"))),
+        layers=_layer_specs(raw, preset, num_layers, head_dim),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", preset.tied_embeddings)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         name=name,
@@ -131,43 +110,32 @@ def hf_config(raw: dict[str, Any], name: str = "") -> ModelConfig:
 
 
 def _layer_specs(
-    raw: dict[str, Any], model_type: str, num_layers: int, head_dim: int
+    raw: dict[str, Any], preset: ArchPreset, num_layers: int, head_dim: int
 ) -> tuple[LayerSpec, ...]:
-    types = raw.get("layer_types") or _default_layer_types(raw, model_type, num_layers)
+    types = raw.get("layer_types") or [
+        "sliding_attention" if sliding else "full_attention"
+        for sliding in preset.sliding_layers(raw, num_layers)
+    ]
     window = raw.get("sliding_window")
     specs = []
     for layer_type in types:
         sliding = layer_type == "sliding_attention"
-        rope = _rope_for(raw, model_type, layer_type, head_dim)
+        rope = _rope_for(raw, preset, layer_type, head_dim)
         # A layer that says it slides but has no width attends fully (never a window of 0).
         specs.append(LayerSpec(int(window) if sliding and window else None, rope))
     return tuple(specs)
 
 
-def _default_layer_types(raw: dict[str, Any], model_type: str, num_layers: int) -> list[str]:
-    full, sliding = "full_attention", "sliding_attention"
-    if model_type == "gemma2":
-        return [sliding if i % 2 == 0 else full for i in range(num_layers)]
-    if model_type == "gemma3":
-        every = int(raw.get("sliding_window_pattern", 6))
-        return [full if (i + 1) % every == 0 else sliding for i in range(num_layers)]
-    if model_type == "mistral" and raw.get("sliding_window"):
-        return [sliding] * num_layers
-    if model_type in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
-        first = int(raw.get("max_window_layers", num_layers))
-        return [sliding if i >= first else full for i in range(num_layers)]
-    return [full] * num_layers
-
-
-def _rope_for(raw: dict[str, Any], model_type: str, layer_type: str, head_dim: int) -> RopeSpec:
+def _rope_for(raw: dict[str, Any], preset: ArchPreset, layer_type: str, head_dim: int) -> RopeSpec:
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and layer_type in params:
         params = params[layer_type]
     if not isinstance(params, dict):
         params = dict(raw.get("rope_scaling") or {})
         params.setdefault("rope_theta", raw.get("rope_theta", 10_000.0))
-        if model_type == "gemma3" and layer_type == "sliding_attention":
-            params = {"rope_type": "default", "rope_theta": raw.get("rope_local_base_freq", 1e4)}
+        if preset.sliding_rope_base is not None and layer_type == "sliding_attention":
+            base = raw.get("rope_local_base_freq", preset.sliding_rope_base)
+            params = {"rope_type": "default", "rope_theta": base}
     kind = params.get("rope_type") or params.get("type") or "default"
     fraction = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     rotary_dim = int(head_dim * fraction)

@@ -2,7 +2,7 @@
 chat-template rendering and incremental detokenization for streaming.
 
 The two GGUF recipes reproduce transformers' own conversion (406 texts, ~210k tokens each,
-identical; see shared/reference/models.md §2e).
+identical on a corpus of mixed text, code and Unicode).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from larql.models.gguf_file import GgufFile
 # token_type values in GGUF
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 
-# End-of-turn strings that stop generation whatever the model's eos id says (reference §2.8).
+# End-of-turn strings that stop generation whatever the model's eos id says .
 STOP_STRINGS = (
     "<eos>",
     "</s>",

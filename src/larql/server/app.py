@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from larql.inference.engine import AnyEngine
+from larql.inference.engine import Engine
 from larql.inference.ffn import DenseFfn
 from larql.kv.catalog import catalog_rows
 from larql.models.model import Model
@@ -114,7 +114,7 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
     async def answer(
         request: Request,
         body: GenerationFields,
-        prepared: tuple[SessionRequest, AnyEngine],
+        prepared: tuple[SessionRequest, Engine],
         chat: bool,
     ) -> Response:
         session_request, engine = prepared

@@ -1,4 +1,4 @@
-"""An FFN shard: serves the FFN of a range of layers over HTTP (reference §7.4), so a client's
+"""An FFN shard: serves the FFN of a range of layers over HTTP , so a client's
 `remote-walk` backend can run its layers elsewhere.
 
     POST /v1/walk-ffn   one layer or a batch of layers of one residual → FFN output

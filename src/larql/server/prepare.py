@@ -4,7 +4,7 @@ engine built from the request's spec. Every problem is an `ApiError` naming the 
 from __future__ import annotations
 
 from larql.errors import LarqlError
-from larql.inference.engine import AnyEngine
+from larql.inference.engine import Engine
 from larql.inference.sampling import SamplingParams
 from larql.kv.catalog import CATALOG, parse_engine
 from larql.kv.spec import EngineSpec, EngineSpecError
@@ -23,7 +23,7 @@ SERVER_PATH_PARAMS = frozenset({"archive", "store"})
 
 def prepare_completion(
     body: CompletionRequest, model: Model, settings: ServerSettings
-) -> tuple[SessionRequest, AnyEngine]:
+) -> tuple[SessionRequest, Engine]:
     check_model_name(body.model, model, settings)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -44,7 +44,7 @@ def prepare_completion(
 
 def prepare_chat(
     body: ChatCompletionRequest, model: Model, settings: ServerSettings
-) -> tuple[SessionRequest, AnyEngine]:
+) -> tuple[SessionRequest, Engine]:
     check_model_name(body.model, model, settings)
     if not body.messages:
         raise bad_request("messages is empty", "messages")
@@ -120,7 +120,7 @@ def _session_request(
     default_tokens: int,
     model: Model,
     settings: ServerSettings,
-) -> tuple[SessionRequest, AnyEngine]:
+) -> tuple[SessionRequest, Engine]:
     _check_prompt_length(len(ids), model, settings)
     max_new = min(default_tokens, settings.max_new_tokens) if requested is None else requested
     if max_new < 1:

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from larql.errors import LarqlError
-from larql.inference.engine import AnyEngine
+from larql.inference.engine import Engine
 from larql.inference.errors import BackendUnavailable, EngineError
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import FinishReason, GenerationSession
@@ -106,13 +106,13 @@ class Session:
     def __init__(
         self,
         request: SessionRequest,
-        engine: AnyEngine,
+        engine: Engine,
         loop: asyncio.AbstractEventLoop,
         text: TextAssembler,
         timeout_s: float,
     ) -> None:
         self.request = request
-        self.engine: AnyEngine | None = engine
+        self.engine: Engine | None = engine
         self.generation: GenerationSession | None = None
         self.text = text
         self.events: asyncio.Queue[Event] = asyncio.Queue()
@@ -169,7 +169,7 @@ class Scheduler:
             self._thread.join(timeout_s)
 
     def submit(
-        self, request: SessionRequest, engine: AnyEngine, loop: asyncio.AbstractEventLoop
+        self, request: SessionRequest, engine: Engine, loop: asyncio.AbstractEventLoop
     ) -> Session:
         text = TextAssembler(self.model.tokenizer, request.stop_strings)
         session = Session(request, engine, loop, text, self.limits.request_timeout_s)

@@ -1,4 +1,4 @@
-"""Per-strategy split of the three corpora (reference §10): match rates, mean bits, follow and
+"""Per-strategy split of the three corpora: match rates, mean bits, follow and
 fallback rates, and served rates (NaN where nothing was served — never a silent 0)."""
 
 from __future__ import annotations

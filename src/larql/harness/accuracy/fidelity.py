@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from larql.harness.bench.stats import nearest_rank
-from larql.inference.engine import AnyEngine
+from larql.inference.engine import Engine
 from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import generate, logits_of, teacher_forced_hidden
@@ -73,7 +73,7 @@ def reference_run(
 
 
 def teacher_forced(
-    model: Model, ffn: FfnBackend, engine: AnyEngine, ids: list[int], prompt_len: int
+    model: Model, ffn: FfnBackend, engine: Engine, ids: list[int], prompt_len: int
 ) -> Iterator[torch.Tensor]:
     """Logits [V] predicting ids[prompt_len], ids[prompt_len + 1], …, ids[-1], in turn."""
     return logits_of(model, teacher_forced_hidden(engine, model, ffn, ids[:-1], prompt_len))

@@ -20,7 +20,7 @@ from larql.models.model import Model
 
 SCHEMA = "larql.bench/1"
 
-# The catalog with small windows so every engine's windowed path runs (reference §3.3);
+# The catalog with small windows so every engine's windowed path runs;
 # apollo needs a store, so it only runs when a spec names one.
 DEFAULT_SPECS = (
     "standard",

@@ -1,4 +1,4 @@
-"""Which FFN backend runs on which layer: the `FfnLayerPolicy` grammar (reference §7.3).
+"""Which FFN backend runs on which layer: the `FfnLayerPolicy` grammar.
 
     dense | walk[:k=N|none] | null | remote-walk:endpoint=URL[,wire=f32|f16|i8]   (all layers)
     {walk:k=100}@layers=14-27;{dense}@otherwise                                  (per layer)

@@ -1,4 +1,4 @@
-"""`remote-walk`: each layer's FFN computed by an FFN shard over HTTP (reference §7.4).
+"""`remote-walk`: each layer's FFN computed by an FFN shard over HTTP.
 
 One keep-alive `httpx.Client` per backend; the normed residual goes out as f32 and the output
 comes back in the wire encoding negotiated by `Accept` (f32 is lossless, f16 and i8 trade

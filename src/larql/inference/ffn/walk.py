@@ -1,4 +1,4 @@
-"""`walk`: the FFN computed feature by feature instead of by dense matmuls (reference §7.2).
+"""`walk`: the FFN computed feature by feature instead of by dense matmuls.
 
 A feature f of layer ℓ is one intermediate neuron: its gate row, its up row and its down column.
 The walk scores every feature's gate against the normed residual, keeps the k features with the
@@ -29,7 +29,7 @@ def select_features(activated_gate: torch.Tensor, k: int) -> torch.Tensor:
 
 def down_rows(model: Model, layer: int) -> torch.Tensor:
     """Layer's down projection feature-major, [F, H] contiguous: row f is feature f's down
-    vector (the vindex layout of reference §7.2), so a walk reads k whole rows instead of k
+    vector (a feature-major layout), so a walk reads k whole rows instead of k
     strided columns. Built on first use and kept in `model.runtime`, shared by every walk."""
     key = ("walk_down_rows", layer, model.dtype, model.device)
     rows = model.runtime.get(key)

@@ -1,7 +1,6 @@
 """`apollo`: a retrieval engine. Instead of keeping K/V it routes the query to a window of a
 prebuilt store, injects the embeddings of that window's fact tokens into the residual stream,
-and re-runs the forward pass every step (reference §5.9; the code, not the older cosine-threshold
-prose).
+and re-runs the forward pass every step.
 
 Prefill:
 1. route: the best window of `WindowRouter.resolve(query, 3)` (none ⇒ `RetrievalMiss`);
@@ -23,15 +22,14 @@ The engine takes no FFN backend (it is a `RetrievalEngine`); it computes with th
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from larql.inference.engine import EngineInfo, RetrievalEngine
-from larql.inference.errors import EmptyPrompt, InvariantViolation, RetrievalMiss
-from larql.inference.ffn import DenseFfn
+from larql.inference.engine import RetrievalEngine
+from larql.inference.errors import RetrievalMiss
+from larql.inference.ffn import DenseFfn, FfnBackend
 from larql.inference.forward import run_layers
 from larql.inference.layer import embed, token_tensor
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
@@ -69,6 +67,7 @@ class ApolloEngine(RetrievalEngine):
         top_k: int = DEFAULT_TOP_K,
         model: Model | None = None,
     ) -> None:
+        super().__init__()
         self.store = store
         self._layer_param = injection_layer  # None ⇒ the store's arch_config.injection_layer
         self.inject_coefficient = inject_coefficient
@@ -95,19 +94,16 @@ class ApolloEngine(RetrievalEngine):
             self.store.boundaries is not None or self.store.boundary_residual is not None
         )
 
-    def info(self) -> EngineInfo:
-        layer = "store" if self.injection_layer is None else self.injection_layer
-        config = f"inject_layer={layer},coef={self.inject_coefficient},top_k={self.top_k}"
+    def describe(self) -> str:
         if self.store is None:
-            description = "retrieval+injection: no store attached (apollo:store=DIR)"
-        else:
-            m = self.store.manifest
-            mode = f"compressed(layer={m.crystal_layer})" if self.compressed else "uncompressed"
-            description = (
-                f"retrieval+injection [{mode}]: {m.num_windows} windows, {m.num_entries} "
-                f"entries, {self.store.total_bytes() / 1024:.1f}KB"
-            )
-        return EngineInfo(self.name, description, self._backend, config)
+            return "retrieval+injection: no store attached (apollo:store=DIR)"
+        m = self.store.manifest
+        mode = f"compressed(layer={m.crystal_layer})" if self.compressed else "uncompressed"
+        return f"retrieval+injection [{mode}]: {m.num_windows} windows, {m.num_entries} entries"
+
+    def config(self) -> str:
+        layer = "store" if self.injection_layer is None else self.injection_layer
+        return f"inject_layer={layer},coef={self.inject_coefficient},top_k={self.top_k}"
 
     def memory(self) -> MemoryBreakdown:
         """hot: the store and the context ids; derivative: delta and boundary copies."""
@@ -119,13 +115,11 @@ class ApolloEngine(RetrievalEngine):
 
     # ------------------------------------------------------------------ protocol
 
-    def prefill(self, model: Model, token_ids: Sequence[int]) -> torch.Tensor:
-        if len(token_ids) == 0:
-            raise EmptyPrompt()
+    def _start_tokens(self, model: Model, ffn: FfnBackend, token_ids: list[int]) -> torch.Tensor:
+        """The FFN handed in is not used: apollo computes with the model's own."""
         if self.store is None:
             raise RetrievalMiss("apollo store not attached")
         self._check_model(model)
-        self._backend = model.device.type
         query = [int(t) for t in token_ids]
         self.injection = self._prepare_injection(model, query)
         body = _drop_leading_bos(query, model.config.bos_token_id)
@@ -134,9 +128,8 @@ class ApolloEngine(RetrievalEngine):
         self._context = torch.tensor(body, dtype=torch.int32, device=model.device)
         return self._forward(model)
 
-    def decode_step(self, model: Model, token_id: int) -> torch.Tensor:
-        if self._context is None:
-            raise InvariantViolation("decode_step called before prefill")
+    def _step_token(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
+        assert self._context is not None
         new = torch.tensor([token_id], dtype=torch.int32, device=self._context.device)
         self._context = torch.cat([self._context, new])
         return self._forward(model)

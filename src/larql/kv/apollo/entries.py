@@ -1,5 +1,4 @@
-"""Which stored entries to inject for a query, given the windows routing picked (reference §5.9,
-`retrieve_entries`).
+"""Which stored entries to inject for a query, given the windows routing picked (`retrieve_entries`).
 
 Seeds are the candidate windows' entries whose token occurs in the query: they anchor the
 retrieval. Around them, with each entry scored by its stored coefficient:

@@ -1,5 +1,5 @@
 """Which windows of the store a query is about: an inverted index over the windows' token ids,
-scored with a BM25-style idf and no length normalisation (reference §5.9, `routing.rs`).
+scored with a BM25-style idf and no length normalisation.
 
 For N windows and a query token that occurs in df of them,
 

@@ -1,4 +1,4 @@
-"""The apollo store: a directory of numpy files that a retrieval engine reads (reference §5.9).
+"""The apollo store: a directory of numpy files that a retrieval engine reads.
 
     DIR/manifest.json               counts, layers, the model the store was built with
     DIR/boundaries/window_NNN.npy   [H] float32 per window (only when has_residuals)

@@ -8,9 +8,11 @@ from larql.kv.boundary.archive import (
     InMemoryBoundaryArchive,
 )
 from larql.kv.boundary.engine import BoundaryKvEngine
+from larql.kv.boundary.entry import ENTRY
 from larql.kv.boundary.frames import BoundaryFormatError, BoundaryFrame
 
 __all__ = [
+    "ENTRY",
     "BoundaryArchive",
     "BoundaryArchiveError",
     "BoundaryFormatError",

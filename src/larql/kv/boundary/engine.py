@@ -1,6 +1,6 @@
 """`boundary-kv`: a `standard` engine that also emits a boundary frame at the end of every chunk
 of `chunk_tokens` tokens — the residual there, how confident the model was, and whether an int8
-copy would still predict the same token (reference §5.7).
+copy would still predict the same token.
 
 Decoding is done entirely by the inner `StandardEngine`, so the output is the standard output.
 Frames are emitted at every multiple of `chunk_tokens` the sequence reaches, including those
@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Sequence
 
 import torch
 
 from larql.errors import LarqlError
-from larql.inference.engine import EngineInfo, KvEngine
+from larql.inference.engine import KvEngine
 from larql.inference.errors import BackendFailure
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import final_logits
@@ -63,6 +62,7 @@ class BoundaryKvEngine(KvEngine):
     ) -> None:
         if chunk_tokens < 1:
             raise EngineBuildError(f"boundary-kv: chunk_tokens must be ≥ 1, got {chunk_tokens}")
+        super().__init__()
         self.chunk_tokens = chunk_tokens
         self.sequence_id = sequence_id if sequence_id is not None else fresh_sequence_id()
         self.run_id = secrets.token_hex(8)  # recorded in every frame this engine writes
@@ -76,33 +76,30 @@ class BoundaryKvEngine(KvEngine):
         self.frames_emitted = 0
         self.payload_bytes_emitted = 0
 
-    def info(self) -> EngineInfo:
-        window = self.window if self.window is not None else "full"
-        return EngineInfo(
-            name=self.name,
-            description=(
-                f"standard K/V + boundary-frame emission every {self.chunk_tokens} tokens "
-                f"(archived={self.frames_emitted} frames, {self.payload_bytes_emitted} payload "
-                f"bytes in {self.archive.describe()}; {self.memory().brief()})"
-            ),
-            backend=self.inner.info().backend,
-            config=f"chunk_tokens={self.chunk_tokens},sequence_id={self.sequence_id},"
-            f"window={window}",
+    def describe(self) -> str:
+        return (
+            f"standard K/V + boundary-frame emission every {self.chunk_tokens} tokens "
+            f"(archived={self.frames_emitted} frames, {self.payload_bytes_emitted} payload "
+            f"bytes in {self.archive.describe()})"
         )
 
+    def config(self) -> str:
+        window = self.window if self.window is not None else "full"
+        return f"chunk_tokens={self.chunk_tokens},sequence_id={self.sequence_id},window={window}"
+
     def memory(self) -> MemoryBreakdown:
-        return self.inner.memory()  # frames are in the archive, reported in info()
+        return self.inner.memory()  # frames are in the archive, reported in describe()
 
     def window_tokens(self) -> int:
         return self.inner.window_tokens()
 
-    def prefill(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
-        rows = self.inner.prefill_rows(model, ffn, token_ids)  # [S, H]
+    def _start_tokens(self, model: Model, ffn: FfnBackend, token_ids: list[int]) -> torch.Tensor:
+        rows = self.inner.prefill_all(model, ffn, token_ids)  # [S, H]
         for end in range(self.chunk_tokens, rows.shape[0] + 1, self.chunk_tokens):
             self._emit(model, rows[end - 1 : end], end)
-        return rows[-1:]
+        return rows
 
-    def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
+    def _step_token(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
         hidden = self.inner.decode_step(model, ffn, token_id)  # [1, H]
         if self.inner.position % self.chunk_tokens == 0:
             self._emit(model, hidden, self.inner.position)

@@ -1,4 +1,4 @@
-"""`markov-rs-codec`: markov-rs with the cold tier stored as bfloat16 (reference §5.4).
+"""`markov-rs-codec`: markov-rs with the cold tier stored as bfloat16.
 
 Evicted residuals are rounded to bf16 (round-to-nearest-even) and the K/V of each evicted row is
 recomputed from the round-tripped residual at its true position, so every later query sees the
@@ -10,7 +10,6 @@ the engine is bit-identical to markov-rs at the same window.
 
 from __future__ import annotations
 
-from larql.inference.engine import EngineInfo
 from larql.kv.residual.codecs import Bf16Codec
 from larql.kv.residual.engine import ResidualStreamEngine
 from larql.models.model import Model
@@ -22,12 +21,8 @@ class MarkovResidualCodecEngine(ResidualStreamEngine):
     def codec_labels(self, model: Model) -> list[str]:
         return [Bf16Codec.label] * model.config.num_layers
 
-    def info(self) -> EngineInfo:
-        return EngineInfo(
-            name=self.name,
-            description=(
-                f"residual-stream KV replacement with bf16 cold codec ({self.memory().brief()})"
-            ),
-            backend=self._backend,
-            config=f"{self.window_config()},codec={Bf16Codec.label}",
-        )
+    def describe(self) -> str:
+        return "residual-stream KV replacement with bf16 cold codec"
+
+    def config(self) -> str:
+        return f"{super().config()},codec={Bf16Codec.label}"

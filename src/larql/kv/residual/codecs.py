@@ -3,7 +3,7 @@
 `IdentityCodec` keeps them as they are (markov-rs: the cold tier is lossless and the K/V computed
 while the rows were hot stays valid). `Bf16Codec` keeps the float32 bit pattern rounded to
 bfloat16, round-to-nearest-even, as uint16 — half the bytes, and lossy, so the engine replaces
-the evicted rows' K/V with K/V recomputed from the round-tripped residuals (reference §5.4).
+the evicted rows' K/V with K/V recomputed from the round-tripped residuals.
 Rows that are bfloat16 already (a bf16 model) are stored bit for bit: there the codec is
 lossless, costs no conversion, and the K/V need no recompute.
 """

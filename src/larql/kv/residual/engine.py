@@ -1,4 +1,4 @@
-"""The prefill and decode walk every residual-stream engine shares (reference §5.3, §5.4, §5.8).
+"""The prefill and decode walk every residual-stream engine shares.
 
 An engine of this family is configured by two things only: the hot-tier `window` and the cold
 codec of each layer. The walk stores each layer's pre-layer residual, runs the shared attention
@@ -7,7 +7,7 @@ rows beyond the window into the cold tier. A lossless cold tier leaves the evict
 they are; a lossy one replaces them with K/V recomputed from the stored (round-tripped) rows at
 their true positions — one row per layer per step, O(1).
 
-Attention is always over the full history (DESIGN decision 2: `window` only splits storage), so
+Attention is always over the full history (docs/DESIGN.md, decision 2: `window` only splits storage), so
 with a lossless cold tier the engine is exact against `standard` at any window.
 """
 
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from larql.inference.engine import KvEngine, backend_name
-from larql.inference.errors import BackendUnavailable, EmptyPrompt, InvariantViolation
+from larql.inference.engine import KvEngine
+from larql.inference.errors import BackendUnavailable
 from larql.inference.ffn import FfnBackend
-from larql.inference.layer import attention_block, embed, ffn_block, token_tensor
+from larql.inference.layer import attention_block, ffn_block
 from larql.inference.memory import MemoryBreakdown
-from larql.inference.profiling import DecodeStageSummary, EngineProfiler
+from larql.inference.profiling import EngineProfiler
 from larql.kv.buffers import KvBuffer
 from larql.kv.residual.store import ResidualStore
 from larql.models.model import Model
@@ -47,10 +47,9 @@ class ResidualStreamEngine(KvEngine):
     ) -> None:
         if window is not None and window < 1:
             raise ValueError(f"window must be ≥ 1, got {window}")
+        super().__init__(profiling)
         self.window = window
         self._store: ResidualStore | None = None
-        self._profiler = EngineProfiler(enabled=profiling)
-        self._backend = "cpu"
         if model is not None:
             self.validate_for(model)
 
@@ -64,7 +63,7 @@ class ResidualStreamEngine(KvEngine):
         """The cold codec of each layer."""
         raise NotImplementedError
 
-    def window_config(self) -> str:
+    def config(self) -> str:
         return f"window={self.window}" if self.window is not None else "window=full"
 
     # ------------------------------------------------------------------ state and accounting
@@ -81,9 +80,6 @@ class ResidualStreamEngine(KvEngine):
     def window_tokens(self) -> int:
         return self._store.hot_len if self._store is not None else 0
 
-    def stage_summary(self) -> DecodeStageSummary | None:
-        return self._profiler.summary(self.name, self._backend)
-
     def supports_multimodal(self) -> bool:
         return True
 
@@ -93,48 +89,26 @@ class ResidualStreamEngine(KvEngine):
 
     # ------------------------------------------------------------------ prefill
 
-    def prefill_from_hidden(
-        self, model: Model, ffn: FfnBackend, initial_hidden: torch.Tensor
-    ) -> torch.Tensor:
-        """initial_hidden: [S, H] rows at positions 0.. → last hidden [1, H]."""
-        if initial_hidden.shape[0] == 0:
-            raise EmptyPrompt()
+    def _start(self, model: Model, ffn: FfnBackend, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [S, H] at positions 0.. → every row's hidden [S, H]."""
         self.validate_for(model)
-        self._backend = backend_name(model)
         store = ResidualStore(self.window, self.codec_labels(model))
         assert store.kv is not None
-        h = initial_hidden
+        h = rows
         for layer, buffer in enumerate(store.kv):
             store.push(layer, h)
             h = attention_block(model, layer, h, 0, buffer)
             h = ffn_block(model, layer, h, ffn)
-        store.advance(initial_hidden.shape[0])
+        store.advance(rows.shape[0])
         self._store = store
         self._evict(model, _NOT_PROFILED)
-        return h[-1:]
+        return h
 
     # ------------------------------------------------------------------ decode
 
-    def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
-        self._require_prefill()
-        prof = self._profiler
-        with prof.stage("decode_total", model.device):
-            with prof.stage("embed", model.device):
-                h = embed(model, token_tensor(model, [token_id]))  # [1, H]
-            return self._step(model, ffn, h, prof)
-
-    def decode_step_from_hidden(
-        self, model: Model, ffn: FfnBackend, hidden_row: torch.Tensor
-    ) -> torch.Tensor:
-        self._require_prefill()
-        with self._profiler.stage("decode_total", model.device):
-            return self._step(model, ffn, hidden_row, self._profiler)
-
-    def _step(
-        self, model: Model, ffn: FfnBackend, h: torch.Tensor, prof: EngineProfiler
-    ) -> torch.Tensor:
-        """h: [1, H] at the next absolute position → its pre-final-norm hidden [1, H]."""
-        store = self.store
+    def _step(self, model: Model, ffn: FfnBackend, row: torch.Tensor) -> torch.Tensor:
+        """row: [1, H] at the next absolute position → its pre-final-norm hidden [1, H]."""
+        store, prof, h = self.store, self._profiler, row
         position = store.next_position
         device = model.device
         for layer, buffer in enumerate(self._derivative_kv(model, prof)):
@@ -164,7 +138,8 @@ class ResidualStreamEngine(KvEngine):
 
     def _evict(self, model: Model, prof: EngineProfiler) -> None:
         """Move overflowing hot rows to the cold tier; re-derive K/V of lossily stored rows."""
-        store = self.store
+        store = self._store
+        assert store is not None
         with prof.stage("state_append", model.device):
             blocks = store.evict_overflow()
         lossy = [block for block in blocks if not block.lossless]
@@ -172,7 +147,3 @@ class ResidualStreamEngine(KvEngine):
             with prof.stage("recompute_cold", model.device):
                 for block in lossy:
                     store.replace_kv(model, block)
-
-    def _require_prefill(self) -> None:
-        if self._store is None:
-            raise InvariantViolation("decode_step called before prefill")

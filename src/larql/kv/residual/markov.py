@@ -1,4 +1,4 @@
-"""`markov-rs`: the residual stream as the decode state (reference §5.3).
+"""`markov-rs`: the residual stream as the decode state.
 
 Each layer keeps its pre-layer residuals — the last `window` rows hot, older rows in a lossless
 cold tier — and K/V only as a droppable derivative, extended in O(1) per step. Rows leaving the
@@ -8,7 +8,6 @@ window: `window` splits storage, never attention.
 
 from __future__ import annotations
 
-from larql.inference.engine import EngineInfo
 from larql.kv.residual.codecs import IdentityCodec
 from larql.kv.residual.engine import ResidualStreamEngine
 from larql.models.model import Model
@@ -20,13 +19,5 @@ class MarkovResidualEngine(ResidualStreamEngine):
     def codec_labels(self, model: Model) -> list[str]:
         return [IdentityCodec.label] * model.config.num_layers
 
-    def info(self) -> EngineInfo:
-        return EngineInfo(
-            name=self.name,
-            description=(
-                "residual-stream KV replacement — K/V recomputed from stored residuals "
-                f"({self.memory().brief()})"
-            ),
-            backend=self._backend,
-            config=self.window_config(),
-        )
+    def describe(self) -> str:
+        return "residual-stream KV replacement — K/V recomputed from stored residuals"

@@ -1,5 +1,4 @@
-"""`boundary-per-layer`: markov-rs-codec with a per-layer codec policy that must be calibrated
-(reference §5.8).
+"""`boundary-per-layer`: markov-rs-codec with a per-layer codec policy that must be calibrated.
 
 The policy (v1: bf16 on every layer) defaults to the model's depth; it and its calibration record
 are resolved against the model at build time when the model is known, else at prefill, and every
@@ -9,7 +8,6 @@ the true position of the first evicted row, extending the cold K/V in place — 
 
 from __future__ import annotations
 
-from larql.inference.engine import EngineInfo
 from larql.kv.residual.engine import ResidualStreamEngine
 from larql.kv.residual.policy import (
     DEFAULT_KL_BUDGET_NATS,
@@ -72,22 +70,17 @@ class BoundaryPerLayerEngine(ResidualStreamEngine):
     def fingerprint(self) -> str | None:
         return self.policy.fingerprint() if self.policy is not None else None
 
-    def info(self) -> EngineInfo:
-        if self.policy is not None:
-            layers: int | str = len(self.policy.entries)
-        else:
-            layers = self.layers if self.layers is not None else "model"
+    def describe(self) -> str:
         bound = (
             self.calibration_record.kl_bound_nats
             if self.calibration_record is not None
             else self.kl_budget_nats
         )
-        return EngineInfo(
-            name=self.name,
-            description=(
-                f"per-layer codec policy on cold tier (kl_bound={bound:.3f} nats, "
-                f"{self.memory().brief()})"
-            ),
-            backend=self._backend,
-            config=f"{self.window_config()},layers={layers}",
-        )
+        return f"per-layer codec policy on cold tier (kl_bound={bound:.3f} nats)"
+
+    def config(self) -> str:
+        if self.policy is not None:
+            layers: int | str = len(self.policy.entries)
+        else:
+            layers = self.layers if self.layers is not None else "model"
+        return f"{super().config()},layers={layers}"

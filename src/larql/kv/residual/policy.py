@@ -1,4 +1,4 @@
-"""Per-layer cold-codec policies and their calibration records (reference §5.8).
+"""Per-layer cold-codec policies and their calibration records.
 
 A `BoundaryLayerPolicy` names one codec per layer for one model revision; its fingerprint
 (`"{model_revision}|0=bf16,1=bf16,…"`) is the key under which a `BoundaryCalibrationRecord`

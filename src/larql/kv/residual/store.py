@@ -7,7 +7,7 @@ cold then hot, contiguous from absolute position 0 in a `KvBuffer`, extended in 
 the attention block itself. It can be dropped at any time and rebuilt from the residuals with
 `recompute_kv` — that is what makes the residuals a sufficient state.
 
-Position invariant (reference §5.3, Appendix C): cold rows are positions [0, cold_len), hot rows
+Position invariant: cold rows are positions [0, cold_len), hot rows
 are [next_position − hot_len, next_position), cold_len + hot_len = next_position, and row p of the
 K/V buffer is position p.
 """

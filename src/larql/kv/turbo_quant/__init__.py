@@ -2,5 +2,6 @@
 
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
 from larql.kv.turbo_quant.engine import TurboQuantEngine
+from larql.kv.turbo_quant.entry import ENTRY
 
-__all__ = ["RowCodec", "TurboQuantCodec", "TurboQuantEngine"]
+__all__ = ["ENTRY", "RowCodec", "TurboQuantCodec", "TurboQuantEngine"]

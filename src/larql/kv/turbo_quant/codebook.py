@@ -1,4 +1,4 @@
-"""Lloyd–Max codebooks for the coordinates of a rotated unit vector (DESIGN decision 5).
+"""Lloyd–Max codebooks for the coordinates of a rotated unit vector (docs/DESIGN.md, decision 5).
 
 After an orthogonal rotation that mixes all coordinates, each coordinate of a unit vector of
 dimension d is close to N(0, 1/d). The MSE-optimal scalar quantiser for that distribution is the

@@ -1,4 +1,4 @@
-"""`turbo-quant`: K/V kept only in quantised form (TurboQuant-style, reference §5.6).
+"""`turbo-quant`: K/V kept only in quantised form (TurboQuant-style).
 
 Prefill attends over the exact K/V of the prompt (so its output equals `standard`'s), then stores
 each layer's K/V encoded. Every decode step, per layer: decode the stored rows, attend over
@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 import larql.kernels
-from larql.inference.engine import EngineInfo, KvEngine, backend_name
-from larql.inference.errors import EmptyPrompt, InvariantViolation
+from larql.inference.engine import KvEngine
+from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
     FreshKv,
@@ -44,13 +44,11 @@ from larql.inference.layer import (
     attention_block,
     attention_output,
     effective_window,
-    embed,
     ffn_block,
+    kept_rows,
     project_qkv,
-    token_tensor,
 )
 from larql.inference.memory import MemoryBreakdown
-from larql.inference.profiling import DecodeStageSummary, EngineProfiler
 from larql.kv.rows import GrowableRows
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
 from larql.kv.turbo_quant.kernel_path import KernelPath
@@ -87,29 +85,23 @@ class TurboQuantEngine(KvEngine):
         attention: str = "auto",
         use_graph: bool = True,
     ) -> None:
+        super().__init__(profiling)
         self.bits = bits
         self.rotated_attention = rotated_attention  # False: decode every row (the reference)
         self.attention = attention  # auto/triton: the Triton kernels where they run; sdpa: torch
         self.use_graph = use_graph  # with the kernels on CUDA: capture the step in a CUDA graph
-        self.position = 0  # absolute position of the next token
         self._codec_factory = codec_factory or (lambda dim: TurboQuantCodec(dim, bits))
         self._codec: RowCodec | None = None
         self._layers: list[GrowableRows] | None = None  # [n, row_bytes] uint8 each (torch path)
         self._fast: KernelPath | None = None  # the state and step where the kernels run
-        self._backend = "cpu"
-        self._profiler = EngineProfiler(enabled=profiling)
 
     # ------------------------------------------------------------------ description
 
-    def info(self) -> EngineInfo:
-        return EngineInfo(
-            name=self.name,
-            description=(
-                f"{self.bits}-bit WHT+Lloyd-Max K/V, {self._path()} ({self.memory().brief()})"
-            ),
-            backend=self._backend,
-            config=f"bits={self.bits}",
-        )
+    def describe(self) -> str:
+        return f"{self.bits}-bit WHT+Lloyd-Max K/V, {self._path()}"
+
+    def config(self) -> str:
+        return f"bits={self.bits}"
 
     def memory(self) -> MemoryBreakdown:
         if self._fast is not None:
@@ -136,29 +128,21 @@ class TurboQuantEngine(KvEngine):
             return None
         return "cuda-graph" if self._fast.captured else "static"
 
-    def stage_summary(self) -> DecodeStageSummary | None:
-        return self._profiler.summary(self.name, self._backend)
-
     def supports_multimodal(self) -> bool:
         return True
 
     # ------------------------------------------------------------------ prefill
 
-    def prefill_from_hidden(
-        self, model: Model, ffn: FfnBackend, initial_hidden: torch.Tensor
-    ) -> torch.Tensor:
-        """initial_hidden: [S, H] → last position's hidden [1, H], attending over exact K/V."""
-        if initial_hidden.shape[0] == 0:
-            raise EmptyPrompt()
-        self._backend = backend_name(model)
+    def _start(self, model: Model, ffn: FfnBackend, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [S, H] → every row's hidden [S, H], attending over exact K/V."""
         cfg = model.config
         self._codec = self._codec_factory(cfg.head_dim)
         keeps = [self._keep(model, layer) for layer in range(cfg.num_layers)]
         self._fast = self._kernel_path(model, keeps)
         self._layers = None if self._fast else [GrowableRows(keep=keep) for keep in keeps]
         if self._fast is not None:
-            self._fast.start(model, initial_hidden.shape[0])
-        h = initial_hidden  # [S, H]
+            self._fast.start(model, rows.shape[0])
+        h = rows  # [S, H]
         for layer in range(cfg.num_layers):
             exact = FreshKv()
             h = attention_block(model, layer, h, 0, exact)
@@ -168,33 +152,19 @@ class TurboQuantEngine(KvEngine):
             else:
                 self._encode_and_append(layer, exact.k, exact.v)
             h = ffn_block(model, layer, h, ffn)
-        self.position = initial_hidden.shape[0]
-        return h[-1:]
+        return h
 
     # ------------------------------------------------------------------ decode
 
-    def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
-        self._require_prefill()
-        stage = self._profiler.stage
-        with stage("decode_total", model.device):
-            if self._fast is not None:
-                h = self._fast.decode(model, ffn, self.position, token_id=token_id)
-                self.position += 1
-                return h
-            with stage("embed", model.device):
-                h = embed(model, token_tensor(model, [token_id]))  # [1, H]
-            return self._decode_layers(model, ffn, h)
+    def _step_token(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
+        if self._fast is not None:  # the kernel path embeds on the device (a captured graph)
+            return self._fast.decode(model, ffn, self.position, token_id=token_id)
+        return super()._step_token(model, ffn, token_id)
 
-    def decode_step_from_hidden(
-        self, model: Model, ffn: FfnBackend, hidden_row: torch.Tensor
-    ) -> torch.Tensor:
-        self._require_prefill()
-        with self._profiler.stage("decode_total", model.device):
-            if self._fast is not None:
-                h = self._fast.decode(model, ffn, self.position, hidden=hidden_row)
-                self.position += 1
-                return h
-            return self._decode_layers(model, ffn, hidden_row)
+    def _step(self, model: Model, ffn: FfnBackend, row: torch.Tensor) -> torch.Tensor:
+        if self._fast is not None:
+            return self._fast.decode(model, ffn, self.position, hidden=row)
+        return self._decode_layers(model, ffn, row)
 
     def _decode_layers(self, model: Model, ffn: FfnBackend, h: torch.Tensor) -> torch.Tensor:
         """h: [1, H] at `self.position` → [1, H] after every layer; stores the new row."""
@@ -216,7 +186,6 @@ class TurboQuantEngine(KvEngine):
                 self._encode_and_append(layer, k, v)
             with stage("ffn", device):
                 h = ffn_block(model, layer, h, ffn)
-        self.position += 1
         return h
 
     def _rotated_attention_block(
@@ -300,10 +269,4 @@ class TurboQuantEngine(KvEngine):
 
     @staticmethod
     def _keep(model: Model, layer: int) -> int | None:
-        # A query sees w keys including itself, so w − 1 stored rows are all a later one can use.
-        w = effective_window(model, layer, None)
-        return None if w is None else w - 1
-
-    def _require_prefill(self) -> None:
-        if self._layers is None and self._fast is None:
-            raise InvariantViolation("decode_step called before prefill")
+        return kept_rows(effective_window(model, layer, None))

@@ -23,7 +23,7 @@ from larql.inference.layer import (
     attention_output,
     embed,
     ffn_block,
-    project_qkv_rotated,
+    project_qkv_with_rope,
 )
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import EngineProfiler
@@ -176,7 +176,7 @@ class KernelPath:
         softcap = cfg.arch.attn_softcap or 0.0
         for layer, slots in enumerate(self.layers):
             with stage("attention", device):
-                q, k, v = project_qkv_rotated(model, layer, h, *rope(model, layer))
+                q, k, v = project_qkv_with_rope(model, layer, h, *rope(model, layer))
                 attn = self._kernels.attention(
                     q,
                     k,

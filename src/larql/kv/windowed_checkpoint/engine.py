@@ -20,20 +20,19 @@ from the rows it computed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from larql.inference.engine import EngineInfo, KvEngine, backend_name
-from larql.inference.errors import EmptyPrompt, InvariantViolation
+from larql.inference.engine import KvEngine
+from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import FreshKv, attention_block, embed, ffn_block, token_tensor
 from larql.inference.memory import MemoryBreakdown
-from larql.inference.profiling import DecodeStageSummary, EngineProfiler
 from larql.kv.buffers import KvBuffer
 from larql.kv.spec import EngineBuildError
-from larql.kv.window_checkpoints import (
+from larql.kv.windowed_checkpoint.checkpoints import (
     Checkpoint,
     CheckpointStore,
     TokenArchive,
@@ -44,6 +43,11 @@ from larql.models.model import Model
 DEFAULT_WINDOW = 512
 
 LayerKv = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [Hkv, n, D]
+Stage = Callable[[str, torch.device], AbstractContextManager[None]]
+
+
+def _unprofiled(name: str, device: torch.device) -> AbstractContextManager[None]:
+    return nullcontext()
 
 
 class WindowedCheckpointEngine(KvEngine):
@@ -52,9 +56,8 @@ class WindowedCheckpointEngine(KvEngine):
     def __init__(self, window: int = DEFAULT_WINDOW, profiling: bool = False) -> None:
         if window < 1:  # a zero-token window would never close
             raise EngineBuildError(f"windowed-checkpoint: window must be ≥ 1, got {window}")
+        super().__init__(profiling)
         self.window = window
-        self._profiler = EngineProfiler(enabled=profiling)
-        self._backend = "cpu"
         self._reset()
 
     def _reset(self) -> None:
@@ -65,23 +68,19 @@ class WindowedCheckpointEngine(KvEngine):
         self.archive = TokenArchive()
         self.window_id = 0  # id of the open window
         self.offset = 0  # absolute position of the open window's first token
-        self._decoding = False
         self._model: Model | None = None
         self._ffn: FfnBackend | None = None
 
     # ------------------------------------------------------------------ protocol
 
-    def info(self) -> EngineInfo:
-        return EngineInfo(
-            name=self.name,
-            description=(
-                "window-boundary K/V checkpoints + token replay (windows="
-                f"{len(self.checkpoints)}, tokens={self.archive.total_tokens}, "
-                f"{self.memory().brief()})"
-            ),
-            backend=self._backend,
-            config=f"window={self.window}",
+    def describe(self) -> str:
+        return (
+            f"window-boundary K/V checkpoints + token replay (windows={len(self.checkpoints)}, "
+            f"tokens={self.archive.total_tokens})"
         )
+
+    def config(self) -> str:
+        return f"window={self.window}"
 
     def memory(self) -> MemoryBreakdown:
         return MemoryBreakdown.of(hot=self._layers or [], cold=[self.checkpoints, self.archive])
@@ -89,57 +88,49 @@ class WindowedCheckpointEngine(KvEngine):
     def window_tokens(self) -> int:
         return len(self.archive.pending)
 
-    def stage_summary(self) -> DecodeStageSummary | None:
-        return self._profiler.summary(self.name, self._backend)
-
-    def prefill(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
-        if len(token_ids) == 0:
-            raise EmptyPrompt()
+    def _start_tokens(self, model: Model, ffn: FfnBackend, token_ids: list[int]) -> torch.Tensor:
         self._reset()
-        self._backend = backend_name(model)
         self._model, self._ffn = model, ffn
         self._layers = [KvBuffer() for _ in range(model.config.num_layers)]
         if len(token_ids) <= self.window:
-            return self._process(model, ffn, list(token_ids))
-        return self._prefill_across_windows(model, ffn, list(token_ids))
+            return self._process(model, ffn, token_ids)
+        return self._prefill_across_windows(model, ffn, token_ids)
 
-    def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
-        if self._layers is None:
-            raise InvariantViolation("decode_step called before prefill")
-        self._decoding = True
-        try:
-            with self._stage("decode_total", model):
-                return self._process(model, ffn, [token_id])
-        finally:
-            self._decoding = False
+    def _step_token(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
+        return self._process(model, ffn, [token_id], self._profiler.stage)
 
     # ------------------------------------------------------------------ windows
 
-    def _process(self, model: Model, ffn: FfnBackend, token_ids: list[int]) -> torch.Tensor:
-        """Feed tokens window by window; a window that fills is closed at once."""
+    def _process(
+        self, model: Model, ffn: FfnBackend, token_ids: list[int], stage: Stage = _unprofiled
+    ) -> torch.Tensor:
+        """Feed tokens window by window; a window that fills is closed at once. `stage` times
+        the decode step's parts (the prefill is not profiled)."""
         hidden: torch.Tensor | None = None
         done = 0
         while done < len(token_ids):
             take = min(len(token_ids) - done, self.window - len(self.archive.pending))
-            hidden = self._extend_current(model, ffn, token_ids[done : done + take])
+            hidden = self._extend_current(model, ffn, token_ids[done : done + take], stage)
             done += take
             if len(self.archive.pending) == self.window:
-                self._close_window(model)
+                self._close_window(model, stage)
         assert hidden is not None
         return hidden
 
-    def _extend_current(self, model: Model, ffn: FfnBackend, chunk: list[int]) -> torch.Tensor:
+    def _extend_current(
+        self, model: Model, ffn: FfnBackend, chunk: list[int], stage: Stage
+    ) -> torch.Tensor:
         """Run `chunk` (all in the open window) through every layer → last hidden [1, H]."""
         assert self._layers is not None
         if not self.archive.pending:
             self._seed_window()
         start = self.offset + len(self.archive.pending)
-        with self._stage("embed", model):
+        with stage("embed", model.device):
             h = embed(model, token_tensor(model, chunk))  # [S, H]
         for layer, kv in enumerate(self._layers):
-            with self._stage("attention", model):
+            with stage("attention", model.device):
                 h = attention_block(model, layer, h, start, kv)
-            with self._stage("ffn", model):
+            with stage("ffn", model.device):
                 h = ffn_block(model, layer, h, ffn)
         self.archive.pending.extend(chunk)
         return h[-1:]
@@ -196,10 +187,10 @@ class WindowedCheckpointEngine(KvEngine):
                 kv.append(previous.keys[layer], previous.values[layer])
         self._seeded = previous is not None
 
-    def _close_window(self, model: Model) -> None:
+    def _close_window(self, model: Model, stage: Stage = _unprofiled) -> None:
         """Checkpoint the last row of every layer, archive the ids, drop the window's K/V."""
         assert self._layers is not None
-        with self._stage("state_capture", model):
+        with stage("state_capture", model.device):
             n = len(self.archive.pending)
             checkpoint = Checkpoint(
                 position=self.offset + n - 1,
@@ -213,11 +204,6 @@ class WindowedCheckpointEngine(KvEngine):
             self._seeded = False
             self.offset += n
             self.window_id += 1
-
-    def _stage(self, name: str, model: Model) -> AbstractContextManager[None]:
-        if not self._decoding:
-            return nullcontext()
-        return self._profiler.stage(name, model.device)
 
     # ------------------------------------------------------------------ introspection
 

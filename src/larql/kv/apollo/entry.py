@@ -1,0 +1,33 @@
+"""`apollo`'s catalog entry."""
+
+from __future__ import annotations
+
+import math
+
+from larql.kv.apollo.engine import build_apollo
+from larql.kv.spec import EngineEntry
+from larql.specs import Param, at_least
+
+ENTRY = EngineEntry(
+    name="apollo",
+    aliases=(),
+    params=(
+        Param("layer", int, None, "injection layer (none = the store's)", at_least(0)),
+        Param(
+            "coef",
+            float,
+            10.0,
+            "scale of the injected fact-token embeddings",
+            lambda v: None if math.isfinite(v) else "must be finite",
+        ),
+        Param("top_k", int, 8, "entries retrieved from the routed window", at_least(1)),
+        Param("store", str, None, "store directory from `larql apollo build-store`"),
+    ),
+    keeps="a prebuilt store (window tokens, boundary residuals, fact entries) and the "
+    "context token ids; no K/V — every step re-runs the forward pass (O(N²))",
+    contract="task-level retrieval only, never exact; bench and accuracy only (no live "
+    "decode); without store= prefill is a RetrievalMiss",
+    factory=lambda p, model: build_apollo(p["layer"], p["coef"], p["top_k"], p["store"], model),
+    kind="retrieval",
+    live_decode=False,
+)

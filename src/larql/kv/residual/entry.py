@@ -1,0 +1,55 @@
+"""The catalog entries of the residual-stream engines: markov-rs, markov-rs-codec and
+boundary-per-layer."""
+
+from __future__ import annotations
+
+from larql.kv.residual.codec_engine import MarkovResidualCodecEngine
+from larql.kv.residual.markov import MarkovResidualEngine
+from larql.kv.residual.per_layer import BoundaryPerLayerEngine
+from larql.kv.spec import EngineEntry
+from larql.specs import Param, at_least
+
+HOT_WINDOW_DOC = (
+    "hot residual rows per layer; older rows go to the cold tier (attention stays full)"
+)
+
+MARKOV_RS = EngineEntry(
+    name="markov-rs",
+    aliases=("markov_rs", "markov-residual", "markov_residual"),
+    params=(Param("window", int, None, HOT_WINDOW_DOC, at_least(1)),),
+    keeps="pre-layer residuals per layer (hot: last window rows; cold: the rest, lossless); "
+    "K/V of every position as a droppable derivative",
+    contract="exact vs standard at any window (window splits storage, not attention)",
+    factory=lambda p, model: MarkovResidualEngine(
+        window=p["window"], profiling=p["profiling"], model=model
+    ),
+)
+
+MARKOV_RS_CODEC = EngineEntry(
+    name="markov-rs-codec",
+    aliases=("markov_rs_codec", "markov-residual-codec", "markov_residual_codec"),
+    params=(Param("window", int, None, HOT_WINDOW_DOC, at_least(1)),),
+    keeps="as markov-rs, cold residuals as bf16 (2 bytes/element); cold K/V recomputed "
+    "from the round-tripped residuals at their true positions",
+    contract="identical to markov-rs until a row overflows the window; then mean KL vs "
+    "standard ≤ 0.01 nats",
+    factory=lambda p, model: MarkovResidualCodecEngine(
+        window=p["window"], profiling=p["profiling"], model=model
+    ),
+)
+
+BOUNDARY_PER_LAYER = EngineEntry(
+    name="boundary-per-layer",
+    aliases=("boundary_per_layer", "boundary-pl"),
+    params=(
+        Param("window", int, None, HOT_WINDOW_DOC, at_least(1)),
+        Param("layers", int, None, "layers of the codec policy (none = model depth)", at_least(1)),
+    ),
+    keeps="as markov-rs-codec, with a per-layer cold codec policy (v1: bf16 per layer) "
+    "and its calibration record",
+    contract="bounded KL per calibrated policy (bf16: 0.01 nats); greedy tokens agree "
+    "with markov-rs-codec at the same window",
+    factory=lambda p, model: BoundaryPerLayerEngine(
+        window=p["window"], layers=p["layers"], profiling=p["profiling"], model=model
+    ),
+)

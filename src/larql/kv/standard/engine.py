@@ -1,0 +1,108 @@
+"""`standard`: the full K/V cache, optionally a sliding window — the reference every other engine
+is measured against.
+
+`window=N` is sliding-window attention over N keys including the current token, on every layer,
+in prefill (band mask) and decode alike; on an architecture's own sliding layer the smaller
+window wins. Each layer keeps only the rows a future query can still see. (The other engines'
+"window" means other things: markov-rs's only splits storage, windowed-checkpoint's is a
+tumbling window.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from larql.inference.engine import KvEngine
+from larql.inference.errors import BackendUnavailable
+from larql.inference.ffn import FfnBackend
+from larql.inference.layer import effective_window, kept_rows, layer_step
+from larql.inference.memory import MemoryBreakdown
+from larql.kv.buffers import KvBuffer
+from larql.kv.standard.static import StaticCache
+from larql.models.model import Model
+
+
+class StandardEngine(KvEngine):
+    """`graph` (with `compile` and `attention`) asks for the CUDA fast path: a `StaticCache`
+    where the model is on CUDA (`static=True` forces it anywhere, eager; the tests use that
+    on the CPU). Prefilling from hidden rows always takes the eager path."""
+
+    name = "standard"
+
+    def __init__(
+        self,
+        window: int | None = None,
+        graph: bool = False,
+        compile: bool = False,
+        attention: str = "auto",
+        static: bool | None = None,
+        profiling: bool = False,
+    ) -> None:
+        super().__init__(profiling)
+        self.window = window
+        self.graph, self.compile, self.attention, self.static = graph, compile, attention, static
+        self._layers: list[KvBuffer] | None = None  # the eager path's K/V
+        self.fast_path: StaticCache | None = None  # the static path, where it runs
+
+    def describe(self) -> str:
+        if self.fast_path is not None:
+            return self.fast_path.describe()
+        return "full K/V cache per layer"
+
+    def config(self) -> str:
+        return f"window={self.window}" if self.window else "window=full"
+
+    def memory(self) -> MemoryBreakdown:
+        if self.fast_path is not None:
+            return self.fast_path.memory()
+        return MemoryBreakdown.of(hot=self._layers or [])
+
+    def window_tokens(self) -> int:
+        if self.fast_path is not None:
+            return min(self.position, self.window) if self.window else self.position
+        return len(self._layers[0]) if self._layers else 0
+
+    def dispatch_path(self) -> str | None:
+        return self.fast_path.dispatch_path() if self.fast_path is not None else "per-layer"
+
+    def supports_multimodal(self) -> bool:
+        return True
+
+    def _start_tokens(self, model: Model, ffn: FfnBackend, token_ids: list[int]) -> torch.Tensor:
+        static = self.static if self.static is not None else (
+            self.graph and model.device.type == "cuda"
+        )  # fmt: skip
+        if not static:
+            return super()._start_tokens(model, ffn, token_ids)
+        self._layers = None
+        self.fast_path = StaticCache(self.window, self.graph, self.compile, self.attention)
+        return self.fast_path.start(model, ffn, token_ids)
+
+    def _start(self, model: Model, ffn: FfnBackend, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [S, H] → every prompt row's hidden [S, H] (boundary frames read inside it)."""
+        self.fast_path = None
+        self._layers = [self._new_buffer(model, i) for i in range(model.config.num_layers)]
+        return self._run(model, ffn, rows, start=0)
+
+    def _step_token(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
+        if self.fast_path is not None:  # the static step embeds on the device
+            return self.fast_path.step(model, ffn, token_id, self.position)
+        return super()._step_token(model, ffn, token_id)
+
+    def _step(self, model: Model, ffn: FfnBackend, row: torch.Tensor) -> torch.Tensor:
+        if self.fast_path is not None:
+            raise BackendUnavailable(
+                "standard's static CUDA path decodes token ids; prefill from hidden rows to "
+                "decode from hidden rows (the eager path)"
+            )
+        return self._run(model, ffn, row, start=self.position)
+
+    def _run(self, model: Model, ffn: FfnBackend, h: torch.Tensor, start: int) -> torch.Tensor:
+        assert self._layers is not None
+        for layer, buffer in enumerate(self._layers):
+            h = layer_step(model, layer, h, start, buffer, ffn, self.window)
+            buffer.clip()
+        return h
+
+    def _new_buffer(self, model: Model, layer: int) -> KvBuffer:
+        return KvBuffer(keep=kept_rows(effective_window(model, layer, self.window)))

@@ -1,0 +1,43 @@
+"""`standard`'s catalog entry: its names, parameters, what it keeps, its contract."""
+
+from __future__ import annotations
+
+from larql.kv.spec import EngineEntry
+from larql.kv.standard.engine import StandardEngine
+from larql.specs import Param, at_least, one_of
+
+WINDOW_DOC = "keys each query sees, itself included (none = unbounded)"
+
+GRAPH_DOC = (
+    "on CUDA, decode through a static cache and a captured CUDA graph (1) or eagerly (0); "
+    "CPU always runs eagerly"
+)
+
+COMPILE_DOC = (
+    "on CUDA, also fuse the decode step's small kernels with torch.compile (1; the first "
+    "step compiles for a minute) or not (0)"
+)
+
+ATTENTION_DOC = (
+    "decode attention of the CUDA fast path: larql's split-key Triton kernel (auto, triton; "
+    "where Triton is installed) or torch's fused attention over the masked static cache (sdpa)"
+)
+
+ENTRY = EngineEntry(
+    name="standard",
+    aliases=("full", "fp32", "markov-bounded", "bounded", "sliding"),
+    params=(
+        Param("window", int, None, WINDOW_DOC, at_least(1)),
+        Param("graph", int, 1, GRAPH_DOC, one_of(0, 1)),
+        Param("compile", int, 0, COMPILE_DOC, one_of(0, 1)),
+        Param("attention", str, "auto", ATTENTION_DOC, one_of("auto", "triton", "sdpa")),
+    ),
+    keeps="K/V of every layer (the last window−1 rows when windowed), model dtype",
+    contract="the reference; window=N is sliding-window attention over N keys",
+    factory=lambda p, model: StandardEngine(
+        window=p["window"],
+        graph=bool(p["graph"]),
+        compile=bool(p["compile"]),
+        attention=p["attention"],
+    ),
+)

@@ -1,0 +1,27 @@
+"""`windowed-checkpoint`'s catalog entry."""
+
+from __future__ import annotations
+
+from larql.kv.spec import EngineEntry
+from larql.kv.windowed_checkpoint.engine import DEFAULT_WINDOW, WindowedCheckpointEngine
+from larql.specs import Param, at_least
+
+ENTRY = EngineEntry(
+    name="windowed-checkpoint",
+    aliases=("unlimited-context", "unlimited", "unlimited_context", "windowed_checkpoint"),
+    params=(
+        Param(
+            "window",
+            int,
+            DEFAULT_WINDOW,
+            "tokens per tumbling window; each window is seeded by a one-row K/V checkpoint "
+            "of the previous window's last token",
+            at_least(1),
+        ),
+    ),
+    keeps="K/V of the current window + one K/V row per layer per closed window "
+    "(checkpoints) + every token id (int32 archive)",
+    contract="exact vs standard inside the first window; after it each token attends only "
+    "the checkpoint row and its own window (documented loss)",
+    factory=lambda p, model: WindowedCheckpointEngine(window=p["window"], profiling=p["profiling"]),
+)

@@ -1,0 +1,110 @@
+"""The architectures larql runs, one preset each: how its layers compute (`Arch`), which layers
+slide when a config does not list them, and what its files call it. The GGUF and the HF loaders
+both read this table; an architecture that is not in it is a clear error, never a default
+branch. Adding an architecture is adding a row here (and a tiny test model); the forward pass
+never branches on a name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from larql.models.config import Arch
+from larql.models.errors import UnsupportedArchitecture
+
+# (the model's settings, its depth) → whether each layer slides, for configs that do not say
+SlidingLayers = Callable[[Mapping[str, Any], int], list[bool]]
+
+
+def no_sliding_layers(settings: Mapping[str, Any], num_layers: int) -> list[bool]:
+    return [False] * num_layers
+
+
+def every_layer_if_windowed(settings: Mapping[str, Any], num_layers: int) -> list[bool]:
+    """Mistral: a `sliding_window` applies to every layer."""
+    return [bool(settings.get("sliding_window"))] * num_layers
+
+
+def even_layers(settings: Mapping[str, Any], num_layers: int) -> list[bool]:
+    """Gemma 2: sliding and global layers alternate, starting with a sliding one."""
+    return [i % 2 == 0 for i in range(num_layers)]
+
+
+def all_but_every_nth(settings: Mapping[str, Any], num_layers: int) -> list[bool]:
+    """Gemma 3: every `sliding_window_pattern`-th layer (6) is global, the others slide."""
+    every = int(settings.get("sliding_window_pattern", 6))
+    return [(i + 1) % every != 0 for i in range(num_layers)]
+
+
+def from_max_window_layers(settings: Mapping[str, Any], num_layers: int) -> list[bool]:
+    """Qwen 2/3: with `use_sliding_window`, layers from `max_window_layers` on slide."""
+    if not settings.get("use_sliding_window"):
+        return [False] * num_layers
+    first = int(settings.get("max_window_layers", num_layers))
+    return [i >= first for i in range(num_layers)]
+
+
+@dataclass(frozen=True)
+class ArchPreset:
+    arch: Arch  # how every layer computes (an HF config's activation and soft-caps override)
+    sliding_layers: SlidingLayers = no_sliding_layers
+    hf_model_types: tuple[str, ...] = ()  # `model_type` values of HF configs
+    gguf_name: str | None = None  # `general.architecture` of GGUF files (None: HF only)
+    # RoPE base of the sliding layers where the files do not record it (Gemma 3's GGUF)
+    sliding_rope_base: float | None = None
+    # llama.cpp stores llama's Q/K rows interleaved for its RoPE; the loader restores split halves
+    gguf_interleaved_qk: bool = False
+    tied_embeddings: bool = False  # whether the LM head is the embedding when a config is silent
+
+
+_GEMMA = dict(activation="gelu_tanh", norm_offset=1.0, post_norms=True, scale_embeddings=True)
+
+ARCHITECTURES: dict[str, ArchPreset] = {
+    "llama": ArchPreset(
+        Arch(name="llama"), hf_model_types=("llama",), gguf_name="llama", gguf_interleaved_qk=True
+    ),
+    "mistral": ArchPreset(
+        Arch(name="mistral"), every_layer_if_windowed, hf_model_types=("mistral",)
+    ),
+    "qwen2": ArchPreset(Arch(name="qwen2"), from_max_window_layers, hf_model_types=("qwen2",)),
+    "qwen3": ArchPreset(
+        Arch(name="qwen3", qk_norm=True), from_max_window_layers, hf_model_types=("qwen3",)
+    ),
+    "gemma2": ArchPreset(
+        Arch(name="gemma2", **_GEMMA), even_layers, hf_model_types=("gemma2",),
+        tied_embeddings=True,
+    ),
+    "gemma3": ArchPreset(
+        Arch(name="gemma3", qk_norm=True, **_GEMMA),
+        all_but_every_nth,
+        hf_model_types=("gemma3", "gemma3_text"),
+        gguf_name="gemma3",
+        sliding_rope_base=10_000.0,
+        tied_embeddings=True,
+    ),
+}  # fmt: skip
+
+HF_MODEL_TYPES = {t: preset for preset in ARCHITECTURES.values() for t in preset.hf_model_types}
+GGUF_NAMES = {p.gguf_name: p for p in ARCHITECTURES.values() if p.gguf_name is not None}
+
+
+def preset_for_hf(model_type: str) -> ArchPreset:
+    preset = HF_MODEL_TYPES.get(model_type)
+    if preset is None:
+        raise UnsupportedArchitecture(
+            f"model_type {model_type!r} is not supported; supported: "
+            f"{', '.join(n for n, p in ARCHITECTURES.items() if p.hf_model_types)}"
+        )
+    return preset
+
+
+def preset_for_gguf(name: str) -> ArchPreset:
+    preset = GGUF_NAMES.get(name)
+    if preset is None:
+        raise UnsupportedArchitecture(
+            f"GGUF architecture {name!r} is not supported; supported: "
+            f"{', '.join(sorted(GGUF_NAMES))} (other architectures load from an HF directory)"
+        )
+    return preset

@@ -1,0 +1,110 @@
+"""The package's imports point down the layers and never go round in a circle:
+
+    larql (errors, specs, data) ← models ← inference, kernels ← kv ← harness, server ← cli
+                                                                          (and `python -m larql`)
+
+Every import counts, at the top of a module or inside a function. A package's `__init__`
+re-exporting its own modules is not a circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+LAYER = {"models": 1, "inference": 2, "kernels": 2, "kv": 3, "harness": 4, "server": 4, "cli": 5,
+         "__main__": 5}  # fmt: skip
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in (SRC / "larql").rglob("*.py"):
+        name = ".".join(path.relative_to(SRC).with_suffix("").parts)
+        found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parts, base] if base else parts)
+                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            graph[name].update(t for t in targets if t in mods and t != name)
+    return graph
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    return LAYER.get(parts[1], 0) if len(parts) > 1 else 0
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), leaving out a package
+    together with its own modules only."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+
+    def own_package(component: list[str]) -> bool:
+        return any(all(m == p or m.startswith(p + ".") for m in component) for p in component)
+
+    return [c for c in found if len(c) > 1 and not own_package(c)]
+
+
+def test_no_import_circle() -> None:
+    assert circles(import_graph()) == []
+
+
+def test_no_import_runs_up_the_layers() -> None:
+    upward = [
+        f"{m} -> {t}"
+        for m, targets in import_graph().items()
+        for t in sorted(targets)
+        if layer_of(t) > layer_of(m)
+    ]
+    assert upward == []
+
+
+def test_the_checks_see_a_circle_and_an_upward_import() -> None:
+    """The checks are not vacuous: a graph with both faults is caught."""
+    graph = {"larql.kv.a": {"larql.kv.b"}, "larql.kv.b": {"larql.kv.a", "larql.cli.x"}}
+    graph["larql.cli.x"] = set()
+    assert circles(graph) == [["larql.kv.a", "larql.kv.b"]]
+    assert layer_of("larql.cli.x") > layer_of("larql.kv.b")
+    assert len(import_graph()) > 50  # it read the package
