@@ -1,5 +1,6 @@
 """Which engine a command runs: `--engine` > `LARQL_KV_ENGINE` > legacy `--kv-cache` > standard
-(docs/DESIGN.md, decision 3). A non-default `--kv-cache` next to an engine spec loses, with a warning."""
+(docs/DESIGN.md, decision 3). A non-default `--kv-cache` next to an engine spec loses, with a
+warning."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Summary statistics of step timings (nearest-rank percentiles: the sample at index floor(n·p/100) of the sorted samples)."""
+"""Summary statistics of step timings (nearest-rank percentiles: the sample at index
+floor(n·p/100) of the sorted samples)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Which stored entries to inject for a query, given the windows routing picked (`retrieve_entries`).
+"""Which stored entries to inject for a query, given the windows routing picked
+(`retrieve_entries`).
 
 Seeds are the candidate windows' entries whose token occurs in the query: they anchor the
 retrieval. Around them, with each entry scored by its stored coefficient:

@@ -7,8 +7,8 @@ rows beyond the window into the cold tier. A lossless cold tier leaves the evict
 they are; a lossy one replaces them with K/V recomputed from the stored (round-tripped) rows at
 their true positions — one row per layer per step, O(1).
 
-Attention is always over the full history (docs/DESIGN.md, decision 2: `window` only splits storage), so
-with a lossless cold tier the engine is exact against `standard` at any window.
+Attention is always over the full history (docs/DESIGN.md, decision 2: `window` only splits
+storage), so with a lossless cold tier the engine is exact against `standard` at any window.
 """
 
 from __future__ import annotations
