@@ -39,10 +39,13 @@ class EngineInfo:
     backend: str
     config: str = ""
 
+    @property
+    def label(self) -> str:
+        """`name [backend] (config)`: which engine ran, where, how."""
+        return f"{self.name} [{self.backend}]" + (f" ({self.config})" if self.config else "")
+
     def summary(self) -> str:
-        if self.config:
-            return f"{self.name} [{self.backend}] ({self.config})  {self.description}"
-        return f"{self.name} [{self.backend}]  {self.description}"
+        return f"{self.label}  {self.description}"
 
 
 def backend_name(model: Model) -> str:

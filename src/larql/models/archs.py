@@ -91,20 +91,18 @@ GGUF_NAMES = {p.gguf_name: p for p in ARCHITECTURES.values() if p.gguf_name is n
 
 
 def preset_for_hf(model_type: str) -> ArchPreset:
-    preset = HF_MODEL_TYPES.get(model_type)
-    if preset is None:
-        raise UnsupportedArchitecture(
-            f"model_type {model_type!r} is not supported; supported: "
-            f"{', '.join(n for n, p in ARCHITECTURES.items() if p.hf_model_types)}"
-        )
-    return preset
+    supported = [name for name, preset in ARCHITECTURES.items() if preset.hf_model_types]
+    return _lookup(HF_MODEL_TYPES, model_type, "model_type", ", ".join(supported))
 
 
 def preset_for_gguf(name: str) -> ArchPreset:
-    preset = GGUF_NAMES.get(name)
+    supported = ", ".join(sorted(GGUF_NAMES))
+    return _lookup(GGUF_NAMES, name, "GGUF architecture",
+                   f"{supported} (other architectures load from an HF directory)")  # fmt: skip
+
+
+def _lookup(table: Mapping[str, ArchPreset], key: str, what: str, supported: str) -> ArchPreset:
+    preset = table.get(key)
     if preset is None:
-        raise UnsupportedArchitecture(
-            f"GGUF architecture {name!r} is not supported; supported: "
-            f"{', '.join(sorted(GGUF_NAMES))} (other architectures load from an HF directory)"
-        )
+        raise UnsupportedArchitecture(f"{what} {key!r} is not supported; supported: {supported}")
     return preset

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 from rich.table import Table
 
 from larql.harness.accuracy.fidelity import Fidelity
+from larql.harness.formatting import shown
 from larql.inference.memory import mib_value
-
-
-def _f(x: float | None, fmt: str) -> str:
-    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
 def fidelity_table(rows: list[Fidelity], text_label: str) -> Table:
@@ -40,15 +35,15 @@ def fidelity_table(rows: list[Fidelity], text_label: str) -> Table:
         table.add_row(
             r.spec,
             str(r.positions),
-            _f(r.mean_kl, ".2e"),
-            _f(r.median_kl, ".2e"),
-            _f(r.p99_kl, ".2e"),
-            _f(r.max_kl, ".2e"),
-            _f(r.same_top1 * 100, ".1f") + "%",
-            _f(r.delta_p_rms, ".2e"),
-            _f(r.ln_ppl_ratio, "+.2e"),
+            shown(r.mean_kl, ".2e"),
+            shown(r.median_kl, ".2e"),
+            shown(r.p99_kl, ".2e"),
+            shown(r.max_kl, ".2e"),
+            shown(r.same_top1 * 100, ".1f") + "%",
+            shown(r.delta_p_rms, ".2e"),
+            shown(r.ln_ppl_ratio, "+.2e"),
             divergence,
-            _f(mib_value(r.memory_bytes), ".2f"),
+            shown(mib_value(r.memory_bytes), ".2f"),
             r.note,
         )
     return table

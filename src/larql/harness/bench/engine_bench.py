@@ -219,7 +219,7 @@ def _run_once(
     if peak.bytes is not None:
         row.peak_working_bytes = max(row.peak_working_bytes or 0, peak.bytes)
     sample.memory = engine.memory()
-    sample.label = engine.info().summary().split("  ")[0]
+    sample.label = engine.info().label
     summary = engine.stage_summary()
     sample.stages = None if summary is None else {stage: us for stage, us in summary.rows()}
 

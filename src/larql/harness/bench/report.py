@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from rich.table import Table
 
 from larql.harness.bench.run import BenchReport
+from larql.harness.formatting import shown
 from larql.inference.memory import mib_value
-
-
-def _num(value: float | None, fmt: str, missing: str = "—") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return missing
-    return format(value, fmt)
 
 
 def _mib(n: int | None) -> str:
@@ -49,28 +43,28 @@ def render_table(report: BenchReport) -> Table:
         step = row.step
         memory = row.memory
         spread = (
-            f"{_num(row.tok_s, '.1f')} ({min(row.tok_s_runs):.1f}–{max(row.tok_s_runs):.1f})"
+            f"{shown(row.tok_s, '.1f')} ({min(row.tok_s_runs):.1f}–{max(row.tok_s_runs):.1f})"
             if row.tok_s_runs
             else "—"
         )
         gbs = row.achieved_gbs
         share = row.bandwidth_share
-        times = " ".join(_num(x, ".2f") for x in (step.mean, step.p50, step.p99)) if step else "—"
+        times = " ".join(shown(x, ".2f") for x in (step.mean, step.p50, step.p99)) if step else "—"
         table.add_row(
             row.spec,
             str(row.prompt_tokens),
-            _num(row.prefill_ms, ".1f"),
+            shown(row.prefill_ms, ".1f"),
             times,
             spread,
-            f"{_num(row.fwd_ms, '.2f')}/{_num(row.head_ms, '.2f')}",
+            f"{shown(row.fwd_ms, '.2f')}/{shown(row.head_ms, '.2f')}",
             "/".join(_mib(x) for x in (memory.hot, memory.cold, memory.derivative))
             + f" +{_mib(memory.reserved)}"
             if memory and memory.total
             else "—",
-            _num(row.bytes_per_token, ",.0f"),
-            _num(row.ratio_vs_fp16_full, ".2f"),
-            f"{_num(gbs, '.1f')} ({_num(share * 100 if share else None, '.0f')}%)",
-            _num(report.peer_ratio(row), ".2f"),
+            shown(row.bytes_per_token, ",.0f"),
+            shown(row.ratio_vs_fp16_full, ".2f"),
+            f"{shown(gbs, '.1f')} ({shown(share * 100 if share else None, '.0f')}%)",
+            shown(report.peer_ratio(row), ".2f"),
             *([_mib(row.peak_working_bytes)] if with_peak else []),
         )
     for peer in report.peers.values():
@@ -78,8 +72,8 @@ def render_table(report: BenchReport) -> Table:
         table.add_row(
             "hf-transformers",
             str(peer.prompt_tokens),
-            _num(peer.prefill_ms, ".1f"),
-            _num(1000 / peer.tok_s if peer.tok_s else None, ".2f"),
+            shown(peer.prefill_ms, ".1f"),
+            shown(1000 / peer.tok_s if peer.tok_s else None, ".2f"),
             f"{peer.tok_s:.1f} ({min(runs):.1f}–{max(runs):.1f})" if runs else "—",
             "",
             _mib(peer.cache_bytes),
