@@ -58,37 +58,38 @@ def test_cpu_runs_the_eager_path(smollm2: Model) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_path_gives_the_eager_tokens(dtype: torch.dtype) -> None:
-    """float32: the same 64 greedy tokens. bfloat16: the graph path with torch's attention
-    (the eager path's arithmetic) agrees on ≥ 90%; with the Triton kernel (another rounding
-    order: 2e-2 from the eager bf16 logits) it is as close to the float32 logits as eager is
-    (measured on the H200: 1.89e-2 against 1.86e-2)."""
-    model = load_model("smollm2-135m", dtype=dtype, device="cuda")
+def test_cuda_graph_path_gives_the_eager_tokens_in_float32() -> None:
+    model = load_model("smollm2-135m", dtype=torch.float32, device="cuda")
     ids = model.tokenizer.encode(PROMPT)
-    ffn = DenseFfn(model)
-    spec = "standard" if dtype == torch.float32 else "standard:attention=sdpa"
-    fast = parse_engine(spec).build(model)
+    fast = parse_engine("standard").build(model)
     eager = parse_engine("standard:graph=0").build(model)
     fast_tokens = generate(
         fast, model, build_ffn(model, "dense"), ids, 64, stop_ids=frozenset()
     ).tokens
-    eager_tokens = generate(eager, model, ffn, ids, 64, stop_ids=frozenset()).tokens
+    eager_tokens = generate(eager, model, DenseFfn(model), ids, 64, stop_ids=frozenset()).tokens
     assert fast.dispatch_path() == "cuda-graph"
-    agreement = sum(a == b for a, b in zip(fast_tokens, eager_tokens, strict=True)) / 64
-    assert agreement == 1.0 if dtype == torch.float32 else agreement >= 0.9
-    if dtype == torch.bfloat16:  # the kernel is as close to float32 as torch's attention
-        f32 = load_model("smollm2-135m", dtype=torch.float32, device="cuda")
-        long_ids = model.tokenizer.encode(PROMPT + " took it out again and ran")
-        truth = teacher_forced_logits(StandardEngine(), f32, DenseFfn(f32), long_ids, 6)
-        errors = {
-            spec: relative_error(
-                teacher_forced_logits(parse_engine(spec).build(model), model, ffn, long_ids, 6),
-                truth,
-            )
-            for spec in ("standard", "standard:graph=0")
-        }
-        assert errors["standard"] <= 1.25 * errors["standard:graph=0"], errors
+    assert fast_tokens == eager_tokens
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_path_is_as_close_to_float32_as_eager_in_bfloat16() -> None:
+    """In bfloat16 the graph path (cuDNN's or larql's attention over the static cache) and the
+    eager path (flash attention over the keys so far) round differently, and 64 free-running
+    greedy tokens part within a few steps (seen: step 6-13). What must hold is that each path
+    is as close to the float32 logits as the eager one is, teacher-forced (on the H200: 1.89e-2
+    against 1.86e-2 for the Triton kernel)."""
+    model = load_model("smollm2-135m", dtype=torch.bfloat16, device="cuda")
+    f32 = load_model("smollm2-135m", dtype=torch.float32, device="cuda")
+    ids = model.tokenizer.encode(PROMPT + " took it out again and ran")
+    ffn = DenseFfn(model)
+    truth = teacher_forced_logits(StandardEngine(), f32, DenseFfn(f32), ids, 6)
+    errors = {}
+    for spec in ("standard", "standard:attention=sdpa", "standard:graph=0"):
+        engine = parse_engine(spec).build(model)
+        errors[spec] = relative_error(teacher_forced_logits(engine, model, ffn, ids, 6), truth)
+        assert engine.dispatch_path() == ("per-layer" if spec.endswith("graph=0") else "cuda-graph")
+    for spec in ("standard", "standard:attention=sdpa"):
+        assert errors[spec] <= 1.25 * errors["standard:graph=0"], errors
 
 
 def test_static_step_traces_as_one_graph(smollm2: Model) -> None:
