@@ -20,7 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 
@@ -54,7 +54,6 @@ def backend_name(model: Model) -> str:
 
 class Engine(ABC):
     name: ClassVar[str] = ""
-    kind: ClassVar[Literal["kv", "retrieval"]] = "kv"
 
     def __init__(self, profiling: bool = False) -> None:
         self.position = 0  # absolute position of the next token
@@ -178,5 +177,3 @@ class KvEngine(Engine):
 class RetrievalEngine(Engine):
     """Serves from a store instead of keeping K/V, and computes with the model's own FFN (the
     one handed in is not used): bench and accuracy only, never live decode."""
-
-    kind = "retrieval"

@@ -1,4 +1,4 @@
-"""The FFN shard wire format, shared by the client (`ffn_remote`) and the
+"""The FFN shard wire format, shared by the client (`remote`) and the
 server (`larql.server.ffn_shard`) so the framing exists once. All integers little-endian.
 
 Request (`Content-Type: application/x-larql-ffn`; the residual is always f32):
