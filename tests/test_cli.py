@@ -219,12 +219,15 @@ def test_exact_engines_give_standard_tokens_through_the_cli(cli) -> None:
 
 
 def test_turbo_quant_reports_its_compressed_memory(cli) -> None:
+    """Every row quantised (no exact rows): under a quarter of the float32 cache; with the
+    default exact newest rows, a 13-token run is held exactly at 16 bits: half of float32."""
     standard = run_json(cli, "Alice put the red ball", "-n", "8")["memory_bytes"]
     for bits in (2, 3, 4):
-        out = run_json(
-            cli, "Alice put the red ball", "-n", "8", "--engine", f"turbo-quant:bits={bits}"
-        )
+        spec = f"turbo-quant:bits={bits},recent=0,sinks=0"
+        out = run_json(cli, "Alice put the red ball", "-n", "8", "--engine", spec)
         assert 0 < out["memory_bytes"] < standard / 4
+    default = run_json(cli, "Alice put the red ball", "-n", "8", "--engine", "turbo-quant")
+    assert default["memory_bytes"] <= standard / 2 + 30 * 2 * 3 * 64 * 4  # + the mean rows
 
 
 def test_apollo_is_refused_for_live_decode(cli) -> None:

@@ -272,7 +272,12 @@ def test_specs_parse(spec: str, bits: int) -> None:
     assert parse_engine(kind.spec()).params == kind.params
     engine = kind.build()
     assert isinstance(engine, TurboQuantEngine) and engine.bits == bits
-    assert engine.info().config == f"bits={bits}"
+    # the catalog's defaults turn the levers on; the exact newest rows depend on the bits
+    recent = {4: 32, 3: 64, 2: 64}[bits]
+    assert engine.info().config == f"bits={bits},recent={recent},sinks=4,norm=1,center=1"
+    plain = parse_engine(f"{spec}:recent=0,sinks=0,norm=0,center=0" if ":" not in spec
+                         else f"{spec},recent=0,sinks=0,norm=0,center=0").build()  # fmt: skip
+    assert plain.info().config == f"bits={bits}"
 
 
 @pytest.mark.parametrize(
@@ -300,7 +305,7 @@ def run_engine(model: Model, spec: str, prompt: list[int], steps: list[int]) -> 
 def test_memory_is_the_bytes_stored(bits: int, smollm2: Model) -> None:
     cfg = smollm2.config
     ids = smollm2.tokenizer.encode(PROMPT)
-    engine = parse_engine(f"turbo-quant:bits={bits}").build(smollm2)
+    engine = parse_engine(f"turbo-quant:bits={bits},recent=0,sinks=0,center=0").build(smollm2)
     ffn = DenseFfn(smollm2)
     row = 2 * cfg.num_kv_heads * (4 + math.ceil(cfg.head_dim * bits / 8))
     with torch.inference_mode():
@@ -320,7 +325,7 @@ def test_memory_is_the_bytes_stored(bits: int, smollm2: Model) -> None:
     info = engine.info()
     path = "rotated-basis attention"  # the CPU path: the Triton kernels are for CUDA
     brief = engine.memory().brief()  # "state … MiB + reserve … MiB"
-    assert info.description == f"{bits}-bit WHT+Lloyd-Max K/V, {path} ({brief})"
+    assert info.description == f"{bits}-bit WHT+Lloyd-Max K/V (norm-corrected), {path} ({brief})"
     fp16_full = cfg.num_layers * (len(ids) + 3) * cfg.kv_dim * 2 * 2
     assert engine.memory_bytes() < fp16_full
 
@@ -491,8 +496,11 @@ def test_fidelity_improves_with_bits(smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode(text)[:96]
     prompt_len = 32  # then 64 teacher-forced positions
     reference = teacher_forced(smollm2, "standard", ids, prompt_len)
+    every_row_coded = ":recent=0,sinks=0"  # the default exact rows would cover these positions
     kl = {
-        bits: mean_kl(reference, teacher_forced(smollm2, f"tq{bits}", ids, prompt_len))
+        bits: mean_kl(
+            reference, teacher_forced(smollm2, f"tq{bits}{every_row_coded}", ids, prompt_len)
+        )
         for bits in (2, 3, 4)
     }
     assert 0 < kl[4] < kl[3] < kl[2]

@@ -18,11 +18,11 @@ from larql.inference.engine import KvEngine
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import generate
 from larql.kv import captured_step, parse_engine
-from larql.kv.rows import GrowableRows
 from larql.kv.turbo_quant import TurboQuantEngine
 from larql.kv.turbo_quant.codec import TurboQuantCodec, split_norms
 from larql.kv.turbo_quant.kernel_path import KernelPath
 from larql.kv.turbo_quant.layout import token_vectors
+from larql.kv.turbo_quant.store import QuantisedLayer
 from larql.models import Model, load_model
 from tiny_models import build_tiny_model, random_ids
 
@@ -154,14 +154,20 @@ def torch_path_holding_the_codes_of(engine: KvEngine) -> KvEngine:
     """A turbo-quant engine on the torch path whose store holds exactly `engine`'s codes."""
     assert isinstance(engine, TurboQuantEngine) and engine._fast is not None
     twin = TurboQuantEngine(bits=engine.bits, attention="sdpa")
-    twin._codec, twin._backend = engine._codec, engine._backend
+    twin._layout = engine._layout
     twin._started(engine.position)  # a prefilled engine at the leader's position
     twin._layers = []
     for layer, slots in enumerate(engine._fast.layers):
-        rows = GrowableRows(keep=slots.keep)
-        rows.append(engine.stored_codes(layer))
-        twin._layers.append(rows)
+        store = QuantisedLayer(engine._layout, slots.keep, model_kv_heads(engine), torch.float32)
+        store.codes.append(engine.stored_codes(layer))
+        twin._layers.append(store)
     return twin
+
+
+def model_kv_heads(engine: TurboQuantEngine) -> int:
+    assert engine._layout is not None and engine._fast is not None
+    row_bytes = engine._fast.layers[0].row_bytes
+    return row_bytes // (2 * engine._layout.k_codec.bytes_per_vector)
 
 
 def kernel_steps_vs_torch_steps(model: Model, ids: list[int], prompt_len: int, bits: int):
@@ -257,7 +263,8 @@ def test_kernel_path_rings_sliding_layers_and_grows_full_ones(
 
 def test_spec_picks_the_path(smollm2: Model, monkeypatch) -> None:
     model = model_for_kernels(smollm2, monkeypatch)
-    for spec, on_kernels in (("turbo-quant", True), ("turbo-quant:attention=sdpa", False)):
+    plain = "turbo-quant:recent=0,sinks=0,norm=0,center=0"  # what the kernels implement
+    for spec, on_kernels in ((plain, True), (f"{plain},attention=sdpa", False)):
         engine = parse_engine(spec).build(model)
         assert isinstance(engine, TurboQuantEngine)
         with torch.inference_mode():

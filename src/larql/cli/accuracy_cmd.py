@@ -59,6 +59,9 @@ def accuracy(
         int | None, typer.Option("--positions", help="Teacher-forced positions (default: all).")
     ] = None,
     output_file: Annotated[Path | None, typer.Option("--output-file", help="JSON report.")] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="PNG of each engine's mean KL against its bytes.")
+    ] = None,
     dtype: DtypeOption = "float32",
     device: DeviceOption = "cpu",
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
@@ -114,3 +117,9 @@ def accuracy(
         stdout.print(fidelity_table(report.fidelity, label))
     if output_file is not None:
         output_file.write_text(json.dumps(report.as_dict(), indent=2))
+    if plot is not None:
+        if not report.fidelity:
+            raise InvalidInput("--plot draws the fidelity results: leave out --no-fidelity")
+        from larql.harness.accuracy.report import save_frontier_plot
+
+        save_frontier_plot(report.fidelity, plot, f"{lm.name}: KL vs bytes ({label})")

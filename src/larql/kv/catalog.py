@@ -10,6 +10,7 @@ from typing import Any
 from larql.kv import (
     apollo,
     boundary,
+    kv_quant,
     no_cache,
     residual,
     standard,
@@ -26,6 +27,7 @@ CATALOG = EngineCatalog(
         residual.MARKOV_RS_CODEC,
         windowed_checkpoint.ENTRY,
         turbo_quant.ENTRY,
+        kv_quant.ENTRY,
         apollo.ENTRY,
         boundary.ENTRY,
         residual.BOUNDARY_PER_LAYER,

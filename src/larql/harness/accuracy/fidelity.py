@@ -52,6 +52,7 @@ class Fidelity:
     ln_ppl_ratio: float
     memory_bytes: int  # the engine's state after the text (growth reserve apart)
     reserve_bytes: int
+    ratio_vs_fp16: float | None = None  # the state over an fp16 full cache of the same tokens
     first_divergence: int | None = None  # greedy step where tokens first differ (None = never)
     greedy_steps: int = 0
     note: str = ""
@@ -111,6 +112,7 @@ def measure_fidelity(
                 progress(i)
     except EngineError as e:
         return Fidelity(kind.spec(), 0, *([math.nan] * 7), 0, 0, error=f"{type(e).__name__}: {e}")
+    held_tokens = prompt_len + len(kls) - 1  # the last position's token is never fed
     return Fidelity(
         spec=kind.spec(),
         positions=len(kls),
@@ -123,6 +125,9 @@ def measure_fidelity(
         ln_ppl_ratio=(sum(nll_q) - sum(nll_p)) / len(kls),
         memory_bytes=engine.memory().state,
         reserve_bytes=engine.memory().reserved,
+        ratio_vs_fp16=engine.memory().state / model.config.kv_bytes_per_token(2) / held_tokens
+        if engine.memory().state
+        else None,
     )
 
 

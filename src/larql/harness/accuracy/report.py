@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.table import Table
 
 from larql.harness.accuracy.fidelity import Fidelity
@@ -17,7 +19,8 @@ def fidelity_table(rows: list[Fidelity], text_label: str) -> Table:
         caption_justify="left",
     )
     for col in ("strategy", "positions", "mean KL", "median", "p99", "max", "same top-1",
-                "Δp RMS", "ln PPL ratio", "greedy divergence", "state MiB", "note"):  # fmt: skip
+                "Δp RMS", "ln PPL ratio", "greedy divergence", "state MiB", "× fp16",
+                "note"):  # fmt: skip
         if col == "strategy":  # never broken inside: a spec has to stay pasteable
             widest = max([len(r.spec) for r in rows] + [len(col)])
             table.add_column(col, no_wrap=True, min_width=widest)
@@ -25,7 +28,7 @@ def fidelity_table(rows: list[Fidelity], text_label: str) -> Table:
         table.add_column(col, justify="left" if col == "note" else "right", overflow="fold")
     for r in rows:
         if r.error:
-            table.add_row(r.spec, *[""] * 10, f"error: {r.error}")
+            table.add_row(r.spec, *[""] * 11, f"error: {r.error}")
             continue
         divergence = (
             "—" if not r.greedy_steps
@@ -44,6 +47,29 @@ def fidelity_table(rows: list[Fidelity], text_label: str) -> Table:
             shown(r.ln_ppl_ratio, "+.2e"),
             divergence,
             shown(mib_value(r.memory_bytes), ".2f"),
+            shown(r.ratio_vs_fp16, ".3f"),
             r.note,
         )
     return table
+
+
+def save_frontier_plot(rows: list[Fidelity], path: Path, title: str) -> None:
+    """KL against bytes: each engine's mean teacher-forced KL (log scale) over its state's
+    bytes per token as a fraction of an fp16 full cache's, one labelled point per engine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [r for r in rows if not r.error and r.ratio_vs_fp16 and r.mean_kl > 0]
+    figure, axes = plt.subplots(figsize=(8, 5.5))
+    for r in points:
+        axes.scatter(r.ratio_vs_fp16, r.mean_kl)
+        axes.annotate(r.spec, (r.ratio_vs_fp16, r.mean_kl), fontsize=7,
+                      xytext=(3, 3), textcoords="offset points")  # fmt: skip
+    axes.set(xlabel="state bytes / fp16 full cache (same tokens)", ylabel="mean KL (nats)",
+             yscale="log", title=title)  # fmt: skip
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -56,15 +56,20 @@ def join_norms(norms: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
 
 
 class TurboQuantCodec:
-    """Norm + signed WHT + Lloyd–Max quantiser at `bits` ∈ {2, 3, 4} for vectors of `dim`."""
+    """Norm + signed WHT + Lloyd–Max quantiser at `bits` ∈ {2, 3, 4} for vectors of `dim`.
 
-    def __init__(self, dim: int, bits: int) -> None:
+    `norm_correction`: the stored norm is ‖x‖ / ‖ũ‖, ũ the quantised unit vector, so a decoded
+    vector has x's length (quantising shrinks ũ: E‖ũ‖² = 1 − the codebook's distortion, and
+    every attention score shrinks with it). The same bytes and the same decoding."""
+
+    def __init__(self, dim: int, bits: int, norm_correction: bool = False) -> None:
         if bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
         if dim < 1:
             raise ValueError(f"dim must be ≥ 1, got {dim}")
         self.dim = dim
         self.bits = bits
+        self.norm_correction = norm_correction
         self.rotated_dim = next_power_of_two(dim)
         self.payload_bytes = packed_size(self.rotated_dim, bits)
         self.bytes_per_vector = NORM_BYTES + self.payload_bytes
@@ -76,7 +81,11 @@ class TurboQuantCodec:
         safe = torch.where(norms > _ZERO_NORM, norms, torch.ones_like(norms))
         unit = torch.where((norms > _ZERO_NORM).unsqueeze(-1), x / safe.unsqueeze(-1), 0.0)
         rotated = unit @ rotation_matrix(self.rotated_dim, torch.float32, x.device)  # [N, d']
-        indices = codebook(self.rotated_dim, self.bits, x.device).quantise(rotated)
+        book = codebook(self.rotated_dim, self.bits, x.device)
+        indices = book.quantise(rotated)
+        if self.norm_correction:
+            quantised = torch.linalg.vector_norm(book.dequantise(indices), dim=-1)  # [N]
+            norms = norms / torch.where(quantised > _ZERO_NORM, quantised, 1.0)
         return join_norms(norms, pack_indices(indices, self.bits))
 
     def decode(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -32,7 +32,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 import larql.kernels
 from larql.inference.engine import KvEngine
@@ -49,11 +48,10 @@ from larql.inference.layer import (
     project_qkv,
 )
 from larql.inference.memory import MemoryBreakdown
-from larql.kv.rows import GrowableRows
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
 from larql.kv.turbo_quant.kernel_path import KernelPath
-from larql.kv.turbo_quant.layout import token_vectors
 from larql.kv.turbo_quant.rotation import rotation_matrix
+from larql.kv.turbo_quant.store import KvLayout, QuantisedLayer, rotate
 from larql.models.model import Model
 
 CodecFactory = Callable[[int], RowCodec]  # head_dim → codec
@@ -84,32 +82,64 @@ class TurboQuantEngine(KvEngine):
         rotated_attention: bool = True,
         attention: str = "auto",
         use_graph: bool = True,
+        k_bits: int | None = None,
+        v_bits: int | None = None,
+        recent: int = 0,
+        sinks: int = 0,
+        norm_correction: bool = False,
+        center: bool = False,
     ) -> None:
+        """The constructor's defaults are the plain codec; the catalog's (`turbo-quant` with no
+        parameter) are what measurement chose."""
         super().__init__(profiling)
         self.bits = bits
+        self.k_bits = bits if k_bits is None else k_bits
+        self.v_bits = bits if v_bits is None else v_bits
+        self.recent, self.sinks = recent, sinks
+        self.norm_correction, self.center = norm_correction, center
         self.rotated_attention = rotated_attention  # False: decode every row (the reference)
         self.attention = attention  # auto/triton: the Triton kernels where they run; sdpa: torch
         self.use_graph = use_graph  # with the kernels on CUDA: capture the step in a CUDA graph
-        self._codec_factory = codec_factory or (lambda dim: TurboQuantCodec(dim, bits))
-        self._codec: RowCodec | None = None
-        self._layers: list[GrowableRows] | None = None  # [n, row_bytes] uint8 each (torch path)
+        self._codec_factory = codec_factory
+        self._layout: KvLayout | None = None
+        self._layers: list[QuantisedLayer] | None = None  # the torch path's state
         self._fast: KernelPath | None = None  # the state and step where the kernels run
 
     # ------------------------------------------------------------------ description
 
     def describe(self) -> str:
-        return f"{self.bits}-bit WHT+Lloyd-Max K/V, {self._path()}"
+        levers = []
+        if self.recent or self.sinks:
+            levers.append(f"{self.sinks} sink + {self.recent} recent rows exact at 16 bits")
+        levers += ["norm-corrected"] if self.norm_correction else []
+        levers += ["centered"] if self.center else []
+        extra = f" ({'; '.join(levers)})" if levers else ""
+        return f"{self._bits_label()} WHT+Lloyd-Max K/V{extra}, {self._path()}"
 
     def config(self) -> str:
-        return f"bits={self.bits}"
+        parts = [f"bits={self.bits}"]
+        if (self.k_bits, self.v_bits) != (self.bits, self.bits):
+            parts.append(f"k_bits={self.k_bits},v_bits={self.v_bits}")
+        levers = {"recent": self.recent, "sinks": self.sinks, "norm": int(self.norm_correction),
+                  "center": int(self.center)}  # fmt: skip
+        parts += [f"{name}={value}" for name, value in levers.items() if value]
+        return ",".join(parts)
+
+    def _bits_label(self) -> str:
+        if self.k_bits == self.v_bits:
+            return f"{self.k_bits}-bit"
+        return f"{self.k_bits}/{self.v_bits}-bit (K/V)"
 
     def memory(self) -> MemoryBreakdown:
         if self._fast is not None:
             return self._fast.memory()
-        return MemoryBreakdown.of(hot=self._layers or [])
+        total = MemoryBreakdown()
+        for layer in self._layers or []:
+            total = total + layer.memory()
+        return total
 
     def stored_rows(self, layer: int) -> int:
-        """Tokens whose K/V layer `layer` holds (encoded)."""
+        """Tokens whose K/V layer `layer` holds (encoded or exact)."""
         if self._fast is not None:
             return self._fast.layers[layer].filled
         return len(self._layers[layer]) if self._layers else 0
@@ -121,7 +151,7 @@ class TurboQuantEngine(KvEngine):
             return self._fast.layers[layer].in_token_order(self.position)
         if not self._layers:
             raise InvariantViolation("no codes stored before prefill")
-        return self._layers[layer].rows
+        return self._layers[layer].codes.rows
 
     def dispatch_path(self) -> str | None:
         if self._fast is None:
@@ -136,10 +166,14 @@ class TurboQuantEngine(KvEngine):
     def _start(self, model: Model, ffn: FfnBackend, rows: torch.Tensor) -> torch.Tensor:
         """rows: [S, H] → every row's hidden [S, H], attending over exact K/V."""
         cfg = model.config
-        self._codec = self._codec_factory(cfg.head_dim)
+        self._layout = self._kv_layout(cfg.head_dim)
         keeps = [self._keep(model, layer) for layer in range(cfg.num_layers)]
         self._fast = self._kernel_path(model, keeps)
-        self._layers = None if self._fast else [GrowableRows(keep=keep) for keep in keeps]
+        self._layers = None
+        if self._fast is None:
+            self._layers = [
+                QuantisedLayer(self._layout, keep, cfg.num_kv_heads, model.dtype) for keep in keeps
+            ]
         if self._fast is not None:
             self._fast.start(model, rows.shape[0])
         h = rows  # [S, H]
@@ -150,7 +184,8 @@ class TurboQuantEngine(KvEngine):
             if self._fast is not None:
                 self._fast.store_prompt(layer, exact.k, exact.v)
             else:
-                self._encode_and_append(layer, exact.k, exact.v)
+                assert self._layers is not None
+                self._layers[layer].append(exact.k, exact.v)
             h = ffn_block(model, layer, h, ffn)
         return h
 
@@ -171,10 +206,10 @@ class TurboQuantEngine(KvEngine):
         assert self._layers is not None
         stage, device = self._profiler.stage, model.device
         rotation = self._rotation(device)
-        for layer in range(len(self._layers)):
+        for layer, store in enumerate(self._layers):
             if rotation is None:
                 with stage("state_materialise", device):
-                    keys, values = self._decode_layer(layer, model.dtype)  # [Hkv, n, D]
+                    keys, values = store.keys_values(model.dtype, None)  # [Hkv, n, D]
                 sink = HistoryThenNew(keys, values)
                 with stage("attention", device):
                     h = attention_block(model, layer, h, self.position, sink)
@@ -183,7 +218,7 @@ class TurboQuantEngine(KvEngine):
             else:
                 h, k, v = self._rotated_attention_block(model, layer, h, rotation)
             with stage("state_append", device):
-                self._encode_and_append(layer, k, v)
+                store.append(k, v)
             with stage("ffn", device):
                 h = ffn_block(model, layer, h, ffn)
         return h
@@ -193,21 +228,17 @@ class TurboQuantEngine(KvEngine):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`attention_block` over the stored rows in the rotated basis. h: [1, H] → (residual
         after attention [1, H], the new row's exact k, v [Hkv, 1, D])."""
+        assert self._layers is not None
         stage, device, dtype = self._profiler.stage, model.device, model.dtype
         with stage("state_materialise", device):
-            keys, values = self._decode_layer(layer, dtype, rotated=True)  # [Hkv, n, D'], basis R
+            keys, values = self._layers[layer].keys_values(dtype, rotation)  # [Hkv, n, D']
         with stage("attention", device):
             q, k, v = project_qkv(model, layer, h, self.position)  # [Hq|Hkv, 1, D]
-
             cfg = model.config
-            padding = rotation.shape[0] - cfg.head_dim
-
-            def rotate(x: torch.Tensor) -> torch.Tensor:  # [..., D] → [..., D'], x·R in float32
-                return (F.pad(x.float(), (0, padding)) @ rotation).to(dtype)
-
-            keys = torch.cat((keys, rotate(k)), dim=1)  # [Hkv, n + 1, D']
-            values = torch.cat((values, rotate(v)), dim=1)
-            attn = attend(model, layer, rotate(q), keys, values, self.position, None)  # [1, Hq·D']
+            keys = torch.cat((keys, rotate(k, rotation).to(dtype)), dim=1)  # [Hkv, n + 1, D']
+            values = torch.cat((values, rotate(v, rotation).to(dtype)), dim=1)
+            q_rot = rotate(q, rotation).to(dtype)
+            attn = attend(model, layer, q_rot, keys, values, self.position, None)  # [1, Hq·D']
             back = attn.view(cfg.num_heads, -1).float() @ rotation  # [Hq, D'] (R·R = I)
             attn = back[:, : cfg.head_dim].to(dtype).reshape(1, cfg.q_dim)
             return attention_output(model, layer, h, attn), k, v
@@ -215,16 +246,36 @@ class TurboQuantEngine(KvEngine):
     def _kernel_path(self, model: Model, keeps: list[int | None]) -> KernelPath | None:
         """The Triton kernels' path when asked (auto/triton), where they run, for the
         TurboQuant codec attending in its rotated basis; else None (the torch path)."""
-        if self.attention == "sdpa" or not self.rotated_attention:
+        if self.attention == "sdpa" or not self.rotated_attention or not self._plain_codes():
             return None
         if not larql.kernels.triton_available(model.device):
             return None
         from larql.kv.turbo_quant import kernels  # imports Triton: only where it runs
 
-        if not KernelPath.supports(kernels, self._codec, keeps):
+        assert self._layout is not None
+        codec = self._layout.k_codec
+        if not KernelPath.supports(kernels, codec, keeps):
             return None
-        assert isinstance(self._codec, TurboQuantCodec)
-        return KernelPath(kernels, self._codec, model, keeps, self.use_graph, self._profiler)
+        assert isinstance(codec, TurboQuantCodec)
+        return KernelPath(kernels, codec, model, keeps, self.use_graph, self._profiler)
+
+    def _plain_codes(self) -> bool:
+        """What the Triton kernels implement: one codec for K and V, every row encoded, the
+        norm as measured, no centering."""
+        return (
+            self.k_bits == self.v_bits
+            and not (self.recent or self.sinks or self.norm_correction or self.center)
+            and self._codec_factory is None
+        )
+
+    def _kv_layout(self, head_dim: int) -> KvLayout:
+        def codec(bits: int) -> RowCodec:
+            if self._codec_factory is not None:
+                return self._codec_factory(head_dim)
+            return TurboQuantCodec(head_dim, bits, self.norm_correction)
+
+        k_codec, v_codec = codec(self.k_bits), codec(self.v_bits)
+        return KvLayout(k_codec, v_codec, self.sinks, self.recent, self.center)
 
     def _path(self) -> str:
         if self._fast is not None:
@@ -234,38 +285,10 @@ class TurboQuantEngine(KvEngine):
 
     def _rotation(self, device: torch.device) -> torch.Tensor | None:
         """R [D', D'] float32 when the step attends in the codec's rotated basis, else None."""
-        codec = self._codec
+        codec = self._layout.k_codec if self._layout is not None else None
         if not (self.rotated_attention and isinstance(codec, TurboQuantCodec)):
             return None
         return rotation_matrix(codec.rotated_dim, torch.float32, device)
-
-    # ------------------------------------------------------------------ state
-
-    def _encode_and_append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [Hkv, S, D] exact rows → one encoded entry per token appended to the layer."""
-        assert self._layers is not None and self._codec is not None
-        s = k.shape[1]
-        vectors = token_vectors(k, v)  # [S·2·Hkv, D]
-        encoded = self._codec.encode(vectors)  # [S·2·Hkv, bytes_per_vector]
-        self._layers[layer].append(encoded.view(s, -1))  # [S, row_bytes]
-        self._layers[layer].clip()
-
-    def _decode_layer(
-        self, layer: int, dtype: torch.dtype, rotated: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's stored rows decoded → keys, values [Hkv, n, D] in `dtype` (`rotated`:
-        left in the codec's rotated basis)."""
-        assert self._layers is not None and self._codec is not None
-        rows = self._layers[layer].rows  # [n, row_bytes]
-        n = rows.shape[0]
-        data = rows.reshape(-1, self._codec.bytes_per_vector)
-        if rotated:
-            assert isinstance(self._codec, TurboQuantCodec)
-            vectors = self._codec.decode_rotated(data, dtype)
-        else:
-            vectors = self._codec.decode(data, dtype)
-        kv = vectors.view(n, 2, -1, vectors.shape[-1])  # [n, 2, Hkv, D] (rotated: D')
-        return kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)
 
     @staticmethod
     def _keep(model: Model, layer: int) -> int | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from larql.kv.spec import EngineEntry
 from larql.kv.turbo_quant.engine import TurboQuantEngine
-from larql.specs import Param, one_of
+from larql.specs import Param, at_least, one_of
 
 ATTENTION_DOC = (
     "on CUDA, attend straight from the packed codes and encode through larql's Triton kernels "
@@ -16,19 +16,52 @@ GRAPH_DOC = (
     "eagerly (0)"
 )
 
+# Exact newest rows by bits, chosen by measurement (docs/FIDELITY.md): what meets the mean-KL
+# targets (≤ 0.01 nats at 4 bits, ≤ 0.02 at 3) while the state stays ≤ 0.30× / 0.25× of an fp16
+# full cache at 2k tokens.
+DEFAULT_RECENT = {4: 32, 3: 64, 2: 64}
+
 ENTRY = EngineEntry(
     name="turbo-quant",
     aliases=("turbo_quant", "turboquant", "tq4", "tq3", "tq2"),
     params=(
         Param("bits", int, 4, "bits per K/V coordinate: 2, 3 or 4", one_of(2, 3, 4)),
+        Param("k_bits", int, None, "bits of the keys (none: bits)", one_of(2, 3, 4)),
+        Param("v_bits", int, None, "bits of the values (none: bits)", one_of(2, 3, 4)),
+        Param(
+            "recent",
+            int,
+            None,
+            "newest rows kept exact (16-bit) before they are quantised (none: 32 at 4 bits, "
+            "64 at 2 and 3)",
+            at_least(0),
+        ),
+        Param("sinks", int, 4, "first rows kept exact (16-bit) for good", at_least(0)),
+        Param(
+            "norm",
+            int,
+            1,
+            "store the norm that gives a decoded row its length back (1) or the plain norm (0)",
+            one_of(0, 1),
+        ),
+        Param(
+            "center", int, 1, "quantise rows minus the prompt's mean row per head (1)", one_of(0, 1)
+        ),
         Param("attention", str, "auto", ATTENTION_DOC, one_of("auto", "triton", "sdpa")),
         Param("graph", int, 1, GRAPH_DOC, one_of(0, 1)),
     ),
-    keeps="K/V only in quantised form: per head, a float32 norm and the Lloyd–Max codes "
-    "of the signed-Walsh–Hadamard-rotated unit vector (4 + ceil(head_dim·bits/8) bytes)",
+    keeps="K/V in quantised form: per head, a float32 norm and the Lloyd–Max codes of the "
+    "signed-Walsh–Hadamard-rotated unit vector (4 + ceil(head_dim·bits/8) bytes), of the rows "
+    "minus the prompt's mean row; the first `sinks` and newest `recent` rows exact at 16 bits",
     contract="bounded KL vs standard (destructive); prefill output exact",
     factory=lambda p, model: TurboQuantEngine(
         bits=p["bits"],
+        k_bits=p["k_bits"],
+        v_bits=p["v_bits"],
+        recent=DEFAULT_RECENT[p["bits"]] if p["recent"] is None else p["recent"],
+        sinks=p["sinks"],
+        norm_correction=bool(p["norm"]),
+        center=bool(p["center"]),
         profiling=p["profiling"],
         attention=p["attention"],
         use_graph=bool(p["graph"]),

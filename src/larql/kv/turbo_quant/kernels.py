@@ -56,6 +56,7 @@ MIN_SPLITS = 16
 MAX_SPLITS = 64
 _BLOCKS_PER_PROGRAM = 4  # the split count aims at this many blocks per program
 COMBINE_WARPS = 8
+PARTIAL_WARPS = 4
 _MIN_DOT = 16  # tl.dot needs every dimension ≥ 16
 NORM = tl.constexpr(NORM_BYTES)  # a kernel reads module globals only as constexprs
 
@@ -142,9 +143,10 @@ def _decoded_rows(
     byte = NORM + bit // 8  # [DP]
     where = starts[:, None] + byte[None, :]  # [B, DP]
     low = tl.load(codes_ptr + where, mask=present[:, None], other=0).to(tl.int32)
-    spill = present[:, None] & ((byte + 1) < BPV)[None, :]  # an index may straddle two bytes
-    high = tl.load(codes_ptr + where + 1, mask=spill, other=0).to(tl.int32)
-    index = ((low | (high << 8)) >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
+    if 8 % BITS != 0:  # a 3-bit index may straddle two bytes
+        spill = present[:, None] & ((byte + 1) < BPV)[None, :]
+        low |= tl.load(codes_ptr + where + 1, mask=spill, other=0).to(tl.int32) << 8
+    index = (low >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
     values = tl.load(centroids_ptr + index)  # [B, DP]
     norms = tl.load(norms_ptr + starts // 4, mask=present, other=0.0)  # [B]
     return values * norms[:, None]
@@ -370,6 +372,7 @@ def attention(
         BLOCKS_PER_SPLIT=per_split,
         NS=n_splits,
         BLOCK=BLOCK_N,
+        num_warps=PARTIAL_WARPS,
     )
     out = torch.empty((heads, dim), dtype=q.dtype, device=q.device)
     _attention_combine[(kv_heads,)](

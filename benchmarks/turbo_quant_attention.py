@@ -1,0 +1,103 @@
+"""One layer's decode attention at depth on a GPU: turbo-quant's Triton kernels over the packed
+codes against standard's split-key Triton kernel and torch's SDPA over a bf16 cache, at a
+Llama-3.2-1B layer's heads (32 query, 8 K/V, width 64) by default. Each is timed as replays of
+a captured CUDA graph (`triton.testing.do_bench_cudagraph`, median), with the bytes each reads
+and the bandwidth that makes; `--shapes` also times the turbo kernel's launch shapes (splits,
+block rows, warps) so its constants are chosen by measurement.
+
+    python benchmarks/turbo_quant_attention.py [--depths 4096,32000] [--bits 4]
+        [--shapes 16:256:32:4,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+
+def bandwidth(nbytes: int, us: float) -> float:
+    return nbytes / (us * 1e-6) / 1e9  # GB/s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depths", default="4096,32000")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument(
+        "--shapes",
+        default="",
+        help="more turbo launch shapes to time, min_splits:max_splits:block:warps, comma-separated",
+    )
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    from triton.testing import do_bench_cudagraph
+
+    from larql.kernels.decode_attention import decode_attention
+    from larql.kv.turbo_quant import kernels
+    from larql.kv.turbo_quant.codec import TurboQuantCodec
+
+    hq, hkv, d = args.heads, args.kv_heads, args.dim
+    scale = d**-0.5
+    codec = TurboQuantCodec(d, args.bits)
+    tables = kernels.CodecTables.of(codec, torch.device("cuda"))
+    for depth in (int(x) for x in args.depths.split(",")):
+        kw = {"device": "cuda", "dtype": torch.bfloat16}
+        capacity = 1 << (depth - 1).bit_length()
+        q = torch.randn(hq, 1, d, **kw)
+        keys, values = torch.randn(2, hkv, capacity, d, **kw)
+        k_new, v_new = torch.randn(2, hkv, 1, d, **kw)
+        pos = torch.tensor([depth], device="cuda")
+        index = torch.arange(capacity, device="cuda")
+        vectors = torch.stack((keys, values)).permute(2, 0, 1, 3).reshape(-1, d)  # token-major
+        codes = kernels.encode(vectors, tables).view(capacity, -1)  # [C, row_bytes]
+
+        def sdpa(q=q, keys=keys, values=values, pos=pos, index=index):
+            mask = (index <= pos).view(1, -1)
+            return F.scaled_dot_product_attention(
+                q[None], keys[None], values[None], attn_mask=mask, scale=scale, enable_gqa=True
+            )[0]
+
+        def standard(q=q, keys=keys, values=values, pos=pos):
+            return decode_attention(q, keys, values, pos, scale)
+
+        cache_bytes = 2 * hkv * depth * d * 2
+        code_bytes = depth * codes.shape[1]
+        row = {"depth": depth, "capacity": capacity, "heads": [hq, hkv, d], "bits": args.bits}
+        for name, fn, nbytes in (("sdpa", sdpa, cache_bytes), ("standard_triton", standard,
+                                                               cache_bytes)):  # fmt: skip
+            us = do_bench_cudagraph(fn, rep=200) * 1e3
+            row[f"{name}_us"] = round(us, 2)
+            row[f"{name}_GBs"] = round(bandwidth(nbytes, us), 1)
+        shapes = [(kernels.MIN_SPLITS, kernels.MAX_SPLITS, kernels.BLOCK_N, kernels.PARTIAL_WARPS)]
+        shapes += [
+            tuple(int(x) for x in shape.split(":")) for shape in args.shapes.split(",") if shape
+        ]
+        for low, high, block, warps in shapes:
+            kernels.MIN_SPLITS, kernels.MAX_SPLITS = low, high
+            kernels.BLOCK_N, kernels.PARTIAL_WARPS = block, warps
+            workspace = kernels.Workspace.of(hq, hkv, tables, q.device)
+            copy = codes.clone()
+
+            def turbo(q=q, k=k_new, v=v_new, copy=copy, pos=pos, workspace=workspace):
+                return kernels.attention(q, k, v, copy, pos, tables, scale, 0.0, workspace)
+
+            try:
+                us = do_bench_cudagraph(turbo, rep=200) * 1e3
+            except Exception as error:  # a shape that does not compile (registers, smem)
+                print(json.dumps({"shape": [low, high, block, warps], "error": str(error)[:200]}))
+                continue
+            key = f"turbo_{low}_{high}_{block}_{warps}"
+            row[f"{key}_us"] = round(us, 2)
+            row[f"{key}_GBs"] = round(bandwidth(code_bytes, us), 1)
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

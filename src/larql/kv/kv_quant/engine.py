@@ -1,0 +1,58 @@
+"""`kv-quant`: K/V quantised by the plain methods users compare turbo-quant against — per-token
+groups of int8 / int4 / int2 (a scale and a zero point each) or fp8 e4m3 (a scale each),
+optionally after a Walsh–Hadamard rotation, optionally with the newest rows (KIVI's residual)
+and the first rows kept exact. The state policy is turbo-quant's torch path (the same store of
+sinks, codes and recent rows, the same decoded attention); only the codec differs, so the two
+are compared at equal bytes on equal terms."""
+
+from __future__ import annotations
+
+from larql.kv.kv_quant.codecs import Fp8Codec, IntCodec
+from larql.kv.turbo_quant.codec import RowCodec
+from larql.kv.turbo_quant.engine import TurboQuantEngine
+
+
+class KvQuantEngine(TurboQuantEngine):
+    name = "kv-quant"
+
+    def __init__(
+        self,
+        bits: int = 4,
+        fp8: bool = False,
+        group: int = 32,
+        rotate: bool = False,
+        recent: int = 0,
+        sinks: int = 0,
+        profiling: bool = False,
+    ) -> None:
+        self.fp8, self.group, self.rotate = fp8, group, rotate
+
+        def codec(dim: int) -> RowCodec:
+            if fp8:
+                return Fp8Codec(dim, group, rotate)
+            return IntCodec(dim, bits, group, rotate)
+
+        super().__init__(
+            bits=8 if fp8 else bits,
+            profiling=profiling,
+            codec_factory=codec,
+            rotated_attention=False,
+            recent=recent,
+            sinks=sinks,
+        )
+
+    def describe(self) -> str:
+        kind = "fp8 e4m3" if self.fp8 else f"int{self.bits}"
+        rotated = " after a Walsh–Hadamard rotation" if self.rotate else ""
+        exact = (
+            f", {self.sinks} sink + {self.recent} recent rows exact at 16 bits"
+            if self.recent or self.sinks
+            else ""
+        )
+        return f"{kind} K/V in groups of {self.group}{rotated}{exact}, decoded attention"
+
+    def config(self) -> str:
+        parts = ["format=fp8" if self.fp8 else f"bits={self.bits}", f"group={self.group}"]
+        levers = {"rotate": int(self.rotate), "recent": self.recent, "sinks": self.sinks}
+        parts += [f"{name}={value}" for name, value in levers.items() if value]
+        return ",".join(parts)

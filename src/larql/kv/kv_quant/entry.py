@@ -1,0 +1,39 @@
+"""`kv-quant`'s catalog entry."""
+
+from __future__ import annotations
+
+from larql.kv.kv_quant.engine import KvQuantEngine
+from larql.kv.spec import EngineEntry
+from larql.specs import Param, at_least, one_of
+
+ENTRY = EngineEntry(
+    name="kv-quant",
+    aliases=("kv_quant", "kivi"),
+    params=(
+        Param("bits", int, 4, "integer code bits: 2, 4 or 8 (format=int)", one_of(2, 4, 8)),
+        Param(
+            "format",
+            str,
+            "int",
+            "int (scale + zero point per group) or fp8 (e4m3, a scale per group)",
+            one_of("int", "fp8"),
+            lower=True,
+        ),
+        Param("group", int, 32, "coordinates per scale (per token)", at_least(1)),
+        Param("rotate", int, 0, "Walsh–Hadamard-rotate each row first (1)", one_of(0, 1)),
+        Param("recent", int, 0, "newest rows kept exact (16-bit)", at_least(0)),
+        Param("sinks", int, 0, "first rows kept exact (16-bit)", at_least(0)),
+    ),
+    keeps="K/V as per-token groups of integer (scale + zero point) or fp8 (scale) codes; "
+    "optional exact recent and sink rows; every scale and zero point counted",
+    contract="bounded KL vs standard (destructive); prefill output exact",
+    factory=lambda p, model: KvQuantEngine(
+        bits=p["bits"],
+        fp8=p["format"] == "fp8",
+        group=p["group"],
+        rotate=bool(p["rotate"]),
+        recent=p["recent"],
+        sinks=p["sinks"],
+        profiling=p["profiling"],
+    ),
+)

@@ -1,0 +1,162 @@
+"""One layer of turbo-quant's K/V on the torch path, in token order:
+
+    [sinks: the first rows, exact] [codes: the rows between, quantised] [recent: the newest, exact]
+
+A new row enters the sinks while there is room, else the recent rows; the oldest recent row
+beyond `recent` is encoded into the codes (append-only: a stored code is never re-encoded), from
+its 16-bit copy (rows that never fit among the recent ones are encoded from the exact rows).
+Exact rows are kept at 16 bits (the model's dtype where it is 16-bit, else float16). With
+`center`, the codes hold x − μ, μ the mean K (and V) row of the layer's prompt per K/V head:
+q·(k − μ) differs from q·k by the same constant for every key, so only the quantisation error
+changes; μ is added back when the codes are read. On a sliding layer a query sees only the
+last `keep` rows: the layer keeps no sinks, at most `keep` recent rows, and the codes before
+them up to `keep` in all, so the rows it holds are always the contiguous positions before the
+next token's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from larql.inference.memory import MemoryBreakdown, tensor_bytes
+from larql.kv.rows import GrowableRows
+from larql.kv.turbo_quant.codec import RowCodec
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """How a turbo-quant engine keeps each layer's K/V."""
+
+    k_codec: RowCodec
+    v_codec: RowCodec
+    sinks: int = 0
+    recent: int = 0
+    center: bool = False
+
+
+def exact_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """The 16-bit dtype exact rows are kept in."""
+    return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+
+class QuantisedLayer:
+    def __init__(
+        self, layout: KvLayout, keep: int | None, kv_heads: int, dtype: torch.dtype
+    ) -> None:
+        self.layout = layout
+        self.kv_heads = kv_heads
+        self.exact = exact_dtype(dtype)
+        self.sinks = GrowableRows()  # [n, 2, Hkv, D] exact
+        self.sink_room = layout.sinks if keep is None else 0
+        self.recent_room = layout.recent if keep is None else min(layout.recent, keep)
+        self.recent = GrowableRows()  # [n, 2, Hkv, D] exact
+        self.codes = GrowableRows(None if keep is None else keep - self.recent_room)
+        self.mean: torch.Tensor | None = None  # [2, Hkv, D] float32, with `center`
+
+    def __len__(self) -> int:
+        return len(self.sinks) + len(self.codes) + len(self.recent)
+
+    def memory(self) -> MemoryBreakdown:
+        return MemoryBreakdown.of(hot=[self.sinks, self.codes, self.recent]) + MemoryBreakdown(
+            hot=tensor_bytes(self.mean)
+        )
+
+    # ------------------------------------------------------------------ writing
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [Hkv, S, D] exact new rows, in token order."""
+        rows = torch.stack((k, v)).permute(2, 0, 1, 3)  # [S, 2, Hkv, D]
+        if self.layout.center and self.mean is None:
+            self.mean = rows.float().mean(dim=0)  # [2, Hkv, D] over the prompt
+        into_sinks = min(self.sink_room - len(self.sinks), rows.shape[0])
+        if into_sinks > 0:
+            self.sinks.append(rows[:into_sinks].to(self.exact))
+            rows = rows[into_sinks:]
+        overflow = len(self.recent) + rows.shape[0] - self.recent_room  # rows leaving exactness
+        from_recent = min(max(overflow, 0), len(self.recent))
+        if from_recent:
+            self._encode(self.recent.pop_front(from_recent))
+        direct = max(overflow - from_recent, 0)  # new rows that never fit: encoded as they are
+        if direct:
+            self._encode(rows[:direct])
+        if direct < rows.shape[0]:
+            self.recent.append(rows[direct:].to(self.exact))
+
+    def _encode(self, rows: torch.Tensor) -> None:
+        """rows: [S, 2, Hkv, D] → one code row per token, [K heads ; V heads]."""
+        s = rows.shape[0]
+        x = rows.to(torch.promote_types(rows.dtype, torch.float32))  # float64 stays float64
+        if self.mean is not None:
+            x = x - self.mean
+        k = self.layout.k_codec.encode(x[:, 0].reshape(s * self.kv_heads, -1))
+        v = self.layout.v_codec.encode(x[:, 1].reshape(s * self.kv_heads, -1))
+        self.codes.append(torch.cat((k.view(s, -1), v.view(s, -1)), dim=1))  # [S, row_bytes]
+        self.codes.clip()
+
+    # ------------------------------------------------------------------ reading
+
+    def keys_values(
+        self, dtype: torch.dtype, rotation: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored row, oldest first → keys, values [Hkv, n, D] in `dtype`; with
+        `rotation` R [D', D'] (float32), in the codec's rotated basis: [Hkv, n, D']."""
+        parts = []
+        if len(self.sinks):
+            parts.append(self._exact(self.sinks.rows, dtype, rotation))
+        if len(self.codes):
+            parts.append(self._decoded(dtype, rotation))
+        if len(self.recent):
+            parts.append(self._exact(self.recent.rows, dtype, rotation))
+        if not parts:
+            width = self.layout.k_codec.dim if rotation is None else rotation.shape[0]
+            empty = torch.zeros((self.kv_heads, 0, width), dtype=dtype, device=self._device())
+            return empty, empty
+        keys = torch.cat([p[0] for p in parts], dim=1)
+        values = torch.cat([p[1] for p in parts], dim=1)
+        return keys, values
+
+    def _exact(
+        self, rows: torch.Tensor, dtype: torch.dtype, rotation: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = rows.permute(1, 2, 0, 3)  # [2, Hkv, n, D]
+        if rotation is not None:
+            x = rotate(x, rotation)
+        return x[0].to(dtype), x[1].to(dtype)
+
+    def _decoded(
+        self, dtype: torch.dtype, rotation: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = self.codes.rows  # [n, row_bytes]
+        n = codes.shape[0]
+        wide = torch.promote_types(dtype, torch.float32)
+        k_bytes = self.kv_heads * self.layout.k_codec.bytes_per_vector
+        halves = []
+        for codec, data, which in (
+            (self.layout.k_codec, codes[:, :k_bytes], 0),
+            (self.layout.v_codec, codes[:, k_bytes:], 1),
+        ):
+            vectors = data.reshape(n * self.kv_heads, codec.bytes_per_vector)
+            if rotation is not None:
+                x = codec.decode_rotated(vectors, torch.float32)  # type: ignore[attr-defined]
+            else:
+                x = codec.decode(vectors, wide)
+            x = x.view(n, self.kv_heads, -1).transpose(0, 1)  # [Hkv, n, D or D']
+            if self.mean is not None:
+                mean = self.mean[which].unsqueeze(1)  # [Hkv, 1, D]
+                x = x + (rotate(mean, rotation) if rotation is not None else mean)
+            halves.append(x.to(dtype))
+        return halves[0], halves[1]
+
+    def _device(self) -> torch.device:
+        for store in (self.codes, self.recent, self.sinks):
+            if len(store):
+                return store.rows.device
+        return torch.device("cpu")
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """[..., D] → [..., D'], zero-padded to the rotation's width and rotated, in float32."""
+    padding = rotation.shape[0] - x.shape[-1]
+    return torch.nn.functional.pad(x.float(), (0, padding)) @ rotation
