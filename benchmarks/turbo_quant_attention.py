@@ -30,6 +30,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument(
+        "--levers", action="store_true", help="the catalog's: 4 sinks, 32 recent rows, centered"
+    )
+    parser.add_argument(
         "--shapes",
         default="",
         help="more turbo launch shapes to time, min_splits:max_splits:block:warps, comma-separated",
@@ -45,7 +48,7 @@ def main() -> None:
 
     hq, hkv, d = args.heads, args.kv_heads, args.dim
     scale = d**-0.5
-    codec = TurboQuantCodec(d, args.bits)
+    codec = TurboQuantCodec(d, args.bits, norm_correction=args.levers)
     tables = kernels.CodecTables.of(codec, torch.device("cuda"))
     for depth in (int(x) for x in args.depths.split(",")):
         kw = {"device": "cuda", "dtype": torch.bfloat16}
@@ -69,12 +72,14 @@ def main() -> None:
 
         cache_bytes = 2 * hkv * depth * d * 2
         code_bytes = depth * codes.shape[1]
-        row = {"depth": depth, "capacity": capacity, "heads": [hq, hkv, d], "bits": args.bits}
+        row = {"depth": depth, "capacity": capacity, "heads": [hq, hkv, d], "bits": args.bits,
+               "levers": args.levers}  # fmt: skip
         for name, fn, nbytes in (("sdpa", sdpa, cache_bytes), ("standard_triton", standard,
                                                                cache_bytes)):  # fmt: skip
             us = do_bench_cudagraph(fn, rep=200) * 1e3
             row[f"{name}_us"] = round(us, 2)
             row[f"{name}_GBs"] = round(bandwidth(nbytes, us), 1)
+            print(f"  {depth} {name}: {us:.1f} µs", flush=True)
         shapes = [(kernels.MIN_SPLITS, kernels.MAX_SPLITS, kernels.BLOCK_N, kernels.PARTIAL_WARPS)]
         shapes += [
             tuple(int(x) for x in shape.split(":")) for shape in args.shapes.split(",") if shape
@@ -84,9 +89,20 @@ def main() -> None:
             kernels.BLOCK_N, kernels.PARTIAL_WARPS = block, warps
             workspace = kernels.Workspace.of(hq, hkv, tables, q.device)
             copy = codes.clone()
+            levers = kernels.Levers.none(hkv, tables, q.device)
+            if args.levers:
+                f32 = {"dtype": torch.float32, "device": "cuda"}
+                levers = kernels.Levers(
+                    exact=torch.randn(36, 2, hkv, d, **kw),
+                    mean=torch.randn(2, hkv, d, **f32),
+                    mean_rotated=torch.randn(2, hkv, tables.rotated_dim, **f32),
+                    sinks=4,
+                    recent=32,
+                    center=True,
+                )
 
-            def turbo(q=q, k=k_new, v=v_new, copy=copy, pos=pos, workspace=workspace):
-                return kernels.attention(q, k, v, copy, pos, tables, scale, 0.0, workspace)
+            def turbo(q=q, k=k_new, v=v_new, copy=copy, pos=pos, ws=workspace, levers=levers):
+                return kernels.attention(q, k, v, copy, pos, tables, scale, 0.0, ws, levers)
 
             try:
                 us = do_bench_cudagraph(turbo, rep=200) * 1e3
@@ -94,6 +110,7 @@ def main() -> None:
                 print(json.dumps({"shape": [low, high, block, warps], "error": str(error)[:200]}))
                 continue
             key = f"turbo_{low}_{high}_{block}_{warps}"
+            print(f"  {depth} {key}: {us:.1f} µs", flush=True)
             row[f"{key}_us"] = round(us, 2)
             row[f"{key}_GBs"] = round(bandwidth(code_bytes, us), 1)
         print(json.dumps(row), flush=True)

@@ -150,61 +150,132 @@ def test_workspace_is_reused_across_calls(kernels) -> None:
     assert outs == [True, True]
 
 
-def torch_path_holding_the_codes_of(engine: KvEngine) -> KvEngine:
-    """A turbo-quant engine on the torch path whose store holds exactly `engine`'s codes."""
+def torch_path_holding_the_state_of(engine: KvEngine) -> KvEngine:
+    """A turbo-quant engine on the torch path whose store holds exactly `engine`'s state: its
+    codes, its exact sink and recent rows, its centering rows."""
     assert isinstance(engine, TurboQuantEngine) and engine._fast is not None
-    twin = TurboQuantEngine(bits=engine.bits, attention="sdpa")
-    twin._layout = engine._layout
+    fast, layout = engine._fast, engine._layout
+    assert layout is not None
+    twin = TurboQuantEngine(
+        bits=engine.bits,
+        attention="sdpa",
+        recent=engine.recent,
+        sinks=engine.sinks,
+        norm_correction=engine.norm_correction,
+        center=engine.center,
+    )
+    twin._layout = layout
     twin._started(engine.position)  # a prefilled engine at the leader's position
     twin._layers = []
-    for layer, slots in enumerate(engine._fast.layers):
-        store = QuantisedLayer(engine._layout, slots.keep, model_kv_heads(engine), torch.float32)
-        store.codes.append(engine.stored_codes(layer))
+    for layer, where in enumerate(fast.layouts):
+        sinks, recent = fast.exact_rows(layer)
+        kv_heads = sinks.shape[2]
+        store = QuantisedLayer(layout, where.keep, kv_heads, sinks.dtype)
+        for rows, part in ((sinks, store.sinks), (recent, store.recent)):
+            if len(rows):
+                part.append(rows)
+        codes = engine.stored_codes(layer)
+        if len(codes):
+            store.codes.append(codes)
+        store.mean = fast.mean(layer)
         twin._layers.append(store)
     return twin
 
 
-def model_kv_heads(engine: TurboQuantEngine) -> int:
-    assert engine._layout is not None and engine._fast is not None
-    row_bytes = engine._fast.layers[0].row_bytes
-    return row_bytes // (2 * engine._layout.k_codec.bytes_per_vector)
-
-
-def kernel_steps_vs_torch_steps(model: Model, ids: list[int], prompt_len: int, bits: int):
+def kernel_steps_vs_torch_steps(model: Model, ids: list[int], prompt_len: int, bits: int, **levers):
     """Each decode step of the engine on the kernels, and the torch path's step from the very
-    codes the kernel engine holds → (kernel engine, relative error of the step logits)."""
-    fused = TurboQuantEngine(bits=bits)
+    state the kernel engine holds → (kernel engine, relative error of the step logits)."""
+    fused = TurboQuantEngine(bits=bits, **levers)
     ours, reference = steps_on_shared_state(
-        model, ids, prompt_len, fused, torch_path_holding_the_codes_of
+        model, ids, prompt_len, fused, torch_path_holding_the_state_of
     )
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
     return fused, relative_error(ours, reference)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+LEVERS = {  # the catalog's levers, with rings small enough to wrap in a few steps
+    "plain": {},
+    "catalog": {"recent": 3, "sinks": 2, "norm_correction": True, "center": True},
+    "ring of one": {"recent": 1, "center": True},
+    "sinks only": {"sinks": 9, "norm_correction": True},  # the prompt fills 8, a step the 9th
+}
+
+
+@pytest.mark.parametrize(
+    ("bits", "levers"),
+    [
+        (2, "plain"),
+        (4, "plain"),
+        (4, "catalog"),
+        (3, "ring of one"),
+        (2, "sinks only"),
+    ],
+)
 def test_engine_with_the_kernels_equals_its_torch_path(
-    kernels, bits: int, smollm2: Model, monkeypatch
+    kernels, bits: int, levers: str, smollm2: Model, monkeypatch
 ) -> None:
     model = model_for_kernels(smollm2, monkeypatch)
-    ids = model.tokenizer.encode(PROMPT + " took it")
-    fused, error = kernel_steps_vs_torch_steps(model, ids, 8, bits)
+    ids = model.tokenizer.encode(PROMPT + " took it out again")
+    fused, error = kernel_steps_vs_torch_steps(model, ids, 8, bits, **LEVERS[levers])
     assert "triton kernels" in fused.info().description
     assert error <= 1e-4  # CUDA's float32 matmuls differ from float64 by ~1e-5
 
 
-def test_the_prompt_is_stored_as_the_codec_stores_it(kernels, smollm2: Model, monkeypatch) -> None:
+def test_kernel_levers_store_the_torch_paths_bytes(kernels, smollm2: Model, monkeypatch) -> None:
+    """With the catalog's levers, each step moves the oldest recent row into the codes: from the
+    same state, the kernels and the torch path store the same codes (indices exact but for a
+    value on a cell boundary, norms to float32 rounding), the same sinks and the same recent
+    rows (the new row to 16-bit rounding of the tiny difference in its projection)."""
+    model = model_for_kernels(smollm2, monkeypatch)
+    ids = model.tokenizer.encode(PROMPT + " took it out again")
+    fused = TurboQuantEngine(bits=4, **LEVERS["catalog"])
+    codec = TurboQuantCodec(model.config.head_dim, 4, norm_correction=True)
+    ffn = DenseFfn(model)
+    with torch.inference_mode():
+        fused.prefill(model, ffn, ids[:6])
+        for token in ids[6:]:
+            twin = torch_path_holding_the_state_of(fused)
+            twin.decode_step(model, ffn, token)
+            fused.decode_step(model, ffn, token)
+            assert fused._fast is not None and twin._layers is not None
+            for layer in range(model.config.num_layers):
+                ours, theirs = fused.stored_codes(layer), twin.stored_codes(layer)
+                assert ours.shape == theirs.shape == (fused.position - 2 - 3, ours.shape[1])
+                (norms, payload), (ref_norms, ref_payload) = (
+                    split_norms(c.reshape(-1, codec.bytes_per_vector)) for c in (ours, theirs)
+                )
+                flips = codec.decode_indices(payload) != codec.decode_indices(ref_payload)
+                assert flips.float().mean().item() <= 1e-3
+                assert relative_error(norms, ref_norms) <= 1e-5
+                sinks, recent = fused._fast.exact_rows(layer)
+                store = twin._layers[layer]
+                assert torch.equal(sinks, store.sinks.rows)
+                torch.testing.assert_close(recent, store.recent.rows, rtol=2e-3, atol=2e-3)
+                assert torch.equal(fused._fast.mean(layer), store.mean)
+
+
+@pytest.mark.parametrize("levers", ["plain", "catalog"])
+def test_the_prompt_is_stored_as_the_codec_stores_it(
+    kernels, levers: str, smollm2: Model, monkeypatch
+) -> None:
     """The kernel encoding of the prompt's exact K/V and the codec's, byte for byte (norms to
-    float32 rounding), on every layer."""
+    float32 rounding), on every layer; with the levers, the rows between the 2 sinks and the
+    3 newest, centered."""
     model = model_for_kernels(smollm2, monkeypatch)
     ids = model.tokenizer.encode(PROMPT)
-    engines = [TurboQuantEngine(bits=4), TurboQuantEngine(bits=4, attention="sdpa")]
+    lever = LEVERS[levers]
+    engines = [
+        TurboQuantEngine(bits=4, **lever),
+        TurboQuantEngine(bits=4, attention="sdpa", **lever),
+    ]
     with torch.inference_mode():
         for engine in engines:
             engine.prefill(model, DenseFfn(model), ids)
-    codec = TurboQuantCodec(model.config.head_dim, 4)
+    codec = TurboQuantCodec(model.config.head_dim, 4, norm_correction=bool(lever))
+    coded = len(ids) - lever.get("sinks", 0) - lever.get("recent", 0)
     for layer in range(model.config.num_layers):
         fused, reference = (e.stored_codes(layer) for e in engines)
-        assert fused.shape == reference.shape == (len(ids), engines[1].stored_codes(0).shape[1])
+        assert fused.shape == reference.shape == (coded, engines[1].stored_codes(0).shape[1])
         (norms, payload), (ref_norms, ref_payload) = (
             split_norms(c.reshape(-1, codec.bytes_per_vector)) for c in (fused, reference)
         )
@@ -224,15 +295,22 @@ def tiny_sliding(request, tmp_path_factory: pytest.TempPathFactory) -> Model:
 
 
 @pytest.mark.parametrize(
-    ("tiny_sliding", "min_capacity", "headroom", "prompt"),
+    ("tiny_sliding", "min_capacity", "headroom", "prompt", "levers"),
     [
-        ("gemma3", 4, 0, 3),  # capacity 4 < the 5 a sliding layer keeps: its slots grow 4 → 5 first
-        ("gemma2", 8, 2, 5),  # capacity 8 → 16; sliding rings of 5 from the start; soft-caps
+        ("gemma3", 4, 0, 3, "plain"),  # capacity 4 < the 5 a sliding layer keeps: 4 → 5 first
+        ("gemma2", 8, 2, 5, "plain"),  # capacity 8 → 16; sliding rings of 5 from the start
+        ("gemma3", 4, 0, 3, "catalog"),  # sliding layers: no sinks, 3 recent rows, 2 coded
     ],
     indirect=["tiny_sliding"],
 )
 def test_kernel_path_rings_sliding_layers_and_grows_full_ones(
-    kernels, tiny_sliding: Model, monkeypatch, min_capacity: int, headroom: int, prompt: int
+    kernels,
+    tiny_sliding: Model,
+    monkeypatch,
+    min_capacity: int,
+    headroom: int,
+    prompt: int,
+    levers: str,
 ) -> None:
     """Sliding layers keep their window − 1 rows in a ring of slots; full layers' slots double
     when the position reaches the capacity (made small here so 12 tokens grow it once or twice).
@@ -245,11 +323,16 @@ def test_kernel_path_rings_sliding_layers_and_grows_full_ones(
     monkeypatch.setattr(captured_step, "MIN_CAPACITY", min_capacity)
     monkeypatch.setattr(captured_step, "DECODE_HEADROOM", headroom)
     ids = random_ids(12, seed=4)
-    fused, error = kernel_steps_vs_torch_steps(model, ids, prompt, 4)
+    fused, error = kernel_steps_vs_torch_steps(model, ids, prompt, 4, **LEVERS[levers])
     assert "triton kernels" in fused.info().description
     assert fused.dispatch_path() == ("cuda-graph" if CUDA else "static")
     assert error <= 1e-4
     cfg = model.config
+    if levers != "plain":
+        for layer, spec in enumerate(cfg.layers):
+            kept = len(ids) if spec.sliding_window is None else spec.sliding_window - 1
+            assert fused.stored_rows(layer) == kept
+        return
     row_bytes = 2 * cfg.num_kv_heads * TurboQuantCodec(cfg.head_dim, 4).bytes_per_vector
     slots = kept_rows = 0
     for layer, spec in enumerate(cfg.layers):
@@ -263,13 +346,18 @@ def test_kernel_path_rings_sliding_layers_and_grows_full_ones(
 
 def test_spec_picks_the_path(smollm2: Model, monkeypatch) -> None:
     model = model_for_kernels(smollm2, monkeypatch)
-    plain = "turbo-quant:recent=0,sinks=0,norm=0,center=0"  # what the kernels implement
-    for spec, on_kernels in ((plain, True), (f"{plain},attention=sdpa", False)):
+    for spec, on_kernels in (
+        ("turbo-quant", True),  # the catalog's levers included
+        ("turbo-quant:recent=0,sinks=0,norm=0,center=0", True),
+        ("turbo-quant:attention=sdpa", False),
+        ("turbo-quant:k_bits=4,v_bits=2", False),  # one codec for K and V only
+        ("kv-quant", False),
+    ):
         engine = parse_engine(spec).build(model)
         assert isinstance(engine, TurboQuantEngine)
         with torch.inference_mode():
             engine.prefill(model, DenseFfn(model), model.tokenizer.encode(PROMPT))
-        assert isinstance(engine._fast, KernelPath) == on_kernels
+        assert isinstance(engine._fast, KernelPath) == on_kernels, spec
         assert ("triton kernels" in engine.info().description) == on_kernels
     assert parse_engine("turbo-quant:graph=0").build(model).use_graph is False
 

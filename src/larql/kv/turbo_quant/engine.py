@@ -18,8 +18,9 @@ noise, meet zeros) and the rotated-back output is cut to D.
 On CUDA (where Triton runs) the step takes `KernelPath` instead: the codes in fixed slots,
 attention read straight from them with the rotations inside the kernel and the new row encoded by
 the same launch — 2 launches per layer for what the torch path does in ~35 — and the whole step
-captured in a CUDA graph (`graph=0`: the same step run eagerly). `attention=sdpa` keeps the
-torch path there; the tests hold the two equal.
+captured in a CUDA graph (`graph=0`: the same step run eagerly), with the same levers (exact
+sink and recent rows, centering, norm correction) and the same bytes. `attention=sdpa`, separate
+`k_bits` / `v_bits` or another codec keep the torch path there; the tests hold the two equal.
 
 Each K and V row is encoded per head (per head_dim chunk) by a `RowCodec`, by default
 `TurboQuantCodec(head_dim, bits)`. One token's entry in a layer's store is
@@ -141,14 +142,14 @@ class TurboQuantEngine(KvEngine):
     def stored_rows(self, layer: int) -> int:
         """Tokens whose K/V layer `layer` holds (encoded or exact)."""
         if self._fast is not None:
-            return self._fast.layers[layer].filled
+            return self._fast.stored_rows(layer)
         return len(self._layers[layer]) if self._layers else 0
 
     def stored_codes(self, layer: int) -> torch.Tensor:
         """The layer's encoded rows, oldest first, whichever path holds them: uint8
         [n, row_bytes], one row per token ([K heads ; V heads], a codec vector each)."""
         if self._fast is not None:
-            return self._fast.layers[layer].in_token_order(self.position)
+            return self._fast.codes_in_token_order(layer)
         if not self._layers:
             raise InvariantViolation("no codes stored before prefill")
         return self._layers[layer].codes.rows
@@ -246,27 +247,16 @@ class TurboQuantEngine(KvEngine):
     def _kernel_path(self, model: Model, keeps: list[int | None]) -> KernelPath | None:
         """The Triton kernels' path when asked (auto/triton), where they run, for the
         TurboQuant codec attending in its rotated basis; else None (the torch path)."""
-        if self.attention == "sdpa" or not self.rotated_attention or not self._plain_codes():
+        if self.attention == "sdpa" or not self.rotated_attention or self._codec_factory:
             return None
         if not larql.kernels.triton_available(model.device):
             return None
         from larql.kv.turbo_quant import kernels  # imports Triton: only where it runs
 
         assert self._layout is not None
-        codec = self._layout.k_codec
-        if not KernelPath.supports(kernels, codec, keeps):
+        if not KernelPath.supports(kernels, self._layout, keeps):
             return None
-        assert isinstance(codec, TurboQuantCodec)
-        return KernelPath(kernels, codec, model, keeps, self.use_graph, self._profiler)
-
-    def _plain_codes(self) -> bool:
-        """What the Triton kernels implement: one codec for K and V, every row encoded, the
-        norm as measured, no centering."""
-        return (
-            self.k_bits == self.v_bits
-            and not (self.recent or self.sinks or self.norm_correction or self.center)
-            and self._codec_factory is None
-        )
+        return KernelPath(kernels, self._layout, model, keeps, self.use_graph, self._profiler)
 
     def _kv_layout(self, head_dim: int) -> KvLayout:
         def codec(bits: int) -> RowCodec:

@@ -1,19 +1,24 @@
 """turbo-quant's decode step where the Triton kernels run (CUDA): the packed codes in fixed
-slots, two launches per layer for attention and encoding, the whole step captured in a CUDA
-graph.
+slots, the exact rows (sinks and the newest) in a fixed ring, two launches per layer for
+attention and encoding, the whole step captured in a CUDA graph.
 
+The layout is the torch path's (`QuantisedLayer`): token t < sinks exact; the `recent` tokens
+before the query exact; the tokens between coded (minus the prompt's mean row with centering).
 Each layer's codes live in a `CodeSlots` buffer, uint8 [slots, row_bytes], token t in slot
 t mod slots: on a full-attention layer slots is the capacity (≥ every position; it doubles when
-the position reaches it, and the graph is captured again), on a sliding layer the window − 1 rows
-a later query can still see (a ring; smaller while the capacity is). The step reads its token
-and position from device tensors (`StepInputs`), so `kernels.attention`
-attends over the filled slots and writes the new row into its slot inside the graph: no host
-sync, no allocation, one replay per token. The bytes held are the codec's, as on the torch path;
-the slots not yet filled are the growth reserve.
+the position reaches it, and the graph is captured again), on a sliding layer the coded rows a
+later query can still see (a ring; smaller while the capacity is). The exact rows live in
+`Levers.exact`, [sinks + recent, 2, Hkv, D] at 16 bits: sink t in slot t, recent token t in
+slot sinks + t mod recent. The step reads its token and position from device tensors
+(`StepInputs`), so `kernels.attention` attends over what the position says is held and moves
+the row leaving the exact ones into the codes inside the graph: no host sync, no allocation,
+one replay per token. The bytes held are those rows', as on the torch path; the slots not yet
+filled are the growth reserve.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -25,7 +30,7 @@ from larql.inference.layer import (
     ffn_block,
     project_qkv_with_rope,
 )
-from larql.inference.memory import MemoryBreakdown
+from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.inference.profiling import EngineProfiler
 from larql.kv.captured_step import (
     CapturedStep,
@@ -36,19 +41,19 @@ from larql.kv.captured_step import (
 )
 from larql.kv.turbo_quant.codec import TurboQuantCodec
 from larql.kv.turbo_quant.layout import token_vectors
+from larql.kv.turbo_quant.store import KvLayout, exact_dtype, rotate
 from larql.models.model import Model
 
 
 class CodeSlots:
     """One layer's encoded rows: uint8 [slots, row_bytes], token t in slot t mod slots.
-    `keep`: the rows a sliding layer retains (None: every row)."""
+    `keep`: the coded rows a sliding layer retains (None: every row)."""
 
     def __init__(self, keep: int | None, row_bytes: int, device: torch.device) -> None:
         self.keep = keep
         self.row_bytes = row_bytes
         self.device = device
         self.data = torch.zeros((0, row_bytes), dtype=torch.uint8, device=device)
-        self.filled = 0  # slots holding a row
 
     @property
     def slots(self) -> int:
@@ -57,36 +62,53 @@ class CodeSlots:
     def nbytes(self) -> int:
         return self.data.numel()
 
-    def live_nbytes(self) -> int:
-        return self.filled * self.row_bytes
-
     def reserve(self, capacity: int) -> None:
         """Room for positions < capacity: `capacity` slots, or `keep` on a sliding layer.
-        Called only while no row has wrapped (every filled slot t holds token t)."""
+        Called only while no row has wrapped (every written slot t holds token t)."""
         slots = capacity if self.keep is None else min(self.keep, capacity)
         if slots == self.slots:
             return
         data = torch.zeros((slots, self.row_bytes), dtype=torch.uint8, device=self.device)
-        data[: self.filled] = self.data[: self.filled]
+        data[: self.slots] = self.data
         self.data = data
 
-    def write_prompt(self, rows: torch.Tensor) -> None:
-        """rows: [S, row_bytes], tokens 0..S−1 → the last `slots` of them, each in its slot."""
+    def write(self, rows: torch.Tensor, first: int) -> None:
+        """rows: [S, row_bytes], tokens first … first + S − 1 → the last `slots` of them, each
+        in its slot."""
         s = rows.shape[0]
         kept = min(s, self.slots)
-        tokens = torch.arange(s - kept, s, device=self.device)
+        tokens = torch.arange(first + s - kept, first + s, device=self.device)
         self.data.index_copy_(0, tokens % self.slots, rows[s - kept :])
-        self.filled = kept
 
-    def in_token_order(self, position: int) -> torch.Tensor:
-        """The filled slots as rows of tokens position − filled … position − 1, oldest first:
-        uint8 [filled, row_bytes] (`position` = the next token's)."""
-        tokens = torch.arange(position - self.filled, position, device=self.device)
-        return self.data.index_select(0, tokens % self.slots)
+    def tokens(self, first: int, end: int) -> torch.Tensor:
+        """The rows of tokens first … end − 1, oldest first: uint8 [end − first, row_bytes]."""
+        tokens = torch.arange(first, end, device=self.device)
+        return self.data.index_select(0, tokens % max(self.slots, 1))
 
-    def advance(self) -> None:
-        """One more row written by the step."""
-        self.filled = min(self.filled + 1, self.slots)
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Where one layer's tokens are at a position: sinks, codes, recent rows."""
+
+    sinks: int
+    recent: int
+    keep: int | None  # rows before its own a query sees (None: all)
+
+    def coded(self, position: int) -> tuple[int, int]:
+        """The coded tokens [first, end) while the next token is `position`."""
+        first = self.sinks if self.keep is None else max(0, position - self.keep)
+        end = max(first, position - self.recent)
+        return first, end
+
+    def sink_rows(self, position: int) -> int:
+        return min(position, self.sinks)
+
+    def recent_tokens(self, position: int) -> tuple[int, int]:
+        """The exact newest tokens [first, end)."""
+        return max(self.sink_rows(position), position - self.recent), position
+
+    def exact_slot(self, token: int) -> int:
+        return token if token < self.sinks else self.sinks + token % self.recent
 
 
 class KernelPath:
@@ -95,49 +117,119 @@ class KernelPath:
     def __init__(
         self,
         kernels: ModuleType,
-        codec: TurboQuantCodec,
+        layout: KvLayout,
         model: Model,
         keeps: list[int | None],
         use_graph: bool,
         profiler: EngineProfiler,
     ) -> None:
+        codec = layout.k_codec
+        assert isinstance(codec, TurboQuantCodec)
         self._kernels = kernels
         self._tables = kernels.CodecTables.of(codec, model.device)
+        self._center = layout.center
         cfg = model.config
         self._workspace = kernels.Workspace.of(
             cfg.num_heads, cfg.num_kv_heads, self._tables, model.device
         )
         row_bytes = 2 * cfg.num_kv_heads * codec.bytes_per_vector
-        self.layers = [CodeSlots(keep, row_bytes, model.device) for keep in keeps]
+        self.layouts = [layer_layout(layout, keep) for keep in keeps]
+        self.layers = [
+            CodeSlots(None if keep is None else keep - where.recent, row_bytes, model.device)
+            for keep, where in zip(keeps, self.layouts, strict=True)
+        ]
+        exact = exact_dtype(model.dtype)
+        self.levers = [
+            self._levers(where, cfg.num_kv_heads, cfg.head_dim, exact, model.device)
+            for where in self.layouts
+        ]
         self._inputs = StepInputs(model.device)
         self._graph = CapturedStep()
         self._use_graph = use_graph and not profiler.enabled  # the graph has no stages
         self._profiler = profiler
         self._capacity = 0
+        self.position = 0  # the next token's
 
     @staticmethod
-    def supports(kernels: ModuleType, codec: object, keeps: list[int | None]) -> bool:
-        """The kernels handle this codec, and every sliding layer keeps at least one row."""
-        if not isinstance(codec, TurboQuantCodec) or not kernels.supports(codec):
+    def supports(kernels: ModuleType, layout: KvLayout, keeps: list[int | None]) -> bool:
+        """The kernels handle this codec (one for K and V), and every sliding layer keeps at
+        least one coded row."""
+        codec, values = layout.k_codec, layout.v_codec
+        if not (isinstance(codec, TurboQuantCodec) and isinstance(values, TurboQuantCodec)):
             return False
-        return all(keep is None or keep > 0 for keep in keeps)
+        if values.bits != codec.bits:
+            return False
+        if not kernels.supports(codec):
+            return False
+        return all(keep is None or keep > layer_layout(layout, keep).recent for keep in keeps)
 
     @property
     def captured(self) -> bool:
         return self._graph.captured
 
     def memory(self) -> MemoryBreakdown:
-        return MemoryBreakdown.of(hot=self.layers)
+        live = reserved = 0
+        for slots, where, levers in zip(self.layers, self.layouts, self.levers, strict=True):
+            first, end = where.coded(self.position)
+            coded = (end - first) * slots.row_bytes
+            recent_first, recent_end = where.recent_tokens(self.position)
+            exact_rows = where.sink_rows(self.position) + recent_end - recent_first
+            row = levers.exact[0].numel() * levers.exact.element_size()
+            exact_held = (where.sinks + where.recent) * row  # (the 1-row stand-in is not state)
+            mean = tensor_bytes(levers.mean) if self._center else 0
+            live += coded + exact_rows * row + mean
+            reserved += slots.nbytes() - coded + exact_held - exact_rows * row
+        return MemoryBreakdown(hot=live, reserved=reserved)
+
+    def stored_rows(self, layer: int) -> int:
+        where = self.layouts[layer]
+        first, end = where.coded(self.position)
+        recent_first, recent_end = where.recent_tokens(self.position)
+        return where.sink_rows(self.position) + end - first + recent_end - recent_first
+
+    def codes_in_token_order(self, layer: int) -> torch.Tensor:
+        """The coded rows, oldest first: uint8 [n, row_bytes]."""
+        first, end = self.layouts[layer].coded(self.position)
+        return self.layers[layer].tokens(first, end)
+
+    def exact_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sink rows, recent rows), oldest first: [n, 2, Hkv, D] at 16 bits each."""
+        where, exact = self.layouts[layer], self.levers[layer].exact
+        sinks = exact[: where.sink_rows(self.position)]
+        first, end = where.recent_tokens(self.position)
+        slots = [where.exact_slot(t) for t in range(first, end)]
+        return sinks, exact[torch.tensor(slots, dtype=torch.long, device=exact.device)]
+
+    def mean(self, layer: int) -> torch.Tensor | None:
+        """The layer's centering rows [2, Hkv, D] float32, or None."""
+        return self.levers[layer].mean if self._center else None
 
     def start(self, model: Model, prompt_length: int) -> None:
         self._reserve(model, initial_capacity(prompt_length))
+        self.position = prompt_length
 
     def store_prompt(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [Hkv, S, D], the prompt's exact rows → encoded into the layer's slots."""
+        """k, v: [Hkv, S, D], the prompt's exact rows → the sinks and newest rows exact, the
+        rows between encoded into the layer's slots."""
         s = k.shape[1]
-        vectors = token_vectors(k, v)  # [S·2·Hkv, D]
-        encoded = self._kernels.encode(vectors, self._tables)  # [S·2·Hkv, bytes_per_vector]
-        self.layers[layer].write_prompt(encoded.view(s, -1))  # [S, row_bytes]
+        where, levers = self.layouts[layer], self.levers[layer]
+        rows = torch.stack((k, v)).permute(2, 0, 1, 3)  # [S, 2, Hkv, D]
+        mean = None
+        if self._center:
+            mean = rows.float().mean(dim=0)  # [2, Hkv, D]
+            levers.mean.copy_(mean)
+            levers.mean_rotated.copy_(rotate(mean, self._tables.rotation))
+        sinks = where.sink_rows(s)
+        levers.exact[:sinks] = rows[:sinks].to(levers.exact.dtype)
+        first, end = where.recent_tokens(s)
+        for token in range(first, end):
+            levers.exact[where.exact_slot(token)] = rows[token].to(levers.exact.dtype)
+        first, end = where.coded(s)
+        vectors = token_vectors(k[:, first:end], v[:, first:end])  # [n·2·Hkv, D]
+        centers = None if mean is None else mean.reshape(-1, mean.shape[-1])  # [2·Hkv, D]
+        encoded = self._kernels.encode(vectors, self._tables, centers)
+        slots = self.layers[layer]
+        slots.write(encoded.view(end - first, slots.row_bytes), first)  # [n, row_bytes]
 
     def decode(
         self,
@@ -148,20 +240,20 @@ class KernelPath:
         hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The token `token_id` (or the residual row `hidden` [1, H]) at `position` through every
-        layer, its K/V encoded into the slots. → hidden [1, H]"""
+        layer, its K/V stored. → hidden [1, H]"""
         if position >= self._capacity:
             self._reserve(model, self._capacity * 2)
         self._inputs.set(token_id, position)
+        preserve = [s.data for s in self.layers] + [lv.exact for lv in self.levers]
         if hidden is not None:
             out = self._step(model, ffn, hidden)
         elif self._use_graph and self._graph.ready(
-            model, ffn, lambda: self._step(model, ffn), preserve=[s.data for s in self.layers]
+            model, ffn, lambda: self._step(model, ffn), preserve=preserve
         ):
             out = self._graph.replay()
         else:
             out = self._step(model, ffn)
-        for slots in self.layers:
-            slots.advance()
+        self.position = position + 1
         return out
 
     def _step(
@@ -187,11 +279,28 @@ class KernelPath:
                     cfg.attn_scale,
                     softcap,
                     self._workspace,
-                )  # [Hq, 1, D]; the new row is now in its slot
+                    self.levers[layer],
+                )  # [Hq, 1, D]; the state now holds the new row
                 h = attention_output(model, layer, h, attn.reshape(1, cfg.q_dim))
             with stage("ffn", device):
                 h = ffn_block(model, layer, h, ffn)
         return h
+
+    def _levers(
+        self, where: LayerLayout, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device
+    ) -> ModuleType:
+        f32 = {"dtype": torch.float32, "device": device}
+        return self._kernels.Levers(
+            exact=torch.zeros(
+                (max(1, where.sinks + where.recent), 2, kv_heads, dim), dtype=dtype, device=device
+            ),
+            mean=torch.zeros((2, kv_heads, dim), **f32),
+            mean_rotated=torch.zeros((2, kv_heads, self._tables.rotated_dim), **f32),
+            sinks=where.sinks,
+            recent=where.recent,
+            keep=self._kernels.FULL_LAYER_KEEP if where.keep is None else where.keep,
+            center=self._center,
+        )
 
     def _reserve(self, model: Model, capacity: int) -> None:
         for slots in self.layers:
@@ -199,3 +308,11 @@ class KernelPath:
         reserve_rope(model, capacity)
         self._capacity = capacity
         self._graph.invalidate()
+
+
+def layer_layout(layout: KvLayout, keep: int | None) -> LayerLayout:
+    """A layer's sinks and recent rows: a sliding layer keeps no sinks and at most `keep`
+    recent rows (as `QuantisedLayer` does)."""
+    if keep is None:
+        return LayerLayout(layout.sinks, layout.recent, None)
+    return LayerLayout(0, min(layout.recent, keep), keep)

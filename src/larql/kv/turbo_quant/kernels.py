@@ -10,11 +10,20 @@ the bytes. Here:
   group's queries (q·R), unpacks each row's indices from the bit stream, looks up the centroids,
   scales by the row's norm and runs the online softmax in the rotated basis (where
   q·x = (q·R)·(x·R) since R is orthogonal and symmetric). Float32 throughout.
-- `_attention_combine`: one program per K/V head. It encodes the new k and v rows (norm,
-  x/‖x‖·R, bucketize against the codebook boundaries, LSB-first bit packing, the float32 norm in
-  front: `TurboQuantCodec.encode`'s bytes) into the store, adds the exact new row to the
-  attention, merges the splits and rotates the output back (·R), → [Hq, D] in the model's dtype.
+- `_attention_combine`: one program per K/V head. It adds the exact rows (the layer's sink and
+  newest rows, kept at 16 bits, and the new row) to the attention, merges the splits and rotates
+  the output back (·R), → [Hq, D] in the model's dtype. Then it encodes the row that leaves the
+  exact ones — the oldest recent row, or the new row itself when none are kept — (minus the
+  layer's mean row with centering; norm, x/‖x‖·R, bucketize against the codebook boundaries,
+  LSB-first bit packing, the float32 norm — with norm correction ‖x‖/‖ũ‖ — in front:
+  `TurboQuantCodec.encode`'s bytes) into the store, and writes the new row among the exact ones.
 - `_encode`: the same encoding for many vectors at once (a prompt's K/V), one program each.
+
+The levers (`Levers`, per layer) are the torch path's `QuantisedLayer` layout: token t < sinks
+is exact in slot t of the exact rows; the newest `recent` tokens before the query are exact in
+slot sinks + t mod recent; the tokens between are codes. With centering the codes hold x − μ:
+a code row's score gets q·μ_K added (a constant over the codes), and the codes' weighted values
+get μ_V times their weight.
 
 The store is a fixed-capacity uint8 [slots, row_bytes] buffer per layer (the engine's
 `CodeSlots`): token t lives in slot t mod slots, a stored token is [K head 0 … K head Hkv−1,
@@ -49,9 +58,10 @@ from larql.kv.turbo_quant.rotation import rotation_matrix
 
 BLOCK_N = 32  # stored rows per block
 # A launch has `splits(slots)` programs per K/V head, each over BLOCKS_PER_SPLIT blocks, a power
-# of two ≥ the slots need: both compile-time constants (loops Triton unrolls); blocks past the
-# filled slots are skipped at run time. Deep stores get more programs: 16 per head is 48 on
-# SmolLM2, a third of an H200's SMs, each walking 16 blocks at 8k rows.
+# of two ≥ the slots need: both compile-time constants (the block loop is not unrolled, so a deep
+# store compiles as fast as a shallow one); blocks past the coded rows are skipped at run time.
+# Deep stores get more programs: 16 per head is 48 on SmolLM2, a third of an H200's SMs, each
+# walking 16 blocks at 8k rows.
 MIN_SPLITS = 16
 MAX_SPLITS = 64
 _BLOCKS_PER_PROGRAM = 4  # the split count aims at this many blocks per program
@@ -59,6 +69,7 @@ COMBINE_WARPS = 8
 PARTIAL_WARPS = 4
 _MIN_DOT = 16  # tl.dot needs every dimension ≥ 16
 NORM = tl.constexpr(NORM_BYTES)  # a kernel reads module globals only as constexprs
+ZERO_NORM = tl.constexpr(1e-12)  # the codec's: a smaller norm encodes the zero vector
 
 
 def supports(codec: TurboQuantCodec) -> bool:
@@ -78,6 +89,7 @@ class CodecTables:
     rotation: torch.Tensor  # [D', D'] float32, symmetric, R·R = I
     centroids: torch.Tensor  # [2^bits] float32
     boundaries: torch.Tensor  # [2^bits − 1] float32
+    norm_correction: bool = False
 
     @staticmethod
     def of(codec: TurboQuantCodec, device: torch.device) -> CodecTables:
@@ -90,7 +102,44 @@ class CodecTables:
             rotation=rotation_matrix(codec.rotated_dim, torch.float32, device).contiguous(),
             centroids=book.centroids.contiguous(),
             boundaries=book.boundaries.contiguous(),
+            norm_correction=codec.norm_correction,
         )
+
+
+FULL_LAYER_KEEP = 2**31 - 1  # `keep` of a layer that sees every earlier row
+
+
+@dataclass(frozen=True)
+class Levers:
+    """One layer's exact rows and centering, as the kernels read them."""
+
+    exact: torch.Tensor  # [max(1, sinks + recent), 2, Hkv, D] 16-bit, contiguous
+    mean: torch.Tensor  # [2, Hkv, D] float32: the mean K and V rows (zeros: no centering)
+    mean_rotated: torch.Tensor  # [2, Hkv, D'] float32: mean · R
+    sinks: int = 0
+    recent: int = 0
+    keep: int = FULL_LAYER_KEEP  # rows before its own a query sees
+    center: bool = False
+
+    @staticmethod
+    def none(kv_heads: int, tables: CodecTables, device: torch.device) -> Levers:
+        """Every row coded, nothing centered, every earlier row seen."""
+        f32 = {"dtype": torch.float32, "device": device}
+        return Levers(
+            exact=torch.zeros((1, 2, kv_heads, tables.dim), dtype=torch.float16, device=device),
+            mean=torch.zeros((2, kv_heads, tables.dim), **f32),
+            mean_rotated=torch.zeros((2, kv_heads, tables.rotated_dim), **f32),
+        )
+
+    def constants(self) -> dict[str, int | bool]:
+        exact_rows = self.sinks + self.recent
+        return {
+            "SINKS": self.sinks,
+            "RECENT": self.recent,
+            "RING": max(self.recent, 1),
+            "EP": 0 if exact_rows == 0 else max(_MIN_DOT, _next_power_of_two(exact_rows)),
+            "CENTER": self.center,
+        }
 
 
 @dataclass(frozen=True)
@@ -113,17 +162,22 @@ class Workspace:
 
 
 @triton.jit
-def _rotated_queries(
-    q_ptr, rot_ptr, head, rows, dims, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr
-):
-    """The G query heads sharing K/V head `head`, rotated: [GP, DP] float32 (padded rows 0)."""
-    q = tl.load(
+def _queries(q_ptr, head, rows, dims, G: tl.constexpr, D: tl.constexpr):
+    """The G query heads sharing K/V head `head`: [GP, DP] float32 (padded rows and dims 0)."""
+    return tl.load(
         q_ptr + (head * G + rows)[:, None] * D + dims[None, :],
         mask=(rows < G)[:, None] & (dims < D)[None, :],
         other=0.0,
     ).to(tl.float32)
+
+
+@triton.jit
+def _rotated_queries(
+    q_ptr, rot_ptr, head, rows, dims, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr
+):
+    """The G query heads sharing K/V head `head`, rotated: [GP, DP] float32 (padded rows 0)."""
     rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
-    return tl.dot(q, rotation, input_precision="ieee")
+    return tl.dot(_queries(q_ptr, head, rows, dims, G, D), rotation, input_precision="ieee")
 
 
 @triton.jit
@@ -159,11 +213,13 @@ def _attention_partial(
     codes_ptr,  # uint8 [slots, row_bytes], the store
     norms_ptr,  # float32 view of the same bytes
     centroids_ptr,  # [2^BITS] float32
+    mean_rot_ptr,  # [2, HKV, DP] float32: the layer's mean K and V rows, rotated
     pos_ptr,  # [1] int64: the new token's position
     m_ptr,  # [Hkv, NS, GP] float32
     l_ptr,
     acc_ptr,  # [Hkv, NS, GP, DP] float32
     slots,
+    keep,  # rows before its own a query sees
     scale,
     softcap,
     G: tl.constexpr,
@@ -177,62 +233,101 @@ def _attention_partial(
     BITS: tl.constexpr,
     BLOCK: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
+    RECENT: tl.constexpr,
+    CENTER: tl.constexpr,
 ):
     head = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, GP)
     dims = tl.arange(0, DP)
-    filled = tl.minimum(tl.load(pos_ptr), slots)  # slots holding history
+    pos = tl.load(pos_ptr)
+    end_coded = tl.maximum(pos - RECENT, 0)  # the codes are tokens [first_coded, end_coded)
+    first_coded = tl.maximum(pos - keep, SINKS)
+    filled = tl.minimum(end_coded, slots)  # slots written so far
     q = _rotated_queries(q_ptr, rot_ptr, head, rows, dims, G, D, DP)  # [GP, DP]
+    shift = tl.zeros([GP], tl.float32)  # q·μ_K: what centering took off each code's score
+    if CENTER:
+        mean_key = tl.load(mean_rot_ptr + head * DP + dims)  # [DP]
+        shift = tl.sum(q * mean_key[None, :], axis=1) * scale
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
     row_stride = 2 * HKV * BPV
-    for b in tl.static_range(BLOCKS_PER_SPLIT):
+    for b in range(BLOCKS_PER_SPLIT):  # a loop, not unrolled: deep stores compile as fast
         first = (split * BLOCKS_PER_SPLIT + b) * BLOCK
         if first < filled:
             slot = first + tl.arange(0, BLOCK)
-            present = slot < filled
+            token = slot + slots * ((end_coded - 1 - slot) // slots)  # the slot's latest token
+            present = (slot < filled) & (token >= first_coded) & (token < end_coded)
             key_starts = slot * row_stride + head * BPV
             keys = _decoded_rows(
                 codes_ptr, norms_ptr, centroids_ptr, key_starts, present, dims, BITS, BPV
             )
-            s = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [GP, BLOCK]
+            s = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale + shift[:, None]
             m_i, l_i, p, alpha = block_update(m_i, l_i, soft_capped(s, softcap, SOFTCAP), present)
             value_starts = key_starts + HKV * BPV
             values = _decoded_rows(
                 codes_ptr, norms_ptr, centroids_ptr, value_starts, present, dims, BITS, BPV
             )
             acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
+    if CENTER:  # Σ p·(ṽ + μ_V) = acc + l·μ_V
+        mean_value = tl.load(mean_rot_ptr + (HKV + head) * DP + dims)
+        acc += l_i[:, None] * mean_value[None, :]
     store_split(m_ptr, l_ptr, acc_ptr, head * NS + split, rows, dims, m_i, l_i, acc, DP)
 
 
 @triton.jit
-def _encoded(x, rotation, boundaries_ptr, dims, DP: tl.constexpr, BITS: tl.constexpr):
-    """One vector x [DP] float32 (0 past D) → (‖x‖, x/‖x‖·R [DP], its packed indices as
-    words [DP / 8] uint32: word g holds indices 8g..8g+7, BITS bits each from the lowest, which
-    are exactly bytes g·BITS .. g·BITS + BITS − 1 of the LSB-first stream)."""
+def _encoded(
+    x,
+    rotation,
+    boundaries_ptr,
+    centroids_ptr,
+    dims,
+    DP: tl.constexpr,
+    BITS: tl.constexpr,
+    NORM_FIX: tl.constexpr,
+):
+    """One vector x [DP] float32 (0 past D) → (the norm to store: ‖x‖, or ‖x‖/‖ũ‖ with
+    NORM_FIX, ũ the quantised unit vector; its packed indices as words [DP / 8] uint32: word g
+    holds indices 8g..8g+7, BITS bits each from the lowest, which are exactly bytes
+    g·BITS .. g·BITS + BITS − 1 of the LSB-first stream)."""
     norm = tl.sqrt(tl.sum(x * x, axis=0))
-    nonzero = norm > 1e-12
+    nonzero = norm > ZERO_NORM
     unit = tl.where(nonzero, x / tl.where(nonzero, norm, 1.0), 0.0)
     y = tl.sum(unit[:, None] * rotation, axis=0)  # [DP] = unit·R
     index = tl.zeros_like(dims)  # [DP] int32
     for t in tl.static_range((1 << BITS) - 1):
         index += (y >= tl.load(boundaries_ptr + t)).to(tl.int32)
+    if NORM_FIX:
+        centroids = tl.load(centroids_ptr + index)  # [DP] = ũ
+        quantised = tl.sqrt(tl.sum(centroids * centroids, axis=0))
+        norm = norm / tl.where(quantised > ZERO_NORM, quantised, 1.0)
     groups = tl.reshape(index.to(tl.uint32), [DP // 8, 8])
     shift = (tl.arange(0, 8) * BITS).to(tl.uint32)
     words = tl.sum(groups << shift[None, :], axis=1)  # disjoint bits: sum = or
-    return norm, y, words
+    return norm, words
 
 
 @triton.jit
-def _store_encoded(codes_ptr, norms_ptr, start, norm, words, DP: tl.constexpr, BITS: tl.constexpr):
-    """A vector's bytes at byte offset `start` (a multiple of 4): [norm f32][packed indices]."""
+def _store_encoded(
+    codes_ptr, norms_ptr, start, norm, words, write, DP: tl.constexpr, BITS: tl.constexpr
+):
+    """A vector's bytes at byte offset `start` (a multiple of 4), where `write`:
+    [norm f32][packed indices]."""
     group = tl.arange(0, DP // 8)
+    writes = _spread(write, group)  # [DP / 8]
     for k in tl.static_range(BITS):
         byte = (words >> (8 * k)) & 0xFF
-        tl.store(codes_ptr + start + NORM + group * BITS + k, byte.to(tl.uint8))
-    tl.store(norms_ptr + start // 4, norm)
+        tl.store(codes_ptr + start + NORM + group * BITS + k, byte.to(tl.uint8), mask=writes)
+    tl.store(norms_ptr + start // 4 + group * 0, norm + group * 0.0, mask=writes & (group == 0))
+
+
+@triton.jit
+def _spread(flag, like):
+    """A scalar condition as a mask shaped like `like` (Triton's interpreter refuses a vector
+    mask combined with a scalar one)."""
+    return (like * 0 + flag.to(tl.int32)) > 0
 
 
 @triton.jit
@@ -240,16 +335,20 @@ def _attention_combine(
     q_ptr,  # [Hq, D]
     rot_ptr,  # [DP, DP] float32
     boundaries_ptr,  # [2^BITS − 1] float32
+    centroids_ptr,  # [2^BITS] float32
     k_new_ptr,  # [Hkv, D] the new token's exact key
     v_new_ptr,  # [Hkv, D]
-    codes_ptr,  # uint8 [slots, row_bytes], the store: the new row is written here
+    codes_ptr,  # uint8 [slots, row_bytes], the store: the row leaving the exact ones goes here
     norms_ptr,  # float32 view of the same bytes
+    exact_ptr,  # [E, 2, Hkv, D] 16-bit: sinks, then the ring of recent rows
+    mean_ptr,  # [2, Hkv, D] float32
     pos_ptr,  # [1] int64
     m_ptr,
     l_ptr,
     acc_ptr,
     out_ptr,  # [Hq, D] model dtype
     slots,
+    keep,
     scale,
     softcap,
     G: tl.constexpr,
@@ -261,32 +360,93 @@ def _attention_combine(
     BPV: tl.constexpr,
     BITS: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
+    RECENT: tl.constexpr,
+    RING: tl.constexpr,  # max(RECENT, 1)
+    EP: tl.constexpr,
+    CENTER: tl.constexpr,
+    NORM_FIX: tl.constexpr,
 ):
     head = tl.program_id(0)
     rows = tl.arange(0, GP)
     dims = tl.arange(0, DP)
-    q = _rotated_queries(q_ptr, rot_ptr, head, rows, dims, G, D, DP)  # [GP, DP]
+    within = dims < D
+    pos = tl.load(pos_ptr)
+    # The splits' state is in the rotated basis; the exact rows (new, sinks, recent) are
+    # attended as they are and their weighted values added after the rotation back (R·R = I).
+    q = _queries(q_ptr, head, rows, dims, G, D)  # [GP, DP]
     rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
-    new = head * D + dims
-    k_new = tl.load(k_new_ptr + new, mask=dims < D, other=0.0).to(tl.float32)
-    v_new = tl.load(v_new_ptr + new, mask=dims < D, other=0.0).to(tl.float32)
-    k_norm, k_unit, k_words = _encoded(k_new, rotation, boundaries_ptr, dims, DP, BITS)
-    v_norm, v_unit, v_words = _encoded(v_new, rotation, boundaries_ptr, dims, DP, BITS)
-    slot = tl.load(pos_ptr) % slots
-    key_start = slot * (2 * HKV * BPV) + head * BPV
-    _store_encoded(codes_ptr, norms_ptr, key_start, k_norm, k_words, DP, BITS)
-    _store_encoded(codes_ptr, norms_ptr, key_start + HKV * BPV, v_norm, v_words, DP, BITS)
-    k_rot = k_unit * k_norm  # [DP] = k·R, exact (not quantised) for this step
-    v_rot = v_unit * v_norm
-    s_new = soft_capped(tl.sum(q * k_rot[None, :], axis=1) * scale, softcap, SOFTCAP)  # [GP]
-    top = splits_max(m_ptr, head, rows, s_new, NS)
-    total = tl.exp(s_new - top)  # the new row's state, then the splits'
-    out = total[:, None] * v_rot[None, :]  # [GP, DP]
-    total, out = merge_splits(m_ptr, l_ptr, acc_ptr, head, rows, dims, top, total, out, NS, DP)
-    out = tl.dot(out / total[:, None], rotation, input_precision="ieee")  # back: ·R
+    k_new = tl.load(k_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
+    v_new = tl.load(v_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
+    s_new = soft_capped(tl.sum(q * k_new[None, :], axis=1) * scale, softcap, SOFTCAP)  # [GP]
+    exact_stride = 2 * HKV * D  # elements per token in the exact rows
+    top = s_new
+    if EP > 0:  # the exact sink and recent rows
+        e = tl.arange(0, EP)
+        ring = e - SINKS
+        in_ring = ring + RING * ((pos - 1 - ring) // RING)  # the latest token in ring slot
+        present = tl.where(
+            e < SINKS,
+            e < pos,
+            (ring >= 0) & (ring < RECENT) & (ring <= pos - 1) & (in_ring >= SINKS)
+            & (in_ring >= pos - keep),
+        )  # fmt: skip
+        where = e[:, None] * exact_stride + head * D + dims[None, :]
+        loaded = present[:, None] & within[None, :]
+        keys = tl.load(exact_ptr + where, mask=loaded, other=0.0).to(tl.float32)  # [EP, DP]
+        s_exact = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [GP, EP]
+        s_exact = soft_capped(s_exact, softcap, SOFTCAP)
+        s_exact = tl.where(present[None, :], s_exact, float("-inf"))
+        top = tl.maximum(top, tl.max(s_exact, axis=1))
+    top = splits_max(m_ptr, head, rows, top, NS)
+    weight = tl.exp(s_new - top)
+    total = weight
+    plain = weight[:, None] * v_new[None, :]  # [GP, DP], not rotated
+    if EP > 0:
+        p = tl.exp(s_exact - top[:, None])  # 0 where absent
+        values = tl.load(exact_ptr + where + HKV * D, mask=loaded, other=0.0).to(tl.float32)
+        total += tl.sum(p, axis=1)
+        plain += tl.dot(p, values, input_precision="ieee")
+    rotated = tl.zeros([GP, DP], tl.float32)
+    total, rotated = merge_splits(
+        m_ptr, l_ptr, acc_ptr, head, rows, dims, top, total, rotated, NS, DP
+    )
+    out = tl.dot(rotated, rotation, input_precision="ieee") + plain  # back: ·R
+    out = out / total[:, None]
     offsets = (head * G + rows)[:, None] * D + dims[None, :]
-    mask = (rows < G)[:, None] & (dims < D)[None, :]
+    mask = (rows < G)[:, None] & within[None, :]
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+    # the row that leaves the exact ones: the oldest recent row, or the new row itself
+    if RECENT == 0:
+        token = pos
+        key, value = k_new, v_new
+    else:
+        token = pos - RECENT
+        source = exact_ptr + (SINKS + tl.maximum(token, 0) % RECENT) * exact_stride + head * D
+        leaving = within & _spread(token >= 0, dims)
+        key = tl.load(source + dims, mask=leaving, other=0.0).to(tl.float32)
+        value = tl.load(source + HKV * D + dims, mask=leaving, other=0.0).to(tl.float32)
+    if CENTER:
+        key -= tl.load(mean_ptr + head * D + dims, mask=within, other=0.0)
+        value -= tl.load(mean_ptr + (HKV + head) * D + dims, mask=within, other=0.0)
+    write = (token >= SINKS) & (token >= 0)  # a scalar
+    key_start = (tl.maximum(token, 0) % slots) * (2 * HKV * BPV) + head * BPV
+    k_norm, k_words = _encoded(key, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS,
+                               NORM_FIX)  # fmt: skip
+    v_norm, v_words = _encoded(value, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS,
+                               NORM_FIX)  # fmt: skip
+    _store_encoded(codes_ptr, norms_ptr, key_start, k_norm, k_words, write, DP, BITS)
+    _store_encoded(codes_ptr, norms_ptr, key_start + HKV * BPV, v_norm, v_words, write, DP, BITS)
+
+    # the new row among the exact ones (into the slot the leaving row was read from)
+    if EP > 0:
+        tl.debug_barrier()
+        into = tl.where(pos < SINKS, pos, SINKS + pos % RING)
+        kept = within & _spread((pos < SINKS) | (RECENT > 0), dims)
+        target = exact_ptr + into * exact_stride + head * D + dims
+        tl.store(target, k_new.to(exact_ptr.dtype.element_ty), mask=kept)
+        tl.store(target + HKV * D, v_new.to(exact_ptr.dtype.element_ty), mask=kept)
 
 
 @triton.jit
@@ -294,19 +454,26 @@ def _encode(
     x_ptr,  # [N, D] model dtype
     rot_ptr,  # [DP, DP] float32
     boundaries_ptr,  # [2^BITS − 1] float32
+    centroids_ptr,  # [2^BITS] float32
+    mean_ptr,  # [M, D] float32: vector i is centered on mean row i mod M
     codes_ptr,  # uint8 [N · BPV]
     norms_ptr,  # float32 view of the same bytes
+    M: tl.constexpr,
     D: tl.constexpr,
     DP: tl.constexpr,
     BITS: tl.constexpr,
     BPV: tl.constexpr,
+    CENTER: tl.constexpr,
+    NORM_FIX: tl.constexpr,
 ):
     vector = tl.program_id(0)
     dims = tl.arange(0, DP)
     x = tl.load(x_ptr + vector * D + dims, mask=dims < D, other=0.0).to(tl.float32)  # [DP]
+    if CENTER:
+        x -= tl.load(mean_ptr + (vector % M) * D + dims, mask=dims < D, other=0.0)
     rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
-    norm, _, words = _encoded(x, rotation, boundaries_ptr, dims, DP, BITS)
-    _store_encoded(codes_ptr, norms_ptr, vector * BPV, norm, words, DP, BITS)
+    norm, words = _encoded(x, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS, NORM_FIX)
+    _store_encoded(codes_ptr, norms_ptr, vector * BPV, norm, words, vector >= 0, DP, BITS)
 
 
 def _next_power_of_two(n: int) -> int:
@@ -335,10 +502,12 @@ def attention(
     scale: float,
     softcap: float = 0.0,
     workspace: Workspace | None = None,
+    levers: Levers | None = None,
 ) -> torch.Tensor:
-    """One decode step of one layer. q: [Hq, 1, D] attends over the min(position, slots) filled
-    slots of `codes` (uint8 [slots, row_bytes], contiguous) followed by the exact new row
-    k_new, v_new: [Hkv, 1, D], which is encoded into slot position mod slots.
+    """One decode step of one layer. q: [Hq, 1, D] attends over the coded rows in `codes`
+    (uint8 [slots, row_bytes], contiguous; token t in slot t mod slots), the exact rows of
+    `levers` and the exact new row k_new, v_new: [Hkv, 1, D]; then the row leaving the exact
+    ones (without levers: the new row) is encoded into its slot and the new row kept exact.
     position: [1] int64 on the device. → [Hq, 1, D] in q's dtype."""
     heads, _, dim = q.shape
     kv_heads = k_new.shape[0]
@@ -348,8 +517,11 @@ def attention(
     assert codes.is_contiguous() and codes.shape[1] == 2 * kv_heads * tables.bytes_per_vector
     if workspace is None:
         workspace = Workspace.of(heads, kv_heads, tables, q.device)
+    if levers is None:
+        levers = Levers.none(kv_heads, tables, q.device)
     shape = {"G": group, "GP": _group_rows(group), "D": dim, "DP": dp}
     common = {"BPV": tables.bytes_per_vector, "BITS": tables.bits, "SOFTCAP": softcap > 0.0}
+    constants = levers.constants()
     q = q.reshape(heads, dim).contiguous()
     n_splits = splits(slots)
     per_split = _next_power_of_two(max(1, -(-slots // (BLOCK_N * n_splits))))
@@ -359,11 +531,13 @@ def attention(
         codes,
         codes.view(torch.float32),
         tables.centroids,
+        levers.mean_rotated,
         position,
         workspace.m,
         workspace.l_sum,
         workspace.acc,
         slots,
+        levers.keep,
         scale,
         softcap,
         **shape,
@@ -372,6 +546,9 @@ def attention(
         BLOCKS_PER_SPLIT=per_split,
         NS=n_splits,
         BLOCK=BLOCK_N,
+        SINKS=levers.sinks,
+        RECENT=levers.recent,
+        CENTER=levers.center,
         num_warps=PARTIAL_WARPS,
     )
     out = torch.empty((heads, dim), dtype=q.dtype, device=q.device)
@@ -379,20 +556,26 @@ def attention(
         q,
         tables.rotation,
         tables.boundaries,
+        tables.centroids,
         k_new.reshape(kv_heads, dim).contiguous(),
         v_new.reshape(kv_heads, dim).contiguous(),
         codes,
         codes.view(torch.float32),
+        levers.exact,
+        levers.mean,
         position,
         workspace.m,
         workspace.l_sum,
         workspace.acc,
         out,
         slots,
+        levers.keep,
         scale,
         softcap,
         **shape,
         **common,
+        **constants,
+        NORM_FIX=tables.norm_correction,
         HKV=kv_heads,
         NS=n_splits,
         # 8 warps: at Triton's default 4 this program spills registers and took 55 µs on an
@@ -402,19 +585,30 @@ def attention(
     return out.view(heads, 1, dim)
 
 
-def encode(x: torch.Tensor, tables: CodecTables) -> torch.Tensor:
-    """x: [N, D] → uint8 [N, bytes_per_vector], `TurboQuantCodec.encode`'s layout."""
+def encode(x: torch.Tensor, tables: CodecTables, mean: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [N, D] → uint8 [N, bytes_per_vector], `TurboQuantCodec.encode`'s layout; with `mean`
+    [M, D] float32, of x − mean[i mod M] (vector i)."""
     n, dim = x.shape
     codes = torch.empty((n, tables.bytes_per_vector), dtype=torch.uint8, device=x.device)
+    if n == 0:
+        return codes
+    center = mean is not None
+    if mean is None:
+        mean = torch.zeros((1, dim), dtype=torch.float32, device=x.device)
     _encode[(n,)](
         x.contiguous(),
         tables.rotation,
         tables.boundaries,
+        tables.centroids,
+        mean.contiguous(),
         codes,
         codes.view(torch.float32),
+        M=mean.shape[0],
         D=dim,
         DP=tables.rotated_dim,
         BITS=tables.bits,
         BPV=tables.bytes_per_vector,
+        CENTER=center,
+        NORM_FIX=tables.norm_correction,
     )
     return codes
