@@ -127,11 +127,11 @@ def test_exact_engines_have_zero_kl_and_full_agreement(smollm2: Model) -> None:
 
 
 def test_cli_report(tmp_path: Path) -> None:
-    out = tmp_path / "accuracy.json"
+    out, plot = tmp_path / "accuracy.json", tmp_path / "frontier.png"
     result = CliRunner().invoke(
         app,
         ["accuracy", "--quick", "--engines", "standard;standard:window=16", "--positions", "16",
-         "--needle-max-tokens", "256", "--output-file", str(out)],
+         "--needle-max-tokens", "256", "--output-file", str(out), "--plot", str(plot)],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "Engine Split" in result.stdout and "Teacher-forced fidelity" in result.stdout
@@ -143,6 +143,9 @@ def test_cli_report(tmp_path: Path) -> None:
     assert len(report["per_prompt"]) == 2 * 6 and len(report["per_conflict"]) == 2 * 5
     standard = report["fidelity"][0]
     assert standard["mean_kl"] == 0.0 and standard["positions"] == 16
+    assert standard["ratio_vs_fp16"] == pytest.approx(2.0)  # float32 K/V over an fp16 cache
+    assert report["fidelity"][1]["ratio_vs_fp16"] < 2.0  # the window keeps 15 of 32 rows
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the KL-against-bytes frontier
     assert "Apache License" in report["fidelity_text"]
 
 
