@@ -86,8 +86,10 @@ def slots_holding(
         (9, 3, 64, 4, 70, 96, 0.0),  # SmolLM2's heads
         (9, 3, 64, 2, 1, 4, 0.0),  # one stored row
         (9, 3, 64, 3, 0, 8, 0.0),  # none: the new row alone
-        (4, 1, 48, 3, 600, 1024, 0.0),  # padded head width; two blocks per split
-        (4, 1, 64, 4, 3000, 8192, 0.0),  # a deep store: 64 splits
+        (4, 1, 48, 3, 600, 1024, 0.0),  # padded head width, 3 bits (one byte per coordinate)
+        (4, 1, 48, 4, 600, 1024, 0.0),  # padded head width, 4 bits (even / odd nibbles)
+        (4, 2, 16, 4, 40, 64, 0.0),  # 4 bits too narrow to split in nibbles
+        (4, 1, 64, 4, 3000, 8192, 0.0),  # a deep store: several blocks per split
         (4, 2, 64, 4, 90, 128, 30.0),  # soft-capped scores (Gemma 2)
         (4, 2, 64, 4, 20, 8, 0.0),  # a ring (sliding layer): tokens 12..19 in 8 slots
     ],

@@ -8,8 +8,9 @@ the bytes. Here:
 
 - `_attention_partial`: one program per (K/V head, split of the stored rows). It rotates the
   group's queries (q·R), unpacks each row's indices from the bit stream, looks up the centroids,
-  scales by the row's norm and runs the online softmax in the rotated basis (where
-  q·x = (q·R)·(x·R) since R is orthogonal and symmetric). Float32 throughout.
+  scales the scores and weights by the rows' norms and runs the online softmax in the rotated
+  basis (where q·x = (q·R)·(x·R) since R is orthogonal and symmetric): products in the
+  query's dtype, the softmax state in float32.
 - `_attention_combine`: one program per K/V head. It adds the exact rows (the layer's sink and
   newest rows, kept at 16 bits, and the new row) to the attention, merges the splits and rotates
   the output back (·R), → [Hq, D] in the model's dtype. Then it encodes the row that leaves the
@@ -56,15 +57,16 @@ from larql.kv.turbo_quant.codebook import codebook
 from larql.kv.turbo_quant.codec import NORM_BYTES, TurboQuantCodec
 from larql.kv.turbo_quant.rotation import rotation_matrix
 
-BLOCK_N = 32  # stored rows per block
+BLOCK_N = 128  # stored rows per block
+STAGES = 3  # the block loop's software pipeline depth
 # A launch has `splits(slots)` programs per K/V head, each over BLOCKS_PER_SPLIT blocks, a power
 # of two ≥ the slots need: both compile-time constants (the block loop is not unrolled, so a deep
 # store compiles as fast as a shallow one); blocks past the coded rows are skipped at run time.
-# Deep stores get more programs: 16 per head is 48 on SmolLM2, a third of an H200's SMs, each
-# walking 16 blocks at 8k rows.
+# Deep stores get more programs: at 32,000 rows 32 per head, each walking 8 blocks of 128 rows
+# (on an H200 16 or 64 per head, or blocks of 32 or 64 rows, were slower).
 MIN_SPLITS = 16
 MAX_SPLITS = 64
-_BLOCKS_PER_PROGRAM = 4  # the split count aims at this many blocks per program
+_BLOCKS_PER_PROGRAM = 8  # the split count aims at this many blocks per program
 COMBINE_WARPS = 8
 PARTIAL_WARPS = 4
 _MIN_DOT = 16  # tl.dot needs every dimension ≥ 16
@@ -172,27 +174,9 @@ def _queries(q_ptr, head, rows, dims, G: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _rotated_queries(
-    q_ptr, rot_ptr, head, rows, dims, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr
-):
-    """The G query heads sharing K/V head `head`, rotated: [GP, DP] float32 (padded rows 0)."""
-    rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
-    return tl.dot(_queries(q_ptr, head, rows, dims, G, D), rotation, input_precision="ieee")
-
-
-@triton.jit
-def _decoded_rows(
-    codes_ptr,
-    norms_ptr,
-    centroids_ptr,
-    starts,
-    present,
-    dims,
-    BITS: tl.constexpr,
-    BPV: tl.constexpr,
-):
-    """Rows whose vectors begin at byte offsets `starts` [B] → ‖x‖·centroids [B, DP] float32,
-    in the rotated basis (0 where not `present`)."""
+def _indices(codes_ptr, starts, present, dims, BITS: tl.constexpr, BPV: tl.constexpr):
+    """The quantiser indices of the vectors beginning at byte offsets `starts` [B], one byte
+    load per coordinate → [B, DP] int32 in the rotated basis (0 where not `present`)."""
     bit = dims * BITS
     byte = NORM + bit // 8  # [DP]
     where = starts[:, None] + byte[None, :]  # [B, DP]
@@ -200,10 +184,25 @@ def _decoded_rows(
     if 8 % BITS != 0:  # a 3-bit index may straddle two bytes
         spill = present[:, None] & ((byte + 1) < BPV)[None, :]
         low |= tl.load(codes_ptr + where + 1, mask=spill, other=0).to(tl.int32) << 8
-    index = (low >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
-    values = tl.load(centroids_ptr + index)  # [B, DP]
-    norms = tl.load(norms_ptr + starts // 4, mask=present, other=0.0)  # [B]
-    return values * norms[:, None]
+    return (low >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _nibbles(codes_ptr, starts, present, lanes):
+    """4-bit indices of the vectors beginning at byte offsets `starts` [B], each packed byte
+    loaded once → (even, odd) [B, DP/2] int32: byte j holds coordinate 2j in its low nibble
+    and 2j + 1 in its high one (0 where not `present`)."""
+    packed = tl.load(
+        codes_ptr + starts[:, None] + NORM + lanes[None, :], mask=present[:, None], other=0
+    ).to(tl.int32)
+    return packed & 15, packed >> 4
+
+
+@triton.jit
+def _rotated_half(q, rot_ptr, dims, lanes, PARITY: tl.constexpr, DP: tl.constexpr):
+    """q [GP, DP] float32 → its rotated coordinates 2j + PARITY: [GP, DP/2] float32."""
+    columns = tl.load(rot_ptr + dims[:, None] * DP + (2 * lanes + PARITY)[None, :])  # [DP, DP/2]
+    return tl.dot(q, columns, input_precision="ieee")
 
 
 @triton.jit
@@ -232,49 +231,103 @@ def _attention_partial(
     BPV: tl.constexpr,
     BITS: tl.constexpr,
     BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
     RECENT: tl.constexpr,
     CENTER: tl.constexpr,
+    NIBBLES: tl.constexpr,  # 4-bit codes and D' ≥ 32: read as bytes, split even / odd
 ):
+    """The split's state over its coded rows. The row norms scale the scores and the weights
+    (not the [B, D'] decoded rows); the products run in the query's dtype (16-bit: the tensor
+    cores; float32: "ieee"). 4-bit codes are read as whole bytes and split into the even and
+    odd coordinates (two products over D'/2 each) with the codebook looked up in registers
+    (`tl.gather`): on an H200 that took one layer's partial launch at depth 32,000 from 202 to
+    57 µs. Other widths read one byte per coordinate."""
     head = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, GP)
     dims = tl.arange(0, DP)
+    lanes = tl.arange(0, DP // 2)
     pos = tl.load(pos_ptr)
     end_coded = tl.maximum(pos - RECENT, 0)  # the codes are tokens [first_coded, end_coded)
     first_coded = tl.maximum(pos - keep, SINKS)
     filled = tl.minimum(end_coded, slots)  # slots written so far
-    q = _rotated_queries(q_ptr, rot_ptr, head, rows, dims, G, D, DP)  # [GP, DP]
-    shift = tl.zeros([GP], tl.float32)  # q·μ_K: what centering took off each code's score
-    if CENTER:
-        mean_key = tl.load(mean_rot_ptr + head * DP + dims)  # [DP]
-        shift = tl.sum(q * mean_key[None, :], axis=1) * scale
+    dot_dtype = q_ptr.dtype.element_ty
+    q = _queries(q_ptr, head, rows, dims, G, D)  # [GP, DP] float32, model basis
+    if NIBBLES:
+        q_even = _rotated_half(q, rot_ptr, dims, lanes, 0, DP)  # [GP, DP/2]
+        q_odd = _rotated_half(q, rot_ptr, dims, lanes, 1, DP)
+        table = tl.load(centroids_ptr + tl.arange(0, 16)[None, :] + tl.zeros([BLOCK, 1], tl.int32))
+        shift = tl.zeros([GP], tl.float32)  # q·μ_K: what centering took off each code's score
+        if CENTER:
+            mean_even = tl.load(mean_rot_ptr + head * DP + 2 * lanes)
+            mean_odd = tl.load(mean_rot_ptr + head * DP + 2 * lanes + 1)
+            shift = tl.sum(q_even * mean_even[None, :], 1) + tl.sum(q_odd * mean_odd[None, :], 1)
+            shift *= scale
+        q_even = q_even.to(dot_dtype)
+        q_odd = q_odd.to(dot_dtype)
+        acc_even = tl.zeros([GP, DP // 2], tl.float32)
+        acc_odd = tl.zeros([GP, DP // 2], tl.float32)
+    else:
+        q_rot = tl.dot(q, tl.load(rot_ptr + dims[:, None] * DP + dims[None, :]),
+                       input_precision="ieee")  # fmt: skip
+        shift = tl.zeros([GP], tl.float32)
+        if CENTER:
+            shift = tl.sum(q_rot * tl.load(mean_rot_ptr + head * DP + dims)[None, :], 1) * scale
+        q_rot = q_rot.to(dot_dtype)
+        acc = tl.zeros([GP, DP], tl.float32)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, DP], tl.float32)
     row_stride = 2 * HKV * BPV
-    for b in range(BLOCKS_PER_SPLIT):  # a loop, not unrolled: deep stores compile as fast
-        first = (split * BLOCKS_PER_SPLIT + b) * BLOCK
-        if first < filled:
-            slot = first + tl.arange(0, BLOCK)
-            token = slot + slots * ((end_coded - 1 - slot) // slots)  # the slot's latest token
-            present = (slot < filled) & (token >= first_coded) & (token < end_coded)
-            key_starts = slot * row_stride + head * BPV
-            keys = _decoded_rows(
-                codes_ptr, norms_ptr, centroids_ptr, key_starts, present, dims, BITS, BPV
-            )
-            s = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale + shift[:, None]
-            m_i, l_i, p, alpha = block_update(m_i, l_i, soft_capped(s, softcap, SOFTCAP), present)
-            value_starts = key_starts + HKV * BPV
-            values = _decoded_rows(
-                codes_ptr, norms_ptr, centroids_ptr, value_starts, present, dims, BITS, BPV
-            )
-            acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
-    if CENTER:  # Σ p·(ṽ + μ_V) = acc + l·μ_V
-        mean_value = tl.load(mean_rot_ptr + (HKV + head) * DP + dims)
-        acc += l_i[:, None] * mean_value[None, :]
-    store_split(m_ptr, l_ptr, acc_ptr, head * NS + split, rows, dims, m_i, l_i, acc, DP)
+    split_first = split * BLOCKS_PER_SPLIT * BLOCK
+    blocks = tl.minimum(tl.maximum(filled - split_first + BLOCK - 1, 0) // BLOCK, BLOCKS_PER_SPLIT)
+    for b in tl.range(0, blocks, num_stages=STAGES):  # not unrolled: deep stores compile fast
+        slot = split_first + b * BLOCK + tl.arange(0, BLOCK)
+        token = slot + slots * ((end_coded - 1 - slot) // slots)  # the slot's latest token
+        present = (slot < filled) & (token >= first_coded) & (token < end_coded)
+        key_starts = slot * row_stride + head * BPV
+        value_starts = key_starts + HKV * BPV
+        key_norms = tl.load(norms_ptr + key_starts // 4, mask=present, other=0.0)  # [B]
+        value_norms = tl.load(norms_ptr + value_starts // 4, mask=present, other=0.0)
+        if NIBBLES:
+            even, odd = _nibbles(codes_ptr, key_starts, present, lanes)  # [B, DP/2] each
+            s = tl.dot(q_even, tl.trans(tl.gather(table, even, 1).to(dot_dtype)),
+                       input_precision="ieee")  # fmt: skip
+            s += tl.dot(q_odd, tl.trans(tl.gather(table, odd, 1).to(dot_dtype)),
+                        input_precision="ieee")  # fmt: skip
+        else:
+            index = _indices(codes_ptr, key_starts, present, dims, BITS, BPV)  # [B, DP]
+            keys = tl.load(centroids_ptr + index).to(dot_dtype)
+            s = tl.dot(q_rot, tl.trans(keys), input_precision="ieee")
+        s = s * (key_norms * scale)[None, :] + shift[:, None]  # [GP, B]
+        m_i, l_i, p, alpha = block_update(m_i, l_i, soft_capped(s, softcap, SOFTCAP), present)
+        weights = (p * value_norms[None, :]).to(dot_dtype)
+        if NIBBLES:
+            even, odd = _nibbles(codes_ptr, value_starts, present, lanes)
+            even_values = tl.gather(table, even, 1).to(dot_dtype)
+            odd_values = tl.gather(table, odd, 1).to(dot_dtype)
+            acc_even = acc_even * alpha[:, None] + tl.dot(weights, even_values,
+                                                          input_precision="ieee")  # fmt: skip
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(weights, odd_values,
+                                                        input_precision="ieee")  # fmt: skip
+        else:
+            index = _indices(codes_ptr, value_starts, present, dims, BITS, BPV)
+            values = tl.load(centroids_ptr + index).to(dot_dtype)
+            acc = acc * alpha[:, None] + tl.dot(weights, values, input_precision="ieee")
+    if NIBBLES:  # the state holds the coordinates in order
+        if CENTER:  # Σ p·(ṽ + μ_V) = acc + l·μ_V
+            acc_even += l_i[:, None] * tl.load(mean_rot_ptr + (HKV + head) * DP + 2 * lanes)
+            acc_odd += l_i[:, None] * tl.load(mean_rot_ptr + (HKV + head) * DP + 2 * lanes + 1)
+        stat = (head * NS + split) * GP + rows
+        tl.store(m_ptr + stat, m_i)
+        tl.store(l_ptr + stat, l_i)
+        tl.store(acc_ptr + stat[:, None] * DP + (2 * lanes)[None, :], acc_even)
+        tl.store(acc_ptr + stat[:, None] * DP + (2 * lanes + 1)[None, :], acc_odd)
+    else:
+        if CENTER:
+            acc += l_i[:, None] * tl.load(mean_rot_ptr + (HKV + head) * DP + dims)[None, :]
+        store_split(m_ptr, l_ptr, acc_ptr, head * NS + split, rows, dims, m_i, l_i, acc, DP)
 
 
 @triton.jit
@@ -546,6 +599,8 @@ def attention(
         BLOCKS_PER_SPLIT=per_split,
         NS=n_splits,
         BLOCK=BLOCK_N,
+        STAGES=STAGES,
+        NIBBLES=tables.bits == 4 and dp >= 2 * _MIN_DOT,
         SINKS=levers.sinks,
         RECENT=levers.recent,
         CENTER=levers.center,
