@@ -15,29 +15,45 @@ from larql.kv.spec import EngineSpecError, MalformedEngineSpec, UnknownEngine
 @pytest.mark.parametrize(
     ("spec", "name", "params"),
     [
-        ("standard", "standard", {"window": None, "graph": 1, "compile": 0, "attention": "auto"}),
+        (
+            "standard",
+            "standard",
+            {"window": None, "sinks": 0, "graph": 1, "compile": 0, "attention": "auto"},
+        ),
         (
             "standard:window=1024",
             "standard",
-            {"window": 1024, "graph": 1, "compile": 0, "attention": "auto"},
+            {"window": 1024, "sinks": 0, "graph": 1, "compile": 0, "attention": "auto"},
         ),
-        ("full", "standard", {"window": None, "graph": 1, "compile": 0, "attention": "auto"}),
-        ("FP32", "standard", {"window": None, "graph": 1, "compile": 0, "attention": "auto"}),
+        (
+            "full",
+            "standard",
+            {"window": None, "sinks": 0, "graph": 1, "compile": 0, "attention": "auto"},
+        ),
+        (
+            "FP32",
+            "standard",
+            {"window": None, "sinks": 0, "graph": 1, "compile": 0, "attention": "auto"},
+        ),
         (
             "  standard  ",
             "standard",
-            {"window": None, "graph": 1, "compile": 0, "attention": "auto"},
+            {"window": None, "sinks": 0, "graph": 1, "compile": 0, "attention": "auto"},
         ),
         (
             "markov-bounded:window=256",
             "standard",
-            {"window": 256, "graph": 1, "compile": 0, "attention": "auto"},
+            {"window": 256, "sinks": 0, "graph": 1, "compile": 0, "attention": "auto"},
         ),
-        ("sliding", "standard", {"window": None, "graph": 1, "compile": 0, "attention": "auto"}),
+        (
+            "sliding",
+            "standard",
+            {"window": None, "sinks": 0, "graph": 1, "compile": 0, "attention": "auto"},
+        ),
         (
             "standard: window = 8 ",
             "standard",
-            {"window": 8, "graph": 1, "compile": 0, "attention": "auto"},
+            {"window": 8, "sinks": 0, "graph": 1, "compile": 0, "attention": "auto"},
         ),
         ("none", "no-cache", {}),
         ("off", "no-cache", {}),

@@ -10,6 +10,7 @@ import typer
 from rich.progress import Progress
 
 from larql.cli.common import InvalidInput, open_model, stderr, stdout, user_errors
+from larql.cli.longctx_cmd import SUITES, SuiteGrid
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption
 from larql.data import read_text
 
@@ -62,6 +63,34 @@ def accuracy(
     plot: Annotated[
         Path | None, typer.Option("--plot", help="PNG of each engine's mean KL against its bytes.")
     ] = None,
+    suite: Annotated[
+        str,
+        typer.Option(
+            "--suite",
+            help="prompts (corpora + teacher-forced fidelity), longctx (long-context tasks, "
+            "compress-then-ask) or ppl-position (log-perplexity by position over a long text).",
+        ),
+    ] = "prompts",
+    tasks: Annotated[
+        str | None, typer.Option("--tasks", help="longctx tasks, comma separated (default: all).")
+    ] = None,
+    lengths: Annotated[
+        str | None,
+        typer.Option(
+            "--lengths",
+            help="longctx / ppl-position context lengths in tokens, "
+            "comma separated (default 512,1024,2048,4096,8192 within the model's "
+            "context; --quick 512,1024,2048).",
+        ),
+    ] = None,
+    depths: Annotated[
+        str | None,
+        typer.Option(
+            "--depths",
+            help="longctx needle depths in percent (default 0,25,50,75,100; --quick 0,50,100).",
+        ),
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="longctx dataset seed.")] = 0,
     dtype: DtypeOption = "float32",
     device: DeviceOption = "cpu",
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
@@ -85,6 +114,15 @@ def accuracy(
         FfnLayerPolicy.from_spec(spec)  # a typo fails before the model loads
     if positions is not None and positions < 1:
         raise InvalidInput(f"--positions must be ≥ 1, got {positions}")
+    if suite not in SUITES:
+        raise InvalidInput(f"--suite must be one of {', '.join(SUITES)}, got {suite!r}")
+    if suite != "prompts":
+        from larql.cli.longctx_cmd import run_suite
+
+        grid = SuiteGrid.parse(suite, quick, tasks, lengths, depths, seed)
+        lm = open_model(model, dtype, device)
+        run_suite(lm, specs, ffn_specs, grid, text, output_file, plot)
+        return
     body, label = read_text(text)
     lm = open_model(model, dtype, device)
     settings = AccuracySettings(

@@ -15,9 +15,18 @@ import torch
 from larql.inference.engine import KvEngine
 from larql.inference.errors import BackendUnavailable
 from larql.inference.ffn import FfnBackend
-from larql.inference.layer import effective_window, kept_rows, layer_step
+from larql.inference.layer import (
+    attend,
+    attention_output,
+    effective_window,
+    ffn_block,
+    kept_rows,
+    layer_step,
+    project_qkv,
+)
 from larql.inference.memory import MemoryBreakdown
 from larql.kv.buffers import KvBuffer
+from larql.kv.standard.sinks import SinkKvBuffer
 from larql.kv.standard.static import StaticCache
 from larql.models.model import Model
 
@@ -32,6 +41,7 @@ class StandardEngine(KvEngine):
     def __init__(
         self,
         window: int | None = None,
+        sinks: int = 0,
         graph: bool = False,
         compile: bool = False,
         attention: str = "auto",
@@ -39,9 +49,11 @@ class StandardEngine(KvEngine):
         profiling: bool = False,
     ) -> None:
         super().__init__(profiling)
-        self.window = window
+        if sinks and window is None:
+            raise ValueError("sinks=S keeps S first rows beside a sliding window: give window=N")
+        self.window, self.sinks = window, sinks
         self.graph, self.compile, self.attention, self.static = graph, compile, attention, static
-        self._layers: list[KvBuffer] | None = None  # the eager path's K/V
+        self._layers: list[KvBuffer | SinkKvBuffer] | None = None  # the eager path's K/V
         self.fast_path: StaticCache | None = None  # the static path, where it runs
 
     def describe(self) -> str:
@@ -50,7 +62,9 @@ class StandardEngine(KvEngine):
         return "full K/V cache per layer"
 
     def config(self) -> str:
-        return f"window={self.window}" if self.window else "window=full"
+        if not self.window:
+            return "window=full"
+        return f"window={self.window}" + (f",sinks={self.sinks}" if self.sinks else "")
 
     def memory(self) -> MemoryBreakdown:
         if self.fast_path is not None:
@@ -70,7 +84,7 @@ class StandardEngine(KvEngine):
 
     def _start_tokens(self, model: Model, ffn: FfnBackend, token_ids: list[int]) -> torch.Tensor:
         static = self.static if self.static is not None else (
-            self.graph and model.device.type == "cuda"
+            self.graph and model.device.type == "cuda" and not self.sinks
         )  # fmt: skip
         if not static:
             return super()._start_tokens(model, ffn, token_ids)
@@ -100,9 +114,20 @@ class StandardEngine(KvEngine):
     def _run(self, model: Model, ffn: FfnBackend, h: torch.Tensor, start: int) -> torch.Tensor:
         assert self._layers is not None
         for layer, buffer in enumerate(self._layers):
-            h = layer_step(model, layer, h, start, buffer, ffn, self.window)
+            if isinstance(buffer, SinkKvBuffer):
+                q, k, v = project_qkv(model, layer, h, start)
+                keys, values = buffer.append(k, v)
+                allowed = buffer.allowed(start, h.shape[0])
+                attn = attend(model, layer, q, keys, values, start, None, allowed)
+                h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn)
+            else:
+                h = layer_step(model, layer, h, start, buffer, ffn, self.window)
             buffer.clip()
         return h
 
-    def _new_buffer(self, model: Model, layer: int) -> KvBuffer:
+    def _new_buffer(self, model: Model, layer: int) -> KvBuffer | SinkKvBuffer:
+        """Sinks go on the layers the engine's window bounds; a layer with its own sliding
+        window keeps that window alone (its architecture never lets it see farther)."""
+        if self.sinks and self.window and model.config.layers[layer].sliding_window is None:
+            return SinkKvBuffer(self.sinks, self.window)
         return KvBuffer(keep=kept_rows(effective_window(model, layer, self.window)))

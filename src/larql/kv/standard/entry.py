@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from larql.kv.spec import EngineEntry
+from larql.kv.spec import EngineEntry, MalformedEngineSpec
 from larql.kv.standard.engine import StandardEngine
 from larql.specs import Param, at_least, one_of
 
 WINDOW_DOC = "keys each query sees, itself included (none = unbounded)"
+
+SINKS_DOC = (
+    "with window=N, also keep the first S rows for every query (StreamingLLM attention sinks; "
+    "keys at their original positions); decodes eagerly"
+)
 
 GRAPH_DOC = (
     "on CUDA, decode through a static cache and a captured CUDA graph (1) or eagerly (0); "
@@ -28,16 +33,27 @@ ENTRY = EngineEntry(
     aliases=("full", "fp32", "markov-bounded", "bounded", "sliding"),
     params=(
         Param("window", int, None, WINDOW_DOC, at_least(1)),
+        Param("sinks", int, 0, SINKS_DOC, at_least(0)),
         Param("graph", int, 1, GRAPH_DOC, one_of(0, 1)),
         Param("compile", int, 0, COMPILE_DOC, one_of(0, 1)),
         Param("attention", str, "auto", ATTENTION_DOC, one_of("auto", "triton", "sdpa")),
     ),
     keeps="K/V of every layer (the last window−1 rows when windowed), model dtype",
-    contract="the reference; window=N is sliding-window attention over N keys",
-    factory=lambda p, model: StandardEngine(
+    contract="the reference; window=N is sliding-window attention over N keys (plus the first S "
+    "with sinks=S)",
+    factory=lambda p, model: _standard(p),
+)
+
+
+def _standard(p: dict) -> StandardEngine:
+    if p["sinks"] and p["window"] is None:
+        raise MalformedEngineSpec(
+            "standard: sinks=S needs window=N (the sinks sit beside a window)"
+        )
+    return StandardEngine(
         window=p["window"],
+        sinks=p["sinks"],
         graph=bool(p["graph"]),
         compile=bool(p["compile"]),
         attention=p["attention"],
-    ),
-)
+    )

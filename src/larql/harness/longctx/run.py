@@ -1,0 +1,89 @@
+"""Scoring the long-context tasks through an engine, compress-then-ask.
+
+The context goes through the engine's prefill (where a compressing engine quantises or evicts
+what it keeps); the question's tokens are then fed as decode steps, and the gold answer is
+teacher-forced after them. One pass gives both scores: `score` is 1 when the engine's argmax
+at every answer position is the gold token — exactly when greedy decoding would write the
+answer — and `answer_logprob` is the gold answer's total log-probability (a graded signal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from larql.harness.longctx.tasks import Sample
+from larql.inference.errors import EngineError
+from larql.inference.ffn import FfnBackend
+from larql.inference.generation import logits_of, teacher_forced_hidden
+from larql.kv.spec import EngineSpec
+from larql.models.model import Model
+
+SCHEMA = "larql.longctx/1"
+
+
+@dataclass(frozen=True)
+class Cell:
+    engine: str
+    task: str
+    length: int
+    depth: int
+    score: float  # 1.0: greedy decoding writes the gold answer; else 0.0
+    answer_logprob: float  # ln p(gold answer | context, question), summed over its tokens
+    memory_bytes: int  # the engine's state after the answer
+    context_tokens: int
+    predicted: str  # the argmax tokens at the answer positions, decoded
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def score_sample(model: Model, ffn: FfnBackend, spec: EngineSpec, sample: Sample) -> Cell:
+    tokenizer = model.tokenizer
+    context = tokenizer.encode(sample.context)
+    question = tokenizer.encode(sample.question, add_special_tokens=False)
+    answer = tokenizer.encode(sample.answer, add_special_tokens=False)
+    ids = context + question + answer
+    label = spec.spec()
+    try:
+        engine = spec.build(model)
+        hidden = teacher_forced_hidden(engine, model, ffn, ids[:-1], len(context))
+        logits = list(logits_of(model, hidden))[-len(answer) :]  # the answer positions
+    except EngineError as e:
+        return Cell(label, sample.task, sample.length, sample.depth, 0.0, float("nan"), 0,
+                    len(context), "", error=f"{type(e).__name__}: {e}")  # fmt: skip
+    log_probs = [torch.log_softmax(row.double(), dim=-1) for row in logits]
+    picked = [int(row.argmax()) for row in log_probs]
+    return Cell(
+        engine=label,
+        task=sample.task,
+        length=sample.length,
+        depth=sample.depth,
+        score=float(picked == answer),
+        answer_logprob=sum(float(row[token]) for row, token in zip(log_probs, answer, strict=True)),
+        memory_bytes=engine.memory().state,
+        context_tokens=len(context),
+        predicted=tokenizer.decode(picked),
+    )
+
+
+def run_longctx(
+    model: Model,
+    ffn: FfnBackend,
+    specs: list[EngineSpec],
+    samples: list[Sample],
+    progress: Callable[[str], None] | None = None,
+) -> list[Cell]:
+    """Every engine on every sample, engine by engine."""
+    cells = []
+    for spec in specs:
+        for i, sample in enumerate(samples):
+            if progress:
+                progress(f"{spec.spec()}: {sample.task} {sample.length} @{sample.depth}% "
+                         f"({i + 1}/{len(samples)})")  # fmt: skip
+            cells.append(score_sample(model, ffn, spec, sample))
+    return cells

@@ -1,0 +1,115 @@
+"""`larql accuracy --suite longctx | ppl-position` on the real default model: deterministic
+tasks, compress-then-ask scoring that sees what an engine forgets after the prefill, the
+versioned JSON, and per-position perplexity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from larql.cli.app import app
+from larql.harness.longctx.run import score_sample
+from larql.harness.longctx.tasks import TASKS, dataset_hash, generate_samples
+from larql.kv import parse_engine
+from larql.kv.buffers import KvBuffer
+from larql.kv.standard.engine import StandardEngine
+from larql.models import Model
+
+
+def test_the_seed_fixes_the_dataset(smollm2: Model) -> None:
+    def samples(seed: int):
+        return generate_samples(smollm2.tokenizer, TASKS, (256,), (0, 100), seed)
+
+    assert dataset_hash(samples(3)) == dataset_hash(samples(3))
+    assert dataset_hash(samples(3)) != dataset_hash(samples(4))
+    for sample in samples(3):
+        tokens = len(smollm2.tokenizer.encode(sample.context))
+        assert 0.9 * 256 <= tokens <= 1.25 * 256, (sample.task, tokens)
+        first_value = sample.answer.split('"')[0]
+        assert first_value in sample.context, sample.task  # the answer is in the context
+
+
+def test_the_needle_sits_at_its_depth(smollm2: Model) -> None:
+    early, late = generate_samples(smollm2.tokenizer, ("needle-word",), (512,), (0, 100), 0)
+    assert early.context.index("secret word") < 200
+    assert late.context.index("secret word") > len(late.context) - 200
+
+
+class _Forgetful(StandardEngine):
+    """Test-only: drops every K/V row right after the prefill."""
+
+    def prefill(self, model, ffn, token_ids):
+        hidden = super().prefill(model, ffn, token_ids)
+        self._layers = [KvBuffer() for _ in self._layers]
+        return hidden
+
+
+class _ForgetfulSpec:
+    def spec(self) -> str:
+        return "forgetful"
+
+    def build(self, model: Model) -> StandardEngine:
+        return _Forgetful()
+
+
+def test_scoring_sees_what_is_forgotten_after_the_prefill(smollm2: Model) -> None:
+    from larql.inference.ffn import DenseFfn
+
+    ffn = DenseFfn(smollm2)
+    samples = generate_samples(smollm2.tokenizer, ("needle-number",), (384,), (25, 75), 1)
+    for sample in samples:
+        full = score_sample(smollm2, ffn, parse_engine("standard"), sample)
+        forgot = score_sample(smollm2, ffn, _ForgetfulSpec(), sample)
+        assert full.score == 1.0 and full.predicted == sample.answer
+        assert forgot.score == 0.0 and forgot.answer_logprob < full.answer_logprob - 5
+
+
+def test_cli_longctx_report(tmp_path: Path) -> None:
+    out, plot = tmp_path / "longctx.json", tmp_path / "longctx.png"
+    result = CliRunner().invoke(
+        app,
+        ["accuracy", "--suite", "longctx", "--tasks", "needle-number", "--lengths", "512",
+         "--depths", "0,100", "--engines", "standard;standard:window=64", "--output-file",
+         str(out), "--plot", str(plot)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["schema"] == "larql.longctx/1" and len(report["dataset_hash"]) == 16
+    cells = {(c["engine"], c["depth"]): c for c in report["cells"]}
+    assert set(cells) == {(e, d) for e in ("standard", "standard:window=64") for d in (0, 100)}
+    assert all(cells[("standard", d)]["score"] == 1.0 for d in (0, 100))
+    assert cells[("standard:window=64", 0)]["score"] == 0.0  # 500 tokens before the question
+    window, full = cells[("standard:window=64", 0)], cells[("standard", 0)]
+    assert window["memory_bytes"] < full["memory_bytes"] / 4
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--suite", "longest"], "--suite must be one of"),
+        (["--suite", "longctx", "--tasks", "needle-color"], "unknown needle-color"),
+        (["--suite", "longctx", "--depths", "150"], "--depths takes integers in 0..100"),
+        (["--suite", "longctx", "--lengths", "1k"], "--lengths takes comma-separated"),
+    ],
+)
+def test_cli_rejects_bad_grids(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(app, ["accuracy", *args])
+    assert result.exit_code == 2 and message in result.stderr, result.output
+
+
+def test_cli_ppl_position(tmp_path: Path) -> None:
+    out = tmp_path / "ppl.json"
+    result = CliRunner().invoke(
+        app,
+        ["accuracy", "--suite", "ppl-position", "--lengths", "97", "--engines",
+         "standard;standard:window=16", "--output-file", str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    full, window = json.loads(out.read_text())["curves"]
+    assert full["bin_edges"][0] == 1 and full["bin_edges"][-1] == 97 and len(full["mean_nll"]) == 16
+    assert window["mean_nll"][:2] == pytest.approx(full["mean_nll"][:2], abs=1e-5)  # < 16 back
+    assert window["mean_nll"][-1] != pytest.approx(full["mean_nll"][-1], abs=1e-3)
