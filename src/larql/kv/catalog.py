@@ -10,6 +10,7 @@ from typing import Any
 from larql.kv import (
     apollo,
     boundary,
+    eviction,
     kv_quant,
     no_cache,
     residual,
@@ -28,6 +29,8 @@ CATALOG = EngineCatalog(
         windowed_checkpoint.ENTRY,
         turbo_quant.ENTRY,
         kv_quant.ENTRY,
+        eviction.SNAPKV,
+        eviction.H2O,
         apollo.ENTRY,
         boundary.ENTRY,
         residual.BOUNDARY_PER_LAYER,

@@ -1,0 +1,80 @@
+"""What both eviction engines share: the prefill runs exact attention over the whole prompt
+and hands each layer's K/V (and queries) to the policy; decode attends over what each layer
+kept, every K/V head its own rows. A layer with the architecture's own sliding window keeps
+its window like `standard` (it is bounded already)."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+
+from larql.inference.engine import KvEngine
+from larql.inference.ffn import FfnBackend
+from larql.inference.layer import (
+    attend,
+    attention_output,
+    ffn_block,
+    kept_rows,
+    project_qkv,
+)
+from larql.inference.memory import MemoryBreakdown
+from larql.kv.buffers import KvBuffer
+from larql.models.model import Model
+
+
+class EvictingEngine(KvEngine):
+    def __init__(self, profiling: bool = False) -> None:
+        super().__init__(profiling)
+        self._layers: list = []  # per layer: a KvBuffer (sliding layers) or the policy's rows
+
+    def window_tokens(self) -> int:
+        return max((len(layer) for layer in self._layers), default=0)
+
+    def supports_multimodal(self) -> bool:
+        return True
+
+    def memory(self) -> MemoryBreakdown:
+        return MemoryBreakdown.of(hot=self._layers)
+
+    @abstractmethod
+    def _compressed(
+        self, model: Model, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ):
+        """The rows the policy keeps of a prompt's q [Hq, S, D], k, v [Hkv, S, D]."""
+
+    @abstractmethod
+    def _attended(self, model: Model, layer: int, rows, q: torch.Tensor) -> None:
+        """After a decode step attended over `rows` (the new one included): evict if due."""
+
+    def _start(self, model: Model, ffn: FfnBackend, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [S, H] → every prompt row's hidden [S, H]."""
+        h = rows
+        self._layers = []
+        for layer in range(model.config.num_layers):
+            q, k, v = project_qkv(model, layer, h, 0)
+            attn = attend(model, layer, q, k, v, 0, None)  # exact over the prompt
+            h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn)
+            window = model.config.layers[layer].sliding_window
+            if window is not None:
+                buffer = KvBuffer(keep=kept_rows(window))
+                buffer.append(k, v)
+                buffer.clip()
+                self._layers.append(buffer)
+            else:
+                self._layers.append(self._compressed(model, layer, q, k, v))
+        return h
+
+    def _step(self, model: Model, ffn: FfnBackend, row: torch.Tensor) -> torch.Tensor:
+        h = row
+        for layer, rows in enumerate(self._layers):
+            q, k, v = project_qkv(model, layer, h, self.position)
+            keys, values = rows.append(k, v)
+            # one query sees every kept row (a sliding layer's KvBuffer holds just its window)
+            attn = attend(model, layer, q, keys, values, self.position, None)
+            if isinstance(rows, KvBuffer) and model.config.layers[layer].sliding_window:
+                rows.clip()
+            else:
+                self._attended(model, layer, rows, q)
+            h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn)
+        return h

@@ -1,0 +1,65 @@
+"""The eviction engines' catalog entries."""
+
+from __future__ import annotations
+
+from larql.kv.eviction.h2o import H2oEngine
+from larql.kv.eviction.snapkv import SnapKvEngine
+from larql.kv.spec import EngineEntry, MalformedEngineSpec
+from larql.specs import Param, at_least
+
+
+def _snapkv(p: dict) -> SnapKvEngine:
+    if p["kernel"] % 2 == 0:
+        raise MalformedEngineSpec(
+            f"snapkv: kernel must be odd (centred pooling), got {p['kernel']}"
+        )
+    return SnapKvEngine(p["budget"], p["window"], p["kernel"], profiling=p["profiling"])
+
+
+def _h2o(p: dict) -> H2oEngine:
+    if p["recent"] >= p["budget"]:
+        raise MalformedEngineSpec(
+            f"h2o: recent must be < budget (the rest are heavy hitters), got "
+            f"budget={p['budget']}, recent={p['recent']}"
+        )
+    return H2oEngine(p["budget"], p["recent"], profiling=p["profiling"])
+
+
+SNAPKV = EngineEntry(
+    name="snapkv",
+    aliases=(),
+    params=(
+        Param(
+            "budget",
+            int,
+            1024,
+            "prompt rows kept per layer and K/V head besides the window",
+            at_least(1),
+        ),
+        Param(
+            "window", int, 32, "the newest prompt rows: kept, and their queries vote", at_least(1)
+        ),
+        Param("kernel", int, 7, "max-pooling width over the votes (odd)", at_least(1)),
+    ),
+    keeps="per layer and K/V head: budget voted prompt rows + the window + every decoded row, "
+    "model dtype (a layer's own sliding window: that window)",
+    contract="exact while the prompt fits budget + window; else bounded KL vs standard "
+    "(destructive: prompt rows evicted once, after the prefill)",
+    factory=lambda p, model: _snapkv(p),
+)
+
+H2O = EngineEntry(
+    name="h2o",
+    aliases=("heavy-hitter",),
+    params=(
+        Param("budget", int, 512, "rows kept per layer and K/V head", at_least(1)),
+        Param(
+            "recent", int, 256, "of them, the newest (the rest: heaviest by attention)", at_least(0)
+        ),
+    ),
+    keeps="per layer and K/V head at most budget rows (recent newest + heavy hitters) and their "
+    "accumulated attention (float32), model dtype (a layer's own sliding window: that window)",
+    contract="exact while prompt + decoded rows fit the budget; else bounded KL vs standard "
+    "(destructive: evicts as decode proceeds)",
+    factory=lambda p, model: _h2o(p),
+)

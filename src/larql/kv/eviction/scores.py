@@ -1,0 +1,40 @@
+"""Attention weights as the eviction policies read them: per K/V head, summed over the query
+heads that share it (GQA) and over the queries asked."""
+
+from __future__ import annotations
+
+import torch
+
+from larql.models.model import Model
+
+_QUERY_CHUNK = 256  # queries per product when summing over a long prompt
+
+
+def attention_mass(
+    model: Model, q: torch.Tensor, keys: torch.Tensor, first_query: int
+) -> torch.Tensor:
+    """q: [Hq, S, D] the queries at key rows first_query .. first_query + S − 1 of keys
+    [Hkv, T, D] (row i is position i, causal) → Σ over the S queries and the group's query
+    heads of the softmax weights: [Hkv, T] float32."""
+    cfg = model.config
+    kv_heads, t, dim = keys.shape
+    group = q.shape[0] // kv_heads
+    grouped = q.reshape(kv_heads, group, q.shape[1], dim).float()  # [Hkv, G, S, D]
+    k = keys.float()
+    mass = torch.zeros(kv_heads, t, dtype=torch.float32, device=keys.device)
+    for start in range(0, q.shape[1], _QUERY_CHUNK):
+        chunk = grouped[:, :, start : start + _QUERY_CHUNK]  # [Hkv, G, C, D]
+        scores = torch.einsum("hgcd,htd->hgct", chunk, k) * cfg.attn_scale  # [Hkv, G, C, T]
+        if cfg.arch.attn_softcap is not None:
+            cap = cfg.arch.attn_softcap
+            scores = cap * torch.tanh(scores / cap)
+        rows = first_query + start + torch.arange(chunk.shape[2], device=keys.device)
+        future = torch.arange(t, device=keys.device)[None, :] > rows[:, None]  # [C, T]
+        scores = scores.masked_fill(future, float("-inf"))
+        mass += torch.softmax(scores, dim=-1).sum(dim=(1, 2))
+    return mass
+
+
+def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """rows [Hkv, T, D], index [Hkv, n] → each head's chosen rows [Hkv, n, D]."""
+    return torch.gather(rows, 1, index.unsqueeze(-1).expand(-1, -1, rows.shape[-1]))
