@@ -113,3 +113,38 @@ def test_cli_ppl_position(tmp_path: Path) -> None:
     assert full["bin_edges"][0] == 1 and full["bin_edges"][-1] == 97 and len(full["mean_nll"]) == 16
     assert window["mean_nll"][:2] == pytest.approx(full["mean_nll"][:2], abs=1e-5)  # < 16 back
     assert window["mean_nll"][-1] != pytest.approx(full["mean_nll"][-1], abs=1e-3)
+
+
+def _cells(model: Model, spec: str, samples) -> list:
+    from larql.inference.ffn import DenseFfn
+
+    return [score_sample(model, DenseFfn(model), parse_engine(spec), s) for s in samples]
+
+
+def test_exact_engines_score_cell_for_cell_like_standard(smollm2: Model) -> None:
+    samples = generate_samples(smollm2.tokenizer, ("needle-key",), (200,), (0, 100), 2)
+    standard = _cells(smollm2, "standard", samples)
+    for spec in ("no-cache", "markov-rs", "boundary-kv"):
+        for ours, theirs in zip(_cells(smollm2, spec, samples), standard, strict=True):
+            assert ours.score == theirs.score and ours.predicted == theirs.predicted
+            assert ours.answer_logprob == pytest.approx(theirs.answer_logprob, abs=1e-3)
+    for spec in ("turbo-quant:bits=4", "kv-quant:bits=4"):  # compress after the prefill
+        changed = _cells(smollm2, spec, samples)
+        assert all(abs(a.answer_logprob - b.answer_logprob) > 1e-4
+                   for a, b in zip(changed, standard, strict=True))  # fmt: skip
+
+
+def test_a_window_forgets_exactly_the_needles_beyond_it(smollm2: Model) -> None:
+    samples = generate_samples(smollm2.tokenizer, ("needle-number",), (512,), (0, 50, 90, 100), 5)
+    standard = _cells(smollm2, "standard", samples)
+    windowed = _cells(smollm2, "standard:window=256", samples)
+    tokenizer = smollm2.tokenizer
+    for sample, full, window in zip(samples, standard, windowed, strict=True):
+        before = sample.context[: sample.context.index("The secret number")]
+        answer_at = len(tokenizer.encode(sample.context + sample.question))  # first answer row
+        distance = answer_at - len(tokenizer.encode(before))  # to the needle's first token
+        assert full.score == 1.0
+        if distance > 255 + 12:  # the needle's value (≤ 12 tokens in) is out of the window
+            assert window.score == 0.0, distance
+        elif distance < 240:
+            assert window.score == 1.0 and window.predicted == full.predicted, distance

@@ -86,9 +86,13 @@ def save_longctx_plot(cells: list[Cell], path: Path, title: str) -> None:
     engines = engines_of(cells)
     lengths = sorted({c.length for c in cells})
     depths = sorted({c.depth for c in cells})
-    figure, axes = plt.subplots(1, len(engines) + 1, figsize=(3.2 * (len(engines) + 1), 3.6),
-                                squeeze=False)  # fmt: skip
-    for ax, engine in zip(axes[0], engines, strict=False):
+    columns = min(4, len(engines) + 1)
+    rows = -(-(len(engines) + 1) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(3.4 * columns, 3.0 * rows), squeeze=False)
+    panels = [ax for row in axes for ax in row]
+    for ax in panels[len(engines) + 1 :]:
+        ax.axis("off")
+    for ax, engine in zip(panels, engines, strict=False):
         grid = [[_mean([c.score for c in cells if c.engine == engine and c.length == length
                         and c.depth == depth]) for depth in depths]
                 for length in lengths]  # fmt: skip
@@ -96,8 +100,8 @@ def save_longctx_plot(cells: list[Cell], path: Path, title: str) -> None:
         ax.set(title=engine, xlabel="needle depth %", ylabel="context tokens",
                xticks=range(len(depths)), xticklabels=depths, yticks=range(len(lengths)),
                yticklabels=lengths)  # fmt: skip
-        ax.title.set_fontsize(7)
-    last = axes[0][-1]
+        ax.title.set_fontsize(8)
+    last = panels[len(engines)]
     for engine in engines:
         mine = [c for c in cells if c.engine == engine]
         mib = mib_value(max(c.memory_bytes for c in mine))
