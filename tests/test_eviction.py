@@ -91,3 +91,27 @@ def test_snapkv_finds_a_needle_a_window_of_its_size_loses(smollm2: Model) -> Non
 def test_bad_parameters_are_refused(spec: str, message: str) -> None:
     result = CliRunner().invoke(app, ["run", "hi", "-n", "1", "--engine", spec])
     assert result.exit_code == 2 and message in result.stderr, result.output
+
+
+def test_fidelity_with_a_long_prompt_sees_snapkv_compress(tmp_path) -> None:
+    import json
+
+    out = tmp_path / "fidelity.json"
+    result = CliRunner().invoke(
+        app,
+        ["accuracy", "--quick", "--no-conflict", "--needle-max-tokens", "128", "--prompt-tokens",
+         "40", "--positions", "8", "--engines",
+         "standard;snapkv:budget=4,window=4;snapkv:budget=64", "--output-file", str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    kl = {row["spec"]: row["mean_kl"] for row in json.loads(out.read_text())["fidelity"]}
+    assert kl["snapkv:budget=64"] == 0.0  # the 40-token prompt fits: nothing evicted
+    assert kl["snapkv:budget=4,window=4"] > 1e-3
+
+
+@pytest.mark.parametrize(("value", "message"), [("0", "must be ≥ 1"), ("99999", "leaves no")])
+def test_bad_prompt_tokens_are_refused(value: str, message: str) -> None:
+    result = CliRunner().invoke(
+        app, ["accuracy", "--quick", "--engines", "standard", "--prompt-tokens", value]
+    )
+    assert result.exit_code == 2 and message in result.stderr, result.output

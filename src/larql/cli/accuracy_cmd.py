@@ -73,6 +73,14 @@ def accuracy(
     positions: Annotated[
         int | None, typer.Option("--positions", help="Teacher-forced positions (default: all).")
     ] = None,
+    prompt_tokens: Annotated[
+        int,
+        typer.Option(
+            "--prompt-tokens",
+            help="Fidelity: the text's first N tokens are the prompt (prefilled), the rest "
+            "teacher-forced; a long prompt shows what an engine compresses after its prefill.",
+        ),
+    ] = 16,
     output_file: Annotated[Path | None, typer.Option("--output-file", help="JSON report.")] = None,
     plot: Annotated[
         Path | None, typer.Option("--plot", help="PNG of each engine's mean KL against its bytes.")
@@ -128,6 +136,8 @@ def accuracy(
         FfnLayerPolicy.from_spec(spec)  # a typo fails before the model loads
     if positions is not None and positions < 1:
         raise InvalidInput(f"--positions must be ≥ 1, got {positions}")
+    if prompt_tokens < 1:
+        raise InvalidInput(f"--prompt-tokens must be ≥ 1, got {prompt_tokens}")
     if suite not in SUITES:
         raise InvalidInput(f"--suite must be one of {', '.join(SUITES)}, got {suite!r}")
     if suite != "prompts":
@@ -148,6 +158,7 @@ def accuracy(
         **({"quadratic_positions": 64, "greedy_steps": 32} if quick else {}),
         text=body,
         text_label=label,
+        fidelity_prompt_tokens=prompt_tokens,
     )
     with Progress(console=stderr, transient=True) as bar:
         task = bar.add_task("accuracy", total=None)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from larql.errors import LarqlError
 from larql.harness.accuracy.aggregate import StrategySplit, strategy_splits
 from larql.harness.accuracy.corpora import (
     CONFLICT,
@@ -185,6 +186,11 @@ def _fidelity(
     ids = model.tokenizer.encode(settings.text)
     ids = ids[: model.config.max_positions]
     prompt_len = settings.fidelity_prompt_tokens
+    if prompt_len >= len(ids) - 1:
+        raise LarqlError(
+            f"--prompt-tokens {prompt_len} leaves no position to score: the fidelity text has "
+            f"{len(ids)} tokens (within the model's context)"
+        )
     if settings.fidelity_positions is not None:
         ids = ids[: prompt_len + settings.fidelity_positions]
     dense = ffns.get("dense") or build_ffn(model, "dense")
