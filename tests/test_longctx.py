@@ -148,3 +148,11 @@ def test_a_window_forgets_exactly_the_needles_beyond_it(smollm2: Model) -> None:
             assert window.score == 0.0, distance
         elif distance < 240:
             assert window.score == 1.0 and window.predicted == full.predicted, distance
+
+
+def test_passage_qa_asks_back_the_one_definition_placed(smollm2: Model) -> None:
+    for depth in (0, 50, 100):
+        (sample,) = generate_samples(smollm2.tokenizer, ("passage-qa",), (512,), (depth,), 7)
+        assert sample.context.count("shall mean") == 1  # the others are left out
+        assert sample.answer.startswith(" ") and sample.answer.strip() in sample.context
+        assert len(sample.answer.split()) == 8

@@ -11,7 +11,9 @@ number, a word, or a hex key like `3ed2-e3dc`); `multi-key` (the asked needle am
 distractor needles with other names); `multi-value` (three values of one name, all asked, in
 order); `variable-tracking` (a chain `A1 = v … A4 = A3`, the value of the last asked);
 `common-words` (a word list in which one word is far the most frequent; the depth only reseeds
-the list).
+the list); `passage-qa` (one of the shipped licence's definitions, `"Licensor" shall mean …`,
+placed at the depth in a haystack without the others, and asked back: the answer is the first
+eight words of its meaning, unquoted).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import cache
@@ -27,7 +30,14 @@ from larql.data import default_text
 from larql.models.tokenizer import TextTokenizer as Tokenizer
 
 SINGLE_NEEDLES = ("needle-number", "needle-word", "needle-key")
-TASKS = (*SINGLE_NEEDLES, "multi-key", "multi-value", "variable-tracking", "common-words")
+TASKS = (
+    *SINGLE_NEEDLES,
+    "multi-key",
+    "multi-value",
+    "variable-tracking",
+    "common-words",
+    "passage-qa",
+)
 QUICK_TASKS = SINGLE_NEEDLES
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192)
 QUICK_LENGTHS = (512, 1024, 2048)
@@ -60,11 +70,37 @@ class _Facts:
 _PIECE_WORDS = 24  # a long sentence is cut into pieces this long, so lengths land close
 
 
+_DEFINITION = re.compile(r'("[A-Z][\w ]+"(?: form| \(or "Your"\))?) shall mean ([^.;]+)')
+_ANSWER_WORDS = 8
+
+
 @cache
-def _haystack_sentences() -> tuple[str, ...]:
+def _definitions() -> tuple[tuple[str, str], ...]:
+    """The shipped licence's definitions: (the defined term as written, its meaning)."""
+    text = " ".join(default_text().split())
+    return tuple((m.group(1), m.group(2).strip()) for m in _DEFINITION.finditer(text))
+
+
+def _passage(rng: random.Random) -> _Facts:
+    term, meaning = rng.choice(_definitions())
+    answer = " " + " ".join(meaning.split()[:_ANSWER_WORDS])
+    return _Facts(
+        (f"{term} shall mean {meaning}.",),
+        f"In the text above, what does {term} mean? {term} shall mean",
+        answer,
+    )
+
+
+@cache
+def _haystack_sentences(without_definitions: bool = False) -> tuple[str, ...]:
+    """The shipped text in pieces of at most _PIECE_WORDS words; `without_definitions` leaves
+    out the sentences that define a term (passage-qa asks for one of them)."""
     text = " ".join(default_text().split())
     pieces = []
-    for sentence in (s.strip() for s in text.split(". ") if len(s.strip()) > 1):
+    sentences = (s.strip() for s in text.split(". ") if len(s.strip()) > 1)
+    for sentence in sentences:
+        if without_definitions and "shall mean" in sentence:
+            continue
         words = (sentence + ".").split()
         pieces += [
             " ".join(words[i : i + _PIECE_WORDS]) for i in range(0, len(words), _PIECE_WORDS)
@@ -132,6 +168,7 @@ def _facts(task: str) -> Callable[[random.Random], _Facts]:
         "multi-key": _multi_key,
         "multi-value": _multi_value,
         "variable-tracking": _variable_tracking,
+        "passage-qa": _passage,
     }[task]
 
 
@@ -143,7 +180,7 @@ def _haystack_sample(
     tokenizer: Tokenizer, task: str, length: int, depth: int, rng: random.Random
 ) -> Sample:
     facts = _facts(task)(rng)
-    pool = _haystack_sentences()
+    pool = _haystack_sentences(without_definitions=task == "passage-qa")
     start = rng.randrange(len(pool))
     budget = length - sum(_token_count(tokenizer, s) for s in facts.sentences)
     hay: list[str] = []
