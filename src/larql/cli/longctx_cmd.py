@@ -109,15 +109,18 @@ def _longctx(model, ffn, kinds, grid: SuiteGrid, output_file, plot) -> None:
     samples = generate_samples(model.tokenizer, grid.tasks, lengths, grid.depths, grid.seed)
     digest = dataset_hash(samples)
     stdout.print(f"longctx dataset: seed {grid.seed}, {len(samples)} samples, hash {digest}")
+    cells = []
     with Progress(console=stderr, transient=True) as bar:
         task = bar.add_task("longctx", total=None)
-        cells = run_longctx(model, ffn, kinds, samples,
-                            progress=lambda s: bar.update(task, description=s))  # fmt: skip
-    for table in longctx_tables(cells):
-        stdout.print(table)
-    if output_file is not None:
-        report = longctx_report(cells, model.name, grid.seed, digest)
-        output_file.write_text(json.dumps(report, indent=2))
+        for kind in kinds:  # each engine's table (and the JSON so far) as soon as it is done
+            mine = run_longctx(model, ffn, [kind], samples,
+                               progress=lambda s: bar.update(task, description=s))  # fmt: skip
+            cells += mine
+            for table in longctx_tables(mine):
+                stdout.print(table)
+            if output_file is not None:
+                report = longctx_report(cells, model.name, grid.seed, digest)
+                output_file.write_text(json.dumps(report, indent=2))
     if plot is not None:
         save_longctx_plot(cells, plot, f"{model.name}: long-context score (hash {digest})")
 
