@@ -44,7 +44,8 @@ SNAPKV = EngineEntry(
     keeps="per layer and K/V head: budget voted prompt rows + the window + every decoded row, "
     "model dtype (a layer's own sliding window: that window)",
     contract="exact while the prompt fits budget + window; else bounded KL vs standard "
-    "(destructive: prompt rows evicted once, after the prefill)",
+    "(destructive: prompt rows evicted once, after the prefill; SmolLM2, 1,024-token prompt, "
+    "budget 256: mean KL 0.030)",
     factory=lambda p, model: _snapkv(p),
 )
 
@@ -60,6 +61,6 @@ H2O = EngineEntry(
     keeps="per layer and K/V head at most budget rows (recent newest + heavy hitters) and their "
     "accumulated attention (float32), model dtype (a layer's own sliding window: that window)",
     contract="exact while prompt + decoded rows fit the budget; else bounded KL vs standard "
-    "(destructive: evicts as decode proceeds)",
+    "(destructive: evicts as decode proceeds; SmolLM2, budget 256, recent 128: mean KL 0.17)",
     factory=lambda p, model: _h2o(p),
 )

@@ -40,7 +40,7 @@ ENTRY = EngineEntry(
     ),
     keeps="K/V of every layer (the last window−1 rows when windowed), model dtype",
     contract="the reference; window=N is sliding-window attention over N keys (plus the first S "
-    "with sinks=S)",
+    "with sinks=S; SmolLM2, window 256: mean KL 1.24 alone, 0.175 with 4 sinks)",
     factory=lambda p, model: _standard(p),
 )
 
