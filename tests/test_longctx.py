@@ -156,3 +156,21 @@ def test_passage_qa_asks_back_the_one_definition_placed(smollm2: Model) -> None:
         assert sample.context.count("shall mean") == 1  # the others are left out
         assert sample.answer.startswith(" ") and sample.answer.strip() in sample.context
         assert len(sample.answer.split()) == 8
+
+
+def test_apollo_answers_from_a_store_built_of_the_context(smollm2: Model) -> None:
+    from larql.inference.ffn import DenseFfn
+
+    ffn = DenseFfn(smollm2)
+    sample = generate_samples(smollm2.tokenizer, ("needle-number",), (512,), (25,), 0)[0]
+    cell = score_sample(smollm2, ffn, parse_engine("apollo"), sample)
+    assert cell.error is None and cell.memory_bytes > 0
+    engine = parse_engine("apollo").build(smollm2)
+    engine.index_context(smollm2, sample.context)
+    assert engine.store.manifest.num_tokens == len(
+        smollm2.tokenizer.encode(sample.context, add_special_tokens=False)
+    )
+    engine.prefill(smollm2, ffn, smollm2.tokenizer.encode(sample.question))
+    routed = [int(t) for t in engine.store.window_tokens[engine.injection.window]]
+    value = sample.answer.split('"')[0]
+    assert value.isdigit() and value in smollm2.tokenizer.decode(routed)  # the needle's window

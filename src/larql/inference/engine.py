@@ -177,3 +177,8 @@ class KvEngine(Engine):
 class RetrievalEngine(Engine):
     """Serves from a store instead of keeping K/V, and computes with the model's own FFN (the
     one handed in is not used): bench and accuracy only, never live decode."""
+
+    def index_context(self, model: Model, text: str) -> None:
+        """Make `text` what the engine retrieves from (its store, when none is attached): the
+        long-context suite compresses a context this way, then asks the question as the prompt."""
+        raise NotImplementedError(f"{self.name} cannot index a context")

@@ -16,9 +16,11 @@ from typing import Any
 import torch
 
 from larql.harness.longctx.tasks import Sample
+from larql.inference.engine import RetrievalEngine
 from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import logits_of, teacher_forced_hidden
+from larql.kv.apollo.store import ApolloStoreError
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 
@@ -43,17 +45,24 @@ class Cell:
 
 
 def score_sample(model: Model, ffn: FfnBackend, spec: EngineSpec, sample: Sample) -> Cell:
+    """A retrieval engine compresses the context into its store (`index_context`) and gets the
+    question as its prompt; every other engine prefills the context and decodes the question."""
     tokenizer = model.tokenizer
     context = tokenizer.encode(sample.context)
     question = tokenizer.encode(sample.question, add_special_tokens=False)
     answer = tokenizer.encode(sample.answer, add_special_tokens=False)
-    ids = context + question + answer
     label = spec.spec()
     try:
         engine = spec.build(model)
-        hidden = teacher_forced_hidden(engine, model, ffn, ids[:-1], len(context))
+        if isinstance(engine, RetrievalEngine):
+            engine.index_context(model, sample.context)
+            prompt, prefilled = tokenizer.encode(sample.question), None
+        else:
+            prompt, prefilled = context + question, len(context)
+        ids = prompt + answer
+        hidden = teacher_forced_hidden(engine, model, ffn, ids[:-1], prefilled or len(prompt))
         logits = list(logits_of(model, hidden))[-len(answer) :]  # the answer positions
-    except EngineError as e:
+    except (EngineError, ApolloStoreError) as e:
         return Cell(label, sample.task, sample.length, sample.depth, 0.0, float("nan"), 0,
                     len(context), "", error=f"{type(e).__name__}: {e}")  # fmt: skip
     log_probs = [torch.log_softmax(row.double(), dim=-1) for row in logits]

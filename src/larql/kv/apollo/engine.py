@@ -33,6 +33,7 @@ from larql.inference.ffn import DenseFfn, FfnBackend
 from larql.inference.forward import run_layers
 from larql.inference.layer import embed, token_tensor
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
+from larql.kv.apollo.builder import build_store
 from larql.kv.apollo.entries import ScoredEntry, retrieve_entries
 from larql.kv.apollo.routing import WindowRouter
 from larql.kv.apollo.store import ApolloStore
@@ -112,6 +113,14 @@ class ApolloEngine(RetrievalEngine):
         if self.injection is not None:
             derived = tensor_bytes(self.injection.delta, self.injection.boundary)
         return MemoryBreakdown(hot=store + tensor_bytes(self._context), derivative=derived)
+
+    def index_context(self, model: Model, text: str) -> None:
+        """A store built from `text` with `larql apollo build-store`'s defaults replaces the
+        attached one: the long-context suite's context becomes what apollo retrieves from."""
+        self.store = build_store(model, text)
+        self._router = None
+        self.injection = None
+        self._check_model(model)
 
     # ------------------------------------------------------------------ protocol
 

@@ -26,7 +26,8 @@ ENTRY = EngineEntry(
     keeps="a prebuilt store (window tokens, boundary residuals, fact entries) and the "
     "context token ids; no K/V — every step re-runs the forward pass (O(N²))",
     contract="task-level retrieval only, never exact; bench and accuracy only (no live "
-    "decode); without store= prefill is a RetrievalMiss",
+    "decode); without store= prefill is a RetrievalMiss (the long-context suite builds one "
+    "from each context)",
     factory=lambda p, model: build_apollo(p["layer"], p["coef"], p["top_k"], p["store"], model),
     kind="retrieval",
     live_decode=False,
