@@ -1,0 +1,152 @@
+"""larql against llama.cpp on the CPU, the same GGUF, in interleaved rounds of fresh processes.
+
+Each round runs llama.cpp (llama-cpp-python) and then `larql bench` once per `--dtype`, every
+one in a process of its own, on the same prompt token ids (the shipped text's first
+`--prompt-tokens`, as `larql bench --context` cuts them), greedy, `--threads` threads. Prints
+median decode and prefill tok/s per peer and larql's ratios against llama.cpp.
+
+llama-cpp-python is not a dependency of larql: it builds llama.cpp from source (about 15
+minutes on 2 cores), so it lives in a venv of its own, beside the checkout by default:
+
+    python3 -m venv ../llama-venv && ../llama-venv/bin/pip install llama-cpp-python==0.3.36
+    .venv/bin/python benchmarks/cpu_vs_llamacpp.py [--rounds 3] [--dtypes float32,bfloat16]
+        [--prompt-tokens 256] [--new-tokens 64] [--threads 2] [--llama-python PATH] [--json]
+
+Without that venv the script says how to make it and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from larql.data import default_text
+from larql.harness.contexts import context_ids
+from larql.models import load_model
+from larql.models.registry import resolve_model_path
+
+DEFAULT_LLAMA_PYTHON = Path("..") / "llama-venv" / "bin" / "python"
+INSTALL = "python3 -m venv ../llama-venv && ../llama-venv/bin/pip install llama-cpp-python==0.3.36"
+
+# Runs in the llama venv: argv = gguf path, threads, new tokens; the prompt ids on stdin.
+LLAMA_ROUND = r"""
+import json, sys, time
+from llama_cpp import Llama
+path, threads, new_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ids = json.loads(sys.stdin.read())
+llm = Llama(model_path=path, n_ctx=len(ids) + new_tokens + 16, n_threads=threads,
+            n_threads_batch=threads, n_batch=512, verbose=False)
+llm.reset()
+t0 = time.perf_counter()
+llm.eval(ids)
+t1 = time.perf_counter()
+for _ in range(3):  # warm-up steps, as larql bench's
+    llm.eval([llm.sample(top_k=1, temp=0.0)])
+t2 = time.perf_counter()
+for _ in range(new_tokens):
+    llm.eval([llm.sample(top_k=1, temp=0.0)])
+t3 = time.perf_counter()
+print(json.dumps({"decode_tok_s": new_tokens / (t3 - t2), "prefill_tok_s": len(ids) / (t1 - t0)}))
+"""
+
+
+def llama_round(python: Path, gguf: Path, ids: list[int], threads: int, new_tokens: int) -> dict:
+    done = subprocess.run(
+        [str(python), "-c", LLAMA_ROUND, str(gguf), str(threads), str(new_tokens)],
+        input=json.dumps(ids),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def larql_round(model: str, dtype: str, prompt_tokens: int, threads: int, new_tokens: int) -> dict:
+    larql = Path(sys.executable).with_name("larql")
+    done = subprocess.run(
+        [str(larql), "bench", "--model", model, "--engine", "standard", "--dtype", dtype,
+         "--context", str(prompt_tokens), "-n", str(new_tokens), "--repeats", "1",
+         "--threads", str(threads), "--output", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )  # fmt: skip
+    row = json.loads(done.stdout)["rows"][0]
+    prefill_tok_s = prompt_tokens / (row["prefill_ms"] / 1e3)
+    return {"decode_tok_s": row["tok_s"], "prefill_tok_s": prefill_tok_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", help="a registry name or a .gguf")
+    parser.add_argument("--dtypes", default="float32", help="larql rows, comma-separated")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--llama-python", type=Path, default=Path(os.environ.get("LLAMA_PY", DEFAULT_LLAMA_PYTHON))
+    )
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    if not os.access(args.llama_python, os.X_OK):
+        print(f"no llama-cpp-python at {args.llama_python}; build it (~15 minutes on 2 cores):")
+        print(f"    {INSTALL}")
+        return
+    _, gguf = resolve_model_path(args.model)
+    if gguf.is_dir():
+        sys.exit(f"{args.model} is an HF directory; llama.cpp needs a .gguf")
+    ids = context_ids(load_model(args.model), args.prompt_tokens, default_text())
+    peers = ["llama.cpp", *(f"larql {d}" for d in args.dtypes.split(","))]
+    runs: dict[str, list[dict]] = {peer: [] for peer in peers}
+    for round_index in range(args.rounds):
+        runs["llama.cpp"].append(
+            llama_round(args.llama_python, gguf, ids, args.threads, args.new_tokens)
+        )
+        for dtype in args.dtypes.split(","):
+            runs[f"larql {dtype}"].append(
+                larql_round(args.model, dtype, len(ids), args.threads, args.new_tokens)
+            )
+        print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
+    medians = {
+        peer: {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+        for peer, rows in runs.items()
+    }
+    base = medians["llama.cpp"]
+    report = {
+        "model": args.model,
+        "gguf": gguf.name,
+        "threads": args.threads,
+        "prompt_tokens": len(ids),
+        "new_tokens": args.new_tokens,
+        "rounds": args.rounds,
+        "peers": {
+            peer: {
+                **m,
+                "decode_ratio": m["decode_tok_s"] / base["decode_tok_s"],
+                "prefill_ratio": m["prefill_tok_s"] / base["prefill_tok_s"],
+                "runs": runs[peer],
+            }
+            for peer, m in medians.items()
+        },
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"{gguf.name}, {len(ids)}-token prompt, {args.new_tokens} greedy tokens, "
+          f"{args.threads} threads, median of {args.rounds} interleaved rounds")  # fmt: skip
+    print("| peer | decode tok/s | prefill tok/s | decode × llama.cpp | prefill × llama.cpp |")
+    print("|---|---|---|---|---|")
+    for peer, m in report["peers"].items():
+        print(f"| {peer} | {m['decode_tok_s']:.1f} | {m['prefill_tok_s']:.0f} | "
+              f"{m['decode_ratio']:.2f} | {m['prefill_ratio']:.2f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
