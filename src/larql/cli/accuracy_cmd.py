@@ -11,7 +11,7 @@ from rich.progress import Progress
 
 from larql.cli.common import InvalidInput, open_model, stderr, stdout, user_errors
 from larql.cli.longctx_cmd import SUITES, SuiteGrid
-from larql.cli.options import DeviceOption, DtypeOption, ModelOption
+from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
 from larql.data import read_text
 
 # Every engine, windowed ones at windows that overflow on the fidelity text (also --quick's).
@@ -114,6 +114,7 @@ def accuracy(
     ] = None,
     seed: Annotated[int, typer.Option("--seed", help="longctx dataset seed.")] = 0,
     dtype: DtypeOption = "float32",
+    weights: WeightsOption = "auto",
     device: DeviceOption = "cpu",
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
@@ -144,11 +145,11 @@ def accuracy(
         from larql.cli.longctx_cmd import run_suite
 
         grid = SuiteGrid.parse(suite, quick, tasks, lengths, depths, seed)
-        lm = open_model(model, dtype, device)
+        lm = open_model(model, dtype, device, weights=weights)
         run_suite(lm, specs, ffn_specs, grid, text, output_file, plot)
         return
     body, label = read_text(text)
-    lm = open_model(model, dtype, device)
+    lm = open_model(model, dtype, device, weights=weights)
     settings = AccuracySettings(
         quick=quick,
         needle_max_tokens=needle_max_tokens,

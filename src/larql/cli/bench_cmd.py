@@ -16,7 +16,7 @@ from larql.cli.ffn_options import (
     check_policy,
     ffn_policy_spec,
 )
-from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption
+from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption, WeightsOption
 from larql.data import read_text
 
 
@@ -68,6 +68,7 @@ def bench(
     ffn: FfnUrlOption = None,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
+    weights: WeightsOption = "auto",
     threads: ThreadsOption = None,
 ) -> None:
     """Time every engine (whole tokens), report memory and roofline, optionally vs HF."""
@@ -98,7 +99,7 @@ def bench(
     ffn_spec = ffn_policy_spec(ffn_policy, ffn)
     check_policy(ffn_spec)
     source_text, text_label = read_text(text)
-    lm = open_model(model, dtype, device, threads)
+    lm = open_model(model, dtype, device, threads, weights)
     if prompt is not None:
         ids = lm.tokenizer.encode(prompt)
         if not ids:

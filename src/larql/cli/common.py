@@ -61,7 +61,13 @@ def read_prompt(prompt: str) -> str:
     return text
 
 
-def open_model(model: str | None, dtype: str, device: str, threads: int | None = None) -> Model:
+def open_model(
+    model: str | None,
+    dtype: str,
+    device: str,
+    threads: int | None = None,
+    weights: str = "auto",
+) -> Model:
     import torch
 
     from larql.models.model import load_model
@@ -70,7 +76,7 @@ def open_model(model: str | None, dtype: str, device: str, threads: int | None =
         if threads < 1:
             raise InvalidInput(f"--threads must be ≥ 1, got {threads}")
         torch.set_num_threads(threads)
-    return load_model(model, dtype=dtype, device=device)
+    return load_model(model, dtype=dtype, device=device, weights=weights)
 
 
 def check_context(model: Model, prompt_tokens: int) -> None:

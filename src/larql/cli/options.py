@@ -1,5 +1,5 @@
 """The options every model-loading command declares the same way: `-m/--model`, `--device`,
-`--dtype`, `--threads`. Only typer here: `larql --help` must not import torch."""
+`--dtype`, `--weights`, `--threads`. Only typer here: `larql --help` must not import torch."""
 
 from __future__ import annotations
 
@@ -15,6 +15,14 @@ ModelOption = Annotated[
 ]
 DeviceOption = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
 DtypeOption = Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or float64.")]
+WeightsOption = Annotated[
+    str,
+    typer.Option(
+        "--weights",
+        help="auto: a GGUF's Q8_0/Q4_0/Q4_1 matrices stay in their blocks for one-token products "
+        "on the CPU (kernels built by make setup); float: every matrix dequantised to --dtype.",
+    ),
+]
 ThreadsOption = Annotated[
     int | None, typer.Option("--threads", help="Torch CPU threads (default: torch's).")
 ]

@@ -23,7 +23,7 @@ from larql.cli.ffn_options import (
     check_policy,
     ffn_policy_spec,
 )
-from larql.cli.options import DeviceOption, DtypeOption, ModelOption
+from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
 
 OUTPUTS = ("text", "json")
 
@@ -51,6 +51,7 @@ def run(
     seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
+    weights: WeightsOption = "auto",
     output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
     ffn_policy: FfnPolicyOption = None,
     ffn: FfnUrlOption = None,
@@ -74,7 +75,7 @@ def run(
     for warning in choice.warnings:
         stderr.print(f"warning: {warning}")
     text = read_prompt(prompt)
-    lm = open_model(model, dtype, device)
+    lm = open_model(model, dtype, device, weights=weights)
     prompt_ids = encode_prompt(lm, text, chat)
     check_context(lm, len(prompt_ids))
     built = choice.engine.build(lm)

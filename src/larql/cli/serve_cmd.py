@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from larql.cli.common import InvalidInput, open_model, stderr, user_errors
-from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption
+from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption, WeightsOption
 
 
 @user_errors
@@ -37,6 +37,7 @@ def serve(
     ] = 300.0,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
+    weights: WeightsOption = "auto",
     threads: ThreadsOption = None,
     ffn_only: Annotated[
         bool, typer.Option("--ffn-only", help="Serve the FFN of some layers as a shard.")
@@ -50,7 +51,7 @@ def serve(
         raise InvalidInput(f"--port must be in 0..65535, got {port}")
     if ffn_only:
         layer_range = parse_layers(layers) if layers is not None else None
-        lm = open_model(model, dtype, device, threads)
+        lm = open_model(model, dtype, device, threads, weights)
         from larql.server.ffn_shard import run_ffn_shard
 
         run_ffn_shard(lm, layer_range, host, port)
@@ -62,7 +63,7 @@ def serve(
 
     choice = resolve_engine(engine)
     choice.engine.require_live_decode()
-    lm = open_model(model, dtype, device, threads)
+    lm = open_model(model, dtype, device, threads, weights)
     choice.engine.build(lm)  # a spec that cannot be built for this model fails now, not per request
 
     from larql.server.app import create_app

@@ -18,7 +18,7 @@ from larql.cli.common import (
     user_errors,
 )
 from larql.cli.ffn_options import FfnPolicyOption, check_policy
-from larql.cli.options import DeviceOption, DtypeOption, ModelOption
+from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
 
 OUTPUTS = ("table", "json")
 
@@ -72,6 +72,7 @@ def walk(
     ] = False,
     output: Annotated[str, typer.Option("--output", "-o", help="table or json.")] = "table",
     dtype: DtypeOption = "float32",
+    weights: WeightsOption = "auto",
     device: DeviceOption = "cpu",
 ) -> None:
     """Which FFN features fire at the last position of PROMPT, and what each one writes.
@@ -96,7 +97,7 @@ def walk(
     if choice is not None:
         choice.engine.require_live_decode()
     text = read_prompt(prompt)
-    lm = open_model(model, dtype, device)
+    lm = open_model(model, dtype, device, weights=weights)
     ids = lm.tokenizer.encode(text)
     check_context(lm, len(ids))
     shown = parse_layers(layers, lm.config.num_layers)

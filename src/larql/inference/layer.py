@@ -138,7 +138,7 @@ def project_qkv_with_rope(
     lw = model.weights.layers[layer]
     s = h.shape[0]
     x = rms_norm(h, lw.attn_norm, cfg.norm_eps)
-    qkv = linear(x, lw.wqkv, lw.bqkv)  # [S, q_dim + 2·kv_dim]
+    qkv = linear(x, lw.wqkv, lw.bqkv, lw.blocks.get("wqkv"))  # [S, q_dim + 2·kv_dim]
     if lw.q_norm is None and lw.k_norm is None:
         # q and k rotate together: one set of RoPE kernels for both
         qk = qkv[:, : cfg.q_dim + cfg.kv_dim].view(s, cfg.num_heads + cfg.num_kv_heads, -1)
@@ -349,7 +349,7 @@ def attention_block(
 def attention_output(model: Model, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """Output projection (+ post-attention norm) added to the residual: [S, H]."""
     lw = model.weights.layers[layer]
-    out = linear(attn, lw.wo, lw.bo)
+    out = linear(attn, lw.wo, lw.bo, lw.blocks.get("wo"))
     if lw.post_attn_norm is not None:
         out = rms_norm(out, lw.post_attn_norm, model.config.norm_eps)
     return h + out
@@ -382,7 +382,7 @@ def final_logits(model: Model, h: torch.Tensor) -> torch.Tensor:
     """Pre-final-norm hidden h: [S, H] → logits [S, V] (final norm, LM head, soft-cap)."""
     w = model.weights
     x = rms_norm(h, w.final_norm, model.config.norm_eps)
-    logits = linear(x, w.lm_head)
+    logits = linear(x, w.lm_head, blocks=w.lm_head_blocks)
     cap = model.config.arch.final_softcap
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap

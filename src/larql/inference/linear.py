@@ -6,6 +6,11 @@ there). Split into a batched product over `threads` row blocks, MKL runs one blo
 SmolLM2's 30 layers go from 26 to 11 ms per token in float32 (benchmarks in
 docs/PERFORMANCE.md). bfloat16/float16 and everything on a GPU keep `F.linear`, which is
 already fast there.
+
+A matrix the model also holds in its GGUF blocks (`BlockRows`, Q8_0 / Q4_0 / Q4_1) is read
+from those instead, on the CPU, by the compiled block product (`larql.kernels.cpu`): a Q4_1
+row is 0.16× the bytes of its float32 one. Without the built extension, torch's float product
+runs as before.
 """
 
 from __future__ import annotations
@@ -13,15 +18,42 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from larql.kernels.cpu.build import load as load_block_kernels
+from larql.models.blocks import FORMAT_CODES, BlockRows
+from larql.models.model import Model
+
 _SPLIT_DTYPES = (torch.float32, torch.float64)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [S, in] @ weight[out, in]ᵀ (+ bias) → [S, out]."""
+def reads_blocks(model: Model) -> bool:
+    """Whether `model`'s one-token products read its block matrices (it has some, on the CPU,
+    below float64, and the kernels are built)."""
+    return (
+        model.weights.block_bytes > 0
+        and model.device.type == "cpu"
+        and model.dtype != torch.float64
+        and load_block_kernels() is not None
+    )
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    blocks: BlockRows | None = None,
+) -> torch.Tensor:
+    """x: [S, in] @ weight[out, in]ᵀ (+ bias) → [S, out]; `blocks`: the same matrix in GGUF
+    blocks, which a one-row product on the CPU reads instead."""
     if torch.compiler.is_compiling() or x.device.type != "cpu" or x.shape[0] != 1:
         # decided before asking for the thread count, which torch.compile cannot trace: a
         # compiled step must not break its graph here (a compiler fuses the product itself)
         return F.linear(x, weight, bias)
+    if blocks is not None and x.dtype != torch.float64 and (kernels := load_block_kernels()):
+        # float64 is the precision reference: it keeps the float product
+        row = x.reshape(-1).to(torch.float32).contiguous()  # [in]
+        out = kernels.block_gemv(row, blocks.data, FORMAT_CODES[blocks.format])  # [out] f32
+        out = out.to(x.dtype).view(1, -1)
+        return out if bias is None else out + bias
     blocks = torch.get_num_threads()
     out_features, in_features = weight.shape
     if (

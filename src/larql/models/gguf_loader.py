@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from larql.models.archs import preset_for_gguf
+from larql.models.blocks import GGUF_FORMATS, BlockRows
 from larql.models.config import LayerSpec, ModelConfig, RopeSpec
 from larql.models.errors import UnsupportedArchitecture
 from larql.models.gguf_file import GgufFile
@@ -97,6 +98,25 @@ def gguf_state_dict(
         if progress is not None:
             progress(n + 1, len(names))
     return state
+
+
+def gguf_block_rows(gguf: GgufFile, config: ModelConfig) -> dict[str, BlockRows]:
+    """The matrices stored in a block format the CPU kernels read (Q8_0, Q4_0, Q4_1), as
+    `BlockRows` under their canonical names, rows in the canonical order; others are absent."""
+    blocks: dict[str, BlockRows] = {}
+    interleaved_qk = preset_for_gguf(gguf.architecture).gguf_interleaved_qk
+    for gguf_name, info in gguf.tensors.items():
+        canonical = _canonical_name(gguf_name)
+        form = GGUF_FORMATS.get(info.qtype)
+        if canonical is None or form is None or len(info.shape) != 2 or info.shape[1] % 32:
+            continue
+        rows = BlockRows.from_numpy(form, gguf.raw_bytes(gguf_name), info.shape)
+        if interleaved_qk and canonical.endswith((".wq", ".wk")):
+            n_head = config.num_heads if canonical.endswith(".wq") else config.num_kv_heads
+            order = _unpermute_rows(np.arange(info.shape[0])[:, None], n_head)[:, 0]
+            rows = rows.take_rows(torch.from_numpy(np.ascontiguousarray(order)))
+        blocks[canonical] = rows
+    return blocks
 
 
 def _canonical_name(gguf_name: str) -> str | None:

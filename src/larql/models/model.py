@@ -12,7 +12,7 @@ from larql.models.cache import cached_state_dict, cached_tokenizer
 from larql.models.config import ModelConfig
 from larql.models.errors import ModelError, ModelFormatError
 from larql.models.gguf_file import GgufFile
-from larql.models.gguf_loader import gguf_config, gguf_state_dict
+from larql.models.gguf_loader import gguf_block_rows, gguf_config, gguf_state_dict
 from larql.models.hf_loader import hf_config, hf_state_dict, read_hf_config
 from larql.models.registry import resolve_model_path
 from larql.models.tokenizer import (
@@ -59,6 +59,8 @@ class Model:
         weights = ModelWeights.from_state(
             self.config, state, dtype or self.dtype, device or self.device
         )
+        if weights.device.type == "cpu" and weights.dtype != torch.float64:
+            weights.share_blocks(self.weights)  # float64, the precision reference, has none
         return Model(self.name, self.source, self.config, weights, self.tokenizer)
 
 
@@ -83,21 +85,38 @@ def parse_device(name: str) -> torch.device:
     return device
 
 
+WEIGHT_MODES = ("auto", "float")
+
+
 def load_model(
     model: str | None = None,
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
+    weights: str = "auto",
 ) -> Model:
-    """Load a registry model, a `.gguf` file or an HF directory."""
+    """Load a registry model, a `.gguf` file or an HF directory.
+
+    weights: `float` keeps every matrix dequantised to `dtype` only; `auto` also keeps a GGUF's
+    Q8_0 / Q4_0 / Q4_1 matrices in their blocks when the model runs on the CPU below float64,
+    and one-token products read those where the CPU kernels are built (`make setup`)."""
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     device = parse_device(device) if isinstance(device, str) else device
+    if weights not in WEIGHT_MODES:
+        raise ModelError(f"unknown weights mode {weights!r}; accepted: {', '.join(WEIGHT_MODES)}")
     name, path = resolve_model_path(model)
     if path.is_dir():
         config, state, tokenizer = _load_hf_dir(path, name)
     else:
         config, state, tokenizer = _load_gguf(path, name)
-    weights = ModelWeights.from_state(config, state, dtype, device)
-    return Model(name=name, source=path, config=config, weights=weights, tokenizer=tokenizer)
+    held = ModelWeights.from_state(config, state, dtype, device)
+    if weights == "auto" and _reads_blocks(path, device, dtype):
+        held.attach_blocks(gguf_block_rows(GgufFile(path), config))
+    return Model(name=name, source=path, config=config, weights=held, tokenizer=tokenizer)
+
+
+def _reads_blocks(path: Path, device: torch.device, dtype: torch.dtype) -> bool:
+    """A GGUF on the CPU, below float64 (the precision reference)."""
+    return not path.is_dir() and device.type == "cpu" and dtype != torch.float64
 
 
 def _load_gguf(path: Path, name: str) -> tuple[ModelConfig, dict, TextTokenizer]:

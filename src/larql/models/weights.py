@@ -12,10 +12,11 @@ ffn_norm, w_gate, w_up, w_down, post_ffn_norm}` (biases and optional norms may b
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from larql.models.blocks import BlockRows, fuse_layer_blocks
 from larql.models.config import ModelConfig
 from larql.models.errors import ModelFormatError
 
@@ -36,6 +37,9 @@ class LayerWeights:
     w_gate_up: torch.Tensor  # [2·F, H]
     w_down: torch.Tensor  # [H, F]
     post_ffn_norm: torch.Tensor | None  # [H]
+    # the same matrices kept in their GGUF blocks (`wqkv`, `wo`, `w_gate_up`, `w_down`), read
+    # by one-token products on the CPU instead of the float ones above
+    blocks: dict[str, BlockRows] = field(default_factory=dict)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
@@ -47,6 +51,27 @@ class ModelWeights:
     lm_head: torch.Tensor  # [V, H]; the same storage as `embed` when tied
     final_norm: torch.Tensor  # [H]
     layers: list[LayerWeights]
+    lm_head_blocks: BlockRows | None = None  # the LM head in GGUF blocks, as `blocks`
+
+    def attach_blocks(self, blocks: dict[str, BlockRows]) -> None:
+        """Keep these block matrices (canonical unfused names) beside the float weights."""
+        for i, lw in enumerate(self.layers):
+            lw.blocks = fuse_layer_blocks(blocks, i)
+        self.lm_head_blocks = blocks.get("lm_head", blocks.get("embed"))
+        if "lm_head" not in blocks and self.lm_head.data_ptr() != self.embed.data_ptr():
+            self.lm_head_blocks = None  # an untied head without blocks of its own
+
+    def share_blocks(self, other: ModelWeights) -> None:
+        """Hold the block matrices `other` holds (a copy of the same model)."""
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            mine.blocks = theirs.blocks
+        self.lm_head_blocks = other.lm_head_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of the block matrices held."""
+        held = sum(b.nbytes for lw in self.layers for b in lw.blocks.values())
+        return held + (self.lm_head_blocks.nbytes if self.lm_head_blocks is not None else 0)
 
     @classmethod
     def from_state(
@@ -124,9 +149,17 @@ class ModelWeights:
             tensors.append(self.lm_head)
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def decode_read_bytes(self) -> int:
-        """Weight bytes one decode step reads: every layer matrix, the norms and the LM head
-        (only one embedding row is read)."""
-        layer_bytes = sum(t.numel() * t.element_size() for lw in self.layers for t in lw.tensors())
+    def decode_read_bytes(self, blocks: bool = True) -> int:
+        """Weight bytes one decode step reads: every layer matrix (its blocks where it has them
+        and `blocks`: the block kernels run), the norms and the LM head (only one embedding
+        row is read)."""
+        layer_bytes = 0
+        for lw in self.layers:
+            for name, t in vars(lw).items():
+                if isinstance(t, torch.Tensor):
+                    kept = lw.blocks.get(name) if blocks else None
+                    layer_bytes += kept.nbytes if kept is not None else t.numel() * t.element_size()
         head = self.lm_head.numel() * self.lm_head.element_size()
+        if blocks and self.lm_head_blocks is not None:
+            head = self.lm_head_blocks.nbytes
         return layer_bytes + head + self.final_norm.numel() * self.final_norm.element_size()

@@ -21,6 +21,7 @@ from larql.harness.bench.step_timer import StepTimer
 from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import next_token_logits
+from larql.inference.linear import reads_blocks
 from larql.inference.memory import MemoryBreakdown
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
@@ -164,7 +165,7 @@ def bench_engines(
             label=kind.spec(),
             depth=depth,
             prompt_tokens=len(prompt_ids),
-            weight_read_bytes=model.weights.decode_read_bytes(),
+            weight_read_bytes=model.weights.decode_read_bytes(reads_blocks(model)),
             bandwidth_gbs=bandwidth_gbs,
         )
         for kind in kinds

@@ -53,8 +53,10 @@ class DenseFfn(FfnBackend):
 
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         lw = self._layers[layer]
-        gate, up = linear(x, lw.w_gate_up).chunk(2, dim=-1)  # [S, F] each
-        return linear(gated_activation(gate, self._activation) * up, lw.w_down)
+        gate, up = linear(x, lw.w_gate_up, blocks=lw.blocks.get("w_gate_up")).chunk(2, dim=-1)
+        return linear(
+            gated_activation(gate, self._activation) * up, lw.w_down, blocks=lw.blocks.get("w_down")
+        )  # [S, H]
 
 
 class NullFfn(FfnBackend):

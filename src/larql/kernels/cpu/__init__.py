@@ -1,0 +1,1 @@
+"""CPU kernels of our own, compiled at `make setup`, with torch as the fallback."""
