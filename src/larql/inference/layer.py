@@ -21,7 +21,6 @@ from larql.inference.ffn import FfnBackend
 from larql.inference.linear import linear
 from larql.inference.rope import RopeTable, apply_rope
 from larql.kernels import DecodeAttention
-from larql.kernels.cpu.build import load as load_cpu_kernels
 from larql.models.model import Model
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -212,12 +211,6 @@ def attend(
         )
     elif s == 1 and mask is None and q.device.type == "cpu" and q.dtype in _LOW_PRECISION:
         out = _decode_attention_float32(q, keys, values, cfg.attn_scale)
-    elif s == 1 and mask is None and _one_query_kernel_takes(q, keys, values):
-        # the CPU kernels' one-query attention: SDPA's fixed cost per call is most of a
-        # decode step's attention at these sizes (docs/PERFORMANCE.md)
-        kernels = load_cpu_kernels()
-        flat = q.reshape(q.shape[0], q.shape[2])  # [Hq, D]
-        out = kernels.one_query_attention(flat, keys, values, cfg.attn_scale).unsqueeze(1)
     elif q.device.type == "cuda":
         # Shapes here change from call to call (a decode query meets a new key length every
         # step; no-cache re-reads a longer prompt), and cuDNN's attention builds an execution
@@ -297,19 +290,6 @@ def _sdpa(
         scale=cfg.attn_scale,
         enable_gqa=cfg.num_heads != cfg.num_kv_heads,
     )[0]
-
-
-def _one_query_kernel_takes(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """float32 on the CPU, rows contiguous, kernels built, not inside a compiled step."""
-    return (
-        not torch.compiler.is_compiling()
-        and q.device.type == "cpu"
-        and q.dtype == keys.dtype == values.dtype == torch.float32
-        and q.is_contiguous()
-        and keys.stride(2) == 1
-        and values.stride(2) == 1
-        and load_cpu_kernels() is not None
-    )
 
 
 def _decode_attention_float32(

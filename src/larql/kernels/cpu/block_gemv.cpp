@@ -14,7 +14,6 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
-#include <vector>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -188,83 +187,11 @@ torch::Tensor block_gemv(torch::Tensor x, torch::Tensor rows, int64_t format) {
   return out;
 }
 
-namespace {
-
-#if LARQL_AVX2
-float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float total = horizontal_sum(acc);
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
-#else
-float dot(const float* a, const float* b, int64_t n) {
-  float total = 0.0f;
-  for (int64_t i = 0; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
-#endif
-
-}  // namespace
-
-// One decode query per head over its K/V head's rows, every row visible (no mask):
-// q [Hq, D], keys / values [Hkv, T, D] float32, each row contiguous (heads and rows may be
-// strided, as in a slice of a larger cache) → [Hq, D] = softmax(q·Kᵀ·scale)·V, query head h
-// reading K/V head h / (Hq / Hkv). Heads are split over torch's threads.
-torch::Tensor one_query_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
-                                  double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 2 && q.is_contiguous(),
-              "q must be contiguous float32 [Hq, D]");
-  for (const auto& kv : {keys, values}) {
-    TORCH_CHECK(kv.dtype() == torch::kFloat32 && kv.dim() == 3 && kv.stride(2) == 1,
-                "keys and values must be float32 [Hkv, T, D] with contiguous rows");
-  }
-  const int64_t heads = q.size(0), dim = q.size(1);
-  const int64_t kv_heads = keys.size(0), rows = keys.size(1);
-  TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(2) == dim && heads % kv_heads == 0,
-              "shapes do not match: q [Hq, D], keys and values [Hkv, T, D], Hkv dividing Hq");
-  TORCH_CHECK(rows > 0, "no rows to attend");
-  const int64_t group = heads / kv_heads;
-  torch::Tensor out = torch::zeros({heads, dim}, q.options());
-  const float* qs = q.data_ptr<float>();
-  const float* ks = keys.data_ptr<float>();
-  const float* vs = values.data_ptr<float>();
-  float* os = out.data_ptr<float>();
-  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> weights(rows);
-    for (int64_t h = begin; h < end; ++h) {
-      const int64_t kv = h / group;
-      const float* qh = qs + h * dim;
-      float top = -INFINITY;
-      for (int64_t t = 0; t < rows; ++t) {
-        const float* k = ks + kv * keys.stride(0) + t * keys.stride(1);
-        weights[t] = dot(qh, k, dim) * static_cast<float>(scale);
-        top = std::fmax(top, weights[t]);
-      }
-      float total = 0.0f;
-      for (int64_t t = 0; t < rows; ++t) {
-        weights[t] = std::exp(weights[t] - top);
-        total += weights[t];
-      }
-      float* oh = os + h * dim;
-      for (int64_t t = 0; t < rows; ++t) {
-        const float* v = vs + kv * values.stride(0) + t * values.stride(1);
-        const float w = weights[t] / total;
-        for (int64_t i = 0; i < dim; ++i) oh[i] += w * v[i];
-      }
-    }
-  });
-  return out;
-}
-
 // "avx2" or "scalar": the instructions this build uses. (16-wide AVX-512 measured slower on
 // the project's Zen 4 cores, which split it in two: 12.2 against 9.4 ms for SmolLM2's layers.)
 std::string simd() { return LARQL_AVX2 ? "avx2" : "scalar"; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_gemv", &block_gemv, "one-token product with GGUF block rows");
-  m.def("one_query_attention", &one_query_attention, "one decode query per head, no mask");
   m.def("simd", &simd, "the instruction set this build uses");
 }
