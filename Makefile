@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml
 
 # The CPU block kernels (C++, built for this machine; without a compiler decode keeps torch's
 # float products and this step says so).
-$(KERNELS): $(STAMP) src/larql/kernels/cpu/block_gemv.cpp src/larql/kernels/cpu/build.py
+$(KERNELS): $(STAMP) $(wildcard src/larql/kernels/cpu/*.cpp src/larql/kernels/cpu/*.h) \
+		src/larql/kernels/cpu/build.py
 	$(PY) -m larql.kernels.cpu.build
 	touch $(KERNELS)
 

@@ -12,12 +12,15 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+import larql.inference.ffn.backend as ffn_backend_module
+import larql.inference.layer as layer_module
 import larql.inference.linear as linear_module
 from larql.data import default_text
 from larql.harness.contexts import context_ids
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import next_token_logits
 from larql.inference.linear import linear, reads_blocks
+from larql.inference.rope import apply_rope
 from larql.kernels.cpu.build import load as load_block_kernels
 from larql.kv import parse_engine
 from larql.models import Model, load_model
@@ -128,3 +131,71 @@ def test_float_weights_keep_no_blocks(float_smollm2: Model) -> None:
     weights = float_smollm2.weights
     assert weights.lm_head_blocks is None and not weights.layers[0].blocks
     assert weights.block_bytes == 0
+
+
+def _kernels_or_skip():
+    kernels = load_block_kernels()
+    if kernels is None:
+        pytest.skip("the CPU block kernels are not built")
+    return kernels
+
+
+@pytest.mark.parametrize("rotary", [64, 32])
+def test_fused_qkv_is_norm_product_and_rope(rotary: int) -> None:
+    kernels = _kernels_or_skip()
+    heads, kv_heads, dim, width = 4, 2, 64, 256
+    rows = _random_rows(GGMLQuantizationType.Q4_1, (heads + 2 * kv_heads) * dim, width, 3)
+    g = torch.Generator().manual_seed(4)
+    h, norm = torch.randn(1, width, generator=g), torch.rand(width, generator=g) + 0.5
+    bias = torch.randn(rows.out_features, generator=g)
+    angles = torch.rand(rotary // 2, generator=g) * 6
+    cos = torch.cat((angles.cos(), angles.cos()))
+    sin = torch.cat((-angles.sin(), angles.sin()))
+    got = kernels.decode_qkv(h, norm, 1e-5, rows.data, FORMAT_CODES["q4_1"], bias, cos, sin,
+                             heads + kv_heads, dim)  # fmt: skip
+    x = F.rms_norm(h.double(), (width,), norm.double(), 1e-5)
+    qkv = (x @ rows.dequantize().double().T + bias.double()).view(-1, dim)  # [heads, D]
+    rotated = qkv[: heads + kv_heads]
+    want = qkv.clone()
+    want[: heads + kv_heads] = apply_rope(rotated.unsqueeze(1), cos.double()[None],
+                                          sin.double()[None]).squeeze(1)  # fmt: skip
+    assert torch.allclose(got.double(), want.reshape(-1), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_fused_residual_products(qtype: GGMLQuantizationType) -> None:
+    kernels = _kernels_or_skip()
+    code = FORMAT_CODES[GGUF_FORMATS[qtype]]
+    width, hidden = 128, 320
+    g = torch.Generator().manual_seed(5)
+    h, attn = torch.randn(1, width, generator=g), torch.randn(1, 96, generator=g)
+    wo, bias = _random_rows(qtype, width, 96, 6), torch.randn(width, generator=g)
+    want = h.double() + attn.double() @ wo.dequantize().double().T + bias.double()
+    got = kernels.residual_gemv(h, attn, wo.data, code, bias)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+    gate_up, down = _random_rows(qtype, 2 * hidden, width, 7), _random_rows(qtype, width, hidden, 8)
+    norm = torch.rand(width, generator=g) + 0.5
+    x = F.rms_norm(h.double(), (width,), norm.double(), 1e-6)
+    gate, up = (x @ gate_up.dequantize().double().T).chunk(2, dim=-1)
+    want = h.double() + (F.silu(gate) * up) @ down.dequantize().double().T
+    got = kernels.residual_ffn(h, norm, 1e-6, gate_up.data, code, down.data, code)
+    # float32 sums over 320 products of values in the hundreds
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_fused_decode_step_matches_the_operator_path(
+    blocks_smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _kernels_or_skip()
+    ids = context_ids(blocks_smollm2, 48, default_text())
+    logits = []
+    for fused in (True, False):
+        if not fused:  # the torch operators, still over the blocks' products
+            monkeypatch.setattr(layer_module, "fused_kernels", lambda h: None)
+            monkeypatch.setattr(ffn_backend_module, "fused_kernels", lambda h: None)
+        ffn, engine = DenseFfn(blocks_smollm2), parse_engine("standard").build(blocks_smollm2)
+        with torch.inference_mode():
+            engine.prefill(blocks_smollm2, ffn, ids)
+            steps = [engine.decode_step(blocks_smollm2, ffn, t) for t in (42, 7, 1999)]
+        logits.append(torch.stack([next_token_logits(blocks_smollm2, s) for s in steps]))
+    assert torch.allclose(logits[0], logits[1], rtol=1e-4, atol=1e-3)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from larql.inference.ffn import FfnBackend
+from larql.inference.fused import code, fused_kernels
 from larql.inference.linear import linear
 from larql.inference.rope import RopeTable, apply_rope
 from larql.kernels import DecodeAttention
@@ -137,9 +138,23 @@ def project_qkv_with_rope(
     cfg = model.config
     lw = model.weights.layers[layer]
     s = h.shape[0]
+    blocks = lw.blocks.get("wqkv")
+    plain = lw.q_norm is None and lw.k_norm is None
+    if plain and blocks is not None and (kernels := fused_kernels(h)) is not None:
+        # one row: norm, product and RoPE of q and k in one compiled call
+        qkv = kernels.decode_qkv(
+            h, lw.attn_norm, cfg.norm_eps, blocks.data, code(blocks), lw.bqkv,
+            cos.reshape(-1), sin.reshape(-1), cfg.num_heads + cfg.num_kv_heads, cfg.head_dim,
+        )  # fmt: skip
+        q, k, v = qkv.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim])
+        return (
+            q.view(cfg.num_heads, 1, cfg.head_dim),
+            k.view(cfg.num_kv_heads, 1, cfg.head_dim),
+            v.view(cfg.num_kv_heads, 1, cfg.head_dim),
+        )
     x = rms_norm(h, lw.attn_norm, cfg.norm_eps)
-    qkv = linear(x, lw.wqkv, lw.bqkv, lw.blocks.get("wqkv"))  # [S, q_dim + 2·kv_dim]
-    if lw.q_norm is None and lw.k_norm is None:
+    qkv = linear(x, lw.wqkv, lw.bqkv, blocks)  # [S, q_dim + 2·kv_dim]
+    if plain:
         # q and k rotate together: one set of RoPE kernels for both
         qk = qkv[:, : cfg.q_dim + cfg.kv_dim].view(s, cfg.num_heads + cfg.num_kv_heads, -1)
         qk = apply_rope(qk.transpose(0, 1), cos, sin)  # [Hq + Hkv, S, D]
@@ -349,7 +364,12 @@ def attention_block(
 def attention_output(model: Model, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """Output projection (+ post-attention norm) added to the residual: [S, H]."""
     lw = model.weights.layers[layer]
-    out = linear(attn, lw.wo, lw.bo, lw.blocks.get("wo"))
+    blocks = lw.blocks.get("wo")
+    kernels = fused_kernels(h) if lw.post_attn_norm is None and blocks is not None else None
+    if kernels is not None:
+        attn = attn.contiguous()
+        return kernels.residual_gemv(h.contiguous(), attn, blocks.data, code(blocks), lw.bo)
+    out = linear(attn, lw.wo, lw.bo, blocks)
     if lw.post_attn_norm is not None:
         out = rms_norm(out, lw.post_attn_norm, model.config.norm_eps)
     return h + out
@@ -359,6 +379,9 @@ def ffn_block(model: Model, layer: int, h: torch.Tensor, ffn: FfnBackend) -> tor
     """Residual after attention h: [S, H] → residual after the FFN [S, H]."""
     lw = model.weights.layers[layer]
     eps = model.config.norm_eps
+    fused = None if lw.post_ffn_norm is not None else ffn.fused_block(layer, h, lw.ffn_norm, eps)
+    if fused is not None:
+        return fused
     out = ffn.forward(layer, rms_norm(h, lw.ffn_norm, eps))
     if lw.post_ffn_norm is not None:
         out = rms_norm(out, lw.post_ffn_norm, eps)

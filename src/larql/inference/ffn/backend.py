@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
+from larql.inference.fused import code, fused_kernels
 from larql.inference.linear import linear
 from larql.models.model import Model
 
@@ -28,6 +29,13 @@ class FfnBackend(ABC):
     @abstractmethod
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """x: [S, H] pre-FFN-normed → FFN output [S, H]."""
+
+    def fused_block(
+        self, layer: int, h: torch.Tensor, norm: torch.Tensor, eps: float
+    ) -> torch.Tensor | None:
+        """h + FFN(rms_norm(h)) [S, H] in one compiled call where this backend has one for h,
+        else None (the caller then norms, calls `forward` and adds)."""
+        return None
 
     def close(self) -> None:
         return None
@@ -50,6 +58,20 @@ class DenseFfn(FfnBackend):
     def __init__(self, model: Model) -> None:
         self._layers = model.weights.layers
         self._activation = model.config.arch.activation
+
+    def fused_block(
+        self, layer: int, h: torch.Tensor, norm: torch.Tensor, eps: float
+    ) -> torch.Tensor | None:
+        lw = self._layers[layer]
+        gate_up, down = lw.blocks.get("w_gate_up"), lw.blocks.get("w_down")
+        if gate_up is None or down is None or self._activation != "silu":
+            return None
+        kernels = fused_kernels(h)
+        if kernels is None:
+            return None
+        return kernels.residual_ffn(
+            h.contiguous(), norm, eps, gate_up.data, code(gate_up), down.data, code(down)
+        )  # [1, H]
 
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         lw = self._layers[layer]

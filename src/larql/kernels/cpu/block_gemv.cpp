@@ -1,189 +1,35 @@
-// One-token products with GGUF block-quantised weight rows: out[n] = Σ_k W[n, k] · x[k].
-//
-// The weights stay in their GGUF blocks of 32 (Q8_0, Q4_0, Q4_1) and are expanded to float
-// in registers; x stays float32, so the result is the float product with the dequantised
-// weights up to the order of the float sums. Per block b of row n, with S_b = Σ_i q_i x_i
-// over the block's codes and X_b = Σ_i x_i (computed once per call):
-//   Q8_0: d · S_b                (weight = d · q)
-//   Q4_0: d · S_b − 8 d · X_b    (weight = d · (q − 8))
-//   Q4_1: d · S_b + m · X_b      (weight = d · q + m)
-// Q4 blocks hold elements 0–15 in the low nibbles of their 16 bytes, 16–31 in the high ones.
-// Rows are split over torch's intra-op threads. With AVX2 + FMA + F16C a block is four 8-wide
-// multiply-adds; without them a scalar loop computes the same sums.
+// The one-token product with GGUF block rows, as a torch operator (the arithmetic is in
+// block_dot.h).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <string>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define LARQL_AVX2 1
-#else
-#define LARQL_AVX2 0
-#endif
+#include "block_dot.h"
 
-namespace {
+namespace larql {
 
-constexpr int64_t kBlock = 32;
-
-enum class Format : int { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
-
-int64_t block_bytes(Format f) {
-  switch (f) {
-    case Format::Q8_0: return 34;
-    case Format::Q4_0: return 18;
-    case Format::Q4_1: return 20;
-  }
-  return 0;
+Format checked_format(int64_t format) {
+  TORCH_CHECK(format >= 0 && format <= 2, "format must be 0 (Q8_0), 1 (Q4_0) or 2 (Q4_1)");
+  return static_cast<Format>(format);
 }
 
-float half_to_float(uint16_t h) {
-#if LARQL_AVX2
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = (h & 0x8000u) << 16;
-  uint32_t exponent = (h >> 10) & 0x1f;
-  uint32_t mantissa = h & 0x3ffu;
-  uint32_t bits;
-  if (exponent == 0) {
-    if (mantissa == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      exponent = 127 - 15 + 1;
-      while ((mantissa & 0x400u) == 0) {
-        mantissa <<= 1;
-        --exponent;
-      }
-      bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
-    }
-  } else if (exponent == 31) {
-    bits = sign | 0x7f800000u | (mantissa << 13);
-  } else {
-    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
-  }
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-#endif
+void check_rows(const torch::Tensor& rows, Format f, int64_t width) {
+  TORCH_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 2 && rows.is_contiguous(),
+              "rows must be contiguous uint8 [N, row_bytes]");
+  TORCH_CHECK(width % kBlock == 0, "the input width must be a multiple of 32");
+  TORCH_CHECK(rows.size(1) == width / kBlock * block_bytes(f), "row bytes do not match the width");
 }
-
-uint16_t read_u16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// Σ x over each block of 32: [K/32].
-void block_sums(const float* x, int64_t k, float* sums) {
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    float sum = 0.0f;
-    for (int i = 0; i < kBlock; ++i) sum += x[b * kBlock + i];
-    sums[b] = sum;
-  }
-}
-
-#if LARQL_AVX2
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// Σ_i q_i x_i over one block: q as 32 int8 (Q8_0) or 16 bytes of nibbles (Q4), x float [32].
-inline __m256 codes_times_x(__m128i first16, __m128i last16, bool is_signed, const float* x) {
-  const __m128i parts[4] = {first16, _mm_srli_si128(first16, 8), last16, _mm_srli_si128(last16, 8)};
-  __m256 sum = _mm256_setzero_ps();
-  for (int j = 0; j < 4; ++j) {
-    const __m256i wide = is_signed ? _mm256_cvtepi8_epi32(parts[j]) : _mm256_cvtepu8_epi32(parts[j]);
-    sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), _mm256_loadu_ps(x + 8 * j), sum);
-  }
-  return sum;
-}
-#endif
-
-float row_dot(Format f, const uint8_t* row, int64_t blocks, const float* x, const float* sums) {
-  const int64_t stride = block_bytes(f);
-  float offset = 0.0f;  // the −8 d · X_b or m · X_b terms
-#if LARQL_AVX2
-  __m256 acc = _mm256_setzero_ps();
-  const __m128i mask = _mm_set1_epi8(0x0f);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = row + b * stride;
-    const float* xb = x + b * kBlock;
-    const float d = half_to_float(read_u16(block));
-    __m256 dot;
-    if (f == Format::Q8_0) {
-      const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
-      const __m128i last = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
-      dot = codes_times_x(first, last, true, xb);
-    } else {
-      const uint8_t* qs = block + (f == Format::Q4_0 ? 2 : 4);
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-      const __m128i low = _mm_and_si128(packed, mask);
-      const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-      dot = codes_times_x(low, high, false, xb);
-      offset += f == Format::Q4_0 ? -8.0f * d * sums[b]
-                                  : half_to_float(read_u16(block + 2)) * sums[b];
-    }
-    acc = _mm256_fmadd_ps(dot, _mm256_set1_ps(d), acc);
-  }
-  return horizontal_sum(acc) + offset;
-#else
-  float total = 0.0f;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = row + b * stride;
-    const float* xb = x + b * kBlock;
-    const float d = half_to_float(read_u16(block));
-    float dot = 0.0f;
-    if (f == Format::Q8_0) {
-      const int8_t* wq = reinterpret_cast<const int8_t*>(block + 2);
-      for (int i = 0; i < kBlock; ++i) dot += static_cast<float>(wq[i]) * xb[i];
-    } else {
-      const uint8_t* qs = block + (f == Format::Q4_0 ? 2 : 4);
-      for (int i = 0; i < 16; ++i) {
-        dot += static_cast<float>(qs[i] & 0x0f) * xb[i] + static_cast<float>(qs[i] >> 4) * xb[i + 16];
-      }
-      offset += f == Format::Q4_0 ? -8.0f * d * sums[b]
-                                  : half_to_float(read_u16(block + 2)) * sums[b];
-    }
-    total += d * dot;
-  }
-  return total + offset;
-#endif
-}
-
-}  // namespace
 
 // x: float32 [K] contiguous; rows: uint8 [N, K/32 · block bytes]; format 0 Q8_0, 1 Q4_0,
 // 2 Q4_1 → float32 [N].
 torch::Tensor block_gemv(torch::Tensor x, torch::Tensor rows, int64_t format) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 1 && x.is_contiguous(),
               "x must be a contiguous float32 vector");
-  TORCH_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 2 && rows.is_contiguous(),
-              "rows must be contiguous uint8 [N, row_bytes]");
-  TORCH_CHECK(format >= 0 && format <= 2, "format must be 0 (Q8_0), 1 (Q4_0) or 2 (Q4_1)");
-  const Format f = static_cast<Format>(format);
-  const int64_t k = x.size(0);
-  TORCH_CHECK(k % kBlock == 0, "the input width must be a multiple of 32");
-  const int64_t blocks = k / kBlock;
-  TORCH_CHECK(rows.size(1) == blocks * block_bytes(f), "row bytes do not match the width");
-  const int64_t n = rows.size(0);
-  std::vector<float> sums(blocks);
-  const float* xs = x.data_ptr<float>();
-  block_sums(xs, k, sums.data());
-  torch::Tensor out = torch::empty({n}, x.options());
-  float* dst = out.data_ptr<float>();
-  const uint8_t* base = rows.data_ptr<uint8_t>();
-  const int64_t row_bytes = rows.size(1);
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      dst[r] = row_dot(f, base + r * row_bytes, blocks, xs, sums.data());
-    }
-  });
+  const Format f = checked_format(format);
+  check_rows(rows, f, x.size(0));
+  torch::Tensor out = torch::empty({rows.size(0)}, x.options());
+  gemv(f, rows.data_ptr<uint8_t>(), rows.size(1), rows.size(0), x.data_ptr<float>(), x.size(0),
+       out.data_ptr<float>());
   return out;
 }
 
@@ -191,7 +37,4 @@ torch::Tensor block_gemv(torch::Tensor x, torch::Tensor rows, int64_t format) {
 // the project's Zen 4 cores, which split it in two: 12.2 against 9.4 ms for SmolLM2's layers.)
 std::string simd() { return LARQL_AVX2 ? "avx2" : "scalar"; }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("block_gemv", &block_gemv, "one-token product with GGUF block rows");
-  m.def("simd", &simd, "the instruction set this build uses");
-}
+}  // namespace larql

@@ -1,4 +1,5 @@
-"""Building and loading the CPU block-product extension (`block_gemv.cpp`).
+"""Building and loading the CPU decode extension: the block product (`block_dot.h`,
+`block_gemv.cpp`) and the decode step's fused layer pieces (`decode_layer.cpp`).
 
 `make setup` builds it (`python -m larql.kernels.cpu.build`) into a folder of the venv keyed
 by the source, torch's version and this CPU's instruction-set flags, with `-O3 -march=native`:
@@ -19,7 +20,9 @@ from types import ModuleType
 import torch
 
 NAME = "larql_block_gemv"
-SOURCE = Path(__file__).with_name("block_gemv.cpp")
+HERE = Path(__file__).parent
+SOURCES = sorted(HERE.glob("*.cpp"))
+HEADERS = sorted(HERE.glob("*.h"))
 # -fopenmp: at::parallel_for splits the rows over threads only in code built with OpenMP
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp"]
 
@@ -37,8 +40,8 @@ def _cpu_flags() -> str:
 def build_dir() -> Path:
     """Where this source, torch and CPU's build lives."""
     key = hashlib.sha256()
-    parts = (SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(),
-             _cpu_flags().encode())  # fmt: skip
+    code = [path.read_bytes() for path in SOURCES + HEADERS]
+    parts = (*code, " ".join(FLAGS).encode(), torch.__version__.encode(), _cpu_flags().encode())
     for part in parts:
         key.update(part)
     return Path(sys.prefix) / "share" / "larql-kernels" / key.hexdigest()[:16]
@@ -54,7 +57,7 @@ def build(verbose: bool = False) -> ModuleType:
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     return compile_and_load(
         name=NAME,
-        sources=[str(SOURCE)],
+        sources=[str(path) for path in SOURCES],
         extra_cflags=FLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(where),

@@ -1,0 +1,26 @@
+// The extension's Python module: the block product and the decode step's layer pieces.
+#include <torch/extension.h>
+
+#include <string>
+
+namespace larql {
+torch::Tensor block_gemv(torch::Tensor x, torch::Tensor rows, int64_t format);
+std::string simd();
+torch::Tensor decode_qkv(torch::Tensor h, torch::Tensor norm_weight, double eps,
+                         torch::Tensor rows, int64_t format, c10::optional<torch::Tensor> bias,
+                         torch::Tensor cos, torch::Tensor sin, int64_t rope_heads,
+                         int64_t head_dim);
+torch::Tensor residual_gemv(torch::Tensor h, torch::Tensor attn, torch::Tensor rows,
+                            int64_t format, c10::optional<torch::Tensor> bias);
+torch::Tensor residual_ffn(torch::Tensor h, torch::Tensor norm_weight, double eps,
+                           torch::Tensor gate_up, int64_t gate_up_format, torch::Tensor down,
+                           int64_t down_format);
+}  // namespace larql
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("block_gemv", &larql::block_gemv, "one-token product with GGUF block rows");
+  m.def("simd", &larql::simd, "the instruction set this build uses");
+  m.def("decode_qkv", &larql::decode_qkv, "rms_norm → fused QKV product → RoPE, one row");
+  m.def("residual_gemv", &larql::residual_gemv, "h + W · x, one row");
+  m.def("residual_ffn", &larql::residual_ffn, "h + the gated SiLU MLP of rms_norm(h), one row");
+}
