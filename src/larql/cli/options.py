@@ -19,8 +19,10 @@ WeightsOption = Annotated[
     str,
     typer.Option(
         "--weights",
-        help="auto: a GGUF's Q8_0/Q4_0/Q4_1 matrices stay in their blocks for one-token products "
-        "on the CPU (kernels built by make setup); float: every matrix dequantised to --dtype.",
+        help="auto (= blocks-int8): a GGUF's Q8_0/Q4_0/Q4_1 matrices stay in their blocks for "
+        "one-token products on the CPU (kernels built by make setup), the input rounded to int8 "
+        "per block of 32; blocks-float: the same with a float32 input (the float path's tokens); "
+        "float: every matrix dequantised to --dtype.",
     ),
 ]
 ThreadsOption = Annotated[

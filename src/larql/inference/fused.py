@@ -1,7 +1,8 @@
-"""The compiled decode-step pieces (`larql.kernels.cpu`: fused QKV + RoPE, output projection +
-residual, the whole gated MLP + residual) where one row runs through them: a float32 row on the
-CPU whose matrices the model holds in GGUF blocks. `layer.py` asks here first and otherwise
-runs the torch operators, which stay the reference the pieces are tested against."""
+"""The compiled decode-step pieces (`larql.kernels.cpu`) where one float32 row on the CPU runs
+through them: fused QKV + RoPE, output projection + residual and the whole gated MLP + residual
+for matrices the model holds in GGUF blocks, and one query's attention over float32 K/V rows
+(any model). `layer.py` asks here first and otherwise runs the torch operators, which stay the
+reference the pieces are tested against."""
 
 from __future__ import annotations
 
@@ -20,6 +21,18 @@ def fused_kernels(h: torch.Tensor) -> ModuleType | None:
     if h.requires_grad or torch.compiler.is_compiling():
         return None
     return load_block_kernels()
+
+
+def attention_kernels(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> ModuleType | None:
+    """The extension when q: [Hq, 1, D] is one float32 query on the CPU over float32 K/V
+    rows [Hkv, T, D] with unit stride over D, else None."""
+    if q.shape[1] != 1 or keys.dtype != torch.float32 or values.dtype != torch.float32:
+        return None
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        return None
+    return fused_kernels(q[0])
 
 
 def code(blocks: BlockRows) -> int:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from larql.inference.ffn import FfnBackend
-from larql.inference.fused import code, fused_kernels
+from larql.inference.fused import attention_kernels, code, fused_kernels
 from larql.inference.linear import linear
 from larql.inference.rope import RopeTable, apply_rope
 from larql.kernels import DecodeAttention
@@ -145,6 +145,7 @@ def project_qkv_with_rope(
         qkv = kernels.decode_qkv(
             h, lw.attn_norm, cfg.norm_eps, blocks.data, code(blocks), lw.bqkv,
             cos.reshape(-1), sin.reshape(-1), cfg.num_heads + cfg.num_kv_heads, cfg.head_dim,
+            blocks.int8_input,
         )  # fmt: skip
         q, k, v = qkv.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim])
         return (
@@ -224,6 +225,8 @@ def attend(
         out = _softcapped_attention(
             q, keys, values, mask, causal, cfg.attn_scale, cfg.arch.attn_softcap
         )
+    elif s == 1 and mask is None and (kernels := attention_kernels(q, keys, values)) is not None:
+        return kernels.decode_attention(q.contiguous(), keys, values, cfg.attn_scale)  # [1, q_dim]
     elif s == 1 and mask is None and q.device.type == "cpu" and q.dtype in _LOW_PRECISION:
         out = _decode_attention_float32(q, keys, values, cfg.attn_scale)
     elif q.device.type == "cuda":
@@ -368,7 +371,9 @@ def attention_output(model: Model, layer: int, h: torch.Tensor, attn: torch.Tens
     kernels = fused_kernels(h) if lw.post_attn_norm is None and blocks is not None else None
     if kernels is not None:
         attn = attn.contiguous()
-        return kernels.residual_gemv(h.contiguous(), attn, blocks.data, code(blocks), lw.bo)
+        return kernels.residual_gemv(
+            h.contiguous(), attn, blocks.data, code(blocks), lw.bo, blocks.int8_input
+        )
     out = linear(attn, lw.wo, lw.bo, blocks)
     if lw.post_attn_norm is not None:
         out = rms_norm(out, lw.post_attn_norm, model.config.norm_eps)

@@ -51,7 +51,8 @@ def linear(
     if blocks is not None and x.dtype != torch.float64 and (kernels := load_block_kernels()):
         # float64 is the precision reference: it keeps the float product
         row = x.reshape(-1).to(torch.float32).contiguous()  # [in]
-        out = kernels.block_gemv(row, blocks.data, FORMAT_CODES[blocks.format])  # [out] f32
+        code = FORMAT_CODES[blocks.format]
+        out = kernels.block_gemv(row, blocks.data, code, blocks.int8_input)  # [out] f32
         out = out.to(x.dtype).view(1, -1)
         return out if bias is None else out + bias
     blocks = torch.get_num_threads()

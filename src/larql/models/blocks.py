@@ -10,13 +10,15 @@ A Q4 block's byte j holds element j in its low nibble and element j + 16 in its 
 
 `dequantize` is the pure-torch reference of these layouts (tested against the `gguf` package)
 and of the compiled product (`larql.kernels.cpu`), which expands the blocks in registers and
-multiplies them with a float32 x: the float product with the dequantised weights, up to the
-order of its sums.
+multiplies them with x. With `int8_input` False, x stays float32: the float product with the
+dequantised weights, up to the order of its sums. With it True (`--weights auto`), x is first
+rounded to int8 per block of 32 (scale max|x| / 127, as llama.cpp does) and the block sums
+are integer: the float product with that rounded x.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -39,6 +41,7 @@ class BlockRows:
     format: str  # a key of BLOCK_BYTES
     data: torch.Tensor  # uint8 [out_features, in_features / 32 · BLOCK_BYTES[format]]
     in_features: int
+    int8_input: bool = False  # one-row products round x to int8 per block of 32 first
 
     @property
     def out_features(self) -> int:
@@ -57,16 +60,17 @@ class BlockRows:
 
     def take_rows(self, order: torch.Tensor) -> BlockRows:
         """The rows in another order (order: [out] int64)."""
-        return BlockRows(self.format, self.data[order].contiguous(), self.in_features)
+        return replace(self, data=self.data[order].contiguous())
 
     @staticmethod
     def stack(parts: list[BlockRows]) -> BlockRows:
         """Matrices of one format and width, one below the other (a fused QKV, say)."""
         formats = {p.format for p in parts}
         widths = {p.in_features for p in parts}
-        if len(formats) != 1 or len(widths) != 1:
+        inputs = {p.int8_input for p in parts}
+        if len(formats) != 1 or len(widths) != 1 or len(inputs) != 1:
             raise ValueError(f"cannot stack blocks of formats {formats} and widths {widths}")
-        return BlockRows(parts[0].format, torch.cat([p.data for p in parts]), parts[0].in_features)
+        return replace(parts[0], data=torch.cat([p.data for p in parts]))
 
     def dequantize(self) -> torch.Tensor:
         """→ float32 [out_features, in_features]."""

@@ -70,8 +70,9 @@ class DenseFfn(FfnBackend):
         if kernels is None:
             return None
         return kernels.residual_ffn(
-            h.contiguous(), norm, eps, gate_up.data, code(gate_up), down.data, code(down)
-        )  # [1, H]
+            h.contiguous(), norm, eps, gate_up.data, code(gate_up), down.data, code(down),
+            gate_up.int8_input,
+        )  # fmt: skip  # [1, H]
 
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         lw = self._layers[layer]

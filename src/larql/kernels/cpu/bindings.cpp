@@ -4,17 +4,19 @@
 #include <string>
 
 namespace larql {
-torch::Tensor block_gemv(torch::Tensor x, torch::Tensor rows, int64_t format);
+torch::Tensor block_gemv(torch::Tensor x, torch::Tensor rows, int64_t format, bool int8_input);
 std::string simd();
 torch::Tensor decode_qkv(torch::Tensor h, torch::Tensor norm_weight, double eps,
                          torch::Tensor rows, int64_t format, c10::optional<torch::Tensor> bias,
                          torch::Tensor cos, torch::Tensor sin, int64_t rope_heads,
-                         int64_t head_dim);
+                         int64_t head_dim, bool int8_input);
 torch::Tensor residual_gemv(torch::Tensor h, torch::Tensor attn, torch::Tensor rows,
-                            int64_t format, c10::optional<torch::Tensor> bias);
+                            int64_t format, c10::optional<torch::Tensor> bias, bool int8_input);
 torch::Tensor residual_ffn(torch::Tensor h, torch::Tensor norm_weight, double eps,
                            torch::Tensor gate_up, int64_t gate_up_format, torch::Tensor down,
-                           int64_t down_format);
+                           int64_t down_format, bool int8_input);
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
+                               double scale);
 }  // namespace larql
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -22,5 +24,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd", &larql::simd, "the instruction set this build uses");
   m.def("decode_qkv", &larql::decode_qkv, "rms_norm → fused QKV product → RoPE, one row");
   m.def("residual_gemv", &larql::residual_gemv, "h + W · x, one row");
+  m.def("decode_attention", &larql::decode_attention, "one query's attention over K/V rows");
   m.def("residual_ffn", &larql::residual_ffn, "h + the gated SiLU MLP of rms_norm(h), one row");
 }

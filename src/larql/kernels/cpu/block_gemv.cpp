@@ -21,20 +21,27 @@ void check_rows(const torch::Tensor& rows, Format f, int64_t width) {
 }
 
 // x: float32 [K] contiguous; rows: uint8 [N, K/32 · block bytes]; format 0 Q8_0, 1 Q4_0,
-// 2 Q4_1 → float32 [N].
-torch::Tensor block_gemv(torch::Tensor x, torch::Tensor rows, int64_t format) {
+// 2 Q4_1; int8_input: quantise x to int8 per block of 32 first → float32 [N].
+torch::Tensor block_gemv(torch::Tensor x, torch::Tensor rows, int64_t format, bool int8_input) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 1 && x.is_contiguous(),
               "x must be a contiguous float32 vector");
   const Format f = checked_format(format);
   check_rows(rows, f, x.size(0));
   torch::Tensor out = torch::empty({rows.size(0)}, x.options());
-  gemv(f, rows.data_ptr<uint8_t>(), rows.size(1), rows.size(0), x.data_ptr<float>(), x.size(0),
+  gemv_with(int8_input, f, rows.data_ptr<uint8_t>(), rows.size(1), rows.size(0),
+            x.data_ptr<float>(), x.size(0),
        out.data_ptr<float>());
   return out;
 }
 
 // "avx2" or "scalar": the instructions this build uses. (16-wide AVX-512 measured slower on
 // the project's Zen 4 cores, which split it in two: 12.2 against 9.4 ms for SmolLM2's layers.)
-std::string simd() { return LARQL_AVX2 ? "avx2" : "scalar"; }
+std::string simd() {
+#if LARQL_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return "avx2+vnni";
+#else
+  return LARQL_AVX2 ? "avx2" : "scalar";
+#endif
+}
 
 }  // namespace larql

@@ -1,0 +1,154 @@
+// One decode query's attention over a layer's K/V rows, float32, grouped query heads:
+//
+//   out[h] = Σ_t softmax_t(scale · q[h] · k[g(h), t]) · v[g(h), t],   g(h) = h / (Hq / Hkv)
+//
+// The rows are split into chunks over torch's intra-op threads (flash-decoding): each chunk
+// keeps, per query head, its running maximum m, its sum l = Σ e^{s − m} and its weighted rows
+// a = Σ e^{s − m} v; the chunks then combine with weights e^{m_c − M}. Every key and value row
+// is read once for all the query heads that share it. The cache rows come as torch hands them
+// out ([Hkv, T, D] views of token-major storage), so nothing is copied.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "block_dot.h"
+
+namespace larql {
+
+namespace {
+
+constexpr int64_t kChunkRows = 64;  // fewest rows worth a chunk of their own
+
+inline float dot(const float* a, const float* b, int64_t n) {
+#if LARQL_AVX2
+  if (n % 8 == 0) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    }
+    return horizontal_sum(acc);
+  }
+#endif
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// acc[0:n] += w · row[0:n]
+inline void add_scaled(float* acc, const float* row, float w, int64_t n) {
+#if LARQL_AVX2
+  if (n % 8 == 0) {
+    const __m256 weight = _mm256_set1_ps(w);
+    for (int64_t i = 0; i < n; i += 8) {
+      _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + i),
+                                                _mm256_loadu_ps(acc + i)));
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) acc[i] += w * row[i];
+}
+
+struct Rows {
+  const float* data;
+  int64_t head_stride;
+  int64_t row_stride;
+  const float* at(int64_t head, int64_t row) const {
+    return data + head * head_stride + row * row_stride;
+  }
+};
+
+void check_cache(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 3 && t.stride(2) == 1, name,
+              " must be float32 [Hkv, T, D] with unit stride over D");
+}
+
+}  // namespace
+
+// q: float32 [Hq, 1, D] (contiguous); keys, values: float32 [Hkv, T, D], any head and row
+// strides → float32 [1, Hq · D].
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
+                               double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3 && q.size(1) == 1 && q.is_contiguous(),
+              "q must be contiguous float32 [Hq, 1, D]");
+  check_cache(keys, "keys");
+  check_cache(values, "values");
+  const int64_t heads = q.size(0), dim = q.size(2);
+  const int64_t kv_heads = keys.size(0), rows = keys.size(1);
+  TORCH_CHECK(values.sizes() == keys.sizes(), "keys and values differ in shape");
+  TORCH_CHECK(keys.size(2) == dim, "keys' width is not the query's");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of K/V heads");
+  TORCH_CHECK(rows > 0, "no rows to attend to");
+  const int64_t group = heads / kv_heads;
+  const Rows k{keys.data_ptr<float>(), keys.stride(0), keys.stride(1)};
+  const Rows v{values.data_ptr<float>(), values.stride(0), values.stride(1)};
+  const float* qs = q.data_ptr<float>();
+  const float softmax_scale = static_cast<float>(scale);
+
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), rows / kChunkRows));
+  const int64_t per_chunk = (rows + chunks - 1) / chunks;
+  std::vector<float> maxima(chunks * heads), sums(chunks * heads), partial(chunks * heads * dim);
+
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(heads * per_chunk);
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t first = c * per_chunk, last = std::min(rows, first + per_chunk);
+      const int64_t n = last - first;
+      for (int64_t t = 0; t < n; ++t) {  // rows outer: token-major storage streams in order
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          const float* key = k.at(g, first + t);
+          for (int64_t j = 0; j < group; ++j) {
+            const int64_t h = g * group + j;
+            scores[h * per_chunk + t] = softmax_scale * dot(qs + h * dim, key, dim);
+          }
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        float* s = scores.data() + h * per_chunk;
+        const float m = *std::max_element(s, s + n);
+        float l = 0.0f;
+        for (int64_t t = 0; t < n; ++t) {
+          s[t] = std::exp(s[t] - m);
+          l += s[t];
+        }
+        maxima[c * heads + h] = m;
+        sums[c * heads + h] = l;
+      }
+      float* acc = partial.data() + c * heads * dim;
+      std::fill(acc, acc + heads * dim, 0.0f);
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          const float* value = v.at(g, first + t);
+          for (int64_t j = 0; j < group; ++j) {
+            const int64_t h = g * group + j;
+            add_scaled(acc + h * dim, value, scores[h * per_chunk + t], dim);
+          }
+        }
+      }
+    }
+  });
+
+  torch::Tensor out = torch::zeros({1, heads * dim}, q.options());
+  float* o = out.data_ptr<float>();
+  for (int64_t h = 0; h < heads; ++h) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < chunks; ++c) top = std::max(top, maxima[c * heads + h]);
+    float total = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float weight = std::exp(maxima[c * heads + h] - top);
+      total += weight * sums[c * heads + h];
+      add_scaled(o + h * dim, partial.data() + (c * heads + h) * dim, weight, dim);
+    }
+    const float inverse = 1.0f / total;
+    for (int64_t i = 0; i < dim; ++i) o[h * dim + i] *= inverse;
+  }
+  return out;
+}
+
+}  // namespace larql
