@@ -58,6 +58,7 @@ class GenerationSession:
         sampler: Sampler | None = None,
         stop_ids: frozenset[int] | None = None,
         max_positions: int | None = None,
+        keep_prompt_rows: bool = False,
     ) -> None:
         if not prompt_ids:
             raise EmptyPrompt()
@@ -75,6 +76,11 @@ class GenerationSession:
         self.finished = self.budget <= 0
         self.prefill_ms = 0.0
         self.step_ms: list[float] = []
+        self.keep_prompt_rows = keep_prompt_rows
+        # every hidden row the engine's prefill returned, ending with the prompt's last [S', H]
+        # (kept only with `keep_prompt_rows`: scoring the prompt needs them)
+        self.prompt_rows: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None  # [V] the raw logits of the last pick
 
     @property
     def started(self) -> bool:
@@ -86,8 +92,11 @@ class GenerationSession:
             raise InvariantViolation("prefill called twice or after the session finished")
         with torch.inference_mode():
             t0 = time.perf_counter()
-            hidden = self.engine.prefill(self.model, self.ffn, self.prompt_ids)
-            token = self.sampler.pick(next_token_logits(self.model, hidden))
+            rows = self.engine.prefill_all(self.model, self.ffn, self.prompt_ids)  # [S', H]
+            self.logits = next_token_logits(self.model, rows[-1:])
+            token = self.sampler.pick(self.logits)
+            if self.keep_prompt_rows:
+                self.prompt_rows = rows
             self.prefill_ms = (time.perf_counter() - t0) * 1000
         self._accept(token)
         return token
@@ -101,7 +110,8 @@ class GenerationSession:
         with torch.inference_mode():
             t0 = time.perf_counter()
             hidden = self.engine.decode_step(self.model, self.ffn, self.tokens[-1])
-            token = self.sampler.pick(next_token_logits(self.model, hidden))
+            self.logits = next_token_logits(self.model, hidden)
+            token = self.sampler.pick(self.logits)
             self.step_ms.append((time.perf_counter() - t0) * 1000)
         self._accept(token)
         return token
@@ -157,12 +167,21 @@ HEAD_ROWS = 64  # hidden rows per LM-head product where many positions' logits a
 
 
 def teacher_forced_hidden(
-    engine: Engine, model: Model, ffn: FfnBackend, ids: Sequence[int], prompt_len: int
+    engine: Engine,
+    model: Model,
+    ffn: FfnBackend,
+    ids: Sequence[int],
+    prompt_len: int,
+    prompt_rows: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Prefill `ids[:prompt_len]`, then feed each later id as a decode step regardless of what
-    the model would pick → the engine's hidden [1, H] after the prompt and after every fed id."""
+    the model would pick → the engine's hidden [1, H] after the prompt and after every fed id.
+
+    `prompt_rows`: first every earlier prompt row the prefill returned (all of them for an
+    engine that runs the prompt in one pass; check the count: some return only the last)."""
     with torch.inference_mode():
-        yield engine.prefill(model, ffn, ids[:prompt_len])
+        rows = engine.prefill_all(model, ffn, ids[:prompt_len])  # [S', H]
+        yield from rows.split(1) if prompt_rows else (rows[-1:],)
         for token in ids[prompt_len:]:
             yield engine.decode_step(model, ffn, token)
 
@@ -182,9 +201,15 @@ def logits_of(model: Model, hidden_rows: Iterable[torch.Tensor]) -> Iterator[tor
 
 
 def teacher_forced_logits(
-    engine: Engine, model: Model, ffn: FfnBackend, ids: Sequence[int], prompt_len: int
+    engine: Engine,
+    model: Model,
+    ffn: FfnBackend,
+    ids: Sequence[int],
+    prompt_len: int,
+    prompt_rows: bool = False,
 ) -> torch.Tensor:
     """Next-token logits after the prompt and after every fed token (`teacher_forced_hidden`),
-    [len(ids) − prompt_len + 1, V]."""
-    hidden = teacher_forced_hidden(engine, model, ffn, ids, prompt_len)
+    [len(ids) − prompt_len + 1, V]; with `prompt_rows`, after every prompt position too
+    ([len(ids), V] for an engine whose prefill returns every row)."""
+    hidden = teacher_forced_hidden(engine, model, ffn, ids, prompt_len, prompt_rows)
     return torch.stack(list(logits_of(model, hidden)))

@@ -18,17 +18,25 @@ from larql.inference.ffn import DenseFfn
 from larql.kv.catalog import catalog_rows
 from larql.models.model import Model
 from larql.server.errors import ApiError, error_body, install_error_handlers
+from larql.server.logprobs import LogprobFormat
 from larql.server.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
 from larql.server.prepare import check_model_name, prepare_chat, prepare_completion
-from larql.server.scheduler import QueueFull, Scheduler, SchedulerClosed, SessionRequest
+from larql.server.scheduler import (
+    QueueFull,
+    Scheduler,
+    SchedulerClosed,
+    Session,
+    SessionRequest,
+)
 from larql.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationFields,
     ResponseShape,
+    usage,
 )
 from larql.server.settings import ServerSettings
-from larql.server.streaming import collect, stream_events
+from larql.server.streaming import collect, larql_extra, stream_events
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 ENDPOINTS = (
@@ -111,16 +119,16 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
-    async def answer(
-        request: Request,
-        body: GenerationFields,
-        prepared: tuple[SessionRequest, Engine],
-        chat: bool,
-    ) -> Response:
-        session_request, engine = prepared
+    def submit(prepared: list[tuple[SessionRequest, Engine]]) -> list[Session]:
+        """Every prompt's session, or none of them (the scheduler is full or closing)."""
+        sessions: list[Session] = []
         try:
-            session = scheduler.submit(session_request, engine, asyncio.get_running_loop())
+            for session_request, engine in prepared:
+                loop = asyncio.get_running_loop()
+                sessions.append(scheduler.submit(session_request, engine, loop))
         except QueueFull as e:
+            for session in sessions:
+                scheduler.cancel(session)
             raise ApiError(
                 429,
                 f"the server is at capacity ({settings.max_sessions} sessions decoding, "
@@ -130,15 +138,49 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
                 headers={"Retry-After": str(e.retry_after_s)},
             ) from None
         except SchedulerClosed:
+            for session in sessions:
+                scheduler.cancel(session)
             raise ApiError(503, "the server is shutting down", "server_error") from None
+        return sessions
+
+    async def answer(
+        request: Request,
+        body: GenerationFields,
+        prepared: list[tuple[SessionRequest, Engine]],
+        chat: bool,
+    ) -> Response:
+        sessions = submit(prepared)
         shape = ResponseShape(chat, model.name)
+        format = LogprobFormat(model.tokenizer, chat)
         if body.stream:
             return StreamingResponse(
-                stream_events(scheduler, session, shape, body.include_usage),
+                stream_events(scheduler, sessions[0], shape, body.include_usage, format),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return JSONResponse(await collect(request, scheduler, session, shape))
+        tasks = [asyncio.ensure_future(collect(request, scheduler, s, format)) for s in sessions]
+        try:
+            outcomes = await asyncio.gather(*tasks)
+        finally:  # one failed: the others end too
+            for task in tasks:
+                task.cancel()
+            for session in sessions:
+                scheduler.cancel(session)
+        choices = [
+            shape.choice(i, o.text, o.done.finish_reason, o.logprobs)
+            for i, o in enumerate(outcomes)
+        ]
+        prompt_tokens = sum(o.done.prompt_tokens for o in outcomes)
+        generated = sum(len(o.done.token_ids) for o in outcomes)
+        extras = [larql_extra(s, o.done) for s, o in zip(sessions, outcomes, strict=True)]
+        if len(extras) == 1:
+            extra = extras[0]
+        else:  # one engine spec for all; the rest by choice
+            extra = {
+                "engine": extras[0]["engine"],
+                "choices": [{k: v for k, v in x.items() if k != "engine"} for x in extras],
+            }
+        return JSONResponse(shape.whole(choices, usage(prompt_tokens, generated), extra))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -146,7 +188,7 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await answer(request, body, prepare_chat(body, model, settings), True)
+        return await answer(request, body, [prepare_chat(body, model, settings)], True)
 
     return app
 

@@ -12,7 +12,12 @@ from larql.models.model import Model
 from larql.models.tokenizer import ChatTemplateMissing
 from larql.server.errors import ApiError, bad_request
 from larql.server.scheduler import SessionRequest
-from larql.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
+from larql.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationFields,
+    Prompt,
+)
 from larql.server.settings import ServerSettings
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -23,23 +28,51 @@ SERVER_PATH_PARAMS = frozenset({"archive", "store"})
 
 def prepare_completion(
     body: CompletionRequest, model: Model, settings: ServerSettings
-) -> tuple[SessionRequest, Engine]:
+) -> list[tuple[SessionRequest, Engine]]:
+    """One session per prompt (a list of prompts is answered with one choice each)."""
     check_model_name(body.model, model, settings)
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    prompts = body.prompts()
+    most = settings.max_sessions + settings.max_queue
+    if len(prompts) > most:
+        raise bad_request(
+            f"{len(prompts)} prompts in one request; this server takes at most {most} "
+            "(--max-sessions + --max-queue)",
+            "prompt",
+        )
+    if body.stream and len(prompts) > 1:
+        raise bad_request("stream=true takes one prompt; send several prompts unstreamed", "stream")
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request(
+            "max_tokens=0 generates nothing; it is accepted with echo=true (score the prompt)",
+            "max_tokens",
+        )
+    return [
+        _session_request(
+            body,
+            prompt_ids(prompt, model),
+            body.max_tokens,
+            DEFAULT_COMPLETION_TOKENS,
+            model,
+            settings,
+            logprobs=body.logprobs,
+            echo=body.echo,
+        )
+        for prompt in prompts
+    ]
+
+
+def prompt_ids(prompt: Prompt, model: Model) -> list[int]:
     if isinstance(prompt, str):
         if not prompt.strip():
             raise bad_request("prompt is empty", "prompt")
-        ids = model.tokenizer.encode(unicode_text(prompt, "prompt"))
-    else:
-        ids = [int(t) for t in prompt]
-        vocab = model.config.vocab_size
-        if not ids:
-            raise bad_request("prompt is empty", "prompt")
-        if any(not 0 <= t < vocab for t in ids):
-            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
-    return _session_request(body, ids, body.max_tokens, DEFAULT_COMPLETION_TOKENS, model, settings)
+        return model.tokenizer.encode(unicode_text(prompt, "prompt"))
+    ids = [int(t) for t in prompt]
+    vocab = model.config.vocab_size
+    if not ids:
+        raise bad_request("prompt is empty", "prompt")
+    if any(not 0 <= t < vocab for t in ids):
+        raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+    return ids
 
 
 def prepare_chat(
@@ -62,8 +95,9 @@ def prepare_chat(
     except LarqlError as e:  # the template refused the conversation (e.g. role order)
         raise bad_request(str(e), "messages") from None
     return _session_request(
-        body, ids, body.requested_tokens, settings.max_new_tokens, model, settings
-    )
+        body, ids, body.requested_tokens, settings.max_new_tokens, model, settings,
+        logprobs=body.top_n,
+    )  # fmt: skip
 
 
 def unicode_text(text: str, param: str) -> str:
@@ -120,11 +154,14 @@ def _session_request(
     default_tokens: int,
     model: Model,
     settings: ServerSettings,
+    logprobs: int | None = None,
+    echo: bool = False,
 ) -> tuple[SessionRequest, Engine]:
-    _check_prompt_length(len(ids), model, settings)
     max_new = min(default_tokens, settings.max_new_tokens) if requested is None else requested
-    if max_new < 1:
-        raise bad_request(f"max_tokens must be ≥ 1, got {max_new}", "max_tokens")
+    if max_new < (0 if echo else 1):
+        least = "≥ 0 (with echo)" if echo else "≥ 1"
+        raise bad_request(f"max_tokens must be {least}, got {max_new}", "max_tokens")
+    _check_prompt_length(len(ids), model, settings, generates=max_new > 0)
     if max_new > settings.max_new_tokens:
         raise bad_request(
             f"max_tokens {max_new} is over this server's limit of {settings.max_new_tokens} "
@@ -154,16 +191,18 @@ def _session_request(
         engine_name=kind.entry.name,
         stop_strings=body.stop_strings(),
         ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        echo=echo,
     )
     return request, engine
 
 
-def _check_prompt_length(n: int, model: Model, settings: ServerSettings) -> None:
+def _check_prompt_length(n: int, model: Model, settings: ServerSettings, generates: bool) -> None:
     context = model.config.max_positions
-    if n >= context:
+    if n > context or (generates and n == context):
+        room = " and the prompt must leave room for at least one new token" if generates else ""
         raise bad_request(
-            f"the prompt is {n} tokens; {model.name}'s context is {context} tokens and the "
-            "prompt must leave room for at least one new token",
+            f"the prompt is {n} tokens; {model.name}'s context is {context} tokens{room}",
             "prompt",
             "context_length_exceeded",
         )

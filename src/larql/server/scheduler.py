@@ -21,14 +21,19 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from larql.errors import LarqlError
 from larql.inference.engine import Engine
 from larql.inference.errors import BackendUnavailable, EngineError
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import FinishReason, GenerationSession
+from larql.inference.logprobs import TokenLogprob, prompt_logprobs, token_logprob
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.sampling import Sampler, SamplingParams
+from larql.kv.catalog import parse_engine
 from larql.models.model import Model
+from larql.server.logprobs import Entry, GeneratedTrack
 from larql.server.metrics import ServerMetrics
 from larql.server.text import TextAssembler
 
@@ -46,11 +51,26 @@ class SessionRequest:
     engine_name: str  # catalog name, the metrics label
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # alternatives per token; None: no log-probabilities
+    echo: bool = False  # the prompt goes first (scored too with logprobs); may generate nothing
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.echo and self.logprobs is not None
+
+
+@dataclass(frozen=True)
+class PromptEvent:
+    """An echoed prompt's log-probabilities (of every token after the first; empty without
+    logprobs), before any generated token."""
+
+    logprobs: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True)
 class TokenEvent:
     text: str  # a non-empty piece of the generated text
+    logprobs: tuple[Entry, ...] = ()  # the tokens whose text is now out (offsets: generated text)
 
 
 @dataclass(frozen=True)
@@ -59,6 +79,7 @@ class DoneEvent:
     prompt_tokens: int
     token_ids: tuple[int, ...]
     memory: MemoryBreakdown  # what the engine held at the end of the generation
+    logprobs: tuple[Entry, ...] = ()  # the tokens no TokenEvent carried (a stop token, …)
 
 
 @dataclass(frozen=True)
@@ -69,7 +90,7 @@ class ErrorEvent:
     code: str | None = None
 
 
-Event = TokenEvent | DoneEvent | ErrorEvent
+Event = PromptEvent | TokenEvent | DoneEvent | ErrorEvent
 
 
 def error_event(error: LarqlError) -> ErrorEvent:
@@ -120,6 +141,7 @@ class Session:
         self.deadline = self.arrived + timeout_s
         self.last_token_at = self.arrived
         self.memory = MemoryBreakdown()
+        self.track = GeneratedTrack()
         self.cancelled = False
         self.ended = False
         self._loop = loop
@@ -260,6 +282,9 @@ class Scheduler:
             self._retire(session, "timeout")
             return
         try:
+            if session.request.max_new_tokens == 0:
+                self._score_only(session)
+                return
             token = self._next_token(session)
         except LarqlError as e:
             session.emit(error_event(e))
@@ -273,6 +298,39 @@ class Scheduler:
             return
         self._deliver(session, token)
 
+    def _score_only(self, session: Session) -> None:
+        """Echo with nothing to generate: the prompt through the engine, scored (with logprobs),
+        and the session is done."""
+        request, engine = session.request, session.engine
+        assert engine is not None
+        records: tuple[TokenLogprob, ...] = ()
+        with torch.inference_mode():
+            rows = engine.prefill_all(self.model, self.ffn, request.prompt_ids)  # [S', H]
+            if request.logprobs is not None:
+                records = self._score_prompt(request, rows)
+        session.memory = engine.memory()
+        session.emit(PromptEvent(records))
+        session.emit(DoneEvent("length", len(request.prompt_ids), (), session.memory))
+        self.metrics.e2e_latency.observe(time.perf_counter() - session.arrived)
+        self._retire(session, "finished")
+
+    def _score_prompt(
+        self, request: SessionRequest, rows: torch.Tensor
+    ) -> tuple[TokenLogprob, ...]:
+        """The prompt's log-probabilities from its prefill rows [S', H] (an engine that returns
+        only the last row has the prompt teacher-forced through a fresh engine of its spec)."""
+        assert request.logprobs is not None
+        return tuple(
+            prompt_logprobs(
+                self.model,
+                self.ffn,
+                rows,
+                request.prompt_ids,
+                request.logprobs,
+                lambda: parse_engine(request.engine_spec).build(self.model),
+            )
+        )
+
     def _next_token(self, session: Session) -> int:
         if session.generation is None:
             assert session.engine is not None
@@ -285,8 +343,14 @@ class Scheduler:
                 request.max_new_tokens,
                 Sampler(request.sampling),
                 stop_ids=frozenset() if request.ignore_eos else None,
+                keep_prompt_rows=request.scores_prompt,
             )
             token = session.generation.prefill()
+            if request.echo:
+                rows = session.generation.prompt_rows
+                scored = self._score_prompt(request, rows) if rows is not None else ()
+                session.generation.prompt_rows = None
+                session.emit(PromptEvent(scored))
             now = time.perf_counter()
             self.metrics.time_to_first_token.observe(now - session.arrived)
         else:
@@ -301,21 +365,28 @@ class Scheduler:
         assert generation is not None and session.engine is not None
         session.memory = session.engine.memory()
         self.metrics.completion_tokens.inc()
-        piece = session.text.feed(token)
-        if session.text.hit_stop_string:
+        text, top_n = session.text, session.request.logprobs
+        start = text.decoded
+        piece = text.feed(token)
+        if top_n is not None:
+            assert generation.logits is not None
+            record = token_logprob(generation.logits, token, top_n)
+            session.track.add(token, record, start, text.decoded)
+        if text.hit_stop_string:
             generation.stop()
         if piece:
-            session.emit(TokenEvent(piece))
+            session.emit(TokenEvent(piece, session.track.ready(len(text.text))))
         if not generation.finished:
             return
-        tail = session.text.flush()
+        tail = text.flush()
         if tail:
-            session.emit(TokenEvent(tail))
+            session.emit(TokenEvent(tail, session.track.ready(len(text.text))))
         done = DoneEvent(
             generation.finish_reason,
             len(session.request.prompt_ids),
             tuple(generation.tokens),
             session.memory,
+            session.track.ready(len(text.text), final=True),
         )
         session.emit(done)
         self.metrics.e2e_latency.observe(time.perf_counter() - session.arrived)

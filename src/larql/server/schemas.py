@@ -1,7 +1,7 @@
 """The OpenAI request bodies larql accepts and the response shapes it sends.
 
 Requests are validated strictly (a string is not a number, `"true"` is not a boolean); anything
-OpenAI defines that larql does not implement (`n` > 1, `logprobs`, `echo`, penalties) is refused
+OpenAI defines that larql does not implement (`n` > 1, `best_of`, `suffix`, penalties) is refused
 by name instead of being silently ignored. Unknown extra fields are ignored, as OpenAI does.
 """
 
@@ -12,6 +12,8 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from larql.server.logprobs import MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4
 
@@ -77,40 +79,69 @@ class GenerationFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+Prompt = str | list[int]  # text, or token ids
+
+
+def check_top_logprobs(value: int | None, name: str) -> int | None:
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ValueError(
+            f"{name} must be an integer in 0..{MAX_TOP_LOGPROBS} (the most likely alternatives "
+            f"to list per token), got {value}"
+        )
+    return value
+
+
 class CompletionRequest(GenerationFields):
-    prompt: str | list[str] | list[int]
-    echo: bool = False
-    logprobs: int | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False  # the prompt goes first in the text (and logprobs); max_tokens may be 0
+    logprobs: int | None = None  # alternatives per token (0..20): legacy `logprobs`
     best_of: int | None = None
     suffix: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        problem = "must be a string, a list of one string, or a list of token ids"
+    def _prompts(cls, value: Any) -> Any:
+        problem = (
+            "must be a string, a list of strings, a list of token ids or a list of lists of "
+            "token ids"
+        )
         if isinstance(value, str):
             return value
         if not isinstance(value, list):
             raise ValueError(problem)
-        if all(isinstance(v, str) for v in value) and value:
-            if len(value) != 1:
-                raise ValueError(f"one prompt per request, got {len(value)}")
+
+        def ids(v: Any) -> bool:
+            return isinstance(v, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in v
+            )
+
+        if ids(value):
             return value
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if value and (all(isinstance(v, str) for v in value) or all(ids(v) for v in value)):
             return value
         raise ValueError(problem)
 
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: int | None) -> int | None:
+        return check_top_logprobs(value, "logprobs")
+
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs is not supported")
         if self.best_of not in (None, 1):
             raise ValueError("best_of is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
+
+    def prompts(self) -> list[Prompt]:
+        """Each prompt of the request: a list of strings or of id lists is several."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], str | list):
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
 
 
 class TextPart(BaseModel):
@@ -140,11 +171,17 @@ class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
+    top_logprobs: int | None = None  # alternatives per token (0..20), with logprobs=true
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None) -> int | None:
+        return check_top_logprobs(value, "top_logprobs")
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
-        if self.logprobs:
-            raise ValueError("logprobs is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree; send one")
@@ -153,6 +190,11 @@ class ChatCompletionRequest(GenerationFields):
     @property
     def requested_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+
+    @property
+    def top_n(self) -> int | None:
+        """Alternatives per token; None: no log-probabilities."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # ---------------------------------------------------------------------------- responses
@@ -192,27 +234,40 @@ class ResponseShape:
             "choices": choices,
         }
 
-    def whole(
-        self, text: str, finish_reason: str, usage_: dict[str, int], extra: dict[str, Any]
+    def choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """One choice of a whole response."""
         if self.chat:
-            choice = {"message": {"role": "assistant", "content": text}}
-            body = self._envelope("chat.completion", [self._choice(choice, finish_reason)])
+            content: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
         else:
-            choice = {"text": text}
-            body = self._envelope("text_completion", [self._choice(choice, finish_reason)])
-        return {**body, "usage": usage_, "larql": extra}
+            content = {"text": text}
+        return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def whole(
+        self, choices: list[dict[str, Any]], usage_: dict[str, int], extra: dict[str, Any]
+    ) -> dict[str, Any]:
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._envelope(obj, choices), "usage": usage_, "larql": extra}
 
     def chunk(
-        self, text: str | None, finish_reason: str | None = None, role: bool = False
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        role: bool = False,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = self._choice({"delta": delta}, finish_reason)
+            choice = self._choice({"delta": delta}, finish_reason, logprobs)
             return self._envelope("chat.completion.chunk", [choice])
-        choice = self._choice({"text": text or ""}, finish_reason)
+        choice = self._choice({"text": text or ""}, finish_reason, logprobs)
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, usage_: dict[str, int]) -> dict[str, Any]:
@@ -220,5 +275,7 @@ class ResponseShape:
         return {**self._envelope(obj, []), "usage": usage_}
 
     @staticmethod
-    def _choice(content: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(
+        content: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        return {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -6,12 +6,21 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 
 from larql.server.errors import ApiError, error_body
-from larql.server.scheduler import DoneEvent, ErrorEvent, Scheduler, Session, TokenEvent
+from larql.server.logprobs import Entry, LogprobFormat, prompt_entries
+from larql.server.scheduler import (
+    DoneEvent,
+    ErrorEvent,
+    PromptEvent,
+    Scheduler,
+    Session,
+    TokenEvent,
+)
 from larql.server.schemas import ResponseShape, usage
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming request checks for its client
@@ -33,20 +42,56 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {payload}\n\n"
 
 
+class Logprobs:
+    """One response's log-probabilities as they arrive: the echoed prompt (its text is the base
+    of every generated token's offset), then the generated tokens."""
+
+    def __init__(self, session: Session, format: LogprobFormat) -> None:
+        self.wanted = session.request.logprobs is not None
+        self.prompt_ids = session.request.prompt_ids
+        self.format = format
+        self.echo_text = ""
+
+    def prompt(self, event: PromptEvent) -> tuple[str, list[Entry]]:
+        self.echo_text, entries = prompt_entries(
+            self.format.tokenizer, self.prompt_ids, event.logprobs
+        )
+        return self.echo_text, entries if self.wanted else []
+
+    def generated(self, entries: tuple[Entry, ...]) -> list[Entry]:
+        return [e.shifted(len(self.echo_text)) for e in entries] if self.wanted else []
+
+    def render(self, entries: list[Entry]) -> dict[str, Any] | None:
+        return self.format.render(entries) if self.wanted else None
+
+
 async def stream_events(
-    scheduler: Scheduler, session: Session, shape: ResponseShape, include_usage: bool
+    scheduler: Scheduler,
+    session: Session,
+    shape: ResponseShape,
+    include_usage: bool,
+    format: LogprobFormat,
 ) -> AsyncIterator[str]:
     """The SSE body. Starlette cancels this generator when the client disconnects; the
-    `finally` then cancels the session, which frees its engine."""
+    `finally` then cancels the session, which frees its engine. An echoed prompt is the first
+    chunk; each chunk carries the log-probabilities of the tokens whose text it carries."""
+    logprobs = Logprobs(session, format)
     try:
         if shape.chat:
             yield sse(shape.chunk("", role=True))
         while True:
             event = await session.events.get()
-            if isinstance(event, TokenEvent):
-                yield sse(shape.chunk(event.text))
+            if isinstance(event, PromptEvent):
+                text, entries = logprobs.prompt(event)
+                yield sse(shape.chunk(text, logprobs=logprobs.render(entries)))
+            elif isinstance(event, TokenEvent):
+                entries = logprobs.generated(event.logprobs)
+                yield sse(shape.chunk(event.text, logprobs=logprobs.render(entries)))
             elif isinstance(event, DoneEvent):
-                final = shape.chunk(None, event.finish_reason)
+                rest = logprobs.generated(event.logprobs)
+                final = shape.chunk(
+                    None, event.finish_reason, logprobs=logprobs.render(rest) if rest else None
+                )
                 final["larql"] = larql_extra(session, event)
                 yield sse(final)
                 if include_usage:
@@ -61,11 +106,22 @@ async def stream_events(
         scheduler.cancel(session)
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """One session's whole answer: a choice's text and log-probabilities, and how it ended."""
+
+    text: str
+    logprobs: dict[str, Any] | None
+    done: DoneEvent
+
+
 async def collect(
-    request: Request, scheduler: Scheduler, session: Session, shape: ResponseShape
-) -> dict[str, Any]:
+    request: Request, scheduler: Scheduler, session: Session, format: LogprobFormat
+) -> Outcome:
     """Wait for the whole generation; a client that disconnects meanwhile cancels it."""
+    logprobs = Logprobs(session, format)
     pieces: list[str] = []
+    entries: list[Entry] = []
     clock = asyncio.get_running_loop().time
     next_check = clock() + DISCONNECT_POLL_S
     try:
@@ -80,12 +136,16 @@ async def collect(
                     raise ApiError(499, "client closed the request")
             if event is None:
                 continue
-            if isinstance(event, TokenEvent):
+            if isinstance(event, PromptEvent):
+                text, prompt = logprobs.prompt(event)
+                pieces.insert(0, text)
+                entries[:0] = prompt
+            elif isinstance(event, TokenEvent):
                 pieces.append(event.text)
+                entries += logprobs.generated(event.logprobs)
             elif isinstance(event, DoneEvent):
-                counts = usage(event.prompt_tokens, len(event.token_ids))
-                extra = larql_extra(session, event)
-                return shape.whole("".join(pieces), event.finish_reason, counts, extra)
+                entries += logprobs.generated(event.logprobs)
+                return Outcome("".join(pieces), logprobs.render(entries), event)
             elif isinstance(event, ErrorEvent):
                 raise ApiError(event.status, event.message, event.type, None, event.code)
     finally:

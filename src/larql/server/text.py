@@ -33,6 +33,12 @@ class TextAssembler:
         held = self._longest_stop_prefix_tail()
         return self._emit(self._pending[: len(self._pending) - held])
 
+    @property
+    def decoded(self) -> int:
+        """Characters decoded so far: handed out, or held back while they may start a stop
+        string."""
+        return len(self.text) + len(self._pending)
+
     def flush(self) -> str:
         """The generation ended without a stop string: what was held back is plain text."""
         return "" if self.hit_stop_string else self._emit(self._pending)
