@@ -11,7 +11,14 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from larql.server.logprobs import MAX_TOP_LOGPROBS
 
@@ -175,13 +182,13 @@ class ChatCompletionRequest(GenerationFields):
 
     @field_validator("top_logprobs")
     @classmethod
-    def _top_logprobs(cls, value: int | None) -> int | None:
+    def _top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):  # declared before: validated
+            raise ValueError("top_logprobs needs logprobs=true")
         return check_top_logprobs(value, "top_logprobs")
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree; send one")
