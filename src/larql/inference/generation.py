@@ -92,11 +92,13 @@ class GenerationSession:
             raise InvariantViolation("prefill called twice or after the session finished")
         with torch.inference_mode():
             t0 = time.perf_counter()
-            rows = self.engine.prefill_all(self.model, self.ffn, self.prompt_ids)  # [S', H]
-            self.logits = next_token_logits(self.model, rows[-1:])
-            token = self.sampler.pick(self.logits)
             if self.keep_prompt_rows:
-                self.prompt_rows = rows
+                self.prompt_rows = self.engine.prefill_all(self.model, self.ffn, self.prompt_ids)
+                hidden = self.prompt_rows[-1:]
+            else:
+                hidden = self.engine.prefill(self.model, self.ffn, self.prompt_ids)
+            self.logits = next_token_logits(self.model, hidden)
+            token = self.sampler.pick(self.logits)
             self.prefill_ms = (time.perf_counter() - t0) * 1000
         self._accept(token)
         return token
@@ -180,8 +182,10 @@ def teacher_forced_hidden(
     `prompt_rows`: first every earlier prompt row the prefill returned (all of them for an
     engine that runs the prompt in one pass; check the count: some return only the last)."""
     with torch.inference_mode():
-        rows = engine.prefill_all(model, ffn, ids[:prompt_len])  # [S', H]
-        yield from rows.split(1) if prompt_rows else (rows[-1:],)
+        if prompt_rows:
+            yield from engine.prefill_all(model, ffn, ids[:prompt_len]).split(1)  # [1, H] each
+        else:
+            yield engine.prefill(model, ffn, ids[:prompt_len])
         for token in ids[prompt_len:]:
             yield engine.decode_step(model, ffn, token)
 
