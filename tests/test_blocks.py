@@ -53,12 +53,6 @@ def blocks_smollm2() -> Model:
     return load_model("smollm2-135m", weights="blocks-float")
 
 
-@pytest.fixture(scope="module")
-def int8_smollm2() -> Model:
-    """The default: block weights with the input rounded to int8 per block of 32."""
-    return load_model("smollm2-135m", weights="auto")
-
-
 def test_the_default_models_blocks_are_its_float_weights(
     blocks_smollm2: Model, float_smollm2: Model
 ) -> None:
@@ -90,41 +84,43 @@ def test_block_product_is_the_float_product(qtype: GGMLQuantizationType, width: 
         pytest.skip("the CPU block kernels are not built")
     rows = _random_rows(qtype, 200, width, width)
     x = torch.randn(width, generator=torch.Generator().manual_seed(1))
-    got = kernels.block_gemv(x, rows.data, FORMAT_CODES[rows.format], False)
+    got = kernels.block_gemv(x, rows.data, FORMAT_CODES[rows.format], 0)
     want = rows.dequantize().double() @ x.double()
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-def _rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
-    """x: [K] → x rounded per block of 32 to int8 codes times max|x| / 127 (float32 steps)."""
+def _rounded(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x: [K] → x rounded per block of 32 to int8 / int16 codes times max|x| / (2^(bits−1) − 1),
+    in float32 steps as the kernel takes them."""
     blocks = x.view(-1, 32)
-    d = blocks.abs().amax(dim=1, keepdim=True) / 127  # [K/32, 1]
+    d = blocks.abs().amax(dim=1, keepdim=True) / (2 ** (bits - 1) - 1)  # [K/32, 1]
     inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     return (torch.round(blocks * inverse) * d).reshape(-1)
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("width", [32, 576, 1536])
-def test_int8_block_product_is_the_product_with_x_rounded(
-    qtype: GGMLQuantizationType, width: int
+@pytest.mark.parametrize("bits", [8, 16])
+def test_integer_block_product_is_the_product_with_x_rounded(
+    qtype: GGMLQuantizationType, width: int, bits: int
 ) -> None:
     kernels = _kernels_or_skip()
     rows = _random_rows(qtype, 200, width, width)
     x = torch.randn(width, generator=torch.Generator().manual_seed(1))
     if width > 32:
         x[:32] = 0  # an all-zero block: scale 0, codes 0
-    got = kernels.block_gemv(x, rows.data, FORMAT_CODES[rows.format], True).double()
-    weights, rounded = rows.dequantize().double(), _rounded_to_int8(x).double()
+    got = kernels.block_gemv(x, rows.data, FORMAT_CODES[rows.format], bits).double()
+    weights, rounded = rows.dequantize().double(), _rounded(x, bits).double()
     coded = weights  # the part of each weight that multiplies the rounded x
     if qtype == GGMLQuantizationType.Q4_1:  # its offset m multiplies the exact block sums of x
         m = rows.data.view(200, -1, 20)[..., 2:4].contiguous().view(torch.float16).double()
         coded = weights - m[..., 0].repeat_interleave(32, dim=1)  # [200, width]
     want = coded @ rounded + (weights - coded) @ x.double()  # [200]
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert not torch.allclose(want, weights @ x.double(), rtol=1e-9, atol=0)  # x was rounded
     # and it stays within the rounding's bound of the float product: |Δx_i| ≤ d_b / 2
     bound = coded.abs() @ (x.double() - rounded).abs()
     assert ((got - weights @ x.double()).abs() <= bound * 1.001 + 1e-4).all()
-    assert (got - weights @ x.double()).abs().max() > 0  # the input was rounded
 
 
 def test_linear_reads_the_blocks_and_falls_back_without_kernels(
@@ -162,7 +158,8 @@ def test_greedy_tokens_through_the_blocks_equal_the_float_paths(
 
 
 def test_an_unknown_weights_mode_is_refused() -> None:
-    with pytest.raises(ModelError, match="accepted: auto, blocks-int8, blocks-float, float"):
+    accepted = "accepted: auto, blocks-int16, blocks-int8, blocks-float, float"
+    with pytest.raises(ModelError, match=accepted):
         load_model(weights="q2")
 
 
@@ -191,7 +188,7 @@ def test_fused_qkv_is_norm_product_and_rope(rotary: int) -> None:
     cos = torch.cat((angles.cos(), angles.cos()))
     sin = torch.cat((-angles.sin(), angles.sin()))
     got = kernels.decode_qkv(h, norm, 1e-5, rows.data, FORMAT_CODES["q4_1"], bias, cos, sin,
-                             heads + kv_heads, dim, False)  # fmt: skip
+                             heads + kv_heads, dim, 0)  # fmt: skip
     x = F.rms_norm(h.double(), (width,), norm.double(), 1e-5)
     qkv = (x @ rows.dequantize().double().T + bias.double()).view(-1, dim)  # [heads, D]
     rotated = qkv[: heads + kv_heads]
@@ -210,26 +207,29 @@ def test_fused_residual_products(qtype: GGMLQuantizationType) -> None:
     h, attn = torch.randn(1, width, generator=g), torch.randn(1, 96, generator=g)
     wo, bias = _random_rows(qtype, width, 96, 6), torch.randn(width, generator=g)
     want = h.double() + attn.double() @ wo.dequantize().double().T + bias.double()
-    got = kernels.residual_gemv(h, attn, wo.data, code, bias, False)
+    got = kernels.residual_gemv(h, attn, wo.data, code, bias, 0)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
     gate_up, down = _random_rows(qtype, 2 * hidden, width, 7), _random_rows(qtype, width, hidden, 8)
     norm = torch.rand(width, generator=g) + 0.5
     x = F.rms_norm(h.double(), (width,), norm.double(), 1e-6)
     gate, up = (x @ gate_up.dequantize().double().T).chunk(2, dim=-1)
     want = h.double() + (F.silu(gate) * up) @ down.dequantize().double().T
-    got = kernels.residual_ffn(h, norm, 1e-6, gate_up.data, code, down.data, code, False)
+    got = kernels.residual_ffn(h, norm, 1e-6, gate_up.data, code, down.data, code, 0)
     # float32 sums over 320 products of values in the hundreds
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
-def test_fused_pieces_with_int8_input_are_the_int8_products(qtype: GGMLQuantizationType) -> None:
+@pytest.mark.parametrize("bits", [8, 16])
+def test_fused_pieces_with_integer_input_are_the_integer_products(
+    qtype: GGMLQuantizationType, bits: int
+) -> None:
     kernels = _kernels_or_skip()
     code = FORMAT_CODES[GGUF_FORMATS[qtype]]
     width, hidden, heads, dim = 128, 320, 3, 32
 
     def product(x: torch.Tensor, rows: BlockRows) -> torch.Tensor:  # [in] → [out]
-        return kernels.block_gemv(x.contiguous(), rows.data, code, True)
+        return kernels.block_gemv(x.contiguous(), rows.data, code, bits)
 
     g = torch.Generator().manual_seed(9)
     h, norm = torch.randn(1, width, generator=g), torch.rand(width, generator=g) + 0.5
@@ -237,17 +237,17 @@ def test_fused_pieces_with_int8_input_are_the_int8_products(qtype: GGMLQuantizat
     qkv_rows = _random_rows(qtype, heads * dim, width, 10)
     ones, zeros = torch.ones(dim), torch.zeros(dim)  # RoPE at angle 0: the identity
     got = kernels.decode_qkv(h, norm, 1e-5, qkv_rows.data, code, None, ones, zeros, heads, dim,
-                             True)  # fmt: skip
+                             bits)  # fmt: skip
     assert torch.allclose(got, product(x, qkv_rows), rtol=1e-4, atol=1e-4)
     wo = _random_rows(qtype, width, 96, 11)
     attn = torch.randn(1, 96, generator=g)
-    got = kernels.residual_gemv(h, attn, wo.data, code, None, True)
+    got = kernels.residual_gemv(h, attn, wo.data, code, None, bits)
     assert torch.allclose(got, h + product(attn.reshape(-1), wo), rtol=1e-4, atol=1e-4)
     gate_up = _random_rows(qtype, 2 * hidden, width, 12)
     down = _random_rows(qtype, width, hidden, 13)
     gate, up = product(x, gate_up).chunk(2)
     want = h + product(F.silu(gate) * up, down)
-    got = kernels.residual_ffn(h, norm, 1e-5, gate_up.data, code, down.data, code, True)
+    got = kernels.residual_ffn(h, norm, 1e-5, gate_up.data, code, down.data, code, bits)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
@@ -265,6 +265,13 @@ def test_decode_attention_is_grouped_softmax_attention(rows: int) -> None:
     got = kernels.decode_attention(q, keys, values, 0.125)
     assert got.shape == (1, 9 * 64)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_unknown_activation_width_is_refused() -> None:
+    kernels = _kernels_or_skip()
+    rows = _random_rows(GGMLQuantizationType.Q4_1, 8, 64, 1)
+    with pytest.raises(RuntimeError, match=r"activation_bits must be 0 \(float32 input\), 8"):
+        kernels.block_gemv(torch.randn(64), rows.data, FORMAT_CODES["q4_1"], 4)
 
 
 def test_decode_attention_refuses_mismatched_heads() -> None:

@@ -11,7 +11,7 @@ from types import ModuleType
 import torch
 
 from larql.kernels.cpu.build import load as load_block_kernels
-from larql.models.blocks import FORMAT_CODES, BlockRows
+from larql.models.blocks import ACTIVATION_BITS, FORMAT_CODES, BlockRows
 
 
 def fused_kernels(h: torch.Tensor) -> ModuleType | None:
@@ -33,6 +33,11 @@ def attention_kernels(
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         return None
     return fused_kernels(q[0])
+
+
+def activation_bits(blocks: BlockRows) -> int:
+    """The extension's `activation_bits` argument for these blocks."""
+    return ACTIVATION_BITS[blocks.activation]
 
 
 def code(blocks: BlockRows) -> int:

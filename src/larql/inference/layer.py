@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from larql.inference.ffn import FfnBackend
-from larql.inference.fused import attention_kernels, code, fused_kernels
+from larql.inference.fused import activation_bits, attention_kernels, code, fused_kernels
 from larql.inference.linear import linear
 from larql.inference.rope import RopeTable, apply_rope
 from larql.kernels import DecodeAttention
@@ -145,7 +145,7 @@ def project_qkv_with_rope(
         qkv = kernels.decode_qkv(
             h, lw.attn_norm, cfg.norm_eps, blocks.data, code(blocks), lw.bqkv,
             cos.reshape(-1), sin.reshape(-1), cfg.num_heads + cfg.num_kv_heads, cfg.head_dim,
-            blocks.int8_input,
+            activation_bits(blocks),
         )  # fmt: skip
         q, k, v = qkv.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim])
         return (
@@ -372,7 +372,7 @@ def attention_output(model: Model, layer: int, h: torch.Tensor, attn: torch.Tens
     if kernels is not None:
         attn = attn.contiguous()
         return kernels.residual_gemv(
-            h.contiguous(), attn, blocks.data, code(blocks), lw.bo, blocks.int8_input
+            h.contiguous(), attn, blocks.data, code(blocks), lw.bo, activation_bits(blocks)
         )
     out = linear(attn, lw.wo, lw.bo, blocks)
     if lw.post_attn_norm is not None:

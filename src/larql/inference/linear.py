@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from larql.kernels.cpu.build import load as load_block_kernels
-from larql.models.blocks import FORMAT_CODES, BlockRows
+from larql.models.blocks import ACTIVATION_BITS, FORMAT_CODES, BlockRows
 from larql.models.model import Model
 
 _SPLIT_DTYPES = (torch.float32, torch.float64)
@@ -51,8 +51,8 @@ def linear(
     if blocks is not None and x.dtype != torch.float64 and (kernels := load_block_kernels()):
         # float64 is the precision reference: it keeps the float product
         row = x.reshape(-1).to(torch.float32).contiguous()  # [in]
-        code = FORMAT_CODES[blocks.format]
-        out = kernels.block_gemv(row, blocks.data, code, blocks.int8_input)  # [out] f32
+        code, bits = FORMAT_CODES[blocks.format], ACTIVATION_BITS[blocks.activation]
+        out = kernels.block_gemv(row, blocks.data, code, bits)  # [out] f32
         out = out.to(x.dtype).view(1, -1)
         return out if bias is None else out + bias
     blocks = torch.get_num_threads()

@@ -10,10 +10,10 @@ A Q4 block's byte j holds element j in its low nibble and element j + 16 in its 
 
 `dequantize` is the pure-torch reference of these layouts (tested against the `gguf` package)
 and of the compiled product (`larql.kernels.cpu`), which expands the blocks in registers and
-multiplies them with x. With `int8_input` False, x stays float32: the float product with the
-dequantised weights, up to the order of its sums. With it True (`--weights auto`), x is first
-rounded to int8 per block of 32 (scale max|x| / 127, as llama.cpp does) and the block sums
-are integer: the float product with that rounded x.
+multiplies them with x, by `activation`: `float` keeps x float32 (the float product with the
+dequantised weights, up to the order of its sums); `int8` / `int16` first round x per block of
+32 to integer codes (scale max|x| / 127 or / 32767; int8 is llama.cpp's choice) and sum integer
+products of the codes: the float product with that rounded x.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from gguf import GGMLQuantizationType
 BLOCK = 32
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # the extension's `format` argument
+ACTIVATION_BITS = {"float": 0, "int8": 8, "int16": 16}  # its `activation_bits` argument
 GGUF_FORMATS = {
     GGMLQuantizationType.Q8_0: "q8_0",
     GGMLQuantizationType.Q4_0: "q4_0",
@@ -41,7 +42,7 @@ class BlockRows:
     format: str  # a key of BLOCK_BYTES
     data: torch.Tensor  # uint8 [out_features, in_features / 32 · BLOCK_BYTES[format]]
     in_features: int
-    int8_input: bool = False  # one-row products round x to int8 per block of 32 first
+    activation: str = "float"  # a key of ACTIVATION_BITS: how one-row products take x
 
     @property
     def out_features(self) -> int:
@@ -67,7 +68,7 @@ class BlockRows:
         """Matrices of one format and width, one below the other (a fused QKV, say)."""
         formats = {p.format for p in parts}
         widths = {p.in_features for p in parts}
-        inputs = {p.int8_input for p in parts}
+        inputs = {p.activation for p in parts}
         if len(formats) != 1 or len(widths) != 1 or len(inputs) != 1:
             raise ValueError(f"cannot stack blocks of formats {formats} and widths {widths}")
         return replace(parts[0], data=torch.cat([p.data for p in parts]))

@@ -85,7 +85,14 @@ def parse_device(name: str) -> torch.device:
     return device
 
 
-WEIGHT_MODES = ("auto", "blocks-int8", "blocks-float", "float")
+# --weights: the block matrices' activation, None for float weights only
+WEIGHT_MODES = {
+    "auto": "int16",
+    "blocks-int16": "int16",
+    "blocks-int8": "int8",
+    "blocks-float": "float",
+    "float": None,
+}
 
 
 def load_model(
@@ -99,9 +106,10 @@ def load_model(
     weights: `float` keeps every matrix dequantised to `dtype` only; `blocks-float` also keeps
     a GGUF's Q8_0 / Q4_0 / Q4_1 matrices in their blocks when the model runs on the CPU below
     float64, and one-token products read those where the CPU kernels are built (`make setup`),
-    with a float32 input (the float product up to the order of its sums); `blocks-int8` the
-    same with the input rounded to int8 per block of 32 (integer block sums, as llama.cpp;
-    its fidelity against `float` is measured in docs/FIDELITY.md); `auto` is `blocks-int8`."""
+    with a float32 input (the float product up to the order of its sums); `blocks-int16` /
+    `blocks-int8` the same with the input rounded to int16 / int8 codes per block of 32
+    (integer block sums; int8 is llama.cpp's arithmetic); each one's fidelity against `float`
+    is measured in docs/FIDELITY.md. `auto` is `blocks-int16`."""
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     device = parse_device(device) if isinstance(device, str) else device
     if weights not in WEIGHT_MODES:
@@ -112,8 +120,9 @@ def load_model(
     else:
         config, state, tokenizer = _load_gguf(path, name)
     held = ModelWeights.from_state(config, state, dtype, device)
-    if weights != "float" and _reads_blocks(path, device, dtype):
-        held.attach_blocks(gguf_block_rows(GgufFile(path), config), weights != "blocks-float")
+    activation = WEIGHT_MODES[weights]
+    if activation is not None and _reads_blocks(path, device, dtype):
+        held.attach_blocks(gguf_block_rows(GgufFile(path), config), activation)
     return Model(name=name, source=path, config=config, weights=held, tokenizer=tokenizer)
 
 

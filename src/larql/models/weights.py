@@ -53,10 +53,10 @@ class ModelWeights:
     layers: list[LayerWeights]
     lm_head_blocks: BlockRows | None = None  # the LM head in GGUF blocks, as `blocks`
 
-    def attach_blocks(self, blocks: dict[str, BlockRows], int8_input: bool = False) -> None:
-        """Keep these block matrices (canonical unfused names) beside the float weights; with
-        `int8_input` their one-row products round the input to int8 per block of 32 first."""
-        blocks = {name: replace(b, int8_input=int8_input) for name, b in blocks.items()}
+    def attach_blocks(self, blocks: dict[str, BlockRows], activation: str = "float") -> None:
+        """Keep these block matrices (canonical unfused names) beside the float weights; their
+        one-row products take the input as `activation` says (`BlockRows.activation`)."""
+        blocks = {name: replace(b, activation=activation) for name, b in blocks.items()}
         for i, lw in enumerate(self.layers):
             lw.blocks = fuse_layer_blocks(blocks, i)
         self.lm_head_blocks = blocks.get("lm_head", blocks.get("embed"))

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
-from larql.inference.fused import code, fused_kernels
+from larql.inference.fused import activation_bits, code, fused_kernels
 from larql.inference.linear import linear
 from larql.models.model import Model
 
@@ -71,7 +71,7 @@ class DenseFfn(FfnBackend):
             return None
         return kernels.residual_ffn(
             h.contiguous(), norm, eps, gate_up.data, code(gate_up), down.data, code(down),
-            gate_up.int8_input,
+            activation_bits(gate_up),
         )  # fmt: skip  # [1, H]
 
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:

@@ -4,17 +4,19 @@
 #include <string>
 
 namespace larql {
-torch::Tensor block_gemv(torch::Tensor x, torch::Tensor rows, int64_t format, bool int8_input);
+torch::Tensor block_gemv(torch::Tensor x, torch::Tensor rows, int64_t format,
+                         int64_t activation_bits);
 std::string simd();
 torch::Tensor decode_qkv(torch::Tensor h, torch::Tensor norm_weight, double eps,
                          torch::Tensor rows, int64_t format, c10::optional<torch::Tensor> bias,
                          torch::Tensor cos, torch::Tensor sin, int64_t rope_heads,
-                         int64_t head_dim, bool int8_input);
+                         int64_t head_dim, int64_t activation_bits);
 torch::Tensor residual_gemv(torch::Tensor h, torch::Tensor attn, torch::Tensor rows,
-                            int64_t format, c10::optional<torch::Tensor> bias, bool int8_input);
+                            int64_t format, c10::optional<torch::Tensor> bias,
+                            int64_t activation_bits);
 torch::Tensor residual_ffn(torch::Tensor h, torch::Tensor norm_weight, double eps,
                            torch::Tensor gate_up, int64_t gate_up_format, torch::Tensor down,
-                           int64_t down_format, bool int8_input);
+                           int64_t down_format, int64_t activation_bits);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                double scale);
 }  // namespace larql

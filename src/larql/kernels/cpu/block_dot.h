@@ -174,24 +174,30 @@ inline void gemv(Format f, const uint8_t* rows, int64_t row_bytes, int64_t n, co
 }
 
 
-// ---- Integer products: x quantised to int8 per block of 32 (as llama.cpp's Q8 activations) --
-// d_b = max|x| / 127 over block b, q_i = round(x_i / d_b) (to nearest, ties to even); then
+// ---- Integer products: x rounded per block of 32 to int8 (as llama.cpp's Q8 activations) or
+// int16 codes. With L = 127 or 32767: d_b = max|x| / L over block b, q_i = round(x_i / d_b)
+// (to nearest, ties to even); then
 //   Q8_0: d · d_b · Σ w_i q_i
 //   Q4_0: d · d_b · (Σ w_i q_i − 8 Σ q_i)
 //   Q4_1: d · d_b · Σ w_i q_i + m · X_b   (X_b = Σ x_i, exact)
 // with the integer sums exact: a product is the float product of the dequantised weights with
 // the rounded x, whose error is at most d_b / 2 per element.
+enum class Activation : int { Float = 0, Int8 = 8, Int16 = 16 };
+
+template <typename Code>
 struct QuantizedInput {
-  std::vector<int8_t> codes;       // [K]
+  std::vector<Code> codes;         // [K]
   std::vector<float> scales;       // [K/32] d_b
   std::vector<int32_t> code_sums;  // [K/32] Σ q_i
   std::vector<float> sums;         // [K/32] X_b
 };
 
-inline QuantizedInput quantize_input(const float* x, int64_t k) {
+template <typename Code>
+QuantizedInput<Code> quantize_input(const float* x, int64_t k) {
+  constexpr float levels = sizeof(Code) == 1 ? 127.0f : 32767.0f;
   const int64_t blocks = k / kBlock;
-  QuantizedInput in{std::vector<int8_t>(k), std::vector<float>(blocks),
-                    std::vector<int32_t>(blocks), std::vector<float>(blocks)};
+  QuantizedInput<Code> in{std::vector<Code>(k), std::vector<float>(blocks),
+                          std::vector<int32_t>(blocks), std::vector<float>(blocks)};
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.0f, sum = 0.0f;
@@ -199,11 +205,11 @@ inline QuantizedInput quantize_input(const float* x, int64_t k) {
       amax = std::max(amax, std::fabs(xb[i]));
       sum += xb[i];
     }
-    const float d = amax / 127.0f;
+    const float d = amax / levels;
     const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
     int32_t code_sum = 0;
     for (int i = 0; i < kBlock; ++i) {
-      const int8_t q = static_cast<int8_t>(std::nearbyint(xb[i] * inverse));
+      const Code q = static_cast<Code>(std::nearbyint(xb[i] * inverse));
       in.codes[b * kBlock + i] = q;
       code_sum += q;
     }
@@ -215,82 +221,124 @@ inline QuantizedInput quantize_input(const float* x, int64_t k) {
 }
 
 #if LARQL_AVX2
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define LARQL_VNNI 1
+#else
+#define LARQL_VNNI 0
+#endif
+
 // Σ over 4-byte groups of unsigned w × signed q → 8 int32 lanes.
 inline __m256i dot_u8_s8(__m256i w, __m256i q) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if LARQL_VNNI
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, q);
 #else  // pairs of products fit int16 here: |w| ≤ 128, |q| ≤ 127
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1));
 #endif
 }
+
+// Σ over pairs of int16 w × int16 q, two vectors of 16 each → 8 int32 lanes.
+inline __m256i dot_s16(__m256i w0, __m256i q0, __m256i w1, __m256i q1) {
+#if LARQL_VNNI
+  return _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), w0, q0), w1, q1);
+#else
+  return _mm256_add_epi32(_mm256_madd_epi16(w0, q0), _mm256_madd_epi16(w1, q1));
+#endif
+}
+
+// One block's Σ w_i q_i (w: the block's codes, Q4 ones unsigned 0–15) → 8 int32 lanes.
+inline __m256i block_codes_dot(Format f, const uint8_t* block, const int8_t* q) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  if (f == Format::Q8_0) {  // signed × signed as |w| × (q with w's sign)
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+    return dot_u8_s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  }
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  const __m128i packed = _mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(block + (f == Format::Q4_0 ? 2 : 4)));
+  const __m128i low = _mm_and_si128(packed, mask);
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+  return dot_u8_s8(_mm256_set_m128i(high, low), x);
+}
+
+inline __m256i block_codes_dot(Format f, const uint8_t* block, const int16_t* q) {
+  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16));
+  if (f == Format::Q8_0) {
+    const __m128i* w = reinterpret_cast<const __m128i*>(block + 2);
+    return dot_s16(_mm256_cvtepi8_epi16(_mm_loadu_si128(w)), x0,
+                   _mm256_cvtepi8_epi16(_mm_loadu_si128(w + 1)), x1);
+  }
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  const __m128i packed = _mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(block + (f == Format::Q4_0 ? 2 : 4)));
+  const __m128i low = _mm_and_si128(packed, mask);
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+  return dot_s16(_mm256_cvtepu8_epi16(low), x0, _mm256_cvtepu8_epi16(high), x1);
+}
+#else
+template <typename Code>
+int32_t block_codes_dot(Format f, const uint8_t* block, const Code* q) {
+  int32_t isum = 0;
+  if (f == Format::Q8_0) {
+    const int8_t* w = reinterpret_cast<const int8_t*>(block + 2);
+    for (int i = 0; i < kBlock; ++i) isum += static_cast<int32_t>(w[i]) * q[i];
+  } else {
+    const uint8_t* qs = block + (f == Format::Q4_0 ? 2 : 4);
+    for (int i = 0; i < 16; ++i) isum += (qs[i] & 0x0f) * q[i] + (qs[i] >> 4) * q[i + 16];
+  }
+  return isum;
+}
 #endif
 
-inline float row_dot_int8(Format f, const uint8_t* row, int64_t blocks, const QuantizedInput& in) {
+template <typename Code>
+float row_dot_codes(Format f, const uint8_t* row, int64_t blocks, const QuantizedInput<Code>& in) {
   const int64_t stride = block_bytes(f);
-  const int8_t* codes = in.codes.data();
+  const Code* codes = in.codes.data();
   float offset = 0.0f;  // the −8 Σ q and m · X_b terms
 #if LARQL_AVX2
   __m256 acc = _mm256_setzero_ps();
-  const __m128i mask = _mm_set1_epi8(0x0f);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = row + b * stride;
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * kBlock));
-    const float d = half_to_float(read_u16(block)) * in.scales[b];
-    __m256i isum;
-    if (f == Format::Q8_0) {  // signed × signed as |w| × (q with w's sign)
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-      isum = dot_u8_s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q, w));
-    } else {
-      const uint8_t* qs = block + (f == Format::Q4_0 ? 2 : 4);
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-      const __m128i low = _mm_and_si128(packed, mask);
-      const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-      isum = dot_u8_s8(_mm256_set_m128i(high, low), q);
-      offset += f == Format::Q4_0 ? -8.0f * d * static_cast<float>(in.code_sums[b])
-                                  : half_to_float(read_u16(block + 2)) * in.sums[b];
-    }
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc);
-  }
-  return horizontal_sum(acc) + offset;
 #else
   float total = 0.0f;
+#endif
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = row + b * stride;
-    const int8_t* q = codes + b * kBlock;
     const float d = half_to_float(read_u16(block)) * in.scales[b];
-    int32_t isum = 0;
-    if (f == Format::Q8_0) {
-      const int8_t* w = reinterpret_cast<const int8_t*>(block + 2);
-      for (int i = 0; i < kBlock; ++i) isum += static_cast<int32_t>(w[i]) * q[i];
-    } else {
-      const uint8_t* qs = block + (f == Format::Q4_0 ? 2 : 4);
-      for (int i = 0; i < 16; ++i) isum += (qs[i] & 0x0f) * q[i] + (qs[i] >> 4) * q[i + 16];
-      offset += f == Format::Q4_0 ? -8.0f * d * static_cast<float>(in.code_sums[b])
-                                  : half_to_float(read_u16(block + 2)) * in.sums[b];
-    }
-    total += d * static_cast<float>(isum);
+    if (f == Format::Q4_0) offset -= 8.0f * d * static_cast<float>(in.code_sums[b]);
+    if (f == Format::Q4_1) offset += half_to_float(read_u16(block + 2)) * in.sums[b];
+#if LARQL_AVX2
+    const __m256i isum = block_codes_dot(f, block, codes + b * kBlock);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc);
+#else
+    total += d * static_cast<float>(block_codes_dot(f, block, codes + b * kBlock));
+#endif
   }
+#if LARQL_AVX2
+  return horizontal_sum(acc) + offset;
+#else
   return total + offset;
 #endif
 }
 
-// `gemv` with x quantised to int8 per block first (`quantize_input`).
-inline void gemv_int8(Format f, const uint8_t* rows, int64_t row_bytes, int64_t n, const float* x,
-                      int64_t k, float* out) {
+// `gemv` with x rounded to integer codes per block first (`quantize_input`).
+template <typename Code>
+void gemv_codes(Format f, const uint8_t* rows, int64_t row_bytes, int64_t n, const float* x,
+                int64_t k, float* out) {
   const int64_t blocks = k / kBlock;
-  const QuantizedInput in = quantize_input(x, k);
+  const QuantizedInput<Code> in = quantize_input<Code>(x, k);
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) out[r] = row_dot_int8(f, rows + r * row_bytes, blocks, in);
+    for (int64_t r = begin; r < end; ++r) {
+      out[r] = row_dot_codes<Code>(f, rows + r * row_bytes, blocks, in);
+    }
   });
 }
 
-// The one-row product with float or int8 input.
-inline void gemv_with(bool int8_input, Format f, const uint8_t* rows, int64_t row_bytes, int64_t n,
+// The one-row product with a float32, int8 or int16 input.
+inline void gemv_with(Activation a, Format f, const uint8_t* rows, int64_t row_bytes, int64_t n,
                       const float* x, int64_t k, float* out) {
-  if (int8_input) {
-    gemv_int8(f, rows, row_bytes, n, x, k, out);
-  } else {
-    gemv(f, rows, row_bytes, n, x, k, out);
+  switch (a) {
+    case Activation::Int8: return gemv_codes<int8_t>(f, rows, row_bytes, n, x, k, out);
+    case Activation::Int16: return gemv_codes<int16_t>(f, rows, row_bytes, n, x, k, out);
+    case Activation::Float: return gemv(f, rows, row_bytes, n, x, k, out);
   }
 }
 

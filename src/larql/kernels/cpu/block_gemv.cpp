@@ -13,6 +13,12 @@ Format checked_format(int64_t format) {
   return static_cast<Format>(format);
 }
 
+Activation checked_activation(int64_t bits) {
+  TORCH_CHECK(bits == 0 || bits == 8 || bits == 16,
+              "activation_bits must be 0 (float32 input), 8 (int8 codes) or 16 (int16 codes)");
+  return static_cast<Activation>(bits);
+}
+
 void check_rows(const torch::Tensor& rows, Format f, int64_t width) {
   TORCH_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 2 && rows.is_contiguous(),
               "rows must be contiguous uint8 [N, row_bytes]");
@@ -21,15 +27,17 @@ void check_rows(const torch::Tensor& rows, Format f, int64_t width) {
 }
 
 // x: float32 [K] contiguous; rows: uint8 [N, K/32 · block bytes]; format 0 Q8_0, 1 Q4_0,
-// 2 Q4_1; int8_input: quantise x to int8 per block of 32 first → float32 [N].
-torch::Tensor block_gemv(torch::Tensor x, torch::Tensor rows, int64_t format, bool int8_input) {
+// 2 Q4_1; activation_bits: 0 keeps x float32, 8 / 16 round it to int8 / int16 codes per
+// block of 32 first (block_dot.h) → float32 [N].
+torch::Tensor block_gemv(torch::Tensor x, torch::Tensor rows, int64_t format,
+                         int64_t activation_bits) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 1 && x.is_contiguous(),
               "x must be a contiguous float32 vector");
   const Format f = checked_format(format);
   check_rows(rows, f, x.size(0));
   torch::Tensor out = torch::empty({rows.size(0)}, x.options());
-  gemv_with(int8_input, f, rows.data_ptr<uint8_t>(), rows.size(1), rows.size(0),
-            x.data_ptr<float>(), x.size(0),
+  gemv_with(checked_activation(activation_bits), f, rows.data_ptr<uint8_t>(), rows.size(1),
+            rows.size(0),             x.data_ptr<float>(), x.size(0),
        out.data_ptr<float>());
   return out;
 }
@@ -37,7 +45,7 @@ torch::Tensor block_gemv(torch::Tensor x, torch::Tensor rows, int64_t format, bo
 // "avx2" or "scalar": the instructions this build uses. (16-wide AVX-512 measured slower on
 // the project's Zen 4 cores, which split it in two: 12.2 against 9.4 ms for SmolLM2's layers.)
 std::string simd() {
-#if LARQL_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if LARQL_AVX2 && LARQL_VNNI
   return "avx2+vnni";
 #else
   return LARQL_AVX2 ? "avx2" : "scalar";

@@ -5,7 +5,8 @@
 //   residual_gemv  h + W_o (blocks) · attn (+ bias)
 //   residual_ffn   h + W_down · (silu(W_gate · x) ⊙ W_up · x),  x = rms_norm(h)
 //
-// With int8_input every product quantises its input to int8 per block of 32 first (block_dot.h);
+// With activation_bits 8 or 16 every product rounds its input to int8 / int16 codes per block
+// of 32 first (block_dot.h);
 // otherwise the arithmetic is the torch path's (layer.py) in float32, up to the order of the sums:
 // rms_norm(x) = x · rsqrt(mean(x²) + eps) · weight; RoPE rotates the split-half pairs of the
 // first `rotary` dims of each head with cos = [cos θ, cos θ] and signed sin = [−sin θ, sin θ]:
@@ -20,6 +21,7 @@
 namespace larql {
 
 Format checked_format(int64_t format);
+Activation checked_activation(int64_t bits);
 void check_rows(const torch::Tensor& rows, Format f, int64_t width);
 
 namespace {
@@ -40,11 +42,12 @@ void rms_norm(const float* x, const float* weight, int64_t n, double eps, float*
 // out = h + W · x (+ bias), W in blocks.
 torch::Tensor add_product(const torch::Tensor& h, const torch::Tensor& rows, Format f,
                           const float* x, int64_t width, const c10::optional<torch::Tensor>& bias,
-                          bool int8_input) {
+                          int64_t activation_bits) {
   const int64_t n = rows.size(0);
   TORCH_CHECK(h.numel() == n, "the residual and the matrix's rows differ in width");
   std::vector<float> product(n);
-  gemv_with(int8_input, f, rows.data_ptr<uint8_t>(), rows.size(1), n, x, width, product.data());
+  gemv_with(checked_activation(activation_bits), f, rows.data_ptr<uint8_t>(), rows.size(1), n, x,
+            width, product.data());
   torch::Tensor out = torch::empty_like(h);
   const float* hs = h.data_ptr<float>();
   float* dst = out.data_ptr<float>();
@@ -61,7 +64,7 @@ torch::Tensor add_product(const torch::Tensor& h, const torch::Tensor& rows, For
 torch::Tensor decode_qkv(torch::Tensor h, torch::Tensor norm_weight, double eps,
                          torch::Tensor rows, int64_t format, c10::optional<torch::Tensor> bias,
                          torch::Tensor cos, torch::Tensor sin, int64_t rope_heads,
-                         int64_t head_dim, bool int8_input) {
+                         int64_t head_dim, int64_t activation_bits) {
   for (const auto* t : {&h, &norm_weight, &cos, &sin}) check_row(*t, "h, norm weight, cos, sin");
   const int64_t width = h.numel();
   const Format f = checked_format(format);
@@ -75,8 +78,8 @@ torch::Tensor decode_qkv(torch::Tensor h, torch::Tensor norm_weight, double eps,
   rms_norm(h.data_ptr<float>(), norm_weight.data_ptr<float>(), width, eps, x.data());
   torch::Tensor out = torch::empty({rows.size(0)}, h.options());
   float* qkv = out.data_ptr<float>();
-  gemv_with(int8_input, f, rows.data_ptr<uint8_t>(), rows.size(1), rows.size(0), x.data(), width,
-            qkv);
+  gemv_with(checked_activation(activation_bits), f, rows.data_ptr<uint8_t>(), rows.size(1),
+            rows.size(0), x.data(), width, qkv);
   if (bias.has_value()) {
     check_row(*bias, "bias");
     const float* b = bias->data_ptr<float>();
@@ -98,20 +101,21 @@ torch::Tensor decode_qkv(torch::Tensor h, torch::Tensor norm_weight, double eps,
 
 // h: float32 [1, H]; attn: float32 [1, in]; rows: W_o in blocks [H rows] → h + W_o · attn.
 torch::Tensor residual_gemv(torch::Tensor h, torch::Tensor attn, torch::Tensor rows,
-                            int64_t format, c10::optional<torch::Tensor> bias, bool int8_input) {
+                            int64_t format, c10::optional<torch::Tensor> bias,
+                            int64_t activation_bits) {
   check_row(h, "h");
   check_row(attn, "attn");
   if (bias.has_value()) check_row(*bias, "bias");
   const Format f = checked_format(format);
   check_rows(rows, f, attn.numel());
-  return add_product(h, rows, f, attn.data_ptr<float>(), attn.numel(), bias, int8_input);
+  return add_product(h, rows, f, attn.data_ptr<float>(), attn.numel(), bias, activation_bits);
 }
 
 // h: float32 [1, H] → h + W_down · (silu(gate) ⊙ up), [gate; up] = W_gate_up · rms_norm(h);
 // gate_up: [2F rows], down: [H rows] of width F.
 torch::Tensor residual_ffn(torch::Tensor h, torch::Tensor norm_weight, double eps,
                            torch::Tensor gate_up, int64_t gate_up_format, torch::Tensor down,
-                           int64_t down_format, bool int8_input) {
+                           int64_t down_format, int64_t activation_bits) {
   check_row(h, "h");
   check_row(norm_weight, "norm weight");
   const int64_t width = h.numel();
@@ -122,13 +126,13 @@ torch::Tensor residual_ffn(torch::Tensor h, torch::Tensor norm_weight, double ep
   check_rows(down, dn, hidden);
   std::vector<float> x(width), both(2 * hidden);
   rms_norm(h.data_ptr<float>(), norm_weight.data_ptr<float>(), width, eps, x.data());
-  gemv_with(int8_input, gu, gate_up.data_ptr<uint8_t>(), gate_up.size(1), 2 * hidden, x.data(),
-            width, both.data());
+  gemv_with(checked_activation(activation_bits), gu, gate_up.data_ptr<uint8_t>(), gate_up.size(1),
+            2 * hidden, x.data(), width, both.data());
   for (int64_t i = 0; i < hidden; ++i) {
     const float gate = both[i];
     both[i] = gate / (1.0f + std::exp(-gate)) * both[hidden + i];
   }
-  return add_product(h, down, dn, both.data(), hidden, c10::nullopt, int8_input);
+  return add_product(h, down, dn, both.data(), hidden, c10::nullopt, activation_bits);
 }
 
 }  // namespace larql
