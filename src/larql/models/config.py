@@ -7,18 +7,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
+from larql.models.rope_scaling import inverse_frequencies
+
 Activation = Literal["silu", "gelu_tanh", "gelu"]
-RopeScaling = Literal["default", "linear", "llama3"]
+RopeScaling = Literal["default", "linear", "llama3", "yarn", "longrope", "dynamic"]
+ROPE_SCALINGS: tuple[RopeScaling, ...] = get_args(RopeScaling)
 
 
 @dataclass(frozen=True)
 class RopeSpec:
     """Rotary embedding of one layer: split-half ("rotate-half") pairs over the first
-    `rotary_dim` dimensions of each head."""
+    `rotary_dim` dimensions of each head.
+
+    `dynamic` and `longrope` frequencies depend on the length of the sequence a forward pass
+    covers (`length_dependent`); `larql.inference.rope` documents which length each row is
+    rotated at."""
 
     base: float
     rotary_dim: int
@@ -27,35 +34,30 @@ class RopeSpec:
     # llama3 scaling only
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
+    # llama3, yarn, longrope: the pretraining context; dynamic: the context past which the
+    # base grows (the config's max_position_embeddings)
     original_max_positions: int = 8192
     # per-frequency divisors (GGUF `rope_freqs.weight`), applied after scaling
     freq_divisors: tuple[float, ...] | None = None
+    # multiplies cos and sin, so q·k by its square (yarn, longrope)
+    attention_factor: float = 1.0
+    # yarn: the ramp between interpolated and kept frequencies, in turns over the context
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    # longrope: per-frequency divisors up to the pretraining context, and past it
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
-    def inv_freq(self) -> torch.Tensor:
-        """Inverse frequencies in float64, shape [rotary_dim // 2]."""
-        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim
-        inv = 1.0 / (self.base**exponents)
-        if self.scaling == "linear":
-            inv = inv / self.factor
-        elif self.scaling == "llama3":
-            inv = _llama3_scaled(inv, self)
-        if self.freq_divisors is not None:
-            inv = inv / torch.tensor(self.freq_divisors, dtype=torch.float64)
-        return inv
+    @property
+    def length_dependent(self) -> bool:
+        """Whether the frequencies depend on the sequence length (past `original_max_positions`)."""
+        return self.scaling in ("dynamic", "longrope")
 
-
-def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
-    # Llama 3.1 rule: long wavelengths divided by `factor`, short ones kept, a smooth ramp between.
-    low_wavelen = rope.original_max_positions / rope.low_freq_factor
-    high_wavelen = rope.original_max_positions / rope.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (rope.original_max_positions / wavelen - rope.low_freq_factor) / (
-        rope.high_freq_factor - rope.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+    def inv_freq(self, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Inverse frequencies in float64: [rotary_dim // 2] for a sequence within the context,
+        [n, rotary_dim // 2] for sequences of `lengths` [n] tokens."""
+        return inverse_frequencies(self, lengths)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from larql.models.archs import ArchPreset, preset_for_hf
 from larql.models.config import Arch, LayerSpec, ModelConfig, RopeSpec
 from larql.models.errors import ModelFormatError, UnsupportedArchitecture
+from larql.models.hf_rope import rope_context, rope_spec
 
 _ACTIVATIONS = {
     "silu": "silu",
@@ -89,6 +90,8 @@ def hf_config(raw: dict[str, Any], name: str = "") -> ModelConfig:
     scalar = raw.get("query_pre_attn_scalar")
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    layers = _layer_specs(raw, preset, num_layers, head_dim)
+    max_positions = int(raw.get("max_position_embeddings", 2048))
     return ModelConfig(
         arch=arch,
         vocab_size=int(raw["vocab_size"]),
@@ -98,10 +101,10 @@ def hf_config(raw: dict[str, Any], name: str = "") -> ModelConfig:
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
         head_dim=head_dim,
-        max_positions=int(raw.get("max_position_embeddings", 2048)),
+        max_positions=rope_context([spec.rope for spec in layers], max_positions),
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         attn_scale=float(scalar) ** -0.5 if scalar else head_dim**-0.5,
-        layers=_layer_specs(raw, preset, num_layers, head_dim),
+        layers=layers,
         tie_embeddings=bool(raw.get("tie_word_embeddings", preset.tied_embeddings)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
@@ -136,27 +139,7 @@ def _rope_for(raw: dict[str, Any], preset: ArchPreset, layer_type: str, head_dim
         if preset.sliding_rope_base is not None and layer_type == "sliding_attention":
             base = raw.get("rope_local_base_freq", preset.sliding_rope_base)
             params = {"rope_type": "default", "rope_theta": base}
-    kind = params.get("rope_type") or params.get("type") or "default"
-    fraction = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
-    rotary_dim = int(head_dim * fraction)
-    base = float(params.get("rope_theta", raw.get("rope_theta", 10_000.0)))
-    if kind == "default":
-        return RopeSpec(base=base, rotary_dim=rotary_dim)
-    if kind == "linear":
-        return RopeSpec(base, rotary_dim, "linear", float(params["factor"]))
-    if kind == "llama3":
-        return RopeSpec(
-            base,
-            rotary_dim,
-            "llama3",
-            float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_positions=int(params["original_max_position_embeddings"]),
-        )
-    raise UnsupportedArchitecture(
-        f"RoPE type {kind!r} is not supported (supported: default, linear, llama3)"
-    )
+    return rope_spec(params, raw, head_dim)
 
 
 def hf_state_dict(directory: Path, config: ModelConfig) -> dict[str, torch.Tensor]:

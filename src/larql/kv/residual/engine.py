@@ -29,13 +29,23 @@ _NOT_PROFILED = EngineProfiler(enabled=False)  # prefill is not part of the deco
 
 
 def check_preconditions(model: Model, engine: str) -> None:
-    """Refuse an architecture whose layer state is not a function of (pre-layer residual,
-    absolute position): storing residuals instead of K/V would not be exact there."""
+    """Refuse an architecture or a RoPE scaling whose layer state is not a function of
+    (pre-layer residual, absolute position): storing residuals instead of K/V would not be
+    exact there."""
     arch = model.config.arch
     if not arch.residual_is_sufficient:
         raise BackendUnavailable(
             f"{engine} needs layer state that is a function of the pre-layer residual and the "
             f"absolute position; architecture {arch.name!r} does not guarantee it"
+        )
+    scaled = {spec.rope.scaling for spec in model.config.layers if spec.rope.length_dependent}
+    if scaled:
+        # a row's K depends on the sequence length it was first rotated at, which a recompute
+        # from the stored residual cannot know
+        raise BackendUnavailable(
+            f"{engine} recomputes K/V from residuals and the position, but RoPE scaling "
+            f"{', '.join(sorted(scaled))!r} rotates keys by the sequence length; use standard "
+            f"or no-cache"
         )
 
 

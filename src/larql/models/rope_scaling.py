@@ -1,0 +1,129 @@
+"""Inverse frequencies of every RoPE scaling larql reads from model files, in float64.
+
+Two scalings depend on the length of the sequence a forward pass covers, not only on the
+position: `dynamic` (NTK: the base grows once the sequence is longer than the model's context)
+and `longrope` (one set of per-frequency factors up to the pretraining context, another past it).
+For them the frequencies take `lengths`, one per row; `larql.inference.rope` decides which
+length a row is rotated at (see `RopeTable`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from larql.models.config import RopeSpec
+
+
+def inverse_frequencies(spec: RopeSpec, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Frequencies of a forward pass over a sequence of `lengths[i]` tokens.
+
+    lengths: [n] (any dtype) or None (a sequence no longer than the model's context) →
+    [n, rotary_dim/2] float64, or [rotary_dim/2] without lengths."""
+    if lengths is None:
+        return inverse_frequencies(spec, torch.tensor([spec.original_max_positions]))[0]
+    exponents = torch.arange(0, spec.rotary_dim, 2, dtype=torch.float64) / spec.rotary_dim
+    if spec.scaling == "dynamic":
+        inv = _dynamic_ntk(spec, exponents, lengths)
+    elif spec.scaling == "longrope":
+        inv = _longrope(spec, exponents, lengths)
+    else:
+        inv = _length_free(spec, exponents).expand(lengths.shape[0], -1)
+    if spec.freq_divisors is not None:
+        inv = inv / torch.tensor(spec.freq_divisors, dtype=torch.float64)
+    return inv
+
+
+def _length_free(spec: RopeSpec, exponents: torch.Tensor) -> torch.Tensor:
+    inv = 1.0 / (spec.base**exponents)  # [rotary_dim/2]
+    if spec.scaling == "linear":
+        return inv / spec.factor
+    if spec.scaling == "llama3":
+        return _llama3(inv, spec)
+    if spec.scaling == "yarn":
+        return _yarn(spec, exponents)
+    return inv
+
+
+def _llama3(inv_freq: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
+    # Llama 3.1 rule: long wavelengths divided by `factor`, short ones kept, a smooth ramp between.
+    low_wavelen = rope.original_max_positions / rope.low_freq_factor
+    high_wavelen = rope.original_max_positions / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (rope.original_max_positions / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn(spec: RopeSpec, exponents: torch.Tensor) -> torch.Tensor:
+    # YaRN: frequencies that turn fewer than `beta_slow` times over the pretraining context are
+    # interpolated (÷ factor), those that turn more than `beta_fast` times are kept, with a linear
+    # ramp over the frequency index between the two.
+    half = spec.rotary_dim // 2
+    extrapolated = 1.0 / (spec.base**exponents)  # [half]
+    interpolated = extrapolated / spec.factor
+    low = _yarn_index(spec, spec.beta_fast)
+    high = _yarn_index(spec, spec.beta_slow)
+    if spec.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, spec.rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a one-index ramp would divide by zero
+    ramp = ((torch.arange(half, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return interpolated * ramp + extrapolated * (1 - ramp)
+
+
+def _yarn_index(spec: RopeSpec, rotations: float) -> float:
+    """The (fractional) frequency index that turns `rotations` times over the original context."""
+    turns = spec.original_max_positions / (rotations * 2 * math.pi)
+    return spec.rotary_dim * math.log(turns) / (2 * math.log(spec.base))
+
+
+def _dynamic_ntk(spec: RopeSpec, exponents: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    # The base grows with the sequence past `original_max_positions` (the model's context):
+    # base · (factor·L/context − (factor − 1))^(d/(d−2)); at L ≤ context it is the base itself.
+    context = spec.original_max_positions
+    length = lengths.to(torch.float64).clamp(min=context).unsqueeze(1)  # [n, 1]
+    growth = (spec.factor * length / context - (spec.factor - 1)) ** (
+        spec.rotary_dim / (spec.rotary_dim - 2)
+    )
+    return 1.0 / (spec.base * growth) ** exponents  # [n, rotary_dim/2]
+
+
+def _longrope(spec: RopeSpec, exponents: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    # Each frequency divided by its own factor: the short set for sequences up to the pretraining
+    # context, the long set past it (the whole sequence switches, not the positions past it).
+    assert spec.short_factor is not None and spec.long_factor is not None
+    base = spec.base**exponents  # [rotary_dim/2]
+    short = 1.0 / (torch.tensor(spec.short_factor, dtype=torch.float64) * base)
+    long = 1.0 / (torch.tensor(spec.long_factor, dtype=torch.float64) * base)
+    is_long = (lengths > spec.original_max_positions).unsqueeze(1)  # [n, 1]
+    return torch.where(is_long, long, short)  # [n, rotary_dim/2]
+
+
+def yarn_attention_factor(
+    factor: float, mscale: float | None = None, mscale_all_dim: float | None = None
+) -> float:
+    """YaRN's default attention factor: 0.1·ln(factor) + 1, or the ratio of two such terms
+    weighted by `mscale` and `mscale_all_dim` where a config gives both."""
+
+    def weighted(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if mscale and mscale_all_dim:
+        return weighted(mscale) / weighted(mscale_all_dim)
+    return weighted(1.0)
+
+
+def longrope_attention_factor(factor: float, original_max_positions: int) -> float:
+    """LongRoPE's default attention factor: √(1 + ln(factor) / ln(original context))."""
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(original_max_positions))
