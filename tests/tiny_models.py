@@ -73,10 +73,11 @@ class TinyModel:
         return self.hf_model(torch.tensor([ids])).logits[0].float()
 
 
-def build_tiny_model(arch: str, directory: Path, seed: int = 0) -> TinyModel:
+def build_tiny_model(arch: str, directory: Path, seed: int = 0, **overrides: Any) -> TinyModel:
+    """`overrides` replace config entries of the architecture's tiny config (e.g. its RoPE)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = dict(ARCH_CONFIGS[arch])
+    spec = {**ARCH_CONFIGS[arch], **overrides}
     model_type = spec.pop("model_type")
     config = AutoConfig.for_model(model_type, **{**_COMMON, **spec})
     config._attn_implementation = "eager"
