@@ -9,7 +9,6 @@ starts from a fresh one (`fresh_rope`)."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,10 @@ import torch
 from helpers import full_forward_logits, teacher_forced
 from larql.inference.errors import BackendUnavailable
 from larql.inference.ffn import DenseFfn
-from larql.inference.generation import generate
+from larql.inference.generation import generate, teacher_forced_logits
 from larql.inference.layer import final_logits
 from larql.kv import parse_engine
+from larql.kv.standard.engine import StandardEngine
 from larql.models import Model, load_model
 from tiny_models import TinyModel, build_tiny_model, random_ids, rewrite_config
 
@@ -218,3 +218,31 @@ def test_the_scaling_and_its_attention_factor_matter(tiny: TinyModel) -> None:
         altered = load_model(str(tiny.directory))
         altered.config = dataclasses.replace(altered.config, layers=layers)
         assert max_diff(full_forward_logits(altered, ids), theirs) > 1e-3, rope
+
+
+def test_static_cache_step_gathers_the_same_rotation(tiny: TinyModel) -> None:
+    """The static (CUDA-graph) step gathers row p of the RoPE table on the device: the rotation
+    of a one-row call at p."""
+    model = load_model(str(tiny.directory))
+    ids = random_ids(56, seed=7)
+    engine = StandardEngine(static=True)
+    ours = teacher_forced_logits(engine, model, DenseFfn(model), ids, 8)
+    assert engine.fast_path is not None
+    assert max_diff(ours, hf_cached(tiny, ids, 8)) < TOL
+
+
+def test_qwen3_yarn_in_the_transformers4_form(tmp_path: Path) -> None:
+    """Qwen's long-context recipe: `rope_scaling = {"type": "yarn", ...}` beside `rope_theta`,
+    on an architecture with q/k norms."""
+    pytest.importorskip("transformers")
+    rope = dict(ROPES["yarn"]["rope_parameters"])
+    tiny = build_tiny_model("qwen3", tmp_path, max_position_embeddings=4 * CONTEXT,
+                            rope_parameters=rope)  # fmt: skip
+    theta = rope.pop("rope_theta")
+    rope["type"] = rope.pop("rope_type")
+    rewrite_config(tmp_path, rope_parameters=None, rope_theta=theta, rope_scaling=rope)
+    model = load_model(str(tmp_path))
+    assert model.config.layers[0].rope.scaling == "yarn"
+    ids = random_ids(60, seed=8)
+    assert max_diff(full_forward_logits(model, ids), hf_full(tiny, ids)) < TOL
+    assert max_diff(teacher_forced(model, "standard", ids, 40), hf_cached(tiny, ids, 40)) < TOL
