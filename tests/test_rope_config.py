@@ -5,13 +5,15 @@ and typed errors."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from larql.models.config import ROPE_SCALINGS
+from larql.models.config import ROPE_SCALINGS, RopeSpec
 from larql.models.errors import ModelFormatError, UnsupportedArchitecture
+from larql.models.gguf_loader import _rope_spec
 from larql.models.hf_loader import hf_config
 
 HEAD_DIM = 128
@@ -116,3 +118,41 @@ def test_malformed_parameters_are_format_errors() -> None:
         hf_config(raw_config(131_072, short))
     with pytest.raises(ModelFormatError, match="'factor'"):
         hf_config(raw_config(4096, dict(rope_type="dynamic", rope_theta=1e4)))
+
+
+class FakeGguf:
+    """The metadata a `GgufFile` answers with, for the RoPE keys only."""
+
+    def __init__(self, **keys: Any) -> None:
+        self.architecture = "llama"
+        self.path = Path("tiny.gguf")
+        self.tensors: dict[str, Any] = {}
+        self.keys = {name.replace("__", "."): value for name, value in keys.items()}
+
+    def arch_key(self, suffix: str, default: Any = None) -> Any:
+        return self.keys.get(suffix, default)
+
+
+def gguf_rope(**keys: Any) -> RopeSpec:
+    """The RoPE of a GGUF with these `{arch}.` keys (`__` stands for a dot)."""
+    return _rope_spec(FakeGguf(**keys), HEAD_DIM)  # type: ignore[arg-type]
+
+
+def test_gguf_yarn_keys_map_to_the_same_rope_as_the_hf_config() -> None:
+    ours = gguf_rope(rope__freq_base=1e6, rope__scaling__type="yarn", rope__scaling__factor=4.0,
+                     rope__scaling__original_context_length=32_768)  # fmt: skip
+    max_positions, rope = CASES["yarn (Qwen2.5)"]
+    hf = hf_config(raw_config(max_positions, dict(rope))).layers[0].rope
+    assert ours == hf
+
+
+def test_gguf_yarn_variants_it_cannot_follow_are_refused() -> None:
+    base = dict(rope__scaling__type="yarn", rope__scaling__factor=40.0,
+                rope__scaling__original_context_length=4096)  # fmt: skip
+    with pytest.raises(UnsupportedArchitecture, match="yarn_log_multiplier"):
+        gguf_rope(**base, rope__scaling__yarn_log_multiplier=0.0707)
+    del base["rope__scaling__original_context_length"]
+    with pytest.raises(ModelFormatError, match="original_context_length"):
+        gguf_rope(**base)
+    with pytest.raises(UnsupportedArchitecture, match="supported: linear, yarn"):
+        gguf_rope(rope__scaling__type="longrope")

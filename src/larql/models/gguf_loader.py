@@ -20,8 +20,9 @@ import torch
 from larql.models.archs import preset_for_gguf
 from larql.models.blocks import GGUF_FORMATS, BlockRows
 from larql.models.config import LayerSpec, ModelConfig, RopeSpec
-from larql.models.errors import UnsupportedArchitecture
+from larql.models.errors import ModelFormatError, UnsupportedArchitecture
 from larql.models.gguf_file import GgufFile
+from larql.models.rope_scaling import yarn_attention_factor
 
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm",
@@ -155,8 +156,47 @@ def _rope_spec(gguf: GgufFile, head_dim: int) -> RopeSpec:
     if scaling_type == "linear":
         factor = float(gguf.arch_key("rope.scaling.factor", 1.0))
         return RopeSpec(base, rotary_dim, "linear", factor, freq_divisors=divisors)
+    if scaling_type == "yarn":
+        return _yarn_spec(gguf, base, rotary_dim, divisors)
     raise UnsupportedArchitecture(
-        f"RoPE scaling {scaling_type!r} in {gguf.path.name} is not supported (supported: linear)"
+        f"RoPE scaling {scaling_type!r} in {gguf.path.name} is not supported "
+        "(supported: linear, yarn)"
+    )
+
+
+def _yarn_spec(
+    gguf: GgufFile, base: float, rotary_dim: int, divisors: tuple[float, ...] | None
+) -> RopeSpec:
+    """llama.cpp's YaRN keys: the factor, the pretraining context, optional ramp bounds. Its
+    attention factor is YaRN's default (0.1·ln(factor) + 1); files that change it (an
+    `attn_factor` or a `yarn_log_multiplier`, DeepSeek's mscale) are refused, not guessed."""
+    for key, neutral in (
+        ("rope.scaling.attn_factor", 1.0),
+        ("rope.scaling.yarn_log_multiplier", 0.0),
+    ):
+        value = gguf.arch_key(key)
+        if value is not None and float(value) != neutral:
+            raise UnsupportedArchitecture(
+                f"YaRN with {gguf.architecture}.{key} = {value} in {gguf.path.name} is not "
+                "supported (only the default attention factor)"
+            )
+    factor = float(gguf.arch_key("rope.scaling.factor", 1.0))
+    context = gguf.arch_key("rope.scaling.original_context_length")
+    if context is None:
+        raise ModelFormatError(
+            f"{gguf.path.name}: YaRN scaling without {gguf.architecture}."
+            "rope.scaling.original_context_length"
+        )
+    return RopeSpec(
+        base,
+        rotary_dim,
+        "yarn",
+        factor,
+        original_max_positions=int(context),
+        freq_divisors=divisors,
+        attention_factor=yarn_attention_factor(factor),
+        beta_fast=float(gguf.arch_key("rope.scaling.yarn_beta_fast") or 32.0),
+        beta_slow=float(gguf.arch_key("rope.scaling.yarn_beta_slow") or 1.0),
     )
 
 
