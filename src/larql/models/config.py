@@ -7,57 +7,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal
 
-import torch
-
-from larql.models.rope_scaling import inverse_frequencies
+# RoPE lives in its own module; importers of the model's config find it here too
+from larql.models.rope import ROPE_SCALINGS as ROPE_SCALINGS
+from larql.models.rope import RopeScaling as RopeScaling
+from larql.models.rope import RopeSpec
 
 Activation = Literal["silu", "gelu_tanh", "gelu"]
-RopeScaling = Literal["default", "linear", "llama3", "yarn", "longrope", "dynamic"]
-ROPE_SCALINGS: tuple[RopeScaling, ...] = get_args(RopeScaling)
-
-
-@dataclass(frozen=True)
-class RopeSpec:
-    """Rotary embedding of one layer: split-half ("rotate-half") pairs over the first
-    `rotary_dim` dimensions of each head.
-
-    `dynamic` and `longrope` frequencies depend on the length of the sequence a forward pass
-    covers (`length_dependent`); `larql.inference.rope` documents which length each row is
-    rotated at."""
-
-    base: float
-    rotary_dim: int
-    scaling: RopeScaling = "default"
-    factor: float = 1.0
-    # llama3 scaling only
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    # llama3, yarn, longrope: the pretraining context; dynamic: the context past which the
-    # base grows (the config's max_position_embeddings)
-    original_max_positions: int = 8192
-    # per-frequency divisors (GGUF `rope_freqs.weight`), applied after scaling
-    freq_divisors: tuple[float, ...] | None = None
-    # multiplies cos and sin, so q·k by its square (yarn, longrope)
-    attention_factor: float = 1.0
-    # yarn: the ramp between interpolated and kept frequencies, in turns over the context
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    # longrope: per-frequency divisors up to the pretraining context, and past it
-    short_factor: tuple[float, ...] | None = None
-    long_factor: tuple[float, ...] | None = None
-
-    @property
-    def length_dependent(self) -> bool:
-        """Whether the frequencies depend on the sequence length (past `original_max_positions`)."""
-        return self.scaling in ("dynamic", "longrope")
-
-    def inv_freq(self, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """Inverse frequencies in float64: [rotary_dim // 2] for a sequence within the context,
-        [n, rotary_dim // 2] for sequences of `lengths` [n] tokens."""
-        return inverse_frequencies(self, lengths)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from larql.models.blocks import GGUF_FORMATS, BlockRows
 from larql.models.config import LayerSpec, ModelConfig, RopeSpec
 from larql.models.errors import ModelFormatError, UnsupportedArchitecture
 from larql.models.gguf_file import GgufFile
-from larql.models.rope_scaling import yarn_attention_factor
+from larql.models.rope import yarn_attention_factor
 
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm",

@@ -14,7 +14,7 @@ from typing import Any
 
 from larql.models.config import ROPE_SCALINGS, RopeSpec
 from larql.models.errors import ModelFormatError, UnsupportedArchitecture
-from larql.models.rope_scaling import longrope_attention_factor, yarn_attention_factor
+from larql.models.rope import longrope_attention_factor, yarn_attention_factor
 
 
 def rope_spec(params: dict[str, Any], raw: dict[str, Any], head_dim: int) -> RopeSpec:
