@@ -53,6 +53,12 @@ def blocks_smollm2() -> Model:
     return load_model("smollm2-135m", weights="blocks-float")
 
 
+@pytest.fixture(scope="module")
+def auto_smollm2() -> Model:
+    """The default: block weights with the input rounded to int16 codes per block of 32."""
+    return load_model("smollm2-135m", weights="auto")
+
+
 def test_the_default_models_blocks_are_its_float_weights(
     blocks_smollm2: Model, float_smollm2: Model
 ) -> None:
@@ -137,13 +143,14 @@ def test_linear_reads_the_blocks_and_falls_back_without_kernels(
 
 
 def test_greedy_tokens_through_the_blocks_equal_the_float_paths(
-    blocks_smollm2: Model, float_smollm2: Model
+    blocks_smollm2: Model, auto_smollm2: Model, float_smollm2: Model
 ) -> None:
     if blocks_smollm2.weights.lm_head_blocks is None:
         pytest.skip("the CPU block kernels are not built")
+    assert auto_smollm2.weights.layers[0].blocks["wo"].activation == "int16"
     ids = context_ids(float_smollm2, 64, default_text())
     runs = []
-    for model in (float_smollm2, blocks_smollm2):
+    for model in (float_smollm2, blocks_smollm2, auto_smollm2):
         ffn, engine = DenseFfn(model), parse_engine("standard").build(model)
         tokens = []
         with torch.inference_mode():
@@ -154,7 +161,7 @@ def test_greedy_tokens_through_the_blocks_equal_the_float_paths(
                     next_token_logits(model, engine.decode_step(model, ffn, token)).argmax()
                 )
         runs.append(tokens)
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] == runs[2]
 
 
 def test_an_unknown_weights_mode_is_refused() -> None:

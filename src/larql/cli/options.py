@@ -19,10 +19,11 @@ WeightsOption = Annotated[
     str,
     typer.Option(
         "--weights",
-        help="auto (= blocks-int8): a GGUF's Q8_0/Q4_0/Q4_1 matrices stay in their blocks for "
-        "one-token products on the CPU (kernels built by make setup), the input rounded to int8 "
-        "per block of 32; blocks-float: the same with a float32 input (the float path's tokens); "
-        "float: every matrix dequantised to --dtype.",
+        help="auto (= blocks-int16): a GGUF's Q8_0/Q4_0/Q4_1 matrices stay in their blocks for "
+        "one-token products on the CPU (kernels built by make setup), the input rounded to int16 "
+        "codes per block of 32; blocks-int8: int8 codes (llama.cpp's, faster, less exact); "
+        "blocks-float: a float32 input (the float path's tokens); float: every matrix "
+        "dequantised to --dtype.",
     ),
 ]
 ThreadsOption = Annotated[
