@@ -13,8 +13,10 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 import larql.inference.ffn.backend as ffn_backend_module
+import larql.inference.fused_layer as fused_layer_module
 import larql.inference.layer as layer_module
 import larql.inference.linear as linear_module
+import larql.kv.standard.engine as standard_engine_module
 from larql.data import default_text
 from larql.harness.contexts import context_ids
 from larql.inference.ffn import DenseFfn
@@ -298,6 +300,7 @@ def test_fused_decode_step_matches_the_operator_path(
         if not fused:  # the torch operators, still over the blocks' products
             monkeypatch.setattr(layer_module, "fused_kernels", lambda h: None)
             monkeypatch.setattr(layer_module, "attention_kernels", lambda q, k, v: None)
+            monkeypatch.setattr(fused_layer_module, "fused_kernels", lambda h: None)
             monkeypatch.setattr(ffn_backend_module, "fused_kernels", lambda h: None)
         ffn, engine = DenseFfn(blocks_smollm2), parse_engine("standard").build(blocks_smollm2)
         with torch.inference_mode():
@@ -305,3 +308,34 @@ def test_fused_decode_step_matches_the_operator_path(
             steps = [engine.decode_step(blocks_smollm2, ffn, t) for t in (42, 7, 1999)]
         logits.append(torch.stack([next_token_logits(blocks_smollm2, s) for s in steps]))
     assert torch.allclose(logits[0], logits[1], rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("spec", ["standard", "standard:window=24"])
+@pytest.mark.parametrize("weights", ["blocks-float", "auto"])
+def test_the_compiled_decode_layer_is_the_layer_step(
+    spec: str, weights: str, blocks_smollm2: Model, auto_smollm2: Model,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    _kernels_or_skip()
+    model = blocks_smollm2 if weights == "blocks-float" else auto_smollm2
+    ids = context_ids(model, 40, default_text())
+    compiled_calls = []
+    real_step = fused_layer_module.fused_layer_step
+
+    def counted(*args: object) -> torch.Tensor | None:
+        out = real_step(*args)
+        if args[2].shape[0] == 1:  # h: a decode row (prefill's many rows take the operators)
+            compiled_calls.append(out is not None)
+        return out
+
+    logits = []
+    for compiled in (True, False):
+        step = counted if compiled else (lambda *args: None)  # None: layer_step's pieces
+        monkeypatch.setattr(standard_engine_module, "fused_layer_step", step)
+        ffn, engine = DenseFfn(model), parse_engine(spec).build(model)
+        with torch.inference_mode():
+            engine.prefill(model, ffn, ids)
+            steps = [engine.decode_step(model, ffn, t) for t in (42, 7, 1999, 5, 300, 11)]
+        logits.append(torch.stack([next_token_logits(model, s) for s in steps]))
+    assert compiled_calls and all(compiled_calls)  # every decode layer ran compiled
+    assert torch.allclose(logits[0], logits[1], rtol=1e-5, atol=1e-4)

@@ -35,6 +35,20 @@ class KvBuffer:
         values = self._v.append(v.transpose(0, 1))
         return keys.transpose(0, 1), values.transpose(0, 1)
 
+    def decode_slot(self) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+        """Room for one decode row, written by the caller in place (a compiled decode layer):
+        → (K storage, V storage: [capacity, Hkv, D], the first live row, the new row's index);
+        `commit_decode_row()` then counts it. None before the first append."""
+        keys, values = self._k.reserve_back(1), self._v.reserve_back(1)
+        if keys is None or values is None:
+            return None
+        assert keys[1:] == values[1:], "K and V rows are appended together"
+        return keys[0], values[0], keys[1], keys[2]
+
+    def commit_decode_row(self) -> None:
+        self._k.commit(1)
+        self._v.commit(1)
+
     def clip(self) -> None:
         """Drop the oldest rows beyond `keep`."""
         self._k.clip()

@@ -52,6 +52,20 @@ class GrowableRows:
         self._end += s
         return self.rows
 
+    def reserve_back(self, s: int) -> tuple[torch.Tensor, int, int] | None:
+        """Room for s more rows without appending them: → (the storage [capacity, *row_shape],
+        the first live row's index in it, the index the next row goes to), so a caller can
+        write rows there itself and then `commit(s)`; None before the first append."""
+        if self._data is None:
+            return None
+        self._reserve(s, self._data)
+        return self._data, self._start, self._end
+
+    def commit(self, s: int) -> None:
+        """Count s rows written at the back (after `reserve_back`) as live."""
+        assert self._data is not None and self._end + s <= self._data.shape[0]
+        self._end += s
+
     def clip(self) -> None:
         """Drop the oldest rows beyond `keep` (no copy; the space is reused on compaction)."""
         if self.keep is not None and len(self) > self.keep:

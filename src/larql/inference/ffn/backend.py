@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from larql.inference.fused import activation_bits, code, fused_kernels
 from larql.inference.linear import linear
+from larql.models.blocks import BlockRows
 from larql.models.model import Model
 
 
@@ -35,6 +36,11 @@ class FfnBackend(ABC):
     ) -> torch.Tensor | None:
         """h + FFN(rms_norm(h)) [S, H] in one compiled call where this backend has one for h,
         else None (the caller then norms, calls `forward` and adds)."""
+        return None
+
+    def silu_blocks(self, layer: int) -> tuple[BlockRows, BlockRows] | None:
+        """(W_gate_up, W_down) in GGUF blocks where this backend is the model's own gated SiLU
+        MLP over them — what a compiled whole-layer decode step may run in its place."""
         return None
 
     def close(self) -> None:
@@ -59,16 +65,21 @@ class DenseFfn(FfnBackend):
         self._layers = model.weights.layers
         self._activation = model.config.arch.activation
 
-    def fused_block(
-        self, layer: int, h: torch.Tensor, norm: torch.Tensor, eps: float
-    ) -> torch.Tensor | None:
+    def silu_blocks(self, layer: int) -> tuple[BlockRows, BlockRows] | None:
         lw = self._layers[layer]
         gate_up, down = lw.blocks.get("w_gate_up"), lw.blocks.get("w_down")
         if gate_up is None or down is None or self._activation != "silu":
             return None
-        kernels = fused_kernels(h)
-        if kernels is None:
+        return gate_up, down
+
+    def fused_block(
+        self, layer: int, h: torch.Tensor, norm: torch.Tensor, eps: float
+    ) -> torch.Tensor | None:
+        blocks = self.silu_blocks(layer)
+        kernels = fused_kernels(h) if blocks is not None else None
+        if blocks is None or kernels is None:
             return None
+        gate_up, down = blocks
         return kernels.residual_ffn(
             h.contiguous(), norm, eps, gate_up.data, code(gate_up), down.data, code(down),
             activation_bits(gate_up),

@@ -19,6 +19,13 @@ torch::Tensor residual_ffn(torch::Tensor h, torch::Tensor norm_weight, double ep
                            int64_t down_format, int64_t activation_bits);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                double scale);
+torch::Tensor decode_layer(torch::Tensor h, torch::Tensor norms, double eps, torch::Tensor qkv,
+                           torch::Tensor wo, torch::Tensor gate_up, torch::Tensor down,
+                           std::vector<int64_t> formats, c10::optional<torch::Tensor> qkv_bias,
+                           c10::optional<torch::Tensor> o_bias, torch::Tensor cos,
+                           torch::Tensor sin, torch::Tensor k_store, torch::Tensor v_store,
+                           int64_t first, int64_t slot, int64_t heads, double scale,
+                           int64_t activation_bits);
 }  // namespace larql
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -27,5 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_qkv", &larql::decode_qkv, "rms_norm → fused QKV product → RoPE, one row");
   m.def("residual_gemv", &larql::residual_gemv, "h + W · x, one row");
   m.def("decode_attention", &larql::decode_attention, "one query's attention over K/V rows");
+  m.def("decode_layer", &larql::decode_layer,
+        "one whole decode layer: QKV + RoPE, K/V into the cache, attention, W_o, MLP");
   m.def("residual_ffn", &larql::residual_ffn, "h + the gated SiLU MLP of rms_norm(h), one row");
 }

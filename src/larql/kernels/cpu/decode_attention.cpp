@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "block_dot.h"
+#include "decode_attention.h"
 
 namespace larql {
 
@@ -54,15 +55,6 @@ inline void add_scaled(float* acc, const float* row, float w, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += w * row[i];
 }
 
-struct Rows {
-  const float* data;
-  int64_t head_stride;
-  int64_t row_stride;
-  const float* at(int64_t head, int64_t row) const {
-    return data + head * head_stride + row * row_stride;
-  }
-};
-
 void check_cache(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 3 && t.stride(2) == 1, name,
               " must be float32 [Hkv, T, D] with unit stride over D");
@@ -70,26 +62,9 @@ void check_cache(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
-// q: float32 [Hq, 1, D] (contiguous); keys, values: float32 [Hkv, T, D], any head and row
-// strides → float32 [1, Hq · D].
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
-                               double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3 && q.size(1) == 1 && q.is_contiguous(),
-              "q must be contiguous float32 [Hq, 1, D]");
-  check_cache(keys, "keys");
-  check_cache(values, "values");
-  const int64_t heads = q.size(0), dim = q.size(2);
-  const int64_t kv_heads = keys.size(0), rows = keys.size(1);
-  TORCH_CHECK(values.sizes() == keys.sizes(), "keys and values differ in shape");
-  TORCH_CHECK(keys.size(2) == dim, "keys' width is not the query's");
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of K/V heads");
-  TORCH_CHECK(rows > 0, "no rows to attend to");
+void attend_one_query(const float* qs, int64_t heads, int64_t dim, const Rows& k, const Rows& v,
+                      int64_t kv_heads, int64_t rows, float softmax_scale, float* o) {
   const int64_t group = heads / kv_heads;
-  const Rows k{keys.data_ptr<float>(), keys.stride(0), keys.stride(1)};
-  const Rows v{values.data_ptr<float>(), values.stride(0), values.stride(1)};
-  const float* qs = q.data_ptr<float>();
-  const float softmax_scale = static_cast<float>(scale);
-
   const int64_t chunks = std::max<int64_t>(
       1, std::min<int64_t>(at::get_num_threads(), rows / kChunkRows));
   const int64_t per_chunk = (rows + chunks - 1) / chunks;
@@ -134,8 +109,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
     }
   });
 
-  torch::Tensor out = torch::zeros({1, heads * dim}, q.options());
-  float* o = out.data_ptr<float>();
+  std::fill(o, o + heads * dim, 0.0f);
   for (int64_t h = 0; h < heads; ++h) {
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t c = 0; c < chunks; ++c) top = std::max(top, maxima[c * heads + h]);
@@ -148,6 +122,27 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
     const float inverse = 1.0f / total;
     for (int64_t i = 0; i < dim; ++i) o[h * dim + i] *= inverse;
   }
+}
+
+// q: float32 [Hq, 1, D] (contiguous); keys, values: float32 [Hkv, T, D], any head and row
+// strides → float32 [1, Hq · D].
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
+                               double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3 && q.size(1) == 1 && q.is_contiguous(),
+              "q must be contiguous float32 [Hq, 1, D]");
+  check_cache(keys, "keys");
+  check_cache(values, "values");
+  const int64_t heads = q.size(0), dim = q.size(2);
+  const int64_t kv_heads = keys.size(0), rows = keys.size(1);
+  TORCH_CHECK(values.sizes() == keys.sizes(), "keys and values differ in shape");
+  TORCH_CHECK(keys.size(2) == dim, "keys' width is not the query's");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of K/V heads");
+  TORCH_CHECK(rows > 0, "no rows to attend to");
+  torch::Tensor out = torch::empty({1, heads * dim}, q.options());
+  attend_one_query(q.data_ptr<float>(), heads, dim,
+                   Rows{keys.data_ptr<float>(), keys.stride(0), keys.stride(1)},
+                   Rows{values.data_ptr<float>(), values.stride(0), values.stride(1)}, kv_heads,
+                   rows, static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }
 

@@ -1,22 +1,27 @@
-// A decode step's layer pieces for one float32 row, each one call instead of a dozen torch
+// A decode step's layer for one float32 row, in a few calls instead of dozens of torch
 // operators (on a 2-core CPU the operators' dispatch costs as much as the block products):
 //
 //   decode_qkv     h → rms_norm → W_qkv (blocks) (+ bias) → RoPE on the q and k heads
 //   residual_gemv  h + W_o (blocks) · attn (+ bias)
 //   residual_ffn   h + W_down · (silu(W_gate · x) ⊙ W_up · x),  x = rms_norm(h)
+//   decode_layer   all of it: decode_qkv, the new K/V row written into the cache's storage,
+//                  one query's attention over the live rows, residual_gemv, residual_ffn
 //
 // With activation_bits 8 or 16 every product rounds its input to int8 / int16 codes per block
-// of 32 first (block_dot.h);
-// otherwise the arithmetic is the torch path's (layer.py) in float32, up to the order of the sums:
-// rms_norm(x) = x · rsqrt(mean(x²) + eps) · weight; RoPE rotates the split-half pairs of the
-// first `rotary` dims of each head with cos = [cos θ, cos θ] and signed sin = [−sin θ, sin θ]:
+// of 32 first (block_dot.h); otherwise the arithmetic is the torch path's (layer.py) in
+// float32, up to the order of the sums: rms_norm(x) = x · rsqrt(mean(x²) + eps) · weight; RoPE
+// rotates the split-half pairs of the first `rotary` dims of each head with
+// cos = [cos θ, cos θ] and signed sin = [−sin θ, sin θ]:
 // x_i' = x_i cos_i + x_{i+half} sin_i, x_{i+half}' = x_{i+half} cos_{i+half} + x_i sin_{i+half}.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "block_dot.h"
+#include "decode_attention.h"
 
 namespace larql {
 
@@ -31,6 +36,12 @@ void check_row(const torch::Tensor& t, const char* name) {
               " must be contiguous float32");
 }
 
+const float* optional_data(const c10::optional<torch::Tensor>& t, const char* name) {
+  if (!t.has_value()) return nullptr;
+  check_row(*t, name);
+  return t->data_ptr<float>();
+}
+
 // x: [n] → out: [n] = x · rsqrt(mean(x²) + eps) · weight.
 void rms_norm(const float* x, const float* weight, int64_t n, double eps, float* out) {
   double squares = 0.0;
@@ -39,21 +50,73 @@ void rms_norm(const float* x, const float* weight, int64_t n, double eps, float*
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * scale * weight[i];
 }
 
-// out = h + W · x (+ bias), W in blocks.
-torch::Tensor add_product(const torch::Tensor& h, const torch::Tensor& rows, Format f,
-                          const float* x, int64_t width, const c10::optional<torch::Tensor>& bias,
-                          int64_t activation_bits) {
-  const int64_t n = rows.size(0);
-  TORCH_CHECK(h.numel() == n, "the residual and the matrix's rows differ in width");
-  std::vector<float> product(n);
-  gemv_with(checked_activation(activation_bits), f, rows.data_ptr<uint8_t>(), rows.size(1), n, x,
-            width, product.data());
-  torch::Tensor out = torch::empty_like(h);
-  const float* hs = h.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  for (int64_t i = 0; i < n; ++i) dst[i] = hs[i] + (b ? product[i] + b[i] : product[i]);
-  return out;
+// A block matrix as the products take it.
+struct BlockMatrix {
+  const uint8_t* data;
+  int64_t rows;
+  int64_t row_bytes;
+  Format format;
+};
+
+BlockMatrix checked_matrix(const torch::Tensor& rows, int64_t format, int64_t width) {
+  const Format f = checked_format(format);
+  check_rows(rows, f, width);
+  return BlockMatrix{rows.data_ptr<uint8_t>(), rows.size(0), rows.size(1), f};
+}
+
+void product(Activation a, const BlockMatrix& w, const float* x, int64_t width, float* out) {
+  gemv_with(a, w.format, w.data, w.row_bytes, w.rows, x, width, out);
+}
+
+// qkv: [rows of W_qkv] = RoPE(W_qkv · rms_norm(h) (+ bias)) on the first rope_heads heads.
+void qkv_row(Activation a, const float* h, const float* norm, double eps, int64_t width,
+             const BlockMatrix& w, const float* bias, const float* cos, const float* sin,
+             int64_t rotary, int64_t rope_heads, int64_t head_dim, float* qkv) {
+  std::vector<float> x(width);
+  rms_norm(h, norm, width, eps, x.data());
+  product(a, w, x.data(), width, qkv);
+  if (bias != nullptr) {
+    for (int64_t i = 0; i < w.rows; ++i) qkv[i] += bias[i];
+  }
+  const int64_t half = rotary / 2;
+  for (int64_t head = 0; head < rope_heads; ++head) {
+    float* v = qkv + head * head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const float first = v[i], second = v[i + half];
+      v[i] = first * cos[i] + second * sin[i];
+      v[i + half] = second * cos[i + half] + first * sin[i + half];
+    }
+  }
+}
+
+// out: [W rows] = h + W · x (+ bias).
+void add_product_row(Activation a, const float* h, const BlockMatrix& w, const float* x,
+                     int64_t width, const float* bias, float* out) {
+  std::vector<float> p(w.rows);
+  product(a, w, x, width, p.data());
+  for (int64_t i = 0; i < w.rows; ++i) out[i] = h[i] + (bias ? p[i] + bias[i] : p[i]);
+}
+
+// out: [width] = h + W_down · (silu(gate) ⊙ up), [gate; up] = W_gate_up · rms_norm(h).
+void ffn_row(Activation a, const float* h, const float* norm, double eps, int64_t width,
+             const BlockMatrix& gate_up, const BlockMatrix& down, float* out) {
+  const int64_t hidden = gate_up.rows / 2;
+  std::vector<float> x(width), both(2 * hidden);
+  rms_norm(h, norm, width, eps, x.data());
+  product(a, gate_up, x.data(), width, both.data());
+  for (int64_t i = 0; i < hidden; ++i) {
+    const float gate = both[i];
+    both[i] = gate / (1.0f + std::exp(-gate)) * both[hidden + i];
+  }
+  add_product_row(a, h, down, both.data(), hidden, nullptr, out);
+}
+
+void check_rope(const torch::Tensor& cos, const torch::Tensor& sin, int64_t head_dim) {
+  check_row(cos, "cos");
+  check_row(sin, "sin");
+  const int64_t rotary = cos.numel();
+  TORCH_CHECK(sin.numel() == rotary && rotary % 2 == 0 && rotary <= head_dim,
+              "cos and sin must be [rotary], rotary even and at most head_dim");
 }
 
 }  // namespace
@@ -65,37 +128,17 @@ torch::Tensor decode_qkv(torch::Tensor h, torch::Tensor norm_weight, double eps,
                          torch::Tensor rows, int64_t format, c10::optional<torch::Tensor> bias,
                          torch::Tensor cos, torch::Tensor sin, int64_t rope_heads,
                          int64_t head_dim, int64_t activation_bits) {
-  for (const auto* t : {&h, &norm_weight, &cos, &sin}) check_row(*t, "h, norm weight, cos, sin");
+  check_row(h, "h");
+  check_row(norm_weight, "norm weight");
+  check_rope(cos, sin, head_dim);
   const int64_t width = h.numel();
-  const Format f = checked_format(format);
-  check_rows(rows, f, width);
-  const int64_t rotary = cos.numel();
   TORCH_CHECK(norm_weight.numel() == width, "the norm weight's width is not the row's");
-  TORCH_CHECK(sin.numel() == rotary && rotary % 2 == 0 && rotary <= head_dim,
-              "cos and sin must be [rotary], rotary even and at most head_dim");
-  TORCH_CHECK(rope_heads * head_dim <= rows.size(0), "more rotated heads than rows");
-  std::vector<float> x(width);
-  rms_norm(h.data_ptr<float>(), norm_weight.data_ptr<float>(), width, eps, x.data());
-  torch::Tensor out = torch::empty({rows.size(0)}, h.options());
-  float* qkv = out.data_ptr<float>();
-  gemv_with(checked_activation(activation_bits), f, rows.data_ptr<uint8_t>(), rows.size(1),
-            rows.size(0), x.data(), width, qkv);
-  if (bias.has_value()) {
-    check_row(*bias, "bias");
-    const float* b = bias->data_ptr<float>();
-    for (int64_t i = 0; i < rows.size(0); ++i) qkv[i] += b[i];
-  }
-  const float* c = cos.data_ptr<float>();
-  const float* s = sin.data_ptr<float>();
-  const int64_t half = rotary / 2;
-  for (int64_t head = 0; head < rope_heads; ++head) {
-    float* v = qkv + head * head_dim;
-    for (int64_t i = 0; i < half; ++i) {
-      const float first = v[i], second = v[i + half];
-      v[i] = first * c[i] + second * s[i];
-      v[i + half] = second * c[i + half] + first * s[i + half];
-    }
-  }
+  const BlockMatrix w = checked_matrix(rows, format, width);
+  TORCH_CHECK(rope_heads * head_dim <= w.rows, "more rotated heads than rows");
+  torch::Tensor out = torch::empty({w.rows}, h.options());
+  qkv_row(checked_activation(activation_bits), h.data_ptr<float>(), norm_weight.data_ptr<float>(),
+          eps, width, w, optional_data(bias, "bias"), cos.data_ptr<float>(),
+          sin.data_ptr<float>(), cos.numel(), rope_heads, head_dim, out.data_ptr<float>());
   return out;
 }
 
@@ -105,10 +148,13 @@ torch::Tensor residual_gemv(torch::Tensor h, torch::Tensor attn, torch::Tensor r
                             int64_t activation_bits) {
   check_row(h, "h");
   check_row(attn, "attn");
-  if (bias.has_value()) check_row(*bias, "bias");
-  const Format f = checked_format(format);
-  check_rows(rows, f, attn.numel());
-  return add_product(h, rows, f, attn.data_ptr<float>(), attn.numel(), bias, activation_bits);
+  const BlockMatrix w = checked_matrix(rows, format, attn.numel());
+  TORCH_CHECK(h.numel() == w.rows, "the residual and the matrix's rows differ in width");
+  torch::Tensor out = torch::empty_like(h);
+  add_product_row(checked_activation(activation_bits), h.data_ptr<float>(), w,
+                  attn.data_ptr<float>(), attn.numel(), optional_data(bias, "bias"),
+                  out.data_ptr<float>());
+  return out;
 }
 
 // h: float32 [1, H] → h + W_down · (silu(gate) ⊙ up), [gate; up] = W_gate_up · rms_norm(h);
@@ -120,19 +166,68 @@ torch::Tensor residual_ffn(torch::Tensor h, torch::Tensor norm_weight, double ep
   check_row(norm_weight, "norm weight");
   const int64_t width = h.numel();
   TORCH_CHECK(norm_weight.numel() == width, "the norm weight's width is not the row's");
-  const Format gu = checked_format(gate_up_format), dn = checked_format(down_format);
-  check_rows(gate_up, gu, width);
-  const int64_t hidden = gate_up.size(0) / 2;
-  check_rows(down, dn, hidden);
-  std::vector<float> x(width), both(2 * hidden);
-  rms_norm(h.data_ptr<float>(), norm_weight.data_ptr<float>(), width, eps, x.data());
-  gemv_with(checked_activation(activation_bits), gu, gate_up.data_ptr<uint8_t>(), gate_up.size(1),
-            2 * hidden, x.data(), width, both.data());
-  for (int64_t i = 0; i < hidden; ++i) {
-    const float gate = both[i];
-    both[i] = gate / (1.0f + std::exp(-gate)) * both[hidden + i];
-  }
-  return add_product(h, down, dn, both.data(), hidden, c10::nullopt, activation_bits);
+  const BlockMatrix gu = checked_matrix(gate_up, gate_up_format, width);
+  const BlockMatrix dn = checked_matrix(down, down_format, gu.rows / 2);
+  TORCH_CHECK(dn.rows == width, "W_down's rows are not the residual's width");
+  torch::Tensor out = torch::empty_like(h);
+  ffn_row(checked_activation(activation_bits), h.data_ptr<float>(), norm_weight.data_ptr<float>(),
+          eps, width, gu, dn, out.data_ptr<float>());
+  return out;
+}
+
+// One whole decode layer for the row h: float32 [1, H] at the position cos/sin are taken at.
+// k_store, v_store: float32 [capacity, Hkv, D], contiguous, the layer's cache storage; the new
+// row's K (rotated) and V are written at row `slot`, and the query attends rows first..slot.
+// norms: [attn_norm; ffn_norm] float32 [2, H]; formats: [qkv, o, gate_up, down] → h after
+// attention and FFN, [1, H].
+torch::Tensor decode_layer(torch::Tensor h, torch::Tensor norms, double eps, torch::Tensor qkv,
+                           torch::Tensor wo, torch::Tensor gate_up, torch::Tensor down,
+                           std::vector<int64_t> formats, c10::optional<torch::Tensor> qkv_bias,
+                           c10::optional<torch::Tensor> o_bias, torch::Tensor cos,
+                           torch::Tensor sin, torch::Tensor k_store, torch::Tensor v_store,
+                           int64_t first, int64_t slot, int64_t heads, double scale,
+                           int64_t activation_bits) {
+  check_row(h, "h");
+  check_row(norms, "norms");
+  check_row(k_store, "k_store");
+  check_row(v_store, "v_store");
+  const int64_t width = h.numel();
+  TORCH_CHECK(norms.numel() == 2 * width, "norms must be [2, H]: the attention and FFN norms");
+  TORCH_CHECK(formats.size() == 4, "formats must be [qkv, o, gate_up, down]");
+  TORCH_CHECK(k_store.dim() == 3 && v_store.sizes() == k_store.sizes(),
+              "k_store and v_store must be [capacity, Hkv, D] alike");
+  const int64_t kv_heads = k_store.size(1), head_dim = k_store.size(2);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of K/V heads");
+  TORCH_CHECK(0 <= first && first <= slot && slot < k_store.size(0),
+              "need 0 ≤ first ≤ slot < the storage's capacity");
+  check_rope(cos, sin, head_dim);
+  const int64_t q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
+  const BlockMatrix w_qkv = checked_matrix(qkv, formats[0], width);
+  TORCH_CHECK(w_qkv.rows == q_dim + 2 * kv_dim, "W_qkv's rows are not q_dim + 2 · kv_dim");
+  const BlockMatrix w_o = checked_matrix(wo, formats[1], q_dim);
+  TORCH_CHECK(w_o.rows == width, "W_o's rows are not the residual's width");
+  const BlockMatrix w_gate_up = checked_matrix(gate_up, formats[2], width);
+  const BlockMatrix w_down = checked_matrix(down, formats[3], w_gate_up.rows / 2);
+  TORCH_CHECK(w_down.rows == width, "W_down's rows are not the residual's width");
+  const Activation a = checked_activation(activation_bits);
+  const float* norm = norms.data_ptr<float>();
+
+  std::vector<float> projected(w_qkv.rows), attn(q_dim), mid(width);
+  qkv_row(a, h.data_ptr<float>(), norm, eps, width, w_qkv, optional_data(qkv_bias, "qkv bias"),
+          cos.data_ptr<float>(), sin.data_ptr<float>(), cos.numel(), heads + kv_heads, head_dim,
+          projected.data());
+  float* keys = k_store.data_ptr<float>();
+  float* values = v_store.data_ptr<float>();
+  std::memcpy(keys + slot * kv_dim, projected.data() + q_dim, kv_dim * sizeof(float));
+  std::memcpy(values + slot * kv_dim, projected.data() + q_dim + kv_dim, kv_dim * sizeof(float));
+  attend_one_query(projected.data(), heads, head_dim, Rows{keys + first * kv_dim, head_dim, kv_dim},
+                   Rows{values + first * kv_dim, head_dim, kv_dim}, kv_heads, slot - first + 1,
+                   static_cast<float>(scale), attn.data());
+  add_product_row(a, h.data_ptr<float>(), w_o, attn.data(), q_dim, optional_data(o_bias, "o bias"),
+                  mid.data());
+  torch::Tensor out = torch::empty_like(h);
+  ffn_row(a, mid.data(), norm + width, eps, width, w_gate_up, w_down, out.data_ptr<float>());
+  return out;
 }
 
 }  // namespace larql

@@ -15,6 +15,7 @@ import torch
 from larql.inference.engine import KvEngine
 from larql.inference.errors import BackendUnavailable
 from larql.inference.ffn import FfnBackend
+from larql.inference.fused_layer import fused_layer_step
 from larql.inference.layer import (
     attend,
     attention_output,
@@ -121,7 +122,12 @@ class StandardEngine(KvEngine):
                 attn = attend(model, layer, q, keys, values, start, None, allowed)
                 h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn)
             else:
-                h = layer_step(model, layer, h, start, buffer, ffn, self.window)
+                fused = fused_layer_step(model, layer, h, start, buffer, ffn, self.window)
+                h = (
+                    fused
+                    if fused is not None
+                    else layer_step(model, layer, h, start, buffer, ffn, self.window)
+                )
             buffer.clip()
         return h
 

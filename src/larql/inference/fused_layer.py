@@ -1,0 +1,97 @@
+"""A whole decode layer in one compiled call (`larql.kernels.cpu`'s `decode_layer`).
+
+Where one float32 row on the CPU meets a plain layer (RMS pre-norms only, no q/k norms, no
+post-norms, no soft-cap, the gated SiLU MLP of the model's own weights) whose four matrices are
+held in GGUF blocks, and a K/V store that lets a row be written in place (`DecodeSlots`), the
+layer runs as one call: QKV + RoPE, the new K/V row written into the store, one query's
+attention over the live rows (the window's, where one bounds the layer), the output projection
+and the MLP with their residuals. It computes what `layer.layer_step` computes with the same
+pieces (tested against it); everything else takes `layer_step`'s operators.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from larql.inference.ffn.backend import FfnBackend
+from larql.inference.fused import activation_bits, code, fused_kernels
+from larql.inference.layer import effective_window, rope_table
+from larql.models.model import Model
+
+
+@runtime_checkable
+class DecodeSlots(Protocol):
+    """A K/V store a compiled decode layer writes its new row into."""
+
+    def decode_slot(self) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+        """→ (K storage, V storage [capacity, Hkv, D], first live row, the new row's index)."""
+        ...
+
+    def commit_decode_row(self) -> None: ...
+
+
+def _plain(model: Model, layer: int) -> bool:
+    lw = model.weights.layers[layer]
+    arch = model.config.arch
+    return (
+        lw.q_norm is None
+        and lw.k_norm is None
+        and lw.post_attn_norm is None
+        and lw.post_ffn_norm is None
+        and arch.attn_softcap is None
+    )
+
+
+def _norms(model: Model, layer: int) -> torch.Tensor:
+    """The layer's [attention norm; FFN norm] weights, float32 [2, H] (kept per model)."""
+    key = ("decode_layer_norms", layer)
+    norms = model.runtime.get(key)
+    if norms is None:
+        lw = model.weights.layers[layer]
+        norms = model.runtime[key] = torch.stack((lw.attn_norm, lw.ffn_norm)).contiguous()
+    return norms
+
+
+def fused_layer_step(
+    model: Model,
+    layer: int,
+    h: torch.Tensor,
+    start: int,
+    kv: object,
+    ffn: FfnBackend,
+    window: int | None,
+) -> torch.Tensor | None:
+    """h: [1, H] at position `start` → the residual after the whole layer [1, H], its K/V row
+    committed to `kv`; None where the compiled layer does not apply (nothing is changed)."""
+    if h.shape[0] != 1 or not isinstance(kv, DecodeSlots):
+        return None
+    kernels = fused_kernels(h)
+    lw = model.weights.layers[layer]
+    qkv, wo = lw.blocks.get("wqkv"), lw.blocks.get("wo")
+    mlp = ffn.silu_blocks(layer)
+    if kernels is None or qkv is None or wo is None or mlp is None or not _plain(model, layer):
+        return None
+    gate_up, down = mlp
+    if len({b.activation for b in (qkv, wo, gate_up, down)}) != 1:
+        return None
+    slot = kv.decode_slot()
+    if slot is None:
+        return None
+    keys, values, first, row = slot
+    if keys.dtype != torch.float32:
+        return None
+    w = effective_window(model, layer, window)
+    if w is not None:
+        first = max(first, row + 1 - w)  # the query sees its own row and the w − 1 before it
+    cfg = model.config
+    cos, sin = rope_table(model, layer).slice(start, 1)  # [1, rotary] each
+    out = kernels.decode_layer(
+        h.contiguous(), _norms(model, layer), cfg.norm_eps, qkv.data, wo.data, gate_up.data,
+        down.data, [code(qkv), code(wo), code(gate_up), code(down)], lw.bqkv, lw.bo,
+        cos.reshape(-1), sin.reshape(-1), keys, values, first, row, cfg.num_heads,
+        cfg.attn_scale, activation_bits(qkv),
+    )  # fmt: skip
+    kv.commit_decode_row()
+    return out

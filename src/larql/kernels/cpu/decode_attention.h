@@ -1,0 +1,23 @@
+// One decode query's attention over K/V rows in place (decode_attention.cpp).
+#pragma once
+
+#include <cstdint>
+
+namespace larql {
+
+// Rows of one K/V head h and token t at data + h · head_stride + t · row_stride (D floats each).
+struct Rows {
+  const float* data;
+  int64_t head_stride;
+  int64_t row_stride;
+  const float* at(int64_t head, int64_t row) const {
+    return data + head * head_stride + row * row_stride;
+  }
+};
+
+// q: [heads · dim]; `rows` key and value rows of kv_heads heads (heads a multiple of them)
+// → out: [heads · dim] = softmax(scale · q·k) · v per query head.
+void attend_one_query(const float* q, int64_t heads, int64_t dim, const Rows& k, const Rows& v,
+                      int64_t kv_heads, int64_t rows, float scale, float* out);
+
+}  // namespace larql
