@@ -7,3 +7,7 @@ accepted); the CLI prints it without a traceback and exits 2, the server turns i
 
 class LarqlError(Exception):
     """A typed, user-facing error."""
+
+
+class InvalidInput(LarqlError):
+    """A value given to a command or an API function that is out of range or inconsistent."""

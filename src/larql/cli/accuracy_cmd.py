@@ -12,15 +12,6 @@ from rich.progress import Progress
 from larql.cli.common import InvalidInput, open_model, stderr, stdout, user_errors
 from larql.cli.longctx_cmd import SUITES, SuiteGrid
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
-from larql.data import read_text
-
-# Every engine, windowed ones at windows that overflow on the fidelity text (also --quick's).
-DEFAULT_ENGINES = (
-    "standard;standard:window=64;no-cache;markov-rs:window=64;markov-rs-codec:window=64;"
-    "windowed-checkpoint:window=64;turbo-quant:bits=4;turbo-quant:bits=3;turbo-quant:bits=2;"
-    "boundary-kv:chunk_tokens=64;boundary-per-layer:window=64"
-)
-
 
 # The long-context suites: the reference, one engine per way of keeping less (a window with
 # sinks, eviction once, eviction as decode goes, quantisation); the exact engines score like
@@ -32,10 +23,12 @@ LONGCTX_ENGINES = (
 
 
 def default_engines(suite: str = "prompts") -> str:
+    from larql.harness.accuracy.run import default_specs
     from larql.kv.catalog import CATALOG
 
-    chosen = DEFAULT_ENGINES if suite == "prompts" else LONGCTX_ENGINES
-    return ";".join(s for s in CATALOG.split_specs(chosen) if CATALOG.parses(s))
+    if suite == "prompts":
+        return ";".join(default_specs())
+    return ";".join(s for s in CATALOG.split_specs(LONGCTX_ENGINES) if CATALOG.parses(s))
 
 
 @user_errors
@@ -122,9 +115,9 @@ def accuracy(
 
     Every engine is scored on parametric facts, needles and conflicts, and its next-token
     distributions are compared with the full cache's over a text."""
+    from larql.api import accuracy as run_accuracy
     from larql.harness.accuracy.aggregate import served_lines, split_table
     from larql.harness.accuracy.report import fidelity_table
-    from larql.harness.accuracy.run import AccuracySettings, run_accuracy
     from larql.inference.ffn.policy import FfnLayerPolicy, split_specs
     from larql.kv.catalog import CATALOG
 
@@ -148,23 +141,21 @@ def accuracy(
         lm = open_model(model, dtype, device, weights=weights)
         run_suite(lm, specs, ffn_specs, grid, text, output_file, plot)
         return
-    body, label = read_text(text)
     lm = open_model(model, dtype, device, weights=weights)
-    settings = AccuracySettings(
-        quick=quick,
-        needle_max_tokens=needle_max_tokens,
-        conflict=not no_conflict,
-        fidelity=not no_fidelity,
-        fidelity_positions=128 if quick and positions is None else positions,
-        **({"quadratic_positions": 64, "greedy_steps": 32} if quick else {}),
-        text=body,
-        text_label=label,
-        fidelity_prompt_tokens=prompt_tokens,
-    )
     with Progress(console=stderr, transient=True) as bar:
         task = bar.add_task("accuracy", total=None)
         report = run_accuracy(
-            lm, kinds, ffn_specs, settings, progress=lambda s: bar.update(task, description=s)
+            lm,
+            kinds,
+            ffn=ffn_specs,
+            quick=quick,
+            needle_max_tokens=needle_max_tokens,
+            conflict=not no_conflict,
+            fidelity=not no_fidelity,
+            text_file=text,
+            positions=positions,
+            prompt_tokens=prompt_tokens,
+            progress=lambda s: bar.update(task, description=s),
         )
     stdout.print(split_table(report.splits))
     for line in served_lines(report.splits):
@@ -178,7 +169,7 @@ def accuracy(
             stdout.print(f"  [{s.strategy}] {s.category:<12} {verdict:<9} "
                          f"predicted={s.predicted!r} expected={s.expected!r}")  # fmt: skip
     if report.fidelity:
-        stdout.print(fidelity_table(report.fidelity, label))
+        stdout.print(fidelity_table(report.fidelity, report.meta["fidelity_text"]))
     if output_file is not None:
         output_file.write_text(json.dumps(report.as_dict(), indent=2))
     if plot is not None:
@@ -186,4 +177,5 @@ def accuracy(
             raise InvalidInput("--plot draws the fidelity results: leave out --no-fidelity")
         from larql.harness.accuracy.report import save_frontier_plot
 
+        label = report.meta["fidelity_text"]
         save_frontier_plot(report.fidelity, plot, f"{lm.name}: KL vs bytes ({label})")

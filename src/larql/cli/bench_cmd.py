@@ -17,7 +17,6 @@ from larql.cli.ffn_options import (
     ffn_policy_spec,
 )
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption, WeightsOption
-from larql.data import read_text
 
 
 def parse_depths(value: str | None) -> list[int]:
@@ -72,12 +71,10 @@ def bench(
     threads: ThreadsOption = None,
 ) -> None:
     """Time every engine (whole tokens), report memory and roofline, optionally vs HF."""
-    from larql.harness.bench.engine_bench import BenchSettings
+    from larql.api import bench as run_bench
+    from larql.api import parse_engines
     from larql.harness.bench.report import render_table, save_plot, stage_tables
-    from larql.harness.bench.run import default_specs, run_bench
-    from larql.harness.contexts import context_ids
-    from larql.inference.ffn import build_ffn
-    from larql.kv.catalog import CATALOG
+    from larql.harness.bench.run import default_specs
 
     if output not in ("table", "json"):
         raise InvalidInput(f"unknown --output {output!r}; accepted: table, json")
@@ -91,32 +88,12 @@ def bench(
     for name, value, low in checked:
         if value < low:
             raise InvalidInput(f"{name} must be ≥ {low}, got {value}")
-    specs = CATALOG.split_specs(engine) if engine else default_specs()
-    kinds = [CATALOG.parse(spec) for spec in specs]
-    if not kinds:
-        raise InvalidInput(f"--engine lists no engine; {CATALOG.supported_message()}")
+    kinds = parse_engines(engine or default_specs())
     depth_list = parse_depths(depths)
     ffn_spec = ffn_policy_spec(ffn_policy, ffn)
     check_policy(ffn_spec)
-    source_text, text_label = read_text(text)
     lm = open_model(model, dtype, device, threads, weights)
-    if prompt is not None:
-        ids = lm.tokenizer.encode(prompt)
-        if not ids:
-            raise InvalidInput("--prompt encodes to no tokens")
-        prompts = [(len(ids), ids)]
-    else:  # depth D: D tokens of context before the timed steps (a prefill needs at least one)
-        prompts = [
-            (d, context_ids(lm, max(d, 1), source_text)) for d in depth_list or [context or 128]
-        ]
-    limit = lm.config.max_positions
-    for d, ids in prompts:
-        if len(ids) + warmup + tokens > limit:
-            raise InvalidInput(f"depth {d}: {len(ids)} + {warmup + tokens} tokens exceed the "
-                               f"model's context of {limit}")  # fmt: skip
-    router = build_ffn(lm, ffn_spec)
-    settings = BenchSettings(new_tokens=tokens, warmup=warmup, repeats=repeats, profile=profile)
-    total = len(prompts) * (len(kinds) + (1 if vs_hf else 0))
+    total = (1 if prompt is not None else len(depth_list) or 1) * (len(kinds) + (1 if vs_hf else 0))
     with Progress(console=stderr, transient=True) as bar:
         task = bar.add_task("bench", total=total)
 
@@ -124,12 +101,21 @@ def bench(
             bar.update(task, description=label)
             bar.advance(task)
 
-        try:
-            report = run_bench(
-                lm, router, kinds, prompts, settings, vs_hf, text_label, progress=advance
-            )
-        finally:
-            router.close()
+        report = run_bench(
+            lm,
+            kinds,
+            context=context,
+            depths=depth_list or None,
+            prompt=prompt,
+            text_file=text,
+            tokens=tokens,
+            warmup=warmup,
+            repeats=repeats,
+            profile=profile,
+            vs_hf=vs_hf,
+            ffn=ffn_spec,
+            progress=advance,
+        )
     data = report.as_dict()
     if output_file is not None:
         output_file.write_text(json.dumps(data, indent=2))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import typer
 from rich.console import Console
 
-from larql.errors import LarqlError
+from larql.errors import InvalidInput, LarqlError
 
 if TYPE_CHECKING:  # torch and the models load in the commands' bodies, not for `--help`
     from larql.models.model import Model
@@ -25,12 +25,7 @@ stdout = Console(highlight=False, markup=False, width=None if sys.stdout.isatty(
 EXIT_USER_ERROR = 2
 
 
-class InvalidInput(LarqlError):
-    """A command-line value that is out of range or inconsistent."""
-
-
-class ContextOverflow(LarqlError):
-    """The prompt does not fit the model's context."""
+__all__ = ["InvalidInput", "open_model", "read_prompt", "stderr", "stdout", "user_errors"]
 
 
 def user_errors(command: F) -> F:
@@ -68,27 +63,8 @@ def open_model(
     threads: int | None = None,
     weights: str = "auto",
 ) -> Model:
-    import torch
+    from larql.api import load_model
 
-    from larql.models.model import load_model
-
-    if threads is not None:
-        if threads < 1:
-            raise InvalidInput(f"--threads must be ≥ 1, got {threads}")
-        torch.set_num_threads(threads)
-    return load_model(model, dtype=dtype, device=device, weights=weights)
-
-
-def check_context(model: Model, prompt_tokens: int) -> None:
-    limit = model.config.max_positions
-    if prompt_tokens >= limit:
-        raise ContextOverflow(
-            f"the prompt is {prompt_tokens} tokens; {model.name}'s context is {limit} tokens "
-            "(the prompt must leave room for at least one new token)"
-        )
-
-
-def encode_prompt(model: Model, text: str, chat: bool) -> list[int]:
-    if chat:
-        return model.tokenizer.encode_chat([{"role": "user", "content": text}])
-    return model.tokenizer.encode(text)
+    if threads is not None and threads < 1:
+        raise InvalidInput(f"--threads must be ≥ 1, got {threads}")
+    return load_model(model, dtype=dtype, device=device, weights=weights, threads=threads)

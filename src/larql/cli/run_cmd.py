@@ -8,15 +8,7 @@ from typing import Annotated
 
 import typer
 
-from larql.cli.common import (
-    InvalidInput,
-    check_context,
-    encode_prompt,
-    open_model,
-    read_prompt,
-    stderr,
-    user_errors,
-)
+from larql.cli.common import InvalidInput, open_model, read_prompt, stderr, user_errors
 from larql.cli.ffn_options import (
     FfnPolicyOption,
     FfnUrlOption,
@@ -58,16 +50,15 @@ def run(
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Generate text from PROMPT with the chosen KV engine."""
-    from larql.inference.ffn import build_ffn
-    from larql.inference.generation import generate
-    from larql.inference.sampling import Sampler, SamplingParams
+    from larql.api import generate
+    from larql.inference.sampling import SamplingParams
     from larql.kv.resolve import resolve_engine
 
     if output not in OUTPUTS:
         raise InvalidInput(f"unknown --output {output!r}; accepted: {', '.join(OUTPUTS)}")
     if max_tokens < 1:
         raise InvalidInput(f"-n/--max-tokens must be ≥ 1, got {max_tokens}")
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # checks early
     ffn_spec = ffn_policy_spec(ffn_policy, ffn)
     check_policy(ffn_spec)
     choice = resolve_engine(engine, kv_cache, context_window)
@@ -76,52 +67,38 @@ def run(
         stderr.print(f"warning: {warning}")
     text = read_prompt(prompt)
     lm = open_model(model, dtype, device, weights=weights)
-    prompt_ids = encode_prompt(lm, text, chat)
-    check_context(lm, len(prompt_ids))
-    built = choice.engine.build(lm)
-    router = build_ffn(lm, ffn_spec)
-    stream = lm.tokenizer.stream_decoder()
-    stop_ids = lm.tokenizer.stop_ids
 
-    def on_token(token: int) -> None:
-        if output == "text" and token not in stop_ids:
-            sys.stdout.write(stream.step(token))
-            sys.stdout.flush()
+    def write(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
 
-    try:
-        result = generate(
-            built, lm, router, prompt_ids, max_tokens, Sampler(sampling), on_token, stop_ids
-        )
-    finally:
-        router.close()
-    visible = [t for t in result.tokens if t not in stop_ids]
+    result = generate(
+        lm,
+        choice.engine,
+        text,
+        max_new_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        chat=chat,
+        ffn=ffn_spec,
+        on_text=write if output == "text" else None,
+    )
     if output == "json":
-        print(
-            json.dumps(
-                {
-                    "model": lm.name,
-                    "engine": choice.engine.spec(),
-                    "prompt_tokens": len(prompt_ids),
-                    "tokens": result.tokens,
-                    "text": lm.tokenizer.decode(visible),
-                    "finish_reason": result.finish_reason,
-                    "prefill_ms": round(result.prefill_ms, 3),
-                    "decode_tok_s": result.decode_tok_s,
-                    "memory_bytes": built.memory().state,
-                    "memory": built.memory().as_json(),
-                }
-            )
-        )
+        print(json.dumps(result.as_json()))
     else:
         sys.stdout.write("\n")
     if verbose:
         rate = result.decode_tok_s
-        stderr.print(f"engine: {built.info().summary()}  (from {choice.source})")
-        stderr.print(f"ffn: {router.name}")
-        stderr.print(f"prompt tokens: {len(prompt_ids)}   generated: {len(result.tokens)}")
+        stderr.print(f"engine: {result.engine_summary}  (from {choice.source})")
+        stderr.print(f"ffn: {result.ffn}")
+        stderr.print(
+            f"prompt tokens: {len(result.prompt_ids)}   generated: {len(result.token_ids)}"
+        )
         stderr.print(
             f"prefill: {result.prefill_ms:.1f} ms   decode: "
             + (f"{rate:.1f} tok/s" if rate else "n/a (one token)")
         )
-        stderr.print(f"engine memory: {built.memory().describe()}")
+        stderr.print(f"engine memory: {result.memory_breakdown.describe()}")
         stderr.print(f"finish: {result.finish_reason}")

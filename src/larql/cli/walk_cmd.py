@@ -9,14 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from larql.cli.common import (
-    InvalidInput,
-    check_context,
-    open_model,
-    read_prompt,
-    stdout,
-    user_errors,
-)
+from larql.cli.common import InvalidInput, open_model, read_prompt, stdout, user_errors
 from larql.cli.ffn_options import FfnPolicyOption, check_policy
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
 
@@ -89,6 +82,7 @@ def walk(
         raise InvalidInput("--top and -n/--max-tokens must be ≥ 1")
     from larql.cli.walk_modes import compare_walk, feature_rows, predict_tokens
     from larql.inference.ffn import build_ffn
+    from larql.inference.prompt import check_context
     from larql.kv.resolve import resolve_engine
 
     spec = walk_policy(k, ffn_policy)

@@ -28,13 +28,24 @@ from larql.harness.accuracy.scoring import PromptScore, answer_matches, score_pr
 from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend, build_ffn
 from larql.inference.generation import generate
-from larql.kv.catalog import parse_engine
+from larql.kv.catalog import CATALOG, parse_engine
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 
 SCHEMA = "larql.accuracy/1"
 # Engines that re-run the whole context every step: their teacher-forced run is capped.
 QUADRATIC = {"no-cache", "apollo"}
+
+# Every engine, windowed ones at windows that overflow on the fidelity text (also --quick's).
+DEFAULT_SPECS = (
+    "standard;standard:window=64;no-cache;markov-rs:window=64;markov-rs-codec:window=64;"
+    "windowed-checkpoint:window=64;turbo-quant:bits=4;turbo-quant:bits=3;turbo-quant:bits=2;"
+    "boundary-kv:chunk_tokens=64;boundary-per-layer:window=64"
+)
+
+
+def default_specs() -> list[str]:
+    return [s for s in CATALOG.split_specs(DEFAULT_SPECS) if CATALOG.parses(s)]
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,11 @@ from typing import Any
 
 import torch
 
+from larql.errors import InvalidInput
 from larql.harness.bench.engine_bench import BenchSettings, EngineRow, bench_engines
 from larql.harness.bench.hf_peer import PeerRow, bench_hf, load_hf_model
 from larql.harness.bench.machine import copy_bandwidth_gbs, git_commit, ids_hash
+from larql.harness.contexts import context_ids
 from larql.inference.ffn import FfnBackend
 from larql.kv.catalog import CATALOG
 from larql.kv.spec import EngineSpec
@@ -37,8 +39,36 @@ DEFAULT_SPECS = (
 )
 
 
+DEFAULT_CONTEXT = 128
+
+
 def default_specs() -> list[str]:
     return [s for s in DEFAULT_SPECS if CATALOG.parses(s)]
+
+
+def bench_prompts(
+    model: Model,
+    text: str,
+    depths: list[int] | None = None,
+    prompt: str | None = None,
+    reserve: int = 0,
+) -> list[tuple[int, list[int]]]:
+    """(depth, prompt ids) pairs: `prompt`'s ids, or for each depth D, D tokens cut from `text`
+    (a prefill needs at least one, so depth 0 is a one-token prompt); `depths` None or empty =
+    the default context. Each must leave `reserve` tokens (warmup + timed steps) of context."""
+    if prompt is not None:
+        ids = model.tokenizer.encode(prompt)
+        if not ids:
+            raise InvalidInput("the bench prompt encodes to no tokens")
+        prompts = [(len(ids), ids)]
+    else:
+        prompts = [(d, context_ids(model, max(d, 1), text)) for d in depths or [DEFAULT_CONTEXT]]
+    limit = model.config.max_positions
+    for d, ids in prompts:
+        if len(ids) + reserve > limit:
+            raise InvalidInput(f"depth {d}: {len(ids)} + {reserve} tokens exceed the model's "
+                               f"context of {limit}")  # fmt: skip
+    return prompts
 
 
 @dataclass

@@ -1,0 +1,269 @@
+"""Loading a model, choosing an engine, and decoding through it: what `larql run` does, as
+functions. `generate` and `stream` drive the one generation loop (`GenerationSession`);
+`teacher_forced_logits` is the teacher-forced run the accuracy harness scores."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from larql.errors import InvalidInput
+from larql.inference.engine import Engine
+from larql.inference.ffn import build_ffn
+from larql.inference.generation import GenerationSession
+from larql.inference.generation import teacher_forced_logits as teacher_forced_run
+from larql.inference.memory import MemoryBreakdown
+from larql.inference.prompt import check_context, encode_prompt
+from larql.inference.sampling import Sampler, SamplingParams
+from larql.kv.catalog import parse_engine as parse_catalog_spec
+from larql.kv.spec import EngineSpec
+from larql.models.model import Model
+from larql.models.model import load_model as load_weights
+
+EngineLike = EngineSpec | str
+Prompt = str | Sequence[int]
+
+
+def load_model(
+    name_or_path: str | None = None,
+    *,
+    device: str = "cpu",
+    dtype: str | torch.dtype = "float32",
+    weights: str = "auto",
+    threads: int | None = None,
+) -> Model:
+    """A registry name (`larql models`), a `.gguf` file or an HF directory; None = the default
+    model. `device`, `dtype`, `weights` and `threads` are `larql run`'s options of those names
+    (`threads` sets torch's CPU threads for the whole process)."""
+    if threads is not None:
+        if threads < 1:
+            raise InvalidInput(f"threads must be ≥ 1, got {threads}")
+        torch.set_num_threads(threads)
+    return load_weights(name_or_path, dtype=dtype, device=device, weights=weights)
+
+
+def parse_engine(spec: str) -> EngineSpec:
+    """An engine spec string (`turbo-quant:bits=4`) → its `EngineSpec`, by the parser behind
+    `--engine`; a bad spec raises `EngineSpecError` naming what is wrong and what is accepted."""
+    return parse_catalog_spec(spec)
+
+
+def engine_spec(engine: EngineLike) -> EngineSpec:
+    if isinstance(engine, EngineSpec):
+        return engine
+    if isinstance(engine, str):
+        return parse_engine(engine)
+    if isinstance(engine, Engine):
+        raise InvalidInput(
+            "a built engine holds one sequence's state; pass its spec (a string or "
+            "larql.parse_engine(...)) and each call builds a fresh engine"
+        )
+    raise InvalidInput(
+        f"engine must be a spec string or an EngineSpec, got {type(engine).__name__}"
+    )
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generation. `token_ids`: every generated id (an end-of-turn id that ended the run
+    included); `text`: their text without it. `memory`: the bytes of the engine's state after
+    generation (`larql run`'s `memory_bytes`); `memory_breakdown` splits it by tier and adds
+    the growth reserve."""
+
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    finish_reason: str  # "stop" (an end-of-turn token) or "length"
+    memory: int
+    memory_breakdown: MemoryBreakdown
+    prefill_ms: float  # prefill + first pick
+    decode_tok_s: float | None  # None when only one token was generated
+    model: str
+    engine: str  # the canonical spec
+    engine_summary: str
+    ffn: str
+
+    def as_json(self) -> dict[str, Any]:
+        """The object `larql run --output json` prints."""
+        return {
+            "model": self.model,
+            "engine": self.engine,
+            "prompt_tokens": len(self.prompt_ids),
+            "tokens": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "prefill_ms": round(self.prefill_ms, 3),
+            "decode_tok_s": self.decode_tok_s,
+            "memory_bytes": self.memory,
+            "memory": self.memory_breakdown.as_json(),
+        }
+
+
+class _TextRun:
+    """One generation as text pieces: `pieces()` steps the session and yields the text each
+    visible token adds; `result()` afterwards."""
+
+    def __init__(
+        self,
+        model: Model,
+        engine: EngineLike,
+        prompt: Prompt,
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        chat: bool,
+        ffn: str,
+    ) -> None:
+        if max_new_tokens < 1:
+            raise InvalidInput(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+        self.spec = engine_spec(engine)
+        self.spec.require_live_decode()
+        self.model, self.sampling, self.ffn_spec = model, sampling, ffn
+        self.prompt_ids = prompt_ids(model, prompt, chat)
+        check_context(model, len(self.prompt_ids))
+        self.max_new_tokens = max_new_tokens
+        self.engine = self.spec.build(model)
+        self.ffn_name = ""
+        self.text = ""
+        self.session: GenerationSession | None = None
+
+    def pieces(self) -> Iterator[str]:
+        tokenizer = self.model.tokenizer
+        stop_ids = tokenizer.stop_ids
+        router = build_ffn(self.model, self.ffn_spec)
+        self.ffn_name = router.name
+        try:
+            sampler = Sampler(self.sampling)
+            session = GenerationSession(
+                self.engine, self.model, router, self.prompt_ids, self.max_new_tokens, sampler
+            )
+            self.session = session
+            decoder = tokenizer.stream_decoder()
+            token = None if session.finished else session.prefill()
+            while token is not None:
+                if token not in stop_ids and (piece := decoder.step(token)):
+                    self.text += piece
+                    yield piece
+                token = None if session.finished else session.step()
+        finally:
+            router.close()
+        # a multi-byte character cut off by the end of the run: what decoding the ids gives
+        rest = tokenizer.decode([t for t in session.tokens if t not in stop_ids])[len(self.text) :]
+        if rest:
+            self.text += rest
+            yield rest
+
+    def result(self) -> Generation:
+        assert self.session is not None, "result() before pieces() ran"
+        done = self.session.result()
+        memory = self.engine.memory()
+        return Generation(
+            text=self.text,
+            token_ids=done.tokens,
+            prompt_ids=list(self.prompt_ids),
+            finish_reason=done.finish_reason,
+            memory=memory.state,
+            memory_breakdown=memory,
+            prefill_ms=done.prefill_ms,
+            decode_tok_s=done.decode_tok_s,
+            model=self.model.name,
+            engine=self.spec.spec(),
+            engine_summary=self.engine.info().summary(),
+            ffn=self.ffn_name,
+        )
+
+
+def prompt_ids(model: Model, prompt: Prompt, chat: bool = False) -> list[int]:
+    """Text (or one chat turn) → ids; ids pass through."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise InvalidInput("the prompt is empty")
+        return encode_prompt(model, prompt, chat)
+    if chat:
+        raise InvalidInput("chat=True wraps text in the chat template: pass the prompt as text")
+    ids = [int(t) for t in prompt]
+    if not ids:
+        raise InvalidInput("the prompt has no tokens")
+    vocab = model.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise InvalidInput(
+            f"token id {bad[0]} is outside {model.name}'s vocabulary (0..{vocab - 1})"
+        )
+    return ids
+
+
+def generate(
+    model: Model,
+    engine: EngineLike,
+    prompt: Prompt,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    chat: bool = False,
+    ffn: str = "dense",
+    on_text: Callable[[str], None] | None = None,
+) -> Generation:
+    """Generate up to `max_new_tokens` tokens from `prompt` (text, or token ids) through a fresh
+    engine built from `engine` (a spec string or an `EngineSpec`); an end-of-turn token ends
+    the run early. Sampling as `larql run` (temperature 0 = greedy); `ffn` an FFN policy
+    (`--ffn-policy`); `on_text` gets each text piece as it is decoded."""
+    run = _TextRun(model, engine, prompt, max_new_tokens,
+                   SamplingParams(temperature, top_k, top_p, seed), chat, ffn)  # fmt: skip
+    for piece in run.pieces():
+        if on_text is not None:
+            on_text(piece)
+    return run.result()
+
+
+def stream(
+    model: Model,
+    engine: EngineLike,
+    prompt: Prompt,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    chat: bool = False,
+    ffn: str = "dense",
+) -> Iterator[str]:
+    """`generate`, yielding the text as it is decoded; the pieces join to `generate`'s text.
+    Arguments are checked when this is called, before the first piece is asked for."""
+    run = _TextRun(model, engine, prompt, max_new_tokens,
+                   SamplingParams(temperature, top_k, top_p, seed), chat, ffn)  # fmt: skip
+    return run.pieces()
+
+
+def teacher_forced_logits(
+    model: Model,
+    engine: EngineLike,
+    tokens: Prompt,
+    *,
+    prompt_tokens: int = 1,
+    ffn: str = "dense",
+) -> torch.Tensor:
+    """Prefill the first `prompt_tokens` ids through a fresh engine, then feed every later id as
+    a decode step whatever the model would pick → next-token logits after the prompt and after
+    each fed id, `[T − prompt_tokens + 1, V]` for T ids (`[T, V]` with the default 1: row i
+    predicts id i + 1). The accuracy harness scores engines on exactly this run."""
+    ids = prompt_ids(model, tokens)
+    if not 1 <= prompt_tokens <= len(ids):
+        raise InvalidInput(
+            f"prompt_tokens must be in 1..{len(ids)} (the ids given), got {prompt_tokens}"
+        )
+    if len(ids) > model.config.max_positions:
+        raise InvalidInput(f"{len(ids)} ids exceed {model.name}'s context of "
+                           f"{model.config.max_positions} tokens")  # fmt: skip
+    built = engine_spec(engine).build(model)
+    router = build_ffn(model, ffn)
+    try:
+        return teacher_forced_run(built, model, router, ids, prompt_tokens)
+    finally:
+        router.close()

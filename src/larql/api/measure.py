@@ -1,0 +1,125 @@
+"""The bench and accuracy harnesses as functions: what `larql bench` and `larql accuracy` (its
+prompts suite) run, returning the reports whose `as_dict()` is the JSON those commands write."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from larql.api.generation import EngineLike, engine_spec
+from larql.data import read_text
+from larql.errors import InvalidInput
+from larql.harness.accuracy.run import AccuracyReport, AccuracySettings, run_accuracy
+from larql.harness.accuracy.run import default_specs as accuracy_specs
+from larql.harness.bench.engine_bench import BenchSettings
+from larql.harness.bench.run import BenchReport, bench_prompts, run_bench
+from larql.harness.bench.run import default_specs as bench_specs
+from larql.inference.ffn import build_ffn
+from larql.inference.ffn.policy import FfnLayerPolicy, split_specs
+from larql.kv.catalog import CATALOG
+from larql.kv.spec import EngineSpec
+from larql.models.model import Model
+
+Engines = str | Sequence[EngineLike]
+Progress = Callable[[str], None]
+
+
+def parse_engines(engines: Engines) -> list[EngineSpec]:
+    """An engine list — `"standard;turbo-quant:bits=4"` (`;` or `,` separated, as `--engine`
+    takes it) or a sequence of spec strings / `EngineSpec`s — → `EngineSpec`s."""
+    items = CATALOG.split_specs(engines) if isinstance(engines, str) else list(engines)
+    specs = [engine_spec(e) for e in items]
+    if not specs:
+        raise InvalidInput(f"the engine list is empty; {CATALOG.supported_message()}")
+    return specs
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise InvalidInput(f"{name} must be ≥ {low}, got {value}")
+
+
+def bench(
+    model: Model,
+    engines: Engines | None = None,
+    *,
+    context: int | None = None,
+    depths: Sequence[int] | None = None,
+    prompt: str | None = None,
+    text_file: str | Path | None = None,
+    tokens: int = 32,
+    warmup: int = 3,
+    repeats: int = 3,
+    profile: bool = False,
+    vs_hf: bool = False,
+    ffn: str = "dense",
+    progress: Progress | None = None,
+) -> BenchReport:
+    """`larql bench`: time every engine (whole tokens) at each depth and report its memory.
+
+    One of `context` (a prompt of N tokens cut from `text_file`, default the shipped licence
+    text; 128 when none is given), `depths` (several such contexts) or `prompt` (text).
+    `engines` None = the bench's default list. `progress` gets a line per stage."""
+    kinds = parse_engines(engines if engines is not None else bench_specs())
+    named = (("context", context), ("depths", depths), ("prompt", prompt))
+    given = [n for n, v in named if v is not None]
+    if len(given) > 1:
+        raise InvalidInput(f"give one of context, depths, prompt (got {' and '.join(given)})")
+    checked = [("tokens", tokens, 1), ("repeats", repeats, 1), ("warmup", warmup, 0)]
+    if context is not None:
+        checked.append(("context", context, 1))
+    for name, value, low in checked:
+        _at_least(name, value, low)
+    for d in depths or []:
+        _at_least("a depth", d, 0)
+    FfnLayerPolicy.from_spec(ffn)
+    source_text, text_label = read_text(text_file)
+    chosen = list(depths) if depths else [context] if context is not None else []
+    prompts = bench_prompts(model, source_text, chosen, prompt, warmup + tokens)
+    router = build_ffn(model, ffn)
+    settings = BenchSettings(new_tokens=tokens, warmup=warmup, repeats=repeats, profile=profile)
+    try:
+        return run_bench(model, router, kinds, prompts, settings, vs_hf, text_label, progress)
+    finally:
+        router.close()
+
+
+def accuracy(
+    model: Model,
+    engines: Engines | None = None,
+    *,
+    ffn: str | Sequence[str] = "dense",
+    quick: bool = False,
+    needle_max_tokens: int = 8192,
+    conflict: bool = True,
+    fidelity: bool = True,
+    text_file: str | Path | None = None,
+    positions: int | None = None,
+    prompt_tokens: int = 16,
+    progress: Progress | None = None,
+) -> AccuracyReport:
+    """`larql accuracy` (prompts suite): every engine × FFN policy on the three prompt corpora,
+    then its teacher-forced fidelity against `standard` over `text_file` (default: the shipped
+    licence text). `ffn`: policies as `--ffn` takes them (comma separated) or a list;
+    `quick`, `positions`, `prompt_tokens`, `needle_max_tokens` as the command's options;
+    `conflict=False` / `fidelity=False` leave those parts out."""
+    kinds = parse_engines(engines if engines is not None else accuracy_specs())
+    ffn_specs = (split_specs(ffn) if isinstance(ffn, str) else list(ffn)) or ["dense"]
+    for spec in ffn_specs:
+        FfnLayerPolicy.from_spec(spec)
+    if positions is not None:
+        _at_least("positions", positions, 1)
+    _at_least("prompt_tokens", prompt_tokens, 1)
+    body, label = read_text(text_file)
+    settings = AccuracySettings(
+        quick=quick,
+        needle_max_tokens=needle_max_tokens,
+        conflict=conflict,
+        fidelity=fidelity,
+        fidelity_positions=128 if quick and positions is None else positions,
+        **({"quadratic_positions": 64, "greedy_steps": 32} if quick else {}),
+        text=body,
+        text_label=label,
+        fidelity_prompt_tokens=prompt_tokens,
+    )
+    return run_accuracy(model, kinds, ffn_specs, settings, progress)
