@@ -27,6 +27,12 @@ def smollm2() -> Model:
 
 
 @pytest.fixture(scope="session")
+def smollm2_default() -> Model:
+    """The default model as `larql run` and `larql.load_model()` load it (`weights=auto`)."""
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
 def smollm2_f64(smollm2: Model) -> Model:
     return smollm2.to(dtype=torch.float64)
 

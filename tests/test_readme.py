@@ -14,7 +14,7 @@ def test_engine_table_lists_every_engine_and_alias() -> None:
     rows = {
         line.split("|")[1].strip(): line for line in README.splitlines() if line.startswith("| `")
     }
-    for entry in CATALOG.entries:
+    for entry in (e for e in CATALOG.entries if e.plugin is None):  # plugins document themselves
         row = rows.get(f"`{entry.name}`")
         assert row is not None, f"README has no row for {entry.name}"
         for alias in entry.aliases:

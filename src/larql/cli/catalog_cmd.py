@@ -30,7 +30,8 @@ def engines(
     for e in CATALOG.entries:
         params = "\n".join(p.describe() for p in e.params) or "—"
         live = "yes" if e.live_decode else "no (bench/accuracy)"
-        table.add_row(e.name, ", ".join(e.aliases) or "—", params, e.keeps, e.contract, live)
+        name = e.name if e.plugin is None else f"{e.name}\n(plugin: {e.plugin})"
+        table.add_row(name, ", ".join(e.aliases) or "—", params, e.keeps, e.contract, live)
     stdout.print(table)
 
 

@@ -1,7 +1,8 @@
 """The engine catalog: every engine larql can build, in display order. Each engine's package
 exports its entry (names, parameters, what it keeps, its contract, its factory); `larql
 engines`, the README table and the spec parser all read this list. Adding an engine is adding
-its package and one line here."""
+its package and one line here — or, outside larql, a package with a `larql.engines` entry
+point (`larql.kv.plugins`), whose engines follow the built-in ones."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from larql.kv import (
     turbo_quant,
     windowed_checkpoint,
 )
+from larql.kv.plugins import plugin_entries
 from larql.kv.spec import EngineCatalog, EngineSpec
 
 CATALOG = EngineCatalog(
@@ -34,7 +36,8 @@ CATALOG = EngineCatalog(
         apollo.ENTRY,
         boundary.ENTRY,
         residual.BOUNDARY_PER_LAYER,
-    ]
+    ],
+    extensions=plugin_entries,
 )
 
 
@@ -52,6 +55,7 @@ def catalog_rows() -> list[dict[str, Any]]:
             "contract": e.contract,
             "kind": e.kind,
             "live_decode": e.live_decode,
+            "plugin": e.plugin,
         }
         for e in CATALOG.entries
     ]

@@ -7,7 +7,7 @@ that names what was wrong and what is accepted.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -55,6 +55,9 @@ class EngineEntry:
     live_decode: bool = True
     # aliases that fix parameters, e.g. tq3 → bits=3
     fixed: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # the distribution that registered it through the `larql.engines` entry points (None for a
+    # built-in engine); the catalog sets it
+    plugin: str | None = None
 
     @property
     def all_names(self) -> tuple[str, ...]:
@@ -97,28 +100,45 @@ class EngineSpec:
             )
 
 
-class EngineCatalog:
-    """The engines `parse_engine` knows, in display order."""
+# Given the names already taken, the entries to add after the built-ins (the plugins).
+Extensions = Callable[[Iterable[str]], Iterable[EngineEntry]]
 
-    def __init__(self, entries: Sequence[EngineEntry] = ()) -> None:
+
+class EngineCatalog:
+    """The engines `parse_engine` knows, in display order: the entries given, then what
+    `extensions` adds, read the first time the catalog is used (so that a plugin importing
+    larql finds it whole)."""
+
+    def __init__(
+        self, entries: Sequence[EngineEntry] = (), extensions: Extensions | None = None
+    ) -> None:
         self._entries: list[EngineEntry] = []
         self._by_name: dict[str, EngineEntry] = {}
         for entry in entries:
             self.register(entry)
+        self._extensions = extensions
 
     def register(self, entry: EngineEntry) -> None:
+        taken = [name for name in entry.all_names if name in self._by_name]
+        if taken:
+            raise ValueError(f"engine name {taken[0]!r} registered twice")
         for name in entry.all_names:
-            if name in self._by_name:
-                raise ValueError(f"engine name {name!r} registered twice")
             self._by_name[name] = entry
         self._entries.append(entry)
 
+    def _extend(self) -> None:
+        extensions, self._extensions = self._extensions, None  # once, even if one re-enters
+        if extensions is not None:
+            for entry in extensions(tuple(self._by_name)):
+                self.register(entry)
+
     @property
     def entries(self) -> tuple[EngineEntry, ...]:
+        self._extend()
         return tuple(self._entries)
 
     def supported_names(self) -> list[str]:
-        return [e.name for e in self._entries]
+        return [e.name for e in self.entries]
 
     def supported_message(self) -> str:
         return "supported: " + ", ".join(self.supported_names())
@@ -130,6 +150,7 @@ class EngineCatalog:
             raise MalformedEngineSpec(f"{e} ({self.supported_message()})") from None
 
     def _parse(self, spec: str) -> EngineSpec:
+        self._extend()
         written, raw_params, colon = split_name(spec)
         name = written.lower()
         entry = self._by_name.get(name)
