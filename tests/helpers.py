@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import sys
 from collections.abc import Callable
 from types import ModuleType
 
@@ -93,3 +94,10 @@ def first_layers(model: Model, n: int) -> Model:
     config = dataclasses.replace(model.config, num_layers=n, layers=model.config.layers[:n])
     weights = dataclasses.replace(model.weights, layers=model.weights.layers[:n])
     return Model(model.name, model.source, config, weights, model.tokenizer)
+
+
+def forget_package(top: str) -> None:
+    """Drop the imported modules of package `top`, so the next import reads it from the path
+    (two tests install one plugin package from two places)."""
+    for name in [m for m in sys.modules if m.split(".")[0] == top]:
+        del sys.modules[name]

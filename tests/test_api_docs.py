@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import io
 import re
-import sys
 import tomllib
 from importlib.metadata import EntryPoint
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import larql
+from helpers import forget_package
 from larql.kv import CATALOG
 from larql.kv.plugins import GROUP, plugin_entries
 from larql.kv.spec import EngineCatalog
@@ -70,8 +70,7 @@ def test_the_api_document_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(FILE_MARK.sub("", block, count=1))
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name in [m for m in sys.modules if m.startswith("larql_plugin_example")]:
-        monkeypatch.delitem(sys.modules, name)  # the fixture's copy, if a test imported it
+    forget_package("larql_plugin_example")  # the fixture's copy, if a test imported it
     (toml,) = fenced(text, "toml")
     points = tomllib.loads(toml)["project"]["entry-points"][GROUP]
     found = [EntryPoint(name, value, GROUP) for name, value in points.items()]
@@ -82,6 +81,7 @@ def test_the_api_document_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     plugin = larql.generate(model, catalog.parse("echo:window=64"), "Hello", max_new_tokens=6)
     standard = larql.generate(model, "standard:window=64", "Hello", max_new_tokens=6)
     assert plugin.token_ids == standard.token_ids
+    forget_package("larql_plugin_example")
 
 
 def test_the_document_names_every_api_function() -> None:

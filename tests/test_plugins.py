@@ -12,12 +12,14 @@ import os
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterator
 from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
 
 import larql
+from helpers import forget_package
 from larql.kv import CATALOG
 from larql.kv.plugins import GROUP, plugin_entries
 from larql.kv.spec import EngineCatalog, UnknownEngine
@@ -89,8 +91,11 @@ def test_broken_and_clashing_plugins_get_one_line_each(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def example_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def example_on_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.syspath_prepend(str(FIXTURE))
+    forget_package("larql_plugin_example")
+    yield
+    forget_package("larql_plugin_example")
 
 
 def catalog_with(*points: tuple[str, str]) -> EngineCatalog:
