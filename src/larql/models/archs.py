@@ -62,16 +62,23 @@ class ArchPreset:
 _GEMMA = dict(activation="gelu_tanh", norm_offset=1.0, post_norms=True, scale_embeddings=True)
 
 ARCHITECTURES: dict[str, ArchPreset] = {
+    # llama.cpp writes Mistral models as llama; a window in the file applies to every layer
     "llama": ArchPreset(
-        Arch(name="llama"), hf_model_types=("llama",), gguf_name="llama", gguf_interleaved_qk=True
+        Arch(name="llama"), every_layer_if_windowed, hf_model_types=("llama",),
+        gguf_name="llama", gguf_interleaved_qk=True,
     ),
     "mistral": ArchPreset(
         Arch(name="mistral"), every_layer_if_windowed, hf_model_types=("mistral",)
     ),
-    "qwen2": ArchPreset(Arch(name="qwen2"), from_max_window_layers, hf_model_types=("qwen2",)),
-    "qwen3": ArchPreset(
-        Arch(name="qwen3", qk_norm=True), from_max_window_layers, hf_model_types=("qwen3",)
+    "qwen2": ArchPreset(
+        Arch(name="qwen2"), from_max_window_layers, hf_model_types=("qwen2",), gguf_name="qwen2"
     ),
+    "qwen3": ArchPreset(
+        Arch(name="qwen3", qk_norm=True), from_max_window_layers, hf_model_types=("qwen3",),
+        gguf_name="qwen3",
+    ),
+    # fused QKV and gate/up matrices are split at load time; partial RoPE is the file's
+    "phi3": ArchPreset(Arch(name="phi3"), every_layer_if_windowed, gguf_name="phi3"),
     "gemma2": ArchPreset(
         Arch(name="gemma2", **_GEMMA), even_layers, hf_model_types=("gemma2",),
         tied_embeddings=True,

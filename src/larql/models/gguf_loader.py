@@ -1,5 +1,5 @@
 """GGUF → (`ModelConfig`, canonical state dict) for the architectures of `larql.models.archs`
-that name a GGUF architecture (llama, gemma3).
+that name a GGUF architecture (llama, qwen2, qwen3, phi3, gemma3).
 
 Layout facts handled here (checked against transformers' own GGUF loader):
 - llama.cpp permutes llama Q/K rows for its interleaved RoPE; we un-permute to the split-half
@@ -40,6 +40,13 @@ _LAYER_TENSORS = {
     "post_ffw_norm": "post_ffn_norm",
 }
 _BIASES = {"attn_q": "bq", "attn_k": "bk", "attn_v": "bv", "attn_output": "bo"}
+# A fused matrix → its canonical parts in row order, each with its row count.
+_FUSED: dict[str, Callable[[ModelConfig], tuple[tuple[str, int], ...]]] = {
+    "attn_qkv": lambda c: (("wq", c.q_dim), ("wk", c.kv_dim), ("wv", c.kv_dim)),
+    "ffn_up": lambda c: (("w_gate", c.intermediate_size), ("w_up", c.intermediate_size)),
+}
+# (canonical name, rows of the stored tensor it takes)
+Part = tuple[str, slice]
 
 
 def gguf_config(gguf: GgufFile, name: str = "") -> ModelConfig:
@@ -89,9 +96,10 @@ def gguf_state_dict(
     interleaved_qk = preset_for_gguf(gguf.architecture).gguf_interleaved_qk
     names = list(gguf.tensors)
     for n, gguf_name in enumerate(names):
-        canonical = _canonical_name(gguf_name)
-        if canonical is not None:
-            array = gguf.dequantize(gguf_name)
+        parts = _canonical_parts(gguf_name, gguf.tensors[gguf_name].shape, config)
+        whole = gguf.dequantize(gguf_name) if parts else None
+        for canonical, rows in parts:
+            array = whole[rows]  # type: ignore[index]
             if interleaved_qk and canonical.endswith((".wq", ".wk")):
                 n_head = config.num_heads if canonical.endswith(".wq") else config.num_kv_heads
                 array = _unpermute_rows(array, n_head)
@@ -107,17 +115,39 @@ def gguf_block_rows(gguf: GgufFile, config: ModelConfig) -> dict[str, BlockRows]
     blocks: dict[str, BlockRows] = {}
     interleaved_qk = preset_for_gguf(gguf.architecture).gguf_interleaved_qk
     for gguf_name, info in gguf.tensors.items():
-        canonical = _canonical_name(gguf_name)
         form = GGUF_FORMATS.get(info.qtype)
-        if canonical is None or form is None or len(info.shape) != 2 or info.shape[1] % 32:
+        if form is None or len(info.shape) != 2 or info.shape[1] % 32:
             continue
-        rows = BlockRows.from_numpy(form, gguf.raw_bytes(gguf_name), info.shape)
-        if interleaved_qk and canonical.endswith((".wq", ".wk")):
-            n_head = config.num_heads if canonical.endswith(".wq") else config.num_kv_heads
-            order = _unpermute_rows(np.arange(info.shape[0])[:, None], n_head)[:, 0]
-            rows = rows.take_rows(torch.from_numpy(np.ascontiguousarray(order)))
-        blocks[canonical] = rows
+        parts = _canonical_parts(gguf_name, info.shape, config)
+        whole = BlockRows.from_numpy(form, gguf.raw_bytes(gguf_name), info.shape) if parts else None
+        for canonical, part in parts:
+            order = np.arange(info.shape[0])[part]  # [rows of this part]
+            if interleaved_qk and canonical.endswith((".wq", ".wk")):
+                n_head = config.num_heads if canonical.endswith(".wq") else config.num_kv_heads
+                order = _unpermute_rows(order[:, None], n_head)[:, 0]
+            if len(order) == info.shape[0] and (order == np.arange(len(order))).all():
+                blocks[canonical] = whole  # type: ignore[assignment]
+            else:
+                index = torch.from_numpy(np.ascontiguousarray(order))
+                blocks[canonical] = whole.take_rows(index)  # type: ignore[union-attr]
     return blocks
+
+
+def _canonical_parts(gguf_name: str, shape: tuple[int, ...], config: ModelConfig) -> list[Part]:
+    """The canonical tensors one GGUF tensor holds: one, several for a fused matrix (recognised
+    by its row count), none for what is read into the config instead."""
+    parts = gguf_name.split(".")
+    fused = _FUSED.get(parts[2]) if len(parts) == 4 and parts[3] == "weight" else None
+    if fused is not None:
+        sizes = fused(config)  # an unfused ffn_up has half these rows
+        if shape[0] == sum(rows for _, rows in sizes):
+            out, start = [], 0
+            for name, rows in sizes:
+                out.append((f"layers.{parts[1]}.{name}", slice(start, start + rows)))
+                start += rows
+            return out
+    canonical = _canonical_name(gguf_name)
+    return [] if canonical is None else [(canonical, slice(None))]
 
 
 def _canonical_name(gguf_name: str) -> str | None:
@@ -148,6 +178,11 @@ def _rope_spec(gguf: GgufFile, head_dim: int) -> RopeSpec:
     base = float(gguf.arch_key("rope.freq_base", 10_000.0))
     rotary_dim = int(gguf.arch_key("rope.dimension_count", head_dim))
     scaling_type = str(gguf.arch_key("rope.scaling.type", "none"))
+    if "rope_factors_long.weight" in gguf.tensors:
+        raise UnsupportedArchitecture(
+            f"{gguf.path.name}: long/short RoPE factor tensors (Phi-3 LongRoPE) are not "
+            "supported from GGUF (supported: linear, yarn)"
+        )
     divisors = None
     if "rope_freqs.weight" in gguf.tensors:
         divisors = tuple(float(x) for x in gguf.dequantize("rope_freqs.weight").reshape(-1))
