@@ -12,11 +12,30 @@ from pathlib import Path
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+)
 from tokenizers.processors import TemplateProcessing
 
 from larql.models.errors import ModelFormatError
 from larql.models.gguf_file import GgufFile
+
+# Byte-level BPE split rules by `tokenizer.ggml.pre`, where they differ from GPT-2's (which
+# `ByteLevel` applies itself): (the split regex, whether text is NFC-normalised first).
+# Qwen 2/3 split digits one by one and letters after a single leading non-letter.
+_BPE_SPLITS: dict[str, tuple[str, bool]] = {
+    "qwen2": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        True,
+    ),
+}
 
 # token_type values in GGUF
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
@@ -139,7 +158,19 @@ def _byte_level_bpe(gguf: GgufFile, tokens: list[str], types: list[int]) -> Toke
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in gguf.get("tokenizer.ggml.merges", [])]
     tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    split = _BPE_SPLITS.get(str(gguf.get("tokenizer.ggml.pre", "default")))
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        pattern, nfc = split
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        if nfc:
+            tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(_added_tokens(tokens, types, _CONTROL, special=True))
     return tok
