@@ -75,23 +75,29 @@ class TinyModel:
 
 def build_tiny_model(arch: str, directory: Path, seed: int = 0, **overrides: Any) -> TinyModel:
     """`overrides` replace config entries of the architecture's tiny config (e.g. its RoPE)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     spec = {**ARCH_CONFIGS[arch], **overrides}
-    model_type = spec.pop("model_type")
-    config = AutoConfig.for_model(model_type, **{**_COMMON, **spec})
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:  # random norms, so a wrong norm offset cannot hide
-                p.copy_(torch.randn_like(p) * 0.3 + (0.0 if "gemma" in arch else 1.0))
-            elif name.endswith(".bias"):
-                p.copy_(torch.randn_like(p) * 0.1)
+    model = random_hf_model(spec.pop("model_type"), seed, **spec)
     model.save_pretrained(directory, safe_serialization=True)
     save_tokenizer(directory)
     return TinyModel(arch, directory, model)
+
+
+def random_hf_model(model_type: str, seed: int = 0, **config: Any) -> Any:
+    """A float32 eager transformers model of `model_type`, the tiny shape unless `config` says
+    otherwise, with random norms and biases too."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.for_model(model_type, **{**_COMMON, **config})
+    hf_config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # random norms, so a wrong norm offset cannot hide
+                p.copy_(torch.randn_like(p) * 0.3 + (0.0 if "gemma" in model_type else 1.0))
+            elif name.endswith(".bias"):
+                p.copy_(torch.randn_like(p) * 0.1)
+    return model
 
 
 def save_tokenizer(directory: Path) -> None:

@@ -1,0 +1,206 @@
+"""GGUF files of qwen2, qwen3, mistral-style llama (sliding window) and phi3, written from tiny
+random transformers models with the `gguf` package's writer: larql's logits and greedy tokens
+against transformers on the same weights, the tokenizer rebuilt from the file against the one
+it was written from, and the file's chat template."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from helpers import full_forward_logits, teacher_forced
+from hf_oracle import hf_greedy
+from larql.inference.ffn import DenseFfn
+from larql.inference.generation import generate
+from larql.kv import parse_engine
+from larql.models import Model, load_model
+from larql.models.errors import UnsupportedArchitecture
+from larql.models.gguf_file import GgufFile
+from larql.models.tokenizer import tokenizer_from_gguf
+from tiny_gguf import (
+    byte_level_gguf_tokenizer,
+    qwen2_reference_tokenizer,
+    word_gguf_tokenizer,
+    write_gguf,
+)
+from tiny_models import WINDOW, random_hf_model, random_ids
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-4
+SEQ = 24  # > 4 × the tiny window
+STEPS = 16
+VOCAB = 320  # room for a byte-level BPE: 256 bytes, some merges, the special tokens
+
+
+@dataclass(frozen=True)
+class GgufCase:
+    gguf_arch: str
+    model_type: str
+    config: dict[str, Any]
+    permute_qk: bool = False  # llama.cpp's llama layout
+    sliding_window: int | None = None
+    rotary_dim: int | None = None
+
+
+CASES = {
+    "qwen2": GgufCase("qwen2", "qwen2", dict(tie_word_embeddings=True)),
+    "qwen3": GgufCase("qwen3", "qwen3", dict(tie_word_embeddings=False)),
+    "mistral-as-llama": GgufCase(
+        "llama", "mistral", dict(sliding_window=WINDOW, tie_word_embeddings=False),
+        permute_qk=True, sliding_window=WINDOW,
+    ),
+    "phi3": GgufCase(
+        "phi3", "phi3",
+        dict(sliding_window=WINDOW, partial_rotary_factor=0.5, tie_word_embeddings=False,
+             pad_token_id=0),
+        sliding_window=WINDOW, rotary_dim=6,
+    ),
+}  # fmt: skip
+
+
+@dataclass
+class TinyGguf:
+    case: GgufCase
+    path: Path
+    hf_model: Any
+
+    @torch.no_grad()
+    def hf_logits(self, ids: list[int]) -> torch.Tensor:
+        return self.hf_model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_cache(tmp_path_factory: pytest.TempPathFactory):
+    """The files here are the same bytes every run: a user cache would answer for the loader."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LARQL_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer():
+    return qwen2_reference_tokenizer(VOCAB - 40)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer):
+    case = CASES[request.param]
+    model = random_hf_model(case.model_type, vocab_size=VOCAB, **case.config)
+    if case.gguf_arch == "phi3":
+        tok = word_gguf_tokenizer(VOCAB)
+    else:
+        tok = byte_level_gguf_tokenizer(qwen_tokenizer, VOCAB, pre="qwen2")
+    path = tmp_path_factory.mktemp(request.param) / f"{request.param}.gguf"
+    write_gguf(
+        model, case.gguf_arch, path, tok, permute_qk=case.permute_qk,
+        sliding_window=case.sliding_window, rotary_dim=case.rotary_dim,
+    )  # fmt: skip
+    return TinyGguf(case, path, model)
+
+
+def larql_greedy(model: Model, ids: list[int], n: int) -> list[int]:
+    engine = parse_engine("standard").build(model)
+    return generate(engine, model, DenseFfn(model), ids, n, stop_ids=frozenset()).tokens
+
+
+def test_config_reads_the_file(tiny: TinyGguf) -> None:
+    config = load_model(str(tiny.path)).config
+    hf = tiny.hf_model.config
+    assert config.arch.name == tiny.case.gguf_arch
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
+        hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim,
+    )  # fmt: skip
+    assert {spec.sliding_window for spec in config.layers} == {tiny.case.sliding_window}
+    rotary = tiny.case.rotary_dim or hf.head_dim
+    assert {spec.rope.rotary_dim for spec in config.layers} == {rotary}
+
+
+def test_full_forward_matches_transformers(tiny: TinyGguf) -> None:
+    ids = random_ids(SEQ)
+    ours = full_forward_logits(load_model(str(tiny.path)), ids)
+    theirs = tiny.hf_logits(ids)
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max().item() < TOL
+
+
+def test_standard_engine_decode_matches_transformers(tiny: TinyGguf) -> None:
+    ids = random_ids(SEQ, seed=2)
+    prompt = 8
+    ours = teacher_forced(load_model(str(tiny.path)), "standard", ids, prompt)
+    assert (ours - tiny.hf_logits(ids)[prompt - 1 :]).abs().max().item() < TOL
+
+
+def test_greedy_tokens_match_transformers(tiny: TinyGguf) -> None:
+    ids = random_ids(10, seed=3)
+    ours = larql_greedy(load_model(str(tiny.path)), ids, STEPS)
+    assert ours == hf_greedy(tiny.hf_model, ids, STEPS)
+
+
+def test_sliding_window_matters(tiny: TinyGguf) -> None:
+    """The file's window really applies: dropping it moves the logits away from transformers'."""
+    if tiny.case.sliding_window is None:
+        pytest.skip(f"{tiny.case.gguf_arch} file has no window")
+    model = load_model(str(tiny.path))
+    layers = tuple(replace(spec, sliding_window=None) for spec in model.config.layers)
+    model.config = replace(model.config, layers=layers)
+    ids = random_ids(SEQ)
+    assert (full_forward_logits(model, ids) - tiny.hf_logits(ids)).abs().max().item() > 1e-3
+
+
+TEXTS = [
+    "The quick brown fox (jumps) over 12345 lazy dogs.",
+    "I'M sure they'LL say IT'S fine; $prices and #tags @you",
+    "Cafe\u0301 and café, naïve Zürich — 日本語 🙂",
+    "def f(x):\n    return x ** 2  # square\n\n\ttabs\r\n",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+def test_qwen2_tokenizer_matches_the_one_it_was_written_from(
+    tmp_path: Path, qwen_tokenizer
+) -> None:
+    model = random_hf_model("qwen2", vocab_size=VOCAB, num_hidden_layers=1)
+    ours = {}
+    for pre in ("qwen2", "default"):
+        tok = byte_level_gguf_tokenizer(qwen_tokenizer, VOCAB, pre=pre)
+        path = write_gguf(model, "qwen2", tmp_path / f"{pre}.gguf", tok)
+        ours[pre] = tokenizer_from_gguf(GgufFile(path))
+    for text in TEXTS:
+        ids = ours["qwen2"].encode(text).ids
+        assert ids == qwen_tokenizer.encode(text).ids, text
+        assert ours["qwen2"].decode(ids) == qwen_tokenizer.decode(ids)
+    # GPT-2's split (what a file without Qwen's `pre` gets) cuts some of these texts elsewhere
+    assert any(ours["default"].encode(t).ids != qwen_tokenizer.encode(t).ids for t in TEXTS)
+
+
+def test_chat_template_from_the_file(tiny: TinyGguf, qwen_tokenizer) -> None:
+    model = load_model(str(tiny.path))
+    if tiny.case.gguf_arch == "phi3":
+        pytest.skip("the tiny phi3 file carries a word vocabulary and no template")
+    messages = [{"role": "user", "content": "Hi (there) 42"}]
+    text = "<|im_start|>user\nHi (there) 42<|im_end|>\n<|im_start|>assistant\n"
+    assert model.tokenizer.render_chat(messages) == text
+    assert model.tokenizer.encode_chat(messages) == qwen_tokenizer.encode(text).ids
+    assert qwen_tokenizer.token_to_id("<|im_end|>") in model.tokenizer.stop_ids
+
+
+def test_phi3_sentencepiece_vocabulary(tiny: TinyGguf) -> None:
+    if tiny.case.gguf_arch != "phi3":
+        pytest.skip("phi3 only")
+    tok = load_model(str(tiny.path)).tokenizer
+    words = ["▁w5", "▁w0", "▁w9"]
+    ids = [1, *(word_gguf_tokenizer(VOCAB).tokens.index(w) for w in words)]
+    assert tok.encode(" w5 w0 w9") == ids
+    assert tok.decode(ids, skip_special_tokens=True) == " w5 w0 w9"
+
+
+def test_unknown_gguf_architecture_names_the_supported_ones(tmp_path: Path) -> None:
+    model = random_hf_model("qwen2", vocab_size=VOCAB, num_hidden_layers=1)
+    path = write_gguf(model, "falcon", tmp_path / "f.gguf", word_gguf_tokenizer(VOCAB))
+    with pytest.raises(UnsupportedArchitecture, match="llama, phi3, qwen2, qwen3"):
+        load_model(str(path))

@@ -1,0 +1,203 @@
+"""Tiny random HF models written to GGUF with the `gguf` package's writer, the way llama.cpp's
+converter lays them out (tensor names, metadata keys, llama's permuted Q/K rows, Phi-3's fused
+matrices), plus a tiny byte-level BPE tokenizer trained here with `tokenizers`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+# HF parameter name (after `model.layers.N.`) → llama.cpp tensor name (after `blk.N.`)
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",  # Phi-3: gate rows, then up rows
+    "mlp.down_proj": "ffn_down",
+}
+_TOP_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+# Qwen 2's split rule (its published tokenizer config), for the reference tokenizer
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox (jumps) over the lazy dog; $prices rise 12345 times.",
+    "I'm sure they'LL say it's fine, WE'VE done THIS before: \"quoted\" [bracketed] {braced}.",
+    "def square(x):\n    return x ** 2  # 2024-01-31\n\n\tindented\r\nwindows line",
+    "Café, naïve, Zürich, 日本語のテキスト and 中文文本, emoji 🙂🙂 and #hashtags @mentions.",
+]
+
+
+def qwen2_reference_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level BPE with Qwen 2's split and NFC, trained on a small corpus; the oracle for
+    larql's rebuild of it from GGUF metadata."""
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    return tok
+
+
+@dataclass
+class GgufTokenizer:
+    """What a GGUF's `tokenizer.*` keys hold."""
+
+    model: str
+    tokens: list[str]
+    types: list[int]
+    merges: list[str] = field(default_factory=list)
+    pre: str | None = None
+    bos_id: int | None = None
+    eos_id: int | None = None
+    chat_template: str | None = None
+    add_bos: bool = False
+
+
+def byte_level_gguf_tokenizer(tok: Tokenizer, vocab_size: int, pre: str) -> GgufTokenizer:
+    """The GGUF form of a trained byte-level BPE, padded with unused control tokens."""
+    spec = json.loads(tok.to_str())
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    tokens = [""] * len(vocab)
+    for text, i in vocab.items():
+        tokens[i] = text
+    special = {t["content"] for t in spec["added_tokens"]}
+    types = [3 if t in special else 1 for t in tokens]
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
+    types += [3] * (vocab_size - len(types))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    eos = vocab["<|endoftext|>"]
+    return GgufTokenizer("gpt2", tokens, types, merges, pre, None, eos, CHATML)
+
+
+def word_gguf_tokenizer(vocab_size: int) -> GgufTokenizer:
+    """A SentencePiece-style ("llama") vocabulary: <unk>, <s>, </s>, the pieces of the words
+    "▁w0".."▁w9" (each merge's parts before it), the words, then unused fillers."""
+    digits = [str(d) for d in range(10)]
+    tokens = ["<unk>", "<s>", "</s>", "▁", "w", *digits, "▁w", *[f"▁w{d}" for d in digits]]
+    tokens += [f"▁filler{i}" for i in range(len(tokens), vocab_size)]
+    types = [2, 3, 3, *[1] * (vocab_size - 3)]
+    return GgufTokenizer("llama", tokens, types, bos_id=1, eos_id=2, add_bos=True)
+
+
+def write_gguf(
+    hf_model: Any,
+    arch: str,
+    path: Path,
+    tokenizer: GgufTokenizer,
+    *,
+    permute_qk: bool = False,
+    sliding_window: int | None = None,
+    rotary_dim: int | None = None,
+) -> Path:
+    """`hf_model`'s weights (float32) and shape as a GGUF of architecture `arch`."""
+    import gguf
+
+    c = hf_model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = c.num_key_value_heads or c.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_rope_dimension_count(rotary_dim or head_dim)
+    if sliding_window is not None:
+        w.add_sliding_window(sliding_window)
+    _add_tokenizer(w, tokenizer)
+    tied = bool(getattr(c, "tie_word_embeddings", False))
+    for name, tensor in hf_model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        array = tensor.detach().float().numpy()
+        gguf_name = _gguf_name(name)
+        if permute_qk and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            n_head = c.num_attention_heads if "attn_q." in gguf_name else kv_heads
+            array = _permute_rows(array, n_head)
+        w.add_tensor(gguf_name, np.ascontiguousarray(array, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_tokenizer(w: Any, tok: GgufTokenizer) -> None:
+    w.add_tokenizer_model(tok.model)
+    if tok.pre is not None:
+        w.add_tokenizer_pre(tok.pre)
+    w.add_token_list(tok.tokens)
+    w.add_token_types(tok.types)
+    if tok.merges:
+        w.add_token_merges(tok.merges)
+    if tok.bos_id is not None:
+        w.add_bos_token_id(tok.bos_id)
+    if tok.eos_id is not None:
+        w.add_eos_token_id(tok.eos_id)
+    w.add_add_bos_token(tok.add_bos)
+    if tok.chat_template is not None:
+        w.add_chat_template(tok.chat_template)
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name in _TOP_NAMES:
+        return _TOP_NAMES[hf_name]
+    _, layer, module, kind = _split_layer(hf_name)
+    return f"blk.{layer}.{_LAYER_NAMES[module]}.{kind}"
+
+
+def _split_layer(hf_name: str) -> tuple[str, str, str, str]:
+    # model.layers.N.self_attn.q_proj.weight → ("model.", N, "self_attn.q_proj", "weight")
+    head, _, tail = hf_name.partition("layers.")
+    layer, _, rest = tail.partition(".")
+    module, _, kind = rest.rpartition(".")
+    return head, layer, module, kind
+
+
+def _permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's row order for llama Q/K: each head's split halves interleaved pairwise."""
+    rows, rest = w.shape[0], w.shape[1:]
+    return w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
