@@ -20,6 +20,7 @@ from larql.kv import parse_engine
 from larql.models import Model, load_model
 from larql.models.errors import UnsupportedArchitecture
 from larql.models.gguf_file import GgufFile
+from larql.models.gguf_loader import gguf_block_rows, gguf_config, gguf_state_dict
 from larql.models.tokenizer import tokenizer_from_gguf
 from tiny_gguf import (
     byte_level_gguf_tokenizer,
@@ -197,6 +198,26 @@ def test_phi3_sentencepiece_vocabulary(tiny: TinyGguf) -> None:
     ids = [1, *(word_gguf_tokenizer(VOCAB).tokens.index(w) for w in words)]
     assert tok.encode(" w5 w0 w9") == ids
     assert tok.decode(ids, skip_special_tokens=True) == " w5 w0 w9"
+
+
+@pytest.mark.parametrize("name", ["mistral-as-llama", "phi3"])
+def test_block_rows_are_the_float_rows(name: str, tmp_path: Path) -> None:
+    """Q8_0 matrices kept in their blocks hold the rows the float path has, split (Phi-3's
+    fused matrices) and un-permuted (llama's Q/K) alike."""
+    case = CASES[name]
+    shape = dict(hidden_size=64, intermediate_size=96, head_dim=16)  # widths of 32·n
+    model = random_hf_model(case.model_type, vocab_size=VOCAB, **{**case.config, **shape})
+    path = write_gguf(
+        model, case.gguf_arch, tmp_path / "q8.gguf", word_gguf_tokenizer(VOCAB),
+        permute_qk=case.permute_qk, rotary_dim=8, q8_0=True,
+    )  # fmt: skip
+    file = GgufFile(path)
+    config = gguf_config(file)
+    blocks = gguf_block_rows(file, config)
+    state = gguf_state_dict(file, config)
+    assert {"layers.0.wq", "layers.0.wk", "layers.0.w_gate", "layers.0.w_up"} <= set(blocks)
+    for canonical, rows in blocks.items():
+        assert torch.equal(rows.dequantize(), state[canonical]), canonical
 
 
 def test_unknown_gguf_architecture_names_the_supported_ones(tmp_path: Path) -> None:

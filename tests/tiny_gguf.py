@@ -125,8 +125,10 @@ def write_gguf(
     permute_qk: bool = False,
     sliding_window: int | None = None,
     rotary_dim: int | None = None,
+    q8_0: bool = False,
 ) -> Path:
-    """`hf_model`'s weights (float32) and shape as a GGUF of architecture `arch`."""
+    """`hf_model`'s weights and shape as a GGUF of architecture `arch`: float32, or with
+    `q8_0` every matrix whose width is a multiple of 32 in Q8_0 blocks."""
     import gguf
 
     c = hf_model.config
@@ -157,7 +159,12 @@ def write_gguf(
         if permute_qk and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             n_head = c.num_attention_heads if "attn_q." in gguf_name else kv_heads
             array = _permute_rows(array, n_head)
-        w.add_tensor(gguf_name, np.ascontiguousarray(array, dtype=np.float32))
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if q8_0 and array.ndim == 2 and array.shape[1] % 32 == 0:
+            raw = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gguf_name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
