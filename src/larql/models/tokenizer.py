@@ -47,6 +47,7 @@ STOP_STRINGS = (
     "<|endoftext|>",
     "<|im_end|>",
     "<|end_of_turn|>",
+    "<|end|>",  # Phi-3
     "<end_of_turn>",
     "<|end_of_text|>",
     "<|eom_id|>",
