@@ -182,7 +182,7 @@ def test_qwen2_tokenizer_matches_the_one_it_was_written_from(
 def test_chat_template_from_the_file(tiny: TinyGguf, qwen_tokenizer) -> None:
     model = load_model(str(tiny.path))
     if tiny.case.gguf_arch == "phi3":
-        pytest.skip("the tiny phi3 file carries a word vocabulary and no template")
+        pytest.skip("phi3's template: test_phi3_chat_template")
     messages = [{"role": "user", "content": "Hi (there) 42"}]
     text = "<|im_start|>user\nHi (there) 42<|im_end|>\n<|im_start|>assistant\n"
     assert model.tokenizer.render_chat(messages) == text
@@ -198,6 +198,19 @@ def test_phi3_sentencepiece_vocabulary(tiny: TinyGguf) -> None:
     ids = [1, *(word_gguf_tokenizer(VOCAB).tokens.index(w) for w in words)]
     assert tok.encode(" w5 w0 w9") == ids
     assert tok.decode(ids, skip_special_tokens=True) == " w5 w0 w9"
+
+
+def test_phi3_chat_template(tiny: TinyGguf) -> None:
+    if tiny.case.gguf_arch != "phi3":
+        pytest.skip("phi3 only")
+    tok = load_model(str(tiny.path)).tokenizer
+    messages = [{"role": "user", "content": " w5 w0"}]
+    text = "<|user|>\n w5 w0<|end|>\n<|assistant|>\n"
+    assert tok.render_chat(messages) == text
+    vocab = word_gguf_tokenizer(VOCAB).tokens
+    pieces = ["<|user|>", "<0x0A>", "▁w5", "▁w0", "<|end|>", "<0x0A>", "<|assistant|>", "<0x0A>"]
+    assert tok.encode_chat(messages) == [vocab.index(p) for p in pieces]
+    assert vocab.index("<|end|>") in tok.stop_ids  # Phi-3 ends a turn with it
 
 
 @pytest.mark.parametrize("name", ["mistral-as-llama", "phi3"])

@@ -45,6 +45,12 @@ CHATML = (
     "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+PHI3_SPECIAL = ["<|user|>", "<|assistant|>", "<|end|>"]
+PHI3_CHAT = (
+    "{% for message in messages %}{{'<|' + message['role'] + '|>' + '\n' + message['content'] + "
+    "'<|end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}"
+    "{% endif %}"
+)
 _CORPUS = [
     "The quick brown fox (jumps) over the lazy dog; $prices rise 12345 times.",
     "I'm sure they'LL say it's fine, WE'VE done THIS before: \"quoted\" [bracketed] {braced}.",
@@ -110,10 +116,13 @@ def word_gguf_tokenizer(vocab_size: int) -> GgufTokenizer:
     """A SentencePiece-style ("llama") vocabulary: <unk>, <s>, </s>, the pieces of the words
     "▁w0".."▁w9" (each merge's parts before it), the words, then unused fillers."""
     digits = [str(d) for d in range(10)]
-    tokens = ["<unk>", "<s>", "</s>", "▁", "w", *digits, "▁w", *[f"▁w{d}" for d in digits]]
-    tokens += [f"▁filler{i}" for i in range(len(tokens), vocab_size)]
-    types = [2, 3, 3, *[1] * (vocab_size - 3)]
-    return GgufTokenizer("llama", tokens, types, bos_id=1, eos_id=2, add_bos=True)
+    tokens = ["<unk>", "<s>", "</s>", *PHI3_SPECIAL, "<0x0A>"]
+    types = [2, 3, 3, *[3] * len(PHI3_SPECIAL), 6]  # unknown, control, byte
+    words = ["▁", "w", *digits, "▁w", *[f"▁w{d}" for d in digits]]
+    tokens += words + [f"▁filler{i}" for i in range(len(tokens) + len(words), vocab_size)]
+    types += [1] * (vocab_size - len(types))
+    return GgufTokenizer("llama", tokens, types, bos_id=1, eos_id=2, chat_template=PHI3_CHAT,
+                         add_bos=True)  # fmt: skip
 
 
 def write_gguf(
