@@ -339,3 +339,53 @@ def test_the_compiled_decode_layer_is_the_layer_step(
         logits.append(torch.stack([next_token_logits(model, s) for s in steps]))
     assert compiled_calls and all(compiled_calls)  # every decode layer ran compiled
     assert torch.allclose(logits[0], logits[1], rtol=1e-5, atol=1e-4)
+
+
+def _random_q4_k(out: int, width: int, seed: int) -> np.ndarray:
+    """GGUF Q4_K bytes of a random matrix [out, width]: random codes, scales and minimums, and
+    positive f16 super-block scales d and dmin of a trained model's size."""
+    rng = np.random.default_rng(seed)
+    supers = rng.integers(0, 256, size=(out, width // 256, 144), dtype=np.uint8)
+    for offset in (0, 2):  # d, then dmin
+        halves = rng.uniform(1e-4, 2e-2, size=(out, width // 256)).astype(np.float16)
+        supers[..., offset : offset + 2] = halves.view(np.uint8).reshape(out, -1, 2)
+    return supers.reshape(out, -1)
+
+
+@pytest.mark.parametrize("width", [256, 1536])
+def test_q4_k_repacked_in_blocks_of_32_is_the_gguf_matrix(width: int) -> None:
+    raw = _random_q4_k(40, width, width)
+    rows = BlockRows.from_gguf(GGMLQuantizationType.Q4_K, raw, (40, width))
+    assert rows.format == "q4_k32" and rows.data.shape == (40, width // 32 * 24)
+    want = dequantize(raw, GGMLQuantizationType.Q4_K)  # the gguf package's own reading
+    assert torch.equal(rows.dequantize(), torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("bits", [0, 8, 16])
+def test_q4_k_block_products(bits: int) -> None:
+    kernels = _kernels_or_skip()
+    code = FORMAT_CODES["q4_k32"]
+    width, hidden = 512, 768
+    g = torch.Generator().manual_seed(bits)
+    h, norm = torch.randn(1, width, generator=g), torch.rand(width, generator=g) + 0.5
+    gate_up = BlockRows.from_gguf(
+        GGMLQuantizationType.Q4_K, _random_q4_k(2 * hidden, width, 1), (2 * hidden, width)
+    )
+    down = BlockRows.from_gguf(
+        GGMLQuantizationType.Q4_K, _random_q4_k(width, hidden, 2), (width, hidden)
+    )
+    x = F.rms_norm(h, (width,), norm, 1e-5).reshape(-1)
+    product = kernels.block_gemv(x, gate_up.data, code, bits).double()
+    if bits == 0:  # the float product with the dequantised weights
+        want = gate_up.dequantize().double() @ x.double()
+    else:  # the product with x rounded, the offsets times x's exact block sums
+        rounded = _rounded(x, bits).double()
+        weights = gate_up.dequantize().double()
+        offsets = gate_up.data.view(2 * hidden, -1, 24)[..., 4:8].contiguous().view(torch.float32)
+        coded = weights - offsets[..., 0].double().repeat_interleave(32, dim=1)
+        want = coded @ rounded + (weights - coded) @ x.double()
+    assert torch.allclose(product, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    gate, up = kernels.block_gemv(x, gate_up.data, code, bits).chunk(2)
+    want = h + kernels.block_gemv(F.silu(gate) * up, down.data, code, bits)
+    got = kernels.residual_ffn(h, norm, 1e-5, gate_up.data, code, down.data, code, bits)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())

@@ -238,3 +238,29 @@ def test_unknown_gguf_architecture_names_the_supported_ones(tmp_path: Path) -> N
     path = write_gguf(model, "falcon", tmp_path / "f.gguf", word_gguf_tokenizer(VOCAB))
     with pytest.raises(UnsupportedArchitecture, match="llama, phi3, qwen2, qwen3"):
         load_model(str(path))
+
+
+def test_q4_k_matrices_decode_through_their_blocks(tmp_path: Path) -> None:
+    """A llama GGUF whose matrices are Q4_K: kept as blocks of 32 (repacked), read by the CPU
+    kernels in a decode step, with the float path's greedy tokens (the file's weights are the
+    Q4_K bytes; the float path dequantises them)."""
+    from larql.kernels.cpu.build import load as load_block_kernels
+
+    if load_block_kernels() is None:
+        pytest.skip("the CPU block kernels are not built")
+    shape = dict(hidden_size=256, intermediate_size=512, head_dim=32, num_attention_heads=8,
+                 num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
+    model = random_hf_model("llama", vocab_size=VOCAB, **shape)
+    path = write_gguf(model, "llama", tmp_path / "q4k.gguf", word_gguf_tokenizer(VOCAB),
+                      permute_qk=True, q4_k=True)  # fmt: skip
+    blocks = load_model(str(path), weights="blocks-float")
+    floats = load_model(str(path), weights="float")
+    assert {b.format for b in blocks.weights.layers[0].blocks.values()} == {"q4_k32"}
+    assert blocks.weights.lm_head_blocks is not None
+    prompt = random_ids(12, seed=3)
+    runs = []
+    for m in (floats, blocks, load_model(str(path))):  # the last: auto, int16 products
+        engine = parse_engine("standard").build(m)
+        result = generate(engine, m, DenseFfn(m), prompt, 16, stop_ids=frozenset())
+        runs.append(result.tokens)
+    assert len(runs[0]) == 16 and runs[0] == runs[1] == runs[2]

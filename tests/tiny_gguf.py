@@ -135,9 +135,11 @@ def write_gguf(
     sliding_window: int | None = None,
     rotary_dim: int | None = None,
     q8_0: bool = False,
+    q4_k: bool = False,
 ) -> Path:
     """`hf_model`'s weights and shape as a GGUF of architecture `arch`: float32, or with
-    `q8_0` every matrix whose width is a multiple of 32 in Q8_0 blocks."""
+    `q8_0` every matrix whose width is a multiple of 32 in Q8_0 blocks, with `q4_k` every one
+    whose width is a multiple of 256 in Q4_K super-blocks (`quantize_q4_k`)."""
     import gguf
 
     c = hf_model.config
@@ -169,7 +171,11 @@ def write_gguf(
             n_head = c.num_attention_heads if "attn_q." in gguf_name else kv_heads
             array = _permute_rows(array, n_head)
         array = np.ascontiguousarray(array, dtype=np.float32)
-        if q8_0 and array.ndim == 2 and array.shape[1] % 32 == 0:
+        if q4_k and array.ndim == 2 and array.shape[1] % 256 == 0:
+            raw = quantize_q4_k(array)
+            w.add_tensor(gguf_name, raw, raw_shape=raw.shape,
+                         raw_dtype=gguf.GGMLQuantizationType.Q4_K)  # fmt: skip
+        elif q8_0 and array.ndim == 2 and array.shape[1] % 32 == 0:
             raw = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
             w.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
@@ -179,6 +185,32 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def quantize_q4_k(array: np.ndarray) -> np.ndarray:
+    """float32 [out, in] (in a multiple of 256) → GGUF Q4_K bytes uint8 [out, in/256 · 144]: a
+    plain rounding to the format (the `gguf` package writes no Q4_K); the file's weights are
+    then whatever these bytes hold. Per sub-block j of 32: weight ≈ d·s_j·q − dmin·m_j."""
+    out, width = array.shape
+    sub = array.reshape(out, width // 256, 8, 32).astype(np.float64)  # [O, S, 8, 32]
+    low = np.minimum(sub.min(axis=-1), 0.0)  # [O, S, 8] offsets ≤ 0
+    step = np.maximum(sub.max(axis=-1) - low, 1e-8) / 15  # [O, S, 8]
+    d = np.maximum(step.max(axis=-1) / 63, 1e-4).astype(np.float16)  # [O, S], f16-normal
+    dmin = np.maximum(-low.min(axis=-1) / 63, 1e-4).astype(np.float16)
+    d32, dmin32 = d.astype(np.float64)[..., None], dmin.astype(np.float64)[..., None]
+    scales = np.clip(np.round(step / d32), 1, 63).astype(np.uint8)
+    minimums = np.clip(np.round(-low / dmin32), 0, 63).astype(np.uint8)
+    scale = (d32 * scales)[..., None]  # [O, S, 8, 1]
+    offset = (dmin32 * minimums)[..., None]
+    codes = np.clip(np.round((sub + offset) / scale), 0, 15).astype(np.uint8)  # [O, S, 8, 32]
+    pairs = codes.reshape(out, width // 256, 4, 2, 32)  # 64 weights: low, then high nibbles
+    qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(out, width // 256, 128)
+    packed = np.empty((out, width // 256, 12), dtype=np.uint8)
+    packed[..., 0:4] = (scales[..., :4] & 0x3F) | ((scales[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = (minimums[..., :4] & 0x3F) | ((minimums[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (scales[..., 4:] & 0x0F) | ((minimums[..., 4:] & 0x0F) << 4)
+    halves = np.stack((d, dmin), axis=-1).view(np.uint8).reshape(out, width // 256, 4)
+    return np.concatenate((halves, packed, qs), axis=-1).reshape(out, -1)
 
 
 def _add_tokenizer(w: Any, tok: GgufTokenizer) -> None:

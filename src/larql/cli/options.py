@@ -19,9 +19,9 @@ WeightsOption = Annotated[
     str,
     typer.Option(
         "--weights",
-        help="auto (= blocks-int16): a GGUF's Q8_0/Q4_0/Q4_1 matrices stay in their blocks for "
-        "one-token products on the CPU (kernels built by make setup), the input rounded to int16 "
-        "codes per block of 32; blocks-int8: int8 codes (llama.cpp's, faster, less exact); "
+        help="auto (= blocks-int16): a GGUF's Q8_0/Q4_0/Q4_1/Q4_K matrices stay in their blocks "
+        "for one-token products on the CPU (kernels built by make setup), the input rounded to "
+        "int16 codes per block of 32; blocks-int8: int8 codes (llama.cpp's, faster, less exact); "
         "blocks-float: a float32 input (the float path's tokens); float: every matrix "
         "dequantised to --dtype.",
     ),

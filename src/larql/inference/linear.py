@@ -7,10 +7,10 @@ SmolLM2's 30 layers go from 26 to 11 ms per token in float32 (benchmarks in
 docs/PERFORMANCE.md). bfloat16/float16 and everything on a GPU keep `F.linear`, which is
 already fast there.
 
-A matrix the model also holds in its GGUF blocks (`BlockRows`, Q8_0 / Q4_0 / Q4_1) is read
-from those instead, on the CPU, by the compiled block product (`larql.kernels.cpu`): a Q4_1
-row is 0.16× the bytes of its float32 one. Without the built extension, torch's float product
-runs as before.
+A matrix the model also holds in its GGUF blocks (`BlockRows`: Q8_0 / Q4_0 / Q4_1, Q4_K
+repacked) is read from those instead, on the CPU, by the compiled block product
+(`larql.kernels.cpu`): a Q4_1 row is 0.16× the bytes of its float32 one. Without the built
+extension, torch's float product runs as before.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ of 32 weights. Formats (GGML's layouts; f16 is IEEE half, little-endian):
 - Q8_0, 34 bytes: d f16, 32 × int8 q;             weight = d · q
 - Q4_0, 18 bytes: d f16, 16 bytes of nibbles;     weight = d · (q − 8)
 - Q4_1, 20 bytes: d f16, m f16, 16 bytes;         weight = d · q + m
+- q4_k32, 24 bytes: d f32, m f32, 16 bytes;       weight = d · q + m (GGUF Q4_K, repacked
+  at load: `larql.models.q4k`)
 A Q4 block's byte j holds element j in its low nibble and element j + 16 in its high one.
 
 `dequantize` is the pure-torch reference of these layouts (tested against the `gguf` package)
@@ -24,15 +26,23 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from larql.models.q4k import repack_q4_k
+
 BLOCK = 32
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # the extension's `format` argument
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k32": 24}
+FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k32": 3}  # the extension's `format`
 ACTIVATION_BITS = {"float": 0, "int8": 8, "int16": 16}  # its `activation_bits` argument
-GGUF_FORMATS = {
+GGUF_FORMATS = {  # the GGUF types kept as blocks, and the format each is held in
     GGMLQuantizationType.Q8_0: "q8_0",
     GGMLQuantizationType.Q4_0: "q4_0",
     GGMLQuantizationType.Q4_1: "q4_1",
+    GGMLQuantizationType.Q4_K: "q4_k32",
 }
+
+
+def block_width(qtype: GGMLQuantizationType) -> int:
+    """How many weights one GGUF block of this type holds (a matrix's width is a multiple)."""
+    return 256 if qtype == GGMLQuantizationType.Q4_K else BLOCK
 
 
 @dataclass(frozen=True)
@@ -54,10 +64,19 @@ class BlockRows:
 
     @staticmethod
     def from_numpy(format: str, raw: np.ndarray, shape: tuple[int, int]) -> BlockRows:
-        """GGUF tensor bytes of a matrix `shape` (numpy order: out, in) → BlockRows."""
+        """Bytes of a matrix `shape` (numpy order: out, in) in `format` → BlockRows."""
         out_features, in_features = shape
         data = torch.from_numpy(np.array(raw).reshape(out_features, -1))  # a copy we own
         return BlockRows(format, data, in_features)
+
+    @staticmethod
+    def from_gguf(
+        qtype: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int]
+    ) -> BlockRows:
+        """A GGUF tensor of a type in GGUF_FORMATS → BlockRows (Q4_K repacked)."""
+        if qtype == GGMLQuantizationType.Q4_K:
+            return BlockRows.from_numpy("q4_k32", repack_q4_k(raw, *shape), shape)
+        return BlockRows.from_numpy(GGUF_FORMATS[qtype], raw, shape)
 
     def take_rows(self, order: torch.Tensor) -> BlockRows:
         """The rows in another order (order: [out] int64)."""
@@ -77,6 +96,11 @@ class BlockRows:
         """→ float32 [out_features, in_features]."""
         out_features = self.out_features
         blocks = self.data.view(out_features, -1, BLOCK_BYTES[self.format])  # [O, B, bytes]
+        if self.format == "q4_k32":
+            d, m = blocks[..., 0:8].contiguous().view(torch.float32).split(1, dim=-1)  # [O, B, 1]
+            packed = blocks[..., 8:]  # [O, B, 16]
+            q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).to(torch.float32)  # [O, B, 32]
+            return (d * q + m).reshape(out_features, self.in_features)
         d = _halves(blocks[..., 0:2])  # [O, B, 1]
         if self.format == "q8_0":
             q = blocks[..., 2:].view(torch.int8).to(torch.float32)  # [O, B, 32]

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from larql.models.archs import preset_for_gguf
-from larql.models.blocks import GGUF_FORMATS, BlockRows
+from larql.models.blocks import GGUF_FORMATS, BlockRows, block_width
 from larql.models.config import LayerSpec, ModelConfig, RopeSpec
 from larql.models.errors import ModelFormatError, UnsupportedArchitecture
 from larql.models.gguf_file import GgufFile
@@ -110,16 +110,18 @@ def gguf_state_dict(
 
 
 def gguf_block_rows(gguf: GgufFile, config: ModelConfig) -> dict[str, BlockRows]:
-    """The matrices stored in a block format the CPU kernels read (Q8_0, Q4_0, Q4_1), as
+    """The matrices stored in a block format the CPU kernels read (Q8_0, Q4_0, Q4_1, Q4_K), as
     `BlockRows` under their canonical names, rows in the canonical order; others are absent."""
     blocks: dict[str, BlockRows] = {}
     interleaved_qk = preset_for_gguf(gguf.architecture).gguf_interleaved_qk
     for gguf_name, info in gguf.tensors.items():
-        form = GGUF_FORMATS.get(info.qtype)
-        if form is None or len(info.shape) != 2 or info.shape[1] % 32:
+        width = info.shape[1] if len(info.shape) == 2 else 0
+        if info.qtype not in GGUF_FORMATS or not width or width % block_width(info.qtype):
             continue
         parts = _canonical_parts(gguf_name, info.shape, config)
-        whole = BlockRows.from_numpy(form, gguf.raw_bytes(gguf_name), info.shape) if parts else None
+        if not parts:
+            continue
+        whole = BlockRows.from_gguf(info.qtype, gguf.raw_bytes(gguf_name), info.shape)
         for canonical, part in parts:
             order = np.arange(info.shape[0])[part]  # [rows of this part]
             if interleaved_qk and canonical.endswith((".wq", ".wk")):

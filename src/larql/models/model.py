@@ -104,7 +104,7 @@ def load_model(
     """Load a registry model, a `.gguf` file or an HF directory.
 
     weights: `float` keeps every matrix dequantised to `dtype` only; `blocks-float` also keeps
-    a GGUF's Q8_0 / Q4_0 / Q4_1 matrices in their blocks when the model runs on the CPU below
+    a GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K matrices in their blocks when the model runs on the CPU below
     float64, and one-token products read those where the CPU kernels are built (`make setup`),
     with a float32 input (the float product up to the order of its sums); `blocks-int16` /
     `blocks-int8` the same with the input rounded to int16 / int8 codes per block of 32

@@ -1,12 +1,14 @@
 // One-token products with GGUF block-quantised weight rows: out[n] = Σ_k W[n, k] · x[k].
 //
-// The weights stay in their GGUF blocks of 32 (Q8_0, Q4_0, Q4_1) and are expanded to float
+// The weights stay in their GGUF blocks of 32 (Q8_0, Q4_0, Q4_1; Q4_K repacked by the loader
+// into blocks of 32 with float32 scale and offset, "Q4_K32") and are expanded to float
 // in registers; x stays float32, so the result is the float product with the dequantised
 // weights up to the order of the float sums. Per block b of row n, with S_b = Σ_i q_i x_i
 // over the block's codes and X_b = Σ_i x_i (computed once per call):
 //   Q8_0: d · S_b                (weight = d · q)
 //   Q4_0: d · S_b − 8 d · X_b    (weight = d · (q − 8))
 //   Q4_1: d · S_b + m · X_b      (weight = d · q + m)
+//   Q4_K32: the same as Q4_1 with d, m float32 (Q4_K's d · scale_j and −dmin · min_j, exact)
 // Q4 blocks hold elements 0–15 in the low nibbles of their 16 bytes, 16–31 in the high ones.
 // Rows are split over torch's intra-op threads. With AVX2 + FMA + F16C a block is four 8-wide
 // multiply-adds; without them a scalar loop computes the same sums.
@@ -31,13 +33,14 @@ namespace larql {
 
 constexpr int64_t kBlock = 32;
 
-enum class Format : int { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+enum class Format : int { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K32 = 3 };
 
 inline int64_t block_bytes(Format f) {
   switch (f) {
     case Format::Q8_0: return 34;
     case Format::Q4_0: return 18;
     case Format::Q4_1: return 20;
+    case Format::Q4_K32: return 24;  // d f32, m f32, 16 bytes of nibbles
   }
   return 0;
 }
@@ -78,6 +81,31 @@ inline uint16_t read_u16(const uint8_t* p) {
   return v;
 }
 
+inline float read_f32(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// A block's scale d, its offset m (Q4_1, Q4_K32) and where its codes start.
+inline float block_scale(Format f, const uint8_t* block) {
+  return f == Format::Q4_K32 ? read_f32(block) : half_to_float(read_u16(block));
+}
+
+inline float block_offset(Format f, const uint8_t* block) {
+  return f == Format::Q4_K32 ? read_f32(block + 4) : half_to_float(read_u16(block + 2));
+}
+
+inline const uint8_t* block_codes(Format f, const uint8_t* block) {
+  switch (f) {
+    case Format::Q8_0: return block + 2;
+    case Format::Q4_0: return block + 2;
+    case Format::Q4_1: return block + 4;
+    case Format::Q4_K32: return block + 8;
+  }
+  return block;
+}
+
 // Σ x over each block of 32: [K/32].
 inline void block_sums(const float* x, int64_t k, float* sums) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
@@ -116,20 +144,19 @@ inline float row_dot(Format f, const uint8_t* row, int64_t blocks, const float* 
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = row + b * stride;
     const float* xb = x + b * kBlock;
-    const float d = half_to_float(read_u16(block));
+    const float d = block_scale(f, block);
     __m256 dot;
     if (f == Format::Q8_0) {
       const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
       const __m128i last = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
       dot = codes_times_x(first, last, true, xb);
     } else {
-      const uint8_t* qs = block + (f == Format::Q4_0 ? 2 : 4);
+      const uint8_t* qs = block_codes(f, block);
       const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
       const __m128i low = _mm_and_si128(packed, mask);
       const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
       dot = codes_times_x(low, high, false, xb);
-      offset += f == Format::Q4_0 ? -8.0f * d * sums[b]
-                                  : half_to_float(read_u16(block + 2)) * sums[b];
+      offset += f == Format::Q4_0 ? -8.0f * d * sums[b] : block_offset(f, block) * sums[b];
     }
     acc = _mm256_fmadd_ps(dot, _mm256_set1_ps(d), acc);
   }
@@ -139,18 +166,17 @@ inline float row_dot(Format f, const uint8_t* row, int64_t blocks, const float* 
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = row + b * stride;
     const float* xb = x + b * kBlock;
-    const float d = half_to_float(read_u16(block));
+    const float d = block_scale(f, block);
     float dot = 0.0f;
     if (f == Format::Q8_0) {
       const int8_t* wq = reinterpret_cast<const int8_t*>(block + 2);
       for (int i = 0; i < kBlock; ++i) dot += static_cast<float>(wq[i]) * xb[i];
     } else {
-      const uint8_t* qs = block + (f == Format::Q4_0 ? 2 : 4);
+      const uint8_t* qs = block_codes(f, block);
       for (int i = 0; i < 16; ++i) {
         dot += static_cast<float>(qs[i] & 0x0f) * xb[i] + static_cast<float>(qs[i] >> 4) * xb[i + 16];
       }
-      offset += f == Format::Q4_0 ? -8.0f * d * sums[b]
-                                  : half_to_float(read_u16(block + 2)) * sums[b];
+      offset += f == Format::Q4_0 ? -8.0f * d * sums[b] : block_offset(f, block) * sums[b];
     }
     total += d * dot;
   }
@@ -179,7 +205,7 @@ inline void gemv(Format f, const uint8_t* rows, int64_t row_bytes, int64_t n, co
 // (to nearest, ties to even); then
 //   Q8_0: d · d_b · Σ w_i q_i
 //   Q4_0: d · d_b · (Σ w_i q_i − 8 Σ q_i)
-//   Q4_1: d · d_b · Σ w_i q_i + m · X_b   (X_b = Σ x_i, exact)
+//   Q4_1, Q4_K32: d · d_b · Σ w_i q_i + m · X_b   (X_b = Σ x_i, exact)
 // with the integer sums exact: a product is the float product of the dequantised weights with
 // the rounded x, whose error is at most d_b / 2 per element.
 enum class Activation : int { Float = 0, Int8 = 8, Int16 = 16 };
@@ -254,7 +280,7 @@ inline __m256i block_codes_dot(Format f, const uint8_t* block, const int8_t* q) 
   }
   const __m128i mask = _mm_set1_epi8(0x0f);
   const __m128i packed = _mm_loadu_si128(
-      reinterpret_cast<const __m128i*>(block + (f == Format::Q4_0 ? 2 : 4)));
+      reinterpret_cast<const __m128i*>(block_codes(f, block)));
   const __m128i low = _mm_and_si128(packed, mask);
   const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
   return dot_u8_s8(_mm256_set_m128i(high, low), x);
@@ -270,7 +296,7 @@ inline __m256i block_codes_dot(Format f, const uint8_t* block, const int16_t* q)
   }
   const __m128i mask = _mm_set1_epi8(0x0f);
   const __m128i packed = _mm_loadu_si128(
-      reinterpret_cast<const __m128i*>(block + (f == Format::Q4_0 ? 2 : 4)));
+      reinterpret_cast<const __m128i*>(block_codes(f, block)));
   const __m128i low = _mm_and_si128(packed, mask);
   const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
   return dot_s16(_mm256_cvtepu8_epi16(low), x0, _mm256_cvtepu8_epi16(high), x1);
@@ -283,7 +309,7 @@ int32_t block_codes_dot(Format f, const uint8_t* block, const Code* q) {
     const int8_t* w = reinterpret_cast<const int8_t*>(block + 2);
     for (int i = 0; i < kBlock; ++i) isum += static_cast<int32_t>(w[i]) * q[i];
   } else {
-    const uint8_t* qs = block + (f == Format::Q4_0 ? 2 : 4);
+    const uint8_t* qs = block_codes(f, block);
     for (int i = 0; i < 16; ++i) isum += (qs[i] & 0x0f) * q[i] + (qs[i] >> 4) * q[i + 16];
   }
   return isum;
@@ -302,9 +328,9 @@ float row_dot_codes(Format f, const uint8_t* row, int64_t blocks, const Quantize
 #endif
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = row + b * stride;
-    const float d = half_to_float(read_u16(block)) * in.scales[b];
+    const float d = block_scale(f, block) * in.scales[b];
     if (f == Format::Q4_0) offset -= 8.0f * d * static_cast<float>(in.code_sums[b]);
-    if (f == Format::Q4_1) offset += half_to_float(read_u16(block + 2)) * in.sums[b];
+    if (f == Format::Q4_1 || f == Format::Q4_K32) offset += block_offset(f, block) * in.sums[b];
 #if LARQL_AVX2
     const __m256i isum = block_codes_dot(f, block, codes + b * kBlock);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc);

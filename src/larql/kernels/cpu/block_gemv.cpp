@@ -9,7 +9,8 @@
 namespace larql {
 
 Format checked_format(int64_t format) {
-  TORCH_CHECK(format >= 0 && format <= 2, "format must be 0 (Q8_0), 1 (Q4_0) or 2 (Q4_1)");
+  TORCH_CHECK(format >= 0 && format <= 3,
+              "format must be 0 (Q8_0), 1 (Q4_0), 2 (Q4_1) or 3 (Q4_K in blocks of 32)");
   return static_cast<Format>(format);
 }
 
@@ -27,7 +28,7 @@ void check_rows(const torch::Tensor& rows, Format f, int64_t width) {
 }
 
 // x: float32 [K] contiguous; rows: uint8 [N, K/32 · block bytes]; format 0 Q8_0, 1 Q4_0,
-// 2 Q4_1; activation_bits: 0 keeps x float32, 8 / 16 round it to int8 / int16 codes per
+// 2 Q4_1, 3 Q4_K32; activation_bits: 0 keeps x float32, 8 / 16 round it to int8 / int16 codes per
 // block of 32 first (block_dot.h) → float32 [N].
 torch::Tensor block_gemv(torch::Tensor x, torch::Tensor rows, int64_t format,
                          int64_t activation_bits) {
