@@ -20,6 +20,7 @@ import larql.kv.standard.engine as standard_engine_module
 from larql.data import default_text
 from larql.harness.contexts import context_ids
 from larql.inference.ffn import DenseFfn
+from larql.inference.ffn.policy import build_ffn
 from larql.inference.generation import next_token_logits
 from larql.inference.linear import linear, reads_blocks
 from larql.inference.rope import apply_rope
@@ -389,3 +390,14 @@ def test_q4_k_block_products(bits: int) -> None:
     want = h + kernels.block_gemv(F.silu(gate) * up, down.data, code, bits)
     got = kernels.residual_ffn(h, norm, 1e-5, gate_up.data, code, down.data, code, bits)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_the_commands_ffn_router_hands_on_the_compiled_mlp(auto_smollm2: Model) -> None:
+    """`run` / `bench` / `serve` build their FFN as a per-layer router: it must offer its
+    layers' compiled MLP and blocks as the dense backend itself does."""
+    _kernels_or_skip()
+    router, dense = build_ffn(auto_smollm2, "dense"), DenseFfn(auto_smollm2)
+    assert router.silu_blocks(3) == dense.silu_blocks(3) and router.silu_blocks(3) is not None
+    h = torch.randn(1, auto_smollm2.config.hidden_size)
+    norm, eps = auto_smollm2.weights.layers[3].ffn_norm, auto_smollm2.config.norm_eps
+    assert torch.equal(router.fused_block(3, h, norm, eps), dense.fused_block(3, h, norm, eps))

@@ -32,6 +32,7 @@ from larql.inference.ffn.spec import (
     UnknownBackend,
 )
 from larql.inference.ffn.walk import WalkFfn
+from larql.models.blocks import BlockRows
 from larql.models.model import Model
 from larql.specs import split_specs as split_list
 
@@ -331,6 +332,14 @@ class LayerFfnRouter(FfnBackend):
 
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         return self.backend_for(layer).forward(layer, x)
+
+    def fused_block(
+        self, layer: int, h: torch.Tensor, norm: torch.Tensor, eps: float
+    ) -> torch.Tensor | None:
+        return self.backend_for(layer).fused_block(layer, h, norm, eps)
+
+    def silu_blocks(self, layer: int) -> tuple[BlockRows, BlockRows] | None:
+        return self.backend_for(layer).silu_blocks(layer)
 
     @property
     def graph_safe(self) -> bool:  # type: ignore[override]
