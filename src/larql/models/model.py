@@ -14,6 +14,7 @@ from larql.models.errors import ModelError, ModelFormatError
 from larql.models.gguf_file import GgufFile
 from larql.models.gguf_loader import gguf_block_rows, gguf_config, gguf_state_dict
 from larql.models.hf_loader import hf_config, hf_state_dict, read_hf_config
+from larql.models.quantise import LOAD_FORMATS, quantise_state
 from larql.models.registry import resolve_model_path
 from larql.models.tokenizer import (
     TextTokenizer,
@@ -85,13 +86,16 @@ def parse_device(name: str) -> torch.device:
     return device
 
 
-# --weights: the block matrices' activation, None for float weights only
+# --weights: the block matrices' activation, None for float weights only; `q8_0` / `q4_0`
+# quantise the matrices at load (`larql.models.quantise`)
 WEIGHT_MODES = {
     "auto": "int16",
     "blocks-int16": "int16",
     "blocks-int8": "int8",
     "blocks-float": "float",
     "float": None,
+    "q8_0": "int16",
+    "q4_0": "int16",
 }
 
 
@@ -109,7 +113,11 @@ def load_model(
     with a float32 input (the float product up to the order of its sums); `blocks-int16` /
     `blocks-int8` the same with the input rounded to int16 / int8 codes per block of 32
     (integer block sums; int8 is llama.cpp's arithmetic); each one's fidelity against `float`
-    is measured in docs/FIDELITY.md. `auto` is `blocks-int16`."""
+    is measured in docs/FIDELITY.md. `auto` is `blocks-int16`. `q8_0` / `q4_0` quantise every
+    layer matrix and the LM head (of any model: a quantised GGUF's are re-quantised from their
+    dequantised floats) to that GGUF format at load and replace the float weights by the blocks'
+    dequantised values, on every device and dtype; on the CPU below float64 the blocks are kept
+    too and read as `blocks-int16` reads a GGUF's."""
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     device = parse_device(device) if isinstance(device, str) else device
     if weights not in WEIGHT_MODES:
@@ -119,16 +127,22 @@ def load_model(
         config, state, tokenizer = _load_hf_dir(path, name)
     else:
         config, state, tokenizer = _load_gguf(path, name)
+    blocks = None
+    if weights in LOAD_FORMATS:
+        state, blocks = quantise_state(state, weights)
     held = ModelWeights.from_state(config, state, dtype, device)
     activation = WEIGHT_MODES[weights]
-    if activation is not None and _reads_blocks(path, device, dtype):
-        held.attach_blocks(gguf_block_rows(GgufFile(path), config), activation)
+    if activation is not None and _reads_blocks(device, dtype):
+        if blocks is None and not path.is_dir():
+            blocks = gguf_block_rows(GgufFile(path), config)
+        if blocks:
+            held.attach_blocks(blocks, activation)
     return Model(name=name, source=path, config=config, weights=held, tokenizer=tokenizer)
 
 
-def _reads_blocks(path: Path, device: torch.device, dtype: torch.dtype) -> bool:
-    """A GGUF on the CPU, below float64 (the precision reference)."""
-    return not path.is_dir() and device.type == "cpu" and dtype != torch.float64
+def _reads_blocks(device: torch.device, dtype: torch.dtype) -> bool:
+    """On the CPU, below float64 (the precision reference)."""
+    return device.type == "cpu" and dtype != torch.float64
 
 
 def _load_gguf(path: Path, name: str) -> tuple[ModelConfig, dict, TextTokenizer]:
