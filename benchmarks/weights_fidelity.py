@@ -1,6 +1,9 @@
 """What each `--weights` mode changes: its decode against the float32 weights' decode.
 
-The block modes only change one-row products (prefill runs BLAS on the float weights), so the
+The block modes only change one-row products (prefill runs BLAS on the float weights); the
+load-time modes `q8_0` / `q4_0` change the weights themselves (prefill's too), so for them this
+measures the quantisation plus the int16 products, against `float`: the file's own weights, for
+a quantised GGUF its dequantised ones (SmolLM2's Q4_1, re-quantised by `q8_0` / `q4_0`). The
 comparison feeds the text one token at a time: after a `--prompt-len` prefill, every next token
 of the shipped text goes through `decode_step` (teacher-forced), and each mode's next-token
 logits are compared with `--weights float`'s at the same position: KL(float ‖ mode) (mean /
@@ -8,8 +11,8 @@ p99 / max, nats), how often the top-1 token agrees, and the ln-perplexity of the
 each. Then each mode decodes greedily from the prompt, and the first step whose token differs
 from the float path's is reported (— when none does).
 
-    .venv/bin/python benchmarks/weights_fidelity.py [--modes blocks-float,blocks-int8]
-        [--prompt-len 32] [--positions 512] [--greedy 64]
+    .venv/bin/python benchmarks/weights_fidelity.py [--modes blocks-float,blocks-int8,q8_0]
+        [--prompt-len 32] [--positions 512] [--greedy 64] [--text FILE]
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=512, help="teacher-forced positions")
     parser.add_argument("--greedy", type=int, default=64, help="greedy steps compared")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--text", type=Path, help="a text file (default: the shipped text)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print("$ " + shlex.join([Path(sys.executable).name, *sys.argv]))
@@ -66,7 +70,8 @@ def main() -> None:
     def run(weights: str) -> tuple[torch.Tensor, list[int], list[int]]:
         """→ teacher-forced logits [N, V], their targets [N], greedy tokens [--greedy]."""
         model = load_model(args.model, weights=weights)
-        ids = model.tokenizer.encode(default_text())[: args.prompt_len + args.positions]
+        text = args.text.read_text() if args.text else default_text()
+        ids = model.tokenizer.encode(text)[: args.prompt_len + args.positions]
         engine = parse_engine("standard").build(model)
         with torch.inference_mode():
             logits = teacher_forced_logits(engine, model, DenseFfn(model), ids, args.prompt_len)

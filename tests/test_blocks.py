@@ -168,7 +168,7 @@ def test_greedy_tokens_through_the_blocks_equal_the_float_paths(
 
 
 def test_an_unknown_weights_mode_is_refused() -> None:
-    accepted = "accepted: auto, blocks-int16, blocks-int8, blocks-float, float"
+    accepted = "accepted: auto, blocks-int16, blocks-int8, blocks-float, float, q8_0, q4_0"
     with pytest.raises(ModelError, match=accepted):
         load_model(weights="q2")
 

@@ -23,7 +23,10 @@ WeightsOption = Annotated[
         "for one-token products on the CPU (kernels built by make setup), the input rounded to "
         "int16 codes per block of 32; blocks-int8: int8 codes (llama.cpp's, faster, less exact); "
         "blocks-float: a float32 input (the float path's tokens); float: every matrix "
-        "dequantised to --dtype.",
+        "dequantised to --dtype; q8_0 / q4_0: quantise every layer matrix and the LM head of "
+        "any model (HF, F16/F32 or quantised GGUF, re-quantised from its dequantised floats) to "
+        "that GGUF format at load (~2 s for SmolLM2), the float weights replaced by the "
+        "quantised values, read as blocks-int16 reads a GGUF's.",
     ),
 ]
 ThreadsOption = Annotated[

@@ -46,7 +46,9 @@ def quantise_state(
     """→ (the state with each quantised matrix replaced by its blocks' dequantised float32
     values, the blocks under canonical names). The one place both are made, so they agree."""
     if format not in LOAD_FORMATS:
-        raise ValueError(f"unknown load-time format {format!r}; accepted: {', '.join(LOAD_FORMATS)}")
+        raise ValueError(
+            f"unknown load-time format {format!r}; accepted: {', '.join(LOAD_FORMATS)}"
+        )
     replaced = dict(state)
     blocks: dict[str, BlockRows] = {}
     for name in quantised_names(state):
