@@ -180,3 +180,10 @@ def test_the_fidelity_benchmark_runs_the_load_time_modes(
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()}
     assert {"float", "q8_0", "q4_0"} <= set(rows)
     assert float(rows["q4_0"][1]) > 0  # a mean KL was measured against the float weights
+
+
+def test_the_python_api_takes_the_load_time_modes(tiny_dir: Path) -> None:
+    import larql
+
+    model = larql.load_model(str(tiny_dir), weights="q4_0")
+    assert model.weights.layers[0].blocks["w_down"].format == "q4_0"
