@@ -13,6 +13,11 @@ hidden rows ending with the prompt's last, [≥1, H]) and `_step` (one row [1, H
 `self.position` → [1, H]); an engine whose state is token ids, or whose step reads the token
 on the device, overrides `_start_tokens` / `_step_token` instead, and then cannot start from
 hidden rows.
+
+State snapshots: an engine's state is its attributes (`state_dict`), less those it rebuilds
+from its spec (`_snapshot_exclude`). `snapshot` writes them to a directory, `load_snapshot`
+restores them into an engine built from the same spec for the same model, and `fork` copies
+them in memory; an engine that cannot says why in `snapshot_refusal`.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 
@@ -29,6 +35,7 @@ from larql.inference.ffn import FfnBackend
 from larql.inference.layer import embed, token_tensor
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import DecodeStageSummary, EngineProfiler
+from larql.inference.snapshots import SavedState, fork_state, load_state, save_state
 from larql.models.model import Model
 
 
@@ -54,12 +61,15 @@ def backend_name(model: Model) -> str:
 
 class Engine(ABC):
     name: ClassVar[str] = ""
+    # attributes a snapshot leaves out: the engine rebuilds them from its spec
+    _snapshot_exclude: ClassVar[frozenset[str]] = frozenset({"_profiler", "spec_string"})
 
     def __init__(self, profiling: bool = False) -> None:
         self.position = 0  # absolute position of the next token
         self._backend = "cpu"
         self._prefilled = False
         self._profiler = EngineProfiler(enabled=profiling)
+        self.spec_string: str | None = None  # the canonical spec it was built from, if any
 
     # ------------------------------------------------------------------ what the engine holds
 
@@ -145,6 +155,47 @@ class Engine(ABC):
         self.position += 1
         return hidden
 
+    # ------------------------------------------------------------------ snapshots
+
+    def snapshot_refusal(self, restoring: bool = False) -> str | None:
+        """Why this engine cannot save (or, `restoring`, load) its state now; None: it can."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state as an object tree: every attribute the spec does not rebuild."""
+        excluded = self._snapshot_exclude
+        return {k: v for k, v in vars(self).items() if k not in excluded}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+    def snapshot(
+        self,
+        path: str | Path,
+        model: Model,
+        token_ids: Sequence[int] | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> SavedState:
+        """Write the state into directory `path` (with the prompt's `token_ids` and the last
+        output row `hidden` [1, H], where given); `SnapshotUnsupported` if it cannot."""
+        return save_state(self, path, model, list(token_ids or []), hidden)
+
+    def load_snapshot(self, path: str | Path, model: Model) -> SavedState:
+        """Replace this engine's state with the one saved at `path`: `SnapshotMismatch` for
+        a state of another engine, spec or model."""
+        return load_state(self, path, model)
+
+    def fork(self) -> Engine:
+        """An independent copy of this engine and its state (decoding one leaves the other)."""
+        clone = fork_state(self)
+        clone._profiler = EngineProfiler(enabled=self._profiler.enabled)
+        return clone
+
+    def restored(self, model: Model) -> None:
+        """After `load_snapshot`: the state now lives on `model`'s device."""
+        self._backend = backend_name(model)
+
     # ------------------------------------------------------------------ the state policy
 
     def _start_tokens(self, model: Model, ffn: FfnBackend, token_ids: list[int]) -> torch.Tensor:
@@ -182,3 +233,6 @@ class RetrievalEngine(Engine):
         """Make `text` what the engine retrieves from (its store, when none is attached): the
         long-context suite compresses a context this way, then asks the question as the prompt."""
         raise NotImplementedError(f"{self.name} cannot index a context")
+
+    def snapshot_refusal(self, restoring: bool = False) -> str | None:
+        return "a retrieval engine serves from its store and keeps no decode state to save"

@@ -36,6 +36,18 @@ class GrowableRows:
     def __len__(self) -> int:
         return self._end - self._start
 
+    def __getstate__(self) -> dict[str, object]:
+        """A snapshot keeps the live rows only, not the spare capacity."""
+        live = self._data[self._start : self._end] if self._data is not None else None
+        return {"keep": self.keep, "rows": live}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        rows = state["rows"]
+        assert rows is None or isinstance(rows, torch.Tensor)
+        self.keep = state["keep"]  # type: ignore[assignment]
+        self._data, self._start = rows, 0
+        self._end = 0 if rows is None else rows.shape[0]
+
     @property
     def rows(self) -> torch.Tensor:
         """[n, *row_shape] view of the live rows (valid until the next append)."""

@@ -90,7 +90,9 @@ class EngineSpec:
         return f"{self.entry.name}:{','.join(shown)}" if shown else self.entry.name
 
     def build(self, model: Model | None = None, profiling: bool = False) -> Engine:
-        return self.entry.factory({**self.params, "profiling": profiling}, model)
+        engine = self.entry.factory({**self.params, "profiling": profiling}, model)
+        engine.spec_string = self.spec()
+        return engine
 
     def require_live_decode(self) -> None:
         if not self.entry.live_decode:

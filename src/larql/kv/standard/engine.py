@@ -83,6 +83,11 @@ class StandardEngine(KvEngine):
     def supports_multimodal(self) -> bool:
         return True
 
+    def snapshot_refusal(self, restoring: bool = False) -> str | None:
+        if self.fast_path is not None:
+            return "its static CUDA path holds a captured graph; use standard:graph=0"
+        return None
+
     def _start_tokens(self, model: Model, ffn: FfnBackend, token_ids: list[int]) -> torch.Tensor:
         static = self.static if self.static is not None else (
             self.graph and model.device.type == "cuda" and not self.sinks

@@ -74,6 +74,7 @@ class HistoryThenNew:
 
 class TurboQuantEngine(KvEngine):
     name = "turbo-quant"
+    _snapshot_exclude = KvEngine._snapshot_exclude | {"_codec_factory"}
 
     def __init__(
         self,
@@ -161,6 +162,11 @@ class TurboQuantEngine(KvEngine):
 
     def supports_multimodal(self) -> bool:
         return True
+
+    def snapshot_refusal(self, restoring: bool = False) -> str | None:
+        if self._fast is not None:
+            return "its CUDA kernel path keeps codes in fixed slots; use attention=sdpa"
+        return None
 
     # ------------------------------------------------------------------ prefill
 

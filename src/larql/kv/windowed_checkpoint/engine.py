@@ -52,6 +52,8 @@ def _unprofiled(name: str, device: torch.device) -> AbstractContextManager[None]
 
 class WindowedCheckpointEngine(KvEngine):
     name = "windowed-checkpoint"
+    # the FFN replay uses is handed in again (it holds weights, not state)
+    _snapshot_exclude = KvEngine._snapshot_exclude | {"_ffn"}
 
     def __init__(self, window: int = DEFAULT_WINDOW, profiling: bool = False) -> None:
         if window < 1:  # a zero-token window would never close
