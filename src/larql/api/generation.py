@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,7 +19,9 @@ from larql.inference.generation import teacher_forced_logits as teacher_forced_r
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.prompt import check_context, encode_prompt
 from larql.inference.sampling import Sampler, SamplingParams
+from larql.inference.snapshots import SavedState, SnapshotCorrupt
 from larql.kv.catalog import parse_engine as parse_catalog_spec
+from larql.kv.snapshots import restore_engine
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 from larql.models.model import load_model as load_weights
@@ -85,6 +88,8 @@ class Generation:
     engine: str  # the canonical spec
     engine_summary: str
     ffn: str
+    loaded_state: SavedState | None = None  # what `load_state` restored
+    saved_state: SavedState | None = None  # what `save_state` wrote
 
     def as_json(self) -> dict[str, Any]:
         """The object `larql run --output json` prints."""
@@ -109,22 +114,41 @@ class _TextRun:
     def __init__(
         self,
         model: Model,
-        engine: EngineLike,
+        engine: EngineLike | None,
         prompt: Prompt,
         max_new_tokens: int,
         sampling: SamplingParams,
         chat: bool,
         ffn: str,
+        load_state: str | Path | None = None,
+        save_state: str | Path | None = None,
     ) -> None:
         if max_new_tokens < 1:
             raise InvalidInput(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
-        self.spec = engine_spec(engine)
-        self.spec.require_live_decode()
         self.model, self.sampling, self.ffn_spec = model, sampling, ffn
-        self.prompt_ids = prompt_ids(model, prompt, chat)
-        check_context(model, len(self.prompt_ids))
+        self.save_state, self.saved_state = save_state, None
+        self.loaded_state: SavedState | None = None
+        self.resume_hidden: torch.Tensor | None = None
+        self.held_ids: list[int] = []  # the tokens a restored state holds
+        if load_state is None:
+            self.spec = engine_spec(engine)  # type: ignore[arg-type]
+            self.spec.require_live_decode()
+            self.prompt_ids = prompt_ids(model, prompt, chat)
+            self.engine = self.spec.build(model)
+        else:  # continue a saved state: the engine it was saved with (or the same spec)
+            asked = None if engine is None else engine_spec(engine)
+            if asked is not None:
+                asked.require_live_decode()
+            self.engine, self.loaded_state = restore_engine(load_state, model, asked)
+            if self.loaded_state.hidden is None:
+                raise SnapshotCorrupt(f"the state in {load_state} has no last row to continue")
+            self.spec = asked or parse_catalog_spec(self.engine.spec_string or self.engine.name)
+            self.resume_hidden = self.loaded_state.hidden
+            self.held_ids = list(self.loaded_state.manifest.token_ids)
+            empty = prompt.strip() == "" if isinstance(prompt, str) else not prompt
+            self.prompt_ids = [] if empty else prompt_ids(model, prompt, chat)
+        check_context(model, len(self.held_ids) + len(self.prompt_ids))
         self.max_new_tokens = max_new_tokens
-        self.engine = self.spec.build(model)
         self.ffn_name = ""
         self.text = ""
         self.session: GenerationSession | None = None
@@ -137,11 +161,17 @@ class _TextRun:
         try:
             sampler = Sampler(self.sampling)
             session = GenerationSession(
-                self.engine, self.model, router, self.prompt_ids, self.max_new_tokens, sampler
-            )
+                self.engine, self.model, router, self.prompt_ids, self.max_new_tokens, sampler,
+                resume_hidden=self.resume_hidden,
+            )  # fmt: skip
             self.session = session
             decoder = tokenizer.stream_decoder()
             token = None if session.finished else session.prefill()
+            if token is not None and self.save_state is not None:
+                self.saved_state = self.engine.snapshot(
+                    self.save_state, self.model, self.held_ids + self.prompt_ids,
+                    session.last_hidden,
+                )  # fmt: skip
             while token is not None:
                 if token not in stop_ids and (piece := decoder.step(token)):
                     self.text += piece
@@ -172,6 +202,8 @@ class _TextRun:
             engine=self.spec.spec(),
             engine_summary=self.engine.info().summary(),
             ffn=self.ffn_name,
+            loaded_state=self.loaded_state,
+            saved_state=self.saved_state,
         )
 
 
@@ -197,7 +229,7 @@ def prompt_ids(model: Model, prompt: Prompt, chat: bool = False) -> list[int]:
 
 def generate(
     model: Model,
-    engine: EngineLike,
+    engine: EngineLike | None,
     prompt: Prompt,
     *,
     max_new_tokens: int = 64,
@@ -208,13 +240,20 @@ def generate(
     chat: bool = False,
     ffn: str = "dense",
     on_text: Callable[[str], None] | None = None,
+    load_state: str | Path | None = None,
+    save_state: str | Path | None = None,
 ) -> Generation:
     """Generate up to `max_new_tokens` tokens from `prompt` (text, or token ids) through a fresh
     engine built from `engine` (a spec string or an `EngineSpec`); an end-of-turn token ends
     the run early. Sampling as `larql run` (temperature 0 = greedy); `ffn` an FFN policy
-    (`--ffn-policy`); `on_text` gets each text piece as it is decoded."""
+    (`--ffn-policy`); `on_text` gets each text piece as it is decoded.
+
+    `save_state`: a directory the engine's state is written to once the prompt is in.
+    `load_state`: start from a state saved there instead of a fresh engine (`engine` None or
+    the spec it was saved with); `prompt` (may be empty) continues it as decode steps."""
     run = _TextRun(model, engine, prompt, max_new_tokens,
-                   SamplingParams(temperature, top_k, top_p, seed), chat, ffn)  # fmt: skip
+                   SamplingParams(temperature, top_k, top_p, seed), chat, ffn,
+                   load_state, save_state)  # fmt: skip
     for piece in run.pieces():
         if on_text is not None:
             on_text(piece)

@@ -16,13 +16,19 @@ from larql.cli.ffn_options import (
     ffn_policy_spec,
 )
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
+from larql.cli.state_options import LoadStateOption, SaveStateOption, describe_state
 
 OUTPUTS = ("text", "json")
 
 
 @user_errors
 def run(
-    prompt: Annotated[str, typer.Argument(help="Prompt text, or - to read it from stdin.")],
+    prompt: Annotated[
+        str,
+        typer.Argument(
+            help="Prompt text, or - to read it from stdin (may be empty with --load-state)."
+        ),
+    ] = "",
     model: ModelOption = None,
     max_tokens: Annotated[int, typer.Option("-n", "--max-tokens", help="New tokens.")] = 64,
     engine: Annotated[
@@ -47,6 +53,8 @@ def run(
     output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
     ffn_policy: FfnPolicyOption = None,
     ffn: FfnUrlOption = None,
+    save_state: SaveStateOption = None,
+    load_state_dir: LoadStateOption = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Generate text from PROMPT with the chosen KV engine."""
@@ -65,8 +73,10 @@ def run(
     choice.engine.require_live_decode()
     for warning in choice.warnings:
         stderr.print(f"warning: {warning}")
-    text = read_prompt(prompt)
+    text = read_prompt(prompt) if load_state_dir is None or prompt.strip() else ""
     lm = open_model(model, dtype, device, weights=weights)
+    # a loaded state keeps the engine it was saved with unless --engine names one
+    asked = choice.engine if load_state_dir is None or choice.source != "default" else None
 
     def write(piece: str) -> None:
         sys.stdout.write(piece)
@@ -74,7 +84,7 @@ def run(
 
     result = generate(
         lm,
-        choice.engine,
+        asked,
         text,
         max_new_tokens=max_tokens,
         temperature=temperature,
@@ -84,7 +94,13 @@ def run(
         chat=chat,
         ffn=ffn_spec,
         on_text=write if output == "text" else None,
+        load_state=load_state_dir,
+        save_state=save_state,
     )
+    if result.loaded_state is not None:
+        stderr.print(describe_state("loaded", result.loaded_state))
+    if result.saved_state is not None:
+        stderr.print(describe_state("saved", result.saved_state))
     if output == "json":
         print(json.dumps(result.as_json()))
     else:

@@ -59,8 +59,12 @@ class GenerationSession:
         stop_ids: frozenset[int] | None = None,
         max_positions: int | None = None,
         keep_prompt_rows: bool = False,
+        resume_hidden: torch.Tensor | None = None,
     ) -> None:
-        if not prompt_ids:
+        """`resume_hidden` [1, H]: the engine holds a state already (a restored snapshot)
+        whose last output row that is; `prompt_ids` (possibly none) then continue it as
+        decode steps instead of a prefill."""
+        if not prompt_ids and resume_hidden is None:
             raise EmptyPrompt()
         self.engine = engine
         self.model = model
@@ -70,7 +74,10 @@ class GenerationSession:
         self.stop_ids = model.tokenizer.stop_ids if stop_ids is None else stop_ids
         limit = model.config.max_positions if max_positions is None else max_positions
         # `max_positions` caps prompt + generated tokens
-        self.budget = min(max_new_tokens, max(limit - len(self.prompt_ids), 0))
+        held = engine.position if resume_hidden is not None else 0
+        self.budget = min(max_new_tokens, max(limit - held - len(self.prompt_ids), 0))
+        self.resume_hidden = resume_hidden
+        self.last_hidden: torch.Tensor | None = None  # the prompt's last output row [1, H]
         self.tokens: list[int] = []
         self.finish_reason: FinishReason = "length"
         self.finished = self.budget <= 0
@@ -92,11 +99,16 @@ class GenerationSession:
             raise InvariantViolation("prefill called twice or after the session finished")
         with torch.inference_mode():
             t0 = time.perf_counter()
-            if self.keep_prompt_rows:
+            if self.resume_hidden is not None:
+                hidden = self.resume_hidden
+                for token in self.prompt_ids:
+                    hidden = self.engine.decode_step(self.model, self.ffn, token)
+            elif self.keep_prompt_rows:
                 self.prompt_rows = self.engine.prefill_all(self.model, self.ffn, self.prompt_ids)
                 hidden = self.prompt_rows[-1:]
             else:
                 hidden = self.engine.prefill(self.model, self.ffn, self.prompt_ids)
+            self.last_hidden = hidden
             self.logits = next_token_logits(self.model, hidden)
             token = self.sampler.pick(self.logits)
             self.prefill_ms = (time.perf_counter() - t0) * 1000
@@ -147,16 +159,30 @@ def generate(
     on_token: TokenCallback | None = None,
     stop_ids: frozenset[int] | None = None,
     max_positions: int | None = None,
+    resume_hidden: torch.Tensor | None = None,
+    after_prefill: Callable[[GenerationSession], None] | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens (a stop token is emitted, then ends the run).
 
-    `max_positions` caps prompt + generated tokens (the model's context by default)."""
+    `max_positions` caps prompt + generated tokens (the model's context by default);
+    `resume_hidden` continues a restored state (see `GenerationSession`); `after_prefill` sees
+    the session once the prompt is in (e.g. to snapshot the engine)."""
     session = GenerationSession(
-        engine, model, ffn, prompt_ids, max_new_tokens, sampler, stop_ids, max_positions
+        engine,
+        model,
+        ffn,
+        prompt_ids,
+        max_new_tokens,
+        sampler,
+        stop_ids,
+        max_positions,
+        resume_hidden=resume_hidden,
     )
     if session.finished:
         return session.result()
     token = session.prefill()
+    if after_prefill is not None:
+        after_prefill(session)
     while True:
         if on_token is not None and on_token(token):
             session.stop()
