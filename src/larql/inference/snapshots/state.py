@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -24,8 +24,24 @@ from larql.inference.snapshots.store import (
 from larql.inference.snapshots.tree import TreeDecoder, TreeEncoder, Unencodable
 from larql.models.model import Model
 
-if TYPE_CHECKING:
-    from larql.inference.engine import Engine
+
+class Engine(Protocol):
+    """What snapshots need of an engine (`larql.inference.engine.Engine` has it)."""
+
+    name: str
+    spec_string: str | None
+    position: int
+
+    def snapshot_refusal(self, restoring: bool = False) -> str | None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def restored(self, model: Model) -> None: ...
+
+
+E = TypeVar("E", bound=Engine)
 
 
 @dataclass(frozen=True)
@@ -111,7 +127,7 @@ def load_state(engine: Engine, path: str | Path, model: Model) -> SavedState:
     return SavedState(manifest, None if hidden is None else hidden.to(model.device), Path(path))
 
 
-def fork_state(engine: Engine) -> Engine:
+def fork_state(engine: E) -> E:
     """An independent copy: the state's tensors copied where they are, everything the engine
     rebuilds from its spec shared."""
     encoder = TreeEncoder(keep_device=True)

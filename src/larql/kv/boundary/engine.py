@@ -76,6 +76,11 @@ class BoundaryKvEngine(KvEngine):
         self.frames_emitted = 0
         self.payload_bytes_emitted = 0
 
+    def snapshot_refusal(self, restoring: bool = False) -> str | None:
+        if not isinstance(self.archive, InMemoryBoundaryArchive):
+            return "its frames go to an archive on disk, which a restored run would write twice"
+        return self.inner.snapshot_refusal(restoring)
+
     def describe(self) -> str:
         return (
             f"standard K/V + boundary-frame emission every {self.chunk_tokens} tokens "
