@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
 
-import larql
 from larql.inference.snapshots.errors import SnapshotMismatch, SnapshotUnsupported
 from larql.inference.snapshots.store import (
     HIDDEN,
@@ -86,7 +86,7 @@ def save_state(
         model_fingerprint=model_fingerprint(model),
         dtype=str(model.dtype).removeprefix("torch."),
         position=engine.position,
-        larql_version=larql.__version__,
+        larql_version=version("larql"),
         token_ids=list(token_ids or []),
         state=tree,
     )
