@@ -7,11 +7,16 @@ layer runs as one call: QKV + RoPE, the new K/V row written into the store, one 
 attention over the live rows (the window's, where one bounds the layer), the output projection
 and the MLP with their residuals. It computes what `layer.layer_step` computes with the same
 pieces (tested against it); everything else takes `layer_step`'s operators.
+
+`fused_layer_batch` is the same layer for B rows of B sessions (a batched decode step): each
+matrix is read once for all rows, each row writes and attends over its own session's store, and
+a row's arithmetic is exactly the one-row call's (a session's tokens do not depend on who shares
+its step).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 
@@ -21,7 +26,6 @@ from larql.inference.layer import effective_window, rope_table
 from larql.models.model import Model
 
 
-@runtime_checkable
 class DecodeSlots(Protocol):
     """A K/V store a compiled decode layer writes its new row into."""
 
@@ -54,6 +58,59 @@ def _norms(model: Model, layer: int) -> torch.Tensor:
     return norms
 
 
+def _compiled_pieces(model: Model, layer: int, h: torch.Tensor, ffn: FfnBackend) -> tuple | None:
+    """(kernels, W_qkv, W_o, W_gate_up, W_down) in blocks of one activation kind, where the
+    compiled layer applies to the rows h, else None."""
+    kernels = fused_kernels(h[:1])  # float32 rows on the CPU, outside autograd and compilers
+    lw = model.weights.layers[layer]
+    qkv, wo = lw.blocks.get("wqkv"), lw.blocks.get("wo")
+    mlp = ffn.silu_blocks(layer)
+    if kernels is None or qkv is None or wo is None or mlp is None or not _plain(model, layer):
+        return None
+    gate_up, down = mlp
+    if len({b.activation for b in (qkv, wo, gate_up, down)}) != 1:
+        return None
+    return kernels, qkv, wo, gate_up, down
+
+
+def fused_layer_batch(
+    model: Model,
+    layer: int,
+    h: torch.Tensor,
+    positions: list[int],
+    stores: list[object],
+    ffn: FfnBackend,
+    window: int | None,
+) -> torch.Tensor | None:
+    """h: [B, H], row i session i's token at positions[i] → the residuals after the whole layer
+    [B, H], each row's K/V committed to stores[i]; None where the compiled layer does not apply
+    to every row (nothing is changed)."""
+    pieces = _compiled_pieces(model, layer, h, ffn)
+    # (hasattr, not isinstance: a runtime Protocol check costs ~10 µs, per layer and session)
+    if pieces is None or not all(hasattr(kv, "decode_slot") for kv in stores):
+        return None
+    kernels, qkv, wo, gate_up, down = pieces
+    slots = [kv.decode_slot() for kv in stores]  # type: ignore[attr-defined]
+    if any(slot is None or slot[0].dtype != torch.float32 for slot in slots):
+        return None
+    w = effective_window(model, layer, window)
+    firsts = [
+        first if w is None else max(first, row + 1 - w) for _, _, first, row in slots
+    ]  # fmt: skip
+    cfg, lw = model.config, model.weights.layers[layer]
+    cos, sin = rope_table(model, layer).rows(positions)  # [B, rotary] each
+    out = kernels.decode_layer_batch(
+        h.contiguous(), _norms(model, layer), cfg.norm_eps, qkv.data, wo.data, gate_up.data,
+        down.data, [code(qkv), code(wo), code(gate_up), code(down)], lw.bqkv, lw.bo,
+        cos.contiguous(), sin.contiguous(),
+        [slot[0] for slot in slots], [slot[1] for slot in slots], firsts,
+        [slot[3] for slot in slots], cfg.num_heads, cfg.attn_scale, activation_bits(qkv),
+    )  # fmt: skip
+    for kv in stores:
+        kv.commit_decode_row()  # type: ignore[attr-defined]
+    return out
+
+
 def fused_layer_step(
     model: Model,
     layer: int,
@@ -65,18 +122,14 @@ def fused_layer_step(
 ) -> torch.Tensor | None:
     """h: [1, H] at position `start` → the residual after the whole layer [1, H], its K/V row
     committed to `kv`; None where the compiled layer does not apply (nothing is changed)."""
-    if h.shape[0] != 1 or not isinstance(kv, DecodeSlots):
+    if h.shape[0] != 1 or not hasattr(kv, "decode_slot"):
         return None
-    kernels = fused_kernels(h)
+    pieces = _compiled_pieces(model, layer, h, ffn)
+    if pieces is None:
+        return None
+    kernels, qkv, wo, gate_up, down = pieces
     lw = model.weights.layers[layer]
-    qkv, wo = lw.blocks.get("wqkv"), lw.blocks.get("wo")
-    mlp = ffn.silu_blocks(layer)
-    if kernels is None or qkv is None or wo is None or mlp is None or not _plain(model, layer):
-        return None
-    gate_up, down = mlp
-    if len({b.activation for b in (qkv, wo, gate_up, down)}) != 1:
-        return None
-    slot = kv.decode_slot()
+    slot = kv.decode_slot()  # type: ignore[attr-defined]
     if slot is None:
         return None
     keys, values, first, row = slot
@@ -93,5 +146,5 @@ def fused_layer_step(
         cos.reshape(-1), sin.reshape(-1), keys, values, first, row, cfg.num_heads,
         cfg.attn_scale, activation_bits(qkv),
     )  # fmt: skip
-    kv.commit_decode_row()
+    kv.commit_decode_row()  # type: ignore[attr-defined]
     return out

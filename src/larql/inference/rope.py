@@ -73,6 +73,14 @@ class RopeTable:
             self._grow(end)
         return self.cos[start:end], self.sin[start:end]
 
+    def rows(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin for one-row calls at each of `positions` (the rows of a batched decode
+        step, each its own sequence): [len(positions), rotary_dim] each."""
+        if max(positions) >= self.cos.shape[0]:
+            self._grow(max(positions) + 1)
+        index = torch.tensor(positions, device=self.cos.device)
+        return self.cos[index], self.sin[index]
+
     def _at_length(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions start..end−1, all rotated at sequence length `end`: [end−start, rotary_dim]."""
         if self._block is None or self._block[:2] != (start, end):

@@ -6,6 +6,8 @@
 namespace larql {
 torch::Tensor block_gemv(torch::Tensor x, torch::Tensor rows, int64_t format,
                          int64_t activation_bits);
+torch::Tensor block_gemm(torch::Tensor x, torch::Tensor rows, int64_t format,
+                         int64_t activation_bits);
 std::string simd();
 torch::Tensor decode_qkv(torch::Tensor h, torch::Tensor norm_weight, double eps,
                          torch::Tensor rows, int64_t format, c10::optional<torch::Tensor> bias,
@@ -26,15 +28,27 @@ torch::Tensor decode_layer(torch::Tensor h, torch::Tensor norms, double eps, tor
                            torch::Tensor sin, torch::Tensor k_store, torch::Tensor v_store,
                            int64_t first, int64_t slot, int64_t heads, double scale,
                            int64_t activation_bits);
+torch::Tensor decode_layer_batch(torch::Tensor h, torch::Tensor norms, double eps,
+                                 torch::Tensor qkv, torch::Tensor wo, torch::Tensor gate_up,
+                                 torch::Tensor down, std::vector<int64_t> formats,
+                                 c10::optional<torch::Tensor> qkv_bias,
+                                 c10::optional<torch::Tensor> o_bias, torch::Tensor cos,
+                                 torch::Tensor sin, std::vector<torch::Tensor> k_stores,
+                                 std::vector<torch::Tensor> v_stores, std::vector<int64_t> firsts,
+                                 std::vector<int64_t> slots, int64_t heads, double scale,
+                                 int64_t activation_bits);
 }  // namespace larql
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_gemv", &larql::block_gemv, "one-token product with GGUF block rows");
+  m.def("block_gemm", &larql::block_gemm, "M-row product with GGUF block rows");
   m.def("simd", &larql::simd, "the instruction set this build uses");
   m.def("decode_qkv", &larql::decode_qkv, "rms_norm → fused QKV product → RoPE, one row");
   m.def("residual_gemv", &larql::residual_gemv, "h + W · x, one row");
   m.def("decode_attention", &larql::decode_attention, "one query's attention over K/V rows");
   m.def("decode_layer", &larql::decode_layer,
         "one whole decode layer: QKV + RoPE, K/V into the cache, attention, W_o, MLP");
+  m.def("decode_layer_batch", &larql::decode_layer_batch,
+        "decode_layer for M rows of M sessions, each weight read once");
   m.def("residual_ffn", &larql::residual_ffn, "h + the gated SiLU MLP of rms_norm(h), one row");
 }

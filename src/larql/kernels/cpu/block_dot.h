@@ -345,17 +345,167 @@ float row_dot_codes(Format f, const uint8_t* row, int64_t blocks, const Quantize
 #endif
 }
 
+// ---- Several input rows (a batched decode step): out[m, r] = Σ_k W[r, k] · x[m, k]. Each weight
+// row is read from memory once for all M inputs (it stays in L1 between them), and every
+// (m, r) is computed with exactly the arithmetic of the one-row product, so a row's result does
+// not depend on which others share its step. For int16 inputs (AVX2) a block is also widened
+// to int16 once for all of them — and the one-row product is this with M = 1.
+#if LARQL_AVX2
+// A block's 32 codes as int16 (Q4 ones unsigned 0–15): elements 0–15, 16–31.
+struct WideCodes {
+  __m256i first, last;
+};
+
+inline WideCodes widen_codes(Format f, const uint8_t* block) {
+  if (f == Format::Q8_0) {
+    const __m128i* w = reinterpret_cast<const __m128i*>(block + 2);
+    return WideCodes{_mm256_cvtepi8_epi16(_mm_loadu_si128(w)),
+                     _mm256_cvtepi8_epi16(_mm_loadu_si128(w + 1))};
+  }
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  const __m128i packed = _mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(block_codes(f, block)));
+  return WideCodes{_mm256_cvtepu8_epi16(_mm_and_si128(packed, mask)),
+                   _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask))};
+}
+
+// Up to 8 int16 inputs with their per-block numbers interleaved ([blocks][8]: one vector per
+// block holds every input's), so a block's scales and offsets for all of them are one vector
+// operation; unused lanes are zero.
+struct InputTile {
+  int count = 0;
+  const int16_t* codes[8] = {};
+  std::vector<float> scales, sums, code_sums;  // [blocks · 8]
+
+  InputTile(const QuantizedInput<int16_t>* ins, int n, int64_t blocks)
+      : count(n), scales(blocks * 8), sums(blocks * 8), code_sums(blocks * 8) {
+    for (int m = 0; m < n; ++m) {
+      codes[m] = ins[m].codes.data();
+      for (int64_t b = 0; b < blocks; ++b) {
+        scales[b * 8 + m] = ins[m].scales[b];
+        sums[b * 8 + m] = ins[m].sums[b];
+        code_sums[b * 8 + m] = static_cast<float>(ins[m].code_sums[b]);
+      }
+    }
+  }
+};
+
+// One weight row against a tile's Count inputs (accumulators in registers), each block's codes
+// widened once for all of them; per block and input: d = d_w · d_x, acc += d · Σ w q (8 lanes),
+// offset −= 8 d Σ q (Q4_0) or += m · X (Q4_1, Q4_K32) → out[m · out_stride].
+template <int Count>
+inline void rows_dot_int16(Format f, const uint8_t* row, int64_t blocks, const InputTile& in,
+                           float* out, int64_t out_stride) {
+  const int64_t stride = block_bytes(f);
+  __m256 acc[Count];
+  for (int m = 0; m < Count; ++m) acc[m] = _mm256_setzero_ps();
+  __m256 offset = _mm256_setzero_ps();
+  alignas(32) float d[8];
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = row + b * stride;
+    const WideCodes w = widen_codes(f, block);
+    const __m256 dv = _mm256_mul_ps(_mm256_set1_ps(block_scale(f, block)),
+                                    _mm256_loadu_ps(in.scales.data() + b * 8));
+    if (f == Format::Q4_0) {
+      const __m256 eight_d = _mm256_mul_ps(_mm256_set1_ps(8.0f), dv);
+      offset = _mm256_sub_ps(offset, _mm256_mul_ps(eight_d, _mm256_loadu_ps(in.code_sums.data() + b * 8)));
+    } else if (f != Format::Q8_0) {
+      offset = _mm256_fmadd_ps(_mm256_set1_ps(block_offset(f, block)),
+                               _mm256_loadu_ps(in.sums.data() + b * 8), offset);
+    }
+    _mm256_store_ps(d, dv);
+#pragma GCC unroll 8
+    for (int m = 0; m < Count; ++m) {
+      const __m256i* q = reinterpret_cast<const __m256i*>(in.codes[m] + b * kBlock);
+      const __m256i isum = dot_s16(w.first, _mm256_loadu_si256(q), w.last, _mm256_loadu_si256(q + 1));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_broadcast_ss(d + m), acc[m]);
+    }
+  }
+  alignas(32) float offsets[8];
+  _mm256_store_ps(offsets, offset);
+  for (int m = 0; m < Count; ++m) out[m * out_stride] = horizontal_sum(acc[m]) + offsets[m];
+}
+
+inline void rows_dot_int16_tile(Format f, const uint8_t* row, int64_t blocks, const InputTile& in,
+                                float* out, int64_t out_stride) {
+  switch (in.count) {
+    case 1: return rows_dot_int16<1>(f, row, blocks, in, out, out_stride);
+    case 2: return rows_dot_int16<2>(f, row, blocks, in, out, out_stride);
+    case 3: return rows_dot_int16<3>(f, row, blocks, in, out, out_stride);
+    case 4: return rows_dot_int16<4>(f, row, blocks, in, out, out_stride);
+    case 5: return rows_dot_int16<5>(f, row, blocks, in, out, out_stride);
+    case 6: return rows_dot_int16<6>(f, row, blocks, in, out, out_stride);
+    case 7: return rows_dot_int16<7>(f, row, blocks, in, out, out_stride);
+    default: return rows_dot_int16<8>(f, row, blocks, in, out, out_stride);
+  }
+}
+#endif
+
+// out: [M, n] for x: [M, k] (rows contiguous), x rounded to integer codes per block first.
+template <typename Code>
+void gemm_codes(Format f, const uint8_t* rows, int64_t row_bytes, int64_t n, const float* x,
+                int64_t m_rows, int64_t k, float* out) {
+  const int64_t blocks = k / kBlock;
+  std::vector<QuantizedInput<Code>> ins;
+  ins.reserve(m_rows);
+  for (int64_t m = 0; m < m_rows; ++m) ins.push_back(quantize_input<Code>(x + m * k, k));
+  const int64_t grain = std::max<int64_t>(8, 64 / m_rows);
+#if LARQL_AVX2
+  if constexpr (sizeof(Code) == 2) {
+    std::vector<InputTile> tiles;
+    for (int64_t m0 = 0; m0 < m_rows; m0 += 8) {
+      tiles.emplace_back(ins.data() + m0, static_cast<int>(std::min<int64_t>(8, m_rows - m0)), blocks);
+    }
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (size_t t = 0; t < tiles.size(); ++t) {
+          rows_dot_int16_tile(f, rows + r * row_bytes, blocks, tiles[t], out + t * 8 * n + r, n);
+        }
+      }
+    });
+    return;
+  }
+#endif
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* row = rows + r * row_bytes;
+      for (int64_t m = 0; m < m_rows; ++m) {
+        out[m * n + r] = row_dot_codes<Code>(f, row, blocks, ins[m]);
+      }
+    }
+  });
+}
+
 // `gemv` with x rounded to integer codes per block first (`quantize_input`).
 template <typename Code>
 void gemv_codes(Format f, const uint8_t* rows, int64_t row_bytes, int64_t n, const float* x,
                 int64_t k, float* out) {
+  gemm_codes<Code>(f, rows, row_bytes, n, x, 1, k, out);
+}
+
+inline void gemm_float(Format f, const uint8_t* rows, int64_t row_bytes, int64_t n,
+                       const float* x, int64_t m_rows, int64_t k, float* out) {
   const int64_t blocks = k / kBlock;
-  const QuantizedInput<Code> in = quantize_input<Code>(x, k);
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+  std::vector<float> sums(m_rows * blocks);
+  for (int64_t m = 0; m < m_rows; ++m) block_sums(x + m * k, k, sums.data() + m * blocks);
+  const int64_t grain = std::max<int64_t>(8, 64 / m_rows);
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      out[r] = row_dot_codes<Code>(f, rows + r * row_bytes, blocks, in);
+      for (int64_t m = 0; m < m_rows; ++m) {
+        out[m * n + r] = row_dot(f, rows + r * row_bytes, blocks, x + m * k, sums.data() + m * blocks);
+      }
     }
   });
+}
+
+// The M-row product with float32, int8 or int16 inputs: x [M, k] → out [M, n].
+inline void gemm_with(Activation a, Format f, const uint8_t* rows, int64_t row_bytes, int64_t n,
+                      const float* x, int64_t m_rows, int64_t k, float* out) {
+  switch (a) {
+    case Activation::Int8: return gemm_codes<int8_t>(f, rows, row_bytes, n, x, m_rows, k, out);
+    case Activation::Int16: return gemm_codes<int16_t>(f, rows, row_bytes, n, x, m_rows, k, out);
+    case Activation::Float: return gemm_float(f, rows, row_bytes, n, x, m_rows, k, out);
+  }
 }
 
 // The one-row product with a float32, int8 or int16 input.

@@ -63,10 +63,11 @@ void check_cache(const torch::Tensor& t, const char* name) {
 }  // namespace
 
 void attend_one_query(const float* qs, int64_t heads, int64_t dim, const Rows& k, const Rows& v,
-                      int64_t kv_heads, int64_t rows, float softmax_scale, float* o) {
+                      int64_t kv_heads, int64_t rows, float softmax_scale, float* o,
+                      int64_t threads) {
   const int64_t group = heads / kv_heads;
-  const int64_t chunks = std::max<int64_t>(
-      1, std::min<int64_t>(at::get_num_threads(), rows / kChunkRows));
+  if (threads <= 0) threads = at::get_num_threads();
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(threads, rows / kChunkRows));
   const int64_t per_chunk = (rows + chunks - 1) / chunks;
   std::vector<float> maxima(chunks * heads), sums(chunks * heads), partial(chunks * heads * dim);
 

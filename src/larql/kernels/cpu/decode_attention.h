@@ -16,8 +16,12 @@ struct Rows {
 };
 
 // q: [heads · dim]; `rows` key and value rows of kv_heads heads (heads a multiple of them)
-// → out: [heads · dim] = softmax(scale · q·k) · v per query head.
+// → out: [heads · dim] = softmax(scale · q·k) · v per query head. The rows are split into
+// chunks for `threads` threads (≤ 0: torch's intra-op count); the chunking, not the thread that
+// runs a chunk, fixes the result, so a call inside a parallel region that passes the outer
+// count computes exactly what the outer call would.
 void attend_one_query(const float* q, int64_t heads, int64_t dim, const Rows& k, const Rows& v,
-                      int64_t kv_heads, int64_t rows, float scale, float* out);
+                      int64_t kv_heads, int64_t rows, float scale, float* out,
+                      int64_t threads = 0);
 
 }  // namespace larql

@@ -6,6 +6,10 @@
 //   residual_ffn   h + W_down · (silu(W_gate · x) ⊙ W_up · x),  x = rms_norm(h)
 //   decode_layer   all of it: decode_qkv, the new K/V row written into the cache's storage,
 //                  one query's attention over the live rows, residual_gemv, residual_ffn
+//   decode_layer_batch  decode_layer for M rows of M sessions at once (a batched decode step):
+//                  every product reads its weights once for all rows (gemm_with), each row
+//                  writes its own session's cache and attends over it; a row's arithmetic is
+//                  decode_layer's, so its result does not depend on the other rows
 //
 // With activation_bits 8 or 16 every product rounds its input to int8 / int16 codes per block
 // of 32 first (block_dot.h); otherwise the arithmetic is the torch path's (layer.py) in
@@ -68,6 +72,40 @@ void product(Activation a, const BlockMatrix& w, const float* x, int64_t width, 
   gemv_with(a, w.format, w.data, w.row_bytes, w.rows, x, width, out);
 }
 
+// RoPE on the first `n_heads` heads of width head_dim in x, cos / signed sin [rotary].
+void rotate_heads(float* x, const float* cos, const float* sin, int64_t rotary, int64_t n_heads,
+                  int64_t head_dim) {
+  const int64_t half = rotary / 2;
+  for (int64_t head = 0; head < n_heads; ++head) {
+    float* v = x + head * head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const float first = v[i], second = v[i + half];
+      v[i] = first * cos[i] + second * sin[i];
+      v[i + half] = second * cos[i + half] + first * sin[i + half];
+    }
+  }
+}
+
+// A plain layer's four block matrices, their shapes checked against the layer's widths.
+struct LayerMatrices {
+  BlockMatrix qkv, o, gate_up, down;
+};
+
+LayerMatrices checked_layer(const torch::Tensor& qkv, const torch::Tensor& wo,
+                            const torch::Tensor& gate_up, const torch::Tensor& down,
+                            const std::vector<int64_t>& formats, int64_t width, int64_t q_dim,
+                            int64_t kv_dim) {
+  TORCH_CHECK(formats.size() == 4, "formats must be [qkv, o, gate_up, down]");
+  const BlockMatrix w_qkv = checked_matrix(qkv, formats[0], width);
+  TORCH_CHECK(w_qkv.rows == q_dim + 2 * kv_dim, "W_qkv's rows are not q_dim + 2 · kv_dim");
+  const BlockMatrix w_o = checked_matrix(wo, formats[1], q_dim);
+  TORCH_CHECK(w_o.rows == width, "W_o's rows are not the residual's width");
+  const BlockMatrix w_gate_up = checked_matrix(gate_up, formats[2], width);
+  const BlockMatrix w_down = checked_matrix(down, formats[3], w_gate_up.rows / 2);
+  TORCH_CHECK(w_down.rows == width, "W_down's rows are not the residual's width");
+  return LayerMatrices{w_qkv, w_o, w_gate_up, w_down};
+}
+
 // qkv: [rows of W_qkv] = RoPE(W_qkv · rms_norm(h) (+ bias)) on the first rope_heads heads.
 void qkv_row(Activation a, const float* h, const float* norm, double eps, int64_t width,
              const BlockMatrix& w, const float* bias, const float* cos, const float* sin,
@@ -78,15 +116,7 @@ void qkv_row(Activation a, const float* h, const float* norm, double eps, int64_
   if (bias != nullptr) {
     for (int64_t i = 0; i < w.rows; ++i) qkv[i] += bias[i];
   }
-  const int64_t half = rotary / 2;
-  for (int64_t head = 0; head < rope_heads; ++head) {
-    float* v = qkv + head * head_dim;
-    for (int64_t i = 0; i < half; ++i) {
-      const float first = v[i], second = v[i + half];
-      v[i] = first * cos[i] + second * sin[i];
-      v[i + half] = second * cos[i + half] + first * sin[i + half];
-    }
-  }
+  rotate_heads(qkv, cos, sin, rotary, rope_heads, head_dim);
 }
 
 // out: [W rows] = h + W · x (+ bias).
@@ -193,7 +223,6 @@ torch::Tensor decode_layer(torch::Tensor h, torch::Tensor norms, double eps, tor
   check_row(v_store, "v_store");
   const int64_t width = h.numel();
   TORCH_CHECK(norms.numel() == 2 * width, "norms must be [2, H]: the attention and FFN norms");
-  TORCH_CHECK(formats.size() == 4, "formats must be [qkv, o, gate_up, down]");
   TORCH_CHECK(k_store.dim() == 3 && v_store.sizes() == k_store.sizes(),
               "k_store and v_store must be [capacity, Hkv, D] alike");
   const int64_t kv_heads = k_store.size(1), head_dim = k_store.size(2);
@@ -202,13 +231,8 @@ torch::Tensor decode_layer(torch::Tensor h, torch::Tensor norms, double eps, tor
               "need 0 ≤ first ≤ slot < the storage's capacity");
   check_rope(cos, sin, head_dim);
   const int64_t q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
-  const BlockMatrix w_qkv = checked_matrix(qkv, formats[0], width);
-  TORCH_CHECK(w_qkv.rows == q_dim + 2 * kv_dim, "W_qkv's rows are not q_dim + 2 · kv_dim");
-  const BlockMatrix w_o = checked_matrix(wo, formats[1], q_dim);
-  TORCH_CHECK(w_o.rows == width, "W_o's rows are not the residual's width");
-  const BlockMatrix w_gate_up = checked_matrix(gate_up, formats[2], width);
-  const BlockMatrix w_down = checked_matrix(down, formats[3], w_gate_up.rows / 2);
-  TORCH_CHECK(w_down.rows == width, "W_down's rows are not the residual's width");
+  const LayerMatrices w = checked_layer(qkv, wo, gate_up, down, formats, width, q_dim, kv_dim);
+  const BlockMatrix &w_qkv = w.qkv, &w_o = w.o, &w_gate_up = w.gate_up, &w_down = w.down;
   const Activation a = checked_activation(activation_bits);
   const float* norm = norms.data_ptr<float>();
 
@@ -227,6 +251,118 @@ torch::Tensor decode_layer(torch::Tensor h, torch::Tensor norms, double eps, tor
                   mid.data());
   torch::Tensor out = torch::empty_like(h);
   ffn_row(a, mid.data(), norm + width, eps, width, w_gate_up, w_down, out.data_ptr<float>());
+  return out;
+}
+
+// decode_layer for M rows at once, row m of session m. h: float32 [M, H]; cos, sin: [M, rotary]
+// at each row's position; k_stores[m], v_stores[m]: session m's cache storage [capacity, Hkv, D]
+// (its new row written at slots[m], attending rows firsts[m]..slots[m]) → [M, H].
+torch::Tensor decode_layer_batch(torch::Tensor h, torch::Tensor norms, double eps,
+                                 torch::Tensor qkv, torch::Tensor wo, torch::Tensor gate_up,
+                                 torch::Tensor down, std::vector<int64_t> formats,
+                                 c10::optional<torch::Tensor> qkv_bias,
+                                 c10::optional<torch::Tensor> o_bias, torch::Tensor cos,
+                                 torch::Tensor sin, std::vector<torch::Tensor> k_stores,
+                                 std::vector<torch::Tensor> v_stores, std::vector<int64_t> firsts,
+                                 std::vector<int64_t> slots, int64_t heads, double scale,
+                                 int64_t activation_bits) {
+  check_row(h, "h");
+  check_row(norms, "norms");
+  check_row(cos, "cos");
+  check_row(sin, "sin");
+  TORCH_CHECK(h.dim() == 2, "h must be [M, H]");
+  const int64_t m_rows = h.size(0), width = h.size(1);
+  TORCH_CHECK(norms.numel() == 2 * width, "norms must be [2, H]: the attention and FFN norms");
+  TORCH_CHECK(static_cast<int64_t>(k_stores.size()) == m_rows &&
+                  static_cast<int64_t>(v_stores.size()) == m_rows &&
+                  static_cast<int64_t>(firsts.size()) == m_rows &&
+                  static_cast<int64_t>(slots.size()) == m_rows,
+              "one K/V store, first row and slot per row of h");
+  TORCH_CHECK(m_rows > 0, "h has no rows");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == m_rows && sin.sizes() == cos.sizes(),
+              "cos and sin must be [M, rotary]");
+  const int64_t rotary = cos.size(1);
+  const int64_t kv_heads = k_stores[0].size(1), head_dim = k_stores[0].size(2);
+  TORCH_CHECK(rotary % 2 == 0 && rotary <= head_dim, "rotary must be even and at most head_dim");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of K/V heads");
+  for (int64_t m = 0; m < m_rows; ++m) {
+    check_row(k_stores[m], "k_store");
+    check_row(v_stores[m], "v_store");
+    TORCH_CHECK(k_stores[m].dim() == 3 && k_stores[m].size(1) == kv_heads &&
+                    k_stores[m].size(2) == head_dim && v_stores[m].sizes() == k_stores[m].sizes(),
+                "every K/V store must be [capacity, Hkv, D] with the same Hkv and D");
+    TORCH_CHECK(0 <= firsts[m] && firsts[m] <= slots[m] && slots[m] < k_stores[m].size(0),
+                "need 0 ≤ first ≤ slot < the storage's capacity");
+  }
+  const int64_t q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
+  const LayerMatrices w = checked_layer(qkv, wo, gate_up, down, formats, width, q_dim, kv_dim);
+  const BlockMatrix &w_qkv = w.qkv, &w_o = w.o, &w_gate_up = w.gate_up, &w_down = w.down;
+  const int64_t hidden = w_gate_up.rows / 2;
+  const Activation a = checked_activation(activation_bits);
+  const float* norm = norms.data_ptr<float>();
+  const float* bqkv = optional_data(qkv_bias, "qkv bias");
+  const float* bo = optional_data(o_bias, "o bias");
+  const float* rows_in = h.data_ptr<float>();
+
+  // attention: norm → QKV for every row at once → per row: bias, RoPE, cache write, attention
+  std::vector<float> x(m_rows * width), projected(m_rows * w_qkv.rows), attn(m_rows * q_dim);
+  for (int64_t m = 0; m < m_rows; ++m) {
+    rms_norm(rows_in + m * width, norm, width, eps, x.data() + m * width);
+  }
+  gemm_with(a, w_qkv.format, w_qkv.data, w_qkv.row_bytes, w_qkv.rows, x.data(), m_rows, width,
+            projected.data());
+  for (int64_t m = 0; m < m_rows; ++m) {
+    float* row = projected.data() + m * w_qkv.rows;
+    if (bqkv != nullptr) {
+      for (int64_t i = 0; i < w_qkv.rows; ++i) row[i] += bqkv[i];
+    }
+    const float* c = cos.data_ptr<float>() + m * rotary;
+    const float* s = sin.data_ptr<float>() + m * rotary;
+    rotate_heads(row, c, s, rotary, heads + kv_heads, head_dim);
+    std::memcpy(k_stores[m].data_ptr<float>() + slots[m] * kv_dim, row + q_dim,
+                kv_dim * sizeof(float));
+    std::memcpy(v_stores[m].data_ptr<float>() + slots[m] * kv_dim, row + q_dim + kv_dim,
+                kv_dim * sizeof(float));
+  }
+  // one session per thread, each chunked as a call of its own would be (the same result)
+  const int64_t threads = at::get_num_threads();
+  at::parallel_for(0, m_rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* keys = k_stores[m].data_ptr<float>() + firsts[m] * kv_dim;
+      const float* values = v_stores[m].data_ptr<float>() + firsts[m] * kv_dim;
+      attend_one_query(projected.data() + m * w_qkv.rows, heads, head_dim,
+                       Rows{keys, head_dim, kv_dim}, Rows{values, head_dim, kv_dim}, kv_heads,
+                       slots[m] - firsts[m] + 1, static_cast<float>(scale),
+                       attn.data() + m * q_dim, threads);
+    }
+  });
+
+  // h + W_o · attn (+ bias), every row at once
+  std::vector<float> mid(m_rows * width), p(m_rows * width);
+  gemm_with(a, w_o.format, w_o.data, w_o.row_bytes, w_o.rows, attn.data(), m_rows, q_dim, p.data());
+  for (int64_t i = 0; i < m_rows * width; ++i) {
+    mid[i] = rows_in[i] + (bo ? p[i] + bo[i % width] : p[i]);
+  }
+
+  // the MLP: norm → [gate; up] → silu(gate) ⊙ up → W_down, + the residual
+  std::vector<float> both(m_rows * 2 * hidden), inner(m_rows * hidden);
+  for (int64_t m = 0; m < m_rows; ++m) {
+    rms_norm(mid.data() + m * width, norm + width, width, eps, x.data() + m * width);
+  }
+  gemm_with(a, w_gate_up.format, w_gate_up.data, w_gate_up.row_bytes, w_gate_up.rows, x.data(),
+            m_rows, width, both.data());
+  for (int64_t m = 0; m < m_rows; ++m) {
+    const float* row = both.data() + m * 2 * hidden;
+    for (int64_t i = 0; i < hidden; ++i) {
+      const float gate = row[i];
+      inner[m * hidden + i] = gate / (1.0f + std::exp(-gate)) * row[hidden + i];
+    }
+  }
+  gemm_with(a, w_down.format, w_down.data, w_down.row_bytes, w_down.rows, inner.data(), m_rows,
+            hidden, p.data());
+  torch::Tensor out = torch::empty_like(h);
+  float* result = out.data_ptr<float>();
+  for (int64_t i = 0; i < m_rows * width; ++i) result[i] = mid[i] + p[i];
   return out;
 }
 
