@@ -14,6 +14,11 @@ hidden rows ending with the prompt's last, [≥1, H]) and `_step` (one row [1, H
 on the device, overrides `_start_tokens` / `_step_token` instead, and then cannot start from
 hidden rows.
 
+Batched decode: engines whose `batch_key()` is equal (not None) decode one step together
+(`larql.inference.batching.decode_batch`): their class's `_step_batch` takes one input row per
+engine [B, H] and reads the weights once for all of them, each row attending over its own
+engine's state. An engine whose key is None steps alone.
+
 State snapshots: an engine's state is its attributes (`state_dict`), less those it rebuilds
 from its spec (`_snapshot_exclude`). `snapshot` writes them to a directory, `load_snapshot`
 restores them into an engine built from the same spec for the same model, and `fork` copies
@@ -23,7 +28,7 @@ them in memory; an engine that cannot says why in `snapshot_refusal`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -154,6 +159,21 @@ class Engine(ABC):
             hidden = self._step(model, ffn, hidden_row)
         self.position += 1
         return hidden
+
+    # ------------------------------------------------------------------ batched decode
+
+    def batch_key(self) -> Hashable | None:
+        """Engines with equal keys (not None) can decode one step together: same class, and
+        whatever else their shared step needs to agree on. None: this engine steps alone."""
+        return None
+
+    @classmethod
+    def _step_batch(
+        cls, engines: Sequence[Engine], model: Model, ffn: FfnBackend, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """One decode step for every engine at once: rows [B, H], row i engine i's input at its
+        own `position` → hidden [B, H] (positions are advanced by the caller)."""
+        raise BackendUnavailable(f"{cls.name} cannot decode in a batch")
 
     # ------------------------------------------------------------------ snapshots
 

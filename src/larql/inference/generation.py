@@ -12,11 +12,14 @@ from typing import Literal
 
 import torch
 
+from larql.inference.batching import decode_batch
 from larql.inference.engine import Engine
 from larql.inference.errors import EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
-from larql.inference.layer import final_logits
+from larql.inference.fused import fused_kernels
+from larql.inference.layer import final_logits, rms_norm
 from larql.inference.sampling import Sampler
+from larql.models.blocks import ACTIVATION_BITS, FORMAT_CODES
 from larql.models.model import Model
 
 FinishReason = Literal["stop", "length"]
@@ -40,6 +43,40 @@ class GenerationResult:
 def next_token_logits(model: Model, hidden: torch.Tensor) -> torch.Tensor:
     """An engine's output hidden [1, H] → next-token logits [V]."""
     return final_logits(model, hidden)[0]
+
+
+def rows_logits(model: Model, hidden: torch.Tensor) -> torch.Tensor:
+    """Hidden rows [B, H] of B sessions' decode steps → logits [B, V], each row as
+    `next_token_logits` computes it alone (on the CPU an LM head held in blocks is read once
+    for all rows by the compiled product, with the one-row call's arithmetic)."""
+    blocks = model.weights.lm_head_blocks
+    kernels = fused_kernels(hidden[:1]) if blocks is not None else None
+    if blocks is None or kernels is None or model.config.arch.final_softcap is not None:
+        return final_logits(model, hidden)
+    x = rms_norm(hidden, model.weights.final_norm, model.config.norm_eps).contiguous()
+    code, bits = FORMAT_CODES[blocks.format], ACTIVATION_BITS[blocks.activation]
+    return kernels.block_gemm(x, blocks.data, code, bits)  # [B, V]
+
+
+def step_together(sessions: Sequence[GenerationSession]) -> list[int]:
+    """One decode step for sessions of one model whose engines batch together
+    (`decode_batch`): each session's last token in, each session's next token out, as
+    `step()` would give it alone."""
+    for session in sessions:
+        session.check_can_step()
+    model, ffn = sessions[0].model, sessions[0].ffn
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        engines = [s.engine for s in sessions]
+        hidden = decode_batch(engines, model, ffn, [s.tokens[-1] for s in sessions])  # [B, H]
+        logits = rows_logits(model, hidden)  # [B, V]
+        picked = [s.sampler.pick(row) for s, row in zip(sessions, logits, strict=True)]
+        elapsed = (time.perf_counter() - t0) * 1000
+    for session, row, token in zip(sessions, logits, picked, strict=True):
+        session.logits = row
+        session.step_ms.append(elapsed)
+        session._accept(token)
+    return picked
 
 
 class GenerationSession:
@@ -115,12 +152,15 @@ class GenerationSession:
         self._accept(token)
         return token
 
-    def step(self) -> int:
-        """Feed the last token as one decode step → the next token."""
+    def check_can_step(self) -> None:
         if not self.started:
             raise InvariantViolation("step called before prefill")
         if self.finished:
             raise InvariantViolation("step called after the session finished")
+
+    def step(self) -> int:
+        """Feed the last token as one decode step → the next token."""
+        self.check_can_step()
         with torch.inference_mode():
             t0 = time.perf_counter()
             hidden = self.engine.decode_step(self.model, self.ffn, self.tokens[-1])

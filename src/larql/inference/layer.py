@@ -406,6 +406,29 @@ def layer_step(
     return ffn_block(model, layer, attention_block(model, layer, h, start, kv, window), ffn)
 
 
+def batched_layer_step(
+    model: Model,
+    layer: int,
+    h: torch.Tensor,
+    positions: list[int],
+    sinks: list[KvSink],
+    ffn: FfnBackend,
+    window: int | None = None,
+) -> torch.Tensor:
+    """One layer for B decode rows of B sessions at once: row i is session i's token at
+    `positions[i]`, its K/V goes to `sinks[i]` and it attends over that session's keys only.
+    The projections and the FFN run once over all rows (one matrix product instead of B);
+    attention runs per row. h: [B, H] → [B, H]."""
+    cos, sin = rope_table(model, layer).rows(positions)  # [B, rotary] each
+    q, k, v = project_qkv_with_rope(model, layer, h, cos, sin)  # [Hq, B, D], [Hkv, B, D] ×2
+    rows = []
+    for i, (sink, start) in enumerate(zip(sinks, positions, strict=True)):
+        keys, values = sink.append(k[:, i : i + 1], v[:, i : i + 1])
+        rows.append(attend(model, layer, q[:, i : i + 1], keys, values, start, window))
+    attn = torch.cat(rows)  # [B, q_dim]
+    return ffn_block(model, layer, attention_output(model, layer, h, attn), ffn)
+
+
 def final_logits(model: Model, h: torch.Tensor) -> torch.Tensor:
     """Pre-final-norm hidden h: [S, H] → logits [S, V] (final norm, LM head, soft-cap)."""
     w = model.weights

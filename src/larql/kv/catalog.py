@@ -55,6 +55,7 @@ def catalog_rows() -> list[dict[str, Any]]:
             "contract": e.contract,
             "kind": e.kind,
             "live_decode": e.live_decode,
+            "batching": e.batching or None,
             "plugin": e.plugin,
         }
         for e in CATALOG.entries

@@ -55,6 +55,9 @@ class EngineEntry:
     live_decode: bool = True
     # aliases that fix parameters, e.g. tq3 → bits=3
     fixed: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # how its decode steps batch with other sessions' (larql serve's continuous batching); empty:
+    # each session steps alone
+    batching: str = ""
     # the distribution that registered it through the `larql.engines` entry points (None for a
     # built-in engine); the catalog sets it
     plugin: str | None = None

@@ -10,15 +10,18 @@ tumbling window.)
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 import torch
 
-from larql.inference.engine import KvEngine
+from larql.inference.engine import Engine, KvEngine
 from larql.inference.errors import BackendUnavailable
 from larql.inference.ffn import FfnBackend
-from larql.inference.fused_layer import fused_layer_step
+from larql.inference.fused_layer import fused_layer_batch, fused_layer_step
 from larql.inference.layer import (
     attend,
     attention_output,
+    batched_layer_step,
     effective_window,
     ffn_block,
     kept_rows,
@@ -82,6 +85,33 @@ class StandardEngine(KvEngine):
 
     def supports_multimodal(self) -> bool:
         return True
+
+    def batch_key(self) -> Hashable | None:
+        """Eager engines of one window batch (the static CUDA path and sinks step alone)."""
+        if self.fast_path is not None or self.sinks or self._layers is None:
+            return None
+        return (type(self), self.window)
+
+    @classmethod
+    def _step_batch(
+        cls, engines: Sequence[Engine], model: Model, ffn: FfnBackend, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """rows: [B, H] → [B, H]; each layer through the compiled batched layer where it
+        applies, else the torch operators (projections and FFN once, attention per row)."""
+        batch = [e for e in engines if isinstance(e, StandardEngine) and e._layers is not None]
+        assert len(batch) == len(engines), "batch_key groups only eager standard engines"
+        positions = [e.position for e in batch]
+        window = batch[0].window
+        h = rows
+        for layer in range(model.config.num_layers):
+            buffers = [e._layers[layer] for e in batch]  # type: ignore[index]
+            out = fused_layer_batch(model, layer, h, positions, buffers, ffn, window)
+            if out is None:
+                out = batched_layer_step(model, layer, h, positions, buffers, ffn, window)
+            for buffer in buffers:
+                buffer.clip()
+            h = out
+        return h
 
     def snapshot_refusal(self, restoring: bool = False) -> str | None:
         if self.fast_path is not None:
