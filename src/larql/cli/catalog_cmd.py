@@ -25,13 +25,16 @@ def engines(
     if output != "table":
         raise InvalidInput(f"unknown --output {output!r}; accepted: table, json")
     table = Table(title="KV engines", show_lines=True)
-    for column in ("engine", "aliases", "parameters (default)", "keeps", "contract", "live"):
+    columns = ("engine", "aliases", "parameters (default)", "keeps", "contract", "live", "batched")
+    for column in columns:
         table.add_column(column, overflow="fold")
     for e in CATALOG.entries:
         params = "\n".join(p.describe() for p in e.params) or "—"
         live = "yes" if e.live_decode else "no (bench/accuracy)"
         name = e.name if e.plugin is None else f"{e.name}\n(plugin: {e.plugin})"
-        table.add_row(name, ", ".join(e.aliases) or "—", params, e.keeps, e.contract, live)
+        batched = e.batching or "no: steps alone"
+        aliases = ", ".join(e.aliases) or "—"
+        table.add_row(name, aliases, params, e.keeps, e.contract, live, batched)
     stdout.print(table)
 
 

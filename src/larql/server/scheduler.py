@@ -1,8 +1,12 @@
-"""One model, many streams: a scheduler thread steps every active session one token per turn.
+"""One model, many streams: a scheduler thread steps the active sessions, continuously batched.
 
 Each session is a `GenerationSession` (the loop `larql run` uses) over its own engine: its first
 turn is the prefill, every later turn one decode step, so every stream progresses and none waits
-for another to finish; a new session's prefill goes before the others' next steps. At most
+for another to finish; a new session's prefill goes before the others' next steps. Sessions whose
+engines batch together (equal `batch_key`: same engine family and settings) take their decode
+step together, one forward pass for all of them, so the weights are read once per step instead
+of once per stream; streams join the running batch after their prefill and leave it when they
+end, at any step. Groups of different engines take turns. At most
 `max_sessions` decode at once; up to `max_queue` more wait in order behind them; beyond that
 `submit` raises `QueueFull` (the HTTP layer answers 429).
 
@@ -27,7 +31,7 @@ from larql.errors import LarqlError
 from larql.inference.engine import Engine
 from larql.inference.errors import BackendUnavailable, EngineError
 from larql.inference.ffn import FfnBackend
-from larql.inference.generation import FinishReason, GenerationSession
+from larql.inference.generation import FinishReason, GenerationSession, step_together
 from larql.inference.logprobs import TokenLogprob, prompt_logprobs, token_logprob
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.sampling import Sampler, SamplingParams
@@ -244,19 +248,66 @@ class Scheduler:
                     self._admit()
                 if self._closing:
                     break
-                session = self._pick()
-            self._advance(session)
+                batch = self._pick()
+            if len(batch) == 1:
+                self._advance(batch[0])
+            else:
+                self._advance_together(batch)
         self._shut_down()
 
-    def _pick(self) -> Session:
+    def _pick(self) -> list[Session]:
         """A session not yet prefilled goes first (its time to first token is one step away at
-        most); otherwise the sessions take turns, one token each (lock held)."""
+        most); otherwise the session whose turn it is, with every decoding session whose engine
+        batches with its own (lock held)."""
         fresh = next((s for s in self._active if s.generation is None), None)
         if fresh is not None:
-            return fresh
+            return [fresh]
         session = self._active[0]
         self._active.rotate(-1)
-        return session
+        key = session.engine.batch_key() if session.engine is not None else None
+        if key is None or session.cancelled:
+            return [session]
+        return [session] + [
+            s
+            for s in self._active
+            if s is not session
+            and not s.cancelled
+            and s.generation is not None
+            and not s.generation.finished
+            and s.engine is not None
+            and s.engine.batch_key() == key
+        ]
+
+    def _advance_together(self, batch: list[Session]) -> None:
+        """One decode step for sessions whose engines batch; a failure of the shared step ends
+        every session in it (it is the server's fault, not one request's)."""
+        now = time.perf_counter()
+        for session in [s for s in batch if now >= s.deadline]:
+            session.emit(self._timeout_event())
+            self._retire(session, "timeout")
+        batch = [s for s in batch if not s.ended]
+        if len(batch) < 2:
+            for session in batch:
+                self._advance(session)
+            return
+        generations = [s.generation for s in batch]
+        try:
+            tokens = step_together([g for g in generations if g is not None])
+        except Exception as e:
+            log.exception("batched step failed")
+            for session in batch:
+                if isinstance(e, LarqlError):
+                    session.emit(error_event(e))
+                else:
+                    message = f"internal error in a batched step: {type(e).__name__}: {e}"
+                    session.emit(ErrorEvent(500, message, "server_error"))
+                self._retire(session, "error")
+            return
+        now = time.perf_counter()
+        for session, token in zip(batch, tokens, strict=True):
+            self.metrics.time_per_output_token.observe(now - session.last_token_at)
+            session.last_token_at = now
+            self._deliver(session, token)
 
     def _admit(self) -> None:
         """Between two steps: free cancelled sessions, drop timed-out queued ones, then fill free
