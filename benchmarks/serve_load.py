@@ -16,7 +16,8 @@ Phases (each bounded; the script stops by itself):
      concurrency N, then VmRSS again.
 Every request streams (SSE), asks for exactly --max-tokens tokens (`ignore_eos`, as vLLM's
 benchmark does) at temperature 0, over one of a few prompts cut from the Apache-2.0 text.
-Targets: 0 errors; RSS growth ≤ 5 % after warm-up; TTFT p50 at N streams < 2× the single one.
+Targets: 0 errors; RSS growth ≤ 5 % after warm-up; TTFT p50 at N streams < 2× the single one;
+output tokens/s at N streams over one stream's (continuous batching): ≥ 4× at 8 streams.
 """
 
 from __future__ import annotations
@@ -237,8 +238,15 @@ async def benchmark(args: argparse.Namespace, url: str, pid: int | None) -> dict
         "rss_ok": None if growth is None else growth <= 0.05,
         "ttft_p50_ratio": round(load_ttft / single_ttft, 3) if single_ttft and load_ttft else None,
         "ttft_ok": bool(single_ttft and load_ttft and load_ttft < 2 * single_ttft),
+        "throughput_ratio": _ratio(
+            report["load"]["output_throughput_tok_s"], report["single"]["output_throughput_tok_s"]
+        ),
     }
     return report
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return round(numerator / denominator, 3) if denominator else None
 
 
 def print_report(r: dict[str, Any]) -> None:
@@ -271,6 +279,10 @@ def print_report(r: dict[str, Any]) -> None:
     print(
         f"TTFT p50 at {r['concurrency']} streams / single: {t['ttft_p50_ratio']}× "
         f"(target < 2×: {_yes(t['ttft_ok'])})"
+    )
+    print(
+        f"output tok/s at {r['concurrency']} streams / single: {t['throughput_ratio']}× "
+        "(continuous batching; target at 8 streams ≥ 4×)"
     )
 
 
