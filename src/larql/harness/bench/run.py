@@ -13,9 +13,11 @@ import torch
 from larql.errors import InvalidInput
 from larql.harness.bench.engine_bench import BenchSettings, EngineRow, bench_engines
 from larql.harness.bench.hf_peer import PeerRow, bench_hf, load_hf_model
-from larql.harness.bench.machine import copy_bandwidth_gbs, git_commit, ids_hash
+from larql.harness.bench.machine import copy_bandwidth_gbs, git_commit, ids_hash, sync
 from larql.harness.contexts import context_ids
+from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend
+from larql.inference.generation import next_token_logits
 from larql.kv.catalog import CATALOG
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
@@ -99,6 +101,25 @@ class BenchReport:
 Progress = Callable[[str], None]
 
 
+WARM_UP_TOKENS = 16
+
+
+def warm_up(model: Model, ffn: FfnBackend, kind: EngineSpec, prompt_ids: list[int]) -> None:
+    """An untimed short prefill and two decode steps before any row is timed, so that no
+    engine's row carries the process's one-time start (on CUDA the context, the BLAS handles and
+    the first kernels' loading: seconds on an H200 host)."""
+    with torch.inference_mode():
+        try:
+            engine = kind.build(model)
+            hidden = engine.prefill(model, ffn, prompt_ids[:WARM_UP_TOKENS])
+            for _ in range(2):
+                token = int(torch.argmax(next_token_logits(model, hidden)))
+                hidden = engine.decode_step(model, ffn, token)
+        except EngineError:
+            pass  # the row itself reports the engine's error
+    sync(model.device)
+
+
 def run_bench(
     model: Model,
     ffn: FfnBackend,
@@ -140,6 +161,8 @@ def run_bench(
             ),
         }
     )
+    if kinds and prompts:
+        warm_up(model, ffn, kinds[0], prompts[0][1])
     for depth, ids in prompts:
         if progress:
             names = ", ".join(kind.spec() for kind in kinds)
