@@ -39,16 +39,21 @@ torch::Tensor decode_layer_batch(torch::Tensor h, torch::Tensor norms, double ep
                                  int64_t activation_bits);
 }  // namespace larql
 
+// The compute calls release the GIL: they touch no Python object, and a server's event loop
+// (another thread of the same process) must not wait for a whole decode layer to send a token.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("block_gemv", &larql::block_gemv, "one-token product with GGUF block rows");
-  m.def("block_gemm", &larql::block_gemm, "M-row product with GGUF block rows");
+  const auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("block_gemv", &larql::block_gemv, "one-token product with GGUF block rows", no_gil);
+  m.def("block_gemm", &larql::block_gemm, "M-row product with GGUF block rows", no_gil);
   m.def("simd", &larql::simd, "the instruction set this build uses");
-  m.def("decode_qkv", &larql::decode_qkv, "rms_norm → fused QKV product → RoPE, one row");
-  m.def("residual_gemv", &larql::residual_gemv, "h + W · x, one row");
-  m.def("decode_attention", &larql::decode_attention, "one query's attention over K/V rows");
+  m.def("decode_qkv", &larql::decode_qkv, "rms_norm → fused QKV product → RoPE, one row", no_gil);
+  m.def("residual_gemv", &larql::residual_gemv, "h + W · x, one row", no_gil);
+  m.def("decode_attention", &larql::decode_attention, "one query's attention over K/V rows",
+        no_gil);
   m.def("decode_layer", &larql::decode_layer,
-        "one whole decode layer: QKV + RoPE, K/V into the cache, attention, W_o, MLP");
+        "one whole decode layer: QKV + RoPE, K/V into the cache, attention, W_o, MLP", no_gil);
   m.def("decode_layer_batch", &larql::decode_layer_batch,
-        "decode_layer for M rows of M sessions, each weight read once");
-  m.def("residual_ffn", &larql::residual_ffn, "h + the gated SiLU MLP of rms_norm(h), one row");
+        "decode_layer for M rows of M sessions, each weight read once", no_gil);
+  m.def("residual_ffn", &larql::residual_ffn, "h + the gated SiLU MLP of rms_norm(h), one row",
+        no_gil);
 }
