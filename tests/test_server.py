@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -667,3 +668,23 @@ def test_ffn_only_dispatches_to_the_shard(monkeypatch: pytest.MonkeyPatch, smoll
         assert result.exit_code == 0, result.output
         model, got_layers, host, port = calls[-1]
         assert (model.name, got_layers, host, port) == (MODEL, layers, "127.0.0.1", 0)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_ends_open_streams_with_an_error_and_the_server_exits_cleanly(
+    sig: signal.Signals,
+) -> None:
+    """`larql serve` decodes on its main thread and serves HTTP on another: a signal still ends
+    every open stream with an error event, then the process exits 0."""
+    proc = ServerProcess("--threads", "2", "--max-new-tokens", "4096")
+    body = {"prompt": PROMPT, "max_tokens": 4096, "ignore_eos": True, "stream": True}
+    chunks: list[dict[str, Any]] = []
+    with httpx.stream("POST", f"{proc.url}/v1/completions", json=body, timeout=SETTLE_S) as r:
+        for data in sse_data(r):
+            if data == "[DONE]":
+                break
+            chunks.append(json.loads(data))
+            if len(chunks) == 2:
+                proc.proc.send_signal(sig)
+    assert "error" in chunks[-1] and "shutting down" in chunks[-1]["error"]["message"]
+    assert proc.proc.wait(SETTLE_S) == 0

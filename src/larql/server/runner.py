@@ -3,6 +3,7 @@ actual address is known (and printed) before the first request."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -16,6 +17,7 @@ from larql.errors import LarqlError
 
 GRACEFUL_SHUTDOWN_S = 5
 KEEP_ALIVE_S = 30  # FFN-shard clients hold one connection across a whole generation
+_EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class ServerStartError(LarqlError):
@@ -82,14 +84,40 @@ def _server(app: FastAPI) -> _Server:
     return _Server(config, app)
 
 
+def _serve_then_stop(server: _Server, sock: socket.socket) -> None:
+    """uvicorn on this thread; when it stops, for whatever reason, so does the scheduler."""
+    try:
+        server.run(sockets=[sock])
+    finally:
+        server.end_sessions()
+
+
 def serve_forever(
     app: FastAPI, host: str, port: int, on_listening: Callable[[str], None] | None = None
 ) -> None:
-    """Serve until interrupted (Ctrl-C / SIGTERM)."""
+    """Serve until interrupted (Ctrl-C / SIGTERM). An app with a scheduler runs its loop on
+    this (the main) thread and HTTP on another (the scheduler's module says why)."""
     sock = bind(host, port)
     if on_listening is not None:
         on_listening(url_of(sock, host))
-    _server(app).run(sockets=[sock])
+    server = _server(app)
+    scheduler = getattr(app.state, "scheduler", None)
+    if scheduler is None:
+        server.run(sockets=[sock])
+        return
+    scheduler.claim_this_thread()
+    http = threading.Thread(target=_serve_then_stop, args=(server, sock), name="larql-http")
+    http.start()
+    # uvicorn installs no signal handlers off the main thread: these end the sessions, then it
+    previous = {sig: signal.signal(sig, lambda *_: server.end_sessions()) for sig in _EXIT_SIGNALS}
+    try:
+        scheduler.run()  # until shutdown begins
+    finally:
+        server.end_sessions()
+        server.should_exit = True
+        http.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @dataclass

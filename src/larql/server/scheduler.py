@@ -10,10 +10,15 @@ end, at any step. Groups of different engines take turns. At most
 `max_sessions` decode at once; up to `max_queue` more wait in order behind them; beyond that
 `submit` raises `QueueFull` (the HTTP layer answers 429).
 
-The compute runs on this thread, never on the event loop: tokens travel to the request's
-coroutine through an `asyncio.Queue` fed with `call_soon_threadsafe`. A cancelled session (its
-client went away) is dropped before the next step of any session, which frees its engine; an
-error inside one session ends that session only, as an `ErrorEvent` in its stream.
+The compute runs on the scheduler's thread, never on the event loop: a thread of its own, or
+(`larql serve`) the process's main thread, through `claim_this_thread` + `run`. The main thread
+is better: torch's OpenMP runtime spins its workers between parallel regions only while it
+manages no more threads than there are CPUs, and a second thread's pool beside the main
+thread's breaks that on a small machine (a decode step in a second thread took twice as long
+on 2 cores). Tokens travel to the request's coroutine through an `asyncio.Queue` fed with
+`call_soon_threadsafe`. A cancelled session (its client went away) is dropped before the next
+step of any session, which frees its engine; an error inside one session ends that session
+only, as an `ErrorEvent` in its stream.
 """
 
 from __future__ import annotations
@@ -171,6 +176,7 @@ class Scheduler:
         self._engines_seen: set[str] = set()
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()  # the loop has ended
         metrics.watch_engine_memory(self.memory_by_engine)
 
     # ------------------------------------------------------------------ called from the event loop
@@ -182,6 +188,15 @@ class Scheduler:
                 self._thread.daemon = True
                 self._thread.start()
 
+    def claim_this_thread(self) -> None:
+        """The calling thread will `run` the loop: `start` then spawns none."""
+        with self._cond:
+            self._thread = threading.current_thread()
+
+    def run(self) -> None:
+        """The scheduling loop, on the calling thread, until shutdown begins."""
+        self._run()
+
     def begin_shutdown(self) -> None:
         """Refuse new sessions; every live one ends after the current step with an error event
         (so open streams finish at once instead of holding the server's shutdown)."""
@@ -191,8 +206,8 @@ class Scheduler:
 
     def close(self, timeout_s: float = 10.0) -> None:
         self.begin_shutdown()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._stopped.wait(timeout_s)
 
     def submit(
         self, request: SessionRequest, engine: Engine, loop: asyncio.AbstractEventLoop
@@ -254,6 +269,7 @@ class Scheduler:
             else:
                 self._advance_together(batch)
         self._shut_down()
+        self._stopped.set()
 
     def _pick(self) -> list[Session]:
         """A session not yet prefilled goes first (its time to first token is one step away at
