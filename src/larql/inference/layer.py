@@ -141,17 +141,17 @@ def project_qkv_with_rope(
     blocks = lw.blocks.get("wqkv")
     plain = lw.q_norm is None and lw.k_norm is None
     if plain and blocks is not None and (kernels := fused_kernels(h)) is not None:
-        # one row: norm, product and RoPE of q and k in one compiled call
+        # a few rows: norm, product and RoPE of q and k in one compiled call
         qkv = kernels.decode_qkv(
-            h, lw.attn_norm, cfg.norm_eps, blocks.data, code(blocks), lw.bqkv,
-            cos.reshape(-1), sin.reshape(-1), cfg.num_heads + cfg.num_kv_heads, cfg.head_dim,
+            h.contiguous(), lw.attn_norm, cfg.norm_eps, blocks.data, code(blocks), lw.bqkv,
+            cos.contiguous(), sin.contiguous(), cfg.num_heads + cfg.num_kv_heads, cfg.head_dim,
             activation_bits(blocks),
-        )  # fmt: skip
-        q, k, v = qkv.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim])
+        )  # fmt: skip  # [S, q_dim + 2·kv_dim]
+        q, k, v = qkv.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
         return (
-            q.view(cfg.num_heads, 1, cfg.head_dim),
-            k.view(cfg.num_kv_heads, 1, cfg.head_dim),
-            v.view(cfg.num_kv_heads, 1, cfg.head_dim),
+            q.view(s, cfg.num_heads, cfg.head_dim).transpose(0, 1),
+            k.view(s, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1),
+            v.view(s, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1),
         )
     x = rms_norm(h, lw.attn_norm, cfg.norm_eps)
     qkv = linear(x, lw.wqkv, lw.bqkv, blocks)  # [S, q_dim + 2·kv_dim]
@@ -406,27 +406,32 @@ def layer_step(
     return ffn_block(model, layer, attention_block(model, layer, h, start, kv, window), ffn)
 
 
+class RowAttention(Protocol):
+    """Session i's attention for its decode row: q [Hq, 1, D], its new k, v [Hkv, 1, D] (which
+    the session keeps) → [1, q_dim]."""
+
+    def __call__(
+        self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
 def batched_layer_step(
     model: Model,
     layer: int,
     h: torch.Tensor,
     positions: list[int],
-    sinks: list[KvSink],
+    attend_row: RowAttention,
     ffn: FfnBackend,
-    window: int | None = None,
 ) -> torch.Tensor:
     """One layer for B decode rows of B sessions at once: row i is session i's token at
-    `positions[i]`, its K/V goes to `sinks[i]` and it attends over that session's keys only.
-    The projections and the FFN run once over all rows (one matrix product instead of B);
+    `positions[i]` and attends through `attend_row(i, …)` over that session's state only. The
+    projections and the FFN run once over all rows (one matrix product instead of B);
     attention runs per row. h: [B, H] → [B, H]."""
     cos, sin = rope_table(model, layer).rows(positions)  # [B, rotary] each
     q, k, v = project_qkv_with_rope(model, layer, h, cos, sin)  # [Hq, B, D], [Hkv, B, D] ×2
-    rows = []
-    for i, (sink, start) in enumerate(zip(sinks, positions, strict=True)):
-        keys, values = sink.append(k[:, i : i + 1], v[:, i : i + 1])
-        rows.append(attend(model, layer, q[:, i : i + 1], keys, values, start, window))
-    attn = torch.cat(rows)  # [B, q_dim]
-    return ffn_block(model, layer, attention_output(model, layer, h, attn), ffn)
+    one = [slice(i, i + 1) for i in range(h.shape[0])]
+    attn = torch.cat([attend_row(i, q[:, r], k[:, r], v[:, r]) for i, r in enumerate(one)])
+    return ffn_block(model, layer, attention_output(model, layer, h, attn), ffn)  # [B, H]
 
 
 def final_logits(model: Model, h: torch.Tensor) -> torch.Tensor:
