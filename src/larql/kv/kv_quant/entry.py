@@ -36,4 +36,5 @@ ENTRY = EngineEntry(
         sinks=p["sinks"],
         profiling=p["profiling"],
     ),
+    batching="yes: with kv-quant sessions of the same parameters",
 )

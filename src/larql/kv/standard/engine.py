@@ -11,6 +11,7 @@ tumbling window.)
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from functools import partial
 
 import torch
 
@@ -107,7 +108,8 @@ class StandardEngine(KvEngine):
             buffers = [e._layers[layer] for e in batch]  # type: ignore[index]
             out = fused_layer_batch(model, layer, h, positions, buffers, ffn, window)
             if out is None:
-                out = batched_layer_step(model, layer, h, positions, buffers, ffn, window)
+                rows_attend = partial(_attend_buffer, model, layer, buffers, positions, window)
+                out = batched_layer_step(model, layer, h, positions, rows_attend, ffn)
             for buffer in buffers:
                 buffer.clip()
             h = out
@@ -172,3 +174,19 @@ class StandardEngine(KvEngine):
         if self.sinks and self.window and model.config.layers[layer].sliding_window is None:
             return SinkKvBuffer(self.sinks, self.window)
         return KvBuffer(keep=kept_rows(effective_window(model, layer, self.window)))
+
+
+def _attend_buffer(
+    model: Model,
+    layer: int,
+    buffers: list[KvBuffer | SinkKvBuffer],
+    positions: list[int],
+    window: int | None,
+    i: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
+    """Row i of a batched step: its new K/V into session i's buffer, its query over it."""
+    keys, values = buffers[i].append(k, v)
+    return attend(model, layer, q, keys, values, positions[i], window)  # [1, q_dim]

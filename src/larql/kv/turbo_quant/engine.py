@@ -30,12 +30,13 @@ sliding layers only the rows a later query can still see are kept.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
+from functools import partial
 
 import torch
 
 import larql.kernels
-from larql.inference.engine import KvEngine
+from larql.inference.engine import Engine, KvEngine
 from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
@@ -43,6 +44,7 @@ from larql.inference.layer import (
     attend,
     attention_block,
     attention_output,
+    batched_layer_step,
     effective_window,
     ffn_block,
     kept_rows,
@@ -56,20 +58,6 @@ from larql.kv.turbo_quant.store import KvLayout, QuantisedLayer, rotate
 from larql.models.model import Model
 
 CodecFactory = Callable[[int], RowCodec]  # head_dim → codec
-
-
-class HistoryThenNew:
-    """A K/V sink for one decode step: the new rows attend over the decoded history followed by
-    themselves; the exact new rows are kept for encoding after the step."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self._keys, self._values = keys, values  # [Hkv, n, D]
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k, self.v = k, v
-        return torch.cat((self._keys, k), dim=1), torch.cat((self._values, v), dim=1)
 
 
 class TurboQuantEngine(KvEngine):
@@ -214,41 +202,70 @@ class TurboQuantEngine(KvEngine):
         stage, device = self._profiler.stage, model.device
         rotation = self._rotation(device)
         for layer, store in enumerate(self._layers):
-            if rotation is None:
-                with stage("state_materialise", device):
-                    keys, values = store.keys_values(model.dtype, None)  # [Hkv, n, D]
-                sink = HistoryThenNew(keys, values)
-                with stage("attention", device):
-                    h = attention_block(model, layer, h, self.position, sink)
-                assert sink.k is not None and sink.v is not None
-                k, v = sink.k, sink.v
-            else:
-                h, k, v = self._rotated_attention_block(model, layer, h, rotation)
+            q, k, v = project_qkv(model, layer, h, self.position)  # [Hq|Hkv, 1, D]
+            attn = self._attend_over_history(model, layer, q, k, v, rotation)  # [1, q_dim]
+            with stage("attention", device):
+                h = attention_output(model, layer, h, attn)
             with stage("state_append", device):
                 store.append(k, v)
             with stage("ffn", device):
                 h = ffn_block(model, layer, h, ffn)
         return h
 
-    def _rotated_attention_block(
-        self, model: Model, layer: int, h: torch.Tensor, rotation: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`attention_block` over the stored rows in the rotated basis. h: [1, H] → (residual
-        after attention [1, H], the new row's exact k, v [Hkv, 1, D])."""
+    def _attend_over_history(
+        self,
+        model: Model,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotation: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The decode query q [Hq, 1, D] at `self.position` over the layer's stored rows and the
+        new row k, v [Hkv, 1, D] (stored by the caller after the step): in the codec's rotated
+        basis where `rotation` is given, else over the decoded rows → [1, q_dim]."""
         assert self._layers is not None
         stage, device, dtype = self._profiler.stage, model.device, model.dtype
         with stage("state_materialise", device):
             keys, values = self._layers[layer].keys_values(dtype, rotation)  # [Hkv, n, D']
         with stage("attention", device):
-            q, k, v = project_qkv(model, layer, h, self.position)  # [Hq|Hkv, 1, D]
+            if rotation is None:
+                keys, values = torch.cat((keys, k), dim=1), torch.cat((values, v), dim=1)
+                return attend(model, layer, q, keys, values, self.position, None)
             cfg = model.config
             keys = torch.cat((keys, rotate(k, rotation).to(dtype)), dim=1)  # [Hkv, n + 1, D']
             values = torch.cat((values, rotate(v, rotation).to(dtype)), dim=1)
             q_rot = rotate(q, rotation).to(dtype)
             attn = attend(model, layer, q_rot, keys, values, self.position, None)  # [1, Hq·D']
             back = attn.view(cfg.num_heads, -1).float() @ rotation  # [Hq, D'] (R·R = I)
-            attn = back[:, : cfg.head_dim].to(dtype).reshape(1, cfg.q_dim)
-            return attention_output(model, layer, h, attn), k, v
+            return back[:, : cfg.head_dim].to(dtype).reshape(1, cfg.q_dim)
+
+    # ------------------------------------------------------------------ batched decode
+
+    def batch_key(self) -> Hashable | None:
+        """Torch-path engines of one configuration batch (the CUDA kernel path steps alone)."""
+        if self._fast is not None or self._layers is None:
+            return None
+        return (type(self), self.config(), self.rotated_attention, self._codec_factory is None)
+
+    @classmethod
+    def _step_batch(
+        cls, engines: Sequence[Engine], model: Model, ffn: FfnBackend, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """rows: [B, H] → [B, H]: projections and FFN once for all rows, each row attending
+        over its own engine's stored rows; each engine then stores its new row."""
+        batch = [e for e in engines if isinstance(e, TurboQuantEngine) and e._layers is not None]
+        assert len(batch) == len(engines), "batch_key groups only torch-path engines"
+        rotation = batch[0]._rotation(model.device)
+        positions = [e.position for e in batch]
+        h = rows
+        for layer in range(model.config.num_layers):
+            new: list[tuple[torch.Tensor, torch.Tensor]] = []
+            rows_attend = partial(_attend_and_keep, batch, model, layer, rotation, new)
+            h = batched_layer_step(model, layer, h, positions, rows_attend, ffn)
+            for engine, (k, v) in zip(batch, new, strict=True):
+                engine._layers[layer].append(k, v)  # type: ignore[index]
+        return h
 
     def _kernel_path(self, model: Model, keeps: list[int | None]) -> KernelPath | None:
         """The Triton kernels' path when asked (auto/triton), where they run, for the
@@ -289,3 +306,20 @@ class TurboQuantEngine(KvEngine):
     @staticmethod
     def _keep(model: Model, layer: int) -> int | None:
         return kept_rows(effective_window(model, layer, None))
+
+
+def _attend_and_keep(
+    batch: list[TurboQuantEngine],
+    model: Model,
+    layer: int,
+    rotation: torch.Tensor | None,
+    new: list[tuple[torch.Tensor, torch.Tensor]],
+    i: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
+    """Row i of a batched step: engine i's attention; its new row kept (in `new`, in row
+    order) for storing after the layer."""
+    new.append((k, v))
+    return batch[i]._attend_over_history(model, layer, q, k, v, rotation)  # [1, q_dim]
