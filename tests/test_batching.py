@@ -57,7 +57,7 @@ def _alone_and_batched(
     return alone, batched
 
 
-@pytest.mark.parametrize("spec", ["standard", "standard:window=6"])
+@pytest.mark.parametrize("spec", ["standard", "standard:window=6", "turbo-quant", "kv-quant"])
 def test_batched_steps_are_bit_identical_on_the_default_model(
     smollm2_default: Model, spec: str
 ) -> None:
@@ -71,8 +71,11 @@ def test_batched_steps_are_bit_identical_on_the_default_model(
     assert len({tuple(s.tokens) for s in batched}) == len(PROMPTS)  # different streams
 
 
-def test_batched_steps_on_the_float_path_give_the_same_greedy_tokens(smollm2: Model) -> None:
-    alone, batched = _alone_and_batched(smollm2, "standard", 16)
+@pytest.mark.parametrize("spec", ["standard", "turbo-quant:bits=4,recent=0"])
+def test_batched_steps_on_the_float_path_give_the_same_greedy_tokens(
+    smollm2: Model, spec: str
+) -> None:
+    alone, batched = _alone_and_batched(smollm2, spec, 16)
     for a, b in zip(alone, batched, strict=True):
         assert a.tokens == b.tokens
         assert torch.allclose(a.logits, b.logits, atol=1e-3, rtol=0)
@@ -98,13 +101,13 @@ def test_block_product_of_many_rows_is_each_rows_product() -> None:
 def test_engines_that_cannot_batch_step_alone(smollm2: Model) -> None:
     ffn = DenseFfn(smollm2)
     ids = smollm2.tokenizer.encode(PROMPTS[0])
-    engines = [
-        parse_engine(s).build(smollm2)
-        for s in ("standard", "standard", "turbo-quant", "standard:window=8", "standard")
-    ]
+    specs = ["standard", "standard", "no-cache", "standard:window=8", "turbo-quant"]
+    specs += ["standard:window=8,sinks=2", "standard"]
+    engines = [parse_engine(s).build(smollm2) for s in specs]
     for engine in engines:
         engine.prefill(smollm2, ffn, ids)
-    assert batch_groups(engines) == [[0, 1, 4], [3], [2]]
+    # one group per batch key, in first-seen order; no-cache and sinks have none: alone
+    assert batch_groups(engines) == [[0, 1, 6], [3], [4], [2], [5]]
     with pytest.raises(InvariantViolation, match="batch_key"):
         decode_batch(engines[:3], smollm2, ffn, [1, 2, 3])
     with pytest.raises(InvariantViolation, match="twice"):
@@ -151,4 +154,5 @@ def test_the_catalog_says_which_engines_batch() -> None:
 
     rows = {row["name"]: row for row in catalog_rows()}
     assert rows["standard"]["batching"].startswith("yes")
-    assert rows["turbo-quant"]["batching"] is None  # steps alone
+    assert rows["turbo-quant"]["batching"].startswith("yes")
+    assert rows["no-cache"]["batching"] is None  # steps alone

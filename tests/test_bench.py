@@ -32,7 +32,7 @@ ROW_KEYS = {
 META_KEYS = {
     "schema", "timestamp", "model", "dtype", "device", "threads", "torch", "git_commit", "text",
     "prompt_hashes", "new_tokens", "warmup", "repeats", "ffn", "copy_bandwidth_gbs", "method",
-    "rows", "hf",
+    "rows", "hf", "batch_rows",
 }  # fmt: skip
 
 
@@ -200,6 +200,27 @@ def test_cli_rejects_unknown_engines_and_bad_options() -> None:
     assert result.exit_code == 2 and "--context must be ≥ 1" in result.stderr
     result = runner.invoke(app, ["bench", "--depths", "1,x"])
     assert result.exit_code == 2 and "--depths" in result.stderr
+    for bad in ("0,4", "2,x"):
+        result = runner.invoke(app, ["bench", "--batch", bad])
+        assert result.exit_code == 2 and "--batch" in result.stderr
+
+
+def test_cli_batch_rows_time_sessions_decoding_at_once() -> None:
+    result = CliRunner().invoke(
+        app,
+        ["bench", "--engine", "standard;no-cache", "-n", "2", "--warmup", "0", "--repeats", "1",
+         "--context", "8", "--batch", "1,3", "--output", "json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rows = {(r["spec"], r["batch"]): r for r in json.loads(result.stdout)["batch_rows"]}
+    assert set(rows) == {("standard", 1), ("standard", 3), ("no-cache", 1), ("no-cache", 3)}
+    assert rows["standard", 3]["batched"] is True  # one forward pass per step
+    assert rows["no-cache", 3]["batched"] is False  # steps in turn
+    assert rows["standard", 1]["batched"] is False
+    for row in rows.values():
+        assert row["error"] is None and row["tok_s"] > 0 and row["memory_per_session"] > 0
+        # aggregate = B tokens per step
+        assert row["tok_s"] == pytest.approx(row["batch"] * 1000 / row["ms_per_token"])
 
 
 @pytest.mark.slow

@@ -54,8 +54,10 @@ def bench(
     vs_hf: bool = False,
     ffn: str = "dense",
     progress: Progress | None = None,
+    batch: Sequence[int] | None = None,
 ) -> BenchReport:
-    """`larql bench`: time every engine (whole tokens) at each depth and report its memory.
+    """`larql bench`: time every engine (whole tokens) at each depth and report its memory;
+    `batch` (e.g. [1, 4, 16]) also times that many sessions of each engine decoding at once.
 
     One of `context` (a prompt of N tokens cut from `text_file`, default the shipped licence
     text; 128 when none is given), `depths` (several such contexts) or `prompt` (text).
@@ -72,6 +74,8 @@ def bench(
         _at_least(name, value, low)
     for d in depths or []:
         _at_least("a depth", d, 0)
+    for b in batch or []:
+        _at_least("a batch size", b, 1)
     FfnLayerPolicy.from_spec(ffn)
     source_text, text_label = read_text(text_file)
     chosen = list(depths) if depths else [context] if context is not None else []
@@ -79,7 +83,10 @@ def bench(
     router = build_ffn(model, ffn)
     settings = BenchSettings(new_tokens=tokens, warmup=warmup, repeats=repeats, profile=profile)
     try:
-        return run_bench(model, router, kinds, prompts, settings, vs_hf, text_label, progress)
+        return run_bench(
+            model, router, kinds, prompts, settings, vs_hf, text_label, progress,
+            list(batch) if batch else None,
+        )  # fmt: skip
     finally:
         router.close()
 

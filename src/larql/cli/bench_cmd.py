@@ -19,16 +19,17 @@ from larql.cli.ffn_options import (
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption, WeightsOption
 
 
-def parse_depths(value: str | None) -> list[int]:
+def parse_int_list(value: str | None, option: str, minimum: int) -> list[int]:
+    """`--depths` / `--batch`: comma-separated integers, each ≥ `minimum` (none: [])."""
     if not value:
         return []
     try:
-        depths = [int(x) for x in value.split(",") if x.strip()]
+        numbers = [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
-        raise InvalidInput(f"--depths must be comma-separated integers, got {value!r}") from None
-    if any(d < 0 for d in depths):
-        raise InvalidInput("--depths must be ≥ 0")
-    return depths
+        raise InvalidInput(f"{option} must be comma-separated integers, got {value!r}") from None
+    if any(n < minimum for n in numbers):
+        raise InvalidInput(f"{option} must be ≥ {minimum}")
+    return numbers
 
 
 @user_errors
@@ -56,6 +57,14 @@ def bench(
             "(0 = a one-token prompt).",
         ),
     ] = None,
+    batch: Annotated[
+        str | None,
+        typer.Option(
+            "--batch",
+            help="Also time B sessions decoding at once, e.g. 1,4,16: aggregate tok/s, "
+            "per-stream ms/token, memory per session.",
+        ),
+    ] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Per-stage breakdown.")] = False,
     vs_hf: Annotated[bool, typer.Option("--vs-hf", help="Add HF transformers generate.")] = False,
     output: Annotated[str, typer.Option("--output", "-o", help="table or json.")] = "table",
@@ -73,7 +82,7 @@ def bench(
     """Time every engine (whole tokens), report memory and roofline, optionally vs HF."""
     from larql.api import bench as run_bench
     from larql.api import parse_engines
-    from larql.harness.bench.report import render_table, save_plot, stage_tables
+    from larql.harness.bench.report import batch_table, render_table, save_plot, stage_tables
     from larql.harness.bench.run import default_specs
 
     if output not in ("table", "json"):
@@ -89,7 +98,8 @@ def bench(
         if value < low:
             raise InvalidInput(f"{name} must be ≥ {low}, got {value}")
     kinds = parse_engines(engine or default_specs())
-    depth_list = parse_depths(depths)
+    depth_list = parse_int_list(depths, "--depths", 0)
+    batch_sizes = parse_int_list(batch, "--batch", 1)
     ffn_spec = ffn_policy_spec(ffn_policy, ffn)
     check_policy(ffn_spec)
     lm = open_model(model, dtype, device, threads, weights)
@@ -115,6 +125,7 @@ def bench(
             vs_hf=vs_hf,
             ffn=ffn_spec,
             progress=advance,
+            batch=batch_sizes or None,
         )
     data = report.as_dict()
     if output_file is not None:
@@ -125,5 +136,7 @@ def bench(
         print(json.dumps(data, indent=2))
         return
     stdout.print(render_table(report))
+    if report.batch_rows:
+        stdout.print(batch_table(report))
     for table in stage_tables(report):
         stdout.print(table)

@@ -86,6 +86,33 @@ def render_table(report: BenchReport) -> Table:
     return table
 
 
+def batch_table(report: BenchReport) -> Table:
+    """`--batch`: B sessions of each engine decoding at once."""
+    table = Table(
+        title="batched decode: B sessions of one engine at once",
+        caption="aggregate = B tokens per step; ×B=1 = aggregate over the same engine's one "
+        "session; batched = one forward pass per step (else the sessions step in turn)",
+        caption_justify="left",
+    )
+    columns = ["engine", "context", "B", "batched", "aggregate tok/s", "× B=1",
+               "ms/token per stream", "MiB per session"]  # fmt: skip
+    for i, name in enumerate(columns):
+        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    single = {(r.spec, r.depth): r.tok_s for r in report.batch_rows if r.batch == 1}
+    for row in report.batch_rows:
+        if row.error:
+            table.add_row(row.spec, str(row.depth), str(row.batch), "", f"error: {row.error}")
+            continue
+        base = single.get((row.spec, row.depth))
+        ratio = f"{row.tok_s / base:.2f}" if base and row.tok_s else "—"
+        table.add_row(
+            row.spec, str(row.depth), str(row.batch), "yes" if row.batched else "no",
+            shown(row.tok_s, ".1f"), ratio, shown(row.ms_per_token, ".2f"),
+            _mib(row.memory_per_session),
+        )  # fmt: skip
+    return table
+
+
 def stage_tables(report: BenchReport) -> list[Table]:
     tables = []
     for row in report.rows:

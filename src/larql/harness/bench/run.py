@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from larql.errors import InvalidInput
+from larql.harness.bench.batch_bench import BatchRow, bench_batches
 from larql.harness.bench.engine_bench import BenchSettings, EngineRow, bench_engines
 from larql.harness.bench.hf_peer import PeerRow, bench_hf, load_hf_model
 from larql.harness.bench.machine import copy_bandwidth_gbs, git_commit, ids_hash, sync
@@ -78,6 +79,7 @@ class BenchReport:
     meta: dict[str, Any]
     rows: list[EngineRow] = field(default_factory=list)
     peers: dict[int, PeerRow] = field(default_factory=dict)  # depth → HF row
+    batch_rows: list[BatchRow] = field(default_factory=list)  # --batch
 
     def peer_ratio(self, row: EngineRow) -> float | None:
         peer = self.peers.get(row.depth)
@@ -95,6 +97,7 @@ class BenchReport:
             **self.meta,
             "rows": rows,
             "hf": {str(depth): peer.as_dict() for depth, peer in self.peers.items()},
+            "batch_rows": [row.as_dict() for row in self.batch_rows],
         }
 
 
@@ -129,8 +132,10 @@ def run_bench(
     vs_hf: bool = False,
     text_label: str = "",
     progress: Progress | None = None,
+    batches: list[int] | None = None,
 ) -> BenchReport:
-    """`prompts`: (depth, prompt ids) pairs; every engine runs at every depth."""
+    """`prompts`: (depth, prompt ids) pairs; every engine runs at every depth, and with
+    `batches` also as that many sessions decoding at once."""
     bandwidth = copy_bandwidth_gbs(model.device.type)
     report = BenchReport(
         meta={
@@ -168,6 +173,10 @@ def run_bench(
             names = ", ".join(kind.spec() for kind in kinds)
             progress(f"{names} @ depth {depth} ({settings.repeats} interleaved rounds)")
         report.rows += bench_engines(model, ffn, kinds, ids, settings, depth, bandwidth)
+        if batches:
+            if progress:
+                progress(f"batches {batches} @ depth {depth}")
+            report.batch_rows += bench_batches(model, ffn, kinds, ids, settings, depth, batches)
     if vs_hf:
         hf_model = load_hf_model(model)
         for depth, ids in prompts:
