@@ -6,6 +6,7 @@ scheduler batches concurrent streams without changing their tokens."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -156,3 +157,50 @@ def test_the_catalog_says_which_engines_batch() -> None:
     assert rows["standard"]["batching"].startswith("yes")
     assert rows["turbo-quant"]["batching"].startswith("yes")
     assert rows["no-cache"]["batching"] is None  # steps alone
+
+
+def test_a_long_prompt_goes_in_chunks_between_the_running_streams_steps(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a stream decodes, a new 40-token prompt is prefilled 16 tokens a turn with the
+    stream's steps in between; both get the tokens they get alone."""
+    turns: list[str] = []
+    real_part, real_step = GenerationSession.prefill_part, GenerationSession.step
+
+    def part(self, max_tokens):  # type: ignore[no-untyped-def]
+        turns.append(f"prefill {max_tokens}")
+        return real_part(self, max_tokens)
+
+    def step(self):  # type: ignore[no-untyped-def]
+        turns.append("step")
+        return real_step(self)
+
+    monkeypatch.setattr(GenerationSession, "prefill_part", part)
+    monkeypatch.setattr(GenerationSession, "step", step)
+    model, ffn = smollm2, DenseFfn(smollm2)
+    long_ids = tuple(model.tokenizer.encode(" ".join(["The quick brown fox jumps."] * 7)))[:40]
+    short = request(model, 24, ignore_eos=True)
+    long = dataclasses.replace(short, prompt_ids=long_ids, max_new_tokens=6)
+
+    async def scenario() -> tuple[list, list]:
+        limits = SchedulerLimits(max_sessions=2, prefill_chunk=16)
+        s = Scheduler(model, ffn, limits, ServerMetrics())
+        loop = asyncio.get_running_loop()
+        first = s.submit(short, parse_engine("standard").build(model), loop)
+        await asyncio.wait_for(first.events.get(), 60)  # it is decoding
+        second = s.submit(long, parse_engine("standard").build(model), loop)
+        results = await asyncio.gather(events_of(first), events_of(second))
+        s.close()
+        return results[0], results[1]
+
+    first_events, second_events = asyncio.run(scenario())
+    first_chunk = turns.index("prefill 16")
+    # 16 + 16 + 8 tokens, each chunk followed by a step of the running stream
+    assert turns[first_chunk : first_chunk + 6] == ["prefill 16", "step"] * 3
+    for events, req in ((second_events, long), (first_events, short)):
+        alone = generate(
+            parse_engine("standard").build(model), model, ffn, list(req.prompt_ids),
+            req.max_new_tokens, stop_ids=frozenset(),
+        )  # fmt: skip
+        assert isinstance(events[-1], DoneEvent)
+        assert list(events[-1].token_ids) == alone.tokens

@@ -35,6 +35,14 @@ def serve(
     request_timeout: Annotated[
         float, typer.Option("--request-timeout", help="Seconds a request may take, queue included.")
     ] = 300.0,
+    prefill_chunk: Annotated[
+        int,
+        typer.Option(
+            "--prefill-chunk",
+            help="While other streams decode, a new prompt goes in chunks of this many tokens "
+            "between their steps (engines that extend a prefill exactly: standard).",
+        ),
+    ] = 32,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
@@ -59,6 +67,8 @@ def serve(
     if layers is not None:
         raise InvalidInput("--layers applies to an FFN shard only (add --ffn-only)")
     check_limits(max_sessions, max_queue, max_prompt_tokens, max_new_tokens, request_timeout)
+    if prefill_chunk < 1:
+        raise InvalidInput(f"--prefill-chunk must be ≥ 1, got {prefill_chunk}")
     from larql.kv.resolve import resolve_engine
 
     choice = resolve_engine(engine)
@@ -77,6 +87,7 @@ def serve(
         max_prompt_tokens=max_prompt_tokens,
         max_new_tokens=max_new_tokens,
         request_timeout_s=request_timeout,
+        prefill_chunk=prefill_chunk,
         model_aliases=(model,) if model and model != lm.name else (),
     )
 

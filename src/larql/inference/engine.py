@@ -142,6 +142,27 @@ class Engine(ABC):
         self._started(initial_hidden.shape[0])
         return rows[-1:]
 
+    def extends_exactly(self, model: Model) -> bool:
+        """Whether, on `model`, `extend` continues a prefill as one longer prefill would (up to
+        the order of float sums), so a long prompt may be prefilled in chunks between other
+        sessions' steps."""
+        return False
+
+    def extend(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
+        """Append several tokens after the prefill in one pass (a prefill's next chunk) → the
+        last one's hidden [1, H]."""
+        self._require_prefill()
+        if len(token_ids) == 0:
+            raise EmptyPrompt()
+        rows = embed(model, token_tensor(model, list(token_ids)))  # [S, H]
+        hidden = self._extend(model, ffn, rows)
+        self.position += len(token_ids)
+        return hidden[-1:]
+
+    def _extend(self, model: Model, ffn: FfnBackend, rows: torch.Tensor) -> torch.Tensor:
+        """rows [S, H] at positions `self.position`.. → their hidden rows [S, H]."""
+        raise BackendUnavailable(f"{self.name} cannot extend a prefill in one pass")
+
     def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
         """Append one token at the next absolute position; return its hidden [1, H]."""
         self._require_prefill()

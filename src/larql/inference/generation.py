@@ -125,6 +125,7 @@ class GenerationSession:
         # (kept only with `keep_prompt_rows`: scoring the prompt needs them)
         self.prompt_rows: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None  # [V] the raw logits of the last pick
+        self.prompt_done = 0  # prompt tokens in the engine so far (a chunked prefill)
 
     @property
     def started(self) -> bool:
@@ -157,6 +158,36 @@ class GenerationSession:
             raise InvariantViolation("step called before prefill")
         if self.finished:
             raise InvariantViolation("step called after the session finished")
+
+    def prefill_part(self, max_tokens: int) -> int | None:
+        """Prefill at most `max_tokens` more prompt tokens → the first generated token once the
+        whole prompt is in, else None. Chunks only where the engine extends a prefill exactly
+        (and the prompt's rows need not be kept, nor a restored state resumed); otherwise, and
+        when the rest fits, the whole prompt goes in at once, as `prefill`."""
+        if self.started or self.finished:
+            raise InvariantViolation("prefill called twice or after the session finished")
+        rest = len(self.prompt_ids) - self.prompt_done
+        whole = self.keep_prompt_rows or self.resume_hidden is not None
+        chunked = not whole and self.engine.extends_exactly(self.model)
+        if self.prompt_done == 0 and (not chunked or rest <= max_tokens):
+            return self.prefill()
+        chunk = self.prompt_ids[self.prompt_done : self.prompt_done + max_tokens]
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            if self.prompt_done == 0:
+                hidden = self.engine.prefill(self.model, self.ffn, chunk)
+            else:
+                hidden = self.engine.extend(self.model, self.ffn, chunk)
+            self.prompt_done += len(chunk)
+            token = None
+            if self.prompt_done == len(self.prompt_ids):
+                self.last_hidden = hidden
+                self.logits = next_token_logits(self.model, hidden)
+                token = self.sampler.pick(self.logits)
+            self.prefill_ms += (time.perf_counter() - t0) * 1000
+        if token is not None:
+            self._accept(token)
+        return token
 
     def step(self) -> int:
         """Feed the last token as one decode step → the next token."""

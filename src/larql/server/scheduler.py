@@ -128,6 +128,7 @@ class SchedulerLimits:
     max_queue: int = 16
     request_timeout_s: float = 300.0
     retry_after_s: int = 1
+    prefill_chunk: int = 32  # tokens of a new prompt per turn while other sessions decode
 
 
 class Session:
@@ -153,6 +154,7 @@ class Session:
         self.track = GeneratedTrack()
         self.cancelled = False
         self.ended = False
+        self.prefill_chunk: int | None = None  # this turn's prompt tokens (None: all of it)
         self._loop = loop
 
     def emit(self, event: Event) -> None:
@@ -174,6 +176,7 @@ class Scheduler:
         self._active: deque[Session] = deque()
         self._queue: deque[Session] = deque()
         self._engines_seen: set[str] = set()
+        self._fill_turn = True  # with prompts to fill and streams decoding: whose turn is next
         self._closing = False
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()  # the loop has ended
@@ -272,20 +275,27 @@ class Scheduler:
         self._stopped.set()
 
     def _pick(self) -> list[Session]:
-        """A session not yet prefilled goes first (its time to first token is one step away at
-        most); otherwise the session whose turn it is, with every decoding session whose engine
-        batches with its own (lock held)."""
-        fresh = next((s for s in self._active if s.generation is None), None)
-        if fresh is not None:
-            return [fresh]
-        session = self._active[0]
-        self._active.rotate(-1)
+        """A session whose prompt is not all in goes first: all of it when nothing else
+        decodes, else its next chunk, taking turns with the decoding sessions' steps (so a long
+        prompt never stalls running streams for its whole prefill). Otherwise the decoding
+        session whose turn it is, with every one whose engine batches with its own (lock
+        held)."""
+        filling = next((s for s in self._active if _prefilling(s)), None)
+        decoding = [s for s in self._active if not _prefilling(s)]
+        if filling is not None and (not decoding or self._fill_turn):
+            self._fill_turn = False
+            filling.prefill_chunk = self.limits.prefill_chunk if decoding else None
+            return [filling]
+        self._fill_turn = True
+        session = decoding[0]
+        self._active.remove(session)
+        self._active.append(session)  # the next turn starts with the one after it
         key = session.engine.batch_key() if session.engine is not None else None
         if key is None or session.cancelled:
             return [session]
         return [session] + [
             s
-            for s in self._active
+            for s in decoding
             if s is not session
             and not s.cancelled
             and s.generation is not None
@@ -353,6 +363,8 @@ class Scheduler:
                 self._score_only(session)
                 return
             token = self._next_token(session)
+            if token is None:  # a chunk of its prompt went in; no token yet
+                return
         except LarqlError as e:
             session.emit(error_event(e))
             self._retire(session, "error")
@@ -398,7 +410,9 @@ class Scheduler:
             )
         )
 
-    def _next_token(self, session: Session) -> int:
+    def _next_token(self, session: Session) -> int | None:
+        """The session's next token: its first after (the rest of) its prompt, or a decode
+        step's; None when only a chunk of its prompt went in."""
         if session.generation is None:
             assert session.engine is not None
             request = session.request
@@ -412,7 +426,13 @@ class Scheduler:
                 stop_ids=frozenset() if request.ignore_eos else None,
                 keep_prompt_rows=request.scores_prompt,
             )
-            token = session.generation.prefill()
+        generation = session.generation
+        if not generation.started:
+            request = session.request
+            chunk = session.prefill_chunk or len(request.prompt_ids)
+            token = generation.prefill_part(chunk)
+            if token is None:
+                return None
             if request.echo:
                 rows = session.generation.prompt_rows
                 scored = self._score_prompt(request, rows) if rows is not None else ()
@@ -494,3 +514,9 @@ class Scheduler:
     def _update_gauges(self) -> None:
         self.metrics.active_sessions.set(len(self._active))
         self.metrics.queued_sessions.set(len(self._queue))
+
+
+def _prefilling(session: Session) -> bool:
+    """Its prompt is not all in the engine yet (not started, or part-way through a chunked
+    prefill)."""
+    return session.generation is None or not session.generation.started

@@ -19,6 +19,7 @@ class ServerSettings:
     request_timeout_s: float = 300.0
     max_body_bytes: int = 8 * 2**20  # a prompt of the whole context as token ids is ~60 kB
     retry_after_s: int = 1
+    prefill_chunk: int = 32  # tokens of a new prompt per turn while other streams decode
     # names the `model` field may carry besides the model's own (e.g. the -m path it came from)
     model_aliases: tuple[str, ...] = ()
 
@@ -28,4 +29,5 @@ class ServerSettings:
             max_queue=self.max_queue,
             request_timeout_s=self.request_timeout_s,
             retry_after_s=self.retry_after_s,
+            prefill_chunk=self.prefill_chunk,
         )

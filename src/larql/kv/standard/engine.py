@@ -87,6 +87,14 @@ class StandardEngine(KvEngine):
     def supports_multimodal(self) -> bool:
         return True
 
+    def extends_exactly(self, model: Model) -> bool:
+        return not self._static(model)
+
+    def _extend(self, model: Model, ffn: FfnBackend, rows: torch.Tensor) -> torch.Tensor:
+        if self.fast_path is not None:
+            raise BackendUnavailable("standard's static CUDA path prefills in one pass")
+        return self._run(model, ffn, rows, start=self.position)
+
     def batch_key(self) -> Hashable | None:
         """Eager engines of one window batch (the static CUDA path and sinks step alone)."""
         if self.fast_path is not None or self.sinks or self._layers is None:
@@ -121,14 +129,17 @@ class StandardEngine(KvEngine):
         return None
 
     def _start_tokens(self, model: Model, ffn: FfnBackend, token_ids: list[int]) -> torch.Tensor:
-        static = self.static if self.static is not None else (
-            self.graph and model.device.type == "cuda" and not self.sinks
-        )  # fmt: skip
-        if not static:
+        if not self._static(model):
             return super()._start_tokens(model, ffn, token_ids)
         self._layers = None
         self.fast_path = StaticCache(self.window, self.graph, self.compile, self.attention)
         return self.fast_path.start(model, ffn, token_ids)
+
+    def _static(self, model: Model) -> bool:
+        """Whether a prefill of token ids on `model` takes the static (CUDA graph) path."""
+        if self.static is not None:
+            return self.static
+        return self.graph and model.device.type == "cuda" and not self.sinks
 
     def _start(self, model: Model, ffn: FfnBackend, rows: torch.Tensor) -> torch.Tensor:
         """rows: [S, H] → every prompt row's hidden [S, H] (boundary frames read inside it)."""
