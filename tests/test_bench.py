@@ -27,7 +27,7 @@ ROW_KEYS = {
     "spec", "label", "depth", "prompt_tokens", "prefill_ms", "decode_ms", "fwd_ms", "head_ms",
     "tok_s", "tok_s_runs", "memory", "context_tokens", "bytes_per_token", "fp16_full_bytes",
     "ratio_vs_fp16_full", "achieved_gbs", "bandwidth_share", "peak_working_bytes", "stages",
-    "error", "vs_hf",
+    "error", "vs_hf", "backend", "ms_per_tok", "tok_per_s", "wire_bytes_per_tok", "n_steps", "note",
 }  # fmt: skip
 META_KEYS = {
     "schema", "timestamp", "model", "dtype", "device", "threads", "torch", "git_commit", "text",
@@ -185,6 +185,11 @@ def test_cli_json_schema_and_depths(tmp_path: Path) -> None:
         assert set(row) == ROW_KEYS
         assert row["vs_hf"] is None  # no peer was measured
         assert row["memory"]["total"] > 0
+        # the reference format's fields, consistent with ours
+        assert row["backend"] == row["label"] and row["tok_per_s"] == row["tok_s"]
+        assert row["ms_per_tok"]["p50"] == row["decode_ms"]["p50"] and row["n_steps"] == 2
+        assert row["wire_bytes_per_tok"] == 0  # the FFN is local
+        assert "fwd=" in row["note"] and "hot=" in row["note"]
     assert plot.stat().st_size > 1000
 
 

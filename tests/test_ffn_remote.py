@@ -441,3 +441,19 @@ def test_larql_serve_ffn_only_serves_a_layer_range() -> None:
     finally:
         process.kill()
         process.wait()
+
+
+def test_bench_reports_the_wire_bytes_per_token(smollm2: Model, shard: str) -> None:
+    """30 layers a step, each a request of one f32 row and its f32 answer (plus framing)."""
+    from larql.harness.bench.engine_bench import BenchSettings, bench_engine
+
+    remote = build_ffn(smollm2, f"remote-walk:endpoint={shard}")
+    try:
+        ids = smollm2.tokenizer.encode(PROMPT)
+        settings = BenchSettings(new_tokens=2, warmup=1, repeats=1)
+        row = bench_engine(smollm2, remote, parse_engine("standard"), ids, settings, len(ids), 1.0)
+    finally:
+        remote.close()
+    payload = 30 * 2 * H * 4  # the row out and back, per layer
+    assert payload <= row.wire_bytes_per_tok < 1.5 * payload
+    assert row.as_dict()["wire_bytes_per_tok"] == row.wire_bytes_per_tok

@@ -58,6 +58,8 @@ class EngineRow:
     # growth reserve, workspace, captured graphs, activations; weights excluded), over the runs
     peak_working_bytes: int | None = None
     stages: dict[str, float] | None = None
+    wire_bytes_per_tok: float = 0.0  # FFN bytes over the network per timed step (0: local)
+    dispatch: str | None = None  # the engine's dispatch path (per-layer, cuda-graph, …)
     error: str | None = None
 
     @property
@@ -118,7 +120,33 @@ class EngineRow:
             "peak_working_bytes": self.peak_working_bytes,
             "stages": self.stages,
             "error": self.error,
-        }
+            # the fields LARQL's own bench results carry, for readers of that format
+            "backend": self.label,
+            "ms_per_tok": None if self.step is None else {
+                "mean": self.step.mean, "p50": self.step.p50, "p99": self.step.p99
+            },
+            "tok_per_s": self.tok_s,
+            "wire_bytes_per_tok": self.wire_bytes_per_tok,
+            "n_steps": 0 if self.step is None else self.step.n,
+            "note": self.note(),
+        }  # fmt: skip
+
+    def note(self) -> str:
+        """`[dispatch] fwd=… head=…  hot=…MB cold=…MB  R× vs std-kv` (std-kv: an fp16 K/V cache
+        of the same length; no ratio where the engine holds no state)."""
+        if self.error is not None:
+            return self.error
+        parts = f"[{self.dispatch}] " if self.dispatch else ""
+        if self.fwd_ms is not None and self.head_ms is not None:
+            parts += f"fwd={self.fwd_ms:.2f}ms head={self.head_ms:.2f}ms  "
+        if self.memory is None:
+            return parts.rstrip()
+        hot = max(self.memory.total - self.memory.cold, 0) / 2**20
+        parts += f"hot={hot:.1f}MB cold={self.memory.cold / 2**20:.1f}MB  "
+        ratio = self.ratio_vs_fp16_full
+        if ratio is None:
+            return parts + "engine state not held here"
+        return parts + (f"{ratio:.1f}× vs std-kv" if ratio < 10 else f"{ratio:.0f}× vs std-kv")
 
 
 @dataclass
@@ -129,10 +157,12 @@ class _Samples:
     fwd: list[float] = field(default_factory=list)
     head: list[float] = field(default_factory=list)
     whole: list[float] = field(default_factory=list)
+    wire: list[float] = field(default_factory=list)  # FFN network bytes per step, run by run
     # from the last run; the engine itself is dropped after each run, so engines timed in
     # rounds do not hold each other's state
     memory: MemoryBreakdown | None = None
     label: str = ""
+    dispatch: str | None = None
     stages: dict[str, float] | None = None
 
 
@@ -203,7 +233,10 @@ def _run_once(
         sample.prefill_ms.append((time.perf_counter() - t0) * 1000)
         run_whole = []
         timer = StepTimer(device)
+        wire_before = ffn.wire_bytes()
         for i in range(settings.warmup + settings.new_tokens):
+            if i == settings.warmup:
+                wire_before = ffn.wire_bytes()
             timer.start()
             hidden = engine.decode_step(model, ffn, token)
             timer.split()
@@ -216,11 +249,14 @@ def _run_once(
                 sample.head.append(took.head_ms)
                 run_whole.append(took.whole_ms)
     sample.whole += run_whole
+    if run_whole:
+        sample.wire.append((ffn.wire_bytes() - wire_before) / len(run_whole))
     row.tok_s_runs.append(1000 * len(run_whole) / sum(run_whole) if run_whole else 0.0)
     if peak.bytes is not None:
         row.peak_working_bytes = max(row.peak_working_bytes or 0, peak.bytes)
     sample.memory = engine.memory()
     sample.label = engine.info().label
+    sample.dispatch = engine.dispatch_path()
     summary = engine.stage_summary()
     sample.stages = None if summary is None else {stage: us for stage, us in summary.rows()}
 
@@ -238,3 +274,5 @@ def _summarise(
     row.fp16_full_bytes = model.config.kv_bytes_per_token(2) * row.context_tokens
     row.label = sample.label
     row.stages = sample.stages
+    row.dispatch = sample.dispatch
+    row.wire_bytes_per_tok = statistics.median(sample.wire) if sample.wire else 0.0

@@ -43,6 +43,10 @@ class FfnBackend(ABC):
         MLP over them — what a compiled whole-layer decode step may run in its place."""
         return None
 
+    def wire_bytes(self) -> int:
+        """Bytes this backend has sent and received over a network so far (0: it is local)."""
+        return 0
+
     def close(self) -> None:
         return None
 

@@ -345,6 +345,9 @@ class LayerFfnRouter(FfnBackend):
     def graph_safe(self) -> bool:  # type: ignore[override]
         return all(b.graph_safe for b in self.backends)
 
+    def wire_bytes(self) -> int:
+        return sum(b.wire_bytes() for b in {id(b): b for b in self.backends}.values())
+
     def close(self) -> None:
         """Close remote clients (their keep-alive connections)."""
         for backend in {id(b): b for b in self.backends}.values():

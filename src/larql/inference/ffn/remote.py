@@ -81,6 +81,9 @@ class RemoteWalkFfn(FfnBackend):
         """One batched request: every listed layer's FFN of the same input x: [S, H]."""
         return self._walk(list(layers), x)
 
+    def wire_bytes(self) -> int:
+        return self.stats.bytes_sent + self.stats.bytes_received
+
     def shard_stats(self) -> dict[str, Any]:
         """The shard's `GET /v1/stats`."""
         return self._request("GET", "/v1/stats").json()
