@@ -119,6 +119,7 @@ def test_kv_cache_legacy_flag_and_warning(cli) -> None:
         (["--temperature", "-1"], "temperature must be ≥ 0"),
         (["--dtype", "int3"], "unknown dtype"),
         (["--device", "tpu"], "device"),
+        (["--top", "-1"], "--top must be ≥ 0"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(cli, args: list[str], message: str) -> None:
@@ -251,3 +252,31 @@ def test_help_and_version_answer_without_loading_torch() -> None:
         assert shown.returncode == 0 and "Usage: larql" in shown.stdout, args
     version = subprocess.run([str(larql), "--version"], capture_output=True, text=True)
     assert version.returncode == 0 and version.stdout.strip() == f"larql {larql_version}"
+
+
+def test_top_prints_the_next_token_table(cli, smollm2_default: Model) -> None:
+    """--top N: the model's N most likely first tokens, the greedy pick first, probabilities
+    the softmax of the prefill's logits."""
+    import torch
+
+    from larql.inference.ffn import DenseFfn
+    from larql.inference.generation import next_token_logits
+    from larql.kv import parse_engine
+
+    out = run_json(cli, "The capital of France is", "-n", "1", "--top", "4")
+    top = out["top"]
+    assert len(top) == 4 and top[0]["id"] == out["tokens"][0] and top[0]["text"] == " Paris"
+    model = smollm2_default
+    ids = model.tokenizer.encode("The capital of France is")
+    engine = parse_engine("standard").build(model)
+    with torch.inference_mode():
+        logits = next_token_logits(model, engine.prefill(model, DenseFfn(model), ids))
+    probabilities = torch.softmax(logits, dim=-1)
+    want = torch.topk(logits, 4).indices.tolist()
+    assert [row["id"] for row in top] == want
+    for row in top:
+        assert row["probability"] == pytest.approx(float(probabilities[row["id"]]), rel=1e-5)
+    assert "top" not in run_json(cli, "The capital of France is", "-n", "1")
+    table = cli("run", "The capital of France is", "-n", "1", "--top", "2")
+    assert table.exit_code == 0 and "next token after the prompt" in table.stdout
+    assert "' Paris'" in table.stdout

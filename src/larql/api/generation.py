@@ -70,6 +70,31 @@ def engine_spec(engine: EngineLike) -> EngineSpec:
 
 
 @dataclass(frozen=True)
+class TopToken:
+    """One row of the next-token table: a candidate for the first generated position, with the
+    model's probability for it (softmax of the raw logits, whatever the sampling)."""
+
+    token_id: int
+    text: str
+    probability: float
+    logit: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.token_id, "text": self.text, "probability": self.probability,
+                "logit": self.logit}  # fmt: skip
+
+
+def top_tokens(model: Model, logits: torch.Tensor, n: int) -> tuple[TopToken, ...]:
+    """The n most likely next tokens of logits [V], most likely first."""
+    probabilities = torch.softmax(logits.float(), dim=-1)
+    best = torch.topk(logits.float(), min(n, logits.shape[-1]))
+    return tuple(
+        TopToken(int(i), model.tokenizer.decode([int(i)]), float(probabilities[i]), float(v))
+        for v, i in zip(best.values, best.indices, strict=True)
+    )
+
+
+@dataclass(frozen=True)
 class Generation:
     """One generation. `token_ids`: every generated id (an end-of-turn id that ended the run
     included); `text`: their text without it. `memory`: the bytes of the engine's state after
@@ -90,6 +115,7 @@ class Generation:
     ffn: str
     loaded_state: SavedState | None = None  # what `load_state` restored
     saved_state: SavedState | None = None  # what `save_state` wrote
+    top: tuple[TopToken, ...] = ()  # with `top=N`: the next-token table after the prompt
 
     def as_json(self) -> dict[str, Any]:
         """The object `larql run --output json` prints."""
@@ -104,6 +130,7 @@ class Generation:
             "decode_tok_s": self.decode_tok_s,
             "memory_bytes": self.memory,
             "memory": self.memory_breakdown.as_json(),
+            **({"top": [t.as_json() for t in self.top]} if self.top else {}),
         }
 
 
@@ -122,9 +149,13 @@ class _TextRun:
         ffn: str,
         load_state: str | Path | None = None,
         save_state: str | Path | None = None,
+        top: int = 0,
     ) -> None:
         if max_new_tokens < 1:
             raise InvalidInput(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+        if top < 0:
+            raise InvalidInput(f"top must be ≥ 0, got {top}")
+        self.top, self.top_rows = top, ()
         self.model, self.sampling, self.ffn_spec = model, sampling, ffn
         self.save_state, self.saved_state = save_state, None
         self.loaded_state: SavedState | None = None
@@ -167,6 +198,8 @@ class _TextRun:
             self.session = session
             decoder = tokenizer.stream_decoder()
             token = None if session.finished else session.prefill()
+            if token is not None and self.top and session.logits is not None:
+                self.top_rows = top_tokens(self.model, session.logits, self.top)
             if token is not None and self.save_state is not None:
                 self.saved_state = self.engine.snapshot(
                     self.save_state, self.model, self.held_ids + self.prompt_ids,
@@ -204,6 +237,7 @@ class _TextRun:
             ffn=self.ffn_name,
             loaded_state=self.loaded_state,
             saved_state=self.saved_state,
+            top=self.top_rows,
         )
 
 
@@ -242,6 +276,7 @@ def generate(
     on_text: Callable[[str], None] | None = None,
     load_state: str | Path | None = None,
     save_state: str | Path | None = None,
+    top: int = 0,
 ) -> Generation:
     """Generate up to `max_new_tokens` tokens from `prompt` (text, or token ids) through a fresh
     engine built from `engine` (a spec string or an `EngineSpec`); an end-of-turn token ends
@@ -250,10 +285,11 @@ def generate(
 
     `save_state`: a directory the engine's state is written to once the prompt is in.
     `load_state`: start from a state saved there instead of a fresh engine (`engine` None or
-    the spec it was saved with); `prompt` (may be empty) continues it as decode steps."""
+    the spec it was saved with); `prompt` (may be empty) continues it as decode steps.
+    `top=N`: also the N most likely first tokens with their probabilities (`Generation.top`)."""
     run = _TextRun(model, engine, prompt, max_new_tokens,
                    SamplingParams(temperature, top_k, top_p, seed), chat, ffn,
-                   load_state, save_state)  # fmt: skip
+                   load_state, save_state, top)  # fmt: skip
     for piece in run.pieces():
         if on_text is not None:
             on_text(piece)

@@ -7,8 +7,9 @@ import sys
 from typing import Annotated
 
 import typer
+from rich.table import Table
 
-from larql.cli.common import InvalidInput, open_model, read_prompt, stderr, user_errors
+from larql.cli.common import InvalidInput, open_model, read_prompt, stderr, stdout, user_errors
 from larql.cli.ffn_options import (
     FfnPolicyOption,
     FfnUrlOption,
@@ -19,6 +20,17 @@ from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOpt
 from larql.cli.state_options import LoadStateOption, SaveStateOption, describe_state
 
 OUTPUTS = ("text", "json")
+
+
+def top_table(rows: tuple) -> Table:
+    """The next-token table: rank, token, id, probability, logit."""
+    table = Table(title="next token after the prompt")
+    for name in ("#", "token", "id", "probability", "logit"):
+        table.add_column(name, justify="left" if name == "token" else "right")
+    for rank, row in enumerate(rows, 1):
+        table.add_row(str(rank), repr(row.text), str(row.token_id), f"{row.probability:.4f}",
+                      f"{row.logit:.3f}")  # fmt: skip
+    return table
 
 
 @user_errors
@@ -53,6 +65,14 @@ def run(
     output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
     ffn_policy: FfnPolicyOption = None,
     ffn: FfnUrlOption = None,
+    top: Annotated[
+        int,
+        typer.Option(
+            "--top",
+            help="Also print the N most likely next tokens after the prompt, with their "
+            "probabilities (the model's, whatever the sampling).",
+        ),
+    ] = 0,
     save_state: SaveStateOption = None,
     load_state_dir: LoadStateOption = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
@@ -66,6 +86,8 @@ def run(
         raise InvalidInput(f"unknown --output {output!r}; accepted: {', '.join(OUTPUTS)}")
     if max_tokens < 1:
         raise InvalidInput(f"-n/--max-tokens must be ≥ 1, got {max_tokens}")
+    if top < 0:
+        raise InvalidInput(f"--top must be ≥ 0, got {top}")
     SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # checks early
     ffn_spec = ffn_policy_spec(ffn_policy, ffn)
     check_policy(ffn_spec)
@@ -96,6 +118,7 @@ def run(
         on_text=write if output == "text" else None,
         load_state=load_state_dir,
         save_state=save_state,
+        top=top,
     )
     if result.loaded_state is not None:
         stderr.print(describe_state("loaded", result.loaded_state))
@@ -105,6 +128,8 @@ def run(
         print(json.dumps(result.as_json()))
     else:
         sys.stdout.write("\n")
+        if result.top:
+            stdout.print(top_table(result.top))
     if verbose:
         rate = result.decode_tok_s
         stderr.print(f"engine: {result.engine_summary}  (from {choice.source})")
