@@ -15,6 +15,15 @@ from larql.cli.app import app
 from larql.harness.accuracy.aggregate import conflict_axis, fact_axis, strategy_splits
 from larql.harness.accuracy.corpora import haystack_with_needle, needle_prompts
 from larql.harness.accuracy.fidelity import kl_divergence, measure_fidelity, reference_run
+from larql.harness.accuracy.metrics import (
+    cosine_similarity,
+    first_divergence,
+    js_divergence,
+    mse,
+    reciprocal_rank,
+    token_match_rate,
+    top_k_overlap,
+)
 from larql.harness.accuracy.scoring import Outcome, PromptScore, answer_bits, answer_matches
 from larql.inference.errors import (
     BackendFailure,
@@ -119,11 +128,31 @@ def test_exact_engines_have_zero_kl_and_full_agreement(smollm2: Model) -> None:
     assert same.positions == 48
     assert same.mean_kl == 0.0 and same.max_kl == 0.0 and same.same_top1 == 1.0
     assert same.delta_p_rms == 0.0 and same.ln_ppl_ratio == 0.0
+    assert same.mean_js == 0.0 and same.top5_overlap == 1.0 and same.mrr == 1.0
+    assert same.hidden_cosine == pytest.approx(1.0, abs=1e-12) and same.hidden_mse == 0.0
     oracle = measure_fidelity(smollm2, ffn, parse_engine("no-cache"), ids, 12, reference, 20)
     assert oracle.positions == 20
     assert oracle.max_kl <= 1e-6 and oracle.same_top1 == 1.0
     windowed = measure_fidelity(smollm2, ffn, parse_engine("standard:window=8"), ids, 12, reference)
     assert windowed.mean_kl > 1e-3  # a sliding window of 8 really changes the distribution
+    # and every other metric sees it, within its range
+    assert 0 < windowed.mean_js <= math.log(2) and windowed.mean_js < windowed.mean_kl
+    assert 0 < windowed.top5_overlap < 1 and 0 < windowed.mrr < 1
+    assert 0 < windowed.hidden_cosine < 1 and windowed.hidden_mse > 0
+
+
+def test_pure_metrics_on_hand_computed_cases() -> None:
+    a, b = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])
+    assert cosine_similarity(a, b) == 0.0 and cosine_similarity(a, 3 * a) == pytest.approx(1.0)
+    assert cosine_similarity(a, torch.zeros(2)) == 0.0
+    assert mse(a, b) == pytest.approx((1 + 4) / 2)
+    p, q = torch.tensor([0.0, -1e9]), torch.tensor([-1e9, 0.0])  # all mass on different tokens
+    assert js_divergence(p, q) == pytest.approx(math.log(2)) and js_divergence(p, p) == 0.0
+    logits = torch.tensor([3.0, 1.0, 2.0, 0.0])
+    assert reciprocal_rank(0, logits) == 1.0 and reciprocal_rank(1, logits) == pytest.approx(1 / 3)
+    assert top_k_overlap(logits, torch.tensor([0.0, 3.0, 2.0, 1.0]), 2) == 0.5
+    assert token_match_rate([1, 2, 3], [1, 5, 3, 4]) == pytest.approx(2 / 3)
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1 and first_divergence([1], [1, 2]) is None
 
 
 def test_cli_report(tmp_path: Path) -> None:

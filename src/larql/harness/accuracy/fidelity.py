@@ -3,7 +3,9 @@ greedy agreement.
 
 Every engine decodes the same text token by token (teacher forcing); at each position we compare
 its next-token distribution Q with the `standard` engine's P: KL(P‖Q), same top-1, the change
-in probability of the true next token (Δp), and the perplexity ratio."""
+in probability of the true next token (Δp), and the perplexity ratio — and beside them the pure
+metrics of `metrics`: Jensen–Shannon, top-5 overlap, the reciprocal rank of P's top-1 under Q,
+and the cosine and MSE of the engine's hidden row against the reference's."""
 
 from __future__ import annotations
 
@@ -14,6 +16,15 @@ from typing import Any
 
 import torch
 
+from larql.harness.accuracy.metrics import (
+    cosine_similarity,
+    first_divergence,
+    js_divergence,
+    mse,
+    reciprocal_rank,
+    token_match_rate,
+    top_k_overlap,
+)
 from larql.harness.bench.stats import nearest_rank
 from larql.inference.engine import Engine
 from larql.inference.errors import EngineError
@@ -37,6 +48,7 @@ class ReferenceRun:
 
     logits: torch.Tensor  # [N, V]
     targets: torch.Tensor  # [N] the true next tokens
+    hidden: torch.Tensor | None = None  # [N, H] the pre-final-norm rows those logits came from
 
 
 @dataclass
@@ -55,6 +67,12 @@ class Fidelity:
     ratio_vs_fp16: float | None = None  # the state over an fp16 full cache of the same tokens
     first_divergence: int | None = None  # greedy step where tokens first differ (None = never)
     greedy_steps: int = 0
+    token_match: float | None = None  # the fraction of greedy steps with the reference's token
+    mean_js: float = math.nan  # Jensen–Shannon divergence, nats
+    top5_overlap: float = math.nan  # |top-5(P) ∩ top-5(Q)| / 5, mean over positions
+    mrr: float = math.nan  # mean reciprocal rank of P's top-1 under Q
+    hidden_cosine: float = math.nan  # mean cosine of the hidden rows
+    hidden_mse: float = math.nan  # mean squared difference of the hidden rows
     note: str = ""
     error: str | None = None
 
@@ -69,15 +87,30 @@ def reference_run(
     model: Model, ffn: FfnBackend, reference: EngineSpec, ids: list[int], prompt_len: int
 ) -> ReferenceRun:
     engine = reference.build(model)
-    rows = [logits.cpu() for logits in teacher_forced(model, ffn, engine, ids, prompt_len)]
-    return ReferenceRun(torch.stack(rows), torch.tensor(ids[prompt_len:]))
+    hidden: list[torch.Tensor] = []
+    logits = teacher_forced(model, ffn, engine, ids, prompt_len, hidden)
+    rows = [row.cpu() for row in logits]
+    return ReferenceRun(torch.stack(rows), torch.tensor(ids[prompt_len:]), torch.cat(hidden))
 
 
 def teacher_forced(
-    model: Model, ffn: FfnBackend, engine: Engine, ids: list[int], prompt_len: int
+    model: Model,
+    ffn: FfnBackend,
+    engine: Engine,
+    ids: list[int],
+    prompt_len: int,
+    hidden: list[torch.Tensor] | None = None,
 ) -> Iterator[torch.Tensor]:
-    """Logits [V] predicting ids[prompt_len], ids[prompt_len + 1], …, ids[-1], in turn."""
-    return logits_of(model, teacher_forced_hidden(engine, model, ffn, ids[:-1], prompt_len))
+    """Logits [V] predicting ids[prompt_len], ids[prompt_len + 1], …, ids[-1], in turn; the
+    hidden rows [1, H] they come from are appended to `hidden` (on the CPU) where given."""
+    rows = teacher_forced_hidden(engine, model, ffn, ids[:-1], prompt_len)
+    return logits_of(model, rows if hidden is None else _kept(rows, hidden))
+
+
+def _kept(rows: Iterator[torch.Tensor], into: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+    for row in rows:
+        into.append(row.detach().float().cpu())
+        yield row
 
 
 def measure_fidelity(
@@ -96,15 +129,20 @@ def measure_fidelity(
         else min(max_positions, len(reference.targets))
     )
     kls, top1, dp, nll_q, nll_p = [], [], [], [], []
+    js, overlap, rr = [], [], []
+    hidden: list[torch.Tensor] = []
     try:
         engine = kind.build(model)
-        stream = teacher_forced(model, ffn, engine, ids[: prompt_len + n], prompt_len)
+        stream = teacher_forced(model, ffn, engine, ids[: prompt_len + n], prompt_len, hidden)
         for i, logits in enumerate(stream):
             log_q = torch.log_softmax(logits.double().cpu(), dim=-1)
             log_p = torch.log_softmax(reference.logits[i].double(), dim=-1)
             target = int(reference.targets[i])
             kls.append(float(kl_divergence(log_p, log_q)))
             top1.append(int(log_p.argmax()) == int(log_q.argmax()))
+            js.append(js_divergence(log_p, log_q))
+            overlap.append(top_k_overlap(log_p, log_q, 5))
+            rr.append(reciprocal_rank(int(log_p.argmax()), log_q))
             dp.append(float(log_q[target].exp() - log_p[target].exp()))
             nll_q.append(-float(log_q[target]))
             nll_p.append(-float(log_p[target]))
@@ -113,6 +151,7 @@ def measure_fidelity(
     except EngineError as e:
         return Fidelity(kind.spec(), 0, *([math.nan] * 7), 0, 0, error=f"{type(e).__name__}: {e}")
     held_tokens = prompt_len + len(kls) - 1  # the last position's token is never fed
+    cosines, squares = _hidden_agreement(hidden, reference.hidden)
     return Fidelity(
         spec=kind.spec(),
         positions=len(kls),
@@ -128,16 +167,43 @@ def measure_fidelity(
         ratio_vs_fp16=engine.memory().state / model.config.kv_bytes_per_token(2) / held_tokens
         if engine.memory().state
         else None,
+        mean_js=sum(js) / len(js),
+        top5_overlap=sum(overlap) / len(overlap),
+        mrr=sum(rr) / len(rr),
+        hidden_cosine=sum(cosines) / len(cosines) if cosines else math.nan,
+        hidden_mse=sum(squares) / len(squares) if squares else math.nan,
     )
+
+
+def _hidden_agreement(
+    hidden: list[torch.Tensor], reference: torch.Tensor | None
+) -> tuple[list[float], list[float]]:
+    """Cosine and MSE of each scored hidden row against the reference's (none where the
+    reference kept no rows)."""
+    if reference is None:
+        return [], []
+    rows = list(zip(hidden, reference, strict=False))
+    return [cosine_similarity(a, b) for a, b in rows], [mse(a, b) for a, b in rows]
+
+
+def greedy_tokens(
+    model: Model, ffn: FfnBackend, kind: EngineSpec, prompt_ids: list[int], steps: int
+) -> list[int]:
+    """The engine's free-running greedy tokens after the prompt."""
+    engine = kind.build(model)
+    return generate(engine, model, ffn, prompt_ids, steps, stop_ids=frozenset()).tokens
 
 
 def greedy_divergence(
     model: Model, ffn: FfnBackend, kind: EngineSpec, prompt_ids: list[int], reference: list[int]
 ) -> int | None:
     """First step at which the engine's free-running greedy tokens leave the reference's."""
-    engine = kind.build(model)
-    tokens = generate(engine, model, ffn, prompt_ids, len(reference), stop_ids=frozenset()).tokens
-    for step, (ours, theirs) in enumerate(zip(tokens, reference, strict=False)):
-        if ours != theirs:
-            return step
-    return None
+    return first_divergence(greedy_tokens(model, ffn, kind, prompt_ids, len(reference)), reference)
+
+
+def greedy_agreement(
+    model: Model, ffn: FfnBackend, kind: EngineSpec, prompt_ids: list[int], reference: list[int]
+) -> tuple[int | None, float]:
+    """(first divergent greedy step or None, the fraction of steps with the reference's token)."""
+    tokens = greedy_tokens(model, ffn, kind, prompt_ids, len(reference))
+    return first_divergence(tokens, reference), token_match_rate(tokens, reference)

@@ -15,12 +15,15 @@ def fidelity_table(rows: list[Fidelity], text_label: str) -> Table:
     table = Table(
         title=f"Teacher-forced fidelity vs standard (full cache) — {text_label}",
         caption="KL(standard‖engine) in nats per position; Δp = change in p(true next token); "
-        "ln PPL ratio = ln(PPL(engine)/PPL(standard)); divergence = first greedy step that differs",
+        "ln PPL ratio = ln(PPL(engine)/PPL(standard)); divergence = first greedy step that "
+        "differs; JS = Jensen–Shannon (nats), top-5 = overlap of the top-5 sets, MRR = mean "
+        "reciprocal rank of standard's top-1, cos = cosine of the hidden rows, match = greedy "
+        "tokens equal",
         caption_justify="left",
     )
     for col in ("strategy", "positions", "mean KL", "median", "p99", "max", "same top-1",
-                "Δp RMS", "ln PPL ratio", "greedy divergence", "state MiB", "× fp16",
-                "note"):  # fmt: skip
+                "Δp RMS", "ln PPL ratio", "greedy divergence", "JS", "top-5", "MRR", "cos",
+                "match", "state MiB", "× fp16", "note"):  # fmt: skip
         if col == "strategy":  # never broken inside: a spec has to stay pasteable
             widest = max([len(r.spec) for r in rows] + [len(col)])
             table.add_column(col, no_wrap=True, min_width=widest)
@@ -28,7 +31,7 @@ def fidelity_table(rows: list[Fidelity], text_label: str) -> Table:
         table.add_column(col, justify="left" if col == "note" else "right", overflow="fold")
     for r in rows:
         if r.error:
-            table.add_row(r.spec, *[""] * 11, f"error: {r.error}")
+            table.add_row(r.spec, *[""] * 16, f"error: {r.error}")
             continue
         divergence = (
             "—" if not r.greedy_steps
@@ -46,6 +49,11 @@ def fidelity_table(rows: list[Fidelity], text_label: str) -> Table:
             shown(r.delta_p_rms, ".2e"),
             shown(r.ln_ppl_ratio, "+.2e"),
             divergence,
+            shown(r.mean_js, ".2e"),
+            shown(r.top5_overlap, ".3f"),
+            shown(r.mrr, ".3f"),
+            shown(r.hidden_cosine, ".5f"),
+            "—" if r.token_match is None else f"{r.token_match:.0%}",
             shown(mib_value(r.memory_bytes), ".2f"),
             shown(r.ratio_vs_fp16, ".3f"),
             r.note,

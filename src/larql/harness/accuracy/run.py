@@ -20,7 +20,7 @@ from larql.harness.accuracy.corpora import (
 )
 from larql.harness.accuracy.fidelity import (
     Fidelity,
-    greedy_divergence,
+    greedy_agreement,
     measure_fidelity,
     reference_run,
 )
@@ -224,7 +224,7 @@ def _fidelity(
             result.note = f"O(N²) engine: first {result.positions} positions only"
         if result.error is None:
             try:
-                result.first_divergence = greedy_divergence(
+                result.first_divergence, result.token_match = greedy_agreement(
                     model, ffn, strategy.engine, ids[:prompt_len], greedy_ref
                 )
                 result.greedy_steps = len(greedy_ref)
