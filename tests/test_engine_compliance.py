@@ -32,6 +32,8 @@ EXACT_SPECS = [
     "boundary-kv:chunk_tokens=4",
     "boundary-per-layer",
     "windowed-checkpoint:window=128",
+    "semantic-promotion",
+    "semantic-promotion:base=markov-rs:window=4",
 ]
 PROMPT = "Alice put the red ball in the box, and Bob"
 

@@ -15,6 +15,7 @@ from larql.kv import (
     kv_quant,
     no_cache,
     residual,
+    semantic_promotion,
     standard,
     turbo_quant,
     windowed_checkpoint,
@@ -36,6 +37,7 @@ CATALOG = EngineCatalog(
         apollo.ENTRY,
         boundary.ENTRY,
         residual.BOUNDARY_PER_LAYER,
+        semantic_promotion.ENTRY,
     ],
     extensions=plugin_entries,
 )

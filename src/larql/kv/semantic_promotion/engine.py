@@ -1,0 +1,99 @@
+"""`semantic-promotion`: a policy wrapper over another KV engine (`base=SPEC`).
+
+A promotion policy decides which rows of a base engine's state to keep at higher fidelity. Only
+its observe mode exists: the wrapper runs its base unchanged — every call, state and output is
+the base's, bit for bit — and counts what it saw (prompt tokens and decode steps). Enforcing
+modes would change the base's state and are refused where the spec is parsed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from larql.inference.engine import Engine, KvEngine
+from larql.inference.ffn import FfnBackend
+from larql.inference.memory import MemoryBreakdown
+from larql.inference.profiling import DecodeStageSummary
+from larql.models.model import Model
+
+
+class SemanticPromotionEngine(KvEngine):
+    name = "semantic-promotion"
+
+    def __init__(self, base: Engine, base_spec: str, mode: str = "observe") -> None:
+        super().__init__()
+        self.base, self.base_spec, self.mode = base, base_spec, mode
+        self.observed_prompt_tokens = 0
+        self.observed_steps = 0
+
+    # ------------------------------------------------------------------ what it holds: the base's
+
+    def memory(self) -> MemoryBreakdown:
+        return self.base.memory()
+
+    def describe(self) -> str:
+        return (
+            f"observes {self.base.info().label} (a policy wrapper: the base's state and outputs "
+            f"unchanged; {self.observed_prompt_tokens} prompt tokens, {self.observed_steps} steps "
+            "seen)"
+        )
+
+    def config(self) -> str:
+        return f"base={self.base_spec},mode={self.mode}"
+
+    def window_tokens(self) -> int:
+        return self.base.window_tokens()
+
+    def stage_summary(self) -> DecodeStageSummary | None:
+        return self.base.stage_summary()
+
+    def dispatch_path(self) -> str | None:
+        return self.base.dispatch_path()
+
+    def supports_multimodal(self) -> bool:
+        return self.base.supports_multimodal()
+
+    def extends_exactly(self, model: Model) -> bool:
+        return self.base.extends_exactly(model)
+
+    def snapshot_refusal(self, restoring: bool = False) -> str | None:
+        return f"a policy wrapper: snapshot its base engine ({self.base_spec}) instead"
+
+    # ------------------------------------------------------------------ the protocol, delegated
+
+    def prefill_all(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
+        rows = self.base.prefill_all(model, ffn, token_ids)
+        self._saw(prompt=len(token_ids))
+        return rows
+
+    def prefill_from_hidden(
+        self, model: Model, ffn: FfnBackend, initial_hidden: torch.Tensor
+    ) -> torch.Tensor:
+        rows = self.base.prefill_from_hidden(model, ffn, initial_hidden)
+        self._saw(prompt=initial_hidden.shape[0])
+        return rows
+
+    def extend(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
+        hidden = self.base.extend(model, ffn, token_ids)
+        self._saw(prompt=len(token_ids))
+        return hidden
+
+    def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
+        hidden = self.base.decode_step(model, ffn, token_id)
+        self._saw(steps=1)
+        return hidden
+
+    def decode_step_from_hidden(
+        self, model: Model, ffn: FfnBackend, hidden_row: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = self.base.decode_step_from_hidden(model, ffn, hidden_row)
+        self._saw(steps=1)
+        return hidden
+
+    def _saw(self, prompt: int = 0, steps: int = 0) -> None:
+        self.observed_prompt_tokens += prompt
+        self.observed_steps += steps
+        self.position = self.base.position
+        self._prefilled = True
+        self._backend = self.base._backend
