@@ -369,7 +369,9 @@ def test_entries_without_seeds_are_the_top_coefficients() -> None:
 def test_spec_parameters_and_kind() -> None:
     kind = parse_engine("apollo")
     assert kind.entry.kind == "retrieval" and kind.live_decode is False
-    assert dict(kind.params) == {"layer": None, "coef": 10.0, "top_k": 8, "store": None}
+    assert dict(kind.params) == {
+        "layer": None, "coef": 10.0, "top_k": 8, "store": None, "bos": None
+    }  # fmt: skip
     parsed = parse_engine("apollo:layer=25,coef=8.0,top_k=12")
     assert (parsed.params["layer"], parsed.params["coef"], parsed.params["top_k"]) == (25, 8.0, 12)
     with pytest.raises(NotAvailableForLiveDecode, match="not available for live decode"):
@@ -377,6 +379,26 @@ def test_spec_parameters_and_kind() -> None:
     for bad in ("apollo:coef=abc", "apollo:top_k=0", "apollo:layer=-1", "apollo:coef=nan"):
         with pytest.raises(MalformedEngineSpec):
             parse_engine(bad)
+
+
+def test_bos_names_the_id_dropped_from_a_query(smollm2: Model, tmp_path: Path) -> None:
+    store = build_store(smollm2, CORPUS, BuildOptions(window=32, residuals=False)).save(
+        tmp_path / "store"
+    )
+    marker = smollm2.tokenizer.encode(" Hello")[0]  # not the model's BOS
+    query = [marker, *smollm2.tokenizer.encode(QUERY)]
+    contexts = {}
+    for spec in (f"apollo:store={store}", f"apollo:store={store},bos={marker}"):
+        engine = parse_engine(spec).build(smollm2)
+        with torch.inference_mode():
+            engine.prefill(smollm2, DenseFfn(smollm2), query)
+        contexts[spec] = engine._context.tolist()
+    kept, dropped = contexts.values()
+    assert kept[-len(query) :] == query  # the model's BOS is another id: nothing dropped
+    assert dropped[-len(query) + 1 :] == query[1:] and len(dropped) == len(kept) - 1
+    assert "bos=" in parse_engine(f"apollo:bos={marker}").build(smollm2).config()
+    with pytest.raises(EngineBuildError, match="outside"):
+        parse_engine("apollo:bos=10000000").build(smollm2)
 
 
 def test_without_a_store_prefill_is_a_recoverable_miss(smollm2: Model) -> None:

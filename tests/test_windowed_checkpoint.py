@@ -201,6 +201,29 @@ def test_replay_window_rebuilds_the_closed_windows_kv(smollm2_f64: Model) -> Non
         engine.replay_window(2)  # still open
 
 
+def test_flush_closes_the_partial_window(smollm2_f64: Model) -> None:
+    ids = smollm2_f64.tokenizer.encode(TEXT)[:9]
+    engine = WindowedCheckpointEngine(window=4)
+    run(engine, smollm2_f64, ids[:6], 6)  # window 0 closed; window 1 holds positions 4, 5
+    open_kv = engine.current_window_kv()
+    cold = engine.memory().cold
+    engine.flush()
+    assert engine.window_tokens() == 0 and engine.window_id == 2 and engine.offset == 6
+    assert engine.memory().cold > cold  # the checkpoint and the two ids are archived
+    assert list(engine.key_positions()) == [5]  # the next token sees the flushed checkpoint
+    replayed = engine.replay_window(1)
+    for layer, (k, v) in enumerate(replayed):
+        assert k.shape[1] == 2  # a partial window
+        assert relative_error(k, open_kv[layer][0]) <= 1e-10
+        assert relative_error(v, open_kv[layer][1]) <= 1e-10
+    with torch.inference_mode():
+        engine.decode_step(smollm2_f64, DenseFfn(smollm2_f64), ids[6])  # opens window 2
+    assert engine.window_tokens() == 1 and list(engine.key_positions()) == [5, 6]
+    engine.flush()
+    engine.flush()  # nothing open: no change
+    assert engine.window_id == 3 and len(engine.checkpoints) == 3
+
+
 # ---------------------------------------------------------------------------- accounting
 
 

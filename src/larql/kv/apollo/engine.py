@@ -67,8 +67,11 @@ class ApolloEngine(RetrievalEngine):
         inject_coefficient: float = DEFAULT_COEF,
         top_k: int = DEFAULT_TOP_K,
         model: Model | None = None,
+        bos: int | None = None,
     ) -> None:
+        """`bos`: the id dropped from the front of a query (None: the model's BOS)."""
         super().__init__()
+        self.bos = bos
         self.store = store
         self._layer_param = injection_layer  # None ⇒ the store's arch_config.injection_layer
         self.inject_coefficient = inject_coefficient
@@ -104,7 +107,8 @@ class ApolloEngine(RetrievalEngine):
 
     def config(self) -> str:
         layer = "store" if self.injection_layer is None else self.injection_layer
-        return f"inject_layer={layer},coef={self.inject_coefficient},top_k={self.top_k}"
+        bos = "" if self.bos is None else f",bos={self.bos}"
+        return f"inject_layer={layer},coef={self.inject_coefficient},top_k={self.top_k}{bos}"
 
     def memory(self) -> MemoryBreakdown:
         """hot: the store and the context ids; derivative: delta and boundary copies."""
@@ -131,7 +135,9 @@ class ApolloEngine(RetrievalEngine):
         self._check_model(model)
         query = [int(t) for t in token_ids]
         self.injection = self._prepare_injection(model, query)
-        body = _drop_leading_bos(query, model.config.bos_token_id)
+        body = _drop_leading_bos(
+            query, self.bos if self.bos is not None else model.config.bos_token_id
+        )
         if self.injection.boundary is None:
             body = [int(t) for t in self.store.window_tokens[self.injection.window]] + body
         self._context = torch.tensor(body, dtype=torch.int32, device=model.device)
@@ -232,7 +238,11 @@ def build_apollo(
     top_k: int,
     store: str | Path | None,
     model: Model | None,
+    bos: int | None = None,
 ) -> ApolloEngine:
     """The catalog's factory: loads `store=DIR` now, so a bad store fails at build time."""
     loaded = ApolloStore.load(store) if store is not None else None
-    return ApolloEngine(loaded, injection_layer, inject_coefficient, top_k, model)
+    if bos is not None and model is not None and not 0 <= bos < model.config.vocab_size:
+        top = model.config.vocab_size - 1
+        raise EngineBuildError(f"apollo: bos={bos} is outside {model.name}'s vocabulary (0..{top})")
+    return ApolloEngine(loaded, injection_layer, inject_coefficient, top_k, model, bos)

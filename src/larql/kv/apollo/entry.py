@@ -22,13 +22,22 @@ ENTRY = EngineEntry(
         ),
         Param("top_k", int, 8, "entries retrieved from the routed window", at_least(1)),
         Param("store", str, None, "store directory from `larql apollo build-store`"),
+        Param(
+            "bos",
+            int,
+            None,
+            "the id dropped from a query's front (none = the model's BOS)",
+            at_least(0),
+        ),
     ),
     keeps="a prebuilt store (window tokens, boundary residuals, fact entries) and the "
     "context token ids; no K/V — every step re-runs the forward pass (O(N²))",
     contract="task-level retrieval only, never exact; bench and accuracy only (no live "
     "decode); without store= prefill is a RetrievalMiss (the long-context suite builds one "
     "from each context)",
-    factory=lambda p, model: build_apollo(p["layer"], p["coef"], p["top_k"], p["store"], model),
+    factory=lambda p, model: build_apollo(
+        p["layer"], p["coef"], p["top_k"], p["store"], model, p["bos"]
+    ),
     kind="retrieval",
     live_decode=False,
 )

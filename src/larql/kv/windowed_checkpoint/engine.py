@@ -207,6 +207,14 @@ class WindowedCheckpointEngine(KvEngine):
             self.offset += n
             self.window_id += 1
 
+    def flush(self) -> None:
+        """Close the open window now, as if it had filled (the end of a document, say): its last
+        row on every layer becomes a checkpoint, its ids go to the archive, its K/V is dropped;
+        the next token opens a window seeded with that checkpoint. Nothing open: no change."""
+        if not self.archive.pending or self._model is None:
+            return
+        self._close_window(self._model)
+
     # ------------------------------------------------------------------ introspection
 
     def key_positions(self) -> range:
