@@ -28,6 +28,7 @@ EXACT_SPECS = [
     "no-cache",
     "markov-rs",
     "markov-rs:window=4",
+    "markov-rs:kv_cache=0",
     "markov-rs-codec",
     "boundary-kv:chunk_tokens=4",
     "boundary-per-layer",

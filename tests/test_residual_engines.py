@@ -103,6 +103,32 @@ def test_markov_rs_logits_match_standard_in_float64(
     assert relative_error(ours, standard_f64) <= 1e-9
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_recompute_mode_is_exact_and_holds_the_residuals_alone(
+    window: int | None,
+    smollm2_f64: Model,
+    long_ids: list[int],
+    standard_f64: torch.Tensor,
+) -> None:
+    """kv_cache=0: every step rebuilds K/V from the stored residuals (hot and cold); the logits
+    are standard's and the state is the residuals only."""
+    spec = markov_spec(window) + ("," if window else ":") + "kv_cache=0"
+    ours = teacher_forced(smollm2_f64, spec, long_ids, PROMPT_LEN)
+    assert relative_error(ours, standard_f64) <= 1e-9
+    engine = residual_engine(spec, smollm2_f64)
+    cached = residual_engine(markov_spec(window), smollm2_f64)
+    ffn = DenseFfn(smollm2_f64)
+    for e in (engine, cached):
+        generate(e, smollm2_f64, ffn, long_ids[:PROMPT_LEN], 4, stop_ids=frozenset())
+    cfg = smollm2_f64.config
+    rows = PROMPT_LEN + 3  # the last pick is never fed
+    memory, with_kv = engine.memory(), cached.memory()
+    assert memory.derivative == 0 and with_kv.derivative > 0
+    assert memory.hot + memory.cold == cfg.num_layers * rows * cfg.hidden_size * 8  # float64
+    assert memory.hot + memory.cold == with_kv.hot + with_kv.cold
+    assert "kv_cache=0" in engine.info().config
+
+
 @pytest.mark.slow
 def test_markov_rs_greedy_tokens_match_standard_in_float32(smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode(PROMPT)

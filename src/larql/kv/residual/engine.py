@@ -9,6 +9,12 @@ their true positions — one row per layer per step, O(1).
 
 Attention is always over the full history (docs/DESIGN.md, decision 2: `window` only splits
 storage), so with a lossless cold tier the engine is exact against `standard` at any window.
+
+`kv_cache=False` is the recompute mode: no K/V is kept between steps; each step rebuilds every
+layer's K/V from the stored residuals (hot and cold) through the same projection code, so the
+state is the residuals alone — fewer bytes than a full K/V cache only where a row's K and V
+together are wider than its residual (no grouped-query attention), and a projection of the
+whole history per layer per step.
 """
 
 from __future__ import annotations
@@ -53,12 +59,17 @@ class ResidualStreamEngine(KvEngine):
     """Base of markov-rs, markov-rs-codec and boundary-per-layer; subclasses choose codecs."""
 
     def __init__(
-        self, window: int | None = None, profiling: bool = False, model: Model | None = None
+        self,
+        window: int | None = None,
+        profiling: bool = False,
+        model: Model | None = None,
+        kv_cache: bool = True,
     ) -> None:
         if window is not None and window < 1:
             raise ValueError(f"window must be ≥ 1, got {window}")
         super().__init__(profiling)
         self.window = window
+        self.kv_cache = kv_cache  # False: K/V recomputed from the residuals every step
         self._store: ResidualStore | None = None
         if model is not None:
             self.validate_for(model)
@@ -74,7 +85,8 @@ class ResidualStreamEngine(KvEngine):
         raise NotImplementedError
 
     def config(self) -> str:
-        return f"window={self.window}" if self.window is not None else "window=full"
+        window = f"window={self.window}" if self.window is not None else "window=full"
+        return window if self.kv_cache else f"{window},kv_cache=0"
 
     # ------------------------------------------------------------------ state and accounting
 
@@ -112,6 +124,8 @@ class ResidualStreamEngine(KvEngine):
         store.advance(rows.shape[0])
         self._store = store
         self._evict(model, _NOT_PROFILED)
+        if not self.kv_cache:
+            store.drop_derivative()
         return h
 
     # ------------------------------------------------------------------ decode
@@ -130,6 +144,8 @@ class ResidualStreamEngine(KvEngine):
                 h = ffn_block(model, layer, h, ffn)
         store.advance(1)
         self._evict(model, prof)
+        if not self.kv_cache:
+            store.drop_derivative()
         return h
 
     def _derivative_kv(self, model: Model, prof: EngineProfiler) -> list[KvBuffer]:

@@ -7,21 +7,32 @@ from larql.kv.residual.codec_engine import MarkovResidualCodecEngine
 from larql.kv.residual.markov import MarkovResidualEngine
 from larql.kv.residual.per_layer import BoundaryPerLayerEngine
 from larql.kv.spec import EngineEntry
-from larql.specs import Param, at_least
+from larql.specs import Param, at_least, one_of
 
 HOT_WINDOW_DOC = (
     "hot residual rows per layer; older rows go to the cold tier (attention stays full)"
+)
+KV_CACHE_DOC = (
+    "1: keep every position's K/V beside the residuals (fast; residuals + K/V: more bytes than "
+    "standard's cache); 0: recompute all K/V from the residuals every step (the state is the "
+    "residuals alone — below a full K/V cache only where K and V together are wider than the "
+    "hidden state, i.e. without grouped-query attention; on SmolLM2 (576 vs 384 per row) "
+    "still above; a projection of the whole history per layer per step)"
 )
 
 MARKOV_RS = EngineEntry(
     name="markov-rs",
     aliases=("markov_rs", "markov-residual", "markov_residual"),
-    params=(Param("window", int, None, HOT_WINDOW_DOC, at_least(1)),),
+    params=(
+        Param("window", int, None, HOT_WINDOW_DOC, at_least(1)),
+        Param("kv_cache", int, 1, KV_CACHE_DOC, one_of(0, 1)),
+    ),
     keeps="pre-layer residuals per layer (hot: last window rows; cold: the rest, lossless); "
-    "K/V of every position as a droppable derivative",
-    contract="exact vs standard at any window (window splits storage, not attention)",
+    "K/V of every position as a droppable derivative (none with kv_cache=0)",
+    contract="exact vs standard at any window (window splits storage, not attention), in "
+    "either kv_cache mode",
     factory=lambda p, model: MarkovResidualEngine(
-        window=p["window"], profiling=p["profiling"], model=model
+        window=p["window"], profiling=p["profiling"], model=model, kv_cache=bool(p["kv_cache"])
     ),
 )
 
