@@ -155,6 +155,18 @@ def test_pure_metrics_on_hand_computed_cases() -> None:
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1 and first_divergence([1], [1, 2]) is None
 
 
+def test_corpora_sizes_and_parametric_n(smollm2: Model) -> None:
+    from larql.harness.accuracy.corpora import CONFLICT, PARAMETRIC
+    from larql.harness.accuracy.run import AccuracySettings, corpora
+
+    assert len(PARAMETRIC) == 100 and len(CONFLICT) >= 20
+    assert len({p.prompt for p in PARAMETRIC}) == 100  # no prompt twice
+    parametric, _, _ = corpora(smollm2, AccuracySettings(parametric_n=12, conflict=False))
+    assert parametric == list(PARAMETRIC[:12])
+    result = CliRunner().invoke(app, ["accuracy", "--parametric-n", "0"])
+    assert result.exit_code == 2 and "parametric_n must be ≥ 1" in result.stderr
+
+
 def test_cli_report(tmp_path: Path) -> None:
     out, plot = tmp_path / "accuracy.json", tmp_path / "frontier.png"
     result = CliRunner().invoke(

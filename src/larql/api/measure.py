@@ -97,6 +97,7 @@ def accuracy(
     *,
     ffn: str | Sequence[str] = "dense",
     quick: bool = False,
+    parametric_n: int | None = None,
     needle_max_tokens: int = 8192,
     conflict: bool = True,
     fidelity: bool = True,
@@ -108,7 +109,8 @@ def accuracy(
     """`larql accuracy` (prompts suite): every engine × FFN policy on the three prompt corpora,
     then its teacher-forced fidelity against `standard` over `text_file` (default: the shipped
     licence text). `ffn`: policies as `--ffn` takes them (comma separated) or a list;
-    `quick`, `positions`, `prompt_tokens`, `needle_max_tokens` as the command's options;
+    `quick`, `parametric_n`, `positions`, `prompt_tokens`, `needle_max_tokens` as the command's
+    options;
     `conflict=False` / `fidelity=False` leave those parts out."""
     kinds = parse_engines(engines if engines is not None else accuracy_specs())
     ffn_specs = (split_specs(ffn) if isinstance(ffn, str) else list(ffn)) or ["dense"]
@@ -117,9 +119,12 @@ def accuracy(
     if positions is not None:
         _at_least("positions", positions, 1)
     _at_least("prompt_tokens", prompt_tokens, 1)
+    if parametric_n is not None:
+        _at_least("parametric_n", parametric_n, 1)
     body, label = read_text(text_file)
     settings = AccuracySettings(
         quick=quick,
+        parametric_n=parametric_n,
         needle_max_tokens=needle_max_tokens,
         conflict=conflict,
         fidelity=fidelity,

@@ -57,6 +57,12 @@ def accuracy(
             "32 greedy steps.",
         ),
     ] = False,
+    parametric_n: Annotated[
+        int | None,
+        typer.Option(
+            "--parametric-n", help="The first N of the 100 parametric prompts (default: all)."
+        ),
+    ] = None,
     needle_max_tokens: Annotated[int, typer.Option("--needle-max-tokens")] = 8192,
     no_conflict: Annotated[bool, typer.Option("--no-conflict")] = False,
     no_fidelity: Annotated[bool, typer.Option("--no-fidelity")] = False,
@@ -149,6 +155,7 @@ def accuracy(
             kinds,
             ffn=ffn_specs,
             quick=quick,
+            parametric_n=parametric_n,
             needle_max_tokens=needle_max_tokens,
             conflict=not no_conflict,
             fidelity=not no_fidelity,

@@ -51,6 +51,7 @@ def default_specs() -> list[str]:
 @dataclass(frozen=True)
 class AccuracySettings:
     quick: bool = False
+    parametric_n: int | None = None  # the first N parametric prompts (None: all 100)
     needle_max_tokens: int = 8192
     conflict: bool = True
     fidelity: bool = True
@@ -108,6 +109,8 @@ def corpora(model: Model, settings: AccuracySettings) -> Corpora:
         needles = needles[:2]
         seen: set[str] = set()
         conflict = [c for c in conflict if not (c.category in seen or seen.add(c.category))][:5]
+    if settings.parametric_n is not None:
+        parametric = list(PARAMETRIC)[: settings.parametric_n]
     return parametric, needles, conflict
 
 
