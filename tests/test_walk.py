@@ -202,9 +202,30 @@ def test_walk_compare(cli) -> None:
         (("--layers", "5-99"), "outside the model's layers"),
         (("--predict", "--compare"), "not both"),
         (("-k", "0"), "must be ≥ 1"),
+        (("--ffn", "http://127.0.0.1:9"), "give --predict or --compare"),
+        (("--ffn", "http://127.0.0.1:9", "-k", "5", "--compare"), "not both"),
+        (("--predict", "--kv-cache", "nonsense"), "unknown --kv-cache"),
     ],
 )
 def test_walk_errors_are_one_line(cli, args: tuple[str, ...], message: str) -> None:
     result = cli("The capital of France is", *args)
     assert result.exit_code == 2, result.output
     assert message in result.stderr and "Traceback" not in result.output
+
+
+def test_walk_predict_takes_the_legacy_engine_flags(cli) -> None:
+    args = ("The capital of France is", "--predict", "-n", "2", "-o", "json")
+    data = json.loads(cli(*args, "--kv-cache", "markov-bounded", "--context-window", "8").stdout)
+    assert data["engine"] == "standard:window=8"
+
+
+def test_walk_compare_against_an_ffn_shard(cli, smollm2: Model) -> None:
+    """--ffn URL: the shard runs every layer's FFN; over the f32 wire it is the dense FFN."""
+    from larql.server.ffn_shard import create_ffn_app, start_shard
+
+    with start_shard(create_ffn_app(smollm2)) as shard:
+        result = cli("The capital of France is", "--compare", "--ffn", shard.url, "-o", "json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["ffn"] == f"remote-walk:endpoint={shard.url}"
+    assert data["kl_dense_walk"] < 1e-9 and data["same_top1"]

@@ -9,8 +9,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from larql.cli.common import InvalidInput, open_model, read_prompt, stdout, user_errors
-from larql.cli.ffn_options import FfnPolicyOption, check_policy
+from larql.cli.common import InvalidInput, open_model, read_prompt, stderr, stdout, user_errors
+from larql.cli.ffn_options import FfnPolicyOption, FfnUrlOption, check_policy, ffn_policy_spec
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
 
 OUTPUTS = ("table", "json")
@@ -30,11 +30,11 @@ def parse_layers(value: str | None, num_layers: int) -> range:
     return range(first, last + 1)
 
 
-def walk_policy(k: int | None, policy: str | None) -> str:
-    if k is not None and policy is not None:
-        raise InvalidInput("give -k N (walk:k=N on every layer) or --ffn-policy, not both")
-    if policy is not None:
-        return policy
+def walk_policy(k: int | None, policy: str | None, url: str | None = None) -> str:
+    if k is not None and (policy is not None or url is not None):
+        raise InvalidInput("give -k N (walk:k=N on every layer), --ffn-policy or --ffn, not both")
+    if policy is not None or url is not None:
+        return ffn_policy_spec(policy, url)
     if k is not None and k < 1:
         raise InvalidInput(f"-k/--top-k must be ≥ 1, got {k}")
     return "walk" if k is None else f"walk:k={k}"
@@ -59,7 +59,18 @@ def walk(
     engine: Annotated[
         str | None, typer.Option("--engine", help="KV engine spec for --predict.")
     ] = None,
+    kv_cache: Annotated[
+        str,
+        typer.Option(
+            "--kv-cache", help="Legacy engine flag for --predict: standard|markov-bounded|none."
+        ),
+    ] = "standard",
+    context_window: Annotated[
+        int,
+        typer.Option("--context-window", help="Legacy window for --kv-cache markov-bounded."),
+    ] = 0,
     ffn_policy: FfnPolicyOption = None,
+    ffn: FfnUrlOption = None,
     compare: Annotated[
         bool, typer.Option("--compare", help="Dense vs walk next-token top-5 and their KL.")
     ] = False,
@@ -85,11 +96,18 @@ def walk(
     from larql.inference.prompt import check_context
     from larql.kv.resolve import resolve_engine
 
-    spec = walk_policy(k, ffn_policy)
+    if ffn is not None and not (predict or compare):
+        raise InvalidInput(
+            "--ffn URL runs the FFN on a shard: give --predict or --compare with it (the feature "
+            "table reads the local FFN's gates)"
+        )
+    spec = walk_policy(k, ffn_policy, ffn)
     check_policy(spec)
-    choice = resolve_engine(engine) if predict else None
+    choice = resolve_engine(engine, kv_cache, context_window) if predict else None
     if choice is not None:
         choice.engine.require_live_decode()
+        for warning in choice.warnings:
+            stderr.print(f"warning: {warning}")
     text = read_prompt(prompt)
     lm = open_model(model, dtype, device, weights=weights)
     ids = lm.tokenizer.encode(text)
