@@ -82,6 +82,12 @@ def test_remote_walk_binds_every_layer_and_builds_without_a_connection(smollm2: 
     assert all(isinstance(b, RemoteWalkFfn) for b in router.backends)
     assert len({id(b) for b in router.backends}) == 1  # one keep-alive client for the endpoint
     router.close()
+    timed = "remote-walk:endpoint=http://shard:8080,timeout=2.5"
+    assert FfnSpec.parse(timed) == FfnSpec("remote-walk", endpoint="http://shard:8080", timeout=2.5)
+    assert FfnSpec.parse(timed).spec() == timed  # round-trips
+    router = build_ffn(smollm2, timed)
+    assert router.backends[0]._timeout.read == 2.5  # type: ignore[attr-defined]
+    router.close()
 
 
 @pytest.mark.parametrize(
@@ -146,7 +152,9 @@ def test_parse_errors_come_before_validation() -> None:
         ("remote-walk:endpoint=shard:8080", MalformedBackend),
         ("remote-walk:endpoint=http://:8080", MalformedBackend),
         ("remote-walk:endpoint=http://h:99999", MalformedBackend),
-        ("remote-walk:endpoint=http://h:1,timeout=3", MalformedBackend),
+        ("remote-walk:endpoint=http://h:1,timeout=0", MalformedBackend),
+        ("remote-walk:endpoint=http://h:1,timeout=abc", MalformedBackend),
+        ("remote-walk:endpoint=http://h:1,retries=3", MalformedBackend),
     ],
 )
 def test_every_malformed_spec_is_typed(spec: str, error: type) -> None:

@@ -457,3 +457,28 @@ def test_bench_reports_the_wire_bytes_per_token(smollm2: Model, shard: str) -> N
     payload = 30 * 2 * H * 4  # the row out and back, per layer
     assert payload <= row.wire_bytes_per_tok < 1.5 * payload
     assert row.as_dict()["wire_bytes_per_tok"] == row.wire_bytes_per_tok
+
+
+def test_ffn_timeout_secs_ends_a_run_on_a_silent_shard() -> None:
+    """A shard that accepts connections and never answers: --ffn-timeout-secs bounds the wait
+    and the run ends with a typed one-line error."""
+    import time
+
+    from typer.testing import CliRunner
+
+    from larql.cli.app import app
+
+    with contextlib.closing(__import__("socket").socket()) as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes the handshakes; nobody reads
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        t0 = time.monotonic()
+        result = CliRunner().invoke(
+            app, ["run", PROMPT, "-n", "1", "--ffn", url, "--ffn-timeout-secs", "0.5"]
+        )
+        took = time.monotonic() - t0
+    assert result.exit_code != 0 and "did not answer in time" in result.stderr
+    assert "read 0.5s" in result.stderr and "Traceback" not in result.output
+    assert took < 60  # bounded by the timeout (and its retries), never a hang
+    misplaced = CliRunner().invoke(app, ["run", PROMPT, "--ffn-timeout-secs", "5"])
+    assert misplaced.exit_code == 2 and "applies to --ffn URL" in misplaced.stderr

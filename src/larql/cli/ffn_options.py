@@ -25,17 +25,33 @@ FfnUrlOption = Annotated[
 ]
 
 
-def ffn_policy_spec(policy: str | None, url: str | None, default: str = "dense") -> str:
-    """The policy spec the two options ask for (`default` when neither is given)."""
+FfnTimeoutOption = Annotated[
+    float | None,
+    typer.Option(
+        "--ffn-timeout-secs",
+        help="With --ffn: seconds to wait for the shard's answer (default 60); past it the "
+        "run ends with a typed error.",
+    ),
+]
+
+
+def ffn_policy_spec(
+    policy: str | None, url: str | None, default: str = "dense", timeout: float | None = None
+) -> str:
+    """The policy spec the options ask for (`default` when neither is given)."""
     if policy is not None and url is not None:
         raise InvalidInput("give --ffn URL or --ffn-policy SPEC, not both")
+    if timeout is not None and url is None:
+        raise InvalidInput(
+            "--ffn-timeout-secs applies to --ffn URL (in a policy: remote-walk:...,timeout=S)"
+        )
     if url is not None:
         if "://" not in url:
             raise InvalidInput(
                 f"--ffn takes the URL of an FFN shard (http://host:port), got {url!r}; "
                 "use --ffn-policy for local backends"
             )
-        return f"remote-walk:endpoint={url}"
+        return f"remote-walk:endpoint={url}" + ("" if timeout is None else f",timeout={timeout}")
     return default if policy is None else policy
 
 

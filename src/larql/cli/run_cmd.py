@@ -12,6 +12,7 @@ from rich.table import Table
 from larql.cli.common import InvalidInput, open_model, read_prompt, stderr, stdout, user_errors
 from larql.cli.ffn_options import (
     FfnPolicyOption,
+    FfnTimeoutOption,
     FfnUrlOption,
     check_policy,
     ffn_policy_spec,
@@ -65,6 +66,7 @@ def run(
     output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
     ffn_policy: FfnPolicyOption = None,
     ffn: FfnUrlOption = None,
+    ffn_timeout_secs: FfnTimeoutOption = None,
     top: Annotated[
         int,
         typer.Option(
@@ -89,7 +91,7 @@ def run(
     if top < 0:
         raise InvalidInput(f"--top must be ≥ 0, got {top}")
     SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # checks early
-    ffn_spec = ffn_policy_spec(ffn_policy, ffn)
+    ffn_spec = ffn_policy_spec(ffn_policy, ffn, timeout=ffn_timeout_secs)
     check_policy(ffn_spec)
     choice = resolve_engine(engine, kv_cache, context_window)
     choice.engine.require_live_decode()

@@ -312,7 +312,7 @@ def _build_backend(spec: FfnSpec, model: Model, remote_timeout_s: float) -> FfnB
         spec.endpoint,
         wire=spec.wire or "f32",
         hidden_size=model.config.hidden_size,
-        read_timeout_s=remote_timeout_s,
+        read_timeout_s=spec.timeout if spec.timeout is not None else remote_timeout_s,
     )
 
 

@@ -7,6 +7,7 @@ accepted forms.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
@@ -29,7 +30,7 @@ SUPPORTED = ("dense", "walk", "remote-walk", "null")
 WIRES = ("f32", "f16", "i8")
 ACCEPTED = (
     "supported: dense (alias weight, weights), walk[:k=N|none], null (alias off), "
-    "remote-walk:endpoint=URL[,wire=f32|f16|i8] (alias remote_walk)"
+    "remote-walk:endpoint=URL[,wire=f32|f16|i8][,timeout=SECONDS] (alias remote_walk)"
 )
 
 
@@ -78,6 +79,13 @@ PARAMS: dict[BackendName, tuple[Param, ...]] = {
     "remote-walk": (
         Param("endpoint", str, None, "the FFN shard's http(s)://host[:port]", _http_url),
         Param("wire", str, None, "f32 (lossless), f16 or i8", one_of(*WIRES), lower=True),
+        Param(
+            "timeout",
+            float,
+            None,
+            "seconds to wait for the shard's answer (default 60); past it a typed error",
+            lambda v: None if math.isfinite(v) and v > 0 else "must be a number of seconds > 0",
+        ),
     ),
 }
 
@@ -90,6 +98,7 @@ class FfnSpec:
     k: int | None = None  # walk: features kept per position (None = all, dense-equivalent)
     endpoint: str | None = None  # remote-walk
     wire: str | None = None  # remote-walk: f32 | f16 | i8 (None = f32)
+    timeout: float | None = None  # remote-walk: read timeout in seconds (None = the default)
 
     @classmethod
     def parse(cls, spec: str, context: str | None = None) -> FfnSpec:
@@ -113,5 +122,6 @@ class FfnSpec:
             return "walk" if self.k is None else f"walk:k={self.k}"
         if self.name == "remote-walk":
             wire = f",wire={self.wire}" if self.wire else ""
-            return f"remote-walk:endpoint={self.endpoint}{wire}"
+            timeout = f",timeout={self.timeout:g}" if self.timeout is not None else ""
+            return f"remote-walk:endpoint={self.endpoint}{wire}{timeout}"
         return self.name
