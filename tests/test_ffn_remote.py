@@ -482,3 +482,34 @@ def test_ffn_timeout_secs_ends_a_run_on_a_silent_shard() -> None:
     assert took < 60  # bounded by the timeout (and its retries), never a hang
     misplaced = CliRunner().invoke(app, ["run", PROMPT, "--ffn-timeout-secs", "5"])
     assert misplaced.exit_code == 2 and "applies to --ffn URL" in misplaced.stderr
+
+
+def test_the_client_probes_the_shard_and_settles_the_wire(
+    smollm2: Model, shard: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before the first request: /v1/stats once; without wire= the best wire both sides speak,
+    a wire asked for that the shard lacks is refused, and another model's shard is refused."""
+    x = torch.randn(2, H, generator=torch.Generator().manual_seed(3))
+    plain = RemoteWalkFfn(shard, hidden_size=H)
+    dense = DenseFfn(smollm2).forward(4, x)
+    assert torch.allclose(plain.forward(4, x), dense, atol=1e-5) and plain.wire == F32
+    assert plain.stats.requests == 2  # the probe, then the layer
+    plain.close()
+
+    def stats_saying(**info):  # type: ignore[no-untyped-def]
+        return lambda self: {"wire": ["f16", "i8"], "hidden_size": H, **info}
+
+    monkeypatch.setattr(RemoteWalkFfn, "shard_stats", stats_saying())
+    negotiated = RemoteWalkFfn(shard, hidden_size=H)
+    out = negotiated.forward(4, x)
+    assert negotiated.wire == F16 and torch.allclose(out, dense, rtol=1e-2, atol=1e-2)
+    negotiated.close()
+    strict = RemoteWalkFfn(shard, wire=F32, hidden_size=H)
+    with pytest.raises(BackendUnavailable, match="does not speak wire f32; it speaks f16, i8"):
+        strict.forward(4, x)
+    strict.close()
+    monkeypatch.setattr(RemoteWalkFfn, "shard_stats", stats_saying(hidden_size=999))
+    other = RemoteWalkFfn(shard, hidden_size=H)
+    with pytest.raises(BackendFailure, match="serves hidden size 999"):
+        other.forward(4, x)
+    other.close()

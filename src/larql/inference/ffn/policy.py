@@ -310,7 +310,7 @@ def _build_backend(spec: FfnSpec, model: Model, remote_timeout_s: float) -> FfnB
     assert spec.endpoint is not None
     return RemoteWalkFfn(
         spec.endpoint,
-        wire=spec.wire or "f32",
+        wire=spec.wire,  # None: the best wire both sides speak
         hidden_size=model.config.hidden_size,
         read_timeout_s=spec.timeout if spec.timeout is not None else remote_timeout_s,
     )

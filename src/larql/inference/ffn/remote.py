@@ -24,7 +24,9 @@ import torch
 from larql.inference.errors import BackendFailure, BackendUnavailable
 from larql.inference.ffn.backend import FfnBackend
 from larql.inference.ffn.wire import (
+    F16,
     F32,
+    I8,
     MEDIA_TYPES,
     WireFormatError,
     decode_response,
@@ -44,18 +46,29 @@ class RemoteStats:
     server_ms: float = 0.0  # the shard's own compute time, as it reports it
 
 
+WIRE_PREFERENCE = (F32, F16, I8)  # lossless first
+
+
 class RemoteWalkFfn(FfnBackend):
-    """An `FfnBackend` whose every layer is a round trip to one FFN shard."""
+    """An `FfnBackend` whose every layer is a round trip to one FFN shard.
+
+    Before its first request it reads the shard's `/v1/stats` once: a shard of another hidden
+    size is refused, and the wire is one the shard speaks — the one asked for (refused if the
+    shard does not speak it), or without `wire` the best both speak (f32, lossless, before f16
+    and i8). A shard without the endpoint is taken as it is, over f32."""
 
     def __init__(
         self,
         endpoint: str,
-        wire: str = F32,
+        wire: str | None = None,
         hidden_size: int | None = None,
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 60.0,
         top_k: int = 0,
     ) -> None:
+        self._wire_given = wire is not None
+        wire = F32 if wire is None else wire
+        self._probed = False
         if wire not in MEDIA_TYPES:
             raise ValueError(f"unknown wire {wire!r}; accepted: {', '.join(MEDIA_TYPES)}")
         self.endpoint = endpoint.rstrip("/")
@@ -93,7 +106,31 @@ class RemoteWalkFfn(FfnBackend):
 
     # ------------------------------------------------------------------------ internals
 
+    def _probe(self) -> None:
+        """The shard's `/v1/stats`, once: check its hidden size, settle the wire."""
+        self._probed = True
+        try:
+            info = self.shard_stats()
+        except BackendFailure:  # a shard without /v1/stats: as it is
+            return
+        spoken = [w for w in WIRE_PREFERENCE if w in info.get("wire", [])]
+        if spoken and self.wire not in spoken:
+            if self._wire_given:
+                raise BackendUnavailable(
+                    f"FFN shard {self.endpoint} does not speak wire {self.wire}; it speaks "
+                    f"{', '.join(spoken)}"
+                )
+            self.wire = spoken[0]
+        served = info.get("hidden_size")
+        if self.hidden_size is not None and served is not None and served != self.hidden_size:
+            raise BackendFailure(
+                f"FFN shard {self.endpoint} serves hidden size {served}; this model's is "
+                f"{self.hidden_size} (a shard of another model?)"
+            )
+
     def _walk(self, layers: int | list[int], x: torch.Tensor) -> dict[int, torch.Tensor]:
+        if not self._probed:
+            self._probe()
         hidden = self.hidden_size or x.shape[-1]
         body = encode_request(layers, x, self.top_k)
         response = self._request(
