@@ -32,7 +32,7 @@ ROW_KEYS = {
 META_KEYS = {
     "schema", "timestamp", "model", "dtype", "device", "threads", "torch", "git_commit", "text",
     "prompt_hashes", "new_tokens", "warmup", "repeats", "ffn", "copy_bandwidth_gbs", "method",
-    "rows", "hf", "batch_rows",
+    "rows", "hf", "batch_rows", "concurrent_rows",
 }  # fmt: skip
 
 
@@ -208,6 +208,21 @@ def test_cli_rejects_unknown_engines_and_bad_options() -> None:
     for bad in ("0,4", "2,x"):
         result = runner.invoke(app, ["bench", "--batch", bad])
         assert result.exit_code == 2 and "--batch" in result.stderr
+
+
+def test_cli_concurrent_rows_time_threads_stepping_alone() -> None:
+    result = CliRunner().invoke(
+        app,
+        ["bench", "--engine", "standard;no-cache", "-n", "2", "--warmup", "1", "--repeats", "1",
+         "--context", "8", "--concurrent", "2", "--output", "json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["concurrent_rows"]
+    assert [(r["spec"], r["concurrent"]) for r in rows] == [("standard", 2), ("no-cache", 2)]
+    for row in rows:
+        assert row["error"] is None and row["tok_s"] > 0 and row["ms_per_token"] > 0
+    bad = CliRunner().invoke(app, ["bench", "--concurrent", "0"])
+    assert bad.exit_code == 2 and "--concurrent must be ≥ 1" in bad.stderr
 
 
 def test_cli_batch_rows_time_sessions_decoding_at_once() -> None:

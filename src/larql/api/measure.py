@@ -55,9 +55,11 @@ def bench(
     ffn: str = "dense",
     progress: Progress | None = None,
     batch: Sequence[int] | None = None,
+    concurrent: int | None = None,
 ) -> BenchReport:
     """`larql bench`: time every engine (whole tokens) at each depth and report its memory;
-    `batch` (e.g. [1, 4, 16]) also times that many sessions of each engine decoding at once.
+    `batch` (e.g. [1, 4, 16]) also times that many sessions of each engine decoding at once
+    (batched); `concurrent=N`, N sessions of each engine on N threads, each stepping alone.
 
     One of `context` (a prompt of N tokens cut from `text_file`, default the shipped licence
     text; 128 when none is given), `depths` (several such contexts) or `prompt` (text).
@@ -76,6 +78,8 @@ def bench(
         _at_least("a depth", d, 0)
     for b in batch or []:
         _at_least("a batch size", b, 1)
+    if concurrent is not None:
+        _at_least("concurrent", concurrent, 1)
     FfnLayerPolicy.from_spec(ffn)
     source_text, text_label = read_text(text_file)
     chosen = list(depths) if depths else [context] if context is not None else []
@@ -85,7 +89,7 @@ def bench(
     try:
         return run_bench(
             model, router, kinds, prompts, settings, vs_hf, text_label, progress,
-            list(batch) if batch else None,
+            list(batch) if batch else None, concurrent,
         )  # fmt: skip
     finally:
         router.close()

@@ -65,6 +65,14 @@ def bench(
             "per-stream ms/token, memory per session.",
         ),
     ] = None,
+    concurrent: Annotated[
+        int | None,
+        typer.Option(
+            "--concurrent",
+            help="Also time N sessions of each engine decoding at once on N threads, each "
+            "stepping alone (contention, not batching).",
+        ),
+    ] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Per-stage breakdown.")] = False,
     vs_hf: Annotated[bool, typer.Option("--vs-hf", help="Add HF transformers generate.")] = False,
     output: Annotated[str, typer.Option("--output", "-o", help="table or json.")] = "table",
@@ -82,7 +90,13 @@ def bench(
     """Time every engine (whole tokens), report memory and roofline, optionally vs HF."""
     from larql.api import bench as run_bench
     from larql.api import parse_engines
-    from larql.harness.bench.report import batch_table, render_table, save_plot, stage_tables
+    from larql.harness.bench.report import (
+        batch_table,
+        concurrent_table,
+        render_table,
+        save_plot,
+        stage_tables,
+    )
     from larql.harness.bench.run import default_specs
 
     if output not in ("table", "json"):
@@ -94,6 +108,8 @@ def bench(
     checked = [("-n/--tokens", tokens, 1), ("--repeats", repeats, 1), ("--warmup", warmup, 0)]
     if context is not None:
         checked.append(("--context", context, 1))
+    if concurrent is not None:
+        checked.append(("--concurrent", concurrent, 1))
     for name, value, low in checked:
         if value < low:
             raise InvalidInput(f"{name} must be ≥ {low}, got {value}")
@@ -126,6 +142,7 @@ def bench(
             ffn=ffn_spec,
             progress=advance,
             batch=batch_sizes or None,
+            concurrent=concurrent,
         )
     data = report.as_dict()
     if output_file is not None:
@@ -138,5 +155,7 @@ def bench(
     stdout.print(render_table(report))
     if report.batch_rows:
         stdout.print(batch_table(report))
+    if report.concurrent_rows:
+        stdout.print(concurrent_table(report))
     for table in stage_tables(report):
         stdout.print(table)

@@ -113,6 +113,25 @@ def batch_table(report: BenchReport) -> Table:
     return table
 
 
+def concurrent_table(report: BenchReport) -> Table:
+    """`--concurrent N`: N sessions of each engine on N threads, each stepping alone."""
+    table = Table(
+        title="concurrent sessions: N engines decoding at once, one thread each, no batching",
+        caption="aggregate = every thread's tokens over the slowest thread's time; ms/token: "
+        "the threads' median",
+        caption_justify="left",
+    )
+    for i, name in enumerate(("engine", "context", "N", "aggregate tok/s", "ms/token per stream")):
+        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    for row in report.concurrent_rows:
+        if row.error:
+            table.add_row(row.spec, str(row.depth), str(row.concurrent), f"error: {row.error}")
+            continue
+        table.add_row(row.spec, str(row.depth), str(row.concurrent), shown(row.tok_s, ".1f"),
+                      shown(row.ms_per_token, ".2f"))  # fmt: skip
+    return table
+
+
 def stage_tables(report: BenchReport) -> list[Table]:
     tables = []
     for row in report.rows:

@@ -12,6 +12,7 @@ import torch
 
 from larql.errors import InvalidInput
 from larql.harness.bench.batch_bench import BatchRow, bench_batches
+from larql.harness.bench.concurrent_bench import ConcurrentRow, bench_concurrent
 from larql.harness.bench.engine_bench import BenchSettings, EngineRow, bench_engines
 from larql.harness.bench.hf_peer import PeerRow, bench_hf, load_hf_model
 from larql.harness.bench.machine import copy_bandwidth_gbs, git_commit, ids_hash, sync
@@ -80,6 +81,7 @@ class BenchReport:
     rows: list[EngineRow] = field(default_factory=list)
     peers: dict[int, PeerRow] = field(default_factory=dict)  # depth → HF row
     batch_rows: list[BatchRow] = field(default_factory=list)  # --batch
+    concurrent_rows: list[ConcurrentRow] = field(default_factory=list)  # --concurrent
 
     def peer_ratio(self, row: EngineRow) -> float | None:
         peer = self.peers.get(row.depth)
@@ -98,6 +100,7 @@ class BenchReport:
             "rows": rows,
             "hf": {str(depth): peer.as_dict() for depth, peer in self.peers.items()},
             "batch_rows": [row.as_dict() for row in self.batch_rows],
+            "concurrent_rows": [row.as_dict() for row in self.concurrent_rows],
         }
 
 
@@ -133,6 +136,7 @@ def run_bench(
     text_label: str = "",
     progress: Progress | None = None,
     batches: list[int] | None = None,
+    concurrent: int | None = None,
 ) -> BenchReport:
     """`prompts`: (depth, prompt ids) pairs; every engine runs at every depth, and with
     `batches` also as that many sessions decoding at once."""
@@ -177,6 +181,12 @@ def run_bench(
             if progress:
                 progress(f"batches {batches} @ depth {depth}")
             report.batch_rows += bench_batches(model, ffn, kinds, ids, settings, depth, batches)
+        if concurrent:
+            if progress:
+                progress(f"{concurrent} concurrent sessions @ depth {depth}")
+            report.concurrent_rows += bench_concurrent(
+                model, ffn, kinds, ids, settings, depth, concurrent
+            )
     if vs_hf:
         hf_model = load_hf_model(model)
         for depth, ids in prompts:
