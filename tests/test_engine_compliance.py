@@ -116,7 +116,7 @@ def test_exact_engine_greedy_tokens_match_standard(spec: str, smollm2: Model) ->
     assert tokens[spec] == tokens["standard"]
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "gemma3", "mixtral", "qwen2_moe"])
 def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Model:
     pytest.importorskip("transformers")
     directory: Path = tmp_path_factory.mktemp(f"compliance-{request.param}")

@@ -58,6 +58,24 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
             "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 8.0},
         },
     ),
+    # mixture-of-experts: 4 experts, 2 per token (Qwen2-MoE: a shared expert, a dense layer)
+    "mixtral": dict(
+        model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    ),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+        shared_expert_intermediate_size=64, norm_topk_prob=False, mlp_only_layers=[1],
+        tie_word_embeddings=False,
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+        norm_topk_prob=True, tie_word_embeddings=False,
+    ),
+    "granite": dict(
+        model_type="granite", embedding_multiplier=6.0, residual_multiplier=0.5,
+        attention_multiplier=0.05, logits_scaling=4.0, tie_word_embeddings=True,
+    ),
 }  # fmt: skip
 
 

@@ -46,7 +46,8 @@ def feature_rows(
     rows = []
     for layer in shown:
         backend = router.backend_for(layer)
-        if isinstance(backend, NullFfn):
+        if isinstance(backend, NullFfn) or model.weights.layers[layer].w_gate_up is None:
+            # ablated, or a layer of experts alone (no dense features to list)
             rows.append({"layer": layer, "backend": backend.name, "features": []})
             continue
         k = backend.k if isinstance(backend, WalkFfn) and not backend.is_dense else None

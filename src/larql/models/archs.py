@@ -57,6 +57,9 @@ class ArchPreset:
     # llama.cpp stores llama's Q/K rows interleaved for its RoPE; the loader restores split halves
     gguf_interleaved_qk: bool = False
     tied_embeddings: bool = False  # whether the LM head is the embedding when a config is silent
+    # mixture-of-experts layers: whether the top-k routing weights are renormalised to sum to 1
+    # (None: as the config's `norm_topk_prob` says)
+    experts_normalized: bool | None = None
 
 
 _GEMMA = dict(activation="gelu_tanh", norm_offset=1.0, post_norms=True, scale_embeddings=True)
@@ -77,6 +80,19 @@ ARCHITECTURES: dict[str, ArchPreset] = {
         Arch(name="qwen3", qk_norm=True), from_max_window_layers, hf_model_types=("qwen3",),
         gguf_name="qwen3",
     ),
+    "mixtral": ArchPreset(
+        Arch(name="mixtral"), every_layer_if_windowed, hf_model_types=("mixtral",),
+        experts_normalized=True,
+    ),
+    "qwen2_moe": ArchPreset(
+        Arch(name="qwen2_moe"), from_max_window_layers, hf_model_types=("qwen2_moe",)
+    ),
+    "qwen3_moe": ArchPreset(
+        Arch(name="qwen3_moe", qk_norm=True), from_max_window_layers,
+        hf_model_types=("qwen3_moe",),
+    ),
+    # embedding, attention, residual and logit multipliers (the last two folded into weights)
+    "granite": ArchPreset(Arch(name="granite"), hf_model_types=("granite",)),
     # fused QKV and gate/up matrices are split at load time; partial RoPE is the file's
     "phi3": ArchPreset(Arch(name="phi3"), every_layer_if_windowed, gguf_name="phi3"),
     "gemma2": ArchPreset(

@@ -37,6 +37,22 @@ class Arch:
 
 
 @dataclass(frozen=True)
+class ExpertRouting:
+    """How a mixture-of-experts layer picks and weighs its experts: the router's logits →
+    softmax over every expert → the `top_k` largest, divided by their sum when
+    `normalize_top_k`; each token's FFN output is Σ weight · expert(x) (+ a shared expert, whose
+    output a sigmoid gate scales where the weights have one)."""
+
+    num_experts: int
+    top_k: int
+    normalize_top_k: bool
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k {self.top_k} must be in 1..{self.num_experts} experts")
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """Per-layer attention: `sliding_window` keys including the current one (None = full)."""
 
@@ -62,6 +78,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    experts: ExpertRouting | None = None  # mixture-of-experts layers (those with a router)
+    # Granite's embedding multiplier (other scalings of the input: `Arch.scale_embeddings`)
+    embedding_multiplier: float = 1.0
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -80,7 +99,14 @@ class ModelConfig:
 
     @property
     def embed_scale(self) -> float:
-        return math.sqrt(self.hidden_size) if self.arch.scale_embeddings else 1.0
+        if self.arch.scale_embeddings:
+            return math.sqrt(self.hidden_size)
+        return self.embedding_multiplier
+
+    @property
+    def experts_per_token(self) -> int:
+        """Experts each token runs in a mixture-of-experts layer (0: no experts)."""
+        return self.experts.top_k if self.experts is not None else 0
 
     def sliding_window(self, layer: int) -> int | None:
         return self.layers[layer].sliding_window

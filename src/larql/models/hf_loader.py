@@ -10,6 +10,7 @@ RoPE come from the config the same way for all of them, in both the transformers
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from larql.models.archs import ArchPreset, preset_for_hf
-from larql.models.config import Arch, LayerSpec, ModelConfig, RopeSpec
+from larql.models.config import Arch, ExpertRouting, LayerSpec, ModelConfig, RopeSpec
 from larql.models.errors import ModelFormatError, UnsupportedArchitecture
 from larql.models.hf_rope import rope_context, rope_spec
 
@@ -53,6 +54,20 @@ _POST_NORM_LAYOUT = {
     "post_feedforward_layernorm.weight": "post_ffn_norm",
 }
 _PRE_NORM_LAYOUT = {"post_attention_layernorm.weight": "ffn_norm"}
+# Mixture-of-experts blocks: Mixtral's names and the Qwen MoE ones
+_EXPERT_BLOCK_TENSORS = {
+    "block_sparse_moe.gate.weight": "router",
+    "mlp.gate.weight": "router",
+    "mlp.shared_expert.gate_proj.weight": "shared_gate",
+    "mlp.shared_expert.up_proj.weight": "shared_up",
+    "mlp.shared_expert.down_proj.weight": "shared_down",
+    "mlp.shared_expert_gate.weight": "shared_expert_gate",
+}
+_EXPERT = re.compile(
+    r"(?:block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)|mlp\.experts\.(\d+)\.(gate|up|down)_proj)"
+    r"\.weight"
+)
+_EXPERT_MATRIX = {"w1": "gate", "w3": "up", "w2": "down"}  # Mixtral's; Qwen's say it
 _NORMS = {"attn_norm", "q_norm", "k_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm"}
 
 
@@ -92,6 +107,7 @@ def hf_config(raw: dict[str, Any], name: str = "") -> ModelConfig:
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     layers = _layer_specs(raw, preset, num_layers, head_dim)
     max_positions = int(raw.get("max_position_embeddings", 2048))
+    attn_scale = float(scalar) ** -0.5 if scalar else head_dim**-0.5
     return ModelConfig(
         arch=arch,
         vocab_size=int(raw["vocab_size"]),
@@ -103,13 +119,45 @@ def hf_config(raw: dict[str, Any], name: str = "") -> ModelConfig:
         head_dim=head_dim,
         max_positions=rope_context([spec.rope for spec in layers], max_positions),
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        attn_scale=float(scalar) ** -0.5 if scalar else head_dim**-0.5,
+        attn_scale=float(raw.get("attention_multiplier") or attn_scale),
         layers=layers,
         tie_embeddings=bool(raw.get("tie_word_embeddings", preset.tied_embeddings)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         name=name,
+        experts=_expert_routing(raw, preset),
+        embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+        extra=_load_folds(raw, arch),
     )
+
+
+def _expert_routing(raw: dict[str, Any], preset: ArchPreset) -> ExpertRouting | None:
+    count = raw.get("num_local_experts") or raw.get("num_experts")
+    if not count:
+        return None
+    normalized = preset.experts_normalized
+    if normalized is None:
+        normalized = bool(raw.get("norm_topk_prob", False))
+    try:
+        return ExpertRouting(int(count), int(raw["num_experts_per_tok"]), normalized)
+    except (KeyError, ValueError) as e:
+        raise ModelFormatError(f"bad mixture-of-experts settings in config.json: {e}") from e
+
+
+def _load_folds(raw: dict[str, Any], arch: Arch) -> dict[str, object]:
+    """Multipliers the loader folds into the weights (Granite): the residual multiplier m into
+    every matrix whose output is added to the residual (h + m·W·x = h + (m·W)·x), the logits'
+    divisor into the final norm's weight (the LM head is linear)."""
+    folds: dict[str, object] = {}
+    residual = float(raw.get("residual_multiplier", 1.0))
+    if residual != 1.0:
+        if arch.post_norms:
+            raise UnsupportedArchitecture("a residual multiplier with post-norms is not supported")
+        folds["residual_multiplier"] = residual
+    logits_divisor = float(raw.get("logits_scaling", 1.0))
+    if logits_divisor != 1.0:
+        folds["logits_scaling"] = logits_divisor
+    return folds
 
 
 def _layer_specs(
@@ -157,11 +205,47 @@ def hf_state_dict(directory: Path, config: ModelConfig) -> dict[str, torch.Tenso
                     if canonical.rsplit(".", 1)[-1] in _NORMS or canonical == "final_norm":
                         tensor = tensor + config.arch.norm_offset
                     state[canonical] = tensor
+    _stack_experts(state, config)
+    _fold_multipliers(state, config)
     if config.tie_embeddings:
         state.pop("lm_head", None)
     elif "lm_head" not in state:
         raise ModelFormatError(f"{directory}: untied model without lm_head.weight")
     return state
+
+
+def _stack_experts(state: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """layers.i.experts.j.w_{gate,up,down} → layers.i.experts_{gate,up,down} [E, …], in place."""
+    for i in range(config.num_layers):
+        prefix = f"layers.{i}.experts."
+        held = (k[len(prefix) :] for k in state if k.startswith(prefix))
+        indices = sorted({int(rest.split(".")[0]) for rest in held})
+        if not indices:
+            continue
+        expected = config.experts.num_experts if config.experts is not None else 0
+        if indices != list(range(expected)):
+            raise ModelFormatError(
+                f"layer {i} holds experts {indices[0]}..{indices[-1]} ({len(indices)}), "
+                f"the config says {expected}"
+            )
+        for matrix in ("gate", "up", "down"):
+            names = [f"{prefix}{j}.w_{matrix}" for j in indices]
+            missing = [n for n in names if n not in state]
+            if missing:
+                raise ModelFormatError(f"weights are missing tensor {missing[0]!r}")
+            state[f"layers.{i}.experts_{matrix}"] = torch.stack([state.pop(n) for n in names])
+
+
+def _fold_multipliers(state: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Apply `_load_folds`' multipliers to the canonical weights, in place."""
+    residual = config.extra.get("residual_multiplier")
+    if isinstance(residual, float):
+        into_residual = ("wo", "bo", "w_down", "experts_down", "shared_down")
+        for key in [k for k in state if k.rsplit(".", 1)[-1] in into_residual]:
+            state[key] = state[key] * residual
+    divisor = config.extra.get("logits_scaling")
+    if isinstance(divisor, float):
+        state["final_norm"] = state["final_norm"] / divisor
 
 
 def _canonical_name(key: str, layout: dict[str, str]) -> str | None:
@@ -177,7 +261,20 @@ def _canonical_name(key: str, layout: dict[str, str]) -> str | None:
         return "final_norm"
     parts = key.split(".", 2)
     if len(parts) == 3 and parts[0] == "layers":
-        name = _LAYER_TENSORS.get(parts[2]) or layout.get(parts[2])
+        name = (
+            _LAYER_TENSORS.get(parts[2]) or layout.get(parts[2])
+            or _EXPERT_BLOCK_TENSORS.get(parts[2]) or _expert_matrix(parts[2])
+        )  # fmt: skip
         if name is not None:
             return f"layers.{parts[1]}.{name}"
     return None
+
+
+def _expert_matrix(key: str) -> str | None:
+    """`block_sparse_moe.experts.3.w1.weight` / `mlp.experts.3.gate_proj.weight` →
+    `experts.3.w_gate` (stacked across experts later)."""
+    match = _EXPERT.fullmatch(key)
+    if match is None:
+        return None
+    index, matrix = (match[1], match[2]) if match[1] is not None else (match[3], match[4])
+    return f"experts.{index}.w_{_EXPERT_MATRIX.get(matrix, matrix)}"

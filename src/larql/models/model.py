@@ -22,7 +22,7 @@ from larql.models.tokenizer import (
     stop_ids_for,
     tokenizer_from_gguf,
 )
-from larql.models.weights import ModelWeights
+from larql.models.weights import ExpertWeights, ModelWeights
 
 DTYPES = {
     "float32": torch.float32,
@@ -198,11 +198,25 @@ def _state_from_weights(weights: ModelWeights) -> dict[str, torch.Tensor]:
             state[p + "bq"], state[p + "bk"], state[p + "bv"] = lw.bqkv.split(
                 [q_dim, kv_dim, kv_dim]
             )
-        gate, up = lw.w_gate_up.chunk(2)
-        state[p + "w_gate"], state[p + "w_up"] = gate, up
+        if lw.w_gate_up is not None:
+            state[p + "w_gate"], state[p + "w_up"] = lw.w_gate_up.chunk(2)
+        if lw.experts is not None:
+            state.update(_expert_state(lw.experts, p))
         for key in ("attn_norm", "q_norm", "k_norm", "wo", "bo", "post_attn_norm", "ffn_norm",
                     "w_down", "post_ffn_norm"):  # fmt: skip
             value = getattr(lw, key)
             if value is not None:
                 state[p + key] = value
+    return state
+
+
+def _expert_state(experts: ExpertWeights, prefix: str) -> dict[str, torch.Tensor]:
+    """Canonical names back from one layer's `ExpertWeights`."""
+    state = {prefix + "router": experts.router, prefix + "experts_down": experts.down}
+    state[prefix + "experts_gate"], state[prefix + "experts_up"] = experts.gate_up.chunk(2, dim=1)
+    if experts.shared_gate_up is not None and experts.shared_down is not None:
+        state[prefix + "shared_gate"], state[prefix + "shared_up"] = experts.shared_gate_up.chunk(2)
+        state[prefix + "shared_down"] = experts.shared_down
+    if experts.shared_expert_gate is not None:
+        state[prefix + "shared_expert_gate"] = experts.shared_expert_gate
     return state

@@ -7,11 +7,16 @@ gate|up, one matmul each) and moves everything to the requested dtype and device
 Canonical names: `embed`, `lm_head` (absent when tied), `final_norm`, and per layer
 `layers.{i}.{attn_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, post_attn_norm,
 ffn_norm, w_gate, w_up, w_down, post_ffn_norm}` (biases and optional norms may be absent).
+A mixture-of-experts layer has `layers.{i}.router` [E, H] and the experts stacked,
+`layers.{i}.{experts_gate, experts_up}` [E, F, H] and `experts_down` [E, H, F], optionally a
+shared expert `layers.{i}.{shared_gate, shared_up, shared_down}` with its sigmoid gate
+`shared_expert_gate` [1, H]; its dense `w_gate, w_up, w_down` are then optional (present: a
+dense MLP beside the experts, their outputs added).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -21,6 +26,34 @@ from larql.models.config import ModelConfig
 from larql.models.errors import ModelFormatError
 
 StateDict = Mapping[str, torch.Tensor]
+Getter = Callable[[str], torch.Tensor]
+OptionalGetter = Callable[[str], torch.Tensor | None]
+
+
+@dataclass
+class ExpertWeights:
+    """One mixture-of-experts block."""
+
+    router: torch.Tensor  # [E, H]
+    gate_up: torch.Tensor  # [E, 2·F, H] (gate rows, then up rows)
+    down: torch.Tensor  # [E, H, F]
+    shared_gate_up: torch.Tensor | None = None  # [2·Fs, H]
+    shared_down: torch.Tensor | None = None  # [H, Fs]
+    shared_expert_gate: torch.Tensor | None = None  # [1, H]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
+
+    def decode_read_bytes(self, top_k: int) -> int:
+        """Bytes one token reads: the router, its top_k experts and the shared expert."""
+
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        experts = self.router.shape[0]
+        routed = (size(self.gate_up) + size(self.down)) * top_k // experts
+        shared = size(self.shared_gate_up) + size(self.shared_down) + size(self.shared_expert_gate)
+        return size(self.router) + routed + shared
 
 
 @dataclass
@@ -34,15 +67,17 @@ class LayerWeights:
     bo: torch.Tensor | None  # [H]
     post_attn_norm: torch.Tensor | None  # [H]
     ffn_norm: torch.Tensor  # [H]
-    w_gate_up: torch.Tensor  # [2·F, H]
-    w_down: torch.Tensor  # [H, F]
+    w_gate_up: torch.Tensor | None  # [2·F, H] (None: a layer of experts alone)
+    w_down: torch.Tensor | None  # [H, F]
     post_ffn_norm: torch.Tensor | None  # [H]
+    experts: ExpertWeights | None = None
     # the same matrices kept in their GGUF blocks (`wqkv`, `wo`, `w_gate_up`, `w_down`), read
     # by one-token products on the CPU instead of the float ones above
     blocks: dict[str, BlockRows] = field(default_factory=dict)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
+        own = [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
+        return own + (self.experts.tensors() if self.experts is not None else [])
 
 
 @dataclass
@@ -113,9 +148,10 @@ class ModelWeights:
                     bo=opt(p + "bo"),
                     post_attn_norm=opt(p + "post_attn_norm"),
                     ffn_norm=get(p + "ffn_norm"),
-                    w_gate_up=torch.cat([get(p + "w_gate"), get(p + "w_up")]),
-                    w_down=get(p + "w_down"),
+                    w_gate_up=_dense_gate_up(state, p, get),
+                    w_down=opt(p + "w_down"),
                     post_ffn_norm=opt(p + "post_ffn_norm"),
+                    experts=_experts(state, p, get, opt),
                 )
             )
         embed = get("embed")
@@ -125,13 +161,27 @@ class ModelWeights:
         return weights
 
     def _check_shapes(self, config: ModelConfig) -> None:
-        h, f = config.hidden_size, config.intermediate_size
+        h = config.hidden_size
         expected = {
             "embed": (self.embed.shape, (config.vocab_size, h)),
             "layers.0.wqkv": (self.layers[0].wqkv.shape, (config.q_dim + 2 * config.kv_dim, h)),
-            "layers.0.w_gate_up": (self.layers[0].w_gate_up.shape, (2 * f, h)),
-            "layers.0.w_down": (self.layers[0].w_down.shape, (h, f)),
         }
+        for i, lw in enumerate(self.layers):
+            if lw.w_gate_up is None and lw.experts is None:
+                raise ModelFormatError(f"layer {i} has neither an MLP nor experts")
+            if lw.experts is not None and config.experts is None:
+                raise ModelFormatError(f"layer {i} has experts but the config no routing")
+            if lw.experts is not None and config.experts is not None:
+                count = lw.experts.router.shape[0]
+                if count != config.experts.num_experts:
+                    raise ModelFormatError(
+                        f"layer {i} has {count} experts, the config {config.experts.num_experts}"
+                    )
+        dense = next((lw for lw in self.layers if lw.w_gate_up is not None), None)
+        if dense is not None and dense.w_down is not None:
+            f = config.intermediate_size
+            expected["w_gate_up"] = (dense.w_gate_up.shape, (2 * f, h))
+            expected["w_down"] = (dense.w_down.shape, (h, f))
         for name, (got, want) in expected.items():
             if tuple(got) != want:
                 raise ModelFormatError(f"tensor {name} has shape {tuple(got)}, expected {want}")
@@ -151,7 +201,7 @@ class ModelWeights:
             tensors.append(self.lm_head)
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def decode_read_bytes(self, blocks: bool = True) -> int:
+    def decode_read_bytes(self, blocks: bool = True, top_k: int = 0) -> int:
         """Weight bytes one decode step reads: every layer matrix (its blocks where it has them
         and `blocks`: the block kernels run), the norms and the LM head (only one embedding
         row is read)."""
@@ -161,7 +211,34 @@ class ModelWeights:
                 if isinstance(t, torch.Tensor):
                     kept = lw.blocks.get(name) if blocks else None
                     layer_bytes += kept.nbytes if kept is not None else t.numel() * t.element_size()
+            if lw.experts is not None:
+                layer_bytes += lw.experts.decode_read_bytes(top_k)
         head = self.lm_head.numel() * self.lm_head.element_size()
         if blocks and self.lm_head_blocks is not None:
             head = self.lm_head_blocks.nbytes
         return layer_bytes + head + self.final_norm.numel() * self.final_norm.element_size()
+
+
+def _dense_gate_up(state: StateDict, prefix: str, get: Getter) -> torch.Tensor | None:
+    """[2·F, H] gate and up rows of a layer's dense MLP (None: a layer of experts alone)."""
+    if prefix + "w_gate" not in state and prefix + "router" in state:
+        return None
+    return torch.cat([get(prefix + "w_gate"), get(prefix + "w_up")])
+
+
+def _experts(
+    state: StateDict, prefix: str, get: Getter, opt: OptionalGetter
+) -> ExpertWeights | None:
+    if prefix + "router" not in state:
+        return None
+    shared_gate = opt(prefix + "shared_gate")
+    shared_up = opt(prefix + "shared_up")
+    return ExpertWeights(
+        router=get(prefix + "router"),
+        gate_up=torch.cat([get(prefix + "experts_gate"), get(prefix + "experts_up")], dim=1),
+        down=get(prefix + "experts_down"),
+        shared_gate_up=None if shared_gate is None or shared_up is None
+        else torch.cat([shared_gate, shared_up]),
+        shared_down=opt(prefix + "shared_down"),
+        shared_expert_gate=opt(prefix + "shared_expert_gate"),
+    )  # fmt: skip

@@ -195,7 +195,9 @@ def bench_engines(
             label=kind.spec(),
             depth=depth,
             prompt_tokens=len(prompt_ids),
-            weight_read_bytes=model.weights.decode_read_bytes(reads_blocks(model)),
+            weight_read_bytes=model.weights.decode_read_bytes(
+                reads_blocks(model), model.config.experts_per_token
+            ),
             bandwidth_gbs=bandwidth_gbs,
         )
         for kind in kinds

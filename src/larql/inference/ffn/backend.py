@@ -9,10 +9,12 @@ backends a policy can name: `DenseFfn` and `NullFfn` here, `WalkFfn` (`walk`), `
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from larql.inference.ffn.experts import experts_forward
 from larql.inference.fused import activation_bits, code, fused_kernels
 from larql.inference.linear import linear
 from larql.models.blocks import BlockRows
@@ -60,7 +62,9 @@ def gated_activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 class DenseFfn(FfnBackend):
-    """The model's own gated MLP: down(act(gate·x) ⊙ up·x), gate and up in one matmul."""
+    """The model's own FFN: its gated MLP down(act(gate·x) ⊙ up·x), gate and up in one matmul;
+    on a mixture-of-experts layer its routed experts (`experts.experts_forward`), added to the
+    dense MLP where the layer has both."""
 
     name = "dense"
     graph_safe = True
@@ -68,9 +72,12 @@ class DenseFfn(FfnBackend):
     def __init__(self, model: Model) -> None:
         self._layers = model.weights.layers
         self._activation = model.config.arch.activation
+        self._routing = model.config.experts
 
     def silu_blocks(self, layer: int) -> tuple[BlockRows, BlockRows] | None:
         lw = self._layers[layer]
+        if lw.experts is not None:
+            return None
         gate_up, down = lw.blocks.get("w_gate_up"), lw.blocks.get("w_down")
         if gate_up is None or down is None or self._activation != "silu":
             return None
@@ -91,10 +98,19 @@ class DenseFfn(FfnBackend):
 
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         lw = self._layers[layer]
-        gate, up = linear(x, lw.w_gate_up, blocks=lw.blocks.get("w_gate_up")).chunk(2, dim=-1)
-        return linear(
-            gated_activation(gate, self._activation) * up, lw.w_down, blocks=lw.blocks.get("w_down")
-        )  # [S, H]
+        out = None
+        if lw.w_gate_up is not None and lw.w_down is not None:
+            gate, up = linear(x, lw.w_gate_up, blocks=lw.blocks.get("w_gate_up")).chunk(2, dim=-1)
+            out = linear(
+                gated_activation(gate, self._activation) * up, lw.w_down,
+                blocks=lw.blocks.get("w_down"),
+            )  # fmt: skip  # [S, H]
+        if lw.experts is not None and self._routing is not None:
+            act = partial(gated_activation, activation=self._activation)
+            routed = experts_forward(lw.experts, self._routing, x, act)  # [S, H]
+            out = routed if out is None else out + routed
+        assert out is not None, "every layer has an MLP or experts (checked at load)"
+        return out
 
 
 class NullFfn(FfnBackend):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from larql.inference.ffn.backend import DenseFfn, FfnBackend, gated_activation
+from larql.inference.ffn.spec import FfnPolicyError
 from larql.models.model import Model
 
 # Rows of a prefill gathered at once: bounds the [rows, k, H] gather buffers.
@@ -44,6 +45,12 @@ class WalkFfn(FfnBackend):
     def __init__(self, model: Model, k: int | None = None) -> None:
         if k is not None and k < 1:
             raise ValueError(f"walk k must be ≥ 1, got {k}")
+        experts = [i for i, lw in enumerate(model.weights.layers) if lw.w_gate_up is None]
+        if k is not None and experts:
+            raise FfnPolicyError(
+                f"walk:k={k} keeps the top features of a dense MLP; layer {experts[0]} of this "
+                "model is a mixture of experts with none (use walk or dense there)"
+            )
         self.k = k
         self.name = "walk" if k is None else f"walk:k={k}"
         self._model = model

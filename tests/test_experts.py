@@ -1,0 +1,146 @@
+"""Mixture-of-experts layers: routing, the two ways of running the experts, and the tiny MoE
+models end to end (the logits against transformers are in test_hf_oracle.py, every engine over
+them in test_engine_compliance.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from helpers import full_forward_logits, teacher_forced
+from larql.cli.app import app
+from larql.inference.ffn import build_ffn
+from larql.inference.ffn.experts import _gathered, _per_expert, experts_forward, route
+from larql.models import load_model
+from larql.models.config import ExpertRouting
+from larql.models.errors import ModelFormatError
+from tiny_models import build_tiny_model, random_ids, rewrite_config
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("qwen2-moe")
+    build_tiny_model("qwen2_moe", directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("mixtral")
+    build_tiny_model("mixtral", directory)
+    return directory
+
+
+def test_route_picks_the_largest_probabilities_and_normalises_when_asked() -> None:
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.5], [3.0, 0.0, 0.5, 0.2]])
+    plain, chosen = route(logits, ExpertRouting(4, 2, normalize_top_k=False))
+    assert chosen.tolist() == [[1, 3], [0, 2]]
+    torch.testing.assert_close(plain, torch.softmax(logits, -1).gather(1, chosen))
+    normalised, again = route(logits, ExpertRouting(4, 2, normalize_top_k=True))
+    assert torch.equal(again, chosen)
+    torch.testing.assert_close(normalised.sum(-1), torch.ones(2))
+    assert (plain.sum(-1) < 1).all()
+
+
+def test_routing_rejects_more_experts_per_token_than_experts() -> None:
+    with pytest.raises(ValueError, match="top_k 5"):
+        ExpertRouting(4, 5, normalize_top_k=True)
+
+
+def test_gathered_and_per_expert_runs_agree(qwen2_moe_dir: Path) -> None:
+    """A decode step gathers each pair's expert, a prefill runs each expert over its tokens:
+    the same arithmetic (float64, every layer of experts, several tokens)."""
+    model = load_model(str(qwen2_moe_dir), dtype=torch.float64)
+    routing = model.config.experts
+    assert routing is not None
+    x = torch.randn(6, model.config.hidden_size, dtype=torch.float64)
+    act = torch.nn.functional.silu
+    for lw in model.weights.layers:
+        if lw.experts is None:
+            continue
+        weights, chosen = route(torch.nn.functional.linear(x, lw.experts.router), routing)
+        assert chosen.unique().numel() > 1  # the tokens really go to different experts
+        gathered = _gathered(lw.experts, x, weights.double(), chosen, act)
+        per_expert = _per_expert(lw.experts, x, weights.double(), chosen, act)
+        torch.testing.assert_close(gathered, per_expert, rtol=1e-12, atol=1e-12)
+
+
+def test_hybrid_model_has_dense_and_expert_layers(qwen2_moe_dir: Path) -> None:
+    model = load_model(str(qwen2_moe_dir))
+    kinds = [(lw.w_gate_up is not None, lw.experts is not None) for lw in model.weights.layers]
+    assert kinds[1] == (True, False)  # mlp_only_layers=[1]
+    assert all(k == (False, True) for i, k in enumerate(kinds) if i != 1)
+    experts = model.weights.layers[0].experts
+    assert experts is not None and experts.shared_expert_gate is not None
+    assert tuple(experts.gate_up.shape) == (4, 80, model.config.hidden_size)
+
+
+def test_the_routing_normalisation_is_what_the_config_says(qwen2_moe_dir: Path) -> None:
+    """norm_topk_prob=false here: renormalising the weights changes every logit."""
+    model = load_model(str(qwen2_moe_dir))
+    ids = random_ids(12)
+    ours = full_forward_logits(model, ids)
+    assert model.config.experts is not None and not model.config.experts.normalize_top_k
+    renormalised = replace(model.config.experts, normalize_top_k=True)
+    model.config = replace(model.config, experts=renormalised)
+    assert (full_forward_logits(model, ids) - ours).abs().max().item() > 1e-3
+
+
+def test_the_experts_alone_are_the_ffn_output(mixtral_dir: Path) -> None:
+    model = load_model(str(mixtral_dir), dtype=torch.float64)
+    lw = model.weights.layers[0]
+    assert lw.experts is not None and lw.w_gate_up is None
+    x = torch.randn(3, model.config.hidden_size, dtype=torch.float64)
+    assert model.config.experts is not None
+    direct = experts_forward(lw.experts, model.config.experts, x, torch.nn.functional.silu)
+    torch.testing.assert_close(build_ffn(model, "dense").forward(0, x), direct)
+
+
+def test_dtype_conversion_keeps_the_experts(qwen2_moe_dir: Path) -> None:
+    model = load_model(str(qwen2_moe_dir))
+    ids = random_ids(10)
+    wide = model.to(dtype=torch.float64)
+    torch.testing.assert_close(
+        full_forward_logits(wide, ids).float(), full_forward_logits(model, ids), atol=1e-5, rtol=0
+    )
+
+
+def test_decode_matches_prefill_on_experts(mixtral_dir: Path) -> None:
+    """Decode steps (gathered experts) give the logits of a whole-sequence pass (per expert)."""
+    model = load_model(str(mixtral_dir), dtype=torch.float64)
+    ids = random_ids(16)
+    stepped = teacher_forced(model, "standard", ids, 4)
+    whole = full_forward_logits(model, ids)[3:]
+    assert (stepped - whole).abs().max().item() < 1e-10
+
+
+def test_config_with_more_experts_per_token_than_experts_is_typed(
+    mixtral_dir: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(mixtral_dir, broken)
+    rewrite_config(broken, num_experts_per_tok=9)
+    with pytest.raises(ModelFormatError, match="top_k 9"):
+        load_model(str(broken))
+
+
+def test_run_and_walk_from_the_cli(mixtral_dir: Path) -> None:
+    runner = CliRunner()
+    run = runner.invoke(app, ["run", "w5 w6 w7", "-m", str(mixtral_dir), "-n", "4", "--output",
+                              "json", "--engine", "turbo-quant"])  # fmt: skip
+    assert run.exit_code == 0, run.output
+    assert len(json.loads(run.stdout.strip().splitlines()[-1])["tokens"]) == 4
+    walk = runner.invoke(app, ["walk", "w5 w6 w7", "-m", str(mixtral_dir), "-k", "8"])
+    assert walk.exit_code == 2
+    assert "mixture of experts" in walk.output
+    dense_walk = runner.invoke(app, ["walk", "w5 w6 w7", "-m", str(mixtral_dir)])
+    assert dense_walk.exit_code == 0, dense_walk.output
