@@ -15,6 +15,7 @@ from larql.kv.kv_quant import KvQuantEngine
 from larql.kv.kv_quant.codecs import Fp8Codec, IntCodec
 from larql.kv.spec import EngineSpecError
 from larql.kv.turbo_quant import TurboQuantCodec, TurboQuantEngine
+from larql.kv.turbo_quant.recent import int8_decode, int8_encode
 from larql.models import Model
 from test_turbo_quant import PROMPT, RawCodec, mean_kl
 
@@ -76,6 +77,9 @@ def test_kv_quant_bytes_count_every_scale_and_zero_point() -> None:
         "turbo-quant:v_bits=8",
         "turbo-quant:norm=2",
         "turbo-quant:center=yes",
+        "turbo-quant:recent_bits=4",
+        "turbo-quant:recent_bits=32",
+        "kv-quant:recent_bits=12",
         "kv-quant:bits=3",
         "kv-quant:bits=4,foo=1",
         "kv-quant:format=fp4",
@@ -93,6 +97,53 @@ def test_kv_quant_specs_build_what_they_say() -> None:
     assert isinstance(engine, KvQuantEngine) and engine.fp8 and engine.group == 16
     assert engine.info().config == "format=fp8,group=16,rotate=1,recent=8"
     assert parse_engine("kivi").spec() == "kv-quant"
+    ring = parse_engine("kv-quant:bits=2,recent=16,recent_bits=8").build()
+    assert ring.info().config == "bits=2,group=32,recent=16,recent_bits=8"
+    assert "16 recent rows at int8" in ring.info().description
+
+
+def test_int8_codes_round_trip_within_half_a_step() -> None:
+    x = torch.randn(50, 2, 3, 64) * torch.logspace(-3, 3, 50).view(50, 1, 1, 1)
+    codes, scales = int8_encode(x)
+    assert codes.dtype == torch.int8 and scales.dtype == torch.float16
+    assert codes.abs().amax(-1).max().item() == 127  # the largest coordinate spans the range
+    error = (int8_decode(codes, scales) - x).abs()
+    assert (error <= scales.float() * 0.5001 + 1e-6).all()
+    again = int8_encode(int8_decode(codes, scales))  # decoded rows re-encode to themselves
+    assert torch.equal(again[0], codes) and torch.equal(again[1], scales)
+    zero_codes, zero_scales = int8_encode(torch.zeros(2, 64))
+    assert not zero_codes.any() and not zero_scales.any()
+
+
+def test_int8_recent_rows_hold_half_the_bytes_and_code_from_their_int8_copy(
+    smollm2: Model,
+) -> None:
+    """The newest rows at int8: D + 2 bytes per head vector instead of 2·D; a row leaving
+    them is coded from its int8 copy; the attention sees the decoded rows."""
+    ids = smollm2.tokenizer.encode(PROMPT + " took it out again and ran away very quickly")[:20]
+    assert len(ids) == 20
+    exact, ring = (
+        parse_engine(f"turbo-quant:bits=3,recent=8,recent_bits={b}").build(smollm2) for b in (16, 8)
+    )
+    ffn = DenseFfn(smollm2)
+    with torch.inference_mode():
+        for engine in (exact, ring):
+            engine.prefill(smollm2, ffn, ids[:12])
+            for token in ids[12:]:
+                engine.decode_step(smollm2, ffn, token)
+    cfg = smollm2.config
+    vectors = 8 * 2 * cfg.num_kv_heads * cfg.num_layers
+    saved = exact.memory().state - ring.memory().state
+    assert saved == vectors * (2 * cfg.head_dim - (cfg.head_dim + 2))
+    layer = ring._layers[0]
+    held = layer.recent.rows  # [8, 2, Hkv, D] decoded
+    exact_rows = exact._layers[0].recent.rows.float()
+    assert held.dtype == torch.float32 and held.shape == exact_rows.shape
+    assert 0 < (held - exact_rows).abs().max().item() <= exact_rows.abs().max().item() / 200
+    # the codes agree with the exact-ring engine's except where an int8 copy moved a row
+    # across a cell boundary
+    same = (ring.stored_codes(0) == exact.stored_codes(0)).float().mean().item()
+    assert 0.5 < same < 1.0
 
 
 # ---------------------------------------------------------------------------- layouts

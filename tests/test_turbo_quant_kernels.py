@@ -22,6 +22,7 @@ from larql.kv.turbo_quant import TurboQuantEngine
 from larql.kv.turbo_quant.codec import TurboQuantCodec, split_norms
 from larql.kv.turbo_quant.kernel_path import KernelPath
 from larql.kv.turbo_quant.layout import token_vectors
+from larql.kv.turbo_quant.recent import int8_decode, int8_encode
 from larql.kv.turbo_quant.store import QuantisedLayer
 from larql.models import Model, load_model
 from tiny_models import build_tiny_model, random_ids
@@ -129,6 +130,70 @@ def assert_codec_bytes(codec, encoded: torch.Tensor, vectors: torch.Tensor) -> N
     assert relative_error(norms, ref_norms) <= 3e-7
 
 
+@pytest.mark.parametrize("n", [1, 2, 5, 9])
+def test_int8_ring_rows_are_the_torch_codecs_bytes(kernels, n: int) -> None:
+    """With the recent rows at int8 (2 sinks, a ring of 3), the step at position n attends
+    over the sinks, the ring's decoded rows and the new row, moves the row leaving the ring
+    into the codes from its int8 copy, and writes the new row into the ring (or the sinks)
+    as `recent.int8_encode` does: the same codes and scales, byte for byte."""
+    heads, kv_heads, dim, sinks, recent = 8, 2, 64, 2, 3
+    codec = TurboQuantCodec(dim, 3, norm_correction=True)
+    tables = kernels.CodecTables.of(codec, DEVICE)
+    generator = torch.Generator().manual_seed(n)
+    q, k_new, v_new = (draw(generator, h, 1, dim) for h in (heads, kv_heads, kv_heads))
+    rows = draw(generator, n, 2, kv_heads, dim) * 3  # tokens 0 … n−1 as they were stored
+    codes, scales = int8_encode(rows)
+    levers = kernels.Levers(
+        exact=torch.zeros((sinks, 2, kv_heads, dim), dtype=torch.float16, device=DEVICE),
+        mean=torch.zeros((2, kv_heads, dim), device=DEVICE),
+        mean_rotated=torch.zeros((2, kv_heads, dim), device=DEVICE),
+        sinks=sinks,
+        recent=recent,
+        ring=torch.zeros((recent, 2, kv_heads, dim), dtype=torch.int8, device=DEVICE),
+        ring_scales=torch.zeros((recent, 2, kv_heads), dtype=torch.float16, device=DEVICE),
+    )
+    held = [rows[t] if t < sinks else int8_decode(codes[t], scales[t]) for t in range(n)]
+    for t in range(n):
+        if t < sinks:
+            levers.exact[t] = rows[t].half()
+            held[t] = rows[t].half().float()
+        elif t >= n - recent:
+            levers.ring[t % recent], levers.ring_scales[t % recent] = codes[t], scales[t, ..., 0]
+    coded = [t for t in range(sinks, n - recent)]  # rows already in the codes
+    store = torch.zeros((16, 2 * kv_heads * codec.bytes_per_vector), dtype=torch.uint8)
+    store = store.to(DEVICE)
+    for t in coded:
+        store[t] = codec.encode(token_vectors(*held[t].unsqueeze(2).unbind(0))).view(-1)
+
+    out = kernels.attention(
+        q, k_new, v_new, store, torch.tensor([n], device=DEVICE), tables, dim**-0.5, 0.0,
+        levers=levers,
+    )  # fmt: skip
+
+    decoded = [
+        codec.decode(store[t].view(2 * kv_heads, -1), torch.float32).view(2, kv_heads, dim)
+        if t in coded else held[t]
+        for t in range(n)
+    ]  # fmt: skip
+    history = torch.stack(decoded) if decoded else torch.zeros((0, 2, kv_heads, dim))
+    keys = torch.cat((history[:, 0].transpose(0, 1), k_new.float()), dim=1).double()
+    values = torch.cat((history[:, 1].transpose(0, 1), v_new.float()), dim=1).double()
+    group = heads // kv_heads
+    scores = q.double() @ keys.repeat_interleave(group, 0).transpose(1, 2) * dim**-0.5
+    expected = torch.softmax(scores, -1) @ values.repeat_interleave(group, 0)
+    assert relative_error(out, expected) <= 2e-6
+    new_codes, new_scales = int8_encode(torch.stack((k_new, v_new)).squeeze(2))  # [2, Hkv, …]
+    if n >= sinks:
+        assert torch.equal(levers.ring[n % recent], new_codes)
+        assert torch.equal(levers.ring_scales[n % recent], new_scales[..., 0])
+    else:
+        assert torch.equal(levers.exact[n], torch.stack((k_new, v_new)).squeeze(2).half())
+    leaving = n - recent
+    if leaving >= sinks:  # encoded from its int8 copy
+        assert_codec_bytes(codec, store[leaving].view(2 * kv_heads, -1),
+                           token_vectors(*held[leaving].unsqueeze(2).unbind(0)))  # fmt: skip
+
+
 def test_workspace_is_reused_across_calls(kernels) -> None:
     """The engine hands every layer the same workspace: a call leaves nothing the next reads."""
     codec = TurboQuantCodec(64, 4)
@@ -165,6 +230,7 @@ def torch_path_holding_the_state_of(engine: KvEngine) -> KvEngine:
         sinks=engine.sinks,
         norm_correction=engine.norm_correction,
         center=engine.center,
+        recent_bits=engine.recent_bits,
     )
     twin._layout = layout
     twin._started(engine.position)  # a prefilled engine at the leader's position
@@ -200,7 +266,9 @@ LEVERS = {  # the catalog's levers, with rings small enough to wrap in a few ste
     "catalog": {"recent": 3, "sinks": 2, "norm_correction": True, "center": True},
     "ring of one": {"recent": 1, "center": True},
     "sinks only": {"sinks": 9, "norm_correction": True},  # the prompt fills 8, a step the 9th
-}
+    "int8 ring": {"recent": 3, "sinks": 2, "norm_correction": True, "center": True,
+                  "recent_bits": 8},
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -211,6 +279,7 @@ LEVERS = {  # the catalog's levers, with rings small enough to wrap in a few ste
         (4, "catalog"),
         (3, "ring of one"),
         (2, "sinks only"),
+        (3, "int8 ring"),
     ],
 )
 def test_engine_with_the_kernels_equals_its_torch_path(

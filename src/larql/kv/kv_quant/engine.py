@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from larql.kv.kv_quant.codecs import Fp8Codec, IntCodec
 from larql.kv.turbo_quant.codec import RowCodec
-from larql.kv.turbo_quant.engine import TurboQuantEngine
+from larql.kv.turbo_quant.engine import TurboQuantEngine, exact_rows_label
 
 
 class KvQuantEngine(TurboQuantEngine):
@@ -24,6 +24,7 @@ class KvQuantEngine(TurboQuantEngine):
         recent: int = 0,
         sinks: int = 0,
         profiling: bool = False,
+        recent_bits: int = 16,
     ) -> None:
         self.fp8, self.group, self.rotate = fp8, group, rotate
 
@@ -39,13 +40,14 @@ class KvQuantEngine(TurboQuantEngine):
             rotated_attention=False,
             recent=recent,
             sinks=sinks,
+            recent_bits=recent_bits,
         )
 
     def describe(self) -> str:
         kind = "fp8 e4m3" if self.fp8 else f"int{self.bits}"
         rotated = " after a Walsh–Hadamard rotation" if self.rotate else ""
         exact = (
-            f", {self.sinks} sink + {self.recent} recent rows exact at 16 bits"
+            f", {exact_rows_label(self.sinks, self.recent, self.recent_bits)}"
             if self.recent or self.sinks
             else ""
         )
@@ -55,4 +57,6 @@ class KvQuantEngine(TurboQuantEngine):
         parts = ["format=fp8" if self.fp8 else f"bits={self.bits}", f"group={self.group}"]
         levers = {"rotate": int(self.rotate), "recent": self.recent, "sinks": self.sinks}
         parts += [f"{name}={value}" for name, value in levers.items() if value]
+        if self.recent and self.recent_bits != 16:
+            parts.append(f"recent_bits={self.recent_bits}")
         return ",".join(parts)

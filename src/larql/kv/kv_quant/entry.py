@@ -21,7 +21,14 @@ ENTRY = EngineEntry(
         ),
         Param("group", int, 32, "coordinates per scale (per token)", at_least(1)),
         Param("rotate", int, 0, "Walsh–Hadamard-rotate each row first (1)", one_of(0, 1)),
-        Param("recent", int, 0, "newest rows kept exact (16-bit)", at_least(0)),
+        Param("recent", int, 0, "newest rows kept out of the codes", at_least(0)),
+        Param(
+            "recent_bits",
+            int,
+            16,
+            "bits of the recent rows: 16 (exact) or 8 (int8, a float16 scale per head vector)",
+            one_of(8, 16),
+        ),
         Param("sinks", int, 0, "first rows kept exact (16-bit)", at_least(0)),
     ),
     keeps="K/V as per-token groups of integer (scale + zero point) or fp8 (scale) codes; "
@@ -33,6 +40,7 @@ ENTRY = EngineEntry(
         group=p["group"],
         rotate=bool(p["rotate"]),
         recent=p["recent"],
+        recent_bits=p["recent_bits"],
         sinks=p["sinks"],
         profiling=p["profiling"],
     ),

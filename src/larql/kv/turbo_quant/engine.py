@@ -78,6 +78,7 @@ class TurboQuantEngine(KvEngine):
         sinks: int = 0,
         norm_correction: bool = False,
         center: bool = False,
+        recent_bits: int = 16,
     ) -> None:
         """The constructor's defaults are the plain codec; the catalog's (`turbo-quant` with no
         parameter) are what measurement chose."""
@@ -85,7 +86,7 @@ class TurboQuantEngine(KvEngine):
         self.bits = bits
         self.k_bits = bits if k_bits is None else k_bits
         self.v_bits = bits if v_bits is None else v_bits
-        self.recent, self.sinks = recent, sinks
+        self.recent, self.sinks, self.recent_bits = recent, sinks, recent_bits
         self.norm_correction, self.center = norm_correction, center
         self.rotated_attention = rotated_attention  # False: decode every row (the reference)
         self.attention = attention  # auto/triton: the Triton kernels where they run; sdpa: torch
@@ -100,7 +101,7 @@ class TurboQuantEngine(KvEngine):
     def describe(self) -> str:
         levers = []
         if self.recent or self.sinks:
-            levers.append(f"{self.sinks} sink + {self.recent} recent rows exact at 16 bits")
+            levers.append(exact_rows_label(self.sinks, self.recent, self.recent_bits))
         levers += ["norm-corrected"] if self.norm_correction else []
         levers += ["centered"] if self.center else []
         extra = f" ({'; '.join(levers)})" if levers else ""
@@ -113,6 +114,8 @@ class TurboQuantEngine(KvEngine):
         levers = {"recent": self.recent, "sinks": self.sinks, "norm": int(self.norm_correction),
                   "center": int(self.center)}  # fmt: skip
         parts += [f"{name}={value}" for name, value in levers.items() if value]
+        if self.recent and self.recent_bits != 16:
+            parts.append(f"recent_bits={self.recent_bits}")
         return ",".join(parts)
 
     def _bits_label(self) -> str:
@@ -288,7 +291,7 @@ class TurboQuantEngine(KvEngine):
             return TurboQuantCodec(head_dim, bits, self.norm_correction)
 
         k_codec, v_codec = codec(self.k_bits), codec(self.v_bits)
-        return KvLayout(k_codec, v_codec, self.sinks, self.recent, self.center)
+        return KvLayout(k_codec, v_codec, self.sinks, self.recent, self.center, self.recent_bits)
 
     def _path(self) -> str:
         if self._fast is not None:
@@ -306,6 +309,13 @@ class TurboQuantEngine(KvEngine):
     @staticmethod
     def _keep(model: Model, layer: int) -> int | None:
         return kept_rows(effective_window(model, layer, None))
+
+
+def exact_rows_label(sinks: int, recent: int, recent_bits: int) -> str:
+    """What `describe` says of the rows kept out of the codes."""
+    if recent_bits == 16:
+        return f"{sinks} sink + {recent} recent rows exact at 16 bits"
+    return f"{sinks} sink rows exact at 16 bits + {recent} recent rows at int8"
 
 
 def _attend_and_keep(

@@ -16,10 +16,12 @@ GRAPH_DOC = (
     "eagerly (0)"
 )
 
-# Exact newest rows by bits, chosen by measurement (docs/FIDELITY.md): what meets the mean-KL
-# targets (≤ 0.01 nats at 4 bits, ≤ 0.02 at 3) while the state stays ≤ 0.30× / 0.25× of an fp16
-# full cache at 2k tokens.
-DEFAULT_RECENT = {4: 32, 3: 64, 2: 64}
+# Newest rows kept out of the codes, and their bits, chosen by measurement (docs/FIDELITY.md):
+# what meets the mean-KL targets (≤ 0.01 nats at 4 bits, ≤ 0.02 at 3) while the state stays
+# ≤ 0.30× / 0.25× of an fp16 full cache at 2k tokens; at 2 and 3 bits int8 rows, twice as many
+# in the same bytes, do better than exact ones.
+DEFAULT_RECENT = {4: 32, 3: 160, 2: 128}
+DEFAULT_RECENT_BITS = {4: 16, 3: 8, 2: 8}
 
 ENTRY = EngineEntry(
     name="turbo-quant",
@@ -32,9 +34,16 @@ ENTRY = EngineEntry(
             "recent",
             int,
             None,
-            "newest rows kept exact (16-bit) before they are quantised (none: 32 at 4 bits, "
-            "64 at 2 and 3)",
+            "newest rows kept out of the codes (none: 32 at 4 bits, 160 at 3, 128 at 2)",
             at_least(0),
+        ),
+        Param(
+            "recent_bits",
+            int,
+            None,
+            "bits of the recent rows: 16 (exact) or 8 (int8, a float16 scale per head vector; "
+            "none: 16 at 4 bits, 8 at 2 and 3)",
+            one_of(8, 16),
         ),
         Param("sinks", int, 4, "first rows kept exact (16-bit) for good", at_least(0)),
         Param(
@@ -52,13 +61,15 @@ ENTRY = EngineEntry(
     ),
     keeps="K/V in quantised form: per head, a float32 norm and the Lloyd–Max codes of the "
     "signed-Walsh–Hadamard-rotated unit vector (4 + ceil(head_dim·bits/8) bytes), of the rows "
-    "minus the prompt's mean row; the first `sinks` and newest `recent` rows exact at 16 bits",
+    "minus the prompt's mean row; the first `sinks` rows exact at 16 bits, the newest `recent` "
+    "at `recent_bits` (16: exact; 8: int8 with a float16 scale per head vector)",
     contract="bounded KL vs standard (destructive); prefill output exact",
     factory=lambda p, model: TurboQuantEngine(
         bits=p["bits"],
         k_bits=p["k_bits"],
         v_bits=p["v_bits"],
         recent=DEFAULT_RECENT[p["bits"]] if p["recent"] is None else p["recent"],
+        recent_bits=p["recent_bits"] or DEFAULT_RECENT_BITS[p["bits"]],
         sinks=p["sinks"],
         norm_correction=bool(p["norm"]),
         center=bool(p["center"]),

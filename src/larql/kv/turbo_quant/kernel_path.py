@@ -9,11 +9,12 @@ t mod slots: on a full-attention layer slots is the capacity (≥ every position
 the position reaches it, and the graph is captured again), on a sliding layer the coded rows a
 later query can still see (a ring; smaller while the capacity is). The exact rows live in
 `Levers.exact`, [sinks + recent, 2, Hkv, D] at 16 bits: sink t in slot t, recent token t in
-slot sinks + t mod recent. The step reads its token and position from device tensors
-(`StepInputs`), so `kernels.attention` attends over what the position says is held and moves
-the row leaving the exact ones into the codes inside the graph: no host sync, no allocation,
-one replay per token. The bytes held are those rows', as on the torch path; the slots not yet
-filled are the growth reserve.
+slot sinks + t mod recent; with `recent_bits=8` the recent rows live in `Levers.ring` instead,
+int8 with a float16 scale per head vector (slot t mod recent), as `QuantisedLayer` keeps them.
+The step reads its token and position from device tensors (`StepInputs`), so `kernels.attention`
+attends over what the position says is held and moves the row leaving the exact ones into the codes
+inside the graph: no host sync, no allocation, one replay per token. The bytes held are those
+rows', as on the torch path; the slots not yet filled are the growth reserve.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from larql.kv.captured_step import (
 )
 from larql.kv.turbo_quant.codec import TurboQuantCodec
 from larql.kv.turbo_quant.layout import token_vectors
+from larql.kv.turbo_quant.recent import int8_decode, int8_encode
 from larql.kv.turbo_quant.store import KvLayout, exact_dtype, rotate
 from larql.models.model import Model
 
@@ -128,6 +130,7 @@ class KernelPath:
         self._kernels = kernels
         self._tables = kernels.CodecTables.of(codec, model.device)
         self._center = layout.center
+        self._ring8 = layout.recent_bits == 8
         cfg = model.config
         self._workspace = kernels.Workspace.of(
             cfg.num_heads, cfg.num_kv_heads, self._tables, model.device
@@ -173,12 +176,18 @@ class KernelPath:
             first, end = where.coded(self.position)
             coded = (end - first) * slots.row_bytes
             recent_first, recent_end = where.recent_tokens(self.position)
-            exact_rows = where.sink_rows(self.position) + recent_end - recent_first
-            row = levers.exact[0].numel() * levers.exact.element_size()
-            exact_held = (where.sinks + where.recent) * row  # (the 1-row stand-in is not state)
+            sink_row = levers.exact[0].numel() * levers.exact.element_size()
+            recent_row = sink_row
+            if levers.ring is not None and levers.ring_scales is not None:
+                recent_row = levers.ring[0].numel() + 2 * levers.ring_scales[0].numel()
+            exact = (
+                where.sink_rows(self.position) * sink_row + (recent_end - recent_first) * recent_row
+            )
+            # (the 1-row stand-ins of an empty part are not state)
+            exact_held = where.sinks * sink_row + where.recent * recent_row
             mean = tensor_bytes(levers.mean) if self._center else 0
-            live += coded + exact_rows * row + mean
-            reserved += slots.nbytes() - coded + exact_held - exact_rows * row
+            live += coded + exact + mean
+            reserved += slots.nbytes() - coded + exact_held - exact
         return MemoryBreakdown(hot=live, reserved=reserved)
 
     def stored_rows(self, layer: int) -> int:
@@ -193,12 +202,17 @@ class KernelPath:
         return self.layers[layer].tokens(first, end)
 
     def exact_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sink rows, recent rows), oldest first: [n, 2, Hkv, D] at 16 bits each."""
-        where, exact = self.layouts[layer], self.levers[layer].exact
-        sinks = exact[: where.sink_rows(self.position)]
+        """(sink rows, recent rows), oldest first: [n, 2, Hkv, D], the sinks at 16 bits, the
+        recent rows at 16 bits or decoded from int8 (float32)."""
+        where, levers = self.layouts[layer], self.levers[layer]
+        sinks = levers.exact[: where.sink_rows(self.position)]
         first, end = where.recent_tokens(self.position)
         slots = [where.exact_slot(t) for t in range(first, end)]
-        return sinks, exact[torch.tensor(slots, dtype=torch.long, device=exact.device)]
+        index = torch.tensor(slots, dtype=torch.long, device=levers.exact.device)
+        if levers.ring is None or levers.ring_scales is None:
+            return sinks, levers.exact[index]
+        ring = index - where.sinks
+        return sinks, int8_decode(levers.ring[ring], levers.ring_scales[ring].unsqueeze(-1))
 
     def mean(self, layer: int) -> torch.Tensor | None:
         """The layer's centering rows [2, Hkv, D] float32, or None."""
@@ -222,8 +236,15 @@ class KernelPath:
         sinks = where.sink_rows(s)
         levers.exact[:sinks] = rows[:sinks].to(levers.exact.dtype)
         first, end = where.recent_tokens(s)
-        for token in range(first, end):
-            levers.exact[where.exact_slot(token)] = rows[token].to(levers.exact.dtype)
+        slots = torch.tensor(
+            [where.exact_slot(t) for t in range(first, end)], dtype=torch.long, device=k.device
+        )
+        if levers.ring is None or levers.ring_scales is None:
+            levers.exact[slots] = rows[first:end].to(levers.exact.dtype)
+        elif end > first:
+            codes, scales = int8_encode(rows[first:end])  # [n, 2, Hkv, D], [n, 2, Hkv, 1]
+            levers.ring[slots - where.sinks] = codes
+            levers.ring_scales[slots - where.sinks] = scales.squeeze(-1)
         first, end = where.coded(s)
         vectors = token_vectors(k[:, first:end], v[:, first:end])  # [n·2·Hkv, D]
         centers = None if mean is None else mean.reshape(-1, mean.shape[-1])  # [2·Hkv, D]
@@ -245,6 +266,7 @@ class KernelPath:
             self._reserve(model, self._capacity * 2)
         self._inputs.set(token_id, position)
         preserve = [s.data for s in self.layers] + [lv.exact for lv in self.levers]
+        preserve += [t for lv in self.levers for t in (lv.ring, lv.ring_scales) if t is not None]
         if hidden is not None:
             out = self._step(model, ffn, hidden)
         elif self._use_graph and self._graph.ready(
@@ -290,10 +312,16 @@ class KernelPath:
         self, where: LayerLayout, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device
     ) -> ModuleType:
         f32 = {"dtype": torch.float32, "device": device}
+        exact_rows = where.sinks if self._ring8 else where.sinks + where.recent
+        ring = ring_scales = None
+        if self._ring8:
+            ring_rows = max(1, where.recent)
+            ring = torch.zeros((ring_rows, 2, kv_heads, dim), dtype=torch.int8, device=device)
+            ring_scales = torch.zeros((ring_rows, 2, kv_heads), dtype=torch.float16, device=device)
         return self._kernels.Levers(
-            exact=torch.zeros(
-                (max(1, where.sinks + where.recent), 2, kv_heads, dim), dtype=dtype, device=device
-            ),
+            exact=torch.zeros((max(1, exact_rows), 2, kv_heads, dim), dtype=dtype, device=device),
+            ring=ring,
+            ring_scales=ring_scales,
             mean=torch.zeros((2, kv_heads, dim), **f32),
             mean_rotated=torch.zeros((2, kv_heads, self._tables.rotated_dim), **f32),
             sinks=where.sinks,

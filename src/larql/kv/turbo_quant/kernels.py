@@ -70,6 +70,9 @@ _BLOCKS_PER_PROGRAM = 8  # the split count aims at this many blocks per program
 COMBINE_WARPS = 8
 PARTIAL_WARPS = 4
 _MIN_DOT = 16  # tl.dot needs every dimension ≥ 16
+# Exact rows the combine launch holds at once: 160 int8 recent rows in one [256, D'] block
+# spilled registers and cost ~130 µs a layer on an H200 (docs/PERFORMANCE.md)
+EXACT_CHUNK = 64
 NORM = tl.constexpr(NORM_BYTES)  # a kernel reads module globals only as constexprs
 ZERO_NORM = tl.constexpr(1e-12)  # the codec's: a smaller norm encodes the zero vector
 
@@ -115,13 +118,18 @@ FULL_LAYER_KEEP = 2**31 - 1  # `keep` of a layer that sees every earlier row
 class Levers:
     """One layer's exact rows and centering, as the kernels read them."""
 
-    exact: torch.Tensor  # [max(1, sinks + recent), 2, Hkv, D] 16-bit, contiguous
+    # [max(1, sinks + recent), 2, Hkv, D] 16-bit, contiguous (with `ring`: [max(1, sinks), …])
+    exact: torch.Tensor
     mean: torch.Tensor  # [2, Hkv, D] float32: the mean K and V rows (zeros: no centering)
     mean_rotated: torch.Tensor  # [2, Hkv, D'] float32: mean · R
     sinks: int = 0
     recent: int = 0
     keep: int = FULL_LAYER_KEEP  # rows before its own a query sees
     center: bool = False
+    # the recent rows at int8: codes [recent, 2, Hkv, D] int8 and scales [recent, 2, Hkv]
+    # float16 (None: the recent rows are exact, in `exact` after the sinks)
+    ring: torch.Tensor | None = None
+    ring_scales: torch.Tensor | None = None
 
     @staticmethod
     def none(kv_heads: int, tables: CodecTables, device: torch.device) -> Levers:
@@ -135,12 +143,15 @@ class Levers:
 
     def constants(self) -> dict[str, int | bool]:
         exact_rows = self.sinks + self.recent
+        padded = 0 if exact_rows == 0 else max(_MIN_DOT, _next_power_of_two(exact_rows))
         return {
             "SINKS": self.sinks,
             "RECENT": self.recent,
             "RING": max(self.recent, 1),
-            "EP": 0 if exact_rows == 0 else max(_MIN_DOT, _next_power_of_two(exact_rows)),
+            "EP": padded,
+            "EC": max(1, min(padded, EXACT_CHUNK)),
             "CENTER": self.center,
+            "RING8": self.ring is not None,
         }
 
 
@@ -396,7 +407,9 @@ def _attention_combine(
     v_new_ptr,  # [Hkv, D]
     codes_ptr,  # uint8 [slots, row_bytes], the store: the row leaving the exact ones goes here
     norms_ptr,  # float32 view of the same bytes
-    exact_ptr,  # [E, 2, Hkv, D] 16-bit: sinks, then the ring of recent rows
+    exact_ptr,  # [E, 2, Hkv, D] 16-bit: sinks, then the ring of recent rows (RING8: sinks only)
+    ring_ptr,  # RING8: int8 [RING, 2, Hkv, D], the ring of recent rows
+    ring_scale_ptr,  # RING8: float16 [RING, 2, Hkv], their scales
     mean_ptr,  # [2, Hkv, D] float32
     pos_ptr,  # [1] int64
     m_ptr,
@@ -420,8 +433,10 @@ def _attention_combine(
     RECENT: tl.constexpr,
     RING: tl.constexpr,  # max(RECENT, 1)
     EP: tl.constexpr,
+    EC: tl.constexpr,  # exact rows per chunk
     CENTER: tl.constexpr,
     NORM_FIX: tl.constexpr,
+    RING8: tl.constexpr,  # the recent rows at int8 with a float16 scale per head vector
 ):
     head = tl.program_id(0)
     rows = tl.arange(0, GP)
@@ -436,31 +451,31 @@ def _attention_combine(
     v_new = tl.load(v_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
     s_new = soft_capped(tl.sum(q * k_new[None, :], axis=1) * scale, softcap, SOFTCAP)  # [GP]
     exact_stride = 2 * HKV * D  # elements per token in the exact rows
+    # the exact sink and recent rows, in chunks of EC: their scores' maximum first, then their
+    # weights and weighted values (the keys read twice keep the registers to one chunk)
     top = s_new
-    if EP > 0:  # the exact sink and recent rows
-        e = tl.arange(0, EP)
-        ring = e - SINKS
-        in_ring = ring + RING * ((pos - 1 - ring) // RING)  # the latest token in ring slot
-        present = tl.where(
-            e < SINKS,
-            e < pos,
-            (ring >= 0) & (ring < RECENT) & (ring <= pos - 1) & (in_ring >= SINKS)
-            & (in_ring >= pos - keep),
-        )  # fmt: skip
-        where = e[:, None] * exact_stride + head * D + dims[None, :]
-        loaded = present[:, None] & within[None, :]
-        keys = tl.load(exact_ptr + where, mask=loaded, other=0.0).to(tl.float32)  # [EP, DP]
-        s_exact = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [GP, EP]
-        s_exact = soft_capped(s_exact, softcap, SOFTCAP)
-        s_exact = tl.where(present[None, :], s_exact, float("-inf"))
+    for c in tl.static_range(EP // EC):
+        e = c * EC + tl.arange(0, EC)
+        s_exact = _exact_scores(
+            q, exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, scale,
+            softcap, SOFTCAP, HKV, D, SINKS, RECENT, RING, RING8,
+        )  # fmt: skip  # [GP, EC], −inf where absent
         top = tl.maximum(top, tl.max(s_exact, axis=1))
     top = splits_max(m_ptr, head, rows, top, NS)
     weight = tl.exp(s_new - top)
     total = weight
     plain = weight[:, None] * v_new[None, :]  # [GP, DP], not rotated
-    if EP > 0:
+    for c in tl.static_range(EP // EC):
+        e = c * EC + tl.arange(0, EC)
+        s_exact = _exact_scores(
+            q, exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, scale,
+            softcap, SOFTCAP, HKV, D, SINKS, RECENT, RING, RING8,
+        )  # fmt: skip
         p = tl.exp(s_exact - top[:, None])  # 0 where absent
-        values = tl.load(exact_ptr + where + HKV * D, mask=loaded, other=0.0).to(tl.float32)
+        values, _ = _exact_chunk(
+            exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, 1, HKV, D,
+            SINKS, RECENT, RING, RING8,
+        )  # fmt: skip
         total += tl.sum(p, axis=1)
         plain += tl.dot(p, values, input_precision="ieee")
     rotated = tl.zeros([GP, DP], tl.float32)
@@ -480,10 +495,19 @@ def _attention_combine(
         key, value = k_new, v_new
     else:
         token = pos - RECENT
-        source = exact_ptr + (SINKS + tl.maximum(token, 0) % RECENT) * exact_stride + head * D
         leaving = within & _spread(token >= 0, dims)
-        key = tl.load(source + dims, mask=leaving, other=0.0).to(tl.float32)
-        value = tl.load(source + HKV * D + dims, mask=leaving, other=0.0).to(tl.float32)
+        if RING8:
+            slot_out = tl.maximum(token, 0) % RECENT
+            source = ring_ptr + slot_out * exact_stride + head * D
+            k_out_scale = tl.load(ring_scale_ptr + slot_out * 2 * HKV + head).to(tl.float32)
+            v_out_scale = tl.load(ring_scale_ptr + slot_out * 2 * HKV + HKV + head)
+            key = tl.load(source + dims, mask=leaving, other=0).to(tl.float32) * k_out_scale
+            value = tl.load(source + HKV * D + dims, mask=leaving, other=0).to(tl.float32)
+            value *= v_out_scale.to(tl.float32)
+        else:
+            source = exact_ptr + (SINKS + tl.maximum(token, 0) % RECENT) * exact_stride + head * D
+            key = tl.load(source + dims, mask=leaving, other=0.0).to(tl.float32)
+            value = tl.load(source + HKV * D + dims, mask=leaving, other=0.0).to(tl.float32)
     if CENTER:
         key -= tl.load(mean_ptr + head * D + dims, mask=within, other=0.0)
         value -= tl.load(mean_ptr + (HKV + head) * D + dims, mask=within, other=0.0)
@@ -499,11 +523,92 @@ def _attention_combine(
     # the new row among the exact ones (into the slot the leaving row was read from)
     if EP > 0:
         tl.debug_barrier()
-        into = tl.where(pos < SINKS, pos, SINKS + pos % RING)
-        kept = within & _spread((pos < SINKS) | (RECENT > 0), dims)
-        target = exact_ptr + into * exact_stride + head * D + dims
-        tl.store(target, k_new.to(exact_ptr.dtype.element_ty), mask=kept)
-        tl.store(target + HKV * D, v_new.to(exact_ptr.dtype.element_ty), mask=kept)
+        if RING8:  # a sink at 16 bits, else into the ring at int8
+            sink = within & _spread(pos < SINKS, dims)
+            sink_slot = tl.where(pos < SINKS, pos, 0)
+            target = exact_ptr + sink_slot * exact_stride + head * D + dims
+            tl.store(target, k_new.to(exact_ptr.dtype.element_ty), mask=sink)
+            tl.store(target + HKV * D, v_new.to(exact_ptr.dtype.element_ty), mask=sink)
+            into_ring = pos >= SINKS
+            slot_in = pos % RING
+            target = ring_ptr + slot_in * exact_stride + head * D + dims
+            kept = within & _spread(into_ring, dims)
+            k_codes, k_scale16 = _int8_row(k_new, within)
+            v_codes, v_scale16 = _int8_row(v_new, within)
+            tl.store(target, k_codes, mask=kept)
+            tl.store(target + HKV * D, v_codes, mask=kept)
+            tl.store(ring_scale_ptr + slot_in * 2 * HKV + head, k_scale16, mask=into_ring)
+            tl.store(ring_scale_ptr + slot_in * 2 * HKV + HKV + head, v_scale16, mask=into_ring)
+        else:
+            into = tl.where(pos < SINKS, pos, SINKS + pos % RING)
+            kept = within & _spread((pos < SINKS) | (RECENT > 0), dims)
+            target = exact_ptr + into * exact_stride + head * D + dims
+            tl.store(target, k_new.to(exact_ptr.dtype.element_ty), mask=kept)
+            tl.store(target + HKV * D, v_new.to(exact_ptr.dtype.element_ty), mask=kept)
+
+
+@triton.jit
+def _exact_scores(
+    q, exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, scale, softcap,
+    SOFTCAP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SINKS: tl.constexpr,
+    RECENT: tl.constexpr, RING: tl.constexpr, RING8: tl.constexpr,
+):  # fmt: skip
+    """The queries' scores [GP, EC] against exact rows e, soft-capped; −inf where absent."""
+    keys, present = _exact_chunk(
+        exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, 0, HKV, D, SINKS,
+        RECENT, RING, RING8,
+    )  # fmt: skip
+    scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale
+    scores = soft_capped(scores, softcap, SOFTCAP)
+    return tl.where(present[None, :], scores, float("-inf"))
+
+
+@triton.jit
+def _exact_chunk(
+    exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within,
+    WHICH: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SINKS: tl.constexpr,
+    RECENT: tl.constexpr, RING: tl.constexpr, RING8: tl.constexpr,
+):  # fmt: skip
+    """Exact rows e (sink slots, then ring slots) of one K/V head at the query's position:
+    the keys (WHICH 0) or values (1) [EC, DP] float32, 0 where absent, and which are
+    present [EC] (a sink below the position; a ring slot whose latest token is recent, past
+    the sinks and within the layer's span)."""
+    ring = e - SINKS
+    latest = ring + RING * ((pos - 1 - ring) // RING)  # the latest token in ring slot `ring`
+    present = tl.where(
+        e < SINKS,
+        e < pos,
+        (ring >= 0) & (ring < RECENT) & (ring <= pos - 1) & (latest >= SINKS)
+        & (latest >= pos - keep),
+    )  # fmt: skip
+    stride = 2 * HKV * D
+    loaded = present[:, None] & within[None, :]
+    where = e[:, None] * stride + WHICH * HKV * D + head * D + dims[None, :]
+    if RING8:  # sinks from the 16-bit rows, the ring's rows decoded from int8
+        slot = tl.maximum(ring, 0)
+        from_ring = present & (e >= SINKS)
+        ring_where = slot[:, None] * stride + WHICH * HKV * D + head * D + dims[None, :]
+        scale_at = slot * 2 * HKV + WHICH * HKV + head
+        scales = tl.load(ring_scale_ptr + scale_at, mask=from_ring, other=0.0).to(tl.float32)
+        x = tl.load(exact_ptr + where, mask=loaded & (e < SINKS)[:, None], other=0.0)
+        codes = tl.load(ring_ptr + ring_where, mask=loaded & from_ring[:, None], other=0)
+        return x.to(tl.float32) + codes.to(tl.float32) * scales[:, None], present
+    return tl.load(exact_ptr + where, mask=loaded, other=0.0).to(tl.float32), present
+
+
+@triton.jit
+def _int8_row(x, within):
+    """x [DP] float32 → (int8 codes [DP], float16 scale): `recent.int8_encode`'s arithmetic —
+    scale = largest |x| / 127 rounded to float16, codes = x / scale (IEEE division) rounded half
+    to even, within ±127."""
+    largest = tl.max(tl.where(within, tl.abs(x), 0.0), axis=0)
+    scale16 = tl.math.div_rn(largest, 127.0).to(tl.float16)
+    divisor = tl.where(scale16 > 0, scale16.to(tl.float32), 1.0)
+    ratio = tl.math.div_rn(x, divisor + x * 0.0)
+    nearest = tl.floor(ratio + 0.5)
+    odd = (nearest - 2.0 * tl.floor(nearest * 0.5)) != 0.0
+    nearest = tl.where((nearest - ratio == 0.5) & odd, nearest - 1.0, nearest)  # ties to even
+    return tl.minimum(tl.maximum(nearest, -127.0), 127.0).to(tl.int8), scale16
 
 
 @triton.jit
@@ -631,6 +736,8 @@ def attention(
         codes,
         codes.view(torch.float32),
         levers.exact,
+        levers.exact if levers.ring is None else levers.ring,
+        levers.exact if levers.ring_scales is None else levers.ring_scales,
         levers.mean,
         position,
         workspace.m,

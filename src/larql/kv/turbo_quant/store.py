@@ -4,8 +4,9 @@
 
 A new row enters the sinks while there is room, else the recent rows; the oldest recent row
 beyond `recent` is encoded into the codes (append-only: a stored code is never re-encoded), from
-its 16-bit copy (rows that never fit among the recent ones are encoded from the exact rows).
-Exact rows are kept at 16 bits (the model's dtype where it is 16-bit, else float16). With
+its stored copy (rows that never fit among the recent ones are encoded from the exact rows).
+Sink rows are kept at 16 bits (the model's dtype where it is 16-bit, else float16), the recent
+rows at `recent_bits`: 16 (exact, likewise) or 8 (int8 with a scale per head vector). With
 `center`, the codes hold x − μ, μ the mean K (and V) row of the layer's prompt per K/V head:
 q·(k − μ) differs from q·k by the same constant for every key, so only the quantisation error
 changes; μ is added back when the codes are read. On a sliding layer a query sees only the
@@ -23,6 +24,7 @@ import torch
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.kv.rows import GrowableRows
 from larql.kv.turbo_quant.codec import RowCodec
+from larql.kv.turbo_quant.recent import RecentRows
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class KvLayout:
     sinks: int = 0
     recent: int = 0
     center: bool = False
+    recent_bits: int = 16  # 16: the recent rows exact; 8: int8 with a scale per head vector
 
 
 def exact_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -51,7 +54,7 @@ class QuantisedLayer:
         self.sinks = GrowableRows()  # [n, 2, Hkv, D] exact
         self.sink_room = layout.sinks if keep is None else 0
         self.recent_room = layout.recent if keep is None else min(layout.recent, keep)
-        self.recent = GrowableRows()  # [n, 2, Hkv, D] exact
+        self.recent = RecentRows(layout.recent_bits, self.exact)  # [n, 2, Hkv, D]
         self.codes = GrowableRows(None if keep is None else keep - self.recent_room)
         self.mean: torch.Tensor | None = None  # [2, Hkv, D] float32, with `center`
 
@@ -59,9 +62,8 @@ class QuantisedLayer:
         return len(self.sinks) + len(self.codes) + len(self.recent)
 
     def memory(self) -> MemoryBreakdown:
-        return MemoryBreakdown.of(hot=[self.sinks, self.codes, self.recent]) + MemoryBreakdown(
-            hot=tensor_bytes(self.mean)
-        )
+        stores = [self.sinks, self.codes, *self.recent.storages()]
+        return MemoryBreakdown.of(hot=stores) + MemoryBreakdown(hot=tensor_bytes(self.mean))
 
     # ------------------------------------------------------------------ writing
 
@@ -82,7 +84,7 @@ class QuantisedLayer:
         if direct:
             self._encode(rows[:direct])
         if direct < rows.shape[0]:
-            self.recent.append(rows[direct:].to(self.exact))
+            self.recent.append(rows[direct:])
 
     def _encode(self, rows: torch.Tensor) -> None:
         """rows: [S, 2, Hkv, D] → one code row per token, [K heads ; V heads]."""
