@@ -1,4 +1,5 @@
-"""GGUF files of qwen2, qwen3, mistral-style llama (sliding window) and phi3, written from tiny
+"""GGUF files of qwen2, qwen3, mistral-style llama (sliding window), phi3 and the mixtures of
+experts (Mixtral as llama, qwen2moe, qwen3moe), written from tiny
 random transformers models with the `gguf` package's writer: larql's logits and greedy tokens
 against transformers on the same weights, the tokenizer rebuilt from the file against the one
 it was written from, and the file's chat template."""
@@ -46,6 +47,7 @@ class GgufCase:
     permute_qk: bool = False  # llama.cpp's llama layout
     sliding_window: int | None = None
     rotary_dim: int | None = None
+    larql_arch: str | None = None  # the architecture larql names it (None: gguf_arch)
 
 
 CASES = {
@@ -54,6 +56,25 @@ CASES = {
     "mistral-as-llama": GgufCase(
         "llama", "mistral", dict(sliding_window=WINDOW, tie_word_embeddings=False),
         permute_qk=True, sliding_window=WINDOW,
+    ),
+    # mixture-of-experts: llama.cpp writes Mixtral as llama with stacked experts
+    "mixtral-as-llama": GgufCase(
+        "llama", "mixtral",
+        dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+        permute_qk=True,
+    ),
+    "qwen2moe": GgufCase(
+        "qwen2moe", "qwen2_moe",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+             shared_expert_intermediate_size=64, norm_topk_prob=False, mlp_only_layers=[1],
+             tie_word_embeddings=False),
+        larql_arch="qwen2_moe",
+    ),
+    "qwen3moe": GgufCase(
+        "qwen3moe", "qwen3_moe",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+             norm_topk_prob=True, tie_word_embeddings=False),
+        larql_arch="qwen3_moe",
     ),
     "phi3": GgufCase(
         "phi3", "phi3",
@@ -112,7 +133,10 @@ def larql_greedy(model: Model, ids: list[int], n: int) -> list[int]:
 def test_config_reads_the_file(tiny: TinyGguf) -> None:
     config = load_model(str(tiny.path)).config
     hf = tiny.hf_model.config
-    assert config.arch.name == tiny.case.gguf_arch
+    assert config.arch.name == (tiny.case.larql_arch or tiny.case.gguf_arch)
+    experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None)
+    routing = config.experts
+    assert (routing.num_experts, routing.top_k) == (experts, 2) if experts else routing is None
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
         hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim,
     )  # fmt: skip

@@ -27,6 +27,11 @@ _LAYER_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.gate_up_proj": "ffn_up",  # Phi-3: gate rows, then up rows
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # a mixture of experts' router
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 _TOP_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -137,7 +142,8 @@ def write_gguf(
     q8_0: bool = False,
     q4_k: bool = False,
 ) -> Path:
-    """`hf_model`'s weights and shape as a GGUF of architecture `arch`: float32, or with
+    """`hf_model`'s weights and shape as a GGUF of architecture `arch` (a mixture of experts'
+    stacked experts included): float32, or with
     `q8_0` every matrix whose width is a multiple of 32 in Q8_0 blocks, with `q4_k` every one
     whose width is a multiple of 256 in Q4_K super-blocks (`quantize_q4_k`)."""
     import gguf
@@ -160,31 +166,65 @@ def write_gguf(
     w.add_rope_dimension_count(rotary_dim or head_dim)
     if sliding_window is not None:
         w.add_sliding_window(sliding_window)
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if getattr(c, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if getattr(c, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     _add_tokenizer(w, tokenizer)
     tied = bool(getattr(c, "tie_word_embeddings", False))
     for name, tensor in hf_model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue
-        array = tensor.detach().float().numpy()
-        gguf_name = _gguf_name(name)
-        if permute_qk and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
-            n_head = c.num_attention_heads if "attn_q." in gguf_name else kv_heads
-            array = _permute_rows(array, n_head)
-        array = np.ascontiguousarray(array, dtype=np.float32)
-        if q4_k and array.ndim == 2 and array.shape[1] % 256 == 0:
-            raw = quantize_q4_k(array)
-            w.add_tensor(gguf_name, raw, raw_shape=raw.shape,
-                         raw_dtype=gguf.GGMLQuantizationType.Q4_K)  # fmt: skip
-        elif q8_0 and array.ndim == 2 and array.shape[1] % 32 == 0:
-            raw = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(gguf_name, array)
+        for gguf_name, array in _gguf_tensors(name, tensor.detach().float().numpy()):
+            _add_tensor(w, gguf_name, array, c, kv_heads, permute_qk, q8_0, q4_k)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _gguf_tensors(hf_name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """One HF tensor → the GGUF tensors llama.cpp's converter writes for it: a mixture of
+    experts' stacked [E, 2F, H] gate|up rows as `ffn_gate_exps` and `ffn_up_exps`, its [E, H, F]
+    down rows as `ffn_down_exps`, a shared expert's gate row as a vector."""
+    _, layer, module, kind = _split_layer(hf_name)
+    if module == "mlp.experts" and kind == "gate_up_proj":
+        gate, up = np.split(array, 2, axis=1)
+        return [
+            (f"blk.{layer}.ffn_gate_exps.weight", gate),
+            (f"blk.{layer}.ffn_up_exps.weight", up),
+        ]
+    if module == "mlp.experts" and kind == "down_proj":
+        return [(f"blk.{layer}.ffn_down_exps.weight", array)]
+    if module == "mlp.shared_expert_gate":
+        return [(_gguf_name(hf_name), array.reshape(-1))]
+    return [(_gguf_name(hf_name), array)]
+
+
+def _add_tensor(
+    w: Any, gguf_name: str, array: np.ndarray, c: Any, kv_heads: int, permute_qk: bool,
+    q8_0: bool, q4_k: bool,
+) -> None:  # fmt: skip
+    import gguf
+
+    if permute_qk and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+        n_head = c.num_attention_heads if "attn_q." in gguf_name else kv_heads
+        array = _permute_rows(array, n_head)
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if q4_k and array.ndim == 2 and array.shape[1] % 256 == 0:
+        raw = quantize_q4_k(array)
+        w.add_tensor(gguf_name, raw, raw_shape=raw.shape,
+                     raw_dtype=gguf.GGMLQuantizationType.Q4_K)  # fmt: skip
+    elif q8_0 and array.ndim == 2 and array.shape[1] % 32 == 0:
+        raw = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:
+        w.add_tensor(gguf_name, array)
 
 
 def quantize_q4_k(array: np.ndarray) -> np.ndarray:

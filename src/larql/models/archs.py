@@ -58,8 +58,10 @@ class ArchPreset:
     gguf_interleaved_qk: bool = False
     tied_embeddings: bool = False  # whether the LM head is the embedding when a config is silent
     # mixture-of-experts layers: whether the top-k routing weights are renormalised to sum to 1
-    # (None: as the config's `norm_topk_prob` says)
+    # (None: as the HF config's `norm_topk_prob` says; a GGUF's `expert_weights_norm`, else
+    # `gguf_experts_normalized`)
     experts_normalized: bool | None = None
+    gguf_experts_normalized: bool = True
 
 
 _GEMMA = dict(activation="gelu_tanh", norm_offset=1.0, post_norms=True, scale_embeddings=True)
@@ -85,11 +87,12 @@ ARCHITECTURES: dict[str, ArchPreset] = {
         experts_normalized=True,
     ),
     "qwen2_moe": ArchPreset(
-        Arch(name="qwen2_moe"), from_max_window_layers, hf_model_types=("qwen2_moe",)
+        Arch(name="qwen2_moe"), from_max_window_layers, hf_model_types=("qwen2_moe",),
+        gguf_name="qwen2moe", gguf_experts_normalized=False,
     ),
     "qwen3_moe": ArchPreset(
         Arch(name="qwen3_moe", qk_norm=True), from_max_window_layers,
-        hf_model_types=("qwen3_moe",),
+        hf_model_types=("qwen3_moe",), gguf_name="qwen3moe",
     ),
     # embedding, attention, residual and logit multipliers (the last two folded into weights)
     "granite": ArchPreset(Arch(name="granite"), hf_model_types=("granite",)),

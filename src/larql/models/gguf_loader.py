@@ -19,7 +19,7 @@ import torch
 
 from larql.models.archs import preset_for_gguf
 from larql.models.blocks import GGUF_FORMATS, BlockRows, block_width
-from larql.models.config import LayerSpec, ModelConfig, RopeSpec
+from larql.models.config import ExpertRouting, LayerSpec, ModelConfig, RopeSpec
 from larql.models.errors import ModelFormatError, UnsupportedArchitecture
 from larql.models.gguf_file import GgufFile
 from larql.models.rope import yarn_attention_factor
@@ -38,6 +38,15 @@ _LAYER_TENSORS = {
     "ffn_up": "w_up",
     "ffn_down": "w_down",
     "post_ffw_norm": "post_ffn_norm",
+    # mixture-of-experts blocks (Mixtral as llama, qwen2moe, qwen3moe): experts stacked [E, …]
+    "ffn_gate_inp": "router",
+    "ffn_gate_exps": "experts_gate",
+    "ffn_up_exps": "experts_up",
+    "ffn_down_exps": "experts_down",
+    "ffn_gate_shexp": "shared_gate",
+    "ffn_up_shexp": "shared_up",
+    "ffn_down_shexp": "shared_down",
+    "ffn_gate_inp_shexp": "shared_expert_gate",
 }
 _BIASES = {"attn_q": "bq", "attn_k": "bk", "attn_v": "bv", "attn_output": "bo"}
 # A fused matrix → its canonical parts in row order, each with its row count.
@@ -85,7 +94,22 @@ def gguf_config(gguf: GgufFile, name: str = "") -> ModelConfig:
         LayerSpec(window, local) if slides and window else LayerSpec(None, rope)
         for slides in sliding
     )
-    return ModelConfig(arch=preset.arch, layers=layers, **common)
+    return ModelConfig(arch=preset.arch, layers=layers, experts=_expert_routing(gguf), **common)
+
+
+def _expert_routing(gguf: GgufFile) -> ExpertRouting | None:
+    count = _opt_int(gguf.arch_key("expert_count"))
+    if not count:
+        return None
+    default = preset_for_gguf(gguf.architecture).gguf_experts_normalized
+    try:
+        return ExpertRouting(
+            int(count),
+            int(gguf.arch_key("expert_used_count", 0)),
+            bool(gguf.arch_key("expert_weights_norm", default)),
+        )
+    except ValueError as e:
+        raise ModelFormatError(f"{gguf.path}: bad mixture-of-experts settings: {e}") from e
 
 
 def gguf_state_dict(
@@ -103,6 +127,8 @@ def gguf_state_dict(
             if interleaved_qk and canonical.endswith((".wq", ".wk")):
                 n_head = config.num_heads if canonical.endswith(".wq") else config.num_kv_heads
                 array = _unpermute_rows(array, n_head)
+            if canonical.endswith(".shared_expert_gate"):
+                array = array.reshape(1, -1)  # llama.cpp keeps the gate's one row as [H]
             state[canonical] = torch.from_numpy(np.ascontiguousarray(array))
         if progress is not None:
             progress(n + 1, len(names))
