@@ -10,6 +10,7 @@ import typer
 from rich.progress import Progress
 
 from larql.cli.common import InvalidInput, open_model, stderr, stdout, user_errors
+from larql.cli.ffn_options import MoeShardsOption, moe_shards_spec
 from larql.cli.longctx_cmd import SUITES, SuiteGrid
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
 
@@ -49,6 +50,7 @@ def accuracy(
             "'dense,walk:k=100'; more than one (or not dense) labels strategies kv@ffn.",
         ),
     ] = "dense",
+    moe_shards: MoeShardsOption = None,
     quick: Annotated[
         bool,
         typer.Option(
@@ -132,6 +134,10 @@ def accuracy(
     if not kinds:
         raise InvalidInput(f"--engines lists no engine; {CATALOG.supported_message()}")
     ffn_specs = split_specs(ffn) or ["dense"]
+    if moe_shards is not None:
+        if ffn != "dense":
+            raise InvalidInput("give --ffn or --moe-shards, not both")
+        ffn_specs = [moe_shards_spec(moe_shards)]
     for spec in ffn_specs:
         FfnLayerPolicy.from_spec(spec)  # a typo fails before the model loads
     if positions is not None and positions < 1:

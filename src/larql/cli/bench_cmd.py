@@ -13,6 +13,7 @@ from larql.cli.common import InvalidInput, open_model, stderr, stdout, user_erro
 from larql.cli.ffn_options import (
     FfnPolicyOption,
     FfnUrlOption,
+    MoeShardsOption,
     check_policy,
     ffn_policy_spec,
 )
@@ -82,6 +83,7 @@ def bench(
     ] = None,
     ffn_policy: FfnPolicyOption = None,
     ffn: FfnUrlOption = None,
+    moe_shards: MoeShardsOption = None,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
@@ -116,7 +118,7 @@ def bench(
     kinds = parse_engines(engine or default_specs())
     depth_list = parse_int_list(depths, "--depths", 0)
     batch_sizes = parse_int_list(batch, "--batch", 1)
-    ffn_spec = ffn_policy_spec(ffn_policy, ffn)
+    ffn_spec = ffn_policy_spec(ffn_policy, ffn, moe_shards=moe_shards)
     check_policy(ffn_spec)
     lm = open_model(model, dtype, device, threads, weights)
     total = (1 if prompt is not None else len(depth_list) or 1) * (len(kinds) + (1 if vs_hf else 0))

@@ -35,15 +35,45 @@ FfnTimeoutOption = Annotated[
 ]
 
 
+MoeShardsOption = Annotated[
+    str | None,
+    typer.Option(
+        "--moe-shards",
+        help="A mixture-of-experts model's experts on shards (larql serve --ffn-only --experts "
+        "A-B): 'A-B=URL,C-D=URL', covering every expert once; router, shared expert and dense "
+        "layers stay here.",
+    ),
+]
+
+
+def moe_shards_spec(shards: str, timeout: float | None = None) -> str:
+    """`--moe-shards A-B=URL,C-D=URL` as the FFN policy it names."""
+    from larql.inference.ffn.remote_experts import parse_moe_shards
+
+    try:
+        parsed = parse_moe_shards(shards)
+    except ValueError as e:
+        raise InvalidInput(f"--moe-shards: {e}; give A-B=URL,C-D=URL") from None
+    joined = "|".join(f"{r.start}-{r.stop - 1}={url}" for r, url in parsed)
+    return f"remote-experts:shards={joined}" + ("" if timeout is None else f",timeout={timeout}")
+
+
 def ffn_policy_spec(
-    policy: str | None, url: str | None, default: str = "dense", timeout: float | None = None
+    policy: str | None,
+    url: str | None,
+    default: str = "dense",
+    timeout: float | None = None,
+    moe_shards: str | None = None,
 ) -> str:
-    """The policy spec the options ask for (`default` when neither is given)."""
-    if policy is not None and url is not None:
-        raise InvalidInput("give --ffn URL or --ffn-policy SPEC, not both")
+    """The policy spec the options ask for (`default` when none is given)."""
+    if sum(x is not None for x in (policy, url, moe_shards)) > 1:
+        raise InvalidInput("give one of --ffn URL, --ffn-policy SPEC and --moe-shards")
+    if moe_shards is not None:
+        return moe_shards_spec(moe_shards, timeout)
     if timeout is not None and url is None:
         raise InvalidInput(
-            "--ffn-timeout-secs applies to --ffn URL (in a policy: remote-walk:...,timeout=S)"
+            "--ffn-timeout-secs applies to --ffn URL and --moe-shards (in a policy: "
+            "remote-walk:...,timeout=S)"
         )
     if url is not None:
         if "://" not in url:

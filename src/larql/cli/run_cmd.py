@@ -14,6 +14,7 @@ from larql.cli.ffn_options import (
     FfnPolicyOption,
     FfnTimeoutOption,
     FfnUrlOption,
+    MoeShardsOption,
     check_policy,
     ffn_policy_spec,
 )
@@ -67,6 +68,7 @@ def run(
     ffn_policy: FfnPolicyOption = None,
     ffn: FfnUrlOption = None,
     ffn_timeout_secs: FfnTimeoutOption = None,
+    moe_shards: MoeShardsOption = None,
     top: Annotated[
         int,
         typer.Option(
@@ -91,7 +93,7 @@ def run(
     if top < 0:
         raise InvalidInput(f"--top must be ≥ 0, got {top}")
     SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # checks early
-    ffn_spec = ffn_policy_spec(ffn_policy, ffn, timeout=ffn_timeout_secs)
+    ffn_spec = ffn_policy_spec(ffn_policy, ffn, timeout=ffn_timeout_secs, moe_shards=moe_shards)
     check_policy(ffn_spec)
     choice = resolve_engine(engine, kv_cache, context_window)
     choice.engine.require_live_decode()

@@ -53,19 +53,28 @@ def serve(
     layers: Annotated[
         str | None, typer.Option("--layers", help="With --ffn-only: layers A-B (inclusive).")
     ] = None,
+    experts: Annotated[
+        str | None,
+        typer.Option(
+            "--experts",
+            help="With --ffn-only, on a mixture-of-experts model: serve experts A-B (inclusive) "
+            "of its MoE layers, for clients' --moe-shards.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the model over HTTP: OpenAI completions and chat, decoded through the KV engines."""
     if not 0 <= port <= 65535:
         raise InvalidInput(f"--port must be in 0..65535, got {port}")
     if ffn_only:
         layer_range = parse_layers(layers) if layers is not None else None
+        expert_range = parse_layers(experts, "--experts") if experts is not None else None
         lm = open_model(model, dtype, device, threads, weights)
         from larql.server.ffn_shard import run_ffn_shard
 
-        run_ffn_shard(lm, layer_range, host, port)
+        run_ffn_shard(lm, layer_range, host, port, expert_range)
         return
-    if layers is not None:
-        raise InvalidInput("--layers applies to an FFN shard only (add --ffn-only)")
+    if layers is not None or experts is not None:
+        raise InvalidInput("--layers and --experts apply to an FFN shard only (add --ffn-only)")
     check_limits(max_sessions, max_queue, max_prompt_tokens, max_new_tokens, request_timeout)
     if prefill_chunk < 1:
         raise InvalidInput(f"--prefill-chunk must be ≥ 1, got {prefill_chunk}")
@@ -100,16 +109,16 @@ def serve(
     serve_forever(create_app(lm, settings), host, port, announce)
 
 
-def parse_layers(text: str) -> tuple[int, int]:
-    """`A-B` (inclusive, A ≤ B) or a single layer `A` → (A, B)."""
+def parse_layers(text: str, option: str = "--layers") -> tuple[int, int]:
+    """`A-B` (inclusive, A ≤ B) or a single one `A` → (A, B)."""
     first, dash, last = text.strip().partition("-")
     try:
         start = int(first)
         end = int(last) if dash else start
     except ValueError:
-        raise InvalidInput(f"--layers must be A-B (e.g. 0-15), got {text!r}") from None
+        raise InvalidInput(f"{option} must be A-B (e.g. 0-15), got {text!r}") from None
     if start < 0 or end < start:
-        raise InvalidInput(f"--layers must be A-B with 0 ≤ A ≤ B, got {text!r}")
+        raise InvalidInput(f"{option} must be A-B with 0 ≤ A ≤ B, got {text!r}")
     return start, end
 
 

@@ -126,6 +126,7 @@ class Engine(ABC):
         last ([S, H] for an engine that runs the whole prompt at once)."""
         if len(token_ids) == 0:
             raise EmptyPrompt()
+        self._check_ffn(ffn)
         self._backend = backend_name(model)
         rows = self._start_tokens(model, ffn, list(token_ids))
         self._started(len(token_ids))
@@ -137,10 +138,17 @@ class Engine(ABC):
         """Prefill from given input rows [N, H] (e.g. image embeddings) instead of token ids."""
         if initial_hidden.shape[0] == 0:
             raise EmptyPrompt()
+        self._check_ffn(ffn)
         self._backend = backend_name(model)
         rows = self._start(model, ffn, initial_hidden)
         self._started(initial_hidden.shape[0])
         return rows[-1:]
+
+    def _check_ffn(self, ffn: FfnBackend) -> None:
+        """Refuse an FFN backend that says this engine may not run with it."""
+        refusal = ffn.engine_refusal(self.name)
+        if refusal is not None:
+            raise BackendUnavailable(refusal)
 
     def extends_exactly(self, model: Model) -> bool:
         """Whether, on `model`, `extend` continues a prefill as one longer prefill would (up to

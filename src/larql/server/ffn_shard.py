@@ -1,10 +1,13 @@
 """An FFN shard: serves the FFN of a range of layers over HTTP , so a client's
-`remote-walk` backend can run its layers elsewhere.
+`remote-walk` backend can run its layers elsewhere; or, for a mixture-of-experts model, a range
+of experts of every MoE layer, for a client's `remote-experts` backend.
 
-    POST /v1/walk-ffn   one layer or a batch of layers of one residual → FFN output
-                        (binary framing of `larql.inference.ffn.wire`, or JSON)
-    GET  /v1/stats      what the shard serves and what it has done
-    GET  /health        liveness
+    POST /v1/walk-ffn     one layer or a batch of layers of one residual → FFN output
+                          (binary framing of `larql.inference.ffn.wire`, or JSON)
+    POST /v1/experts-ffn  the same framing; each unit `layer · num_experts + expert` → that
+                          expert's MLP output of the rows (not weighted: the client routes)
+    GET  /v1/stats        what the shard serves and what it has done
+    GET  /health          liveness
 
 The shard runs the walk FFN (top_k = 0: dense-equivalent) on the normed residual it is sent.
 A layer outside the shard's range, a malformed body or a wrong hidden size is a 4xx with a JSON
@@ -18,6 +21,8 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -27,6 +32,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from larql.errors import LarqlError
+from larql.inference.ffn.backend import gated_activation
+from larql.inference.ffn.experts import expert_output
 from larql.inference.ffn.walk import WalkFfn
 from larql.inference.ffn.wire import (
     F32,
@@ -45,7 +52,7 @@ from larql.server.runner import BackgroundServer, serve_forever, serve_in_thread
 
 
 class ShardLayersError(LarqlError):
-    """A `--layers` range the model does not have."""
+    """A `--layers` or `--experts` range the model does not have."""
 
 
 class ShardRequestError(Exception):
@@ -69,12 +76,28 @@ def shard_layers(model: Model, layers: Layers) -> range:
     return layers
 
 
-class FfnShard:
-    """The model side of the shard: checks requests and computes their layers."""
+def shard_experts(model: Model, experts: Layers) -> range | None:
+    if experts is None:
+        return None
+    routing = model.config.experts
+    if routing is None:
+        raise ShardLayersError(f"--experts needs a mixture-of-experts model; {model.name} has none")
+    if isinstance(experts, tuple):
+        experts = range(experts[0], experts[1] + 1)
+    n = routing.num_experts
+    if experts.step != 1 or len(experts) == 0 or experts.start < 0 or experts.stop > n:
+        shown = f"{experts.start}-{experts.stop - 1}" if len(experts) else "an empty range"
+        raise ShardLayersError(f"cannot serve experts {shown}: {model.name} has experts 0-{n - 1}")
+    return experts
 
-    def __init__(self, model: Model, layers: Layers = None) -> None:
+
+class FfnShard:
+    """The model side of the shard: checks requests and computes their layers (or experts)."""
+
+    def __init__(self, model: Model, layers: Layers = None, experts: Layers = None) -> None:
         self.model = model
         self.layers = shard_layers(model, layers)
+        self.experts = shard_experts(model, experts)
         self.hidden_size = model.config.hidden_size
         # A generous bound on one body: every position of the context, f32, plus headers.
         self.max_body = model.config.max_positions * self.hidden_size * 4 + 65_536
@@ -94,9 +117,18 @@ class FfnShard:
             "num_layers": self.model.config.num_layers,
             "layers": [self.layers.start, self.layers.stop - 1],
             "wire": list(MEDIA_TYPES),
+            **self._experts_described(),
             "uptime_s": round(time.time() - self._started, 3),
             "compute_ms": round(compute_ms, 3),
             **counts,
+        }
+
+    def _experts_described(self) -> dict[str, Any]:
+        if self.experts is None or self.model.config.experts is None:
+            return {}
+        return {
+            "experts": [self.experts.start, self.experts.stop - 1],
+            "num_experts": self.model.config.experts.num_experts,
         }
 
     def count(self, **increments: float) -> None:
@@ -136,16 +168,55 @@ class FfnShard:
                     "layer_not_served",
                 )
 
+    def check_experts(self, request: WalkRequest) -> None:
+        """Every unit `layer · num_experts + expert` names a served expert of an MoE layer."""
+        routing = self.model.config.experts
+        if self.experts is None or routing is None:
+            raise ShardRequestError(
+                404, "this shard serves layers, not experts (larql serve --ffn-only --experts A-B)",
+                "experts_not_served",
+            )  # fmt: skip
+        for unit in request.layers:
+            layer, expert = divmod(unit, routing.num_experts)
+            moe = layer in self.layers and self.model.weights.layers[layer].experts is not None
+            if not moe or expert not in self.experts:
+                raise ShardRequestError(
+                    422,
+                    f"unit {unit} (layer {layer}, expert {expert}) is not served by this shard "
+                    f"(experts {self.experts.start}-{self.experts.stop - 1} of the MoE layers "
+                    f"among {self.layers.start}-{self.layers.stop - 1})",
+                    "expert_not_served",
+                )
+
     def compute(self, request: WalkRequest) -> tuple[list[tuple[int, np.ndarray]], float]:
         """→ ([(layer, FFN output [S, H] float32)], compute ms). Runs in a worker thread."""
-        t0 = time.perf_counter()
         walk = self._walk(request.top_k)
+        return self._timed(request, lambda layer, x: walk.forward(layer, x))
+
+    def compute_experts(self, request: WalkRequest) -> tuple[list[tuple[int, np.ndarray]], float]:
+        """→ ([(unit, expert MLP output [S, H] float32)], compute ms). A worker thread."""
+        routing = self.model.config.experts
+        assert routing is not None
+        act = partial(gated_activation, activation=self.model.config.arch.activation)
+
+        def one(unit: int, x: torch.Tensor) -> torch.Tensor:
+            layer, expert = divmod(unit, routing.num_experts)
+            experts = self.model.weights.layers[layer].experts
+            assert experts is not None
+            return expert_output(experts, expert, x, act)
+
+        return self._timed(request, one)
+
+    def _timed(
+        self, request: WalkRequest, unit_output: Callable[[int, torch.Tensor], torch.Tensor]
+    ) -> tuple[list[tuple[int, np.ndarray]], float]:
+        t0 = time.perf_counter()
         x = torch.from_numpy(np.array(request.residual, dtype=np.float32))
         x = x.to(self.model.device, self.model.dtype)  # [S, H]
         with torch.inference_mode():
             results = [
-                (layer, walk.forward(layer, x).to("cpu", torch.float32).numpy())
-                for layer in request.layers
+                (unit, unit_output(unit, x).to("cpu", torch.float32).numpy())
+                for unit in request.layers
             ]
         ms = (time.perf_counter() - t0) * 1000
         with self._lock:
@@ -188,9 +259,10 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
     return JSONResponse(error_body(message, code=code), status_code=status)
 
 
-def create_ffn_app(model: Model, layers: Layers = None) -> FastAPI:
-    """The shard's FastAPI app for `layers` of `model` (all layers when None)."""
-    shard = FfnShard(model, layers)
+def create_ffn_app(model: Model, layers: Layers = None, experts: Layers = None) -> FastAPI:
+    """The shard's FastAPI app for `layers` of `model` (all layers when None); with `experts`,
+    for those experts of its MoE layers too."""
+    shard = FfnShard(model, layers, experts)
     app = FastAPI(title="larql FFN shard", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.shard = shard
 
@@ -204,56 +276,76 @@ def create_ffn_app(model: Model, layers: Layers = None) -> FastAPI:
 
     @app.post("/v1/walk-ffn")
     async def walk_ffn(request: Request) -> Response:
-        try:
-            declared = int(request.headers.get("content-length") or 0)
-        except ValueError:
-            declared = 0
-        if declared > shard.max_body:
-            shard.count(errors=1)
-            return _error(413, f"body of {declared} bytes exceeds {shard.max_body}", "too_large")
-        body = await request.body()
-        try:
-            if len(body) > shard.max_body:
-                raise ShardRequestError(413, f"body exceeds {shard.max_body} bytes", "too_large")
-            walk, json_request = shard.parse(body, request.headers.get("content-type", ""))
-            wire = negotiate(request.headers.get("accept", ""), json_request)
-            shard.check_layers(walk)
-        except ShardRequestError as e:
-            shard.count(errors=1)
-            return _error(e.status, e.message, e.code)
-        results, ms = await run_in_threadpool(shard.compute, walk)
-        shard.count(requests=1, bytes_in=len(body), **{f"wire_{wire or 'json'}": 1})
-        if wire is None:
-            if walk.batched:
-                payload: dict[str, Any] = {"latency_ms": ms, "results": [
-                    {"layer": layer, "seq_len": out.shape[0], "output": out.ravel().tolist()}
-                    for layer, out in results
-                ]}  # fmt: skip
-            else:
-                layer, out = results[0]
-                payload = {"layer": layer, "seq_len": out.shape[0], "latency_ms": ms,
-                           "output": out.ravel().tolist()}  # fmt: skip
-            return JSONResponse(payload)
-        content = encode_response(results, ms, wire, walk.batched)
-        shard.count(bytes_out=len(content))
-        return Response(content, media_type=MEDIA_TYPES[wire])
+        return await _answer(shard, request, shard.check_layers, shard.compute)
+
+    @app.post("/v1/experts-ffn")
+    async def experts_ffn(request: Request) -> Response:
+        return await _answer(shard, request, shard.check_experts, shard.compute_experts)
 
     return app
+
+
+Compute = Callable[[WalkRequest], tuple[list[tuple[int, np.ndarray]], float]]
+
+
+async def _answer(
+    shard: FfnShard, request: Request, check: Callable[[WalkRequest], None], compute: Compute
+) -> Response:
+    """Read, check, compute (in a worker thread) and encode one request of the shard."""
+    try:
+        declared = int(request.headers.get("content-length") or 0)
+    except ValueError:
+        declared = 0
+    if declared > shard.max_body:
+        shard.count(errors=1)
+        return _error(413, f"body of {declared} bytes exceeds {shard.max_body}", "too_large")
+    body = await request.body()
+    try:
+        if len(body) > shard.max_body:
+            raise ShardRequestError(413, f"body exceeds {shard.max_body} bytes", "too_large")
+        walk, json_request = shard.parse(body, request.headers.get("content-type", ""))
+        wire = negotiate(request.headers.get("accept", ""), json_request)
+        check(walk)
+    except ShardRequestError as e:
+        shard.count(errors=1)
+        return _error(e.status, e.message, e.code)
+    results, ms = await run_in_threadpool(compute, walk)
+    shard.count(requests=1, bytes_in=len(body), **{f"wire_{wire or 'json'}": 1})
+    if wire is None:
+        if walk.batched:
+            payload: dict[str, Any] = {"latency_ms": ms, "results": [
+                {"layer": layer, "seq_len": out.shape[0], "output": out.ravel().tolist()}
+                for layer, out in results
+            ]}  # fmt: skip
+        else:
+            layer, out = results[0]
+            payload = {"layer": layer, "seq_len": out.shape[0], "latency_ms": ms,
+                       "output": out.ravel().tolist()}  # fmt: skip
+        return JSONResponse(payload)
+    content = encode_response(results, ms, wire, walk.batched)
+    shard.count(bytes_out=len(content))
+    return Response(content, media_type=MEDIA_TYPES[wire])
 
 
 # ---------------------------------------------------------------------------- running it
 
 
 def run_ffn_shard(
-    model: Model, layers: Layers = None, host: str = "127.0.0.1", port: int = 8080
+    model: Model,
+    layers: Layers = None,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    experts: Layers = None,
 ) -> None:
-    """Serve `layers` of `model` until interrupted; announces the address on stderr."""
-    app = create_ffn_app(model, layers)
-    served = app.state.shard.layers
+    """Serve `layers` (with `experts`: those experts of them) of `model` until interrupted;
+    announces the address on stderr."""
+    app = create_ffn_app(model, layers, experts)
+    served, routed = app.state.shard.layers, app.state.shard.experts
+    what = "" if routed is None else f" experts {routed.start}-{routed.stop - 1} of"
 
     def announce(url: str) -> None:
         print(
-            f"larql FFN shard: {model.name} layers {served.start}-{served.stop - 1} "
+            f"larql FFN shard: {model.name}{what} layers {served.start}-{served.stop - 1} "
             f"listening on {url}",
             file=sys.stderr,
             flush=True,

@@ -49,6 +49,10 @@ class FfnBackend(ABC):
         """Bytes this backend has sent and received over a network so far (0: it is local)."""
         return 0
 
+    def engine_refusal(self, engine: str) -> str | None:
+        """Why an engine of this name may not run with this backend (None: it may)."""
+        return None
+
     def close(self) -> None:
         return None
 

@@ -40,12 +40,26 @@ def experts_forward(
         out = _gathered(experts, x, weights, chosen, act)
     else:
         out = _per_expert(experts, x, weights, chosen, act)
-    if experts.shared_gate_up is not None and experts.shared_down is not None:
-        shared = _mlp(x, experts.shared_gate_up, experts.shared_down, act)  # [S, H]
-        if experts.shared_expert_gate is not None:
-            shared = torch.sigmoid(F.linear(x, experts.shared_expert_gate)) * shared
-        out = out + shared
-    return out
+    shared = shared_output(experts, x, act)  # [S, H] or None
+    return out if shared is None else out + shared
+
+
+def expert_output(
+    experts: ExpertWeights, expert: int, x: torch.Tensor, act: Activation
+) -> torch.Tensor:
+    """One expert's MLP of rows x [N, H], not weighted by the routing → [N, H] (what a remote
+    expert shard computes)."""
+    return _mlp(x, experts.gate_up[expert], experts.down[expert], act)
+
+
+def shared_output(experts: ExpertWeights, x: torch.Tensor, act: Activation) -> torch.Tensor | None:
+    """The shared expert's output [N, H], its sigmoid gate applied (None: the block has none)."""
+    if experts.shared_gate_up is None or experts.shared_down is None:
+        return None
+    shared = _mlp(x, experts.shared_gate_up, experts.shared_down, act)
+    if experts.shared_expert_gate is not None:
+        shared = torch.sigmoid(F.linear(x, experts.shared_expert_gate)) * shared
+    return shared
 
 
 def _mlp(

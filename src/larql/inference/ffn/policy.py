@@ -307,6 +307,8 @@ def _build_backend(spec: FfnSpec, model: Model, remote_timeout_s: float) -> FfnB
         return NullFfn()
     from larql.inference.ffn.remote import RemoteWalkFfn  # httpx only when a policy asks
 
+    if spec.name == "remote-experts":
+        return _remote_experts(spec, model, remote_timeout_s)
     assert spec.endpoint is not None
     return RemoteWalkFfn(
         spec.endpoint,
@@ -314,6 +316,24 @@ def _build_backend(spec: FfnSpec, model: Model, remote_timeout_s: float) -> FfnB
         hidden_size=model.config.hidden_size,
         read_timeout_s=spec.timeout if spec.timeout is not None else remote_timeout_s,
     )
+
+
+def _remote_experts(spec: FfnSpec, model: Model, remote_timeout_s: float) -> FfnBackend:
+    from larql.inference.ffn.remote import RemoteWalkFfn
+    from larql.inference.ffn.remote_experts import ExpertShard, RemoteExpertsFfn, parse_moe_shards
+
+    assert spec.shards is not None
+    shards = [
+        ExpertShard(experts, RemoteWalkFfn(
+            url, wire=spec.wire, hidden_size=model.config.hidden_size,
+            read_timeout_s=spec.timeout if spec.timeout is not None else remote_timeout_s,
+        ))
+        for experts, url in parse_moe_shards(spec.shards)
+    ]  # fmt: skip
+    try:
+        return RemoteExpertsFfn(model, shards, spec.spec())
+    except ValueError as e:
+        raise MalformedBackend(f"{spec.spec()}: {e}") from None
 
 
 class LayerFfnRouter(FfnBackend):
@@ -347,6 +367,10 @@ class LayerFfnRouter(FfnBackend):
 
     def wire_bytes(self) -> int:
         return sum(b.wire_bytes() for b in {id(b): b for b in self.backends}.values())
+
+    def engine_refusal(self, engine: str) -> str | None:
+        reasons = (b.engine_refusal(engine) for b in {id(b): b for b in self.backends}.values())
+        return next((r for r in reasons if r is not None), None)
 
     def close(self) -> None:
         """Close remote clients (their keep-alive connections)."""

@@ -35,6 +35,7 @@ from larql.inference.ffn.wire import (
 )
 
 WALK_PATH = "/v1/walk-ffn"
+EXPERTS_PATH = "/v1/experts-ffn"
 
 
 @dataclass
@@ -94,6 +95,11 @@ class RemoteWalkFfn(FfnBackend):
         """One batched request: every listed layer's FFN of the same input x: [S, H]."""
         return self._walk(list(layers), x)
 
+    def forward_experts(self, units: Sequence[int], x: torch.Tensor) -> dict[int, torch.Tensor]:
+        """One batched request to an experts shard: each unit `layer · num_experts + expert`
+        → that expert's MLP output of x: [S, H] (not weighted)."""
+        return self._walk(list(units), x, EXPERTS_PATH)
+
     def wire_bytes(self) -> int:
         return self.stats.bytes_sent + self.stats.bytes_received
 
@@ -128,14 +134,16 @@ class RemoteWalkFfn(FfnBackend):
                 f"{self.hidden_size} (a shard of another model?)"
             )
 
-    def _walk(self, layers: int | list[int], x: torch.Tensor) -> dict[int, torch.Tensor]:
+    def _walk(
+        self, layers: int | list[int], x: torch.Tensor, path: str = WALK_PATH
+    ) -> dict[int, torch.Tensor]:
         if not self._probed:
             self._probe()
         hidden = self.hidden_size or x.shape[-1]
         body = encode_request(layers, x, self.top_k)
         response = self._request(
             "POST",
-            WALK_PATH,
+            path,
             content=body,
             headers={"Content-Type": MEDIA_TYPES[F32], "Accept": MEDIA_TYPES[self.wire]},
         )

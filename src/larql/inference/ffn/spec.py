@@ -1,8 +1,8 @@
 """One FFN backend spec — `dense`, `walk[:k=N|none]`, `null`,
-`remote-walk:endpoint=URL[,wire=f32|f16|i8]` — in the grammar engine specs use
-(`larql.specs`): strict, names and keys case-insensitive. A name we do not know is
-`UnknownBackend`; a known name with bad parameters is `MalformedBackend`. Both name the
-accepted forms.
+`remote-walk:endpoint=URL[,wire=f32|f16|i8]`, `remote-experts:shards=A-B=URL|C-D=URL` — in the
+grammar engine specs use (`larql.specs`): strict, names and keys case-insensitive. A name we
+do not know is `UnknownBackend`; a known name with bad parameters is `MalformedBackend`. Both
+name the accepted forms.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 from larql.errors import LarqlError
 from larql.specs import Param, at_least, one_of, parse_params, split_name
 
-BackendName = Literal["dense", "walk", "remote-walk", "null"]
+BackendName = Literal["dense", "walk", "remote-walk", "remote-experts", "null"]
 ALIASES: dict[str, BackendName] = {
     "dense": "dense",
     "weight": "dense",
@@ -23,14 +23,18 @@ ALIASES: dict[str, BackendName] = {
     "walk": "walk",
     "remote-walk": "remote-walk",
     "remote_walk": "remote-walk",
+    "remote-experts": "remote-experts",
+    "remote_experts": "remote-experts",
     "null": "null",
     "off": "null",
 }
-SUPPORTED = ("dense", "walk", "remote-walk", "null")
+SUPPORTED = ("dense", "walk", "remote-walk", "remote-experts", "null")
 WIRES = ("f32", "f16", "i8")
 ACCEPTED = (
     "supported: dense (alias weight, weights), walk[:k=N|none], null (alias off), "
-    "remote-walk:endpoint=URL[,wire=f32|f16|i8][,timeout=SECONDS] (alias remote_walk)"
+    "remote-walk:endpoint=URL[,wire=f32|f16|i8][,timeout=SECONDS] (alias remote_walk), "
+    "remote-experts:shards=A-B=URL|C-D=URL[,wire=…][,timeout=SECONDS] (a mixture of experts' "
+    "experts on shards)"
 )
 
 
@@ -63,6 +67,32 @@ def _http_url(endpoint: str) -> str | None:
     return None
 
 
+REMOTE_PARAMS = (
+    Param("wire", str, None, "f32 (lossless), f16 or i8", one_of(*WIRES), lower=True),
+    Param(
+        "timeout",
+        float,
+        None,
+        "seconds to wait for the shard's answer (default 60); past it a typed error",
+        lambda v: None if math.isfinite(v) and v > 0 else "must be a number of seconds > 0",
+    ),
+)
+
+
+def _moe_shards(text: str) -> str | None:
+    from larql.inference.ffn.remote_experts import parse_moe_shards
+
+    try:
+        shards = parse_moe_shards(text)
+    except ValueError as e:
+        return str(e)
+    for _, url in shards:
+        problem = _http_url(url)
+        if problem is not None:
+            return f"{url!r} {problem}"
+    return None
+
+
 PARAMS: dict[BackendName, tuple[Param, ...]] = {
     "dense": (),
     "null": (),
@@ -78,14 +108,11 @@ PARAMS: dict[BackendName, tuple[Param, ...]] = {
     ),
     "remote-walk": (
         Param("endpoint", str, None, "the FFN shard's http(s)://host[:port]", _http_url),
-        Param("wire", str, None, "f32 (lossless), f16 or i8", one_of(*WIRES), lower=True),
-        Param(
-            "timeout",
-            float,
-            None,
-            "seconds to wait for the shard's answer (default 60); past it a typed error",
-            lambda v: None if math.isfinite(v) and v > 0 else "must be a number of seconds > 0",
-        ),
+        *REMOTE_PARAMS,
+    ),
+    "remote-experts": (
+        Param("shards", str, None, "A-B=URL|C-D=URL: the expert shards", _moe_shards),
+        *REMOTE_PARAMS,
     ),
 }
 
@@ -97,6 +124,7 @@ class FfnSpec:
     name: BackendName
     k: int | None = None  # walk: features kept per position (None = all, dense-equivalent)
     endpoint: str | None = None  # remote-walk
+    shards: str | None = None  # remote-experts: A-B=URL|C-D=URL
     wire: str | None = None  # remote-walk: f32 | f16 | i8 (None = f32)
     timeout: float | None = None  # remote-walk: read timeout in seconds (None = the default)
 
@@ -114,6 +142,8 @@ class FfnSpec:
             if values["endpoint"] is None:
                 raise MalformedBackend(f"remote-walk needs endpoint=URL{where}")
             values["endpoint"] = values["endpoint"].rstrip("/")
+        if name == "remote-experts" and values["shards"] is None:
+            raise MalformedBackend(f"remote-experts needs shards=A-B=URL|C-D=URL{where}")
         return cls(name, **values)
 
     def spec(self) -> str:
@@ -124,4 +154,8 @@ class FfnSpec:
             wire = f",wire={self.wire}" if self.wire else ""
             timeout = f",timeout={self.timeout:g}" if self.timeout is not None else ""
             return f"remote-walk:endpoint={self.endpoint}{wire}{timeout}"
+        if self.name == "remote-experts":
+            wire = f",wire={self.wire}" if self.wire else ""
+            timeout = f",timeout={self.timeout:g}" if self.timeout is not None else ""
+            return f"remote-experts:shards={self.shards}{wire}{timeout}"
         return self.name
