@@ -15,7 +15,13 @@ from typer.testing import CliRunner
 from helpers import full_forward_logits, teacher_forced
 from larql.cli.app import app
 from larql.inference.ffn import build_ffn
-from larql.inference.ffn.experts import _gathered, _per_expert, experts_forward, route
+from larql.inference.ffn.experts import (
+    _gathered,
+    _per_expert,
+    expert_glu,
+    experts_forward,
+    route,
+)
 from larql.models import load_model
 from larql.models.config import ExpertRouting
 from larql.models.errors import ModelFormatError
@@ -61,14 +67,14 @@ def test_gathered_and_per_expert_runs_agree(qwen2_moe_dir: Path) -> None:
     routing = model.config.experts
     assert routing is not None
     x = torch.randn(6, model.config.hidden_size, dtype=torch.float64)
-    act = torch.nn.functional.silu
+    glu = expert_glu(model.config)
     for lw in model.weights.layers:
         if lw.experts is None:
             continue
         weights, chosen = route(torch.nn.functional.linear(x, lw.experts.router), routing)
         assert chosen.unique().numel() > 1  # the tokens really go to different experts
-        gathered = _gathered(lw.experts, x, weights.double(), chosen, act)
-        per_expert = _per_expert(lw.experts, x, weights.double(), chosen, act)
+        gathered = _gathered(lw.experts, x, weights.double(), chosen, glu)
+        per_expert = _per_expert(lw.experts, x, weights.double(), chosen, glu)
         torch.testing.assert_close(gathered, per_expert, rtol=1e-12, atol=1e-12)
 
 
@@ -99,7 +105,7 @@ def test_the_experts_alone_are_the_ffn_output(mixtral_dir: Path) -> None:
     assert lw.experts is not None and lw.w_gate_up is None
     x = torch.randn(3, model.config.hidden_size, dtype=torch.float64)
     assert model.config.experts is not None
-    direct = experts_forward(lw.experts, model.config.experts, x, torch.nn.functional.silu)
+    direct = experts_forward(lw.experts, model.config.experts, x, expert_glu(model.config))
     torch.testing.assert_close(build_ffn(model, "dense").forward(0, x), direct)
 
 
@@ -144,3 +150,43 @@ def test_run_and_walk_from_the_cli(mixtral_dir: Path) -> None:
     assert "mixture of experts" in walk.output
     dense_walk = runner.invoke(app, ["walk", "w5 w6 w7", "-m", str(mixtral_dir)])
     assert dense_walk.exit_code == 0, dense_walk.output
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("gpt-oss")
+    build_tiny_model("gpt_oss", directory)
+    return directory
+
+
+@pytest.mark.parametrize("change", ["no sinks", "no clamp", "weights not renormalised"])
+def test_every_gpt_oss_piece_is_load_bearing(gpt_oss_dir: Path, change: str) -> None:
+    """The attention sinks, the clamped SwiGLU and the softmax over the top-k logits each
+    change the logits (those with all three match transformers: test_hf_oracle.py)."""
+    model = load_model(str(gpt_oss_dir))
+    ids = random_ids(12)
+    ours = full_forward_logits(model, ids)
+    routing = model.config.experts
+    assert routing is not None and routing.normalize_top_k
+    if change == "no sinks":
+        for lw in model.weights.layers:
+            lw.attn_sinks = None
+    elif change == "no clamp":
+        assert routing.clamped_swiglu == (1.702, 0.5)
+        model.config = replace(model.config, experts=replace(routing, clamped_swiglu=None))
+    else:
+        changed = replace(routing, normalize_top_k=False)
+        model.config = replace(model.config, experts=changed)
+    assert (full_forward_logits(model, ids) - ours).abs().max().item() > 1e-4
+
+
+def test_gpt_oss_keeps_its_sinks_off_the_fast_paths(gpt_oss_dir: Path) -> None:
+    """The compiled CPU layer and the decode-attention kernels have no sinks: decode steps
+    take the eager path and still give the whole-sequence logits."""
+    model = load_model(str(gpt_oss_dir), dtype=torch.float64)
+    ids = random_ids(16)
+    whole = full_forward_logits(model, ids)[3:]
+    # turbo-quant keeps these 16 rows exact, at 16 bits
+    for spec, tolerance in (("standard", 1e-9), ("markov-rs", 1e-9), ("turbo-quant", 2e-3)):
+        stepped = teacher_forced(model, spec, ids, 4)
+        assert (stepped - whole).abs().max().item() < tolerance, spec

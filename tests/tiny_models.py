@@ -72,6 +72,16 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
         norm_topk_prob=True, tie_word_embeddings=False,
     ),
+    # attention sinks, alternating sliding layers, yarn, experts with biases and a clamped SwiGLU
+    "gpt_oss": dict(
+        model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2, tie_word_embeddings=False,
+        swiglu_limit=0.5,  # low enough that the tiny model's gates and ups are clamped
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=150_000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+            original_max_position_embeddings=64, truncate=False,
+        ),
+    ),
     "granite": dict(
         model_type="granite", embedding_multiplier=6.0, residual_multiplier=0.5,
         attention_multiplier=0.05, logits_scaling=4.0, tie_word_embeddings=True,
@@ -113,8 +123,8 @@ def random_hf_model(model_type: str, seed: int = 0, **config: Any) -> Any:
         for name, p in model.named_parameters():
             if "norm" in name:  # random norms, so a wrong norm offset cannot hide
                 p.copy_(torch.randn_like(p) * 0.3 + (0.0 if "gemma" in model_type else 1.0))
-            elif name.endswith(".bias"):
-                p.copy_(torch.randn_like(p) * 0.1)
+            elif name.endswith((".bias", "_bias", ".sinks")):  # GPT-OSS: expert biases, sinks
+                p.copy_(torch.randn_like(p) * (1.0 if name.endswith("sinks") else 0.1))
     return model
 
 

@@ -45,6 +45,7 @@ def _plain(model: Model, layer: int) -> bool:
         and lw.post_attn_norm is None
         and lw.post_ffn_norm is None
         and arch.attn_softcap is None
+        and lw.attn_sinks is None
     )
 
 

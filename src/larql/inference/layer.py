@@ -221,9 +221,10 @@ def attend(
                 mask &= (q_pos - k_pos) < w  # [S, T]
             if allowed is not None:
                 mask &= allowed
-    if cfg.arch.attn_softcap is not None:
-        out = _softcapped_attention(
-            q, keys, values, mask, causal, cfg.attn_scale, cfg.arch.attn_softcap
+    sinks = model.weights.layers[layer].attn_sinks
+    if cfg.arch.attn_softcap is not None or sinks is not None:
+        out = _eager_attention(
+            q, keys, values, mask, causal, cfg.attn_scale, cfg.arch.attn_softcap, sinks
         )
     elif s == 1 and mask is None and (kernels := attention_kernels(q, keys, values)) is not None:
         return kernels.decode_attention(q.contiguous(), keys, values, cfg.attn_scale)  # [1, q_dim]
@@ -258,14 +259,16 @@ def attend_static(
     keys: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode query q: [Hq, 1, D] over a fixed-capacity cache keys/values: [Hkv, C, D]
-    with `mask` [1, C] from `static_mask` (built with this layer's `effective_window`). Every
-    shape is static, so the step can be captured in a CUDA graph. → [1, q_dim]"""
+    with `mask` [1, C] from `static_mask` (built with this layer's `effective_window`); `sinks`
+    the layer's attention sinks [Hq] where it has them. Every shape is static, so the step can
+    be captured in a CUDA graph. → [1, q_dim]"""
     cfg = model.config
-    if cfg.arch.attn_softcap is not None:
+    if cfg.arch.attn_softcap is not None or sinks is not None:
         cap = cfg.arch.attn_softcap
-        out = _softcapped_attention(q, keys, values, mask, False, cfg.attn_scale, cap)
+        out = _eager_attention(q, keys, values, mask, False, cfg.attn_scale, cap, sinks)
     else:
         out = _sdpa(model, q, keys, values, mask, causal=False)
     return out.transpose(0, 1).reshape(1, cfg.q_dim)
@@ -323,27 +326,37 @@ def _decode_attention_float32(
     return out.to(q.dtype).reshape(heads, 1, dim)
 
 
-def _softcapped_attention(
+def _eager_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor | None,
     causal: bool,
     scale: float,
-    cap: float,
+    cap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    # SDPA has no soft-cap: scores = cap·tanh(q·k·scale / cap) before the mask and softmax.
+    """What SDPA cannot do: a soft-cap, scores = cap·tanh(q·k·scale / cap) before the mask and
+    softmax (Gemma 2), and attention sinks, a logit per query head [Hq] in the softmax beside
+    the keys' whose weight goes to no value (GPT-OSS). → [Hq, S, D]"""
     group = q.shape[0] // keys.shape[0]
     keys = keys.repeat_interleave(group, dim=0)  # [Hq, T, D]
     values = values.repeat_interleave(group, dim=0)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [Hq, S, T]
-    scores = torch.tanh(scores / cap) * cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     if causal:
         s, t = scores.shape[-2:]
         mask = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    wide = torch.promote_types(scores.dtype, torch.float32)  # float64 stays float64
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=wide).to(q.dtype)
+    else:
+        sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(-1, scores.shape[1], 1)  # [Hq, S, 1]
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=wide)
+        probs = probs[..., :-1].to(q.dtype)  # the sink's share goes nowhere
     return torch.matmul(probs, values)
 
 

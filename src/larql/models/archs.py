@@ -94,6 +94,12 @@ ARCHITECTURES: dict[str, ArchPreset] = {
         Arch(name="qwen3_moe", qk_norm=True), from_max_window_layers,
         hf_model_types=("qwen3_moe",), gguf_name="qwen3moe",
     ),
+    # learned attention sinks, alternating sliding layers (`layer_types`), experts routed by a
+    # softmax over the top-k logits (= the renormalised top k), with biases, a clamped SwiGLU
+    "gpt_oss": ArchPreset(
+        Arch(name="gpt_oss", attention_sinks=True), hf_model_types=("gpt_oss",),
+        experts_normalized=True,
+    ),
     # embedding, attention, residual and logit multipliers (the last two folded into weights)
     "granite": ArchPreset(Arch(name="granite"), hf_model_types=("granite",)),
     # fused QKV and gate/up matrices are split at load time; partial RoPE is the file's

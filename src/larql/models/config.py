@@ -29,6 +29,9 @@ class Arch:
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
     post_norms: bool = False  # norms after attention and after the FFN (Gemma 2/3 sandwich)
     attn_softcap: float | None = None  # cap·tanh(score/cap) before the softmax (Gemma 2)
+    # a learned logit per query head beside the keys' in the softmax, its value column zero:
+    # attention may go nowhere (GPT-OSS); the weights hold them as `attn_sinks`
+    attention_sinks: bool = False
     final_softcap: float | None = None  # cap·tanh(logit/cap) (Gemma 2)
     scale_embeddings: bool = False  # embeddings × √hidden (Gemma)
     # Whether the layer state is a function of (pre-layer residual, absolute position) only; an
@@ -38,14 +41,17 @@ class Arch:
 
 @dataclass(frozen=True)
 class ExpertRouting:
-    """How a mixture-of-experts layer picks and weighs its experts: the router's logits →
-    softmax over every expert → the `top_k` largest, divided by their sum when
-    `normalize_top_k`; each token's FFN output is Σ weight · expert(x) (+ a shared expert, whose
-    output a sigmoid gate scales where the weights have one)."""
+    """How a mixture-of-experts layer picks and weighs its experts: the router's logits → softmax
+    over every expert → the `top_k` largest, divided by their sum when `normalize_top_k` (the
+    same as GPT-OSS's softmax over the top_k logits); each token's FFN output is Σ weight ·
+    expert(x) (+ a shared expert, whose output a sigmoid gate scales where the weights have
+    one). An expert is a gated MLP with the model's activation, or with `clamped_swiglu` = (α,
+    limit) GPT-OSS's (up + 1) · g·σ(α·g), g = min(gate, limit), up clamped to ±limit."""
 
     num_experts: int
     top_k: int
     normalize_top_k: bool
+    clamped_swiglu: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:

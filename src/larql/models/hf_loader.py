@@ -62,6 +62,14 @@ _EXPERT_BLOCK_TENSORS = {
     "mlp.shared_expert.up_proj.weight": "shared_up",
     "mlp.shared_expert.down_proj.weight": "shared_down",
     "mlp.shared_expert_gate.weight": "shared_expert_gate",
+    # GPT-OSS: a router with a bias, the experts fused (unfused by `_unfuse_experts`), sinks
+    "mlp.router.weight": "router",
+    "mlp.router.bias": "router_bias",
+    "mlp.experts.gate_up_proj": "fused_gate_up",  # [E, H, 2F], gate and up interleaved
+    "mlp.experts.gate_up_proj_bias": "fused_gate_up_bias",  # [E, 2F] interleaved
+    "mlp.experts.down_proj": "fused_down",  # [E, F, H]
+    "mlp.experts.down_proj_bias": "experts_down_bias",  # [E, H]
+    "self_attn.sinks": "attn_sinks",
 }
 _EXPERT = re.compile(
     r"(?:block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)|mlp\.experts\.(\d+)\.(gate|up|down)_proj)"
@@ -138,8 +146,13 @@ def _expert_routing(raw: dict[str, Any], preset: ArchPreset) -> ExpertRouting | 
     normalized = preset.experts_normalized
     if normalized is None:
         normalized = bool(raw.get("norm_topk_prob", False))
+    swiglu = None
+    if raw.get("swiglu_limit") is not None:
+        swiglu = (float(raw.get("swiglu_alpha", 1.702)), float(raw["swiglu_limit"]))
     try:
-        return ExpertRouting(int(count), int(raw["num_experts_per_tok"]), normalized)
+        return ExpertRouting(
+            int(count), int(raw["num_experts_per_tok"]), normalized, clamped_swiglu=swiglu,
+        )  # fmt: skip
     except (KeyError, ValueError) as e:
         raise ModelFormatError(f"bad mixture-of-experts settings in config.json: {e}") from e
 
@@ -206,6 +219,7 @@ def hf_state_dict(directory: Path, config: ModelConfig) -> dict[str, torch.Tenso
                         tensor = tensor + config.arch.norm_offset
                     state[canonical] = tensor
     _stack_experts(state, config)
+    _unfuse_experts(state)
     _fold_multipliers(state, config)
     if config.tie_embeddings:
         state.pop("lm_head", None)
@@ -234,6 +248,22 @@ def _stack_experts(state: dict[str, torch.Tensor], config: ModelConfig) -> None:
             if missing:
                 raise ModelFormatError(f"weights are missing tensor {missing[0]!r}")
             state[f"layers.{i}.experts_{matrix}"] = torch.stack([state.pop(n) for n in names])
+
+
+def _unfuse_experts(state: dict[str, torch.Tensor]) -> None:
+    """GPT-OSS's fused experts → the canonical [E, F, H] gate / up and [E, H, F] down, in
+    place: its gate_up [E, H, 2F] multiplies x from the right, gate and up columns alternating."""
+    for key in [k for k in state if k.endswith((".fused_gate_up", ".fused_gate_up_bias"))]:
+        fused = state.pop(key)
+        prefix, bias = key.rsplit(".", 1)[0], "_bias" if key.endswith("_bias") else ""
+        gate, up = fused[..., 0::2], fused[..., 1::2]  # [E, H, F] each (biases [E, F])
+        if not bias:
+            gate, up = gate.transpose(1, 2), up.transpose(1, 2)
+        state[f"{prefix}.experts_gate{bias}"] = gate.contiguous()
+        state[f"{prefix}.experts_up{bias}"] = up.contiguous()
+    for key in [k for k in state if k.endswith(".fused_down")]:
+        prefix = key.rsplit(".", 1)[0]
+        state[f"{prefix}.experts_down"] = state.pop(key).transpose(1, 2).contiguous()
 
 
 def _fold_multipliers(state: dict[str, torch.Tensor], config: ModelConfig) -> None:

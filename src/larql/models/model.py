@@ -203,7 +203,7 @@ def _state_from_weights(weights: ModelWeights) -> dict[str, torch.Tensor]:
         if lw.experts is not None:
             state.update(_expert_state(lw.experts, p))
         for key in ("attn_norm", "q_norm", "k_norm", "wo", "bo", "post_attn_norm", "ffn_norm",
-                    "w_down", "post_ffn_norm"):  # fmt: skip
+                    "w_down", "post_ffn_norm", "attn_sinks"):  # fmt: skip
             value = getattr(lw, key)
             if value is not None:
                 state[p + key] = value
@@ -219,4 +219,11 @@ def _expert_state(experts: ExpertWeights, prefix: str) -> dict[str, torch.Tensor
         state[prefix + "shared_down"] = experts.shared_down
     if experts.shared_expert_gate is not None:
         state[prefix + "shared_expert_gate"] = experts.shared_expert_gate
+    if experts.router_bias is not None:
+        state[prefix + "router_bias"] = experts.router_bias
+    if experts.gate_up_bias is not None:
+        gate_bias, up_bias = experts.gate_up_bias.chunk(2, dim=1)
+        state[prefix + "experts_gate_bias"], state[prefix + "experts_up_bias"] = gate_bias, up_bias
+    if experts.down_bias is not None:
+        state[prefix + "experts_down_bias"] = experts.down_bias
     return state

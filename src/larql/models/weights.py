@@ -37,6 +37,9 @@ class ExpertWeights:
     router: torch.Tensor  # [E, H]
     gate_up: torch.Tensor  # [E, 2·F, H] (gate rows, then up rows)
     down: torch.Tensor  # [E, H, F]
+    router_bias: torch.Tensor | None = None  # [E]
+    gate_up_bias: torch.Tensor | None = None  # [E, 2·F]
+    down_bias: torch.Tensor | None = None  # [E, H]
     shared_gate_up: torch.Tensor | None = None  # [2·Fs, H]
     shared_down: torch.Tensor | None = None  # [H, Fs]
     shared_expert_gate: torch.Tensor | None = None  # [1, H]
@@ -71,6 +74,7 @@ class LayerWeights:
     w_down: torch.Tensor | None  # [H, F]
     post_ffn_norm: torch.Tensor | None  # [H]
     experts: ExpertWeights | None = None
+    attn_sinks: torch.Tensor | None = None  # [Hq] (GPT-OSS)
     # the same matrices kept in their GGUF blocks (`wqkv`, `wo`, `w_gate_up`, `w_down`), read
     # by one-token products on the CPU instead of the float ones above
     blocks: dict[str, BlockRows] = field(default_factory=dict)
@@ -152,6 +156,7 @@ class ModelWeights:
                     w_down=opt(p + "w_down"),
                     post_ffn_norm=opt(p + "post_ffn_norm"),
                     experts=_experts(state, p, get, opt),
+                    attn_sinks=opt(p + "attn_sinks"),
                 )
             )
         embed = get("embed")
@@ -233,10 +238,15 @@ def _experts(
         return None
     shared_gate = opt(prefix + "shared_gate")
     shared_up = opt(prefix + "shared_up")
+    gate_bias, up_bias = opt(prefix + "experts_gate_bias"), opt(prefix + "experts_up_bias")
     return ExpertWeights(
         router=get(prefix + "router"),
         gate_up=torch.cat([get(prefix + "experts_gate"), get(prefix + "experts_up")], dim=1),
         down=get(prefix + "experts_down"),
+        router_bias=opt(prefix + "router_bias"),
+        gate_up_bias=None if gate_bias is None or up_bias is None
+        else torch.cat([gate_bias, up_bias], dim=1),
+        down_bias=opt(prefix + "experts_down_bias"),
         shared_gate_up=None if shared_gate is None or shared_up is None
         else torch.cat([shared_gate, shared_up]),
         shared_down=opt(prefix + "shared_down"),

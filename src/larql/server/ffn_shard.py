@@ -22,7 +22,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -32,8 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from larql.errors import LarqlError
-from larql.inference.ffn.backend import gated_activation
-from larql.inference.ffn.experts import expert_output
+from larql.inference.ffn.experts import expert_glu, expert_output
 from larql.inference.ffn.walk import WalkFfn
 from larql.inference.ffn.wire import (
     F32,
@@ -197,13 +195,13 @@ class FfnShard:
         """→ ([(unit, expert MLP output [S, H] float32)], compute ms). A worker thread."""
         routing = self.model.config.experts
         assert routing is not None
-        act = partial(gated_activation, activation=self.model.config.arch.activation)
+        glu = expert_glu(self.model.config)
 
         def one(unit: int, x: torch.Tensor) -> torch.Tensor:
             layer, expert = divmod(unit, routing.num_experts)
             experts = self.model.weights.layers[layer].experts
             assert experts is not None
-            return expert_output(experts, expert, x, act)
+            return expert_output(experts, expert, x, glu)
 
         return self._timed(request, one)
 

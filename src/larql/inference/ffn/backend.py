@@ -9,12 +9,11 @@ backends a policy can name: `DenseFfn` and `NullFfn` here, `WalkFfn` (`walk`), `
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from functools import partial
 
 import torch
-import torch.nn.functional as F
 
-from larql.inference.ffn.experts import experts_forward
+from larql.inference.ffn.activation import gated_activation
+from larql.inference.ffn.experts import expert_glu, experts_forward
 from larql.inference.fused import activation_bits, code, fused_kernels
 from larql.inference.linear import linear
 from larql.models.blocks import BlockRows
@@ -57,14 +56,6 @@ class FfnBackend(ABC):
         return None
 
 
-def gated_activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "silu":
-        return F.silu(gate)
-    if activation == "gelu_tanh":
-        return F.gelu(gate, approximate="tanh")
-    return F.gelu(gate)
-
-
 class DenseFfn(FfnBackend):
     """The model's own FFN: its gated MLP down(act(gate·x) ⊙ up·x), gate and up in one matmul;
     on a mixture-of-experts layer its routed experts (`experts.experts_forward`), added to the
@@ -77,6 +68,7 @@ class DenseFfn(FfnBackend):
         self._layers = model.weights.layers
         self._activation = model.config.arch.activation
         self._routing = model.config.experts
+        self._glu = expert_glu(model.config)
 
     def silu_blocks(self, layer: int) -> tuple[BlockRows, BlockRows] | None:
         lw = self._layers[layer]
@@ -110,8 +102,7 @@ class DenseFfn(FfnBackend):
                 blocks=lw.blocks.get("w_down"),
             )  # fmt: skip  # [S, H]
         if lw.experts is not None and self._routing is not None:
-            act = partial(gated_activation, activation=self._activation)
-            routed = experts_forward(lw.experts, self._routing, x, act)  # [S, H]
+            routed = experts_forward(lw.experts, self._routing, x, self._glu)  # [S, H]
             out = routed if out is None else out + routed
         assert out is not None, "every layer has an MLP or experts (checked at load)"
         return out

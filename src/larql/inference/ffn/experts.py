@@ -10,64 +10,99 @@ over all the tokens that chose it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from larql.models.config import ExpertRouting
+from larql.inference.ffn.activation import gated_activation
+from larql.models.config import ExpertRouting, ModelConfig
 from larql.models.weights import ExpertWeights
 
-Activation = Callable[[torch.Tensor], torch.Tensor]
+# (gate, up) pre-activations → the expert's hidden activations
+Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def expert_glu(config: ModelConfig) -> Glu:
+    """How the model's experts (and shared expert) combine gate and up."""
+    routing = config.experts
+    if routing is not None and routing.clamped_swiglu is not None:
+        alpha, limit = routing.clamped_swiglu
+        return partial(_clamped_swiglu, alpha=alpha, limit=limit)
+    return partial(_gated, activation=config.arch.activation)
+
+
+def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    return gated_activation(gate, activation) * up
+
+
+def _clamped_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
+) -> torch.Tensor:
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
 
 
 def route(logits: torch.Tensor, routing: ExpertRouting) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [S, E] → (weights [S, k] float32, expert indices [S, k]): softmax over
-    every expert, the top k, renormalised to sum to 1 where the architecture does."""
-    probs = torch.softmax(logits.float(), dim=-1)
+    """Router logits [S, E] → (weights [S, k], float32 or wider; expert indices [S, k]): softmax
+    over every expert, the top k, renormalised to sum to 1 where the architecture does (which
+    is a softmax over the top k logits)."""
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays float64
+    probs = torch.softmax(wide, dim=-1)
     weights, chosen = probs.topk(routing.top_k, dim=-1)
     if routing.normalize_top_k:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, chosen
 
 
+def router_logits(experts: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
+    """x: [S, H] → [S, E]."""
+    return F.linear(x, experts.router, experts.router_bias)
+
+
 def experts_forward(
-    experts: ExpertWeights, routing: ExpertRouting, x: torch.Tensor, act: Activation
+    experts: ExpertWeights, routing: ExpertRouting, x: torch.Tensor, glu: Glu
 ) -> torch.Tensor:
     """x: [S, H] pre-FFN-normed → the block's output [S, H]."""
-    weights, chosen = route(F.linear(x, experts.router), routing)  # [S, k] each
+    weights, chosen = route(router_logits(experts, x), routing)  # [S, k] each
     weights = weights.to(x.dtype)
     if chosen.numel() <= experts.router.shape[0]:
-        out = _gathered(experts, x, weights, chosen, act)
+        out = _gathered(experts, x, weights, chosen, glu)
     else:
-        out = _per_expert(experts, x, weights, chosen, act)
-    shared = shared_output(experts, x, act)  # [S, H] or None
+        out = _per_expert(experts, x, weights, chosen, glu)
+    shared = shared_output(experts, x, glu)  # [S, H] or None
     return out if shared is None else out + shared
 
 
-def expert_output(
-    experts: ExpertWeights, expert: int, x: torch.Tensor, act: Activation
-) -> torch.Tensor:
+def expert_output(experts: ExpertWeights, expert: int, x: torch.Tensor, glu: Glu) -> torch.Tensor:
     """One expert's MLP of rows x [N, H], not weighted by the routing → [N, H] (what a remote
     expert shard computes)."""
-    return _mlp(x, experts.gate_up[expert], experts.down[expert], act)
+    gate_up_bias = experts.gate_up_bias[expert] if experts.gate_up_bias is not None else None
+    down_bias = experts.down_bias[expert] if experts.down_bias is not None else None
+    return _mlp(x, experts.gate_up[expert], experts.down[expert], glu, gate_up_bias, down_bias)
 
 
-def shared_output(experts: ExpertWeights, x: torch.Tensor, act: Activation) -> torch.Tensor | None:
+def shared_output(experts: ExpertWeights, x: torch.Tensor, glu: Glu) -> torch.Tensor | None:
     """The shared expert's output [N, H], its sigmoid gate applied (None: the block has none)."""
     if experts.shared_gate_up is None or experts.shared_down is None:
         return None
-    shared = _mlp(x, experts.shared_gate_up, experts.shared_down, act)
+    shared = _mlp(x, experts.shared_gate_up, experts.shared_down, glu)
     if experts.shared_expert_gate is not None:
         shared = torch.sigmoid(F.linear(x, experts.shared_expert_gate)) * shared
     return shared
 
 
 def _mlp(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Activation
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    glu: Glu,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """down(act(gate·x) ⊙ up·x): x [N, H], gate_up [2F, H], down [H, F] → [N, H]."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(act(gate) * up, down)
+    """down(glu(gate·x, up·x)): x [N, H], gate_up [2F, H], down [H, F] → [N, H]."""
+    gate, up = F.linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
+    return F.linear(glu(gate, up), down, down_bias)
 
 
 def _gathered(
@@ -75,13 +110,16 @@ def _gathered(
     x: torch.Tensor,
     weights: torch.Tensor,
     chosen: torch.Tensor,
-    act: Activation,
+    glu: Glu,
 ) -> torch.Tensor:
     """Every (token, expert) pair with its expert's matrices gathered: x [S, H] → [S, H]."""
-    gate_up = experts.gate_up[chosen]  # [S, k, 2F, H]
-    hidden = torch.einsum("sh,skfh->skf", x, gate_up)  # [S, k, 2F]
+    hidden = torch.einsum("sh,skfh->skf", x, experts.gate_up[chosen])  # [S, k, 2F]
+    if experts.gate_up_bias is not None:
+        hidden = hidden + experts.gate_up_bias[chosen]
     gate, up = hidden.chunk(2, dim=-1)
-    y = torch.einsum("skf,skhf->skh", act(gate) * up, experts.down[chosen])  # [S, k, H]
+    y = torch.einsum("skf,skhf->skh", glu(gate, up), experts.down[chosen])  # [S, k, H]
+    if experts.down_bias is not None:
+        y = y + experts.down_bias[chosen]
     return (y * weights.unsqueeze(-1)).sum(dim=1)
 
 
@@ -90,12 +128,12 @@ def _per_expert(
     x: torch.Tensor,
     weights: torch.Tensor,
     chosen: torch.Tensor,
-    act: Activation,
+    glu: Glu,
 ) -> torch.Tensor:
     """Each chosen expert once over the tokens that chose it: x [S, H] → [S, H]."""
     out = torch.zeros_like(x)
     for expert in chosen.unique().tolist():
         token, slot = (chosen == expert).nonzero(as_tuple=True)
-        y = _mlp(x[token], experts.gate_up[expert], experts.down[expert], act)  # [n, H]
+        y = expert_output(experts, expert, x[token], glu)  # [n, H]
         out.index_add_(0, token, y * weights[token, slot].unsqueeze(-1))
     return out

@@ -13,13 +13,12 @@ client's rules); the shards must cover every expert exactly once.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from larql.inference.ffn.backend import DenseFfn, FfnBackend, gated_activation
-from larql.inference.ffn.experts import route, shared_output
+from larql.inference.ffn.backend import DenseFfn, FfnBackend
+from larql.inference.ffn.experts import expert_glu, route, router_logits, shared_output
 from larql.inference.ffn.remote import RemoteWalkFfn
 from larql.models.model import Model
 
@@ -62,7 +61,7 @@ class RemoteExpertsFfn(FfnBackend):
         self._model = model
         self._routing = routing
         self._dense = DenseFfn(model)
-        self._act = partial(gated_activation, activation=model.config.arch.activation)
+        self._glu = expert_glu(model.config)
         self._shards = list(shards)
         self._owner = {e: shard for shard in shards for e in shard.experts}
 
@@ -72,15 +71,15 @@ class RemoteExpertsFfn(FfnBackend):
         experts = lw.experts
         if experts is None:
             return self._dense.forward(layer, x)
-        weights, chosen = route(F.linear(x, experts.router), self._routing)  # [S, k] each
+        weights, chosen = route(router_logits(experts, x), self._routing)  # [S, k] each
         weights = weights.to(x.dtype)
         out = self._routed(layer, x, weights, chosen)
-        shared = shared_output(experts, x, self._act)
+        shared = shared_output(experts, x, self._glu)
         if shared is not None:
             out = out + shared
         if lw.w_gate_up is not None:  # a dense MLP beside the experts
             gate, up = F.linear(x, lw.w_gate_up).chunk(2, dim=-1)
-            out = out + F.linear(self._act(gate) * up, lw.w_down)
+            out = out + F.linear(self._glu(gate, up), lw.w_down)
         return out
 
     def wire_bytes(self) -> int:

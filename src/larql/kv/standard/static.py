@@ -97,7 +97,8 @@ class StaticCache:
 
     def start(self, model: Model, ffn: FfnBackend, token_ids: list[int]) -> torch.Tensor:
         """The prompt at positions 0.. → every row's hidden [S, H]; its K/V in the cache."""
-        use_kernel = self.attention != "sdpa"
+        # the decode-attention kernel has no attention sinks
+        use_kernel = self.attention != "sdpa" and not model.config.arch.attention_sinks
         self._kernel = decode_attention_kernel(model.device) if use_kernel else None
         self._allocate(model, initial_capacity(len(token_ids)))
         assert self._keys is not None and self._values is not None
@@ -144,7 +145,8 @@ class StaticCache:
             if kernel is not None:
                 attn = attend_static_kernel(model, q, *kv, pos, window, kernel)
             else:
-                attn = attend_static(model, q, *kv, masks[window])
+                sinks = model.weights.layers[layer].attn_sinks
+                attn = attend_static(model, q, *kv, masks[window], sinks)
             h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn)
         return h
 

@@ -275,6 +275,8 @@ class TurboQuantEngine(KvEngine):
         TurboQuant codec attending in its rotated basis; else None (the torch path)."""
         if self.attention == "sdpa" or not self.rotated_attention or self._codec_factory:
             return None
+        if model.config.arch.attention_sinks:  # the kernels have no attention sinks
+            return None
         if not larql.kernels.triton_available(model.device):
             return None
         from larql.kv.turbo_quant import kernels  # imports Triton: only where it runs
