@@ -72,10 +72,14 @@ def test_batched_steps_are_bit_identical_on_the_default_model(
     assert len({tuple(s.tokens) for s in batched}) == len(PROMPTS)  # different streams
 
 
-@pytest.mark.parametrize("spec", ["standard", "turbo-quant:bits=4,recent=0"])
+@pytest.mark.parametrize("spec", ["standard", "standard:window=6"])
 def test_batched_steps_on_the_float_path_give_the_same_greedy_tokens(
     smollm2: Model, spec: str
 ) -> None:
+    """BLAS sums a many-row product in another order than a one-row one: the exact engines'
+    tokens stay equal. (A quantising engine may round a value on a cell boundary to the
+    neighbouring cell there and diverge later — seen with turbo-quant on some machines — so
+    it is held bit-identical on the block path, the default, above.)"""
     alone, batched = _alone_and_batched(smollm2, spec, 16)
     for a, b in zip(alone, batched, strict=True):
         assert a.tokens == b.tokens
