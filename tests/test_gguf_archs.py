@@ -260,7 +260,8 @@ def test_block_rows_are_the_float_rows(name: str, tmp_path: Path) -> None:
 def test_unknown_gguf_architecture_names_the_supported_ones(tmp_path: Path) -> None:
     model = random_hf_model("qwen2", vocab_size=VOCAB, num_hidden_layers=1)
     path = write_gguf(model, "falcon", tmp_path / "f.gguf", word_gguf_tokenizer(VOCAB))
-    with pytest.raises(UnsupportedArchitecture, match="llama, phi3, qwen2, qwen3"):
+    supported = "llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe"
+    with pytest.raises(UnsupportedArchitecture, match=supported):
         load_model(str(path))
 
 

@@ -663,11 +663,18 @@ def test_ffn_only_dispatches_to_the_shard(monkeypatch: pytest.MonkeyPatch, smoll
 
     calls: list[tuple] = []
     monkeypatch.setattr(ffn_shard, "run_ffn_shard", lambda *a: calls.append(a))
-    for args, layers in ((["--layers", "2-5"], (2, 5)), ([], None)):
+    for args, layers, experts in (
+        (["--layers", "2-5"], (2, 5), None),
+        ([], None, None),
+        (["--experts", "0-3"], None, (0, 3)),
+    ):
         result = CliRunner().invoke(app, ["serve", "--ffn-only", "--port", "0", *args])
         assert result.exit_code == 0, result.output
-        model, got_layers, host, port = calls[-1]
+        model, got_layers, host, port, got_experts = calls[-1]
         assert (model.name, got_layers, host, port) == (MODEL, layers, "127.0.0.1", 0)
+        assert got_experts == experts
+    refused = CliRunner().invoke(app, ["serve", "--port", "0", "--experts", "0-3"])
+    assert refused.exit_code == 2 and "--ffn-only" in refused.output
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
