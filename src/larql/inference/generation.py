@@ -70,7 +70,10 @@ def step_together(sessions: Sequence[GenerationSession]) -> list[int]:
         engines = [s.engine for s in sessions]
         hidden = decode_batch(engines, model, ffn, [s.tokens[-1] for s in sessions])  # [B, H]
         logits = rows_logits(model, hidden)  # [B, V]
-        picked = [s.sampler.pick(row) for s, row in zip(sessions, logits, strict=True)]
+        if all(s.sampler.params.greedy for s in sessions):  # one argmax and one copy for all
+            picked = logits.argmax(-1).tolist()
+        else:
+            picked = [s.sampler.pick(row) for s, row in zip(sessions, logits, strict=True)]
         elapsed = (time.perf_counter() - t0) * 1000
     for session, row, token in zip(sessions, logits, picked, strict=True):
         session.logits = row

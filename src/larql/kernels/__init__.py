@@ -34,3 +34,13 @@ def decode_attention_kernel(device: torch.device) -> DecodeAttention | None:
     from larql.kernels import decode_attention as module
 
     return module.decode_attention_op if device.type == "cuda" else module.decode_attention
+
+
+def batched_decode_attention_kernel(device: torch.device) -> DecodeAttention | None:
+    """Decode attention for many sessions' rows in one step, each over its own static cache
+    (`batched_decode_attention`), where Triton runs on `device`; None elsewhere."""
+    if not triton_available(device):
+        return None
+    from larql.kernels.batched_decode_attention import batched_decode_attention
+
+    return batched_decode_attention

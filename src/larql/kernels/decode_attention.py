@@ -125,7 +125,7 @@ def _next_power_of_two(n: int) -> int:
 
 
 @functools.cache
-def _layout(heads: int, kv_heads: int, dim: int, capacity: int) -> tuple[int, ...]:
+def layout(heads: int, kv_heads: int, dim: int, capacity: int) -> tuple[int, ...]:
     """(G, GP, DP, blocks_per_split, splits) for these shapes."""
     group = heads // kv_heads
     blocks = -(-capacity // BLOCK_N)
@@ -140,6 +140,26 @@ def _layout(heads: int, kv_heads: int, dim: int, capacity: int) -> tuple[int, ..
     )
 
 
+def partial_constants(
+    heads: int, kv_heads: int, dim: int, capacity: int, window: int, softcap: float, dtype
+) -> dict[str, int | bool | str]:
+    """The split-key partial kernels' compile-time constants (this module's and the batched
+    one's) for these shapes."""
+    group, gp, dp, per_split, splits = layout(heads, kv_heads, dim, capacity)
+    return {
+        "G": group,
+        "GP": gp,
+        "D": dim,
+        "DP": dp,
+        "BLOCK": BLOCK_N,
+        "BLOCKS_PER_SPLIT": per_split,
+        "NS": splits,
+        "WINDOWED": window > 0,
+        "SOFTCAP": softcap > 0.0,
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+    }
+
+
 def _launch(
     wrap,
     q: torch.Tensor,
@@ -152,7 +172,7 @@ def _launch(
 ) -> torch.Tensor:
     heads, _, dim = q.shape
     kv_heads, capacity, _ = keys.shape
-    group, gp, dp, per_split, splits = _layout(heads, kv_heads, dim, capacity)
+    group, gp, dp, _, splits = layout(heads, kv_heads, dim, capacity)
     f32 = {"dtype": torch.float32, "device": q.device}
     m = torch.empty((kv_heads, splits, gp), **f32)
     l_sum = torch.empty((kv_heads, splits, gp), **f32)
@@ -170,16 +190,7 @@ def _launch(
         window,
         softcap,
         capacity,
-        G=group,
-        GP=gp,
-        D=dim,
-        DP=dp,
-        BLOCK=BLOCK_N,
-        BLOCKS_PER_SPLIT=per_split,
-        NS=splits,
-        WINDOWED=window > 0,
-        SOFTCAP=softcap > 0.0,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **partial_constants(heads, kv_heads, dim, capacity, window, softcap, q.dtype),
     )
     wrap(_combine_kernel)[(kv_heads,)](m, l_sum, acc, out, G=group, GP=gp, D=dim, DP=dp, NS=splits)
     return out.view(heads, 1, dim)

@@ -33,6 +33,7 @@ from larql.inference.memory import MemoryBreakdown
 from larql.kv.buffers import KvBuffer
 from larql.kv.standard.sinks import SinkKvBuffer
 from larql.kv.standard.static import StaticCache
+from larql.kv.standard.static_batch import BatchedStaticStep
 from larql.models.model import Model
 
 
@@ -96,8 +97,11 @@ class StandardEngine(KvEngine):
         return self._run(model, ffn, rows, start=self.position)
 
     def batch_key(self) -> Hashable | None:
-        """Eager engines of one window batch (the static CUDA path and sinks step alone)."""
-        if self.fast_path is not None or self.sinks or self._layers is None:
+        """Engines of one window and path batch: the eager ones together, the static (CUDA
+        graph) ones together; sinks step alone."""
+        if self.fast_path is not None:
+            return (type(self), "static", self.window, self.fast_path.use_graph, self.attention)
+        if self.sinks or self._layers is None:
             return None
         return (type(self), self.window)
 
@@ -105,8 +109,17 @@ class StandardEngine(KvEngine):
     def _step_batch(
         cls, engines: Sequence[Engine], model: Model, ffn: FfnBackend, rows: torch.Tensor
     ) -> torch.Tensor:
-        """rows: [B, H] → [B, H]; each layer through the compiled batched layer where it
+        """rows: [B, H] → [B, H]. Static engines: `BatchedStaticStep` (on CUDA a captured graph
+        per batch size). Eager ones: each layer through the compiled batched layer where it
         applies, else the torch operators (projections and FFN once, attention per row)."""
+        static = [e.fast_path for e in engines if isinstance(e, StandardEngine)]
+        if all(cache is not None for cache in static):
+            first = engines[0]
+            assert isinstance(first, StandardEngine) and first.fast_path is not None
+            step = BatchedStaticStep.of(model, first.window, first.fast_path.use_graph,
+                                        first.attention)  # fmt: skip
+            positions = [e.position for e in engines]
+            return step.step(model, ffn, static, positions, rows)  # type: ignore[arg-type]
         batch = [e for e in engines if isinstance(e, StandardEngine) and e._layers is not None]
         assert len(batch) == len(engines), "batch_key groups only eager standard engines"
         positions = [e.position for e in batch]

@@ -42,8 +42,8 @@ ENTRY = EngineEntry(
     contract="the reference; window=N is sliding-window attention over N keys (plus the first S "
     "with sinks=S; SmolLM2, window 256: mean KL 1.24 alone, 0.175 with 4 sinks)",
     factory=lambda p, model: _standard(p),
-    batching="yes: with standard sessions of the same window (not with sinks, nor on the "
-    "CUDA graph path)",
+    batching="yes: with standard sessions of the same window and path (not with sinks); on "
+    "CUDA the graph path replays one captured graph per batch size",
 )
 
 

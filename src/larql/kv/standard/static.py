@@ -80,6 +80,7 @@ class StaticCache:
         self._inputs: StepInputs | None = None
         self._graph = CapturedStep()
         self._kernel: DecodeAttention | None = None  # resolved at prefill, for the model's device
+        self._offsets: tuple[torch.Tensor, list[int]] | None = None  # `buffer_offsets`' answer
 
     @property
     def capacity(self) -> int:
@@ -110,14 +111,34 @@ class StaticCache:
 
     def step(self, model: Model, ffn: FfnBackend, token_id: int, position: int) -> torch.Tensor:
         """The token at `position` through every layer → hidden [1, H]."""
-        if position >= self.capacity:
-            self._allocate(model, self.capacity * 2)
+        self.reserve(model, position)
         assert self._inputs is not None
         self._inputs.set(token_id, position)
         step = self._step_function(model, ffn)
         if self.use_graph and self._graph.ready(model, ffn, step):
             return self._graph.replay()
         return step()
+
+    def reserve(self, model: Model, position: int) -> None:
+        """Room for a row at `position` (the buffers double until it fits)."""
+        while position >= self.capacity:
+            self._allocate(model, self.capacity * 2)
+
+    def layer_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s key and value buffers, [Hkv, capacity, D] each."""
+        assert self._keys is not None and self._values is not None
+        return self._keys[layer], self._values[layer]
+
+    def buffer_offsets(self, anchor: torch.Tensor) -> list[int]:
+        """Where every layer's key and value buffers start, in elements from `anchor` (same
+        dtype and device): [keys 0, values 0, keys 1, …], kept until the buffers move."""
+        if self._offsets is None or self._offsets[0] is not anchor:
+            assert self._keys is not None and self._values is not None
+            base, size = anchor.data_ptr(), anchor.element_size()
+            pairs = zip(self._keys, self._values, strict=True)
+            offsets = [(t.data_ptr() - base) // size for pair in pairs for t in pair]
+            self._offsets = (anchor, offsets)
+        return self._offsets[1]
 
     def _step_function(self, model: Model, ffn: FfnBackend) -> Callable[[], torch.Tensor]:
         if not self.compile:
@@ -162,6 +183,7 @@ class StaticCache:
             for new, old in zip(self._keys + self._values, old_k + old_v, strict=True):
                 new[:, :n] = old
         reserve_rope(model, capacity)
+        self._offsets = None
         self._inputs = StepInputs(model.device)
         self._graph.invalidate()
 

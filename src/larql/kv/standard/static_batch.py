@@ -1,0 +1,190 @@
+"""`standard`'s static fast path for several sessions in one decode step.
+
+Each session keeps its own `StaticCache` (its buffers, its capacity). A batched step reads the
+weights once for all its rows and each row attends over its own session's buffers through
+`batched_decode_attention`, which reaches them by offsets from one anchor tensor. The step's
+inputs (the rows, and per row its position, capacity and buffer offsets) live in device tensors
+filled before each replay, so on CUDA one captured graph per batch-size bucket (1, 2, 4, … 64,
+then multiples of 64) and largest capacity serves any set of sessions: rows past the real ones
+write into and attend over a one-row pad cache. Where the kernel does not run (no Triton, or
+a model with attention sinks, or `attention=sdpa`), the same step runs eagerly, each row's
+attention through `attend_static`.
+
+Greedy tokens batched equal the tokens alone; logits agree to float rounding (the splits of the
+key range follow the batch's largest capacity, not each session's own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from larql.inference.ffn import FfnBackend
+from larql.inference.layer import (
+    attend_static,
+    attention_output,
+    batched_layer_step,
+    effective_window,
+    ffn_block,
+    project_qkv_with_rope,
+    static_mask,
+)
+from larql.kv.captured_step import CapturedStep, RopeAtPosition, next_power_of_two, reserve_rope
+from larql.kv.standard.static import StaticCache
+from larql.models.model import Model
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes a graph is captured for; then multiples of 64
+_META = 2  # meta rows before the offsets: positions, capacities
+
+
+def bucket(rows: int) -> int:
+    """The captured batch size that holds `rows` rows."""
+    for size in BUCKETS:
+        if rows <= size:
+            return size
+    return -(-rows // BUCKETS[-1]) * BUCKETS[-1]
+
+
+@dataclass
+class _BucketStep:
+    """One bucket's device inputs and its captured graph."""
+
+    rows: torch.Tensor  # [Bb, H] model dtype
+    # [2 + 2L, Bb] int64: positions, capacities, then per layer the key and value buffers'
+    # offsets from the anchor (in elements)
+    meta: torch.Tensor
+    graph: CapturedStep = field(default_factory=CapturedStep)
+
+
+class BatchedStaticStep:
+    """The batched step over `StaticCache`s of one model and window (one per model, window and
+    graph setting: `of`)."""
+
+    def __init__(self, model: Model, window: int | None, use_graph: bool, attention: str) -> None:
+        from larql.kernels import batched_decode_attention_kernel
+
+        cfg = model.config
+        self.window, self.use_graph = window, use_graph
+        kw = {"dtype": model.dtype, "device": model.device}
+        self.anchor = torch.zeros(1, **kw)  # every offset counts from here
+        use_kernel = attention != "sdpa" and not cfg.arch.attention_sinks
+        self._kernel = batched_decode_attention_kernel(model.device) if use_kernel else None
+        # the rows past the real ones: one-row buffers per layer, written and attended at row 0
+        pad = (cfg.num_kv_heads, 1, cfg.head_dim)
+        self._pad = [torch.zeros(pad, **kw) for _ in range(2 * cfg.num_layers)]
+        self._pad_meta = [0, 1, *(self._offset(t) for t in self._pad)]
+        self._buckets: dict[tuple[int, int], _BucketStep] = {}
+
+    @staticmethod
+    def of(model: Model, window: int | None, use_graph: bool, attention: str) -> BatchedStaticStep:
+        key = ("static-batch", window, use_graph, attention)
+        step = model.runtime.get(key)
+        if not isinstance(step, BatchedStaticStep):
+            step = model.runtime[key] = BatchedStaticStep(model, window, use_graph, attention)
+        return step
+
+    def step(
+        self,
+        model: Model,
+        ffn: FfnBackend,
+        caches: Sequence[StaticCache],
+        positions: Sequence[int],
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """rows [B, H]: row b is session b's token embedded, at positions[b] → hidden [B, H];
+        each row's K/V into its session's cache."""
+        for cache, position in zip(caches, positions, strict=True):
+            cache.reserve(model, position)
+        if self._kernel is None:
+            return self._eager(model, ffn, caches, positions, rows)
+        count = rows.shape[0]
+        capacity = next_power_of_two(max(cache.capacity for cache in caches))
+        inputs = self._inputs(model, bucket(count), capacity)
+        meta = [
+            [position, cache.capacity, *cache.buffer_offsets(self.anchor)]
+            for cache, position in zip(caches, positions, strict=True)
+        ]
+        meta += [self._pad_meta] * (inputs.rows.shape[0] - count)
+        inputs.meta.copy_(torch.tensor(meta, dtype=torch.long).T)
+        inputs.rows[:count].copy_(rows)
+        inputs.rows[count:].zero_()
+
+        def forward() -> torch.Tensor:
+            return self._forward(model, ffn, inputs, capacity)
+
+        if self.use_graph and inputs.graph.ready(model, ffn, forward):
+            return inputs.graph.replay()[:count]
+        return forward()[:count]
+
+    def _inputs(self, model: Model, size: int, capacity: int) -> _BucketStep:
+        key = (size, capacity)
+        if key not in self._buckets:
+            reserve_rope(model, capacity)
+            cfg, device = model.config, model.device
+            rows = torch.zeros((size, cfg.hidden_size), dtype=model.dtype, device=device)
+            meta = torch.zeros((_META + 2 * cfg.num_layers, size), dtype=torch.long, device=device)
+            self._buckets[key] = _BucketStep(rows, meta)
+        return self._buckets[key]
+
+    def _forward(
+        self, model: Model, ffn: FfnBackend, inputs: _BucketStep, capacity: int
+    ) -> torch.Tensor:
+        """Every layer over the bucket's rows, every shape static. → hidden [Bb, H]"""
+        assert self._kernel is not None
+        cfg = model.config
+        softcap = cfg.arch.attn_softcap or 0.0
+        positions, capacities = inputs.meta[0], inputs.meta[1]  # [Bb] each
+        rope = RopeAtPosition(positions)
+        h = inputs.rows
+        for layer in range(cfg.num_layers):
+            window = effective_window(model, layer, self.window)
+            q, k, v = project_qkv_with_rope(model, layer, h, *rope(model, layer))
+            keys, values = inputs.meta[_META + 2 * layer], inputs.meta[_META + 2 * layer + 1]
+            attn = self._kernel(
+                q, k, v, self.anchor, keys, values, positions, capacities, capacity,
+                cfg.attn_scale, window or 0, softcap,
+            )  # fmt: skip  # [Bb, q_dim]
+            h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn)
+        return h
+
+    def _eager(
+        self,
+        model: Model,
+        ffn: FfnBackend,
+        caches: Sequence[StaticCache],
+        positions: Sequence[int],
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """The same step without the kernel: projections and FFN once over the rows, each
+        row's attention over its own cache with `attend_static`."""
+        steps = [torch.tensor([p], device=model.device) for p in positions]
+        h = rows
+        for layer in range(model.config.num_layers):
+            attend_row = _row_attention(model, layer, caches, steps, self.window)
+            h = batched_layer_step(model, layer, h, list(positions), attend_row, ffn)
+        return h
+
+    def _offset(self, buffer: torch.Tensor) -> int:
+        return (buffer.data_ptr() - self.anchor.data_ptr()) // buffer.element_size()
+
+
+def _row_attention(
+    model: Model,
+    layer: int,
+    caches: Sequence[StaticCache],
+    positions: Sequence[torch.Tensor],
+    engine_window: int | None,
+) -> Callable[..., torch.Tensor]:
+    window = effective_window(model, layer, engine_window)
+    sinks = model.weights.layers[layer].attn_sinks
+
+    def attend_row(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = caches[i].layer_buffers(layer)  # [Hkv, C, D] each
+        keys.index_copy_(1, positions[i], k)
+        values.index_copy_(1, positions[i], v)
+        mask = static_mask(keys.shape[1], positions[i], window)
+        return attend_static(model, q, keys, values, mask, sinks)  # [1, q_dim]
+
+    return attend_row
