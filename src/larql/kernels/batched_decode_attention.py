@@ -136,6 +136,7 @@ def _combine_kernel(
     out_ptr,  # [B, Hq·D]
     G: tl.constexpr,
     GP: tl.constexpr,
+    GR: tl.constexpr,  # the rows merged: G rounded up to a power of two
     D: tl.constexpr,
     DP: tl.constexpr,
     HKV: tl.constexpr,
@@ -144,11 +145,11 @@ def _combine_kernel(
     pair = tl.program_id(0)
     row = pair // HKV
     head = pair % HKV
-    rows = tl.arange(0, GP)
+    rows = tl.arange(0, GR)
     dims = tl.arange(0, DP)
-    top = splits_max(m_ptr, pair, rows, tl.full([GP], float("-inf"), tl.float32), NS)
-    zeros = (tl.zeros([GP], tl.float32), tl.zeros([GP, DP], tl.float32))
-    total, out = merge_splits(m_ptr, l_ptr, acc_ptr, pair, rows, dims, top, *zeros, NS, DP)
+    top = splits_max(m_ptr, pair, rows, tl.full([GR], float("-inf"), tl.float32), NS, GP)
+    zeros = (tl.zeros([GR], tl.float32), tl.zeros([GR, DP], tl.float32))
+    total, out = merge_splits(m_ptr, l_ptr, acc_ptr, pair, rows, dims, top, *zeros, NS, DP, GP)
     out = out / total[:, None]
     mask = (rows < G)[:, None] & (dims < D)[None, :]
     offsets = row * (HKV * G * D) + (head * G + rows)[:, None] * D + dims[None, :]
@@ -200,6 +201,7 @@ def batched_decode_attention(
         **partial_constants(heads, kv_heads, dim, max_capacity, window, softcap, q.dtype),
     )
     _combine_kernel[(batch * kv_heads,)](
-        m, l_sum, acc, out, G=group, GP=gp, D=dim, DP=dp, HKV=kv_heads, NS=splits
-    )
+        m, l_sum, acc, out, G=group, GP=gp, GR=1 << (group - 1).bit_length(), D=dim, DP=dp,
+        HKV=kv_heads, NS=splits,
+    )  # fmt: skip
     return out

@@ -104,16 +104,17 @@ def _combine_kernel(
     out_ptr,  # [Hq, D]
     G: tl.constexpr,
     GP: tl.constexpr,
+    GR: tl.constexpr,  # the rows merged: G rounded up to a power of two (no dot pads them)
     D: tl.constexpr,
     DP: tl.constexpr,
     NS: tl.constexpr,
 ):
     head = tl.program_id(0)
-    rows = tl.arange(0, GP)
+    rows = tl.arange(0, GR)
     dims = tl.arange(0, DP)
-    top = splits_max(m_ptr, head, rows, tl.full([GP], float("-inf"), tl.float32), NS)
-    zeros = (tl.zeros([GP], tl.float32), tl.zeros([GP, DP], tl.float32))
-    total, out = merge_splits(m_ptr, l_ptr, acc_ptr, head, rows, dims, top, *zeros, NS, DP)
+    top = splits_max(m_ptr, head, rows, tl.full([GR], float("-inf"), tl.float32), NS, GP)
+    zeros = (tl.zeros([GR], tl.float32), tl.zeros([GR, DP], tl.float32))
+    total, out = merge_splits(m_ptr, l_ptr, acc_ptr, head, rows, dims, top, *zeros, NS, DP, GP)
     out = out / total[:, None]
     mask = (rows < G)[:, None] & (dims < D)[None, :]
     offsets = (head * G + rows)[:, None] * D + dims[None, :]
@@ -192,7 +193,9 @@ def _launch(
         capacity,
         **partial_constants(heads, kv_heads, dim, capacity, window, softcap, q.dtype),
     )
-    wrap(_combine_kernel)[(kv_heads,)](m, l_sum, acc, out, G=group, GP=gp, D=dim, DP=dp, NS=splits)
+    wrap(_combine_kernel)[(kv_heads,)](
+        m, l_sum, acc, out, G=group, GP=gp, GR=_next_power_of_two(group), D=dim, DP=dp, NS=splits
+    )
     return out.view(heads, 1, dim)
 
 

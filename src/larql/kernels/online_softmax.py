@@ -44,22 +44,34 @@ def store_split(m_ptr, l_ptr, acc_ptr, slot, rows, dims, m_i, l_i, acc, DP: tl.c
 
 @triton.jit
 def merge_splits(
-    m_ptr, l_ptr, acc_ptr, head, rows, dims, top, total, out, NS: tl.constexpr, DP: tl.constexpr
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    head,
+    rows,
+    dims,
+    top,
+    total,
+    out,
+    NS: tl.constexpr,
+    DP: tl.constexpr,
+    GP: tl.constexpr,
 ):
     """Merge head `head`'s NS splits into a state (top, total, out) whose max `top` already
-    covers every split's m (see `splits_max`) → (total, out) rescaled to `top`."""
-    gp = rows.shape[0]
+    covers every split's m (see `splits_max`) → (total, out) rescaled to `top`. A split holds GP
+    query rows; `rows` are the first of them the caller merges (the real ones: the padding the
+    matrix units needed in the splits is not read)."""
     for split in tl.static_range(NS):
-        stat = (head * NS + split) * gp + rows
-        weight = tl.exp(tl.load(m_ptr + stat) - top)  # [GP]; 0 for an empty split
+        stat = (head * NS + split) * GP + rows
+        weight = tl.exp(tl.load(m_ptr + stat) - top)  # [R]; 0 for an empty split
         total += weight * tl.load(l_ptr + stat)
         out += weight[:, None] * tl.load(acc_ptr + stat[:, None] * DP + dims[None, :])
     return total, out
 
 
 @triton.jit
-def splits_max(m_ptr, head, rows, top, NS: tl.constexpr):
-    """The larger of `top` [GP] and every split's running max."""
+def splits_max(m_ptr, head, rows, top, NS: tl.constexpr, GP: tl.constexpr):
+    """The larger of `top` [R] and every split's running max (rows of GP stored per split)."""
     for split in tl.static_range(NS):
-        top = tl.maximum(top, tl.load(m_ptr + (head * NS + split) * rows.shape[0] + rows))
+        top = tl.maximum(top, tl.load(m_ptr + (head * NS + split) * GP + rows))
     return top

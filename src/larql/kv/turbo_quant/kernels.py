@@ -249,6 +249,7 @@ def _attention_partial(
     SINKS: tl.constexpr,
     RECENT: tl.constexpr,
     CENTER: tl.constexpr,
+    WRAPS: tl.constexpr,  # a sliding layer's ring of slots (a full layer's slot t is token t)
     NIBBLES: tl.constexpr,  # 4-bit codes and D' ≥ 32: read as bytes, split even / odd
     PRECISION: tl.constexpr,  # of the float32 products: "ieee" for a float32 model, else "tf32"
 ):
@@ -263,7 +264,8 @@ def _attention_partial(
     rows = tl.arange(0, GP)
     dims = tl.arange(0, DP)
     lanes = tl.arange(0, DP // 2)
-    pos = tl.load(pos_ptr)
+    # 32-bit indices: 64-bit ones cost a division subroutine per slot (`launch_indices_fit`)
+    pos = tl.load(pos_ptr).to(tl.int32)
     end_coded = tl.maximum(pos - RECENT, 0)  # the codes are tokens [first_coded, end_coded)
     first_coded = tl.maximum(pos - keep, SINKS)
     filled = tl.minimum(end_coded, slots)  # slots written so far
@@ -298,7 +300,9 @@ def _attention_partial(
     blocks = tl.minimum(tl.maximum(filled - split_first + BLOCK - 1, 0) // BLOCK, BLOCKS_PER_SPLIT)
     for b in tl.range(0, blocks, num_stages=STAGES):  # not unrolled: deep stores compile fast
         slot = split_first + b * BLOCK + tl.arange(0, BLOCK)
-        token = slot + slots * ((end_coded - 1 - slot) // slots)  # the slot's latest token
+        token = slot  # the slot's latest token
+        if WRAPS:
+            token = slot + slots * ((end_coded - 1 - slot) // slots)
         present = (slot < filled) & (token >= first_coded) & (token < end_coded)
         key_starts = slot * row_stride + head * BPV
         value_starts = key_starts + HKV * BPV
@@ -422,6 +426,7 @@ def _attention_combine(
     softcap,
     G: tl.constexpr,
     GP: tl.constexpr,
+    R: tl.constexpr,  # the query rows held: G rounded up to a power of two, or GP (`_combine_rows`)
     D: tl.constexpr,
     DP: tl.constexpr,
     HKV: tl.constexpr,
@@ -439,17 +444,17 @@ def _attention_combine(
     RING8: tl.constexpr,  # the recent rows at int8 with a float16 scale per head vector
 ):
     head = tl.program_id(0)
-    rows = tl.arange(0, GP)
+    rows = tl.arange(0, R)
     dims = tl.arange(0, DP)
     within = dims < D
-    pos = tl.load(pos_ptr)
+    pos = tl.load(pos_ptr).to(tl.int32)
     # The splits' state is in the rotated basis; the exact rows (new, sinks, recent) are
     # attended as they are and their weighted values added after the rotation back (R·R = I).
-    q = _queries(q_ptr, head, rows, dims, G, D)  # [GP, DP]
+    q = _queries(q_ptr, head, rows, dims, G, D)  # [R, DP]
     rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
     k_new = tl.load(k_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
     v_new = tl.load(v_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
-    s_new = soft_capped(tl.sum(q * k_new[None, :], axis=1) * scale, softcap, SOFTCAP)  # [GP]
+    s_new = soft_capped(tl.sum(q * k_new[None, :], axis=1) * scale, softcap, SOFTCAP)  # [R]
     exact_stride = 2 * HKV * D  # elements per token in the exact rows
     # the exact sink and recent rows, in chunks of EC: their scores' maximum first, then their
     # weights and weighted values (the keys read twice keep the registers to one chunk)
@@ -458,18 +463,18 @@ def _attention_combine(
         e = c * EC + tl.arange(0, EC)
         s_exact = _exact_scores(
             q, exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, scale,
-            softcap, SOFTCAP, HKV, D, SINKS, RECENT, RING, RING8,
-        )  # fmt: skip  # [GP, EC], −inf where absent
+            softcap, SOFTCAP, HKV, D, SINKS, RECENT, RING, RING8, R,
+        )  # fmt: skip  # [R, EC], −inf where absent
         top = tl.maximum(top, tl.max(s_exact, axis=1))
-    top = splits_max(m_ptr, head, rows, top, NS)
+    top = splits_max(m_ptr, head, rows, top, NS, GP)
     weight = tl.exp(s_new - top)
     total = weight
-    plain = weight[:, None] * v_new[None, :]  # [GP, DP], not rotated
+    plain = weight[:, None] * v_new[None, :]  # [R, DP], not rotated
     for c in tl.static_range(EP // EC):
         e = c * EC + tl.arange(0, EC)
         s_exact = _exact_scores(
             q, exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, scale,
-            softcap, SOFTCAP, HKV, D, SINKS, RECENT, RING, RING8,
+            softcap, SOFTCAP, HKV, D, SINKS, RECENT, RING, RING8, R,
         )  # fmt: skip
         p = tl.exp(s_exact - top[:, None])  # 0 where absent
         values, _ = _exact_chunk(
@@ -477,13 +482,13 @@ def _attention_combine(
             SINKS, RECENT, RING, RING8,
         )  # fmt: skip
         total += tl.sum(p, axis=1)
-        plain += tl.dot(p, values, input_precision="ieee")
-    rotated = tl.zeros([GP, DP], tl.float32)
+        plain += _product(p, values, R)
+    rotated = tl.zeros([R, DP], tl.float32)
     total, rotated = merge_splits(
-        m_ptr, l_ptr, acc_ptr, head, rows, dims, top, total, rotated, NS, DP
+        m_ptr, l_ptr, acc_ptr, head, rows, dims, top, total, rotated, NS, DP, GP
     )
     # float32 products here: tf32 measured slower (10.1 → 14.0 µs at depth 32,000, H200)
-    out = tl.dot(rotated, rotation, input_precision="ieee") + plain  # back: ·R
+    out = _product(rotated, rotation, R) + plain  # back: ·R
     out = out / total[:, None]
     offsets = (head * G + rows)[:, None] * D + dims[None, :]
     mask = (rows < G)[:, None] & within[None, :]
@@ -551,16 +556,25 @@ def _attention_combine(
 def _exact_scores(
     q, exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, scale, softcap,
     SOFTCAP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SINKS: tl.constexpr,
-    RECENT: tl.constexpr, RING: tl.constexpr, RING8: tl.constexpr,
+    RECENT: tl.constexpr, RING: tl.constexpr, RING8: tl.constexpr, R: tl.constexpr,
 ):  # fmt: skip
-    """The queries' scores [GP, EC] against exact rows e, soft-capped; −inf where absent."""
+    """The queries' scores [R, EC] against exact rows e, soft-capped; −inf where absent."""
     keys, present = _exact_chunk(
         exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, 0, HKV, D, SINKS,
         RECENT, RING, RING8,
     )  # fmt: skip
-    scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale
+    scores = _product(q, tl.trans(keys), R) * scale
     scores = soft_capped(scores, softcap, SOFTCAP)
     return tl.where(present[None, :], scores, float("-inf"))
+
+
+@triton.jit
+def _product(a, b, R: tl.constexpr):
+    """a [R, K] · b [K, N] in float32: a matrix-unit product ("ieee") where R ≥ 16, which
+    it needs; else multiplied and summed, so the few real query rows are not padded to 16."""
+    if R >= 16:  # tl.dot needs every dimension ≥ 16
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
 
 
 @triton.jit
@@ -658,6 +672,22 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def launch_indices_fit(codes: torch.Tensor) -> bool:
+    """The partial launch indexes the store with 32-bit integers: on an H200 the 64-bit
+    index arithmetic (the position is an int64 tensor) compiled to a division subroutine per
+    slot and made up a fifth of the loop's instructions."""
+    return codes.numel() < 2**31
+
+
+def _combine_rows(group: int, dp: int, exact_chunk: int) -> int:
+    """Query rows the combine launch holds: the group rounded up to a power of two, whose
+    products it multiplies and sums without the matrix units (on an H200 the padded float32
+    products were most of its instructions) — unless the largest of them, [rows, D'] · [D',
+    D'], would not fit in registers (wide heads): then the group padded for tl.dot."""
+    rows = _next_power_of_two(group)
+    return rows if rows * dp * max(dp, exact_chunk) <= 2**14 else _group_rows(group)
+
+
 def _group_rows(group: int) -> int:
     """Query rows a program holds: the group, padded for tl.dot."""
     return max(_MIN_DOT, _next_power_of_two(group))
@@ -694,6 +724,7 @@ def attention(
     common = {"BPV": tables.bytes_per_vector, "BITS": tables.bits, "SOFTCAP": softcap > 0.0}
     constants = levers.constants()
     q = q.reshape(heads, dim).contiguous()
+    assert launch_indices_fit(codes), "a store past 2 GiB needs 64-bit indices"
     n_splits = splits(slots)
     per_split = _next_power_of_two(max(1, -(-slots // (BLOCK_N * n_splits))))
     _attention_partial[(kv_heads, n_splits)](
@@ -723,6 +754,7 @@ def attention(
         SINKS=levers.sinks,
         RECENT=levers.recent,
         CENTER=levers.center,
+        WRAPS=levers.keep != FULL_LAYER_KEEP,
         num_warps=PARTIAL_WARPS,
     )
     out = torch.empty((heads, dim), dtype=q.dtype, device=q.device)
@@ -751,6 +783,7 @@ def attention(
         **shape,
         **common,
         **constants,
+        R=_combine_rows(group, dp, constants["EC"]),
         NORM_FIX=tables.norm_correction,
         HKV=kv_heads,
         NS=n_splits,
