@@ -1,5 +1,5 @@
-"""GGUF files of qwen2, qwen3, mistral-style llama (sliding window), phi3 and the mixtures of
-experts (Mixtral as llama, qwen2moe, qwen3moe), written from tiny
+"""GGUF files of qwen2, qwen3, mistral-style llama (sliding window), phi3, granite and the
+mixtures of experts (Mixtral as llama, qwen2moe, qwen3moe), written from tiny
 random transformers models with the `gguf` package's writer: larql's logits and greedy tokens
 against transformers on the same weights, the tokenizer rebuilt from the file against the one
 it was written from, and the file's chat template."""
@@ -75,6 +75,13 @@ CASES = {
         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
              norm_topk_prob=True, tie_word_embeddings=False),
         larql_arch="qwen3_moe",
+    ),
+    # embedding, residual, attention and logit multipliers (llama's layout otherwise)
+    "granite": GgufCase(
+        "granite", "granite",
+        dict(embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.05,
+             logits_scaling=4.0, tie_word_embeddings=False),
+        permute_qk=True,
     ),
     "phi3": GgufCase(
         "phi3", "phi3",
@@ -237,10 +244,11 @@ def test_phi3_chat_template(tiny: TinyGguf) -> None:
     assert vocab.index("<|end|>") in tok.stop_ids  # Phi-3 ends a turn with it
 
 
-@pytest.mark.parametrize("name", ["mistral-as-llama", "phi3"])
+@pytest.mark.parametrize("name", ["mistral-as-llama", "phi3", "granite"])
 def test_block_rows_are_the_float_rows(name: str, tmp_path: Path) -> None:
     """Q8_0 matrices kept in their blocks hold the rows the float path has, split (Phi-3's
-    fused matrices) and un-permuted (llama's Q/K) alike."""
+    fused matrices) and un-permuted (llama's Q/K) alike; Granite's residual multiplier scales
+    its output and down projections at load, so those stay on the float path."""
     case = CASES[name]
     shape = dict(hidden_size=64, intermediate_size=96, head_dim=16)  # widths of 32·n
     model = random_hf_model(case.model_type, vocab_size=VOCAB, **{**case.config, **shape})
@@ -253,6 +261,7 @@ def test_block_rows_are_the_float_rows(name: str, tmp_path: Path) -> None:
     blocks = gguf_block_rows(file, config)
     state = gguf_state_dict(file, config)
     assert {"layers.0.wq", "layers.0.wk", "layers.0.w_gate", "layers.0.w_up"} <= set(blocks)
+    assert ("layers.0.wo" in blocks) == (name != "granite")
     for canonical, rows in blocks.items():
         assert torch.equal(rows.dequantize(), state[canonical]), canonical
 
@@ -260,7 +269,7 @@ def test_block_rows_are_the_float_rows(name: str, tmp_path: Path) -> None:
 def test_unknown_gguf_architecture_names_the_supported_ones(tmp_path: Path) -> None:
     model = random_hf_model("qwen2", vocab_size=VOCAB, num_hidden_layers=1)
     path = write_gguf(model, "falcon", tmp_path / "f.gguf", word_gguf_tokenizer(VOCAB))
-    supported = "llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe"
+    supported = "granite, llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe"
     with pytest.raises(UnsupportedArchitecture, match=supported):
         load_model(str(path))
 

@@ -174,6 +174,14 @@ def write_gguf(
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
         if getattr(c, "shared_expert_intermediate_size", None):
             w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    for add, multiplier in (
+        (w.add_embedding_scale, "embedding_multiplier"),  # Granite's, as llama.cpp names them
+        (w.add_residual_scale, "residual_multiplier"),
+        (w.add_attention_scale, "attention_multiplier"),
+        (w.add_logit_scale, "logits_scaling"),
+    ):
+        if getattr(c, multiplier, None) is not None:
+            add(float(getattr(c, multiplier)))
     _add_tokenizer(w, tokenizer)
     tied = bool(getattr(c, "tie_word_embeddings", False))
     for name, tensor in hf_model.state_dict().items():

@@ -101,7 +101,10 @@ ARCHITECTURES: dict[str, ArchPreset] = {
         experts_normalized=True,
     ),
     # embedding, attention, residual and logit multipliers (the last two folded into weights)
-    "granite": ArchPreset(Arch(name="granite"), hf_model_types=("granite",)),
+    "granite": ArchPreset(
+        Arch(name="granite"), hf_model_types=("granite",), gguf_name="granite",
+        gguf_interleaved_qk=True,
+    ),
     # fused QKV and gate/up matrices are split at load time; partial RoPE is the file's
     "phi3": ArchPreset(Arch(name="phi3"), every_layer_if_windowed, gguf_name="phi3"),
     "gemma2": ArchPreset(

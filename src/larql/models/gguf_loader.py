@@ -1,5 +1,6 @@
 """GGUF → (`ModelConfig`, canonical state dict) for the architectures of `larql.models.archs`
-that name a GGUF architecture (llama, qwen2, qwen3, phi3, gemma3).
+that name a GGUF architecture (llama, qwen2, qwen3, phi3, gemma3, the mixtures of experts
+qwen2moe and qwen3moe, granite).
 
 Layout facts handled here (checked against transformers' own GGUF loader):
 - llama.cpp permutes llama Q/K rows for its interleaved RoPE; we un-permute to the split-half
@@ -22,6 +23,12 @@ from larql.models.blocks import GGUF_FORMATS, BlockRows, block_width
 from larql.models.config import ExpertRouting, LayerSpec, ModelConfig, RopeSpec
 from larql.models.errors import ModelFormatError, UnsupportedArchitecture
 from larql.models.gguf_file import GgufFile
+from larql.models.multipliers import (
+    INTO_RESIDUAL,
+    fold_multipliers,
+    folds_residual,
+    multiplier_folds,
+)
 from larql.models.rope import yarn_attention_factor
 
 _LAYER_TENSORS = {
@@ -94,7 +101,18 @@ def gguf_config(gguf: GgufFile, name: str = "") -> ModelConfig:
         LayerSpec(window, local) if slides and window else LayerSpec(None, rope)
         for slides in sliding
     )
-    return ModelConfig(arch=preset.arch, layers=layers, experts=_expert_routing(gguf), **common)
+    # Granite's multipliers (1 elsewhere): llama.cpp divides the logits by `logit_scale`
+    residual = float(gguf.arch_key("residual_scale", 1.0))
+    logits_divisor = float(gguf.arch_key("logit_scale", 1.0))
+    common["attn_scale"] = float(gguf.arch_key("attention.scale", 0.0)) or head_dim**-0.5
+    return ModelConfig(
+        arch=preset.arch,
+        layers=layers,
+        experts=_expert_routing(gguf),
+        embedding_multiplier=float(gguf.arch_key("embedding_scale", 1.0)),
+        extra=multiplier_folds(residual, logits_divisor, preset.arch),
+        **common,
+    )
 
 
 def _expert_routing(gguf: GgufFile) -> ExpertRouting | None:
@@ -132,19 +150,23 @@ def gguf_state_dict(
             state[canonical] = torch.from_numpy(np.ascontiguousarray(array))
         if progress is not None:
             progress(n + 1, len(names))
+    fold_multipliers(state, config)
     return state
 
 
 def gguf_block_rows(gguf: GgufFile, config: ModelConfig) -> dict[str, BlockRows]:
     """The matrices stored in a block format the CPU kernels read (Q8_0, Q4_0, Q4_1, Q4_K), as
-    `BlockRows` under their canonical names, rows in the canonical order; others are absent."""
+    `BlockRows` under their canonical names, rows in the canonical order; others are absent, and
+    so are the ones a multiplier is folded into at load (their blocks are not the weights)."""
     blocks: dict[str, BlockRows] = {}
+    scaled = INTO_RESIDUAL if folds_residual(config) else ()
     interleaved_qk = preset_for_gguf(gguf.architecture).gguf_interleaved_qk
     for gguf_name, info in gguf.tensors.items():
         width = info.shape[1] if len(info.shape) == 2 else 0
         if info.qtype not in GGUF_FORMATS or not width or width % block_width(info.qtype):
             continue
-        parts = _canonical_parts(gguf_name, info.shape, config)
+        parts = [p for p in _canonical_parts(gguf_name, info.shape, config)
+                 if p[0].rsplit(".", 1)[-1] not in scaled]  # fmt: skip
         if not parts:
             continue
         whole = BlockRows.from_gguf(info.qtype, gguf.raw_bytes(gguf_name), info.shape)

@@ -21,6 +21,7 @@ from larql.models.archs import ArchPreset, preset_for_hf
 from larql.models.config import Arch, ExpertRouting, LayerSpec, ModelConfig, RopeSpec
 from larql.models.errors import ModelFormatError, UnsupportedArchitecture
 from larql.models.hf_rope import rope_context, rope_spec
+from larql.models.multipliers import fold_multipliers, multiplier_folds
 
 _ACTIVATIONS = {
     "silu": "silu",
@@ -135,7 +136,9 @@ def hf_config(raw: dict[str, Any], name: str = "") -> ModelConfig:
         name=name,
         experts=_expert_routing(raw, preset),
         embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
-        extra=_load_folds(raw, arch),
+        extra=multiplier_folds(
+            float(raw.get("residual_multiplier", 1.0)), float(raw.get("logits_scaling", 1.0)), arch
+        ),
     )
 
 
@@ -155,22 +158,6 @@ def _expert_routing(raw: dict[str, Any], preset: ArchPreset) -> ExpertRouting | 
         )  # fmt: skip
     except (KeyError, ValueError) as e:
         raise ModelFormatError(f"bad mixture-of-experts settings in config.json: {e}") from e
-
-
-def _load_folds(raw: dict[str, Any], arch: Arch) -> dict[str, object]:
-    """Multipliers the loader folds into the weights (Granite): the residual multiplier m into
-    every matrix whose output is added to the residual (h + m·W·x = h + (m·W)·x), the logits'
-    divisor into the final norm's weight (the LM head is linear)."""
-    folds: dict[str, object] = {}
-    residual = float(raw.get("residual_multiplier", 1.0))
-    if residual != 1.0:
-        if arch.post_norms:
-            raise UnsupportedArchitecture("a residual multiplier with post-norms is not supported")
-        folds["residual_multiplier"] = residual
-    logits_divisor = float(raw.get("logits_scaling", 1.0))
-    if logits_divisor != 1.0:
-        folds["logits_scaling"] = logits_divisor
-    return folds
 
 
 def _layer_specs(
@@ -220,7 +207,7 @@ def hf_state_dict(directory: Path, config: ModelConfig) -> dict[str, torch.Tenso
                     state[canonical] = tensor
     _stack_experts(state, config)
     _unfuse_experts(state)
-    _fold_multipliers(state, config)
+    fold_multipliers(state, config)
     if config.tie_embeddings:
         state.pop("lm_head", None)
     elif "lm_head" not in state:
@@ -264,18 +251,6 @@ def _unfuse_experts(state: dict[str, torch.Tensor]) -> None:
     for key in [k for k in state if k.endswith(".fused_down")]:
         prefix = key.rsplit(".", 1)[0]
         state[f"{prefix}.experts_down"] = state.pop(key).transpose(1, 2).contiguous()
-
-
-def _fold_multipliers(state: dict[str, torch.Tensor], config: ModelConfig) -> None:
-    """Apply `_load_folds`' multipliers to the canonical weights, in place."""
-    residual = config.extra.get("residual_multiplier")
-    if isinstance(residual, float):
-        into_residual = ("wo", "bo", "w_down", "experts_down", "shared_down")
-        for key in [k for k in state if k.rsplit(".", 1)[-1] in into_residual]:
-            state[key] = state[key] * residual
-    divisor = config.extra.get("logits_scaling")
-    if isinstance(divisor, float):
-        state["final_norm"] = state["final_norm"] / divisor
 
 
 def _canonical_name(key: str, layout: dict[str, str]) -> str | None:
