@@ -24,7 +24,8 @@ from larql.inference.ffn.experts import (
 )
 from larql.models import load_model
 from larql.models.config import ExpertRouting
-from larql.models.errors import ModelFormatError
+from larql.models.errors import ModelFormatError, UnsupportedArchitecture
+from larql.models.mxfp4 import E2M1, dequantize_mxfp4
 from tiny_models import build_tiny_model, random_ids, rewrite_config
 
 pytest.importorskip("transformers")
@@ -190,3 +191,50 @@ def test_gpt_oss_keeps_its_sinks_off_the_fast_paths(gpt_oss_dir: Path) -> None:
     for spec, tolerance in (("standard", 1e-9), ("markov-rs", 1e-9), ("turbo-quant", 2e-3)):
         stepped = teacher_forced(model, spec, ids, 4)
         assert (stepped - whole).abs().max().item() < tolerance, spec
+
+
+def _mxfp4(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [..., R, C] (C a multiple of 32) → the nearest MXFP4: blocks uint8 [..., R, C/32,
+    16] and scales uint8 [..., R, C/32] (a plain rounding; the checkpoint then holds exactly
+    what these decode to)."""
+    groups = weights.reshape(*weights.shape[:-1], -1, 32)
+    largest = groups.abs().amax(-1).clamp_min(2.0**-60)
+    exponent = torch.ceil(torch.log2(largest / 6.0))  # 6: E2M1's largest magnitude
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled[..., None] - torch.tensor(E2M1)).abs().argmin(-1)  # [..., G, 32]
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path: Path) -> None:
+    """GPT-OSS checkpoints ship their experts as MXFP4 blocks and scales: larql's dequantizer
+    against transformers' on the same bytes, then the whole model's logits against
+    transformers with those weights."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tiny = build_tiny_model("gpt_oss", tmp_path, hidden_size=64, intermediate_size=64)
+    file = tmp_path / "model.safetensors"
+    state = load_file(file)
+    params = dict(tiny.hf_model.named_parameters())
+    for name in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = _mxfp4(state.pop(name).transpose(-1, -2))  # rows: output features
+        oracle = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+        assert torch.equal(dequantize_mxfp4(blocks, scales).transpose(-1, -2), oracle)
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        with torch.no_grad():
+            params[name].copy_(oracle)
+    save_file(state, file)
+    rewrite_config(tmp_path, quantization_config={"quant_method": "mxfp4"})
+    ids = random_ids(12)
+    with torch.no_grad():
+        expected = tiny.hf_model(torch.tensor([ids])).logits[0]
+    ours = full_forward_logits(load_model(str(tmp_path)), ids)
+    assert (ours - expected).abs().max().item() < 1e-4
+
+
+def test_other_quantised_checkpoints_are_refused(tmp_path: Path) -> None:
+    build_tiny_model("mixtral", tmp_path)
+    rewrite_config(tmp_path, quantization_config={"quant_method": "gptq", "bits": 4})
+    with pytest.raises(UnsupportedArchitecture, match="'gptq' are not supported"):
+        load_model(str(tmp_path))

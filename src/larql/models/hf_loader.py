@@ -22,6 +22,7 @@ from larql.models.config import Arch, ExpertRouting, LayerSpec, ModelConfig, Rop
 from larql.models.errors import ModelFormatError, UnsupportedArchitecture
 from larql.models.hf_rope import rope_context, rope_spec
 from larql.models.multipliers import fold_multipliers, multiplier_folds
+from larql.models.mxfp4 import dequantize_mxfp4
 
 _ACTIVATIONS = {
     "silu": "silu",
@@ -96,6 +97,12 @@ def hf_config(raw: dict[str, Any], name: str = "") -> ModelConfig:
     model_type = preset.arch.name
     if raw.get("mlp_bias"):
         raise UnsupportedArchitecture(f"{model_type} with mlp_bias=true is not supported")
+    method = (raw.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "mxfp4"):
+        raise UnsupportedArchitecture(
+            f"checkpoints quantised with {method!r} are not supported (supported: float "
+            "weights, and MXFP4 experts); larql quantises weights itself (`--weights`)"
+        )
     activation = raw.get("hidden_activation") or raw.get("hidden_act", "silu")
     if activation not in _ACTIVATIONS:
         raise UnsupportedArchitecture(f"activation {activation!r} is not supported")
@@ -196,15 +203,21 @@ def hf_state_dict(directory: Path, config: ModelConfig) -> dict[str, torch.Tenso
         raise ModelFormatError(f"{directory} has no *.safetensors files")
     layout = _POST_NORM_LAYOUT if config.arch.post_norms else _PRE_NORM_LAYOUT
     state: dict[str, torch.Tensor] = {}
+    packed: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 tensors: name → blocks, scales
     for file in files:
         with safe_open(file, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if key.endswith(_MXFP4_PARTS):
+                    name, part = key.rsplit("_", 1)
+                    packed.setdefault(name, {})[part] = f.get_tensor(key)
+                    continue
                 canonical = _canonical_name(key, layout)
                 if canonical is not None:
                     tensor = f.get_tensor(key).to(torch.float32)
                     if canonical.rsplit(".", 1)[-1] in _NORMS or canonical == "final_norm":
                         tensor = tensor + config.arch.norm_offset
                     state[canonical] = tensor
+    state.update(_dequantized_mxfp4(packed, layout))
     _stack_experts(state, config)
     _unfuse_experts(state)
     fold_multipliers(state, config)
@@ -213,6 +226,29 @@ def hf_state_dict(directory: Path, config: ModelConfig) -> dict[str, torch.Tenso
     elif "lm_head" not in state:
         raise ModelFormatError(f"{directory}: untied model without lm_head.weight")
     return state
+
+
+_MXFP4_PARTS = ("_blocks", "_scales")
+
+
+def _dequantized_mxfp4(
+    packed: dict[str, dict[str, torch.Tensor]], layout: dict[str, str]
+) -> dict[str, torch.Tensor]:
+    """MXFP4 tensors (GPT-OSS's experts: X_blocks and X_scales, rows = output features) → the
+    canonical tensors of X in the checkpoint's float layout [E, in, out]."""
+    out = {}
+    for name, parts in packed.items():
+        canonical = _canonical_name(name, layout)
+        if canonical is None:
+            continue
+        if set(parts) != {"blocks", "scales"}:
+            raise ModelFormatError(f"MXFP4 tensor {name!r} lacks its _blocks or _scales")
+        try:
+            weights = dequantize_mxfp4(parts["blocks"], parts["scales"])  # [E, out, in]
+        except ValueError as e:
+            raise ModelFormatError(f"MXFP4 tensor {name!r}: {e}") from e
+        out[canonical] = weights.transpose(-1, -2).contiguous()
+    return out
 
 
 def _stack_experts(state: dict[str, torch.Tensor], config: ModelConfig) -> None:
