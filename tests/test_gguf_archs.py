@@ -1,5 +1,5 @@
 """GGUF files of qwen2, qwen3, mistral-style llama (sliding window), phi3, granite and the
-mixtures of experts (Mixtral as llama, qwen2moe, qwen3moe), written from tiny
+mixtures of experts (Mixtral as llama, qwen2moe, qwen3moe, gpt-oss), written from tiny
 random transformers models with the `gguf` package's writer: larql's logits and greedy tokens
 against transformers on the same weights, the tokenizer rebuilt from the file against the one
 it was written from, and the file's chat template."""
@@ -83,6 +83,15 @@ CASES = {
              logits_scaling=4.0, tie_word_embeddings=False),
         permute_qk=True,
     ),
+    # attention sinks, even layers sliding, experts with biases (llama.cpp's gpt-oss layout)
+    "gpt-oss": GgufCase(
+        "gpt-oss", "gpt_oss",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+             layer_types=["sliding_attention", "full_attention"] * 2, swiglu_limit=7.0,
+             rope_parameters=dict(rope_type="default", rope_theta=10_000.0),
+             tie_word_embeddings=False),
+        sliding_window=WINDOW, larql_arch="gpt_oss",
+    ),
     "phi3": GgufCase(
         "phi3", "phi3",
         dict(sliding_window=WINDOW, partial_rotary_factor=0.5, tie_word_embeddings=False,
@@ -147,7 +156,10 @@ def test_config_reads_the_file(tiny: TinyGguf) -> None:
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
         hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim,
     )  # fmt: skip
-    assert {spec.sliding_window for spec in config.layers} == {tiny.case.sliding_window}
+    types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
+    window = tiny.case.sliding_window
+    expected = [window if kind == "sliding_attention" else None for kind in types]
+    assert [spec.sliding_window for spec in config.layers] == expected
     rotary = tiny.case.rotary_dim or hf.head_dim
     assert {spec.rope.rotary_dim for spec in config.layers} == {rotary}
 
@@ -269,7 +281,7 @@ def test_block_rows_are_the_float_rows(name: str, tmp_path: Path) -> None:
 def test_unknown_gguf_architecture_names_the_supported_ones(tmp_path: Path) -> None:
     model = random_hf_model("qwen2", vocab_size=VOCAB, num_hidden_layers=1)
     path = write_gguf(model, "falcon", tmp_path / "f.gguf", word_gguf_tokenizer(VOCAB))
-    supported = "granite, llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe"
+    supported = "gpt-oss, granite, llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe"
     with pytest.raises(UnsupportedArchitecture, match=supported):
         load_model(str(path))
 
@@ -298,3 +310,31 @@ def test_q4_k_matrices_decode_through_their_blocks(tmp_path: Path) -> None:
         result = generate(engine, m, DenseFfn(m), prompt, 16, stop_ids=frozenset())
         runs.append(result.tokens)
     assert len(runs[0]) == 16 and runs[0] == runs[1] == runs[2]
+
+
+def test_gpt_oss_mxfp4_experts(tmp_path: Path, qwen_tokenizer) -> None:
+    """GPT-OSS as llama.cpp ships it, the experts in MXFP4: the file's weights (what the `gguf`
+    package decodes them to) against transformers holding the same."""
+    case = CASES["gpt-oss"]
+    shape = dict(hidden_size=64, intermediate_size=64, head_dim=16)  # expert widths of 32·n
+    model = random_hf_model(case.model_type, vocab_size=VOCAB, **{**case.config, **shape})
+    tok = byte_level_gguf_tokenizer(qwen_tokenizer, VOCAB, pre="qwen2")
+    path = write_gguf(model, "gpt-oss", tmp_path / "mxfp4.gguf", tok, mxfp4=True,
+                      sliding_window=case.sliding_window)  # fmt: skip
+    file = GgufFile(path)
+    assert {file.tensors[n].qtype.name for n in file.tensors if "_exps.weight" in n} == {"MXFP4"}
+    experts = dict(model.named_parameters())
+    with torch.no_grad():
+        for layer in range(model.config.num_hidden_layers):
+            blk, name = f"blk.{layer}", f"model.layers.{layer}.mlp.experts."
+            gate, up, down = (torch.from_numpy(file.dequantize(f"{blk}.ffn_{m}_exps.weight"))
+                              for m in ("gate", "up", "down"))  # fmt: skip
+            fused = experts[name + "gate_up_proj"]  # [E, H, 2F], gate and up alternating
+            fused[..., 0::2] = gate.transpose(1, 2)
+            fused[..., 1::2] = up.transpose(1, 2)
+            experts[name + "down_proj"].copy_(down.transpose(1, 2))
+    ids = random_ids(SEQ)
+    ours = full_forward_logits(load_model(str(path)), ids)
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0]
+    assert (ours - theirs).abs().max().item() < TOL

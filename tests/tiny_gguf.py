@@ -141,11 +141,13 @@ def write_gguf(
     rotary_dim: int | None = None,
     q8_0: bool = False,
     q4_k: bool = False,
+    mxfp4: bool = False,
 ) -> Path:
     """`hf_model`'s weights and shape as a GGUF of architecture `arch` (a mixture of experts'
     stacked experts included): float32, or with
     `q8_0` every matrix whose width is a multiple of 32 in Q8_0 blocks, with `q4_k` every one
-    whose width is a multiple of 256 in Q4_K super-blocks (`quantize_q4_k`)."""
+    whose width is a multiple of 256 in Q4_K super-blocks (`quantize_q4_k`), with `mxfp4` the
+    experts' matrices in MXFP4 (as llama.cpp ships GPT-OSS)."""
     import gguf
 
     c = hf_model.config
@@ -187,7 +189,12 @@ def write_gguf(
     for name, tensor in hf_model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue
-        for gguf_name, array in _gguf_tensors(name, tensor.detach().float().numpy()):
+        for gguf_name, array in _gguf_tensors(name, tensor.detach().float().numpy(), arch):
+            if mxfp4 and "_exps.weight" in gguf_name:
+                mxfp4_type = gguf.GGMLQuantizationType.MXFP4
+                raw = gguf.quants.quantize(np.ascontiguousarray(array), mxfp4_type)
+                w.add_tensor(gguf_name, raw, raw_dtype=mxfp4_type)
+                continue
             _add_tensor(w, gguf_name, array, c, kv_heads, permute_qk, q8_0, q4_k)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -196,10 +203,12 @@ def write_gguf(
     return path
 
 
-def _gguf_tensors(hf_name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]]:
+def _gguf_tensors(hf_name: str, array: np.ndarray, arch: str) -> list[tuple[str, np.ndarray]]:
     """One HF tensor → the GGUF tensors llama.cpp's converter writes for it: a mixture of
     experts' stacked [E, 2F, H] gate|up rows as `ffn_gate_exps` and `ffn_up_exps`, its [E, H, F]
     down rows as `ffn_down_exps`, a shared expert's gate row as a vector."""
+    if arch == "gpt-oss":
+        return _gpt_oss_tensors(hf_name, array)
     _, layer, module, kind = _split_layer(hf_name)
     if module == "mlp.experts" and kind == "gate_up_proj":
         gate, up = np.split(array, 2, axis=1)
@@ -211,6 +220,34 @@ def _gguf_tensors(hf_name: str, array: np.ndarray) -> list[tuple[str, np.ndarray
         return [(f"blk.{layer}.ffn_down_exps.weight", array)]
     if module == "mlp.shared_expert_gate":
         return [(_gguf_name(hf_name), array.reshape(-1))]
+    return [(_gguf_name(hf_name), array)]
+
+
+def _gpt_oss_tensors(hf_name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """GPT-OSS as llama.cpp writes it: the fused [E, H, 2F] experts (gate and up columns
+    alternating) split into [E, F, H] gate and up, [E, F, H] down as [E, H, F], their biases
+    beside them; the router as `ffn_gate_inp`, the sinks as `attn_sinks`, and the pre-FFN norm
+    named `post_attention_norm`."""
+    if hf_name in _TOP_NAMES:
+        return [(_TOP_NAMES[hf_name], array)]
+    _, layer, module, kind = _split_layer(hf_name)
+    blk = f"blk.{layer}"
+    if module == "mlp.experts":
+        if kind == "gate_up_proj":
+            return [(f"{blk}.ffn_gate_exps.weight", array[..., 0::2].transpose(0, 2, 1)),
+                    (f"{blk}.ffn_up_exps.weight", array[..., 1::2].transpose(0, 2, 1))]  # fmt: skip
+        if kind == "gate_up_proj_bias":
+            return [(f"{blk}.ffn_gate_exps.bias", array[:, 0::2]),
+                    (f"{blk}.ffn_up_exps.bias", array[:, 1::2])]  # fmt: skip
+        if kind == "down_proj":
+            return [(f"{blk}.ffn_down_exps.weight", array.transpose(0, 2, 1))]
+        return [(f"{blk}.ffn_down_exps.bias", array)]  # down_proj_bias
+    if module == "mlp.router":
+        return [(f"{blk}.ffn_gate_inp.{kind}", array)]
+    if module == "self_attn" and kind == "sinks":
+        return [(f"{blk}.attn_sinks.weight", array)]
+    if module == "post_attention_layernorm":
+        return [(f"{blk}.post_attention_norm.{kind}", array)]
     return [(_gguf_name(hf_name), array)]
 
 

@@ -62,6 +62,11 @@ class ArchPreset:
     # `gguf_experts_normalized`)
     experts_normalized: bool | None = None
     gguf_experts_normalized: bool = True
+    # GGUF tensor kinds this architecture names differently from the common layout (GPT-OSS:
+    # llama.cpp's `post_attention_norm` is its pre-FFN norm)
+    gguf_renamed: Mapping[str, str] | None = None
+    # the clamped SwiGLU (alpha, limit) of its experts where a GGUF file does not record it
+    gguf_clamped_swiglu: tuple[float, float] | None = None
 
 
 _GEMMA = dict(activation="gelu_tanh", norm_offset=1.0, post_norms=True, scale_embeddings=True)
@@ -97,8 +102,9 @@ ARCHITECTURES: dict[str, ArchPreset] = {
     # learned attention sinks, alternating sliding layers (`layer_types`), experts routed by a
     # softmax over the top-k logits (= the renormalised top k), with biases, a clamped SwiGLU
     "gpt_oss": ArchPreset(
-        Arch(name="gpt_oss", attention_sinks=True), hf_model_types=("gpt_oss",),
-        experts_normalized=True,
+        Arch(name="gpt_oss", attention_sinks=True), even_layers, hf_model_types=("gpt_oss",),
+        experts_normalized=True, gguf_name="gpt-oss",
+        gguf_renamed={"post_attention_norm": "ffn_norm"}, gguf_clamped_swiglu=(1.702, 7.0),
     ),
     # embedding, attention, residual and logit multipliers (the last two folded into weights)
     "granite": ArchPreset(

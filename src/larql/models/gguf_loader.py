@@ -1,6 +1,6 @@
 """GGUF → (`ModelConfig`, canonical state dict) for the architectures of `larql.models.archs`
 that name a GGUF architecture (llama, qwen2, qwen3, phi3, gemma3, the mixtures of experts
-qwen2moe and qwen3moe, granite).
+qwen2moe, qwen3moe and gpt-oss, granite).
 
 Layout facts handled here (checked against transformers' own GGUF loader):
 - llama.cpp permutes llama Q/K rows for its interleaved RoPE; we un-permute to the split-half
@@ -13,7 +13,7 @@ Layout facts handled here (checked against transformers' own GGUF loader):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -54,8 +54,19 @@ _LAYER_TENSORS = {
     "ffn_up_shexp": "shared_up",
     "ffn_down_shexp": "shared_down",
     "ffn_gate_inp_shexp": "shared_expert_gate",
+    "attn_sinks": "attn_sinks",  # GPT-OSS: one learned sink logit per query head
 }
-_BIASES = {"attn_q": "bq", "attn_k": "bk", "attn_v": "bv", "attn_output": "bo"}
+_BIASES = {
+    "attn_q": "bq",
+    "attn_k": "bk",
+    "attn_v": "bv",
+    "attn_output": "bo",
+    # GPT-OSS: the router's and the experts' biases
+    "ffn_gate_inp": "router_bias",
+    "ffn_gate_exps": "experts_gate_bias",
+    "ffn_up_exps": "experts_up_bias",
+    "ffn_down_exps": "experts_down_bias",
+}
 # A fused matrix → its canonical parts in row order, each with its row count.
 _FUSED: dict[str, Callable[[ModelConfig], tuple[tuple[str, int], ...]]] = {
     "attn_qkv": lambda c: (("wq", c.q_dim), ("wk", c.kv_dim), ("wv", c.kv_dim)),
@@ -119,12 +130,13 @@ def _expert_routing(gguf: GgufFile) -> ExpertRouting | None:
     count = _opt_int(gguf.arch_key("expert_count"))
     if not count:
         return None
-    default = preset_for_gguf(gguf.architecture).gguf_experts_normalized
+    preset = preset_for_gguf(gguf.architecture)
     try:
         return ExpertRouting(
             int(count),
             int(gguf.arch_key("expert_used_count", 0)),
-            bool(gguf.arch_key("expert_weights_norm", default)),
+            bool(gguf.arch_key("expert_weights_norm", preset.gguf_experts_normalized)),
+            clamped_swiglu=preset.gguf_clamped_swiglu,
         )
     except ValueError as e:
         raise ModelFormatError(f"{gguf.path}: bad mixture-of-experts settings: {e}") from e
@@ -135,10 +147,11 @@ def gguf_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Dequantize every tensor into the canonical layout (float32)."""
     state: dict[str, torch.Tensor] = {}
-    interleaved_qk = preset_for_gguf(gguf.architecture).gguf_interleaved_qk
+    preset = preset_for_gguf(gguf.architecture)
+    interleaved_qk, renamed = preset.gguf_interleaved_qk, preset.gguf_renamed or {}
     names = list(gguf.tensors)
     for n, gguf_name in enumerate(names):
-        parts = _canonical_parts(gguf_name, gguf.tensors[gguf_name].shape, config)
+        parts = _canonical_parts(gguf_name, gguf.tensors[gguf_name].shape, config, renamed)
         whole = gguf.dequantize(gguf_name) if parts else None
         for canonical, rows in parts:
             array = whole[rows]  # type: ignore[index]
@@ -160,12 +173,13 @@ def gguf_block_rows(gguf: GgufFile, config: ModelConfig) -> dict[str, BlockRows]
     so are the ones a multiplier is folded into at load (their blocks are not the weights)."""
     blocks: dict[str, BlockRows] = {}
     scaled = INTO_RESIDUAL if folds_residual(config) else ()
-    interleaved_qk = preset_for_gguf(gguf.architecture).gguf_interleaved_qk
+    preset = preset_for_gguf(gguf.architecture)
+    interleaved_qk, renamed = preset.gguf_interleaved_qk, preset.gguf_renamed or {}
     for gguf_name, info in gguf.tensors.items():
         width = info.shape[1] if len(info.shape) == 2 else 0
         if info.qtype not in GGUF_FORMATS or not width or width % block_width(info.qtype):
             continue
-        parts = [p for p in _canonical_parts(gguf_name, info.shape, config)
+        parts = [p for p in _canonical_parts(gguf_name, info.shape, config, renamed)
                  if p[0].rsplit(".", 1)[-1] not in scaled]  # fmt: skip
         if not parts:
             continue
@@ -183,7 +197,9 @@ def gguf_block_rows(gguf: GgufFile, config: ModelConfig) -> dict[str, BlockRows]
     return blocks
 
 
-def _canonical_parts(gguf_name: str, shape: tuple[int, ...], config: ModelConfig) -> list[Part]:
+def _canonical_parts(
+    gguf_name: str, shape: tuple[int, ...], config: ModelConfig, renamed: Mapping[str, str]
+) -> list[Part]:
     """The canonical tensors one GGUF tensor holds: one, several for a fused matrix (recognised
     by its row count), none for what is read into the config instead."""
     parts = gguf_name.split(".")
@@ -196,11 +212,11 @@ def _canonical_parts(gguf_name: str, shape: tuple[int, ...], config: ModelConfig
                 out.append((f"layers.{parts[1]}.{name}", slice(start, start + rows)))
                 start += rows
             return out
-    canonical = _canonical_name(gguf_name)
+    canonical = _canonical_name(gguf_name, renamed)
     return [] if canonical is None else [(canonical, slice(None))]
 
 
-def _canonical_name(gguf_name: str) -> str | None:
+def _canonical_name(gguf_name: str, renamed: Mapping[str, str]) -> str | None:
     if gguf_name == "token_embd.weight":
         return "embed"
     if gguf_name == "output.weight":
@@ -210,6 +226,8 @@ def _canonical_name(gguf_name: str) -> str | None:
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk":
         _, layer, kind, suffix = parts
+        if suffix == "weight" and kind in renamed:
+            return f"layers.{layer}.{renamed[kind]}"
         if suffix == "weight" and kind in _LAYER_TENSORS:
             return f"layers.{layer}.{_LAYER_TENSORS[kind]}"
         if suffix == "bias" and kind in _BIASES:
