@@ -16,7 +16,7 @@ Three launches per layer:
    flash-decoding split of `decode_attention`, G query heads padded to 16 rows for the matrix
    units; a split walks only the blocks at or below its session's position (and inside the
    window), so a short session costs little beside a long one.
-3. `_combine_kernel`, one program per (session, K/V head): the splits merged, → [B, Hq·D].
+3. `decode_attention`'s merge, one program per (session, K/V head): → [B, Hq·D].
 """
 
 from __future__ import annotations
@@ -25,14 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from larql.kernels.decode_attention import layout, partial_constants
-from larql.kernels.online_softmax import (
-    block_update,
-    merge_splits,
-    soft_capped,
-    splits_max,
-    store_split,
-)
+from larql.kernels.decode_attention import combine_kernel, layout, partial_constants
+from larql.kernels.online_softmax import block_update, soft_capped, store_split
 
 
 @triton.jit
@@ -128,34 +122,6 @@ def _partial_kernel(
     store_split(m_ptr, l_ptr, acc_ptr, pair * NS + split, rows, dims, m_i, l_i, acc, DP)
 
 
-@triton.jit
-def _combine_kernel(
-    m_ptr,  # [B·Hkv, NS, GP] float32
-    l_ptr,
-    acc_ptr,  # [B·Hkv, NS, GP, DP] float32
-    out_ptr,  # [B, Hq·D]
-    G: tl.constexpr,
-    GP: tl.constexpr,
-    GR: tl.constexpr,  # the rows merged: G rounded up to a power of two
-    D: tl.constexpr,
-    DP: tl.constexpr,
-    HKV: tl.constexpr,
-    NS: tl.constexpr,
-):
-    pair = tl.program_id(0)
-    row = pair // HKV
-    head = pair % HKV
-    rows = tl.arange(0, GR)
-    dims = tl.arange(0, DP)
-    top = splits_max(m_ptr, pair, rows, tl.full([GR], float("-inf"), tl.float32), NS, GP)
-    zeros = (tl.zeros([GR], tl.float32), tl.zeros([GR, DP], tl.float32))
-    total, out = merge_splits(m_ptr, l_ptr, acc_ptr, pair, rows, dims, top, *zeros, NS, DP, GP)
-    out = out / total[:, None]
-    mask = (rows < G)[:, None] & (dims < D)[None, :]
-    offsets = row * (HKV * G * D) + (head * G + rows)[:, None] * D + dims[None, :]
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def batched_decode_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -200,8 +166,10 @@ def batched_decode_attention(
         HKV=kv_heads,
         **partial_constants(heads, kv_heads, dim, max_capacity, window, softcap, q.dtype),
     )
-    _combine_kernel[(batch * kv_heads,)](
+    # one program per (session, K/V head) = one "head" of a [B·Hkv] decode: out [B, Hq·D] is
+    # [B·Hq, D] with query head b·Hq + h·G + r — the one-session merge, unchanged
+    combine_kernel[(batch * kv_heads,)](
         m, l_sum, acc, out, G=group, GP=gp, GR=1 << (group - 1).bit_length(), D=dim, DP=dp,
-        HKV=kv_heads, NS=splits,
+        NS=splits,
     )  # fmt: skip
     return out

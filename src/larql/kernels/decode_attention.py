@@ -10,7 +10,7 @@ instead, in two launches:
    share the K/V head, padded to 16 rows for the matrix units, against BLOCK_N keys at a time;
    keys past the position (or before the window) are masked off, so their loads never happen.
    Each split leaves its running max m, sum l and unnormalised output acc (float32).
-2. `_combine_kernel`, one program per K/V head: rescales the splits to the global max and
+2. `combine_kernel`, one program per K/V head: rescales the splits to the global max and
    divides, → [Hq, D] in the query's dtype.
 
 Soft-capped scores (Gemma 2: cap·tanh(s / cap)) are supported; tanh(x) = 2σ(2x) − 1.
@@ -97,7 +97,7 @@ def _partial_kernel(
 
 
 @triton.jit
-def _combine_kernel(
+def combine_kernel(
     m_ptr,  # [Hkv, NS, GP] float32
     l_ptr,
     acc_ptr,  # [Hkv, NS, GP, DP] float32
@@ -193,7 +193,7 @@ def _launch(
         capacity,
         **partial_constants(heads, kv_heads, dim, capacity, window, softcap, q.dtype),
     )
-    wrap(_combine_kernel)[(kv_heads,)](
+    wrap(combine_kernel)[(kv_heads,)](
         m, l_sum, acc, out, G=group, GP=gp, GR=_next_power_of_two(group), D=dim, DP=dp, NS=splits
     )
     return out.view(heads, 1, dim)
