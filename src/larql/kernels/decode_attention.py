@@ -15,7 +15,7 @@ instead, in two launches:
 
 Soft-capped scores (Gemma 2: cap·tanh(s / cap)) are supported; tanh(x) = 2σ(2x) − 1.
 `decode_attention` is the function to call; `decode_attention_op` is the same thing registered
-as a torch custom op so torch.compile can trace a step that calls it.
+as a torch custom op, opaque to torch.compile, so a compiled step calls it unchanged.
 """
 
 from __future__ import annotations
@@ -162,7 +162,6 @@ def partial_constants(
 
 
 def _launch(
-    wrap,
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -179,7 +178,7 @@ def _launch(
     l_sum = torch.empty((kv_heads, splits, gp), **f32)
     acc = torch.empty((kv_heads, splits, gp, dp), **f32)
     out = torch.empty((heads, dim), dtype=q.dtype, device=q.device)
-    wrap(_partial_kernel)[(kv_heads, splits)](
+    _partial_kernel[(kv_heads, splits)](
         q,
         keys,
         values,
@@ -193,7 +192,7 @@ def _launch(
         capacity,
         **partial_constants(heads, kv_heads, dim, capacity, window, softcap, q.dtype),
     )
-    wrap(combine_kernel)[(kv_heads,)](
+    combine_kernel[(kv_heads,)](
         m, l_sum, acc, out, G=group, GP=gp, GR=_next_power_of_two(group), D=dim, DP=dp, NS=splits
     )
     return out.view(heads, 1, dim)
@@ -211,11 +210,10 @@ def decode_attention(
     """One query per head q: [Hq, 1, D] (contiguous) at `position` ([1] int64 on the device)
     over keys/values [Hkv, C, D] whose row i is position i; a key is seen iff i ≤ position and
     (window > 0) position − i < window. softcap > 0: scores cap·tanh(s / cap). → [Hq, 1, D]."""
-    args = (q.contiguous(), keys, values, position, scale, window, softcap)
-    return _launch(lambda kernel: kernel, *args)
+    return _launch(q.contiguous(), keys, values, position, scale, window, softcap)
 
 
-@torch.library.triton_op("larql::decode_attention", mutates_args=())
+@torch.library.custom_op("larql::decode_attention", mutates_args=())
 def decode_attention_op(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -225,7 +223,13 @@ def decode_attention_op(
     window: int,
     softcap: float,
 ) -> torch.Tensor:
-    """`decode_attention` as a custom op torch.compile traces (the kernels stay Triton's)."""
-    return _launch(
-        torch.library.wrap_triton, q.contiguous(), keys, values, position, scale, window, softcap
-    )
+    """`decode_attention` as an op torch.compile keeps opaque: a compiled step calls the plain
+    launcher, as the uncompiled step does. (Registered as a `triton_op`, whose kernels Inductor
+    launches itself, the same kernel took 77.4 µs per layer at depth 32,000 on an H200 against
+    34.8 launched plainly.)"""
+    return decode_attention(q, keys, values, position, scale, window, softcap)
+
+
+@decode_attention_op.register_fake
+def _(q, keys, values, position, scale, window, softcap):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
