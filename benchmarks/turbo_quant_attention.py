@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,11 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument(
         "--levers", action="store_true", help="the catalog's: 4 sinks, 32 recent rows, centered"
+    )
+    parser.add_argument(
+        "--gather",
+        action="store_true",
+        help="also time the 4-bit codes decoded by tl.gather instead of the PTX lookup",
     )
     parser.add_argument(
         "--shapes",
@@ -109,26 +115,39 @@ def main() -> None:
                     center=True,
                 )
 
-            def turbo(q=q, k=k_new, v=v_new, copy=copy, pos=pos, ws=workspace, levers=levers):
-                return kernels.attention(q, k, v, copy, pos, tables, scale, 0.0, ws, levers)
-
-            try:
-                us = do_bench_cudagraph(turbo, rep=200) * 1e3
-                combine = kernels._attention_combine
-                kernels._attention_combine = _NoLaunch()  # the partial launch alone
-                try:
-                    partial_us = do_bench_cudagraph(turbo, rep=200) * 1e3
-                finally:
-                    kernels._attention_combine = combine
-            except Exception as error:  # a shape that does not compile (registers, smem)
-                print(json.dumps({"shape": [low, high, block, warps], "error": str(error)[:200]}))
-                continue
-            key = f"turbo_{low}_{high}_{block}_{warps}"  # splits min/max, rows per block, warps
-            print(f"  {depth} {key}: {us:.1f} µs (partial launch {partial_us:.1f})", flush=True)
-            row[f"{key}_us"] = round(us, 2)
-            row[f"{key}_partial_us"] = round(partial_us, 2)
-            row[f"{key}_GBs"] = round(bandwidth(code_bytes, us), 1)
+            variants = [("", tables)]
+            if args.gather and tables.lookups:
+                variants.append(("_gather", replace(tables, lookups={})))
+            for variant, run_tables in variants:
+                time_turbo(kernels, row, f"turbo_{low}_{high}_{block}_{warps}{variant}", depth,
+                           (q, k_new, v_new, copy, pos, run_tables, scale, 0.0, workspace, levers),
+                           code_bytes)  # fmt: skip
         print(json.dumps(row), flush=True)
+
+
+def time_turbo(kernels, row: dict, key: str, depth: int, call: tuple, code_bytes: int) -> None:
+    """Both launches, then the partial launch alone; `key` names the splits min/max, rows per
+    block and warps (and the decoding variant)."""
+    from triton.testing import do_bench_cudagraph
+
+    def turbo():
+        return kernels.attention(*call)
+
+    try:
+        us = do_bench_cudagraph(turbo, rep=200) * 1e3
+        combine = kernels._attention_combine
+        kernels._attention_combine = _NoLaunch()  # the partial launch alone
+        try:
+            partial_us = do_bench_cudagraph(turbo, rep=200) * 1e3
+        finally:
+            kernels._attention_combine = combine
+    except Exception as error:  # a shape that does not compile (registers, smem)
+        print(json.dumps({"shape": key, "error": str(error)[:200]}))
+        return
+    print(f"  {depth} {key}: {us:.1f} µs (partial launch {partial_us:.1f})", flush=True)
+    row[f"{key}_us"] = round(us, 2)
+    row[f"{key}_partial_us"] = round(partial_us, 2)
+    row[f"{key}_GBs"] = round(bandwidth(code_bytes, us), 1)
 
 
 if __name__ == "__main__":

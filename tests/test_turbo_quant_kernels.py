@@ -29,6 +29,24 @@ from tiny_models import build_tiny_model, random_ids
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+if CUDA:  # a kernel around the 4-bit decoding (`test_centroid_lookup_decodes_…`)
+    import triton
+    import triton.language as tl
+
+    from larql.kv.turbo_quant.kernels import _nibble_centroids
+
+    @triton.jit
+    def _decode_nibbles(codes, even_ptr, odd_ptr, centroids, LOOKUP: tl.constexpr):
+        rows, lanes = tl.arange(0, 128), tl.arange(0, 32)
+        table = tl.load(centroids + tl.arange(0, 16)[None, :] + tl.zeros([128, 1], tl.int32))
+        even, odd = _nibble_centroids(
+            codes, rows * 36, rows < 100, lanes, table, even_ptr.dtype.element_ty, LOOKUP
+        )
+        tl.store(even_ptr + rows[:, None] * 32 + lanes[None, :], even)
+        tl.store(odd_ptr + rows[:, None] * 32 + lanes[None, :], odd)
+
+
 PROMPT = "Alice put the red ball in the box, and Bob"
 
 
@@ -449,3 +467,73 @@ def test_cuda_graph_step_gives_the_eager_kernel_tokens(dtype: torch.dtype) -> No
     assert engines[0].dispatch_path() == "cuda-graph"
     assert engines[1].dispatch_path() == "static"
     assert runs[0].tokens == runs[1].tokens
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device (the interpreter runs no PTX)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("levers", [False, True])
+def test_centroid_lookup_in_ptx_gives_the_gathers_attention(
+    kernels, dtype: torch.dtype, levers: bool
+) -> None:
+    """A 16-bit model's 4-bit partial launch decodes the codes with `centroid_lookup`'s PTX;
+    with the lookups taken away it gathers them. The decoded values are the same, so the
+    splits' float32 state agrees to summation order (a wrong centroid moves it by ~1e-1) and
+    the outputs to their 16-bit rounding, over a deep store with sinks, recent rows and
+    centering or with none."""
+    from dataclasses import replace
+
+    heads, kv_heads, dim, n, slots = 32, 8, 64, 5000, 8192
+    codec = TurboQuantCodec(dim, 4)
+    generator = torch.Generator().manual_seed(dim + n)
+    q, k_new, v_new = (draw(generator, h, 1, dim).to(dtype) for h in (heads, kv_heads, kv_heads))
+    history = draw(generator, n * 2 * kv_heads, dim)
+    tables = kernels.CodecTables.of(codec, DEVICE)
+    assert dtype in tables.lookups
+    states, outputs = [], []
+    for run_tables in (tables, replace(tables, lookups={})):
+        store = slots_holding(codec, kv_heads, history, range(n), slots)
+        lever_set = None
+        if levers:
+            exact = draw(generator.manual_seed(1), 36, 2, kv_heads, dim).to(dtype)
+            mean = draw(generator.manual_seed(2), 2, kv_heads, dim)
+            lever_set = kernels.Levers(
+                exact=exact.contiguous(),
+                mean=mean,
+                mean_rotated=(mean @ tables.rotation).contiguous(),
+                sinks=4,
+                recent=32,
+                center=True,
+            )
+        workspace = kernels.Workspace.of(heads, kv_heads, tables, DEVICE)
+        position = torch.tensor([n], device=DEVICE)
+        outputs.append(
+            kernels.attention(
+                q, k_new, v_new, store, position, run_tables, dim**-0.5, 0.0, workspace, lever_set
+            )
+        )
+        splits = kernels.splits(slots)  # the launch's state: [Hkv, splits, GP(, D')] at the front
+        used, group = splits * n // slots, heads // kv_heads  # full splits, real query rows
+        l_sum = workspace.l_sum.flatten()[: workspace.l_sum[:, :splits].numel()]
+        l_sum = l_sum.view(kv_heads, splits, -1)[:, :used, :group]
+        acc = workspace.acc.flatten()[: workspace.acc[:, :splits].numel()]
+        acc = acc.view(kv_heads, splits, -1, dim)[:, :used, :group]
+        states.append(torch.cat([acc.flatten(), l_sum.flatten()]))
+    assert relative_error(states[0], states[1]) <= 1e-4  # measured 2e-5
+    assert relative_error(outputs[0], outputs[1]) <= 4e-3
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device (the interpreter runs no PTX)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_centroid_lookup_decodes_the_gathers_values_exactly(kernels, dtype: torch.dtype) -> None:
+    """`_nibble_centroids` over random packed bytes: the PTX lookup and the gather give the same
+    16-bit values, bit for bit."""
+    tables = kernels.CodecTables.of(TurboQuantCodec(64, 4), DEVICE)
+    generator = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 256, (128 * 36,), dtype=torch.uint8, generator=generator).to(DEVICE)
+    decoded = []
+    for lookup in (tables.lookups[dtype], ""):
+        even = torch.empty((128, 32), dtype=dtype, device=DEVICE)
+        odd = torch.empty_like(even)
+        _decode_nibbles[(1,)](codes, even, odd, tables.centroids, LOOKUP=lookup)
+        decoded.append(torch.cat((even, odd)))
+    assert torch.equal(decoded[0], decoded[1])
