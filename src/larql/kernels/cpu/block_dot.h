@@ -351,24 +351,6 @@ float row_dot_codes(Format f, const uint8_t* row, int64_t blocks, const Quantize
 // not depend on which others share its step. For int16 inputs (AVX2) a block is also widened
 // to int16 once for all of them — and the one-row product is this with M = 1.
 #if LARQL_AVX2
-// A block's 32 codes as int16 (Q4 ones unsigned 0–15): elements 0–15, 16–31.
-struct WideCodes {
-  __m256i first, last;
-};
-
-inline WideCodes widen_codes(Format f, const uint8_t* block) {
-  if (f == Format::Q8_0) {
-    const __m128i* w = reinterpret_cast<const __m128i*>(block + 2);
-    return WideCodes{_mm256_cvtepi8_epi16(_mm_loadu_si128(w)),
-                     _mm256_cvtepi8_epi16(_mm_loadu_si128(w + 1))};
-  }
-  const __m128i mask = _mm_set1_epi8(0x0f);
-  const __m128i packed = _mm_loadu_si128(
-      reinterpret_cast<const __m128i*>(block_codes(f, block)));
-  return WideCodes{_mm256_cvtepu8_epi16(_mm_and_si128(packed, mask)),
-                   _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask))};
-}
-
 // Up to 8 int16 inputs with their per-block numbers interleaved ([blocks][8]: one vector per
 // block holds every input's), so a block's scales and offsets for all of them are one vector
 // operation; unused lanes are zero.
@@ -376,6 +358,8 @@ struct InputTile {
   int count = 0;
   const int16_t* codes[8] = {};
   std::vector<float> scales, sums, code_sums;  // [blocks · 8]
+  // the inputs' codes block-major, [blocks][count][32]: a block's inputs at fixed offsets
+  std::vector<int16_t> blocked;
 
   InputTile(const QuantizedInput<int16_t>* ins, int n, int64_t blocks)
       : count(n), scales(blocks * 8), sums(blocks * 8), code_sums(blocks * 8) {
@@ -387,37 +371,60 @@ struct InputTile {
         code_sums[b * 8 + m] = static_cast<float>(ins[m].code_sums[b]);
       }
     }
+    blocked.resize(blocks * n * kBlock);
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int m = 0; m < n; ++m) {
+        std::memcpy(blocked.data() + (b * n + m) * kBlock, codes[m] + b * kBlock,
+                    kBlock * sizeof(int16_t));
+      }
+    }
   }
 };
 
-// One weight row against a tile's Count inputs (accumulators in registers), each block's codes
-// widened once for all of them; per block and input: d = d_w · d_x, acc += d · Σ w q (8 lanes),
-// offset −= 8 d Σ q (Q4_0) or += m · X (Q4_1, Q4_K32) → out[m · out_stride].
-template <int Count>
-inline void rows_dot_int16(Format f, const uint8_t* row, int64_t blocks, const InputTile& in,
-                           float* out, int64_t out_stride) {
-  const int64_t stride = block_bytes(f);
+// One weight row against a tile's Count inputs (accumulators in registers), the format fixed at
+// compile time, each block's codes widened once for all of them; per block and input:
+// d = d_w · d_x, acc += d · Σ w q (8 lanes), offset −= 8 d Σ q (Q4_0) or += m · X (Q4_1, Q4_K32)
+// → out[m · out_stride]. The inputs' codes are read block-major from one pointer at fixed
+// offsets: with the format a template argument and no per-input pointers to reload, the
+// compiler keeps the accumulators in registers (the run-time format and pointer array spilled
+// them): SmolLM2's products ~15% faster at 8 rows and at one, the same arithmetic.
+template <Format F, int Count>
+inline void rows_dot_int16(const uint8_t* row, int64_t blocks, const InputTile& in, float* out,
+                           int64_t out_stride) {
+  const int64_t stride = block_bytes(F);
   __m256 acc[Count];
   for (int m = 0; m < Count; ++m) acc[m] = _mm256_setzero_ps();
   __m256 offset = _mm256_setzero_ps();
   alignas(32) float d[8];
+  const int16_t* codes = in.blocked.data();
+  const __m128i mask = _mm_set1_epi8(0x0f);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = row + b * stride;
-    const WideCodes w = widen_codes(f, block);
-    const __m256 dv = _mm256_mul_ps(_mm256_set1_ps(block_scale(f, block)),
+    __m256i w0, w1;
+    if constexpr (F == Format::Q8_0) {
+      const __m128i* wp = reinterpret_cast<const __m128i*>(block + 2);
+      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wp));
+      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wp + 1));
+    } else {
+      const __m128i packed = _mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(block_codes(F, block)));
+      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, mask));
+      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+    }
+    const __m256 dv = _mm256_mul_ps(_mm256_set1_ps(block_scale(F, block)),
                                     _mm256_loadu_ps(in.scales.data() + b * 8));
-    if (f == Format::Q4_0) {
+    if constexpr (F == Format::Q4_0) {
       const __m256 eight_d = _mm256_mul_ps(_mm256_set1_ps(8.0f), dv);
       offset = _mm256_sub_ps(offset, _mm256_mul_ps(eight_d, _mm256_loadu_ps(in.code_sums.data() + b * 8)));
-    } else if (f != Format::Q8_0) {
-      offset = _mm256_fmadd_ps(_mm256_set1_ps(block_offset(f, block)),
+    } else if constexpr (F != Format::Q8_0) {
+      offset = _mm256_fmadd_ps(_mm256_set1_ps(block_offset(F, block)),
                                _mm256_loadu_ps(in.sums.data() + b * 8), offset);
     }
     _mm256_store_ps(d, dv);
+    const __m256i* q = reinterpret_cast<const __m256i*>(codes + b * Count * kBlock);
 #pragma GCC unroll 8
     for (int m = 0; m < Count; ++m) {
-      const __m256i* q = reinterpret_cast<const __m256i*>(in.codes[m] + b * kBlock);
-      const __m256i isum = dot_s16(w.first, _mm256_loadu_si256(q), w.last, _mm256_loadu_si256(q + 1));
+      const __m256i isum = dot_s16(w0, _mm256_loadu_si256(q + 2 * m), w1, _mm256_loadu_si256(q + 2 * m + 1));
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_broadcast_ss(d + m), acc[m]);
     }
   }
@@ -426,17 +433,28 @@ inline void rows_dot_int16(Format f, const uint8_t* row, int64_t blocks, const I
   for (int m = 0; m < Count; ++m) out[m * out_stride] = horizontal_sum(acc[m]) + offsets[m];
 }
 
+template <Format F>
+inline void rows_dot_int16_tile_of(const uint8_t* row, int64_t blocks, const InputTile& in,
+                                   float* out, int64_t out_stride) {
+  switch (in.count) {
+    case 1: return rows_dot_int16<F, 1>(row, blocks, in, out, out_stride);
+    case 2: return rows_dot_int16<F, 2>(row, blocks, in, out, out_stride);
+    case 3: return rows_dot_int16<F, 3>(row, blocks, in, out, out_stride);
+    case 4: return rows_dot_int16<F, 4>(row, blocks, in, out, out_stride);
+    case 5: return rows_dot_int16<F, 5>(row, blocks, in, out, out_stride);
+    case 6: return rows_dot_int16<F, 6>(row, blocks, in, out, out_stride);
+    case 7: return rows_dot_int16<F, 7>(row, blocks, in, out, out_stride);
+    default: return rows_dot_int16<F, 8>(row, blocks, in, out, out_stride);
+  }
+}
+
 inline void rows_dot_int16_tile(Format f, const uint8_t* row, int64_t blocks, const InputTile& in,
                                 float* out, int64_t out_stride) {
-  switch (in.count) {
-    case 1: return rows_dot_int16<1>(f, row, blocks, in, out, out_stride);
-    case 2: return rows_dot_int16<2>(f, row, blocks, in, out, out_stride);
-    case 3: return rows_dot_int16<3>(f, row, blocks, in, out, out_stride);
-    case 4: return rows_dot_int16<4>(f, row, blocks, in, out, out_stride);
-    case 5: return rows_dot_int16<5>(f, row, blocks, in, out, out_stride);
-    case 6: return rows_dot_int16<6>(f, row, blocks, in, out, out_stride);
-    case 7: return rows_dot_int16<7>(f, row, blocks, in, out, out_stride);
-    default: return rows_dot_int16<8>(f, row, blocks, in, out, out_stride);
+  switch (f) {
+    case Format::Q8_0: return rows_dot_int16_tile_of<Format::Q8_0>(row, blocks, in, out, out_stride);
+    case Format::Q4_0: return rows_dot_int16_tile_of<Format::Q4_0>(row, blocks, in, out, out_stride);
+    case Format::Q4_1: return rows_dot_int16_tile_of<Format::Q4_1>(row, blocks, in, out, out_stride);
+    case Format::Q4_K32: return rows_dot_int16_tile_of<Format::Q4_K32>(row, blocks, in, out, out_stride);
   }
 }
 #endif
