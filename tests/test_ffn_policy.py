@@ -155,6 +155,8 @@ def test_parse_errors_come_before_validation() -> None:
         ("remote-walk:endpoint=http://h:1,timeout=0", MalformedBackend),
         ("remote-walk:endpoint=http://h:1,timeout=abc", MalformedBackend),
         ("remote-walk:endpoint=http://h:1,retries=3", MalformedBackend),
+        ("remote-walk:endpoint=http://h:1,dispatch=bulk", MalformedBackend),
+        ("remote-experts:shards=0-3=http://h:1,dispatch=batch", MalformedBackend),
     ],
 )
 def test_every_malformed_spec_is_typed(spec: str, error: type) -> None:
@@ -397,3 +399,15 @@ def test_every_engine_computes_with_the_policy_it_is_given(
 
 EXACT_UNDER_ANY_FFN = {"standard", "no-cache", "windowed-checkpoint", "markov-rs",
                        "markov-rs-codec", "boundary-per-layer", "boundary-kv"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("written", "canonical"),
+    [
+        ("remote-walk:endpoint=http://h:1,dispatch=BATCH", "remote-walk:endpoint=http://h:1,dispatch=batch"),
+        ("remote-walk:endpoint=http://h:1,dispatch=streaming", "remote-walk:endpoint=http://h:1"),
+    ],
+)  # fmt: skip
+def test_dispatch_round_trips_in_one_spelling(written: str, canonical: str) -> None:
+    policy = FfnLayerPolicy.from_spec(written)
+    assert policy.spec() == canonical and FfnLayerPolicy.from_spec(canonical) == policy

@@ -513,3 +513,42 @@ def test_the_client_probes_the_shard_and_settles_the_wire(
     with pytest.raises(BackendFailure, match="serves hidden size 999"):
         other.forward(4, x)
     other.close()
+
+
+def test_batch_dispatch_asks_every_layer_of_a_step_in_one_request(
+    smollm2: Model, shard: str
+) -> None:
+    """`dispatch=batch`: a step's first layer asks the shard for every layer at once, all of its
+    own input (the later layers' answers are the FFN of that input, not of theirs: the
+    approximation); one request per step, where streaming makes one per layer."""
+    router = build_ffn(smollm2, f"remote-walk:endpoint={shard},dispatch=batch")
+    client = router.backends[0]
+    assert client is router.backends[29] and client.layers == list(range(30))
+    dense = DenseFfn(smollm2)
+    draw = torch.Generator().manual_seed(4)
+    first, other = torch.randn(2, H, generator=draw), torch.randn(2, H, generator=draw)
+    assert torch.equal(router.forward(0, first), dense.forward(0, first))
+    requests = client.stats.requests
+    assert torch.equal(router.forward(1, other), dense.forward(1, first))  # not of `other`
+    assert torch.equal(router.forward(29, other), dense.forward(29, first))
+    assert client.stats.requests == requests  # answered by the first layer's request
+    ids = smollm2.tokenizer.encode(PROMPT)
+    before = client.stats.requests
+    tokens = generate(parse_engine("standard").build(smollm2), smollm2, router, ids, 4,
+                      stop_ids=frozenset()).tokens  # fmt: skip
+    assert len(tokens) == 4 and client.stats.requests - before == 4  # prefill + 3 steps
+    router.close()
+
+
+def test_ffn_dispatch_on_the_command_line(shard: str) -> None:
+    from typer.testing import CliRunner
+
+    from larql.cli.app import app
+
+    ran = CliRunner().invoke(app, ["run", PROMPT, "-n", "2", "--ffn", shard,
+                                   "--ffn-dispatch", "batch"])  # fmt: skip
+    assert ran.exit_code == 0, ran.output
+    misplaced = CliRunner().invoke(app, ["run", PROMPT, "--ffn-dispatch", "batch"])
+    assert misplaced.exit_code == 2 and "applies to --ffn URL" in misplaced.stderr
+    unknown = CliRunner().invoke(app, ["run", PROMPT, "--ffn", shard, "--ffn-dispatch", "bulk"])
+    assert unknown.exit_code == 2 and "accepted: streaming, batch" in unknown.stderr

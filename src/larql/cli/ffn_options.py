@@ -1,5 +1,6 @@
 """The FFN options `run`, `walk` and `bench` share: `--ffn-policy SPEC` (any per-layer policy)
-and `--ffn URL` (an FFN shard on every layer, shorthand for `remote-walk:endpoint=URL`)."""
+and `--ffn URL` (an FFN shard on every layer, shorthand for `remote-walk:endpoint=URL`); `run`'s
+`--ffn-timeout-secs` and `--ffn-dispatch` tune that shard's client."""
 
 from __future__ import annotations
 
@@ -34,6 +35,16 @@ FfnTimeoutOption = Annotated[
     ),
 ]
 
+FfnDispatchOption = Annotated[
+    str | None,
+    typer.Option(
+        "--ffn-dispatch",
+        help="With --ffn: streaming (default: a round trip per layer, exact) or batch (one round "
+        "trip per step: every layer's FFN of the first layer's input — approximate, for "
+        "high-latency links).",
+    ),
+]
+
 
 MoeShardsOption = Annotated[
     str | None,
@@ -64,10 +75,18 @@ def ffn_policy_spec(
     default: str = "dense",
     timeout: float | None = None,
     moe_shards: str | None = None,
+    dispatch: str | None = None,
 ) -> str:
     """The policy spec the options ask for (`default` when none is given)."""
     if sum(x is not None for x in (policy, url, moe_shards)) > 1:
         raise InvalidInput("give one of --ffn URL, --ffn-policy SPEC and --moe-shards")
+    if dispatch is not None:
+        if url is None:
+            raise InvalidInput(
+                "--ffn-dispatch applies to --ffn URL (in a policy: remote-walk:...,dispatch=batch)"
+            )
+        if dispatch.lower() not in ("streaming", "batch"):
+            raise InvalidInput(f"unknown --ffn-dispatch {dispatch!r}; accepted: streaming, batch")
     if moe_shards is not None:
         return moe_shards_spec(moe_shards, timeout)
     if timeout is not None and url is None:
@@ -81,7 +100,8 @@ def ffn_policy_spec(
                 f"--ffn takes the URL of an FFN shard (http://host:port), got {url!r}; "
                 "use --ffn-policy for local backends"
             )
-        return f"remote-walk:endpoint={url}" + ("" if timeout is None else f",timeout={timeout}")
+        spec = f"remote-walk:endpoint={url}" + ("" if timeout is None else f",timeout={timeout}")
+        return spec + ("" if dispatch is None else f",dispatch={dispatch.lower()}")
     return default if policy is None else policy
 
 

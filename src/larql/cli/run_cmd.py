@@ -11,6 +11,7 @@ from rich.table import Table
 
 from larql.cli.common import InvalidInput, open_model, read_prompt, stderr, stdout, user_errors
 from larql.cli.ffn_options import (
+    FfnDispatchOption,
     FfnPolicyOption,
     FfnTimeoutOption,
     FfnUrlOption,
@@ -68,6 +69,7 @@ def run(
     ffn_policy: FfnPolicyOption = None,
     ffn: FfnUrlOption = None,
     ffn_timeout_secs: FfnTimeoutOption = None,
+    ffn_dispatch: FfnDispatchOption = None,
     moe_shards: MoeShardsOption = None,
     top: Annotated[
         int,
@@ -93,7 +95,9 @@ def run(
     if top < 0:
         raise InvalidInput(f"--top must be ≥ 0, got {top}")
     SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # checks early
-    ffn_spec = ffn_policy_spec(ffn_policy, ffn, timeout=ffn_timeout_secs, moe_shards=moe_shards)
+    ffn_spec = ffn_policy_spec(
+        ffn_policy, ffn, timeout=ffn_timeout_secs, moe_shards=moe_shards, dispatch=ffn_dispatch
+    )
     check_policy(ffn_spec)
     choice = resolve_engine(engine, kv_cache, context_window)
     choice.engine.require_live_decode()

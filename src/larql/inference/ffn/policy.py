@@ -295,7 +295,11 @@ class ValidatedFfnLayerPolicy:
         for spec in self.expand_to_layers():
             if spec not in built:
                 built[spec] = _build_backend(spec, model, remote_timeout_s)
-        return LayerFfnRouter([built[k] for k in self.expand_to_layers()], self.spec())
+        layers = self.expand_to_layers()
+        for spec, backend in built.items():
+            if spec.dispatch == "batch":  # a remote-walk asked for its layers in one request
+                backend.layers = [i for i, s in enumerate(layers) if s == spec]  # type: ignore[attr-defined]
+        return LayerFfnRouter([built[k] for k in layers], self.spec())
 
 
 def _build_backend(spec: FfnSpec, model: Model, remote_timeout_s: float) -> FfnBackend:
@@ -315,6 +319,7 @@ def _build_backend(spec: FfnSpec, model: Model, remote_timeout_s: float) -> FfnB
         wire=spec.wire,  # None: the best wire both sides speak
         hidden_size=model.config.hidden_size,
         read_timeout_s=spec.timeout if spec.timeout is not None else remote_timeout_s,
+        dispatch=spec.dispatch or "streaming",
     )
 
 

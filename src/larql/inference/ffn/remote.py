@@ -66,7 +66,13 @@ class RemoteWalkFfn(FfnBackend):
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 60.0,
         top_k: int = 0,
+        dispatch: str = "streaming",
     ) -> None:
+        if dispatch not in ("streaming", "batch"):
+            raise ValueError(f"unknown dispatch {dispatch!r}; accepted: streaming, batch")
+        self.dispatch = dispatch
+        self.layers: list[int] | None = None  # the layers it serves (batch dispatch asks all)
+        self._predispatched: dict[int, torch.Tensor] = {}
         self._wire_given = wire is not None
         wire = F32 if wire is None else wire
         self._probed = False
@@ -77,7 +83,8 @@ class RemoteWalkFfn(FfnBackend):
         self.hidden_size = hidden_size
         self.top_k = top_k
         shown_wire = "" if wire == F32 else f",wire={wire}"
-        self.name = f"remote-walk:endpoint={self.endpoint}{shown_wire}"
+        shown_dispatch = ",dispatch=batch" if dispatch == "batch" else ""
+        self.name = f"remote-walk:endpoint={self.endpoint}{shown_wire}{shown_dispatch}"
         self.stats = RemoteStats()
         self._timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
         # Without TCP_NODELAY a small request waits out the peer's delayed ACK (~40 ms).
@@ -87,7 +94,18 @@ class RemoteWalkFfn(FfnBackend):
         self._client = httpx.Client(timeout=self._timeout, transport=transport)
 
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """x: [S, H] → the shard's FFN output for `layer`, [S, H] in x's dtype."""
+        """x: [S, H] → the shard's FFN output for `layer`, [S, H] in x's dtype.
+
+        With batch dispatch, the first of a step's layers asks for this one and every later
+        layer it serves in one request, all of the same x (one residual on the wire for all
+        of them: the FFN of the layers after it sees this layer's input, not its own — an
+        approximation, one round trip per step instead of one per layer); the later layers
+        take their answers from that request."""
+        if self.dispatch == "batch":
+            if layer not in self._predispatched:
+                later = [lr for lr in (self.layers or [layer]) if lr >= layer] or [layer]
+                self._predispatched = self._walk(later, x)
+            return self._predispatched.pop(layer)
         (out,) = self._walk(layer, x).values()
         return out
 

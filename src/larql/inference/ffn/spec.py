@@ -32,7 +32,8 @@ SUPPORTED = ("dense", "walk", "remote-walk", "remote-experts", "null")
 WIRES = ("f32", "f16", "i8")
 ACCEPTED = (
     "supported: dense (alias weight, weights), walk[:k=N|none], null (alias off), "
-    "remote-walk:endpoint=URL[,wire=f32|f16|i8][,timeout=SECONDS] (alias remote_walk), "
+    "remote-walk:endpoint=URL[,wire=f32|f16|i8][,timeout=SECONDS][,dispatch=streaming|batch] "
+    "(alias remote_walk), "
     "remote-experts:shards=A-B=URL|C-D=URL[,wire=…][,timeout=SECONDS] (a mixture of experts' "
     "experts on shards)"
 )
@@ -67,6 +68,7 @@ def _http_url(endpoint: str) -> str | None:
     return None
 
 
+DISPATCHES = ("streaming", "batch")
 REMOTE_PARAMS = (
     Param("wire", str, None, "f32 (lossless), f16 or i8", one_of(*WIRES), lower=True),
     Param(
@@ -109,6 +111,15 @@ PARAMS: dict[BackendName, tuple[Param, ...]] = {
     "remote-walk": (
         Param("endpoint", str, None, "the FFN shard's http(s)://host[:port]", _http_url),
         *REMOTE_PARAMS,
+        Param(
+            "dispatch",
+            str,
+            None,
+            "streaming (default: a round trip per layer, exact) or batch (one round trip per "
+            "step: every layer's FFN of the first layer's input — approximate)",
+            one_of(*DISPATCHES),
+            lower=True,
+        ),
     ),
     "remote-experts": (
         Param("shards", str, None, "A-B=URL|C-D=URL: the expert shards", _moe_shards),
@@ -127,6 +138,7 @@ class FfnSpec:
     shards: str | None = None  # remote-experts: A-B=URL|C-D=URL
     wire: str | None = None  # remote-walk: f32 | f16 | i8 (None = f32)
     timeout: float | None = None  # remote-walk: read timeout in seconds (None = the default)
+    dispatch: str | None = None  # remote-walk: streaming | batch (None = streaming)
 
     @classmethod
     def parse(cls, spec: str, context: str | None = None) -> FfnSpec:
@@ -142,6 +154,8 @@ class FfnSpec:
             if values["endpoint"] is None:
                 raise MalformedBackend(f"remote-walk needs endpoint=URL{where}")
             values["endpoint"] = values["endpoint"].rstrip("/")
+        if values.get("dispatch") == "streaming":
+            values["dispatch"] = None  # the default, one canonical spelling
         if name == "remote-experts" and values["shards"] is None:
             raise MalformedBackend(f"remote-experts needs shards=A-B=URL|C-D=URL{where}")
         return cls(name, **values)
@@ -153,7 +167,8 @@ class FfnSpec:
         if self.name == "remote-walk":
             wire = f",wire={self.wire}" if self.wire else ""
             timeout = f",timeout={self.timeout:g}" if self.timeout is not None else ""
-            return f"remote-walk:endpoint={self.endpoint}{wire}{timeout}"
+            batch = ",dispatch=batch" if self.dispatch == "batch" else ""
+            return f"remote-walk:endpoint={self.endpoint}{wire}{timeout}{batch}"
         if self.name == "remote-experts":
             wire = f",wire={self.wire}" if self.wire else ""
             timeout = f",timeout={self.timeout:g}" if self.timeout is not None else ""
