@@ -58,6 +58,7 @@ def main() -> None:
     from larql.kernels.decode_attention import decode_attention
     from larql.kv.turbo_quant import kernels
     from larql.kv.turbo_quant.codec import TurboQuantCodec
+    from larql.kv.turbo_quant.layout import ring_slots
 
     hq, hkv, d = args.heads, args.kv_heads, args.dim
     scale = d**-0.5
@@ -107,7 +108,7 @@ def main() -> None:
             if args.levers:
                 f32 = {"dtype": torch.float32, "device": "cuda"}
                 levers = kernels.Levers(
-                    exact=torch.randn(36, 2, hkv, d, **kw),
+                    exact=torch.randn(4 + ring_slots(32), 2, hkv, d, **kw),
                     mean=torch.randn(2, hkv, d, **f32),
                     mean_rotated=torch.randn(2, hkv, tables.rotated_dim, **f32),
                     sinks=4,

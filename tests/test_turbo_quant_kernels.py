@@ -21,7 +21,7 @@ from larql.kv import captured_step, parse_engine
 from larql.kv.turbo_quant import TurboQuantEngine
 from larql.kv.turbo_quant.codec import TurboQuantCodec, split_norms
 from larql.kv.turbo_quant.kernel_path import KernelPath
-from larql.kv.turbo_quant.layout import token_vectors
+from larql.kv.turbo_quant.layout import ring_slots, token_vectors
 from larql.kv.turbo_quant.recent import int8_decode, int8_encode
 from larql.kv.turbo_quant.store import QuantisedLayer
 from larql.models import Model, load_model
@@ -167,16 +167,18 @@ def test_int8_ring_rows_are_the_torch_codecs_bytes(kernels, n: int) -> None:
         mean_rotated=torch.zeros((2, kv_heads, dim), device=DEVICE),
         sinks=sinks,
         recent=recent,
-        ring=torch.zeros((recent, 2, kv_heads, dim), dtype=torch.int8, device=DEVICE),
-        ring_scales=torch.zeros((recent, 2, kv_heads), dtype=torch.float16, device=DEVICE),
-    )
+        ring=torch.zeros((ring_slots(recent), 2, kv_heads, dim), dtype=torch.int8, device=DEVICE),
+        ring_scales=torch.zeros((ring_slots(recent), 2, kv_heads), dtype=torch.float16,
+                                device=DEVICE),
+    )  # fmt: skip
     held = [rows[t] if t < sinks else int8_decode(codes[t], scales[t]) for t in range(n)]
     for t in range(n):
         if t < sinks:
             levers.exact[t] = rows[t].half()
             held[t] = rows[t].half().float()
         elif t >= n - recent:
-            levers.ring[t % recent], levers.ring_scales[t % recent] = codes[t], scales[t, ..., 0]
+            slot = t % ring_slots(recent)
+            levers.ring[slot], levers.ring_scales[slot] = codes[t], scales[t, ..., 0]
     coded = [t for t in range(sinks, n - recent)]  # rows already in the codes
     store = torch.zeros((16, 2 * kv_heads * codec.bytes_per_vector), dtype=torch.uint8)
     store = store.to(DEVICE)
@@ -202,8 +204,8 @@ def test_int8_ring_rows_are_the_torch_codecs_bytes(kernels, n: int) -> None:
     assert relative_error(out, expected) <= 2e-6
     new_codes, new_scales = int8_encode(torch.stack((k_new, v_new)).squeeze(2))  # [2, Hkv, …]
     if n >= sinks:
-        assert torch.equal(levers.ring[n % recent], new_codes)
-        assert torch.equal(levers.ring_scales[n % recent], new_scales[..., 0])
+        assert torch.equal(levers.ring[n % ring_slots(recent)], new_codes)
+        assert torch.equal(levers.ring_scales[n % ring_slots(recent)], new_scales[..., 0])
     else:
         assert torch.equal(levers.exact[n], torch.stack((k_new, v_new)).squeeze(2).half())
     leaving = n - recent
@@ -494,7 +496,7 @@ def test_centroid_lookup_in_ptx_gives_the_gathers_attention(
         store = slots_holding(codec, kv_heads, history, range(n), slots)
         lever_set = None
         if levers:
-            exact = draw(generator.manual_seed(1), 36, 2, kv_heads, dim).to(dtype)
+            exact = draw(generator.manual_seed(1), 4 + ring_slots(32), 2, kv_heads, dim).to(dtype)
             mean = draw(generator.manual_seed(2), 2, kv_heads, dim)
             lever_set = kernels.Levers(
                 exact=exact.contiguous(),

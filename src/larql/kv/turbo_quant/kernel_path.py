@@ -8,9 +8,11 @@ Each layer's codes live in a `CodeSlots` buffer, uint8 [slots, row_bytes], token
 t mod slots: on a full-attention layer slots is the capacity (≥ every position; it doubles when
 the position reaches it, and the graph is captured again), on a sliding layer the coded rows a
 later query can still see (a ring; smaller while the capacity is). The exact rows live in
-`Levers.exact`, [sinks + recent, 2, Hkv, D] at 16 bits: sink t in slot t, recent token t in
-slot sinks + t mod recent; with `recent_bits=8` the recent rows live in `Levers.ring` instead,
-int8 with a float16 scale per head vector (slot t mod recent), as `QuantisedLayer` keeps them.
+`Levers.exact`, [sinks + recent + 1, 2, Hkv, D] at 16 bits: sink t in slot t, recent token t in
+slot sinks + t mod (recent + 1) — one slot spare, so a step writes its new row where the row
+that left the ring a step before was (`ring_slots`); with `recent_bits=8` the recent rows live
+in `Levers.ring` instead, int8 with a float16 scale per head vector (slot t mod (recent + 1)),
+the values `QuantisedLayer` keeps.
 The step reads its token and position from device tensors (`StepInputs`), so `kernels.attention`
 attends over what the position says is held and moves the row leaving the exact ones into the codes
 inside the graph: no host sync, no allocation, one replay per token. The bytes held are those
@@ -41,7 +43,7 @@ from larql.kv.captured_step import (
     reserve_rope,
 )
 from larql.kv.turbo_quant.codec import TurboQuantCodec
-from larql.kv.turbo_quant.layout import token_vectors
+from larql.kv.turbo_quant.layout import ring_slots, token_vectors
 from larql.kv.turbo_quant.recent import int8_decode, int8_encode
 from larql.kv.turbo_quant.store import KvLayout, exact_dtype, rotate
 from larql.models.model import Model
@@ -110,7 +112,8 @@ class LayerLayout:
         return max(self.sink_rows(position), position - self.recent), position
 
     def exact_slot(self, token: int) -> int:
-        return token if token < self.sinks else self.sinks + token % self.recent
+        """Sink t in slot t; recent token t in slot sinks + t mod ring_slots(recent)."""
+        return token if token < self.sinks else self.sinks + token % ring_slots(self.recent)
 
 
 class KernelPath:
@@ -184,7 +187,8 @@ class KernelPath:
                 where.sink_rows(self.position) * sink_row + (recent_end - recent_first) * recent_row
             )
             # (the 1-row stand-ins of an empty part are not state)
-            exact_held = where.sinks * sink_row + where.recent * recent_row
+            ring = ring_slots(where.recent) if where.recent else 0
+            exact_held = where.sinks * sink_row + ring * recent_row
             mean = tensor_bytes(levers.mean) if self._center else 0
             live += coded + exact + mean
             reserved += slots.nbytes() - coded + exact_held - exact
@@ -312,10 +316,10 @@ class KernelPath:
         self, where: LayerLayout, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device
     ) -> ModuleType:
         f32 = {"dtype": torch.float32, "device": device}
-        exact_rows = where.sinks if self._ring8 else where.sinks + where.recent
+        ring_rows = ring_slots(where.recent)
+        exact_rows = where.sinks + (0 if self._ring8 or not where.recent else ring_rows)
         ring = ring_scales = None
         if self._ring8:
-            ring_rows = max(1, where.recent)
             ring = torch.zeros((ring_rows, 2, kv_heads, dim), dtype=torch.int8, device=device)
             ring_scales = torch.zeros((ring_rows, 2, kv_heads), dtype=torch.float16, device=device)
         return self._kernels.Levers(

@@ -11,20 +11,23 @@ the bytes. Here:
   scales the scores and weights by the rows' norms and runs the online softmax in the rotated
   basis (where q·x = (q·R)·(x·R) since R is orthogonal and symmetric): products in the
   query's dtype, the softmax state in float32.
-- `_attention_combine`: one program per K/V head. It adds the exact rows (the layer's sink and
-  newest rows, kept at 16 bits, and the new row) to the attention, merges the splits and rotates
-  the output back (·R), → [Hq, D] in the model's dtype. Then it encodes the row that leaves the
-  exact ones — the oldest recent row, or the new row itself when none are kept — (minus the
-  layer's mean row with centering; norm, x/‖x‖·R, bucketize against the codebook boundaries,
-  LSB-first bit packing, the float32 norm — with norm correction ‖x‖/‖ũ‖ — in front:
-  `TurboQuantCodec.encode`'s bytes) into the store, and writes the new row among the exact ones.
+- `_attention_combine`: two programs per K/V head, run at once. The first adds the exact rows
+  (the layer's sink and newest rows, kept at 16 bits, and the new row) to the attention,
+  merges the splits and rotates the output back (·R), → [Hq, D] in the model's dtype. The
+  second encodes the row that leaves the exact ones — the oldest recent row, or the new row
+  itself when none are kept — (minus the layer's mean row with centering; norm, x/‖x‖·R,
+  bucketize against the codebook boundaries, LSB-first bit packing, the float32 norm — with
+  norm correction ‖x‖/‖ũ‖ — in front: `TurboQuantCodec.encode`'s bytes) into the store, and
+  writes the new row among the exact ones: into a ring slot whose row is already coded (the
+  ring has one slot more than the recent rows), so neither program waits for the other (on an
+  H200 the combine went from 11.3 to 8.9 µs a layer at depth 32,000).
 - `_encode`: the same encoding for many vectors at once (a prompt's K/V), one program each.
 
 The levers (`Levers`, per layer) are the torch path's `QuantisedLayer` layout: token t < sinks
 is exact in slot t of the exact rows; the newest `recent` tokens before the query are exact in
-slot sinks + t mod recent; the tokens between are codes. With centering the codes hold x − μ:
-a code row's score gets q·μ_K added (a constant over the codes), and the codes' weighted values
-get μ_V times their weight.
+slot sinks + t mod ring_slots(recent); the tokens between are codes. With centering the codes
+hold x − μ: a code row's score gets q·μ_K added (a constant over the codes), and the codes'
+weighted values get μ_V times their weight.
 
 The store is a fixed-capacity uint8 [slots, row_bytes] buffer per layer (the engine's
 `CodeSlots`): token t lives in slot t mod slots, a stored token is [K head 0 … K head Hkv−1,
@@ -56,6 +59,7 @@ from larql.kernels.online_softmax import (
 )
 from larql.kv.turbo_quant.codebook import codebook
 from larql.kv.turbo_quant.codec import NORM_BYTES, TurboQuantCodec
+from larql.kv.turbo_quant.layout import ring_slots
 from larql.kv.turbo_quant.rotation import rotation_matrix
 
 BLOCK_N = 128  # stored rows per block
@@ -136,7 +140,8 @@ FULL_LAYER_KEEP = 2**31 - 1  # `keep` of a layer that sees every earlier row
 class Levers:
     """One layer's exact rows and centering, as the kernels read them."""
 
-    # [max(1, sinks + recent), 2, Hkv, D] 16-bit, contiguous (with `ring`: [max(1, sinks), …])
+    # [max(1, sinks + ring_slots(recent)), 2, Hkv, D] 16-bit, contiguous (with `ring`:
+    # [max(1, sinks), …])
     exact: torch.Tensor
     mean: torch.Tensor  # [2, Hkv, D] float32: the mean K and V rows (zeros: no centering)
     mean_rotated: torch.Tensor  # [2, Hkv, D'] float32: mean · R
@@ -144,8 +149,9 @@ class Levers:
     recent: int = 0
     keep: int = FULL_LAYER_KEEP  # rows before its own a query sees
     center: bool = False
-    # the recent rows at int8: codes [recent, 2, Hkv, D] int8 and scales [recent, 2, Hkv]
-    # float16 (None: the recent rows are exact, in `exact` after the sinks)
+    # the recent rows at int8: codes [ring_slots(recent), 2, Hkv, D] int8 and scales
+    # [ring_slots(recent), 2, Hkv] float16 (None: the recent rows are exact, in `exact` after
+    # the sinks)
     ring: torch.Tensor | None = None
     ring_scales: torch.Tensor | None = None
 
@@ -160,12 +166,12 @@ class Levers:
         )
 
     def constants(self) -> dict[str, int | bool]:
-        exact_rows = self.sinks + self.recent
+        exact_rows = self.sinks + (ring_slots(self.recent) if self.recent else 0)
         padded = 0 if exact_rows == 0 else max(_MIN_DOT, _next_power_of_two(exact_rows))
         return {
             "SINKS": self.sinks,
             "RECENT": self.recent,
-            "RING": max(self.recent, 1),
+            "RING": ring_slots(self.recent),
             "EP": padded,
             "EC": max(1, min(padded, EXACT_CHUNK)),
             "CENTER": self.center,
@@ -477,7 +483,7 @@ def _attention_combine(
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
     RECENT: tl.constexpr,
-    RING: tl.constexpr,  # max(RECENT, 1)
+    RING: tl.constexpr,  # ring_slots(RECENT)
     EP: tl.constexpr,
     EC: tl.constexpr,  # exact rows per chunk
     CENTER: tl.constexpr,
@@ -489,108 +495,112 @@ def _attention_combine(
     dims = tl.arange(0, DP)
     within = dims < D
     pos = tl.load(pos_ptr).to(tl.int32)
-    # The splits' state is in the rotated basis; the exact rows (new, sinks, recent) are
-    # attended as they are and their weighted values added after the rotation back (R·R = I).
-    q = _queries(q_ptr, head, rows, dims, G, D)  # [R, DP]
+    role = tl.program_id(1)  # 0: the attention; 1: the rows moving between the parts
     rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
     k_new = tl.load(k_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
     v_new = tl.load(v_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
-    s_new = soft_capped(tl.sum(q * k_new[None, :], axis=1) * scale, softcap, SOFTCAP)  # [R]
     exact_stride = 2 * HKV * D  # elements per token in the exact rows
-    # the exact sink and recent rows, in chunks of EC: their scores' maximum first, then their
-    # weights and weighted values (the keys read twice keep the registers to one chunk)
-    top = s_new
-    for c in tl.static_range(EP // EC):
-        e = c * EC + tl.arange(0, EC)
-        s_exact = _exact_scores(
-            q, exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, scale,
-            softcap, SOFTCAP, HKV, D, SINKS, RECENT, RING, RING8, R,
-        )  # fmt: skip  # [R, EC], −inf where absent
-        top = tl.maximum(top, tl.max(s_exact, axis=1))
-    top = splits_max(m_ptr, head, rows, top, NS, GP)
-    weight = tl.exp(s_new - top)
-    total = weight
-    plain = weight[:, None] * v_new[None, :]  # [R, DP], not rotated
-    for c in tl.static_range(EP // EC):
-        e = c * EC + tl.arange(0, EC)
-        s_exact = _exact_scores(
-            q, exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, scale,
-            softcap, SOFTCAP, HKV, D, SINKS, RECENT, RING, RING8, R,
-        )  # fmt: skip
-        p = tl.exp(s_exact - top[:, None])  # 0 where absent
-        values, _ = _exact_chunk(
-            exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, 1, HKV, D,
-            SINKS, RECENT, RING, RING8,
-        )  # fmt: skip
-        total += tl.sum(p, axis=1)
-        plain += _product(p, values, R)
-    rotated = tl.zeros([R, DP], tl.float32)
-    total, rotated = merge_splits(
-        m_ptr, l_ptr, acc_ptr, head, rows, dims, top, total, rotated, NS, DP, GP
-    )
-    # float32 products here: tf32 measured slower (10.1 → 14.0 µs at depth 32,000, H200)
-    out = _product(rotated, rotation, R) + plain  # back: ·R
-    out = out / total[:, None]
-    offsets = (head * G + rows)[:, None] * D + dims[None, :]
-    mask = (rows < G)[:, None] & within[None, :]
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if role == 0:
+        # The splits' state is in the rotated basis; the exact rows (new, sinks, recent) are
+        # attended as they are, their weighted values added after the rotation back (R·R = I).
+        q = _queries(q_ptr, head, rows, dims, G, D)  # [R, DP]
+        s_new = soft_capped(tl.sum(q * k_new[None, :], axis=1) * scale, softcap, SOFTCAP)  # [R]
+        # the exact sink and recent rows, in chunks of EC: their scores' maximum first, then
+        # their weights and weighted values (the keys read twice keep registers to one chunk)
+        top = s_new
+        for c in tl.static_range(EP // EC):
+            e = c * EC + tl.arange(0, EC)
+            s_exact = _exact_scores(
+                q, exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, scale,
+                softcap, SOFTCAP, HKV, D, SINKS, RECENT, RING, RING8, R,
+            )  # fmt: skip  # [R, EC], −inf where absent
+            top = tl.maximum(top, tl.max(s_exact, axis=1))
+        top = splits_max(m_ptr, head, rows, top, NS, GP)
+        weight = tl.exp(s_new - top)
+        total = weight
+        plain = weight[:, None] * v_new[None, :]  # [R, DP], not rotated
+        for c in tl.static_range(EP // EC):
+            e = c * EC + tl.arange(0, EC)
+            s_exact = _exact_scores(
+                q, exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, scale,
+                softcap, SOFTCAP, HKV, D, SINKS, RECENT, RING, RING8, R,
+            )  # fmt: skip
+            p = tl.exp(s_exact - top[:, None])  # 0 where absent
+            values, _ = _exact_chunk(
+                exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, 1, HKV, D,
+                SINKS, RECENT, RING, RING8,
+            )  # fmt: skip
+            total += tl.sum(p, axis=1)
+            plain += _product(p, values, R)
+        rotated = tl.zeros([R, DP], tl.float32)
+        total, rotated = merge_splits(
+            m_ptr, l_ptr, acc_ptr, head, rows, dims, top, total, rotated, NS, DP, GP
+        )
+        # float32 products here: tf32 measured slower (10.1 → 14.0 µs at depth 32,000, H200)
+        out = _product(rotated, rotation, R) + plain  # back: ·R
+        out = out / total[:, None]
+        offsets = (head * G + rows)[:, None] * D + dims[None, :]
+        mask = (rows < G)[:, None] & within[None, :]
+        tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
-    # the row that leaves the exact ones: the oldest recent row, or the new row itself
-    if RECENT == 0:
-        token = pos
-        key, value = k_new, v_new
     else:
-        token = pos - RECENT
-        leaving = within & _spread(token >= 0, dims)
-        if RING8:
-            slot_out = tl.maximum(token, 0) % RECENT
-            source = ring_ptr + slot_out * exact_stride + head * D
-            k_out_scale = tl.load(ring_scale_ptr + slot_out * 2 * HKV + head).to(tl.float32)
-            v_out_scale = tl.load(ring_scale_ptr + slot_out * 2 * HKV + HKV + head)
-            key = tl.load(source + dims, mask=leaving, other=0).to(tl.float32) * k_out_scale
-            value = tl.load(source + HKV * D + dims, mask=leaving, other=0).to(tl.float32)
-            value *= v_out_scale.to(tl.float32)
+        # the row that leaves the exact ones: the oldest recent row, or the new row itself
+        if RECENT == 0:
+            token = pos
+            key, value = k_new, v_new
         else:
-            source = exact_ptr + (SINKS + tl.maximum(token, 0) % RECENT) * exact_stride + head * D
-            key = tl.load(source + dims, mask=leaving, other=0.0).to(tl.float32)
-            value = tl.load(source + HKV * D + dims, mask=leaving, other=0.0).to(tl.float32)
-    if CENTER:
-        key -= tl.load(mean_ptr + head * D + dims, mask=within, other=0.0)
-        value -= tl.load(mean_ptr + (HKV + head) * D + dims, mask=within, other=0.0)
-    write = (token >= SINKS) & (token >= 0)  # a scalar
-    key_start = (tl.maximum(token, 0) % slots) * (2 * HKV * BPV) + head * BPV
-    k_norm, k_words = _encoded(key, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS,
-                               NORM_FIX)  # fmt: skip
-    v_norm, v_words = _encoded(value, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS,
-                               NORM_FIX)  # fmt: skip
-    _store_encoded(codes_ptr, norms_ptr, key_start, k_norm, k_words, write, DP, BITS)
-    _store_encoded(codes_ptr, norms_ptr, key_start + HKV * BPV, v_norm, v_words, write, DP, BITS)
+            token = pos - RECENT
+            leaving = within & _spread(token >= 0, dims)
+            if RING8:
+                slot_out = tl.maximum(token, 0) % RING
+                source = ring_ptr + slot_out * exact_stride + head * D
+                k_out_scale = tl.load(ring_scale_ptr + slot_out * 2 * HKV + head).to(tl.float32)
+                v_out_scale = tl.load(ring_scale_ptr + slot_out * 2 * HKV + HKV + head)
+                key = tl.load(source + dims, mask=leaving, other=0).to(tl.float32) * k_out_scale
+                value = tl.load(source + HKV * D + dims, mask=leaving, other=0).to(tl.float32)
+                value *= v_out_scale.to(tl.float32)
+            else:
+                source = exact_ptr + (SINKS + tl.maximum(token, 0) % RING) * exact_stride + head * D
+                key = tl.load(source + dims, mask=leaving, other=0.0).to(tl.float32)
+                value = tl.load(source + HKV * D + dims, mask=leaving, other=0.0).to(tl.float32)
+        if CENTER:
+            key -= tl.load(mean_ptr + head * D + dims, mask=within, other=0.0)
+            value -= tl.load(mean_ptr + (HKV + head) * D + dims, mask=within, other=0.0)
+        write = (token >= SINKS) & (token >= 0)  # a scalar
+        key_start = (tl.maximum(token, 0) % slots) * (2 * HKV * BPV) + head * BPV
+        k_norm, k_words = _encoded(key, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS,
+                                   NORM_FIX)  # fmt: skip
+        v_norm, v_words = _encoded(value, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS,
+                                   NORM_FIX)  # fmt: skip
+        _store_encoded(codes_ptr, norms_ptr, key_start, k_norm, k_words, write, DP, BITS)
+        _store_encoded(
+            codes_ptr, norms_ptr, key_start + HKV * BPV, v_norm, v_words, write, DP, BITS
+        )
 
-    # the new row among the exact ones (into the slot the leaving row was read from)
-    if EP > 0:
-        tl.debug_barrier()
-        if RING8:  # a sink at 16 bits, else into the ring at int8
-            sink = within & _spread(pos < SINKS, dims)
-            sink_slot = tl.where(pos < SINKS, pos, 0)
-            target = exact_ptr + sink_slot * exact_stride + head * D + dims
-            tl.store(target, k_new.to(exact_ptr.dtype.element_ty), mask=sink)
-            tl.store(target + HKV * D, v_new.to(exact_ptr.dtype.element_ty), mask=sink)
-            into_ring = pos >= SINKS
-            slot_in = pos % RING
-            target = ring_ptr + slot_in * exact_stride + head * D + dims
-            kept = within & _spread(into_ring, dims)
-            k_codes, k_scale16 = _int8_row(k_new, within)
-            v_codes, v_scale16 = _int8_row(v_new, within)
-            tl.store(target, k_codes, mask=kept)
-            tl.store(target + HKV * D, v_codes, mask=kept)
-            tl.store(ring_scale_ptr + slot_in * 2 * HKV + head, k_scale16, mask=into_ring)
-            tl.store(ring_scale_ptr + slot_in * 2 * HKV + HKV + head, v_scale16, mask=into_ring)
-        else:
-            into = tl.where(pos < SINKS, pos, SINKS + pos % RING)
-            kept = within & _spread((pos < SINKS) | (RECENT > 0), dims)
-            target = exact_ptr + into * exact_stride + head * D + dims
-            tl.store(target, k_new.to(exact_ptr.dtype.element_ty), mask=kept)
-            tl.store(target + HKV * D, v_new.to(exact_ptr.dtype.element_ty), mask=kept)
+        # the new row among the exact ones: a sink, or the ring slot of a row already coded
+        if EP > 0:
+            if RING8:  # a sink at 16 bits, else into the ring at int8
+                sink = within & _spread(pos < SINKS, dims)
+                sink_slot = tl.where(pos < SINKS, pos, 0)
+                target = exact_ptr + sink_slot * exact_stride + head * D + dims
+                tl.store(target, k_new.to(exact_ptr.dtype.element_ty), mask=sink)
+                tl.store(target + HKV * D, v_new.to(exact_ptr.dtype.element_ty), mask=sink)
+                into_ring = pos >= SINKS
+                slot_in = pos % RING
+                target = ring_ptr + slot_in * exact_stride + head * D + dims
+                kept = within & _spread(into_ring, dims)
+                k_codes, k_scale16 = _int8_row(k_new, within)
+                v_codes, v_scale16 = _int8_row(v_new, within)
+                tl.store(target, k_codes, mask=kept)
+                tl.store(target + HKV * D, v_codes, mask=kept)
+                tl.store(ring_scale_ptr + slot_in * 2 * HKV + head, k_scale16, mask=into_ring)
+                tl.store(ring_scale_ptr + slot_in * 2 * HKV + HKV + head, v_scale16, mask=into_ring)
+            else:
+                into = tl.where(pos < SINKS, pos, SINKS + pos % RING)
+                kept = within & _spread((pos < SINKS) | (RECENT > 0), dims)
+                target = exact_ptr + into * exact_stride + head * D + dims
+                tl.store(target, k_new.to(exact_ptr.dtype.element_ty), mask=kept)
+                tl.store(target + HKV * D, v_new.to(exact_ptr.dtype.element_ty), mask=kept)
 
 
 @triton.jit
@@ -633,8 +643,8 @@ def _exact_chunk(
     present = tl.where(
         e < SINKS,
         e < pos,
-        (ring >= 0) & (ring < RECENT) & (ring <= pos - 1) & (latest >= SINKS)
-        & (latest >= pos - keep),
+        (ring >= 0) & (ring < RING) & (ring <= pos - 1) & (latest >= pos - RECENT)
+        & (latest >= SINKS) & (latest >= pos - keep),
     )  # fmt: skip
     stride = 2 * HKV * D
     loaded = present[:, None] & within[None, :]
@@ -849,7 +859,7 @@ def attention(
         num_warps=PARTIAL_WARPS,
     )
     out = torch.empty((heads, dim), dtype=q.dtype, device=q.device)
-    _attention_combine[(kv_heads,)](
+    _attention_combine[(kv_heads, 2)](
         q,
         tables.rotation,
         tables.boundaries,

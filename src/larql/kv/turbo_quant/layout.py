@@ -10,3 +10,11 @@ def token_vectors(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """k, v: [Hkv, S, D] → [S·2·Hkv, D], token by token in the store's order."""
     heads, s, dim = k.shape
     return torch.stack((k, v)).permute(2, 0, 1, 3).reshape(s * 2 * heads, dim)
+
+
+def ring_slots(recent: int) -> int:
+    """Slots of the ring holding a layer's `recent` newest rows: one more than the rows, so
+    the new row goes into the slot of a row already coded (token t in slot t mod (recent + 1))
+    while the row leaving the ring is still read — the kernels' combine launch encodes the
+    leaving row and attends the ring in programs of their own, which run at once."""
+    return recent + 1 if recent else 1
