@@ -39,6 +39,8 @@ class RopeTable:
         self.sin = self.cos
         # the last multi-row slice at its own length (every layer of a forward asks for it)
         self._block: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
+        # the last batched step's rows, by positions (every layer of the step asks for them)
+        self._rows: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
 
     def _grow(self, n: int) -> None:
         size = max(_MIN_TABLE, self.cos.shape[0] * 2)
@@ -76,10 +78,14 @@ class RopeTable:
     def rows(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin for one-row calls at each of `positions` (the rows of a batched decode
         step, each its own sequence): [len(positions), rotary_dim] each."""
+        key = tuple(positions)
+        if self._rows is not None and self._rows[0] == key:
+            return self._rows[1], self._rows[2]
         if max(positions) >= self.cos.shape[0]:
             self._grow(max(positions) + 1)
         index = torch.tensor(positions, device=self.cos.device)
-        return self.cos[index], self.sin[index]
+        self._rows = (key, self.cos[index], self.sin[index])
+        return self._rows[1], self._rows[2]
 
     def _at_length(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions start..end−1, all rotated at sequence length `end`: [end−start, rotary_dim]."""

@@ -51,6 +51,8 @@ class KvBuffer:
 
     def clip(self) -> None:
         """Drop the oldest rows beyond `keep`."""
+        if self.keep is None:  # (every layer of every session's step calls this)
+            return
         self._k.clip()
         self._v.clip()
 
