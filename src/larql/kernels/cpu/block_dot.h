@@ -185,6 +185,23 @@ inline float row_dot(Format f, const uint8_t* row, int64_t blocks, const float* 
 }
 
 
+// Weight rows are read once per call, from memory: the hardware's prefetch alone left a one-row
+// product of SmolLM2's layers 3× slower than with its weights in cache (12.8 against 4.3 ms on
+// a 2-core Xeon). Each thread asks for the row kPrefetchRows ahead of the one it computes.
+constexpr int64_t kPrefetchRows = 8;
+
+inline void prefetch_row(const uint8_t* rows, int64_t row_bytes, int64_t r, int64_t end) {
+#if LARQL_AVX2
+  if (r >= end) return;
+  const char* row = reinterpret_cast<const char*>(rows + r * row_bytes);
+  for (int64_t offset = 0; offset < row_bytes; offset += 64) {
+    _mm_prefetch(row + offset, _MM_HINT_T0);
+  }
+#else
+  (void)rows, (void)row_bytes, (void)r, (void)end;
+#endif
+}
+
 // out[r] = Σ_k W[r, k] · x[k] for the n rows of `rows` (row_bytes each), split over torch's
 // intra-op threads; x float32 [k], k a multiple of 32.
 inline void gemv(Format f, const uint8_t* rows, int64_t row_bytes, int64_t n, const float* x,
@@ -194,6 +211,7 @@ inline void gemv(Format f, const uint8_t* rows, int64_t row_bytes, int64_t n, co
   block_sums(x, k, sums.data());
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
+      prefetch_row(rows, row_bytes, r + kPrefetchRows, end);
       out[r] = row_dot(f, rows + r * row_bytes, blocks, x, sums.data());
     }
   });
@@ -476,6 +494,7 @@ void gemm_codes(Format f, const uint8_t* rows, int64_t row_bytes, int64_t n, con
     }
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
+        prefetch_row(rows, row_bytes, r + kPrefetchRows, end);
         for (size_t t = 0; t < tiles.size(); ++t) {
           rows_dot_int16_tile(f, rows + r * row_bytes, blocks, tiles[t], out + t * 8 * n + r, n);
         }
@@ -486,6 +505,7 @@ void gemm_codes(Format f, const uint8_t* rows, int64_t row_bytes, int64_t n, con
 #endif
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
+      prefetch_row(rows, row_bytes, r + kPrefetchRows, end);
       const uint8_t* row = rows + r * row_bytes;
       for (int64_t m = 0; m < m_rows; ++m) {
         out[m * n + r] = row_dot_codes<Code>(f, row, blocks, ins[m]);
@@ -509,6 +529,7 @@ inline void gemm_float(Format f, const uint8_t* rows, int64_t row_bytes, int64_t
   const int64_t grain = std::max<int64_t>(8, 64 / m_rows);
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
+      prefetch_row(rows, row_bytes, r + kPrefetchRows, end);
       for (int64_t m = 0; m < m_rows; ++m) {
         out[m * n + r] = row_dot(f, rows + r * row_bytes, blocks, x + m * k, sums.data() + m * blocks);
       }
