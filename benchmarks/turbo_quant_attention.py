@@ -50,6 +50,14 @@ def main() -> None:
         default="",
         help="more turbo launch shapes to time, min_splits:max_splits:block:warps, comma-separated",
     )
+    parser.add_argument(
+        "--sessions",
+        type=int,
+        default=0,
+        help="instead: time one batched launch over this many sessions (each its own store of "
+        "the depth), at every split count in --splits",
+    )
+    parser.add_argument("--splits", default="1,2,4,8,16,32")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -65,6 +73,10 @@ def main() -> None:
     codec = TurboQuantCodec(d, args.bits, norm_correction=args.levers)
     tables = kernels.CodecTables.of(codec, torch.device("cuda"))
     defaults = (kernels.MIN_SPLITS, kernels.MAX_SPLITS, kernels.BLOCK_N, kernels.PARTIAL_WARPS)
+    if args.sessions:
+        for depth in (int(x) for x in args.depths.split(",")):
+            time_sessions(kernels, tables, args, depth)
+        return
     for depth in (int(x) for x in args.depths.split(",")):
         kw = {"device": "cuda", "dtype": torch.bfloat16}
         capacity = 1 << (depth - 1).bit_length()
@@ -121,7 +133,8 @@ def main() -> None:
                 variants.append(("_gather", replace(tables, lookups={})))
             for variant, run_tables in variants:
                 time_turbo(kernels, row, f"turbo_{low}_{high}_{block}_{warps}{variant}", depth,
-                           (q, k_new, v_new, copy, pos, run_tables, scale, 0.0, workspace, levers),
+                           (q, k_new, v_new, copy, pos, run_tables, scale, 0.0, workspace, levers,
+                            kernels.single_meta(copy)),
                            code_bytes)  # fmt: skip
         print(json.dumps(row), flush=True)
 
@@ -149,6 +162,67 @@ def time_turbo(kernels, row: dict, key: str, depth: int, call: tuple, code_bytes
     row[f"{key}_us"] = round(us, 2)
     row[f"{key}_partial_us"] = round(partial_us, 2)
     row[f"{key}_GBs"] = round(bandwidth(code_bytes, us), 1)
+
+
+def time_sessions(kernels, tables, args, depth: int) -> None:
+    """One batched launch (`kernels.batched_attention`) over `args.sessions` sessions at
+    `depth`, each with its own store (copies of one), at every split count in `args.splits`;
+    with the registers and shared memory of the partial launch's compiled kernel."""
+    from triton.testing import do_bench_cudagraph
+
+    hq, hkv, d, b = args.heads, args.kv_heads, args.dim, args.sessions
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    capacity = 1 << (depth - 1).bit_length()
+    keys, values = torch.randn(2, hkv, capacity, d, **kw)
+    vectors = torch.stack((keys, values)).permute(2, 0, 1, 3).reshape(-1, d)
+    one = kernels.encode(vectors, tables).view(capacity, -1)  # [C, row_bytes]
+    del keys, values, vectors
+    anchor = torch.zeros(16, dtype=torch.uint8, device="cuda")
+    operands = kernels.Operands.anchored(anchor, torch.bfloat16)
+    stores, rows = [], []
+    for _ in range(b):
+        store = one.clone()
+        levers = kernels.Levers.none(hkv, tables, store.device)
+        levers = replace(levers, exact=levers.exact.to(torch.bfloat16))
+        stores.append((store, levers))
+        rows.append(operands.offsets(store, levers))
+    meta = torch.tensor(rows, device="cuda")
+    positions = torch.full((b,), depth, device="cuda")
+    q = torch.randn(b, hq, d, **kw)
+    k_new, v_new = torch.randn(2, b, hkv, d, **kw)
+    workspace = kernels.Workspace.of(hq, hkv, tables, q.device, b)
+    template = stores[0][1]
+    state_bytes = b * depth * one.shape[1]
+    compiled = {}
+    launcher = kernels._attention_partial
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                compiled["partial"] = launcher[grid](*a, **k)
+                return compiled["partial"]
+
+            return launch
+
+    for n in (int(x) for x in args.splits.split(",")):
+
+        def run(n=n):
+            return kernels.batched_attention(q, k_new, v_new, operands, meta, positions,
+                                             capacity, tables, d**-0.5, 0.0, workspace,
+                                             template, n)  # fmt: skip
+
+        kernels._attention_partial = Recording()
+        try:
+            run()
+        finally:
+            kernels._attention_partial = launcher
+        kernel = compiled["partial"]
+        us = do_bench_cudagraph(run, rep=200) * 1e3
+        row = {"depth": depth, "sessions": b, "splits": n, "us": round(us, 1),
+               "us_per_session": round(us / b, 2), "GBs": round(bandwidth(state_bytes, us), 1),
+               "regs": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None),
+               "shared": getattr(getattr(kernel, "metadata", None), "shared", None)}  # fmt: skip
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

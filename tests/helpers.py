@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import larql.kernels
+from larql.inference.batching import decode_batch
 from larql.inference.engine import KvEngine
 from larql.inference.ffn import DenseFfn
 from larql.inference.forward import run_layers
@@ -101,3 +102,30 @@ def forget_package(top: str) -> None:
     (two tests install one plugin package from two places)."""
     for name in [m for m in sys.modules if m.split(".")[0] == top]:
         del sys.modules[name]
+
+
+def greedy_streams(
+    model: Model, engines: list, prompts: list[str], steps: int, batched: bool
+) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy steps of every engine after its prompt, all in one batched step each time
+    (`decode_batch`) or one engine after another → (tokens per engine, logits [steps, B, V])."""
+    ffn = DenseFfn(model)
+    with torch.inference_mode():
+        last = []
+        for engine, prompt in zip(engines, prompts, strict=True):
+            hidden = engine.prefill(model, ffn, model.tokenizer.encode(prompt))
+            last.append(int(final_logits(model, hidden[-1:]).argmax()))
+        tokens = [[t] for t in last]
+        logits = []
+        for _ in range(steps):
+            if batched:
+                hidden = decode_batch(engines, model, ffn, last)
+            else:
+                pairs = zip(engines, last, strict=True)
+                hidden = torch.cat([e.decode_step(model, ffn, t) for e, t in pairs])
+            step_logits = final_logits(model, hidden)  # [B, V]
+            logits.append(step_logits)
+            last = step_logits.argmax(-1).tolist()
+            for stream, token in zip(tokens, last, strict=True):
+                stream.append(token)
+    return tokens, torch.stack(logits)

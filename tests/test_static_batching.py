@@ -10,10 +10,9 @@ import pytest
 import torch
 
 import larql.kv.standard.static as static_module
-from helpers import kernel_module, model_for_kernels
-from larql.inference.batching import batch_groups, decode_batch
+from helpers import greedy_streams, kernel_module, model_for_kernels
+from larql.inference.batching import batch_groups
 from larql.inference.ffn import DenseFfn
-from larql.inference.layer import final_logits
 from larql.kv.captured_step import next_power_of_two
 from larql.kv.standard import StandardEngine
 from larql.kv.standard.static_batch import bucket
@@ -25,28 +24,7 @@ PROMPTS = ["The capital of France is", "Alice put the red ball in the box, and B
 def _decode(
     model: Model, engines: list[StandardEngine], steps: int, batched: bool
 ) -> tuple[list[list[int]], torch.Tensor]:
-    """Greedy steps of every engine after its prompt → (tokens per engine, logits
-    [steps, B, V])."""
-    ffn = DenseFfn(model)
-    with torch.inference_mode():
-        last = []
-        for engine, prompt in zip(engines, PROMPTS, strict=True):
-            hidden = engine.prefill(model, ffn, model.tokenizer.encode(prompt))
-            last.append(int(final_logits(model, hidden[-1:]).argmax()))
-        tokens = [[t] for t in last]
-        logits = []
-        for _ in range(steps):
-            if batched:
-                hidden = decode_batch(engines, model, ffn, last)
-            else:
-                pairs = zip(engines, last, strict=True)
-                hidden = torch.cat([e.decode_step(model, ffn, t) for e, t in pairs])
-            step_logits = final_logits(model, hidden)  # [B, V]
-            logits.append(step_logits)
-            last = step_logits.argmax(-1).tolist()
-            for stream, token in zip(tokens, last, strict=True):
-                stream.append(token)
-    return tokens, torch.stack(logits)
+    return greedy_streams(model, engines, PROMPTS, steps, batched)
 
 
 def _static_engines(window: int | None = None) -> list[StandardEngine]:

@@ -52,6 +52,7 @@ from larql.inference.layer import (
 )
 from larql.inference.memory import MemoryBreakdown
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
+from larql.kv.turbo_quant.kernel_batch import BatchedKernelStep
 from larql.kv.turbo_quant.kernel_path import KernelPath
 from larql.kv.turbo_quant.rotation import rotation_matrix
 from larql.kv.turbo_quant.store import KvLayout, QuantisedLayer, rotate
@@ -246,8 +247,11 @@ class TurboQuantEngine(KvEngine):
     # ------------------------------------------------------------------ batched decode
 
     def batch_key(self) -> Hashable | None:
-        """Torch-path engines of one configuration batch (the CUDA kernel path steps alone)."""
-        if self._fast is not None or self._layers is None:
+        """Engines of one configuration and path batch: the torch-path ones together, the
+        kernel-path ones together (graph or eager)."""
+        if self._fast is not None:
+            return (type(self), "kernels", self.config(), self._fast.use_graph)
+        if self._layers is None:
             return None
         return (type(self), self.config(), self.rotated_attention, self._codec_factory is None)
 
@@ -255,8 +259,16 @@ class TurboQuantEngine(KvEngine):
     def _step_batch(
         cls, engines: Sequence[Engine], model: Model, ffn: FfnBackend, rows: torch.Tensor
     ) -> torch.Tensor:
-        """rows: [B, H] → [B, H]: projections and FFN once for all rows, each row attending
+        """rows: [B, H] → [B, H]: projections and FFN once for all rows. Kernel-path engines:
+        `BatchedKernelStep` (each layer's attention and encoding in two launches for every
+        session; on CUDA a captured graph per batch size). Torch-path ones: each row attending
         over its own engine's stored rows; each engine then stores its new row."""
+        paths = [e._fast for e in engines if isinstance(e, TurboQuantEngine)]
+        if paths and all(path is not None for path in paths):
+            kernel_paths = [path for path in paths if path is not None]
+            step = BatchedKernelStep.of(model, engines[0].batch_key(), kernel_paths[0])
+            positions = [e.position for e in engines]
+            return step.step(model, ffn, kernel_paths, positions, rows)
         batch = [e for e in engines if isinstance(e, TurboQuantEngine) and e._layers is not None]
         assert len(batch) == len(engines), "batch_key groups only torch-path engines"
         rotation = batch[0]._rotation(model.device)

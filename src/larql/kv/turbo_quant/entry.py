@@ -78,6 +78,7 @@ ENTRY = EngineEntry(
         use_graph=bool(p["graph"]),
     ),
     fixed={"tq4": {"bits": 4}, "tq3": {"bits": 3}, "tq2": {"bits": 2}},
-    batching="yes: with turbo-quant sessions of the same parameters, on the torch path (the "
-    "CUDA kernel path steps alone)",
+    batching="yes: with turbo-quant sessions of the same parameters and path; on CUDA the "
+    "kernel path runs every session's attention in each layer's two launches and replays one "
+    "captured graph per batch size",
 )

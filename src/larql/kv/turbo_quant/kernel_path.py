@@ -17,12 +17,15 @@ The step reads its token and position from device tensors (`StepInputs`), so `ke
 attends over what the position says is held and moves the row leaving the exact ones into the codes
 inside the graph: no host sync, no allocation, one replay per token. The bytes held are those
 rows', as on the torch path; the slots not yet filled are the growth reserve.
+Sessions of one configuration also decode together (`kernel_batch.BatchedKernelStep`): the same
+launches over every session's state, found by offsets (`batch_meta`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -47,6 +50,9 @@ from larql.kv.turbo_quant.layout import ring_slots, token_vectors
 from larql.kv.turbo_quant.recent import int8_decode, int8_encode
 from larql.kv.turbo_quant.store import KvLayout, exact_dtype, rotate
 from larql.models.model import Model
+
+if TYPE_CHECKING:  # the kernels import Triton: only where they run
+    from larql.kv.turbo_quant.kernels import CodecTables, Operands
 
 
 class CodeSlots:
@@ -131,6 +137,7 @@ class KernelPath:
         codec = layout.k_codec
         assert isinstance(codec, TurboQuantCodec)
         self._kernels = kernels
+        self.kv_layout, self.keeps = layout, keeps
         self._tables = kernels.CodecTables.of(codec, model.device)
         self._center = layout.center
         self._ring8 = layout.recent_bits == 8
@@ -149,6 +156,9 @@ class KernelPath:
             self._levers(where, cfg.num_kv_heads, cfg.head_dim, exact, model.device)
             for where in self.layouts
         ]
+        # each layer's launch `meta` (its tensors' own: offsets 0, and the store's slots)
+        self._metas = [kernels.single_meta(slots.data) for slots in self.layers]
+        self._batch_rows: tuple[Operands, torch.Tensor] | None = None  # (`batch_meta`'s cache)
         self._inputs = StepInputs(model.device)
         self._graph = CapturedStep()
         self._use_graph = use_graph and not profiler.enabled  # the graph has no stages
@@ -172,6 +182,35 @@ class KernelPath:
     @property
     def captured(self) -> bool:
         return self._graph.captured
+
+    @property
+    def use_graph(self) -> bool:
+        return self._use_graph
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def tables(self) -> CodecTables:
+        """The codec's tables on the device."""
+        return self._tables
+
+    def batch_meta(self, operands: Operands) -> torch.Tensor:
+        """Every layer's row of a batched launch's `meta` reaching this session's state from
+        `operands`: int64 [L, META] on the host, kept until the store is reallocated."""
+        if self._batch_rows is None or self._batch_rows[0] is not operands:
+            rows = [
+                operands.offsets(slots.data, levers)
+                for slots, levers in zip(self.layers, self.levers, strict=True)
+            ]
+            self._batch_rows = (operands, torch.tensor(rows, dtype=torch.long))
+        return self._batch_rows[1]
+
+    def ensure_room(self, model: Model, position: int) -> None:
+        """Room in every store for the token at `position` (a full layer's doubles)."""
+        if position >= self._capacity:
+            self._reserve(model, self._capacity * 2)
 
     def memory(self) -> MemoryBreakdown:
         live = reserved = 0
@@ -266,8 +305,7 @@ class KernelPath:
     ) -> torch.Tensor:
         """The token `token_id` (or the residual row `hidden` [1, H]) at `position` through every
         layer, its K/V stored. → hidden [1, H]"""
-        if position >= self._capacity:
-            self._reserve(model, self._capacity * 2)
+        self.ensure_room(model, position)
         self._inputs.set(token_id, position)
         preserve = [s.data for s in self.layers] + [lv.exact for lv in self.levers]
         preserve += [t for lv in self.levers for t in (lv.ring, lv.ring_scales) if t is not None]
@@ -306,6 +344,7 @@ class KernelPath:
                     softcap,
                     self._workspace,
                     self.levers[layer],
+                    self._metas[layer],
                 )  # [Hq, 1, D]; the state now holds the new row
                 h = attention_output(model, layer, h, attn.reshape(1, cfg.q_dim))
             with stage("ffn", device):
@@ -335,8 +374,10 @@ class KernelPath:
         )
 
     def _reserve(self, model: Model, capacity: int) -> None:
-        for slots in self.layers:
+        for slots, meta in zip(self.layers, self._metas, strict=True):
             slots.reserve(capacity)
+            meta.copy_(self._kernels.single_meta(slots.data))
+        self._batch_rows = None
         reserve_rope(model, capacity)
         self._capacity = capacity
         self._graph.invalidate()

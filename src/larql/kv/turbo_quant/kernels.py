@@ -23,6 +23,12 @@ the bytes. Here:
   H200 the combine went from 11.3 to 8.9 µs a layer at depth 32,000).
 - `_encode`: the same encoding for many vectors at once (a prompt's K/V), one program each.
 
+Both step launches serve B sessions at once (`batched_attention`; `attention` is B = 1 over one
+session's own tensors): a program per (K/V head, split or role, session), session b's state
+reached from the launch's base pointers (`Operands`) by the offsets in row b of its `meta`, with
+its own position and store size. One captured graph then serves any set of sessions — their
+offsets change, not the addresses the graph was captured with.
+
 The levers (`Levers`, per layer) are the torch path's `QuantisedLayer` layout: token t < sinks
 is exact in slot t of the exact rows; the newest `recent` tokens before the query are exact in
 slot sinks + t mod ring_slots(recent); the tokens between are codes. With centering the codes
@@ -72,6 +78,7 @@ STAGES = 3  # the block loop's software pipeline depth
 MIN_SPLITS = 16
 MAX_SPLITS = 64
 _BLOCKS_PER_PROGRAM = 8  # the split count aims at this many blocks per program
+BATCH_PROGRAMS = 1024  # a batched launch's programs, about (`batch_splits`)
 COMBINE_WARPS = 8
 PARTIAL_WARPS = 4
 _MIN_DOT = 16  # tl.dot needs every dimension ≥ 16
@@ -83,6 +90,14 @@ CONSTRAINTS = tl.constexpr(",".join(["=r"] * LOOKUP_PACK + ["r"] * (LOOKUP_PACK 
 PACK = tl.constexpr(LOOKUP_PACK)
 NORM = tl.constexpr(NORM_BYTES)  # a kernel reads module globals only as constexprs
 ZERO_NORM = tl.constexpr(1e-12)  # the codec's: a smaller norm encodes the zero vector
+# A launch attends for B sessions: row b of its `meta` [B, META] int64 says where session b's
+# state starts, in elements from each base pointer the launch is given (`Operands`), and how
+# many slots its store has
+AT_CODES, AT_EXACT, AT_RING, AT_RING_SCALES, AT_MEAN, AT_MEAN_ROTATED, AT_SLOTS = (
+    tl.constexpr(column) for column in range(7)
+)
+META = tl.constexpr(7)
+CODES_ALIGNMENT = 16  # bytes: a session's store starts this aligned from the codes base
 
 
 def supports(codec: TurboQuantCodec) -> bool:
@@ -182,19 +197,21 @@ class Levers:
 @dataclass(frozen=True)
 class Workspace:
     """The splits' partial softmax state, reused by every layer's launches (they run in stream
-    order; a launch uses the first `splits(slots)`): m, l [Hkv, MAX_SPLITS, GP],
-    acc [Hkv, MAX_SPLITS, GP, D'] float32."""
+    order; a launch uses the first `splits(slots)`): m, l [B·Hkv, MAX_SPLITS, GP],
+    acc [B·Hkv, MAX_SPLITS, GP, D'] float32 for launches of up to B sessions."""
 
     m: torch.Tensor
     l_sum: torch.Tensor
     acc: torch.Tensor
 
     @staticmethod
-    def of(heads: int, kv_heads: int, tables: CodecTables, device: torch.device) -> Workspace:
+    def of(
+        heads: int, kv_heads: int, tables: CodecTables, device: torch.device, sessions: int = 1
+    ) -> Workspace:
         gp = _group_rows(heads // kv_heads)
         f32 = {"dtype": torch.float32, "device": device}
-        m = torch.empty((kv_heads, MAX_SPLITS, gp), **f32)
-        acc = torch.empty((kv_heads, MAX_SPLITS, gp, tables.rotated_dim), **f32)
+        m = torch.empty((sessions * kv_heads, MAX_SPLITS, gp), **f32)
+        acc = torch.empty((sessions * kv_heads, MAX_SPLITS, gp, tables.rotated_dim), **f32)
         return Workspace(m=m, l_sum=torch.empty_like(m), acc=acc)
 
 
@@ -263,6 +280,17 @@ def _rotated_half(
 
 
 @triton.jit
+def _session_store(codes_ptr, norms_ptr, state, pos_ptr, session):
+    """A session's store (its codes and their float32 view), its slots and its new token's
+    position, from its `meta` row `state`. The slots and position as 32-bit integers: 64-bit
+    index arithmetic costs a division subroutine per slot (`launch_indices_fit`)."""
+    codes_at = tl.multiple_of(tl.load(state + AT_CODES), 16)
+    slots = tl.load(state + AT_SLOTS).to(tl.int32)
+    pos = tl.load(pos_ptr + session).to(tl.int32)
+    return codes_ptr + codes_at, norms_ptr + codes_at // 4, slots, pos
+
+
+@triton.jit
 def _attention_partial(
     q_ptr,  # [Hq, D] model dtype
     rot_ptr,  # [DP, DP] float32
@@ -270,11 +298,11 @@ def _attention_partial(
     norms_ptr,  # float32 view of the same bytes
     centroids_ptr,  # [2^BITS] float32
     mean_rot_ptr,  # [2, HKV, DP] float32: the layer's mean K and V rows, rotated
-    pos_ptr,  # [1] int64: the new token's position
-    m_ptr,  # [Hkv, NS, GP] float32
+    meta_ptr,  # [B, META] int64: each session's offsets from the pointers above, its slots
+    pos_ptr,  # [B] int64: each session's new token's position
+    m_ptr,  # [B·Hkv, NS, GP] float32
     l_ptr,
-    acc_ptr,  # [Hkv, NS, GP, DP] float32
-    slots,
+    acc_ptr,  # [B·Hkv, NS, GP, DP] float32
     keep,  # rows before its own a query sees
     scale,
     softcap,
@@ -309,11 +337,15 @@ def _attention_partial(
     Other widths read one byte per coordinate."""
     head = tl.program_id(0)
     split = tl.program_id(1)
+    session = tl.program_id(2)
+    pair = session * HKV + head  # the workspace's (session, K/V head)
+    state = meta_ptr + session * META
+    codes_ptr, norms_ptr, slots, pos = _session_store(codes_ptr, norms_ptr, state, pos_ptr, session)
+    mean_rot_ptr += tl.load(state + AT_MEAN_ROTATED)
+    q_ptr += session * (HKV * G * D)
     rows = tl.arange(0, GP)
     dims = tl.arange(0, DP)
     lanes = tl.arange(0, DP // 2)
-    # 32-bit indices: 64-bit ones cost a division subroutine per slot (`launch_indices_fit`)
-    pos = tl.load(pos_ptr).to(tl.int32)
     end_coded = tl.maximum(pos - RECENT, 0)  # the codes are tokens [first_coded, end_coded)
     first_coded = tl.maximum(pos - keep, SINKS)
     filled = tl.minimum(end_coded, slots)  # slots written so far
@@ -384,7 +416,7 @@ def _attention_partial(
         if CENTER:  # Σ p·(ṽ + μ_V) = acc + l·μ_V
             acc_even += l_i[:, None] * tl.load(mean_rot_ptr + (HKV + head) * DP + 2 * lanes)
             acc_odd += l_i[:, None] * tl.load(mean_rot_ptr + (HKV + head) * DP + 2 * lanes + 1)
-        stat = (head * NS + split) * GP + rows
+        stat = (pair * NS + split) * GP + rows
         tl.store(m_ptr + stat, m_i)
         tl.store(l_ptr + stat, l_i)
         tl.store(acc_ptr + stat[:, None] * DP + (2 * lanes)[None, :], acc_even)
@@ -392,7 +424,7 @@ def _attention_partial(
     else:
         if CENTER:
             acc += l_i[:, None] * tl.load(mean_rot_ptr + (HKV + head) * DP + dims)[None, :]
-        store_split(m_ptr, l_ptr, acc_ptr, head * NS + split, rows, dims, m_i, l_i, acc, DP)
+        store_split(m_ptr, l_ptr, acc_ptr, pair * NS + split, rows, dims, m_i, l_i, acc, DP)
 
 
 @triton.jit
@@ -462,12 +494,12 @@ def _attention_combine(
     ring_ptr,  # RING8: int8 [RING, 2, Hkv, D], the ring of recent rows
     ring_scale_ptr,  # RING8: float16 [RING, 2, Hkv], their scales
     mean_ptr,  # [2, Hkv, D] float32
-    pos_ptr,  # [1] int64
+    meta_ptr,  # [B, META] int64: each session's offsets from the pointers above, its slots
+    pos_ptr,  # [B] int64
     m_ptr,
     l_ptr,
     acc_ptr,
-    out_ptr,  # [Hq, D] model dtype
-    slots,
+    out_ptr,  # [B, Hq, D] model dtype
     keep,
     scale,
     softcap,
@@ -491,11 +523,22 @@ def _attention_combine(
     RING8: tl.constexpr,  # the recent rows at int8 with a float16 scale per head vector
 ):
     head = tl.program_id(0)
+    role = tl.program_id(1)  # 0: the attention; 1: the rows moving between the parts
+    session = tl.program_id(2)
+    pair = session * HKV + head  # the workspace's (session, K/V head)
+    state = meta_ptr + session * META
+    codes_ptr, norms_ptr, slots, pos = _session_store(codes_ptr, norms_ptr, state, pos_ptr, session)
+    exact_ptr += tl.load(state + AT_EXACT)
+    ring_ptr += tl.load(state + AT_RING)
+    ring_scale_ptr += tl.load(state + AT_RING_SCALES)
+    mean_ptr += tl.load(state + AT_MEAN)
+    q_ptr += session * (HKV * G * D)
+    out_ptr += session * (HKV * G * D)
+    k_new_ptr += session * (HKV * D)
+    v_new_ptr += session * (HKV * D)
     rows = tl.arange(0, R)
     dims = tl.arange(0, DP)
     within = dims < D
-    pos = tl.load(pos_ptr).to(tl.int32)
-    role = tl.program_id(1)  # 0: the attention; 1: the rows moving between the parts
     rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
     k_new = tl.load(k_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
     v_new = tl.load(v_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
@@ -515,7 +558,7 @@ def _attention_combine(
                 softcap, SOFTCAP, HKV, D, SINKS, RECENT, RING, RING8, R,
             )  # fmt: skip  # [R, EC], −inf where absent
             top = tl.maximum(top, tl.max(s_exact, axis=1))
-        top = splits_max(m_ptr, head, rows, top, NS, GP)
+        top = splits_max(m_ptr, pair, rows, top, NS, GP)
         weight = tl.exp(s_new - top)
         total = weight
         plain = weight[:, None] * v_new[None, :]  # [R, DP], not rotated
@@ -534,7 +577,7 @@ def _attention_combine(
             plain += _product(p, values, R)
         rotated = tl.zeros([R, DP], tl.float32)
         total, rotated = merge_splits(
-            m_ptr, l_ptr, acc_ptr, head, rows, dims, top, total, rotated, NS, DP, GP
+            m_ptr, l_ptr, acc_ptr, pair, rows, dims, top, total, rotated, NS, DP, GP
         )
         # float32 products here: tf32 measured slower (10.1 → 14.0 µs at depth 32,000, H200)
         out = _product(rotated, rotation, R) + plain  # back: ·R
@@ -763,6 +806,16 @@ def splits(slots: int) -> int:
     return min(MAX_SPLITS, max(MIN_SPLITS, wanted))
 
 
+def batch_splits(slots: int, pairs: int) -> int:
+    """Programs per (session, K/V head) for a launch over `pairs` of them, stores of up to
+    `slots` slots: `splits(slots)` for one session; fewer as sessions add programs, down to
+    one, keeping about BATCH_PROGRAMS in all. The partial launch is bound by its instructions
+    once the GPU is full, and every split costs the combine a merge: on an H200, 130 sessions
+    at depth 32,000 (1B shape) took 2.53 ms a layer at 32 splits, 1.87 at 1 or 2."""
+    wanted = _next_power_of_two(max(1, -(-BATCH_PROGRAMS // pairs)))
+    return max(1, min(wanted, splits(slots)))
+
+
 def precision(dtype: torch.dtype) -> str:
     """The partial launch's query rotation (q·R, float32 operands): "ieee" for a float32 model;
     "tf32" (the tensor cores) for a 16-bit one, whose queries tf32 holds exactly (bf16 and fp16
@@ -772,11 +825,11 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def launch_indices_fit(codes: torch.Tensor) -> bool:
-    """The partial launch indexes the store with 32-bit integers: on an H200 the 64-bit
+def launch_indices_fit(slots: int, row_bytes: int) -> bool:
+    """The partial launch indexes a store with 32-bit integers: on an H200 the 64-bit
     index arithmetic (the position is an int64 tensor) compiled to a division subroutine per
     slot and made up a fifth of the loop's instructions."""
-    return codes.numel() < 2**31
+    return slots * row_bytes < 2**31
 
 
 def _combine_rows(group: int, dp: int, exact_chunk: int) -> int:
@@ -793,6 +846,52 @@ def _group_rows(group: int) -> int:
     return max(_MIN_DOT, _next_power_of_two(group))
 
 
+@dataclass(frozen=True)
+class Operands:
+    """The base tensors a launch's sessions find their state from (by the offsets in `meta`):
+    one session's own tensors (offsets 0), or views of one anchor for a batch."""
+
+    codes: torch.Tensor  # uint8: the store
+    exact: torch.Tensor  # 16-bit: the exact sink and recent rows
+    ring: torch.Tensor  # int8: the int8 recent rows (unread without them)
+    ring_scales: torch.Tensor  # float16: their scales (unread without them)
+    mean: torch.Tensor  # float32: the mean K and V rows
+    mean_rotated: torch.Tensor  # float32: the same, rotated
+
+    @staticmethod
+    def of(codes: torch.Tensor, levers: Levers) -> Operands:
+        """One session's own tensors."""
+        ring = levers.exact if levers.ring is None else levers.ring
+        scales = levers.exact if levers.ring_scales is None else levers.ring_scales
+        return Operands(codes, levers.exact, ring, scales, levers.mean, levers.mean_rotated)
+
+    @staticmethod
+    def anchored(anchor: torch.Tensor, exact_dtype: torch.dtype) -> Operands:
+        """Views of `anchor` (uint8, 16-byte aligned, ≥ 8 bytes) for every base: a batch's
+        sessions are reached by their offsets from it (`session_meta`)."""
+        f32 = anchor.view(torch.float32)
+        return Operands(anchor, anchor.view(exact_dtype), anchor.view(torch.int8),
+                        anchor.view(torch.float16), f32, f32)  # fmt: skip
+
+    def offsets(self, codes: torch.Tensor, levers: Levers) -> list[int]:
+        """A session's row of `meta`: its tensors' offsets from these bases, in elements (0 for
+        the int8 ring it does not have), and its slots."""
+        ring = [(self.ring, levers.ring), (self.ring_scales, levers.ring_scales)]
+        pairs = [(self.codes, codes), (self.exact, levers.exact), *ring, (self.mean, levers.mean),
+                 (self.mean_rotated, levers.mean_rotated)]  # fmt: skip
+        row = [0 if mine is None else _elements_from(base, mine) for base, mine in pairs]
+        assert row[0] % CODES_ALIGNMENT == 0, "a store must start 16-byte aligned"
+        return [*row, codes.shape[0]]
+
+
+def _elements_from(base: torch.Tensor, tensor: torch.Tensor) -> int:
+    """Elements of `tensor`'s dtype from base's first element to tensor's (same dtype)."""
+    assert base.dtype == tensor.dtype and base.device == tensor.device
+    gap = tensor.data_ptr() - base.data_ptr()
+    assert gap % tensor.element_size() == 0, "a state tensor not aligned to its element size"
+    return gap // tensor.element_size()
+
+
 def attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -804,47 +903,102 @@ def attention(
     softcap: float = 0.0,
     workspace: Workspace | None = None,
     levers: Levers | None = None,
+    meta: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step of one layer. q: [Hq, 1, D] attends over the coded rows in `codes`
     (uint8 [slots, row_bytes], contiguous; token t in slot t mod slots), the exact rows of
     `levers` and the exact new row k_new, v_new: [Hkv, 1, D]; then the row leaving the exact
     ones (without levers: the new row) is encoded into its slot and the new row kept exact.
-    position: [1] int64 on the device. → [Hq, 1, D] in q's dtype."""
+    position: [1] int64 on the device; meta: `single_meta(codes)` kept on the device (a
+    captured step reads it; None: made here). → [Hq, 1, D] in q's dtype."""
     heads, _, dim = q.shape
     kv_heads = k_new.shape[0]
-    slots = codes.shape[0]
-    group = heads // kv_heads
-    dp = tables.rotated_dim
-    assert codes.is_contiguous() and codes.shape[1] == 2 * kv_heads * tables.bytes_per_vector
-    if workspace is None:
-        workspace = Workspace.of(heads, kv_heads, tables, q.device)
     if levers is None:
         levers = Levers.none(kv_heads, tables, q.device)
-    shape = {"G": group, "GP": _group_rows(group), "D": dim, "DP": dp}
+    assert codes.is_contiguous() and codes.shape[1] == 2 * kv_heads * tables.bytes_per_vector
+    if meta is None:
+        meta = single_meta(codes)
+    out = batched_attention(
+        q.reshape(1, heads, dim),
+        k_new.reshape(1, kv_heads, dim),
+        v_new.reshape(1, kv_heads, dim),
+        Operands.of(codes, levers),
+        meta,
+        position,
+        codes.shape[0],
+        tables,
+        scale,
+        softcap,
+        workspace,
+        levers,
+    )
+    return out.view(heads, 1, dim)
+
+
+def single_meta(codes: torch.Tensor) -> torch.Tensor:
+    """The `meta` of a launch for one session given its own tensors: [1, META] int64."""
+    row = [0] * (META.value - 1) + [codes.shape[0]]
+    return torch.tensor([row], dtype=torch.long, device=codes.device)
+
+
+def batched_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    operands: Operands,
+    meta: torch.Tensor,
+    positions: torch.Tensor,
+    max_slots: int,
+    tables: CodecTables,
+    scale: float,
+    softcap: float = 0.0,
+    workspace: Workspace | None = None,
+    levers: Levers | None = None,
+    n_splits: int | None = None,
+) -> torch.Tensor:
+    """One decode step of one layer for B sessions: `attention` for each, session b's state
+    reached from `operands` by the offsets in meta[b] (and its store's slots there, each
+    ≤ max_slots, which fixes the launch's shape), its position positions[b]. q: [B, Hq, D],
+    k_new, v_new: [B, Hkv, D]; `levers`: the layer's (their tensors are not read here — the
+    operands are — but their counts and flags are every session's); `n_splits`: programs per
+    (session, K/V head), a power of two ≤ MAX_SPLITS (None: `splits(max_slots)`).
+    → [B, Hq, D]."""
+    batch, heads, dim = q.shape
+    kv_heads = k_new.shape[1]
+    group = heads // kv_heads
+    dp = tables.rotated_dim
+    assert operands.codes.is_contiguous()
+    if workspace is None:
+        workspace = Workspace.of(heads, kv_heads, tables, q.device, batch)
+    assert workspace.m.shape[0] >= batch * kv_heads, "a workspace too small for the batch"
+    if levers is None:
+        levers = Levers.none(kv_heads, tables, q.device)
+    shape = {"G": group, "GP": _group_rows(group), "D": dim, "DP": dp, "HKV": kv_heads}
     common = {"BPV": tables.bytes_per_vector, "BITS": tables.bits, "SOFTCAP": softcap > 0.0}
     constants = levers.constants()
-    q = q.reshape(heads, dim).contiguous()
-    assert launch_indices_fit(codes), "a store past 2 GiB needs 64-bit indices"
-    n_splits = splits(slots)
-    per_split = _next_power_of_two(max(1, -(-slots // (BLOCK_N * n_splits))))
-    _attention_partial[(kv_heads, n_splits)](
+    q = q.contiguous()
+    row_bytes = 2 * kv_heads * tables.bytes_per_vector
+    assert launch_indices_fit(max_slots, row_bytes), "a store past 2 GiB needs 64-bit indices"
+    n_splits = batch_splits(max_slots, batch * kv_heads) if n_splits is None else n_splits
+    per_split = _next_power_of_two(max(1, -(-max_slots // (BLOCK_N * n_splits))))
+    norms = operands.codes.view(torch.float32)
+    _attention_partial[(kv_heads, n_splits, batch)](
         q,
         tables.rotation,
-        codes,
-        codes.view(torch.float32),
+        operands.codes,
+        norms,
         tables.centroids,
-        levers.mean_rotated,
-        position,
+        operands.mean_rotated,
+        meta,
+        positions,
         workspace.m,
         workspace.l_sum,
         workspace.acc,
-        slots,
         levers.keep,
         scale,
         softcap,
         **shape,
         **common,
-        HKV=kv_heads,
         BLOCKS_PER_SPLIT=per_split,
         NS=n_splits,
         BLOCK=BLOCK_N,
@@ -858,26 +1012,26 @@ def attention(
         LOOKUP=tables.lookups.get(q.dtype, ""),
         num_warps=PARTIAL_WARPS,
     )
-    out = torch.empty((heads, dim), dtype=q.dtype, device=q.device)
-    _attention_combine[(kv_heads, 2)](
+    out = torch.empty((batch, heads, dim), dtype=q.dtype, device=q.device)
+    _attention_combine[(kv_heads, 2, batch)](
         q,
         tables.rotation,
         tables.boundaries,
         tables.centroids,
-        k_new.reshape(kv_heads, dim).contiguous(),
-        v_new.reshape(kv_heads, dim).contiguous(),
-        codes,
-        codes.view(torch.float32),
-        levers.exact,
-        levers.exact if levers.ring is None else levers.ring,
-        levers.exact if levers.ring_scales is None else levers.ring_scales,
-        levers.mean,
-        position,
+        k_new.contiguous(),
+        v_new.contiguous(),
+        operands.codes,
+        norms,
+        operands.exact,
+        operands.ring,
+        operands.ring_scales,
+        operands.mean,
+        meta,
+        positions,
         workspace.m,
         workspace.l_sum,
         workspace.acc,
         out,
-        slots,
         levers.keep,
         scale,
         softcap,
@@ -886,13 +1040,12 @@ def attention(
         **constants,
         R=_combine_rows(group, dp, constants["EC"]),
         NORM_FIX=tables.norm_correction,
-        HKV=kv_heads,
         NS=n_splits,
         # 8 warps: at Triton's default 4 this program spills registers and took 55 µs on an
         # H200 instead of 6.5 (docs/PERFORMANCE.md)
         num_warps=COMBINE_WARPS,
     )
-    return out.view(heads, 1, dim)
+    return out
 
 
 def encode(x: torch.Tensor, tables: CodecTables, mean: torch.Tensor | None = None) -> torch.Tensor:
