@@ -261,19 +261,32 @@ def test_fused_pieces_with_integer_input_are_the_integer_products(
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("rows", [1, 63, 130, 700])
-def test_decode_attention_is_grouped_softmax_attention(rows: int) -> None:
+@pytest.mark.parametrize(
+    ("rows", "heads", "kv_heads", "dim"),
+    [
+        (1, 9, 3, 64),
+        (63, 9, 3, 64),  # groups of 3: a pair of heads, then one, held in registers
+        (130, 9, 3, 64),
+        (700, 9, 3, 64),
+        (130, 8, 2, 128),  # the 128-wide heads one at a time
+        (130, 6, 2, 48),  # another width: the generic loops
+    ],
+)
+def test_decode_attention_is_grouped_softmax_attention(
+    rows: int, heads: int, kv_heads: int, dim: int
+) -> None:
     kernels = _kernels_or_skip()
     g = torch.Generator().manual_seed(rows)
     # token-major storage with spare capacity, handed out as [Hkv, T, D] views (as KvBuffer does)
-    keys = torch.randn(rows + 9, 3, 64, generator=g)[:rows].transpose(0, 1)
-    values = torch.randn(rows + 9, 3, 64, generator=g)[:rows].transpose(0, 1)
-    q = torch.randn(9, 1, 64, generator=g) * 2
+    keys = torch.randn(rows + 9, kv_heads, dim, generator=g)[:rows].transpose(0, 1)
+    values = torch.randn(rows + 9, kv_heads, dim, generator=g)[:rows].transpose(0, 1)
+    q = torch.randn(heads, 1, dim, generator=g) * 2
+    scale = dim**-0.5
     want = F.scaled_dot_product_attention(
-        q[None].double(), keys[None].double(), values[None].double(), scale=0.125, enable_gqa=True
-    )[0].reshape(1, -1)  # [1, 9 · 64]: one query, heads in order
-    got = kernels.decode_attention(q, keys, values, 0.125)
-    assert got.shape == (1, 9 * 64)
+        q[None].double(), keys[None].double(), values[None].double(), scale=scale, enable_gqa=True
+    )[0].reshape(1, -1)  # [1, Hq · D]: one query, heads in order
+    got = kernels.decode_attention(q, keys, values, scale)
+    assert got.shape == (1, heads * dim)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
 
 

@@ -55,6 +55,100 @@ inline void add_scaled(float* acc, const float* row, float w, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += w * row[i];
 }
 
+#if LARQL_AVX2
+// acc[hh][0 : 8V] += Σ_t w[hh][t] · row_t for H heads sharing the value rows row_t (V vectors of
+// 8 floats each), the H · V accumulators held in registers over the whole walk: each is the
+// same chain of multiply-adds in t order as `add_scaled` per token, without storing and
+// reloading the accumulators for every row.
+template <int V, int H>
+void accumulate_rows(float* const* acc, const float* const* w, const Rows& rows, int64_t head,
+                     int64_t first, int64_t n) {
+  __m256 sums[H][V];
+  for (int hh = 0; hh < H; ++hh) {
+    for (int i = 0; i < V; ++i) sums[hh][i] = _mm256_loadu_ps(acc[hh] + 8 * i);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const float* row = rows.at(head, first + t);
+    for (int hh = 0; hh < H; ++hh) {
+      const __m256 weight = _mm256_set1_ps(w[hh][t]);
+      for (int i = 0; i < V; ++i) {
+        sums[hh][i] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + 8 * i), sums[hh][i]);
+      }
+    }
+  }
+  for (int hh = 0; hh < H; ++hh) {
+    for (int i = 0; i < V; ++i) _mm256_storeu_ps(acc[hh] + 8 * i, sums[hh][i]);
+  }
+}
+
+// out[hh][t] = scale · q[hh] · row_t for H query heads sharing the key rows row_t, the queries
+// held in registers: each score is `dot`'s chain of multiply-adds and its horizontal sum.
+template <int V, int H>
+void score_rows(const float* const* q, const Rows& rows, int64_t head, int64_t first, int64_t n,
+                float scale, float* const* out) {
+  __m256 queries[H][V];
+  for (int hh = 0; hh < H; ++hh) {
+    for (int i = 0; i < V; ++i) queries[hh][i] = _mm256_loadu_ps(q[hh] + 8 * i);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const float* row = rows.at(head, first + t);
+    __m256 acc[H];
+    for (int hh = 0; hh < H; ++hh) acc[hh] = _mm256_setzero_ps();
+    for (int i = 0; i < V; ++i) {
+      const __m256 key = _mm256_loadu_ps(row + 8 * i);
+      for (int hh = 0; hh < H; ++hh) acc[hh] = _mm256_fmadd_ps(queries[hh][i], key, acc[hh]);
+    }
+    for (int hh = 0; hh < H; ++hh) out[hh][t] = scale * horizontal_sum(acc[hh]);
+  }
+}
+
+// The scores of one K/V head's `group` query heads against its rows (widths 64 and 128) →
+// false where another width takes `dot`.
+bool score_group(const float* qs, float* scores, int64_t per_chunk, const Rows& k, int64_t g,
+                 int64_t group, int64_t dim, int64_t first, int64_t n, float scale) {
+  if (dim != 64 && dim != 128) return false;
+  for (int64_t j = 0; j < group;) {
+    const int64_t h = g * group + j;
+    const float* q[2] = {qs + h * dim, qs + (h + 1) * dim};
+    float* out[2] = {scores + h * per_chunk, scores + (h + 1) * per_chunk};
+    if (dim == 128) {
+      score_rows<16, 1>(q, k, g, first, n, scale, out);
+      j += 1;
+    } else if (j + 1 < group) {
+      score_rows<8, 2>(q, k, g, first, n, scale, out);
+      j += 2;
+    } else {
+      score_rows<8, 1>(q, k, g, first, n, scale, out);
+      j += 1;
+    }
+  }
+  return true;
+}
+
+// The weighted value rows of one K/V head's `group` query heads (head widths 64 and 128, two
+// or one heads at a time: 16 accumulators) → false where another width takes `add_scaled`.
+bool accumulate_group(float* acc, const float* scores, int64_t per_chunk, const Rows& v,
+                      int64_t g, int64_t group, int64_t dim, int64_t first, int64_t n) {
+  if (dim != 64 && dim != 128) return false;
+  for (int64_t j = 0; j < group;) {
+    const int64_t h = g * group + j;
+    float* sums[2] = {acc + h * dim, acc + (h + 1) * dim};
+    const float* weights[2] = {scores + h * per_chunk, scores + (h + 1) * per_chunk};
+    if (dim == 128) {
+      accumulate_rows<16, 1>(sums, weights, v, g, first, n);
+      j += 1;
+    } else if (j + 1 < group) {
+      accumulate_rows<8, 2>(sums, weights, v, g, first, n);
+      j += 2;
+    } else {
+      accumulate_rows<8, 1>(sums, weights, v, g, first, n);
+      j += 1;
+    }
+  }
+  return true;
+}
+#endif
+
 void check_cache(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 3 && t.stride(2) == 1, name,
               " must be float32 [Hkv, T, D] with unit stride over D");
@@ -76,7 +170,15 @@ void attend_one_query(const float* qs, int64_t heads, int64_t dim, const Rows& k
     for (int64_t c = begin; c < end; ++c) {
       const int64_t first = c * per_chunk, last = std::min(rows, first + per_chunk);
       const int64_t n = last - first;
-      for (int64_t t = 0; t < n; ++t) {  // rows outer: token-major storage streams in order
+      bool scored = false;
+#if LARQL_AVX2
+      scored = true;
+      for (int64_t g = 0; g < kv_heads && scored; ++g) {
+        scored = score_group(qs, scores.data(), per_chunk, k, g, group, dim, first, n,
+                             softmax_scale);
+      }
+#endif
+      for (int64_t t = 0; t < n && !scored; ++t) {  // rows outer: storage streams in order
         for (int64_t g = 0; g < kv_heads; ++g) {
           const float* key = k.at(g, first + t);
           for (int64_t j = 0; j < group; ++j) {
@@ -98,6 +200,13 @@ void attend_one_query(const float* qs, int64_t heads, int64_t dim, const Rows& k
       }
       float* acc = partial.data() + c * heads * dim;
       std::fill(acc, acc + heads * dim, 0.0f);
+#if LARQL_AVX2
+      bool done = true;
+      for (int64_t g = 0; g < kv_heads && done; ++g) {
+        done = accumulate_group(acc, scores.data(), per_chunk, v, g, group, dim, first, n);
+      }
+      if (done) continue;
+#endif
       for (int64_t t = 0; t < n; ++t) {
         for (int64_t g = 0; g < kv_heads; ++g) {
           const float* value = v.at(g, first + t);
