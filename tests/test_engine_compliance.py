@@ -116,7 +116,9 @@ def test_exact_engine_greedy_tokens_match_standard(spec: str, smollm2: Model) ->
     assert tokens[spec] == tokens["standard"]
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3", "mixtral", "qwen2_moe", "gpt_oss"])
+@pytest.fixture(
+    scope="module", params=["llama", "gemma3", "gemma4", "mixtral", "qwen2_moe", "gpt_oss"]
+)
 def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Model:
     pytest.importorskip("transformers")
     directory: Path = tmp_path_factory.mktemp(f"compliance-{request.param}")

@@ -82,3 +82,34 @@ def test_transformers4_config_form(tiny: TinyModel, tmp_path: Path) -> None:
     ids = random_ids(SEQ, seed=3)
     ours = larql_logits(tmp_path / "m", ids)
     assert (ours - tiny.hf_logits(ids)).abs().max().item() < TOL
+
+
+def test_gemma4_parts_not_run_yet_are_refused_by_name(tmp_path: Path) -> None:
+    """A Gemma 4 config with per-layer embeddings, K/V shared across layers or global layers of
+    another head width is refused, naming each, not run as if it were the dense core — through
+    the CLI too, as a one-line error."""
+    import shutil
+
+    from larql.models.errors import UnsupportedArchitecture
+
+    pytest.importorskip("transformers")
+    built = build_tiny_model("gemma4", tmp_path / "core")
+    for changes, named in (
+        ({"hidden_size_per_layer_input": 8}, "per-layer embeddings"),
+        ({"num_kv_shared_layers": 2}, "K/V shared across layers"),
+        ({"global_head_dim": 32, "attention_k_eq_v": True}, "another head width"),
+    ):
+        directory = tmp_path / named.replace(" ", "-")
+        shutil.copytree(built.directory, directory)
+        rewrite_config(directory, **changes)
+        with pytest.raises(UnsupportedArchitecture, match=named):
+            load_model(str(directory))
+    from typer.testing import CliRunner
+
+    from larql.cli.app import app
+
+    args = ["run", "w3 w4", "--model", str(directory), "-n", "2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code != 0
+    assert "keys as values (attention_k_eq_v)" in result.output
+    assert "Traceback" not in result.output

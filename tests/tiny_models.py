@@ -82,6 +82,19 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
             original_max_position_embeddings=64, truncate=False,
         ),
     ),
+    # Gemma 4 text's dense core: q/k/v norms, scores scaled by 1, a scalar per layer, global
+    # layers with proportional RoPE over a quarter of the pairs
+    "gemma4": dict(
+        model_type="gemma4_text", sliding_window=WINDOW, num_hidden_layers=6, head_dim=16,
+        global_head_dim=16, hidden_size_per_layer_input=0, hidden_activation="gelu_pytorch_tanh",
+        layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2
+        + ["full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "proportional", "rope_theta": 1_000_000.0,
+                               "partial_rotary_factor": 0.25},
+        },
+    ),
     "granite": dict(
         model_type="granite", embedding_multiplier=6.0, residual_multiplier=0.5,
         attention_multiplier=0.05, logits_scaling=4.0, tie_word_embeddings=True,
@@ -122,9 +135,13 @@ def random_hf_model(model_type: str, seed: int = 0, **config: Any) -> Any:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # random norms, so a wrong norm offset cannot hide
-                p.copy_(torch.randn_like(p) * 0.3 + (0.0 if "gemma" in model_type else 1.0))
+                offset = 0.0 if model_type in ("gemma2", "gemma3_text") else 1.0  # 1 + w there
+                p.copy_(torch.randn_like(p) * 0.3 + offset)
             elif name.endswith((".bias", "_bias", ".sinks")):  # GPT-OSS: expert biases, sinks
                 p.copy_(torch.randn_like(p) * (1.0 if name.endswith("sinks") else 0.1))
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4: not 1, so a missing scalar shows
+                buffer.copy_(torch.rand_like(buffer) + 0.5)
     return model
 
 

@@ -46,6 +46,8 @@ def _plain(model: Model, layer: int) -> bool:
         and lw.post_ffn_norm is None
         and arch.attn_softcap is None
         and lw.attn_sinks is None
+        and lw.layer_scalar is None
+        and not arch.v_norm
     )
 
 

@@ -118,8 +118,10 @@ def _heads_k_v(
     if lw.k_norm is not None:
         k = rms_norm(k, lw.k_norm, cfg.norm_eps)
     k = apply_rope(k.transpose(0, 1), cos, sin)
-    v = v.view(s, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-    return k, v
+    v = v.view(s, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.arch.v_norm:
+        v = F.rms_norm(v, (cfg.head_dim,), None, cfg.norm_eps)
+    return k, v.transpose(0, 1)
 
 
 def project_qkv(
@@ -397,12 +399,15 @@ def ffn_block(model: Model, layer: int, h: torch.Tensor, ffn: FfnBackend) -> tor
     """Residual after attention h: [S, H] → residual after the FFN [S, H]."""
     lw = model.weights.layers[layer]
     eps = model.config.norm_eps
-    fused = None if lw.post_ffn_norm is not None else ffn.fused_block(layer, h, lw.ffn_norm, eps)
+    plain = lw.post_ffn_norm is None and lw.layer_scalar is None
+    fused = ffn.fused_block(layer, h, lw.ffn_norm, eps) if plain else None
     if fused is not None:
         return fused
     out = ffn.forward(layer, rms_norm(h, lw.ffn_norm, eps))
     if lw.post_ffn_norm is not None:
         out = rms_norm(out, lw.post_ffn_norm, eps)
+    if lw.layer_scalar is not None:
+        return (h + out) * lw.layer_scalar
     return h + out
 
 

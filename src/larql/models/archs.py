@@ -67,9 +67,36 @@ class ArchPreset:
     gguf_renamed: Mapping[str, str] | None = None
     # the clamped SwiGLU (alpha, limit) of its experts where a GGUF file does not record it
     gguf_clamped_swiglu: tuple[float, float] | None = None
+    # the attention's score scale where it is not 1/√head_dim (nor the config's
+    # `query_pre_attn_scalar`): Gemma 4 scales by 1, its q and k being RMS-normed
+    attention_scale: float | None = None
+    # what of a config this preset does not run yet: settings → the refusal's reason, or None
+    unsupported: Callable[[Mapping[str, Any]], str | None] | None = None
 
 
 _GEMMA = dict(activation="gelu_tanh", norm_offset=1.0, post_norms=True, scale_embeddings=True)
+
+
+def gemma4_unsupported(settings: Mapping[str, Any]) -> str | None:
+    """The parts of Gemma 4 text larql does not run yet (its dense core runs: q/k/v norms, the
+    layer scalar, proportional RoPE, sliding and global layers of one head width)."""
+    head_dim = settings.get("head_dim")
+    checks = (
+        (settings.get("hidden_size_per_layer_input"), "per-layer embeddings "
+         "(hidden_size_per_layer_input)"),
+        (settings.get("num_kv_shared_layers"), "K/V shared across layers (num_kv_shared_layers)"),
+        (settings.get("attention_k_eq_v"), "keys as values (attention_k_eq_v)"),
+        (settings.get("enable_moe_block"), "the mixture-of-experts block (enable_moe_block)"),
+        (settings.get("use_bidirectional_attention"), "bidirectional attention"),
+        (settings.get("global_head_dim") not in (None, head_dim), "global layers of another head "
+         "width (global_head_dim)"),
+        (settings.get("num_global_key_value_heads") not in
+         (None, settings.get("num_key_value_heads")), "global layers with other K/V heads"),
+        (any(settings.get("per_layer_config") or {}), "per-layer attention shapes"),
+    )  # fmt: skip
+    missing = [what for present, what in checks if present]
+    return f"Gemma 4 with {', '.join(missing)} is not supported yet" if missing else None
+
 
 ARCHITECTURES: dict[str, ArchPreset] = {
     # llama.cpp writes Mistral models as llama; a window in the file applies to every layer
@@ -124,6 +151,17 @@ ARCHITECTURES: dict[str, ArchPreset] = {
         gguf_name="gemma3",
         sliding_rope_base=10_000.0,
         tied_embeddings=True,
+    ),
+    # Gemma 4 text's dense core: norms used as stored (no 1 + w), q/k/v RMS-normed (v without a
+    # weight), scores scaled by 1, a learned scalar on each layer's output, global layers with
+    # proportional RoPE
+    "gemma4": ArchPreset(
+        Arch(name="gemma4", qk_norm=True, v_norm=True, **{**_GEMMA, "norm_offset": 0.0}),
+        all_but_every_nth,
+        hf_model_types=("gemma4_text",),
+        tied_embeddings=True,
+        attention_scale=1.0,
+        unsupported=gemma4_unsupported,
     ),
 }  # fmt: skip
 

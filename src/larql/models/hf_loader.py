@@ -48,6 +48,7 @@ _LAYER_TENSORS = {
     "mlp.up_proj.weight": "w_up",
     "mlp.down_proj.weight": "w_down",
     "input_layernorm.weight": "attn_norm",
+    "layer_scalar": "layer_scalar",  # Gemma 4: the layer's output × this
 }
 # Which norm sits where differs between the sandwich-norm (Gemma) and pre-norm layouts.
 _POST_NORM_LAYOUT = {
@@ -95,6 +96,8 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
 def hf_config(raw: dict[str, Any], name: str = "") -> ModelConfig:
     preset = preset_for_hf(str(raw.get("model_type", "")))
     model_type = preset.arch.name
+    if preset.unsupported is not None and (reason := preset.unsupported(raw)) is not None:
+        raise UnsupportedArchitecture(reason)
     if raw.get("mlp_bias"):
         raise UnsupportedArchitecture(f"{model_type} with mlp_bias=true is not supported")
     method = (raw.get("quantization_config") or {}).get("quant_method")
@@ -124,6 +127,8 @@ def hf_config(raw: dict[str, Any], name: str = "") -> ModelConfig:
     layers = _layer_specs(raw, preset, num_layers, head_dim)
     max_positions = int(raw.get("max_position_embeddings", 2048))
     attn_scale = float(scalar) ** -0.5 if scalar else head_dim**-0.5
+    if preset.attention_scale is not None:
+        attn_scale = preset.attention_scale
     return ModelConfig(
         arch=arch,
         vocab_size=int(raw["vocab_size"]),

@@ -27,6 +27,10 @@ def rope_spec(params: dict[str, Any], raw: dict[str, Any], head_dim: int) -> Rop
     fraction = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     rotary_dim = int(head_dim * fraction)
     base = float(params.get("rope_theta", raw.get("rope_theta", 10_000.0)))
+    if kind == "proportional":  # the whole width, its first fraction of the pairs turning
+        factor = float(params.get("factor", 1.0))
+        pairs = int(fraction * head_dim // 2)
+        return RopeSpec(base, head_dim, "proportional", factor, rotated_pairs=pairs)
     if kind == "default":
         return RopeSpec(base=base, rotary_dim=rotary_dim)
     if kind == "linear":

@@ -16,7 +16,7 @@ from typing import Literal, get_args
 
 import torch
 
-RopeScaling = Literal["default", "linear", "llama3", "yarn", "longrope", "dynamic"]
+RopeScaling = Literal["default", "linear", "llama3", "yarn", "longrope", "dynamic", "proportional"]
 ROPE_SCALINGS: tuple[RopeScaling, ...] = get_args(RopeScaling)
 
 
@@ -50,6 +50,9 @@ class RopeSpec:
     # longrope: per-frequency divisors up to the pretraining context, and past it
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
+    # proportional (Gemma 4's global layers): only the first `rotated_pairs` frequencies turn,
+    # the others are 0 (those coordinates pass through), over the whole head width
+    rotated_pairs: int | None = None
 
     @property
     def length_dependent(self) -> bool:
@@ -89,6 +92,9 @@ def _length_free(spec: RopeSpec, exponents: torch.Tensor) -> torch.Tensor:
         return _llama3(inv, spec)
     if spec.scaling == "yarn":
         return _yarn(spec, exponents)
+    if spec.scaling == "proportional":
+        turning = torch.arange(inv.shape[0]) < (spec.rotated_pairs or 0)
+        return torch.where(turning, inv, 0.0) / spec.factor
     return inv
 
 

@@ -6,7 +6,8 @@ gate|up, one matmul each) and moves everything to the requested dtype and device
 
 Canonical names: `embed`, `lm_head` (absent when tied), `final_norm`, and per layer
 `layers.{i}.{attn_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, post_attn_norm,
-ffn_norm, w_gate, w_up, w_down, post_ffn_norm}` (biases and optional norms may be absent).
+ffn_norm, w_gate, w_up, w_down, post_ffn_norm, layer_scalar}` (biases, optional norms and the
+layer scalar may be absent).
 A mixture-of-experts layer has `layers.{i}.router` [E, H] and the experts stacked,
 `layers.{i}.{experts_gate, experts_up}` [E, F, H] and `experts_down` [E, H, F], optionally a
 shared expert `layers.{i}.{shared_gate, shared_up, shared_down}` with its sigmoid gate
@@ -75,6 +76,7 @@ class LayerWeights:
     post_ffn_norm: torch.Tensor | None  # [H]
     experts: ExpertWeights | None = None
     attn_sinks: torch.Tensor | None = None  # [Hq] (GPT-OSS)
+    layer_scalar: torch.Tensor | None = None  # [1]: the layer's output residual × this (Gemma 4)
     # the same matrices kept in their GGUF blocks (`wqkv`, `wo`, `w_gate_up`, `w_down`), read
     # by one-token products on the CPU instead of the float ones above
     blocks: dict[str, BlockRows] = field(default_factory=dict)
@@ -157,6 +159,7 @@ class ModelWeights:
                     post_ffn_norm=opt(p + "post_ffn_norm"),
                     experts=_experts(state, p, get, opt),
                     attn_sinks=opt(p + "attn_sinks"),
+                    layer_scalar=opt(p + "layer_scalar"),
                 )
             )
         embed = get("embed")
