@@ -97,7 +97,7 @@ def test_gemma4_parts_not_run_yet_are_refused_by_name(tmp_path: Path) -> None:
     for changes, named in (
         ({"hidden_size_per_layer_input": 8}, "per-layer embeddings"),
         ({"num_kv_shared_layers": 2}, "K/V shared across layers"),
-        ({"global_head_dim": 32, "attention_k_eq_v": True}, "another head width"),
+        ({"global_head_dim": 32}, "another head width"),
     ):
         directory = tmp_path / named.replace(" ", "-")
         shutil.copytree(built.directory, directory)
@@ -111,5 +111,5 @@ def test_gemma4_parts_not_run_yet_are_refused_by_name(tmp_path: Path) -> None:
     args = ["run", "w3 w4", "--model", str(directory), "-n", "2"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code != 0
-    assert "keys as values (attention_k_eq_v)" in result.output
+    assert "global_head_dim" in result.output
     assert "Traceback" not in result.output

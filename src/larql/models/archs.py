@@ -79,13 +79,13 @@ _GEMMA = dict(activation="gelu_tanh", norm_offset=1.0, post_norms=True, scale_em
 
 def gemma4_unsupported(settings: Mapping[str, Any]) -> str | None:
     """The parts of Gemma 4 text larql does not run yet (its dense core runs: q/k/v norms, the
-    layer scalar, proportional RoPE, sliding and global layers of one head width)."""
+    layer scalar, proportional RoPE, keys as values, sliding and global layers of one head
+    width)."""
     head_dim = settings.get("head_dim")
     checks = (
         (settings.get("hidden_size_per_layer_input"), "per-layer embeddings "
          "(hidden_size_per_layer_input)"),
         (settings.get("num_kv_shared_layers"), "K/V shared across layers (num_kv_shared_layers)"),
-        (settings.get("attention_k_eq_v"), "keys as values (attention_k_eq_v)"),
         (settings.get("enable_moe_block"), "the mixture-of-experts block (enable_moe_block)"),
         (settings.get("use_bidirectional_attention"), "bidirectional attention"),
         (settings.get("global_head_dim") not in (None, head_dim), "global layers of another head "

@@ -28,6 +28,9 @@ class Arch:
     norm_offset: float = 0.0
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
     v_norm: bool = False  # per-head RMSNorm of v without a weight, before it is kept (Gemma 4)
+    # a layer without a value projection takes its keys' projection as values, before the key
+    # norm and RoPE (Gemma 4's `attention_k_eq_v`, on its global layers)
+    keys_as_values: bool = False
     post_norms: bool = False  # norms after attention and after the FFN (Gemma 2/3 sandwich)
     attn_softcap: float | None = None  # cap·tanh(score/cap) before the softmax (Gemma 2)
     # a learned logit per query head beside the keys' in the softmax, its value column zero:

@@ -114,6 +114,7 @@ def hf_config(raw: dict[str, Any], name: str = "") -> ModelConfig:
             **vars(preset.arch),
             "activation": _ACTIVATIONS[activation],
             "attn_softcap": raw.get("attn_logit_softcapping"),
+            "keys_as_values": bool(raw.get("attention_k_eq_v", False)),
             "final_softcap": raw.get("final_logit_softcapping"),
         }
     )
@@ -223,6 +224,9 @@ def hf_state_dict(directory: Path, config: ModelConfig) -> dict[str, torch.Tenso
                         tensor = tensor + config.arch.norm_offset
                     state[canonical] = tensor
     state.update(_dequantized_mxfp4(packed, layout))
+    if config.arch.keys_as_values:
+        for i in range(config.num_layers):
+            state.setdefault(f"layers.{i}.wv", state[f"layers.{i}.wk"])
     _stack_experts(state, config)
     _unfuse_experts(state)
     fold_multipliers(state, config)
