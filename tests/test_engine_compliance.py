@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import teacher_forced
-from larql.inference.errors import EmptyPrompt, EngineError, InvariantViolation
+from larql.inference.errors import BackendUnavailable, EmptyPrompt, EngineError, InvariantViolation
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import generate
 from larql.kv import CATALOG, parse_engine
@@ -137,4 +137,33 @@ def test_live_engines_run_on_tiny_architectures(spec: str, tiny_model: Model) ->
     assert torch.isfinite(logits).all()
     if spec in exact_specs() or spec == "standard":
         reference = teacher_forced(tiny_model, "standard", ids, 10)
+        assert ((logits - reference).abs().max() / reference.abs().max()).item() <= 1e-9
+
+
+@pytest.fixture(scope="module")
+def gemma4_global(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """Gemma 4's global layers: a head width and K/V head count of their own, keys as values."""
+    pytest.importorskip("transformers")
+    directory: Path = tmp_path_factory.mktemp("compliance-gemma4-global")
+    build_tiny_model("gemma4_global", directory)
+    return load_model(str(directory), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("spec", LIVE_SPECS)
+def test_live_engines_run_layers_of_two_head_widths_or_say_why_not(
+    spec: str, gemma4_global: Model
+) -> None:
+    """Every live engine runs a model whose layers differ in head width and K/V heads (the exact
+    ones as standard does), or refuses it naming the widths: the codec engines (one codec
+    width for every layer) do."""
+    ids = random_ids(20, seed=7)
+    try:
+        logits = teacher_forced(gemma4_global, spec, ids, 10)
+    except BackendUnavailable as e:
+        assert spec.startswith(("turbo-quant", "kv-quant")), f"{spec} refused: {e}"
+        assert "16 and 32" in str(e)
+        return
+    assert torch.isfinite(logits).all()
+    if spec in exact_specs():
+        reference = teacher_forced(gemma4_global, "standard", ids, 10)
         assert ((logits - reference).abs().max() / reference.abs().max()).item() <= 1e-9

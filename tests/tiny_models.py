@@ -95,8 +95,12 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
                                "partial_rotary_factor": 0.25},
         },
     ),
-    # the same with keys as values on the global layers (no v_proj there)
-    "gemma4_k_eq_v": dict(model_type="gemma4_text", attention_k_eq_v=True),
+    # the same with global layers of their own shape (32 wide, one K/V head) taking their keys as
+    # values (no v_proj there), as the released checkpoints do
+    "gemma4_global": dict(
+        model_type="gemma4_text", attention_k_eq_v=True, global_head_dim=32,
+        num_global_key_value_heads=1,
+    ),
     "granite": dict(
         model_type="granite", embedding_multiplier=6.0, residual_multiplier=0.5,
         attention_multiplier=0.05, logits_scaling=4.0, tie_word_embeddings=True,
@@ -119,7 +123,7 @@ class TinyModel:
 def build_tiny_model(arch: str, directory: Path, seed: int = 0, **overrides: Any) -> TinyModel:
     """`overrides` replace config entries of the architecture's tiny config (e.g. its RoPE)."""
     spec = {**ARCH_CONFIGS[arch], **overrides}
-    if arch == "gemma4_k_eq_v":
+    if arch == "gemma4_global":
         spec = {**ARCH_CONFIGS["gemma4"], **spec}
     model = random_hf_model(spec.pop("model_type"), seed, **spec)
     model.save_pretrained(directory, safe_serialization=True)

@@ -114,13 +114,14 @@ def _heads_k_v(
     cfg = model.config
     lw = model.weights.layers[layer]
     s = k.shape[0]
-    k = k.view(s, cfg.num_kv_heads, cfg.head_dim)
+    kv_heads, dim = cfg.kv_heads_of(layer), cfg.head_dim_of(layer)
+    k = k.view(s, kv_heads, dim)
     if lw.k_norm is not None:
         k = rms_norm(k, lw.k_norm, cfg.norm_eps)
     k = apply_rope(k.transpose(0, 1), cos, sin)
-    v = v.view(s, cfg.num_kv_heads, cfg.head_dim)
+    v = v.view(s, kv_heads, dim)
     if cfg.arch.v_norm:
-        v = F.rms_norm(v, (cfg.head_dim,), None, cfg.norm_eps)
+        v = F.rms_norm(v, (dim,), None, cfg.norm_eps)
     return k, v.transpose(0, 1)
 
 
@@ -142,30 +143,31 @@ def project_qkv_with_rope(
     s = h.shape[0]
     blocks = lw.blocks.get("wqkv")
     plain = lw.q_norm is None and lw.k_norm is None
+    heads, kv_heads, dim = cfg.num_heads, cfg.kv_heads_of(layer), cfg.head_dim_of(layer)
+    q_dim, kv_dim = cfg.q_dim_of(layer), cfg.kv_dim_of(layer)
     if plain and blocks is not None and (kernels := fused_kernels(h)) is not None:
         # a few rows: norm, product and RoPE of q and k in one compiled call
         qkv = kernels.decode_qkv(
             h.contiguous(), lw.attn_norm, cfg.norm_eps, blocks.data, code(blocks), lw.bqkv,
-            cos.contiguous(), sin.contiguous(), cfg.num_heads + cfg.num_kv_heads, cfg.head_dim,
-            activation_bits(blocks),
+            cos.contiguous(), sin.contiguous(), heads + kv_heads, dim, activation_bits(blocks),
         )  # fmt: skip  # [S, q_dim + 2·kv_dim]
-        q, k, v = qkv.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
+        q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
         return (
-            q.view(s, cfg.num_heads, cfg.head_dim).transpose(0, 1),
-            k.view(s, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1),
-            v.view(s, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1),
+            q.view(s, heads, dim).transpose(0, 1),
+            k.view(s, kv_heads, dim).transpose(0, 1),
+            v.view(s, kv_heads, dim).transpose(0, 1),
         )
     x = rms_norm(h, lw.attn_norm, cfg.norm_eps)
     qkv = linear(x, lw.wqkv, lw.bqkv, blocks)  # [S, q_dim + 2·kv_dim]
     if plain:
         # q and k rotate together: one set of RoPE kernels for both
-        qk = qkv[:, : cfg.q_dim + cfg.kv_dim].view(s, cfg.num_heads + cfg.num_kv_heads, -1)
+        qk = qkv[:, : q_dim + kv_dim].view(s, heads + kv_heads, -1)
         qk = apply_rope(qk.transpose(0, 1), cos, sin)  # [Hq + Hkv, S, D]
-        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads])
-        v = qkv[:, cfg.q_dim + cfg.kv_dim :].view(s, cfg.num_kv_heads, cfg.head_dim)
+        q, k = qk.split([heads, kv_heads])
+        v = qkv[:, q_dim + kv_dim :].view(s, kv_heads, dim)
         return q, k, v.transpose(0, 1)
-    q, k, v = qkv.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
-    q = q.view(s, cfg.num_heads, cfg.head_dim)
+    q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
+    q = q.view(s, heads, dim)
     if lw.q_norm is not None:
         q = rms_norm(q, lw.q_norm, cfg.norm_eps)
     q = apply_rope(q.transpose(0, 1), cos, sin)
@@ -181,9 +183,10 @@ def recompute_kv(
     cfg = model.config
     lw = model.weights.layers[layer]
     x = rms_norm(h_stored, lw.attn_norm, cfg.norm_eps)
-    w_kv = lw.wqkv[cfg.q_dim :]
-    b_kv = lw.bqkv[cfg.q_dim :] if lw.bqkv is not None else None
-    k, v = linear(x, w_kv, b_kv).split([cfg.kv_dim, cfg.kv_dim], dim=-1)  # [N, kv_dim] each
+    q_dim, kv_dim = cfg.q_dim_of(layer), cfg.kv_dim_of(layer)
+    w_kv = lw.wqkv[q_dim:]
+    b_kv = lw.bqkv[q_dim:] if lw.bqkv is not None else None
+    k, v = linear(x, w_kv, b_kv).split([kv_dim, kv_dim], dim=-1)  # [N, kv_dim] each
     cos, sin = rope_table(model, layer).slice(abs_start, h_stored.shape[0])
     return _heads_k_v(model, layer, k, v, cos, sin)
 
@@ -273,7 +276,7 @@ def attend_static(
         out = _eager_attention(q, keys, values, mask, False, cfg.attn_scale, cap, sinks)
     else:
         out = _sdpa(model, q, keys, values, mask, causal=False)
-    return out.transpose(0, 1).reshape(1, cfg.q_dim)
+    return out.transpose(0, 1).reshape(1, -1)
 
 
 def attend_static_kernel(
@@ -291,7 +294,7 @@ def attend_static_kernel(
     cfg = model.config
     softcap = cfg.arch.attn_softcap or 0.0
     out = kernel(q, keys, values, position, cfg.attn_scale, window or 0, softcap)  # [Hq, 1, D]
-    return out.reshape(1, cfg.q_dim)
+    return out.reshape(1, -1)
 
 
 def _sdpa(
@@ -311,7 +314,7 @@ def _sdpa(
         attn_mask=mask,
         is_causal=causal,
         scale=cfg.attn_scale,
-        enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+        enable_gqa=q.shape[0] != keys.shape[0],
     )[0]
 
 

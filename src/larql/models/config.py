@@ -64,10 +64,14 @@ class ExpertRouting:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """Per-layer attention: `sliding_window` keys including the current one (None = full)."""
+    """Per-layer attention: `sliding_window` keys including the current one (None = full);
+    a head width and K/V head count of its own where it differs from the model's (Gemma 4's
+    global layers)."""
 
     sliding_window: int | None
     rope: RopeSpec
+    head_dim: int | None = None
+    num_kv_heads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -96,8 +100,29 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if len(self.layers) != self.num_layers:
             raise ValueError(f"{len(self.layers)} layer specs for {self.num_layers} layers")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"{self.num_heads} heads not divisible by {self.num_kv_heads}")
+        for layer in range(self.num_layers):
+            if self.num_heads % self.kv_heads_of(layer):
+                kv = self.kv_heads_of(layer)
+                raise ValueError(f"{self.num_heads} heads not divisible by {kv} (layer {layer})")
+
+    def head_dim_of(self, layer: int) -> int:
+        """Layer `layer`'s head width."""
+        return self.layers[layer].head_dim or self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        """Layer `layer`'s K/V heads."""
+        return self.layers[layer].num_kv_heads or self.num_kv_heads
+
+    def q_dim_of(self, layer: int) -> int:
+        return self.num_heads * self.head_dim_of(layer)
+
+    def kv_dim_of(self, layer: int) -> int:
+        return self.kv_heads_of(layer) * self.head_dim_of(layer)
+
+    @property
+    def uniform_attention(self) -> bool:
+        """Every layer has the model's head width and K/V heads."""
+        return all(spec.head_dim is None and spec.num_kv_heads is None for spec in self.layers)
 
     @property
     def q_dim(self) -> int:
@@ -123,7 +148,8 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
         """K+V bytes one token costs in a full cache over all layers (fp16 by default)."""
-        return self.num_layers * self.kv_dim * 2 * bytes_per_element
+        kv_dims = sum(self.kv_dim_of(layer) for layer in range(self.num_layers))
+        return kv_dims * 2 * bytes_per_element
 
 
 def uniform_layers(

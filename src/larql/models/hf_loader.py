@@ -181,13 +181,36 @@ def _layer_specs(
         for sliding in preset.sliding_layers(raw, num_layers)
     ]
     window = raw.get("sliding_window")
+    shapes = _layer_shapes(raw, types)
     specs = []
-    for layer_type in types:
+    for i, layer_type in enumerate(types):
         sliding = layer_type == "sliding_attention"
-        rope = _rope_for(raw, preset, layer_type, head_dim)
+        width, kv_heads = shapes.get(i, (None, None))
+        rope = _rope_for(raw, preset, layer_type, width or head_dim)
         # A layer that says it slides but has no width attends fully (never a window of 0).
-        specs.append(LayerSpec(int(window) if sliding and window else None, rope))
+        specs.append(LayerSpec(int(window) if sliding and window else None, rope, width, kv_heads))
     return tuple(specs)
+
+
+def _layer_shapes(
+    raw: dict[str, Any], types: list[str]
+) -> dict[int, tuple[int | None, int | None]]:
+    """Layers whose head width or K/V heads differ from the model's: transformers 5's
+    `per_layer_config` ({"i": {"head_dim": …, "num_key_value_heads": …}}), or Gemma 4's
+    `global_head_dim` / `num_global_key_value_heads` for its full-attention layers (the K/V
+    head count only with keys as values, as transformers reads it)."""
+    shapes: dict[int, tuple[int | None, int | None]] = {}
+    per_layer = raw.get("per_layer_config") or {}
+    for key, override in per_layer.items():
+        kv = override.get("num_key_value_heads")
+        shapes[int(key)] = (override.get("head_dim"), None if kv is None else int(kv))
+    if not per_layer and (raw.get("global_head_dim") or raw.get("num_global_key_value_heads")):
+        width = raw.get("global_head_dim")
+        kv = raw.get("num_global_key_value_heads") if raw.get("attention_k_eq_v", True) else None
+        for i, layer_type in enumerate(types):
+            if layer_type == "full_attention":
+                shapes[i] = (None if width is None else int(width), None if kv is None else int(kv))
+    return shapes
 
 
 def _rope_for(raw: dict[str, Any], preset: ArchPreset, layer_type: str, head_dim: int) -> RopeSpec:

@@ -138,7 +138,7 @@ class ModelWeights:
             biases = [opt(p + b) for b in ("bq", "bk", "bv")]
             bqkv = None
             if any(b is not None for b in biases):
-                sizes = (config.q_dim, config.kv_dim, config.kv_dim)
+                sizes = (config.q_dim_of(i), config.kv_dim_of(i), config.kv_dim_of(i))
                 bqkv = torch.cat(
                     [b if b is not None else torch.zeros(n, dtype=dtype, device=device)
                      for b, n in zip(biases, sizes, strict=True)]
@@ -170,11 +170,10 @@ class ModelWeights:
 
     def _check_shapes(self, config: ModelConfig) -> None:
         h = config.hidden_size
-        expected = {
-            "embed": (self.embed.shape, (config.vocab_size, h)),
-            "layers.0.wqkv": (self.layers[0].wqkv.shape, (config.q_dim + 2 * config.kv_dim, h)),
-        }
+        expected = {"embed": (self.embed.shape, (config.vocab_size, h))}
         for i, lw in enumerate(self.layers):
+            qkv_rows = config.q_dim_of(i) + 2 * config.kv_dim_of(i)
+            expected[f"layers.{i}.wqkv"] = (lw.wqkv.shape, (qkv_rows, h))
             if lw.w_gate_up is None and lw.experts is None:
                 raise ModelFormatError(f"layer {i} has neither an MLP nor experts")
             if lw.experts is not None and config.experts is None:

@@ -173,11 +173,11 @@ class StaticCache:
 
     def _allocate(self, model: Model, capacity: int) -> None:
         cfg = model.config
-        shape = (cfg.num_kv_heads, capacity, cfg.head_dim)
+        shapes = [(cfg.kv_heads_of(i), capacity, cfg.head_dim_of(i)) for i in range(cfg.num_layers)]
         old_k, old_v = self._keys, self._values
         kw = {"dtype": model.dtype, "device": model.device}
-        self._keys = [torch.zeros(shape, **kw) for _ in range(cfg.num_layers)]
-        self._values = [torch.zeros(shape, **kw) for _ in range(cfg.num_layers)]
+        self._keys = [torch.zeros(shape, **kw) for shape in shapes]
+        self._values = [torch.zeros(shape, **kw) for shape in shapes]
         if old_k is not None and old_v is not None:
             n = old_k[0].shape[1]
             for new, old in zip(self._keys + self._values, old_k + old_v, strict=True):

@@ -72,8 +72,8 @@ class BatchedStaticStep:
         use_kernel = attention != "sdpa" and not cfg.arch.attention_sinks
         self._kernel = batched_decode_attention_kernel(model.device) if use_kernel else None
         # the rows past the real ones: one-row buffers per layer, written and attended at row 0
-        pad = (cfg.num_kv_heads, 1, cfg.head_dim)
-        self._pad = [torch.zeros(pad, **kw) for _ in range(2 * cfg.num_layers)]
+        pads = [(cfg.kv_heads_of(i), 1, cfg.head_dim_of(i)) for i in range(cfg.num_layers)]
+        self._pad = [torch.zeros(pads[i // 2], **kw) for i in range(2 * cfg.num_layers)]
         self._pad_meta = [0, 1, *(self._offset(t) for t in self._pad)]
         self._buckets: dict[tuple[int, int], _BucketStep] = {}
 

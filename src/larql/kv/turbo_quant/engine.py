@@ -37,7 +37,7 @@ import torch
 
 import larql.kernels
 from larql.inference.engine import Engine, KvEngine
-from larql.inference.errors import InvariantViolation
+from larql.inference.errors import BackendUnavailable, InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
     FreshKv,
@@ -165,6 +165,13 @@ class TurboQuantEngine(KvEngine):
     def _start(self, model: Model, ffn: FfnBackend, rows: torch.Tensor) -> torch.Tensor:
         """rows: [S, H] → every row's hidden [S, H], attending over exact K/V."""
         cfg = model.config
+        if not cfg.uniform_attention:
+            widths = sorted({cfg.head_dim_of(layer) for layer in range(cfg.num_layers)})
+            raise BackendUnavailable(
+                f"{self.name} encodes every layer's K/V with one codec, of one head width; this "
+                f"model's layers have heads of {' and '.join(map(str, widths))}: use an engine "
+                "that keeps K/V as it comes (standard, markov-rs, …)"
+            )
         self._layout = self._kv_layout(cfg.head_dim)
         keeps = [self._keep(model, layer) for layer in range(cfg.num_layers)]
         self._fast = self._kernel_path(model, keeps)
