@@ -252,7 +252,7 @@ def torch_path_holding_the_state_of(engine: KvEngine) -> KvEngine:
         center=engine.center,
         recent_bits=engine.recent_bits,
     )
-    twin._layout = layout
+    twin._layout, twin._layouts = layout, engine._layouts
     twin._started(engine.position)  # a prefilled engine at the leader's position
     twin._layers = []
     for layer, where in enumerate(fast.layouts):

@@ -37,7 +37,7 @@ import torch
 
 import larql.kernels
 from larql.inference.engine import Engine, KvEngine
-from larql.inference.errors import BackendUnavailable, InvariantViolation
+from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
     FreshKv,
@@ -93,7 +93,8 @@ class TurboQuantEngine(KvEngine):
         self.attention = attention  # auto/triton: the Triton kernels where they run; sdpa: torch
         self.use_graph = use_graph  # with the kernels on CUDA: capture the step in a CUDA graph
         self._codec_factory = codec_factory
-        self._layout: KvLayout | None = None
+        self._layout: KvLayout | None = None  # the first layer's (the kernel path's: every layer's)
+        self._layouts: list[KvLayout] = []  # each layer's (its head width's codec)
         self._layers: list[QuantisedLayer] | None = None  # the torch path's state
         self._fast: KernelPath | None = None  # the state and step where the kernels run
 
@@ -165,20 +166,19 @@ class TurboQuantEngine(KvEngine):
     def _start(self, model: Model, ffn: FfnBackend, rows: torch.Tensor) -> torch.Tensor:
         """rows: [S, H] → every row's hidden [S, H], attending over exact K/V."""
         cfg = model.config
-        if not cfg.uniform_attention:
-            widths = sorted({cfg.head_dim_of(layer) for layer in range(cfg.num_layers)})
-            raise BackendUnavailable(
-                f"{self.name} encodes every layer's K/V with one codec, of one head width; this "
-                f"model's layers have heads of {' and '.join(map(str, widths))}: use an engine "
-                "that keeps K/V as it comes (standard, markov-rs, …)"
-            )
-        self._layout = self._kv_layout(cfg.head_dim)
+        # a layout per head width (Gemma 4's global layers are wider): a codec of each width
+        widths = {cfg.head_dim_of(layer) for layer in range(cfg.num_layers)}
+        by_width = {width: self._kv_layout(width) for width in sorted(widths)}
+        self._layouts = [by_width[cfg.head_dim_of(layer)] for layer in range(cfg.num_layers)]
+        self._layout = self._layouts[0]
         keeps = [self._keep(model, layer) for layer in range(cfg.num_layers)]
-        self._fast = self._kernel_path(model, keeps)
+        # the kernels keep one codec for every layer
+        self._fast = self._kernel_path(model, keeps) if cfg.uniform_attention else None
         self._layers = None
         if self._fast is None:
             self._layers = [
-                QuantisedLayer(self._layout, keep, cfg.num_kv_heads, model.dtype) for keep in keeps
+                QuantisedLayer(self._layouts[layer], keep, cfg.kv_heads_of(layer), model.dtype)
+                for layer, keep in enumerate(keeps)
             ]
         if self._fast is not None:
             self._fast.start(model, rows.shape[0])
@@ -211,9 +211,9 @@ class TurboQuantEngine(KvEngine):
         """h: [1, H] at `self.position` → [1, H] after every layer; stores the new row."""
         assert self._layers is not None
         stage, device = self._profiler.stage, model.device
-        rotation = self._rotation(device)
         for layer, store in enumerate(self._layers):
             q, k, v = project_qkv(model, layer, h, self.position)  # [Hq|Hkv, 1, D]
+            rotation = self._rotation(device, layer)
             attn = self._attend_over_history(model, layer, q, k, v, rotation)  # [1, q_dim]
             with stage("attention", device):
                 h = attention_output(model, layer, h, attn)
@@ -249,7 +249,7 @@ class TurboQuantEngine(KvEngine):
             q_rot = rotate(q, rotation).to(dtype)
             attn = attend(model, layer, q_rot, keys, values, self.position, None)  # [1, Hq·D']
             back = attn.view(cfg.num_heads, -1).float() @ rotation  # [Hq, D'] (R·R = I)
-            return back[:, : cfg.head_dim].to(dtype).reshape(1, cfg.q_dim)
+            return back[:, : cfg.head_dim_of(layer)].to(dtype).reshape(1, cfg.q_dim_of(layer))
 
     # ------------------------------------------------------------------ batched decode
 
@@ -278,10 +278,10 @@ class TurboQuantEngine(KvEngine):
             return step.step(model, ffn, kernel_paths, positions, rows)
         batch = [e for e in engines if isinstance(e, TurboQuantEngine) and e._layers is not None]
         assert len(batch) == len(engines), "batch_key groups only torch-path engines"
-        rotation = batch[0]._rotation(model.device)
         positions = [e.position for e in batch]
         h = rows
         for layer in range(model.config.num_layers):
+            rotation = batch[0]._rotation(model.device, layer)
             new: list[tuple[torch.Tensor, torch.Tensor]] = []
             rows_attend = partial(_attend_and_keep, batch, model, layer, rotation, new)
             h = batched_layer_step(model, layer, h, positions, rows_attend, ffn)
@@ -320,9 +320,10 @@ class TurboQuantEngine(KvEngine):
             return f"triton kernels{graph}"
         return "rotated-basis attention" if self.rotated_attention else "decoded attention"
 
-    def _rotation(self, device: torch.device) -> torch.Tensor | None:
-        """R [D', D'] float32 when the step attends in the codec's rotated basis, else None."""
-        codec = self._layout.k_codec if self._layout is not None else None
+    def _rotation(self, device: torch.device, layer: int) -> torch.Tensor | None:
+        """Layer `layer`'s R [D', D'] float32 when the step attends in the codec's rotated
+        basis, else None."""
+        codec = self._layouts[layer].k_codec if self._layouts else None
         if not (self.rotated_attention and isinstance(codec, TurboQuantCodec)):
             return None
         return rotation_matrix(codec.rotated_dim, torch.float32, device)
