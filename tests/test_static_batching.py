@@ -13,9 +13,8 @@ import larql.kv.standard.static as static_module
 from helpers import greedy_streams, kernel_module, model_for_kernels
 from larql.inference.batching import batch_groups
 from larql.inference.ffn import DenseFfn
-from larql.kv.captured_step import next_power_of_two
+from larql.kv.captured_step import bucket, next_power_of_two
 from larql.kv.standard import StandardEngine
-from larql.kv.standard.static_batch import bucket
 from larql.models import Model
 
 PROMPTS = ["The capital of France is", "Alice put the red ball in the box, and Bob", "One two"]

@@ -30,6 +30,19 @@ def next_power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+# batch sizes a batched step's graph is captured for (then multiples of the last): any set of
+# sessions runs in the smallest that holds it, rows past the real ones padding
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bucket(rows: int) -> int:
+    """The captured batch size that holds `rows` rows."""
+    for size in BUCKETS:
+        if rows <= size:
+            return size
+    return -(-rows // BUCKETS[-1]) * BUCKETS[-1]
+
+
 class StepInputs:
     """The step's inputs as device tensors (a captured graph reads them at replay)."""
 

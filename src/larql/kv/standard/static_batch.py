@@ -31,20 +31,17 @@ from larql.inference.layer import (
     project_qkv_with_rope,
     static_mask,
 )
-from larql.kv.captured_step import CapturedStep, RopeAtPosition, next_power_of_two, reserve_rope
+from larql.kv.captured_step import (
+    CapturedStep,
+    RopeAtPosition,
+    bucket,
+    next_power_of_two,
+    reserve_rope,
+)
 from larql.kv.standard.static import StaticCache
 from larql.models.model import Model
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes a graph is captured for; then multiples of 64
 _META = 2  # meta rows before the offsets: positions, capacities
-
-
-def bucket(rows: int) -> int:
-    """The captured batch size that holds `rows` rows."""
-    for size in BUCKETS:
-        if rows <= size:
-            return size
-    return -(-rows // BUCKETS[-1]) * BUCKETS[-1]
 
 
 @dataclass

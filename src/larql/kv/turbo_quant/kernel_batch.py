@@ -6,7 +6,7 @@ launches (`kernels.batched_attention`) run every session's attention and encodin
 program per (K/V head, split, session), each finding its session's state by offsets from one
 anchor tensor. The step's inputs (the rows, each row's position and, per layer, its offsets and
 store size) live in device tensors filled before each replay, so on CUDA one captured graph
-per batch-size bucket (`static_batch.bucket`) and largest capacity serves any set of sessions:
+per batch-size bucket (`captured_step.bucket`) and largest capacity serves any set of sessions:
 rows past the real ones attend over and write into a one-slot pad state at position 0.
 
 Greedy tokens batched equal the tokens alone; logits agree to float rounding (the splits of the
@@ -23,8 +23,13 @@ import torch
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import attention_output, ffn_block, project_qkv_with_rope
 from larql.inference.profiling import EngineProfiler
-from larql.kv.captured_step import CapturedStep, RopeAtPosition, next_power_of_two, reserve_rope
-from larql.kv.standard.static_batch import bucket
+from larql.kv.captured_step import (
+    CapturedStep,
+    RopeAtPosition,
+    bucket,
+    next_power_of_two,
+    reserve_rope,
+)
 from larql.kv.turbo_quant.kernel_path import KernelPath
 from larql.kv.turbo_quant.store import exact_dtype
 from larql.models.model import Model
