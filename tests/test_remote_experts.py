@@ -65,6 +65,27 @@ def test_remote_experts_give_the_local_logits(moe: Model, shards: str) -> None:
     assert (over - local).abs().max().item() < 1e-5
 
 
+def test_experts_beside_the_mlp_on_shards(tmp_path: Path) -> None:
+    """Gemma 4's experts (beside each layer's dense MLP, routed on the raw residual, their own
+    norms) on two shards give the local logits, and the shards carry them (wire bytes > 0)."""
+    build_tiny_model("gemma4_moe", tmp_path)
+    model = load_model(str(tmp_path))
+    ids = random_ids(14)
+    engine = parse_engine("standard")
+    local = teacher_forced_logits(engine.build(model), model, DenseFfn(model), ids, 6)
+    with (
+        start_shard(create_ffn_app(model, experts=(0, 1))) as low,
+        start_shard(create_ffn_app(model, experts=(2, 3))) as high,
+    ):
+        remote = build_ffn(model, f"remote-experts:shards=0-1={low.url}|2-3={high.url}")
+        try:
+            over = teacher_forced_logits(engine.build(model), model, remote, ids, 6)
+            assert remote.wire_bytes() > 0
+        finally:
+            remote.close()
+    assert (over - local).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("engine", ["no-cache", "apollo"])
 def test_engines_the_spec_refuses(moe: Model, shards: str, engine: str) -> None:
     remote = build_ffn(moe, f"remote-experts:shards={shards}")

@@ -101,6 +101,11 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         model_type="gemma4_text", attention_k_eq_v=True, global_head_dim=32,
         num_global_key_value_heads=1,
     ),
+    # the 26B-A4B shape: 4 experts (2 per token) beside every layer's dense MLP
+    "gemma4_moe": dict(
+        model_type="gemma4_text", enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=24,
+    ),
     "granite": dict(
         model_type="granite", embedding_multiplier=6.0, residual_multiplier=0.5,
         attention_multiplier=0.05, logits_scaling=4.0, tie_word_embeddings=True,
@@ -123,7 +128,7 @@ class TinyModel:
 def build_tiny_model(arch: str, directory: Path, seed: int = 0, **overrides: Any) -> TinyModel:
     """`overrides` replace config entries of the architecture's tiny config (e.g. its RoPE)."""
     spec = {**ARCH_CONFIGS[arch], **overrides}
-    if arch == "gemma4_global":
+    if arch.startswith("gemma4_"):
         spec = {**ARCH_CONFIGS["gemma4"], **spec}
     model = random_hf_model(spec.pop("model_type"), seed, **spec)
     model.save_pretrained(directory, safe_serialization=True)
@@ -147,6 +152,8 @@ def random_hf_model(model_type: str, seed: int = 0, **config: Any) -> Any:
                 p.copy_(torch.randn_like(p) * 0.3 + offset)
             elif name.endswith((".bias", "_bias", ".sinks")):  # GPT-OSS: expert biases, sinks
                 p.copy_(torch.randn_like(p) * (1.0 if name.endswith("sinks") else 0.1))
+            elif name.endswith(("router.scale", "per_expert_scale")):  # Gemma 4: not all 1
+                p.copy_(torch.rand_like(p) + 0.5)
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4: not 1, so a missing scalar shows
                 buffer.copy_(torch.rand_like(buffer) + 0.5)

@@ -17,7 +17,8 @@ from larql.inference.engine import Engine
 from larql.inference.errors import EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.fused import fused_kernels
-from larql.inference.layer import final_logits, rms_norm
+from larql.inference.layer import final_logits
+from larql.inference.norm import rms_norm
 from larql.inference.sampling import Sampler
 from larql.models.blocks import ACTIVATION_BITS, FORMAT_CODES
 from larql.models.model import Model

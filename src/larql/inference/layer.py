@@ -20,11 +20,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from larql.inference.ffn import FfnBackend
 from larql.inference.fused import activation_bits, attention_kernels, code, fused_kernels
 from larql.inference.linear import linear
+from larql.inference.norm import LOW_PRECISION, rms_norm
 from larql.inference.rope import RopeTable, apply_rope
 from larql.kernels import DecodeAttention
 from larql.models.model import Model
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 # fused attention on CUDA where shapes vary per call: every backend but cuDNN (see `attend`)
 _VARYING_SHAPE_BACKENDS = [
     SDPBackend.FLASH_ATTENTION,
@@ -53,16 +53,6 @@ class FreshKv:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.k, self.v = k, v
         return k, v
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype in _LOW_PRECISION:
-        # As the reference implementations do: statistics in float32, the normalised row rounded
-        # to the model's dtype, then × weight. Folding the weight into the fused kernel (one
-        # rounding instead of two) put bf16 SmolLM2's prefill logits 4.5e-2 from float32's
-        # instead of 1.4e-2 (docs/PERFORMANCE.md).
-        return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def rope_table(model: Model, layer: int) -> RopeTable:
@@ -233,7 +223,7 @@ def attend(
         )
     elif s == 1 and mask is None and (kernels := attention_kernels(q, keys, values)) is not None:
         return kernels.decode_attention(q.contiguous(), keys, values, cfg.attn_scale)  # [1, q_dim]
-    elif s == 1 and mask is None and q.device.type == "cpu" and q.dtype in _LOW_PRECISION:
+    elif s == 1 and mask is None and q.device.type == "cpu" and q.dtype in LOW_PRECISION:
         out = _decode_attention_float32(q, keys, values, cfg.attn_scale)
     elif q.device.type == "cuda":
         # Shapes here change from call to call (a decode query meets a new key length every
@@ -407,6 +397,10 @@ def ffn_block(model: Model, layer: int, h: torch.Tensor, ffn: FfnBackend) -> tor
     if fused is not None:
         return fused
     out = ffn.forward(layer, rms_norm(h, lw.ffn_norm, eps))
+    if lw.experts_norm is not None:  # experts beside the MLP: each output normed, then summed
+        assert lw.post_mlp_norm is not None and lw.post_experts_norm is not None
+        routed = rms_norm(ffn.parallel_experts(layer, h), lw.post_experts_norm, eps)
+        out = rms_norm(out, lw.post_mlp_norm, eps) + routed
     if lw.post_ffn_norm is not None:
         out = rms_norm(out, lw.post_ffn_norm, eps)
     if lw.layer_scalar is not None:

@@ -80,12 +80,11 @@ _GEMMA = dict(activation="gelu_tanh", norm_offset=1.0, post_norms=True, scale_em
 def gemma4_unsupported(settings: Mapping[str, Any]) -> str | None:
     """The parts of Gemma 4 text larql does not run yet (its dense core runs: q/k/v norms, the
     layer scalar, proportional RoPE, keys as values, global layers with a head width and K/V
-    heads of their own)."""
+    heads of their own, the experts beside the dense MLP)."""
     checks = (
         (settings.get("hidden_size_per_layer_input"), "per-layer embeddings "
          "(hidden_size_per_layer_input)"),
         (settings.get("num_kv_shared_layers"), "K/V shared across layers (num_kv_shared_layers)"),
-        (settings.get("enable_moe_block"), "the mixture-of-experts block (enable_moe_block)"),
         (settings.get("use_bidirectional_attention"), "bidirectional attention"),
     )  # fmt: skip
     missing = [what for present, what in checks if present]
@@ -155,6 +154,7 @@ ARCHITECTURES: dict[str, ArchPreset] = {
         hf_model_types=("gemma4_text",),
         tied_embeddings=True,
         attention_scale=1.0,
+        experts_normalized=True,
         unsupported=gemma4_unsupported,
     ),
 }  # fmt: skip

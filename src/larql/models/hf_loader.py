@@ -73,13 +73,25 @@ _EXPERT_BLOCK_TENSORS = {
     "mlp.experts.down_proj": "fused_down",  # [E, F, H]
     "mlp.experts.down_proj_bias": "experts_down_bias",  # [E, H]
     "self_attn.sinks": "attn_sinks",
+    # Gemma 4: experts beside the dense MLP, with a router of its own shape and their own norms
+    "router.proj.weight": "router",
+    "router.scale": "router_scale",
+    "router.per_expert_scale": "per_expert_scale",
+    "experts.gate_up_proj": "experts_gate_up",  # [E, 2F, H], gate rows then up rows
+    "experts.down_proj": "experts_down",  # [E, H, F]
+    "pre_feedforward_layernorm_2.weight": "experts_norm",
+    "post_feedforward_layernorm_1.weight": "post_mlp_norm",
+    "post_feedforward_layernorm_2.weight": "post_experts_norm",
 }
 _EXPERT = re.compile(
     r"(?:block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)|mlp\.experts\.(\d+)\.(gate|up|down)_proj)"
     r"\.weight"
 )
 _EXPERT_MATRIX = {"w1": "gate", "w3": "up", "w2": "down"}  # Mixtral's; Qwen's say it
-_NORMS = {"attn_norm", "q_norm", "k_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm"}
+_NORMS = {
+    "attn_norm", "q_norm", "k_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm",
+    "experts_norm", "post_mlp_norm", "post_experts_norm",
+}  # fmt: skip
 
 
 def read_hf_config(directory: Path) -> dict[str, Any]:
@@ -167,7 +179,8 @@ def _expert_routing(raw: dict[str, Any], preset: ArchPreset) -> ExpertRouting | 
         swiglu = (float(raw.get("swiglu_alpha", 1.702)), float(raw["swiglu_limit"]))
     try:
         return ExpertRouting(
-            int(count), int(raw["num_experts_per_tok"]), normalized, clamped_swiglu=swiglu,
+            int(count), int(raw.get("num_experts_per_tok") or raw["top_k_experts"]), normalized,
+            clamped_swiglu=swiglu,
         )  # fmt: skip
     except (KeyError, ValueError) as e:
         raise ModelFormatError(f"bad mixture-of-experts settings in config.json: {e}") from e

@@ -44,6 +44,10 @@ class ExpertWeights:
     shared_gate_up: torch.Tensor | None = None  # [2·Fs, H]
     shared_down: torch.Tensor | None = None  # [H, Fs]
     shared_expert_gate: torch.Tensor | None = None  # [1, H]
+    # Gemma 4: the router reads the raw residual through a weightless RMS norm × this × 1/√H,
+    # and each chosen expert's routing weight is × its `per_expert_scale`
+    router_scale: torch.Tensor | None = None  # [H]
+    per_expert_scale: torch.Tensor | None = None  # [E]
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
@@ -77,6 +81,12 @@ class LayerWeights:
     experts: ExpertWeights | None = None
     attn_sinks: torch.Tensor | None = None  # [Hq] (GPT-OSS)
     layer_scalar: torch.Tensor | None = None  # [1]: the layer's output residual × this (Gemma 4)
+    # Gemma 4's experts beside the dense MLP: they read the residual through `experts_norm`;
+    # the MLP's output is normed by `post_mlp_norm`, the experts' by `post_experts_norm`, and
+    # their sum by `post_ffn_norm` (None: the experts, if any, read the MLP's input)
+    experts_norm: torch.Tensor | None = None  # [H]
+    post_mlp_norm: torch.Tensor | None = None  # [H]
+    post_experts_norm: torch.Tensor | None = None  # [H]
     # the same matrices kept in their GGUF blocks (`wqkv`, `wo`, `w_gate_up`, `w_down`), read
     # by one-token products on the CPU instead of the float ones above
     blocks: dict[str, BlockRows] = field(default_factory=dict)
@@ -160,6 +170,9 @@ class ModelWeights:
                     experts=_experts(state, p, get, opt),
                     attn_sinks=opt(p + "attn_sinks"),
                     layer_scalar=opt(p + "layer_scalar"),
+                    experts_norm=opt(p + "experts_norm"),
+                    post_mlp_norm=opt(p + "post_mlp_norm"),
+                    post_experts_norm=opt(p + "post_experts_norm"),
                 )
             )
         embed = get("embed")
@@ -176,6 +189,12 @@ class ModelWeights:
             expected[f"layers.{i}.wqkv"] = (lw.wqkv.shape, (qkv_rows, h))
             if lw.w_gate_up is None and lw.experts is None:
                 raise ModelFormatError(f"layer {i} has neither an MLP nor experts")
+            beside = (lw.experts_norm, lw.post_mlp_norm, lw.post_experts_norm, lw.w_gate_up)
+            if lw.experts_norm is not None and any(t is None for t in beside):
+                raise ModelFormatError(
+                    f"layer {i} has experts beside its MLP without the MLP, its post-norm and "
+                    "the experts' pre- and post-norms"
+                )
             if lw.experts is not None and config.experts is None:
                 raise ModelFormatError(f"layer {i} has experts but the config no routing")
             if lw.experts is not None and config.experts is not None:
@@ -243,7 +262,7 @@ def _experts(
     gate_bias, up_bias = opt(prefix + "experts_gate_bias"), opt(prefix + "experts_up_bias")
     return ExpertWeights(
         router=get(prefix + "router"),
-        gate_up=torch.cat([get(prefix + "experts_gate"), get(prefix + "experts_up")], dim=1),
+        gate_up=_expert_gate_up(state, prefix, get),
         down=get(prefix + "experts_down"),
         router_bias=opt(prefix + "router_bias"),
         gate_up_bias=None if gate_bias is None or up_bias is None
@@ -253,4 +272,13 @@ def _experts(
         else torch.cat([shared_gate, shared_up]),
         shared_down=opt(prefix + "shared_down"),
         shared_expert_gate=opt(prefix + "shared_expert_gate"),
+        router_scale=opt(prefix + "router_scale"),
+        per_expert_scale=opt(prefix + "per_expert_scale"),
     )  # fmt: skip
+
+
+def _expert_gate_up(state: StateDict, prefix: str, get: Getter) -> torch.Tensor:
+    """[E, 2·F, H]: stored so (Gemma 4) or the gate and up matrices stacked."""
+    if prefix + "experts_gate_up" in state:
+        return get(prefix + "experts_gate_up")
+    return torch.cat([get(prefix + "experts_gate"), get(prefix + "experts_up")], dim=1)

@@ -12,10 +12,12 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from larql.inference.errors import BackendUnavailable
 from larql.inference.ffn.activation import gated_activation
 from larql.inference.ffn.experts import expert_glu, experts_forward
 from larql.inference.fused import activation_bits, code, fused_kernels
 from larql.inference.linear import linear
+from larql.inference.norm import rms_norm
 from larql.models.blocks import BlockRows
 from larql.models.model import Model
 
@@ -39,6 +41,15 @@ class FfnBackend(ABC):
         else None (the caller then norms, calls `forward` and adds)."""
         return None
 
+    def parallel_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """On a layer whose experts sit beside its dense MLP and norm their own input (Gemma 4,
+        `LayerWeights.experts_norm`): the routed experts' output [S, H] for the residual after
+        attention h [S, H]; `forward` is then the dense MLP alone."""
+        raise BackendUnavailable(
+            f"the {self.name} FFN backend cannot run experts that sit beside a dense MLP "
+            f"(layer {layer}); use dense, walk or remote-experts"
+        )
+
     def silu_blocks(self, layer: int) -> tuple[BlockRows, BlockRows] | None:
         """(W_gate_up, W_down) in GGUF blocks where this backend is the model's own gated SiLU
         MLP over them — what a compiled whole-layer decode step may run in its place."""
@@ -59,7 +70,8 @@ class FfnBackend(ABC):
 class DenseFfn(FfnBackend):
     """The model's own FFN: its gated MLP down(act(gate·x) ⊙ up·x), gate and up in one matmul;
     on a mixture-of-experts layer its routed experts (`experts.experts_forward`), added to the
-    dense MLP where the layer has both."""
+    dense MLP where the layer has both and they read the same input (`parallel_experts` where
+    the experts norm their own)."""
 
     name = "dense"
     graph_safe = True
@@ -69,6 +81,7 @@ class DenseFfn(FfnBackend):
         self._activation = model.config.arch.activation
         self._routing = model.config.experts
         self._glu = expert_glu(model.config)
+        self._eps = model.config.norm_eps
 
     def silu_blocks(self, layer: int) -> tuple[BlockRows, BlockRows] | None:
         lw = self._layers[layer]
@@ -101,11 +114,17 @@ class DenseFfn(FfnBackend):
                 gated_activation(gate, self._activation) * up, lw.w_down,
                 blocks=lw.blocks.get("w_down"),
             )  # fmt: skip  # [S, H]
-        if lw.experts is not None and self._routing is not None:
+        if lw.experts is not None and lw.experts_norm is None and self._routing is not None:
             routed = experts_forward(lw.experts, self._routing, x, self._glu)  # [S, H]
             out = routed if out is None else out + routed
         assert out is not None, "every layer has an MLP or experts (checked at load)"
         return out
+
+    def parallel_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        lw = self._layers[layer]
+        assert lw.experts is not None and lw.experts_norm is not None and self._routing
+        x = rms_norm(h, lw.experts_norm, self._eps)  # [S, H] the experts' input
+        return experts_forward(lw.experts, self._routing, x, self._glu, h, self._eps)
 
 
 class NullFfn(FfnBackend):
@@ -118,3 +137,6 @@ class NullFfn(FfnBackend):
 
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(x)  # [S, H]
+
+    def parallel_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(h)  # [S, H]

@@ -55,23 +55,50 @@ def route(logits: torch.Tensor, routing: ExpertRouting) -> tuple[torch.Tensor, t
     return weights, chosen
 
 
-def router_logits(experts: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
-    """x: [S, H] → [S, E]."""
+def router_logits(experts: ExpertWeights, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x: [S, H] → [S, E]. A router with a `router_scale` (Gemma 4) reads x through a
+    weightless RMS norm (`eps`) × that scale × 1/√H."""
+    if experts.router_scale is not None:
+        x = F.rms_norm(x, (x.shape[-1],), None, eps) * experts.router_scale * x.shape[-1] ** -0.5
     return F.linear(x, experts.router, experts.router_bias)
 
 
+def choose_experts(
+    experts: ExpertWeights, routing: ExpertRouting, router_input: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's pick for rows [S, H] → (weights [S, k] in the rows' dtype, experts [S, k]),
+    × each chosen expert's own scale where the block has one."""
+    weights, chosen = route(router_logits(experts, router_input, eps), routing)  # [S, k] each
+    if experts.per_expert_scale is not None:
+        weights = weights * experts.per_expert_scale[chosen]
+    return weights.to(router_input.dtype), chosen
+
+
 def experts_forward(
-    experts: ExpertWeights, routing: ExpertRouting, x: torch.Tensor, glu: Glu
+    experts: ExpertWeights,
+    routing: ExpertRouting,
+    x: torch.Tensor,
+    glu: Glu,
+    router_input: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
-    """x: [S, H] pre-FFN-normed → the block's output [S, H]."""
-    weights, chosen = route(router_logits(experts, x), routing)  # [S, k] each
-    weights = weights.to(x.dtype)
-    if chosen.numel() <= experts.router.shape[0]:
-        out = _gathered(experts, x, weights, chosen, glu)
-    else:
-        out = _per_expert(experts, x, weights, chosen, glu)
+    """x: [S, H] the experts' input → the block's output [S, H]. The router reads
+    `router_input` where the block routes on something else (Gemma 4: the raw residual)."""
+    routed_on = x if router_input is None else router_input
+    weights, chosen = choose_experts(experts, routing, routed_on, eps)  # [S, k] each
+    out = routed_sum(experts, x, weights, chosen, glu)
     shared = shared_output(experts, x, glu)  # [S, H] or None
     return out if shared is None else out + shared
+
+
+def routed_sum(
+    experts: ExpertWeights, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, glu: Glu
+) -> torch.Tensor:
+    """Σ weight · expert(x) over each row's chosen experts: x [S, H], weights / chosen [S, k]
+    → [S, H]."""
+    if chosen.numel() <= experts.router.shape[0]:
+        return _gathered(experts, x, weights, chosen, glu)
+    return _per_expert(experts, x, weights, chosen, glu)
 
 
 def expert_output(experts: ExpertWeights, expert: int, x: torch.Tensor, glu: Glu) -> torch.Tensor:

@@ -358,6 +358,9 @@ class LayerFfnRouter(FfnBackend):
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         return self.backend_for(layer).forward(layer, x)
 
+    def parallel_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        return self.backend_for(layer).parallel_experts(layer, h)
+
     def fused_block(
         self, layer: int, h: torch.Tensor, norm: torch.Tensor, eps: float
     ) -> torch.Tensor | None:

@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from larql.inference.ffn.backend import DenseFfn, FfnBackend
-from larql.inference.ffn.experts import expert_glu, route, router_logits, shared_output
+from larql.inference.ffn.experts import choose_experts, expert_glu, shared_output
 from larql.inference.ffn.remote import RemoteWalkFfn
+from larql.inference.norm import rms_norm
 from larql.models.model import Model
 
 # Engines that may not run with remote experts: no-cache recomputes every earlier position's
@@ -69,10 +70,9 @@ class RemoteExpertsFfn(FfnBackend):
         """x: [S, H] pre-FFN-normed → [S, H]."""
         lw = self._model.weights.layers[layer]
         experts = lw.experts
-        if experts is None:
+        if experts is None or lw.experts_norm is not None:  # no experts reading x
             return self._dense.forward(layer, x)
-        weights, chosen = route(router_logits(experts, x), self._routing)  # [S, k] each
-        weights = weights.to(x.dtype)
+        weights, chosen = choose_experts(experts, self._routing, x)  # [S, k] each
         out = self._routed(layer, x, weights, chosen)
         shared = shared_output(experts, x, self._glu)
         if shared is not None:
@@ -81,6 +81,15 @@ class RemoteExpertsFfn(FfnBackend):
             gate, up = F.linear(x, lw.w_gate_up).chunk(2, dim=-1)
             out = out + F.linear(self._glu(gate, up), lw.w_down)
         return out
+
+    def parallel_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """h: [S, H] the residual after attention → the routed experts' output [S, H]."""
+        lw = self._model.weights.layers[layer]
+        assert lw.experts is not None and lw.experts_norm is not None
+        eps = self._model.config.norm_eps
+        x = rms_norm(h, lw.experts_norm, eps)  # [S, H] the experts' input
+        weights, chosen = choose_experts(lw.experts, self._routing, h, eps)  # [S, k] each
+        return self._routed(layer, x, weights, chosen)
 
     def wire_bytes(self) -> int:
         return sum(shard.client.wire_bytes() for shard in self._shards)

@@ -66,6 +66,9 @@ class WalkFfn(FfnBackend):
     def graph_safe(self) -> bool:  # type: ignore[override]
         return self.is_dense  # the sparse path builds feature-major copies on first use
 
+    def parallel_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        return self._dense.parallel_experts(layer, h)  # the walk keeps the MLP's features only
+
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         if self.is_dense:
             return self._dense.forward(layer, x)
