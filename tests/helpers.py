@@ -18,7 +18,7 @@ from larql.inference.engine import KvEngine
 from larql.inference.ffn import DenseFfn
 from larql.inference.forward import run_layers
 from larql.inference.generation import next_token_logits, teacher_forced_logits
-from larql.inference.layer import embed, final_logits, token_tensor
+from larql.inference.layer import embed_rows, final_logits, token_tensor
 from larql.kv import parse_engine
 from larql.models import Model
 from larql.models.model import load_model
@@ -33,8 +33,9 @@ def teacher_forced(model: Model, spec: str, ids: list[int], prompt_len: int) -> 
 def full_forward_logits(model: Model, ids: list[int], window: int | None = None) -> torch.Tensor:
     """Logits of every position from one stateless forward pass: [S, V]."""
     with torch.inference_mode():
-        h = embed(model, token_tensor(model, ids))
-        return final_logits(model, run_layers(model, DenseFfn(model), h, window=window))
+        h, inputs = embed_rows(model, token_tensor(model, ids))
+        h = run_layers(model, DenseFfn(model), h, window=window, inputs=inputs)
+        return final_logits(model, h)
 
 
 def relative_error(a: torch.Tensor, reference: torch.Tensor) -> float:

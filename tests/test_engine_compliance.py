@@ -119,7 +119,16 @@ def test_exact_engine_greedy_tokens_match_standard(spec: str, smollm2: Model) ->
 
 @pytest.fixture(
     scope="module",
-    params=["llama", "gemma3", "gemma4", "gemma4_moe", "mixtral", "qwen2_moe", "gpt_oss"],
+    params=[
+        "llama",
+        "gemma3",
+        "gemma4",
+        "gemma4_moe",
+        "gemma4_ple",
+        "mixtral",
+        "qwen2_moe",
+        "gpt_oss",
+    ],
 )
 def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Model:
     pytest.importorskip("transformers")

@@ -85,9 +85,9 @@ def test_transformers4_config_form(tiny: TinyModel, tmp_path: Path) -> None:
 
 
 def test_gemma4_parts_not_run_yet_are_refused_by_name(tmp_path: Path) -> None:
-    """A Gemma 4 config with per-layer embeddings or K/V shared across layers is refused, naming
-    each, not run as if it were the dense core — through
-    the CLI too, as a one-line error."""
+    """A Gemma 4 config with K/V shared across layers or bidirectional attention is refused,
+    naming each, not run as if it were the dense core — through the CLI too, as a one-line
+    error."""
     import shutil
 
     from larql.models.errors import UnsupportedArchitecture
@@ -95,10 +95,10 @@ def test_gemma4_parts_not_run_yet_are_refused_by_name(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     built = build_tiny_model("gemma4", tmp_path / "core")
     for changes, named in (
-        ({"hidden_size_per_layer_input": 8}, "per-layer embeddings"),
+        ({"use_bidirectional_attention": "all"}, "bidirectional attention"),
         ({"num_kv_shared_layers": 2}, "K/V shared across layers"),
     ):
-        directory = tmp_path / named.replace(" ", "-")
+        directory = tmp_path / named.replace(" ", "-").replace("/", "")
         shutil.copytree(built.directory, directory)
         rewrite_config(directory, **changes)
         with pytest.raises(UnsupportedArchitecture, match=named):

@@ -44,11 +44,13 @@ class FailsOnSecondStep(StandardEngine):
         super().__init__()
         self.steps = 0
 
-    def _step(self, model: Model, ffn: FfnBackend, row: torch.Tensor) -> torch.Tensor:
+    def _step(
+        self, model: Model, ffn: FfnBackend, row: torch.Tensor, inputs: torch.Tensor | None
+    ) -> torch.Tensor:
         self.steps += 1
         if self.steps == 2:
             raise BackendFailure("the disk is on fire")
-        return super()._step(model, ffn, row)
+        return super()._step(model, ffn, row, inputs)
 
 
 def request(model: Model, n: int, spec: str = "standard", **kw) -> SessionRequest:

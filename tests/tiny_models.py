@@ -106,6 +106,10 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         model_type="gemma4_text", enable_moe_block=True, num_experts=4, top_k_experts=2,
         moe_intermediate_size=24,
     ),
+    # the E2B shape's per-layer inputs: a 4-wide input per layer from the token and its embedding
+    "gemma4_ple": dict(
+        model_type="gemma4_text", hidden_size_per_layer_input=4, vocab_size_per_layer_input=VOCAB,
+    ),
     "granite": dict(
         model_type="granite", embedding_multiplier=6.0, residual_multiplier=0.5,
         attention_multiplier=0.05, logits_scaling=4.0, tie_word_embeddings=True,

@@ -16,7 +16,7 @@ from larql.inference.ffn.policy import LayerFfnRouter
 from larql.inference.ffn.walk import WalkFfn
 from larql.inference.forward import run_layers
 from larql.inference.generation import generate
-from larql.inference.layer import embed, final_logits, token_tensor
+from larql.inference.layer import embed_rows, final_logits, token_tensor
 from larql.models.model import Model
 
 TOKENS_PER_FEATURE = 5
@@ -25,7 +25,8 @@ COMPARE_TOP = 5
 
 def forward_logits(model: Model, ffn: Any, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        h = run_layers(model, ffn, embed(model, token_tensor(model, ids)))
+        h, inputs = embed_rows(model, token_tensor(model, ids))  # [S, H], …
+        h = run_layers(model, ffn, h, inputs=inputs)
         return final_logits(model, h[-1:])[0]  # [V]
 
 

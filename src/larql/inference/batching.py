@@ -17,7 +17,7 @@ import torch
 from larql.inference.engine import Engine
 from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import FfnBackend
-from larql.inference.layer import embed, token_tensor
+from larql.inference.layer import embed_rows, token_tensor
 from larql.models.model import Model
 
 
@@ -51,8 +51,8 @@ def decode_batch(
         raise InvariantViolation("these engines do not batch together (batch_key differs)")
     for engine in engines:
         engine._require_prefill()
-    rows = embed(model, token_tensor(model, list(token_ids)))  # [B, H]
-    hidden = type(engines[0])._step_batch(engines, model, ffn, rows)
+    rows, inputs = embed_rows(model, token_tensor(model, list(token_ids)))  # [B, H], …
+    hidden = type(engines[0])._step_batch(engines, model, ffn, rows, inputs)
     for engine in engines:
         engine.position += 1
     return hidden

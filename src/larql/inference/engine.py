@@ -37,7 +37,7 @@ import torch
 
 from larql.inference.errors import BackendUnavailable, EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
-from larql.inference.layer import embed, token_tensor
+from larql.inference.layer import embed_rows, per_layer_inputs, token_tensor
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import DecodeStageSummary, EngineProfiler
 from larql.inference.snapshots import SavedState, fork_state, load_state, save_state
@@ -140,7 +140,8 @@ class Engine(ABC):
             raise EmptyPrompt()
         self._check_ffn(ffn)
         self._backend = backend_name(model)
-        rows = self._start(model, ffn, initial_hidden)
+        inputs = per_layer_inputs(model, initial_hidden)  # [N, L, P] or None
+        rows = self._start(model, ffn, initial_hidden, inputs)
         self._started(initial_hidden.shape[0])
         return rows[-1:]
 
@@ -162,13 +163,16 @@ class Engine(ABC):
         self._require_prefill()
         if len(token_ids) == 0:
             raise EmptyPrompt()
-        rows = embed(model, token_tensor(model, list(token_ids)))  # [S, H]
-        hidden = self._extend(model, ffn, rows)
+        rows, inputs = embed_rows(model, token_tensor(model, list(token_ids)))  # [S, H], …
+        hidden = self._extend(model, ffn, rows, inputs)
         self.position += len(token_ids)
         return hidden[-1:]
 
-    def _extend(self, model: Model, ffn: FfnBackend, rows: torch.Tensor) -> torch.Tensor:
-        """rows [S, H] at positions `self.position`.. → their hidden rows [S, H]."""
+    def _extend(
+        self, model: Model, ffn: FfnBackend, rows: torch.Tensor, inputs: torch.Tensor | None
+    ) -> torch.Tensor:
+        """rows [S, H] at positions `self.position`.. (their per-layer inputs [S, L, P] or
+        None, `layer.per_layer_inputs`) → their hidden rows [S, H]."""
         raise BackendUnavailable(f"{self.name} cannot extend a prefill in one pass")
 
     def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
@@ -185,7 +189,8 @@ class Engine(ABC):
         """`decode_step` from a given input row [1, H] instead of a token id."""
         self._require_prefill()
         with self._profiler.stage("decode_total", model.device):
-            hidden = self._step(model, ffn, hidden_row)
+            inputs = per_layer_inputs(model, hidden_row)  # [1, L, P] or None
+            hidden = self._step(model, ffn, hidden_row, inputs)
         self.position += 1
         return hidden
 
@@ -198,10 +203,16 @@ class Engine(ABC):
 
     @classmethod
     def _step_batch(
-        cls, engines: Sequence[Engine], model: Model, ffn: FfnBackend, rows: torch.Tensor
+        cls,
+        engines: Sequence[Engine],
+        model: Model,
+        ffn: FfnBackend,
+        rows: torch.Tensor,
+        inputs: torch.Tensor | None,
     ) -> torch.Tensor:
         """One decode step for every engine at once: rows [B, H], row i engine i's input at its
-        own `position` → hidden [B, H] (positions are advanced by the caller)."""
+        own `position`, with their per-layer inputs [B, L, P] (or None) → hidden [B, H]
+        (positions are advanced by the caller)."""
         raise BackendUnavailable(f"{cls.name} cannot decode in a batch")
 
     # ------------------------------------------------------------------ snapshots
@@ -248,17 +259,23 @@ class Engine(ABC):
     # ------------------------------------------------------------------ the state policy
 
     def _start_tokens(self, model: Model, ffn: FfnBackend, token_ids: list[int]) -> torch.Tensor:
-        return self._start(model, ffn, embed(model, token_tensor(model, token_ids)))
+        return self._start(model, ffn, *embed_rows(model, token_tensor(model, token_ids)))
 
-    def _start(self, model: Model, ffn: FfnBackend, rows: torch.Tensor) -> torch.Tensor:
+    def _start(
+        self, model: Model, ffn: FfnBackend, rows: torch.Tensor, inputs: torch.Tensor | None
+    ) -> torch.Tensor:
+        """rows [S, H] from position 0 and their per-layer inputs [S, L, P] (None: the model
+        has none) → the rows' hidden [S, H]."""
         raise BackendUnavailable(f"{self.name} cannot prefill from hidden states")
 
     def _step_token(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
         with self._profiler.stage("embed", model.device):
-            row = embed(model, token_tensor(model, [token_id]))  # [1, H]
-        return self._step(model, ffn, row)
+            row, inputs = embed_rows(model, token_tensor(model, [token_id]))  # [1, H], …
+        return self._step(model, ffn, row, inputs)
 
-    def _step(self, model: Model, ffn: FfnBackend, row: torch.Tensor) -> torch.Tensor:
+    def _step(
+        self, model: Model, ffn: FfnBackend, row: torch.Tensor, inputs: torch.Tensor | None
+    ) -> torch.Tensor:
         raise BackendUnavailable(f"{self.name} cannot decode from a hidden state")
 
     def _started(self, prompt_tokens: int) -> None:

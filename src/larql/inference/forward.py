@@ -23,11 +23,13 @@ def run_layers(
     layers: Iterable[int] | None = None,
     window: int | None = None,
     after_layer: LayerHook | None = None,
+    inputs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """h: [S, H] at positions start.. → pre-final-norm hidden [S, H] after `layers` (all by
-    default), each attending causally within h only."""
+    default), each attending causally within h only; `inputs`: the rows' per-layer inputs
+    [S, L, P] (`layer.per_layer_inputs`, Gemma 4), None for models without."""
     for layer in range(model.config.num_layers) if layers is None else layers:
-        h = layer_step(model, layer, h, start, FreshKv(), ffn, window)
+        h = layer_step(model, layer, h, start, FreshKv(), ffn, window, inputs)
         if after_layer is not None:
             replaced = after_layer(layer, h)
             if replaced is not None:

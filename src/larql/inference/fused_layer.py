@@ -47,6 +47,8 @@ def _plain(model: Model, layer: int) -> bool:
         and arch.attn_softcap is None
         and lw.attn_sinks is None
         and lw.layer_scalar is None
+        and lw.per_layer_gate is None
+        and lw.experts_norm is None
         and not arch.v_norm
     )
 

@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import FfnBackend
+from larql.inference.ffn.activation import gated_activation
 from larql.inference.fused import activation_bits, attention_kernels, code, fused_kernels
 from larql.inference.linear import linear
 from larql.inference.norm import LOW_PRECISION, rms_norm
@@ -69,6 +71,32 @@ def embed(model: Model, token_ids: torch.Tensor) -> torch.Tensor:
     h = F.embedding(token_ids.to(model.device), model.weights.embed)
     scale = model.config.embed_scale
     return h * scale if scale != 1.0 else h
+
+
+def per_layer_inputs(
+    model: Model, h: torch.Tensor, token_ids: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """Each row's input to every layer, for a model with per-layer inputs (Gemma 4's PLE; None
+    for every other model): embedded rows h [S, H] → [S, L, P]. The embedding projected
+    (× 1/√H) and RMS-normed per layer; for token rows, plus the token's own row of the
+    per-layer table (× √P), the sum × 1/√2. Rows given as hidden states (no token ids) take
+    the projection alone."""
+    table = model.weights.per_layer
+    if table is None:
+        return None
+    s, layers, width = h.shape[0], model.config.num_layers, table.norm.shape[0]
+    projected = linear(h, table.projection) * model.config.hidden_size**-0.5  # [S, L·P]
+    projected = rms_norm(projected.view(s, layers, width), table.norm, model.config.norm_eps)
+    if token_ids is None:
+        return projected  # [S, L, P]
+    own = F.embedding(token_ids.to(h.device), table.table).view(s, layers, width)
+    return (projected + own * width**0.5) * 2**-0.5  # [S, L, P]
+
+
+def embed_rows(model: Model, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_ids: [S] → their embedded rows [S, H] and per-layer inputs [S, L, P] (or None)."""
+    h = embed(model, token_ids)
+    return h, per_layer_inputs(model, h, token_ids)
 
 
 def kept_rows(window: int | None) -> int | None:
@@ -388,8 +416,40 @@ def attention_output(model: Model, layer: int, h: torch.Tensor, attn: torch.Tens
     return h + out
 
 
-def ffn_block(model: Model, layer: int, h: torch.Tensor, ffn: FfnBackend) -> torch.Tensor:
-    """Residual after attention h: [S, H] → residual after the FFN [S, H]."""
+def ffn_block(
+    model: Model,
+    layer: int,
+    h: torch.Tensor,
+    ffn: FfnBackend,
+    inputs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Residual after attention h: [S, H] → the layer's output residual [S, H]: the FFN, then
+    (Gemma 4) the rows' per-layer `inputs` [S, L, P] (`per_layer_inputs`) and the layer
+    scalar."""
+    if model.weights.layers[layer].per_layer_gate is not None:
+        return _per_layer_input(model, layer, _ffn_residual(model, layer, h, ffn), inputs)
+    return _ffn_residual(model, layer, h, ffn)
+
+
+def _per_layer_input(
+    model: Model, layer: int, h: torch.Tensor, inputs: torch.Tensor | None
+) -> torch.Tensor:
+    """h + norm(W_proj · (act(W_gate · h) ⊙ the layer's input)), × the layer scalar: [S, H]."""
+    if inputs is None:
+        raise InvariantViolation(
+            f"layer {layer} takes per-layer inputs and none were passed (`per_layer_inputs`)"
+        )
+    lw = model.weights.layers[layer]
+    assert lw.per_layer_gate is not None and lw.per_layer_projection is not None
+    assert lw.per_layer_post_norm is not None
+    gate = gated_activation(linear(h, lw.per_layer_gate), model.config.arch.activation)  # [S, P]
+    out = linear(gate * inputs[:, layer], lw.per_layer_projection)  # [S, H]
+    h = h + rms_norm(out, lw.per_layer_post_norm, model.config.norm_eps)
+    return h * lw.layer_scalar if lw.layer_scalar is not None else h
+
+
+def _ffn_residual(model: Model, layer: int, h: torch.Tensor, ffn: FfnBackend) -> torch.Tensor:
+    """The FFN's half of `ffn_block` (with the layer scalar, unless per-layer inputs follow)."""
     lw = model.weights.layers[layer]
     eps = model.config.norm_eps
     plain = lw.post_ffn_norm is None and lw.layer_scalar is None
@@ -403,7 +463,7 @@ def ffn_block(model: Model, layer: int, h: torch.Tensor, ffn: FfnBackend) -> tor
         out = rms_norm(out, lw.post_mlp_norm, eps) + routed
     if lw.post_ffn_norm is not None:
         out = rms_norm(out, lw.post_ffn_norm, eps)
-    if lw.layer_scalar is not None:
+    if lw.layer_scalar is not None and lw.per_layer_gate is None:
         return (h + out) * lw.layer_scalar
     return h + out
 
@@ -416,9 +476,12 @@ def layer_step(
     kv: KvSink,
     ffn: FfnBackend,
     window: int | None = None,
+    inputs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One whole layer: attention (K/V into `kv`) then FFN. h: [S, H] → [S, H]."""
-    return ffn_block(model, layer, attention_block(model, layer, h, start, kv, window), ffn)
+    """One whole layer: attention (K/V into `kv`) then FFN (`inputs`: the rows' per-layer
+    inputs, as `ffn_block`). h: [S, H] → [S, H]."""
+    h = attention_block(model, layer, h, start, kv, window)
+    return ffn_block(model, layer, h, ffn, inputs)
 
 
 class RowAttention(Protocol):
@@ -437,6 +500,7 @@ def batched_layer_step(
     positions: list[int],
     attend_row: RowAttention,
     ffn: FfnBackend,
+    inputs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer for B decode rows of B sessions at once: row i is session i's token at
     `positions[i]` and attends through `attend_row(i, …)` over that session's state only. The
@@ -446,7 +510,7 @@ def batched_layer_step(
     q, k, v = project_qkv_with_rope(model, layer, h, cos, sin)  # [Hq, B, D], [Hkv, B, D] ×2
     one = [slice(i, i + 1) for i in range(h.shape[0])]
     attn = torch.cat([attend_row(i, q[:, r], k[:, r], v[:, r]) for i, r in enumerate(one)])
-    return ffn_block(model, layer, attention_output(model, layer, h, attn), ffn)  # [B, H]
+    return ffn_block(model, layer, attention_output(model, layer, h, attn), ffn, inputs)  # [B, H]
 
 
 def final_logits(model: Model, h: torch.Tensor) -> torch.Tensor:

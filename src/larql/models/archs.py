@@ -82,8 +82,6 @@ def gemma4_unsupported(settings: Mapping[str, Any]) -> str | None:
     layer scalar, proportional RoPE, keys as values, global layers with a head width and K/V
     heads of their own, the experts beside the dense MLP)."""
     checks = (
-        (settings.get("hidden_size_per_layer_input"), "per-layer embeddings "
-         "(hidden_size_per_layer_input)"),
         (settings.get("num_kv_shared_layers"), "K/V shared across layers (num_kv_shared_layers)"),
         (settings.get("use_bidirectional_attention"), "bidirectional attention"),
     )  # fmt: skip

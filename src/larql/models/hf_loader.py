@@ -49,6 +49,17 @@ _LAYER_TENSORS = {
     "mlp.down_proj.weight": "w_down",
     "input_layernorm.weight": "attn_norm",
     "layer_scalar": "layer_scalar",  # Gemma 4: the layer's output × this
+    "per_layer_input_gate.weight": "per_layer_gate",  # Gemma 4's per-layer inputs
+    "per_layer_projection.weight": "per_layer_projection",
+    "post_per_layer_input_norm.weight": "per_layer_post_norm",
+}
+# Gemma 4's per-layer input table, the projection of the embedding into it, and its norm
+_MODEL_TENSORS = {
+    "embed_tokens.weight": "embed",
+    "norm.weight": "final_norm",
+    "embed_tokens_per_layer.weight": "per_layer_table",
+    "per_layer_model_projection.weight": "per_layer_projection",
+    "per_layer_projection_norm.weight": "per_layer_norm",
 }
 # Which norm sits where differs between the sandwich-norm (Gemma) and pre-norm layouts.
 _POST_NORM_LAYOUT = {
@@ -90,7 +101,7 @@ _EXPERT = re.compile(
 _EXPERT_MATRIX = {"w1": "gate", "w3": "up", "w2": "down"}  # Mixtral's; Qwen's say it
 _NORMS = {
     "attn_norm", "q_norm", "k_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm",
-    "experts_norm", "post_mlp_norm", "post_experts_norm",
+    "experts_norm", "post_mlp_norm", "post_experts_norm", "per_layer_post_norm", "per_layer_norm",
 }  # fmt: skip
 
 
@@ -341,10 +352,8 @@ def _canonical_name(key: str, layout: dict[str, str]) -> str | None:
         if key.startswith(prefix):
             key = key[len(prefix) :]
             break
-    if key == "embed_tokens.weight":
-        return "embed"
-    if key == "norm.weight":
-        return "final_norm"
+    if key in _MODEL_TENSORS:
+        return _MODEL_TENSORS[key]
     parts = key.split(".", 2)
     if len(parts) == 3 and parts[0] == "layers":
         name = (

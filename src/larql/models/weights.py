@@ -65,6 +65,19 @@ class ExpertWeights:
 
 
 @dataclass
+class PerLayerEmbedding:
+    """Gemma 4's per-layer inputs (PLE): each row gets a P-wide input for every layer, from its
+    token's row of `table` and a projection of its embedding (`layer.per_layer_inputs`)."""
+
+    table: torch.Tensor  # [V, L·P]
+    projection: torch.Tensor  # [L·P, H]
+    norm: torch.Tensor  # [P]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.table, self.projection, self.norm]
+
+
+@dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # [H]
     wqkv: torch.Tensor  # [q_dim + 2·kv_dim, H]
@@ -87,6 +100,10 @@ class LayerWeights:
     experts_norm: torch.Tensor | None = None  # [H]
     post_mlp_norm: torch.Tensor | None = None  # [H]
     post_experts_norm: torch.Tensor | None = None  # [H]
+    # Gemma 4's per-layer input, added after the FFN: h + norm(W_proj · (act(W_gate · h) ⊙ input))
+    per_layer_gate: torch.Tensor | None = None  # [P, H]
+    per_layer_projection: torch.Tensor | None = None  # [H, P]
+    per_layer_post_norm: torch.Tensor | None = None  # [H]
     # the same matrices kept in their GGUF blocks (`wqkv`, `wo`, `w_gate_up`, `w_down`), read
     # by one-token products on the CPU instead of the float ones above
     blocks: dict[str, BlockRows] = field(default_factory=dict)
@@ -103,6 +120,7 @@ class ModelWeights:
     final_norm: torch.Tensor  # [H]
     layers: list[LayerWeights]
     lm_head_blocks: BlockRows | None = None  # the LM head in GGUF blocks, as `blocks`
+    per_layer: PerLayerEmbedding | None = None  # Gemma 4's per-layer inputs
 
     def attach_blocks(self, blocks: dict[str, BlockRows], activation: str = "float") -> None:
         """Keep these block matrices (canonical unfused names) beside the float weights; their
@@ -173,11 +191,22 @@ class ModelWeights:
                     experts_norm=opt(p + "experts_norm"),
                     post_mlp_norm=opt(p + "post_mlp_norm"),
                     post_experts_norm=opt(p + "post_experts_norm"),
+                    per_layer_gate=opt(p + "per_layer_gate"),
+                    per_layer_projection=opt(p + "per_layer_projection"),
+                    per_layer_post_norm=opt(p + "per_layer_post_norm"),
                 )
             )
         embed = get("embed")
         lm_head = embed if "lm_head" not in state else get("lm_head")
-        weights = cls(embed=embed, lm_head=lm_head, final_norm=get("final_norm"), layers=layers)
+        per_layer = None
+        if "per_layer_table" in state:
+            per_layer = PerLayerEmbedding(
+                get("per_layer_table"), get("per_layer_projection"), get("per_layer_norm")
+            )
+        weights = cls(
+            embed=embed, lm_head=lm_head, final_norm=get("final_norm"), layers=layers,
+            per_layer=per_layer,
+        )  # fmt: skip
         weights._check_shapes(config)
         return weights
 
@@ -203,6 +232,7 @@ class ModelWeights:
                     raise ModelFormatError(
                         f"layer {i} has {count} experts, the config {config.experts.num_experts}"
                     )
+        self._check_per_layer_shapes(config, expected)
         dense = next((lw for lw in self.layers if lw.w_gate_up is not None), None)
         if dense is not None and dense.w_down is not None:
             f = config.intermediate_size
@@ -211,6 +241,31 @@ class ModelWeights:
         for name, (got, want) in expected.items():
             if tuple(got) != want:
                 raise ModelFormatError(f"tensor {name} has shape {tuple(got)}, expected {want}")
+
+    def _check_per_layer_shapes(
+        self, config: ModelConfig, expected: dict[str, tuple[torch.Size, tuple[int, ...]]]
+    ) -> None:
+        """Every layer has a per-layer input block where the model has per-layer inputs."""
+        h, table = config.hidden_size, self.per_layer
+        blocks = [lw.per_layer_gate is not None for lw in self.layers]
+        if table is None:
+            if any(blocks):
+                raise ModelFormatError("layers take per-layer inputs but there is no table")
+            return
+        width = table.norm.shape[0]
+        per_row = config.num_layers * width
+        expected["per_layer_table"] = (table.table.shape, (table.table.shape[0], per_row))
+        expected["per_layer_projection"] = (table.projection.shape, (per_row, h))
+        for i, lw in enumerate(self.layers):
+            if lw.per_layer_gate is None or lw.per_layer_projection is None:
+                raise ModelFormatError(f"layer {i} has no per-layer input gate and projection")
+            if lw.per_layer_post_norm is None:
+                raise ModelFormatError(f"layer {i} has no per-layer input norm")
+            expected[f"layers.{i}.per_layer_gate"] = (lw.per_layer_gate.shape, (width, h))
+            expected[f"layers.{i}.per_layer_projection"] = (
+                lw.per_layer_projection.shape,
+                (h, width),
+            )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -223,6 +278,8 @@ class ModelWeights:
     def nbytes(self) -> int:
         """Bytes of weights held (a tied LM head is counted once)."""
         tensors = [self.embed, self.final_norm, *(t for lw in self.layers for t in lw.tensors())]
+        if self.per_layer is not None:
+            tensors += self.per_layer.tensors()
         if self.lm_head.data_ptr() != self.embed.data_ptr():
             tensors.append(self.lm_head)
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -239,6 +296,9 @@ class ModelWeights:
                     layer_bytes += kept.nbytes if kept is not None else t.numel() * t.element_size()
             if lw.experts is not None:
                 layer_bytes += lw.experts.decode_read_bytes(top_k)
+        if self.per_layer is not None:  # the projection of the row's embedding (one table row)
+            projection = self.per_layer.projection
+            layer_bytes += projection.numel() * projection.element_size()
         head = self.lm_head.numel() * self.lm_head.element_size()
         if blocks and self.lm_head_blocks is not None:
             head = self.lm_head_blocks.nbytes

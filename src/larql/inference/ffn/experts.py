@@ -1,10 +1,10 @@
 """A mixture-of-experts block: the router picks each token's top-k experts and the block returns
 their gated MLP outputs weighed by the routing, plus the shared expert where there is one.
 
-Two ways to run the same arithmetic: with few (token, expert) pairs — a decode step — every pair
-gathers its expert's matrices (static shapes, no host sync: a CUDA graph can capture it, and it
-reads only the chosen experts); with many — a prefill — each expert that was chosen runs once
-over all the tokens that chose it.
+Two ways to run the same arithmetic: with few (token, expert) pairs — a decode step — or while a
+CUDA graph is being captured (a batched decode step), every pair gathers its expert's matrices
+(static shapes, no host sync, and it reads only the chosen experts); with many — a prefill —
+each expert that was chosen runs once over all the tokens that chose it.
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def routed_sum(
 ) -> torch.Tensor:
     """Σ weight · expert(x) over each row's chosen experts: x [S, H], weights / chosen [S, k]
     → [S, H]."""
-    if chosen.numel() <= experts.router.shape[0]:
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()  # no host syncs then
+    if chosen.numel() <= experts.router.shape[0] or capturing:
         return _gathered(experts, x, weights, chosen, glu)
     return _per_expert(experts, x, weights, chosen, glu)
 

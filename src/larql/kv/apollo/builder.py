@@ -34,7 +34,7 @@ import torch
 
 from larql.inference.ffn import DenseFfn
 from larql.inference.forward import run_layers
-from larql.inference.layer import embed, token_tensor
+from larql.inference.layer import embed_rows, token_tensor
 from larql.kv.apollo.routing import idf
 from larql.kv.apollo.store import (
     ENTRY_DTYPE,
@@ -198,7 +198,7 @@ def _boundaries(model: Model, windows: list[list[int]], crystal: int) -> np.ndar
     ffn = DenseFfn(model)
     rows = []
     for tokens in windows:
-        h = embed(model, token_tensor(model, tokens))  # [W, H]
-        h = run_layers(model, ffn, h, 0, range(crystal))
+        h, inputs = embed_rows(model, token_tensor(model, tokens))  # [W, H], …
+        h = run_layers(model, ffn, h, 0, range(crystal), inputs=inputs)
         rows.append(h[-1].to(torch.float32).cpu().numpy())
     return np.stack(rows)

@@ -31,7 +31,7 @@ from larql.inference.engine import RetrievalEngine
 from larql.inference.errors import RetrievalMiss
 from larql.inference.ffn import DenseFfn, FfnBackend
 from larql.inference.forward import run_layers
-from larql.inference.layer import embed, token_tensor
+from larql.inference.layer import embed, embed_rows, token_tensor
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.kv.apollo.builder import build_store
 from larql.kv.apollo.entries import ScoredEntry, retrieve_entries
@@ -216,13 +216,21 @@ class ApolloEngine(RetrievalEngine):
             return torch.cat([hidden[:-1], hidden[-1:] + delta])  # [S, H]
 
         with torch.inference_mode():
-            h = embed(model, self._context.long())  # [T, H]
+            ids = self._context.long()
             layers = None
             if self.injection.boundary is not None:
                 assert self.store is not None
-                h = torch.cat([self.injection.boundary, h])  # [1 + T, H], boundary at position 0
+                # the boundary row stands for its window's last token (its per-layer inputs)
+                last = int(self.store.window_tokens[self.injection.window][-1])
+                ids = torch.cat([ids.new_tensor([last]), ids])
+            h, inputs = embed_rows(model, ids)  # [T, H], [T, L, P] or None
+            if self.injection.boundary is not None:
+                assert self.store is not None
+                h = torch.cat([self.injection.boundary, h[1:]])  # boundary at position 0
                 layers = range(self.store.manifest.crystal_layer, model.config.num_layers)
-            out = run_layers(model, DenseFfn(model), h, 0, layers, after_layer=inject)
+            out = run_layers(
+                model, DenseFfn(model), h, 0, layers, after_layer=inject, inputs=inputs
+            )
         return out[-1:]
 
 

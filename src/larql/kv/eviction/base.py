@@ -47,14 +47,16 @@ class EvictingEngine(KvEngine):
     def _attended(self, model: Model, layer: int, rows, q: torch.Tensor) -> None:
         """After a decode step attended over `rows` (the new one included): evict if due."""
 
-    def _start(self, model: Model, ffn: FfnBackend, rows: torch.Tensor) -> torch.Tensor:
+    def _start(
+        self, model: Model, ffn: FfnBackend, rows: torch.Tensor, inputs: torch.Tensor | None
+    ) -> torch.Tensor:
         """rows: [S, H] → every prompt row's hidden [S, H]."""
         h = rows
         self._layers = []
         for layer in range(model.config.num_layers):
             q, k, v = project_qkv(model, layer, h, 0)
             attn = attend(model, layer, q, k, v, 0, None)  # exact over the prompt
-            h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn)
+            h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn, inputs)
             window = model.config.layers[layer].sliding_window
             if window is not None:
                 buffer = KvBuffer(keep=kept_rows(window))
@@ -65,7 +67,9 @@ class EvictingEngine(KvEngine):
                 self._layers.append(self._compressed(model, layer, q, k, v))
         return h
 
-    def _step(self, model: Model, ffn: FfnBackend, row: torch.Tensor) -> torch.Tensor:
+    def _step(
+        self, model: Model, ffn: FfnBackend, row: torch.Tensor, inputs: torch.Tensor | None
+    ) -> torch.Tensor:
         h = row
         for layer, rows in enumerate(self._layers):
             q, k, v = project_qkv(model, layer, h, self.position)
@@ -76,5 +80,5 @@ class EvictingEngine(KvEngine):
                 rows.clip()
             else:
                 self._attended(model, layer, rows, q)
-            h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn)
+            h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn, inputs)
         return h

@@ -8,7 +8,7 @@ import torch
 from larql.inference.engine import KvEngine
 from larql.inference.ffn import FfnBackend
 from larql.inference.forward import run_layers
-from larql.inference.layer import embed
+from larql.inference.layer import embed_rows
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.models.model import Model
 
@@ -41,4 +41,5 @@ class NoCacheEngine(KvEngine):
 
     def _forward(self, model: Model, ffn: FfnBackend) -> torch.Tensor:
         assert self._ids is not None
-        return run_layers(model, ffn, embed(model, self._ids.long()))[-1:]
+        h, inputs = embed_rows(model, self._ids.long())  # [T, H], [T, L, P] or None
+        return run_layers(model, ffn, h, inputs=inputs)[-1:]

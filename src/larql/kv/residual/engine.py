@@ -111,7 +111,9 @@ class ResidualStreamEngine(KvEngine):
 
     # ------------------------------------------------------------------ prefill
 
-    def _start(self, model: Model, ffn: FfnBackend, rows: torch.Tensor) -> torch.Tensor:
+    def _start(
+        self, model: Model, ffn: FfnBackend, rows: torch.Tensor, inputs: torch.Tensor | None
+    ) -> torch.Tensor:
         """rows: [S, H] at positions 0.. → every row's hidden [S, H]."""
         self.validate_for(model)
         store = ResidualStore(self.window, self.codec_labels(model))
@@ -120,7 +122,7 @@ class ResidualStreamEngine(KvEngine):
         for layer, buffer in enumerate(store.kv):
             store.push(layer, h)
             h = attention_block(model, layer, h, 0, buffer)
-            h = ffn_block(model, layer, h, ffn)
+            h = ffn_block(model, layer, h, ffn, inputs)
         store.advance(rows.shape[0])
         self._store = store
         self._evict(model, _NOT_PROFILED)
@@ -130,7 +132,9 @@ class ResidualStreamEngine(KvEngine):
 
     # ------------------------------------------------------------------ decode
 
-    def _step(self, model: Model, ffn: FfnBackend, row: torch.Tensor) -> torch.Tensor:
+    def _step(
+        self, model: Model, ffn: FfnBackend, row: torch.Tensor, inputs: torch.Tensor | None
+    ) -> torch.Tensor:
         """row: [1, H] at the next absolute position → its pre-final-norm hidden [1, H]."""
         store, prof, h = self.store, self._profiler, row
         position = store.next_position
@@ -141,7 +145,7 @@ class ResidualStreamEngine(KvEngine):
             with prof.stage("attention", device):
                 h = attention_block(model, layer, h, position, buffer)
             with prof.stage("ffn", device):
-                h = ffn_block(model, layer, h, ffn)
+                h = ffn_block(model, layer, h, ffn, inputs)
         store.advance(1)
         self._evict(model, prof)
         if not self.kv_cache:

@@ -91,10 +91,12 @@ class StandardEngine(KvEngine):
     def extends_exactly(self, model: Model) -> bool:
         return not self._static(model)
 
-    def _extend(self, model: Model, ffn: FfnBackend, rows: torch.Tensor) -> torch.Tensor:
+    def _extend(
+        self, model: Model, ffn: FfnBackend, rows: torch.Tensor, inputs: torch.Tensor | None
+    ) -> torch.Tensor:
         if self.fast_path is not None:
             raise BackendUnavailable("standard's static CUDA path prefills in one pass")
-        return self._run(model, ffn, rows, start=self.position)
+        return self._run(model, ffn, rows, self.position, inputs)
 
     def batch_key(self) -> Hashable | None:
         """Engines of one window and path batch: the eager ones together, the static (CUDA
@@ -107,7 +109,12 @@ class StandardEngine(KvEngine):
 
     @classmethod
     def _step_batch(
-        cls, engines: Sequence[Engine], model: Model, ffn: FfnBackend, rows: torch.Tensor
+        cls,
+        engines: Sequence[Engine],
+        model: Model,
+        ffn: FfnBackend,
+        rows: torch.Tensor,
+        inputs: torch.Tensor | None,
     ) -> torch.Tensor:
         """rows: [B, H] → [B, H]. Static engines: `BatchedStaticStep` (on CUDA a captured graph
         per batch size). Eager ones: each layer through the compiled batched layer where it
@@ -119,7 +126,7 @@ class StandardEngine(KvEngine):
             step = BatchedStaticStep.of(model, first.window, first.fast_path.use_graph,
                                         first.attention)  # fmt: skip
             positions = [e.position for e in engines]
-            return step.step(model, ffn, static, positions, rows)  # type: ignore[arg-type]
+            return step.step(model, ffn, static, positions, rows, inputs)  # type: ignore[arg-type]
         batch = [e for e in engines if isinstance(e, StandardEngine) and e._layers is not None]
         assert len(batch) == len(engines), "batch_key groups only eager standard engines"
         positions = [e.position for e in batch]
@@ -130,7 +137,7 @@ class StandardEngine(KvEngine):
             out = fused_layer_batch(model, layer, h, positions, buffers, ffn, window)
             if out is None:
                 rows_attend = partial(_attend_buffer, model, layer, buffers, positions, window)
-                out = batched_layer_step(model, layer, h, positions, rows_attend, ffn)
+                out = batched_layer_step(model, layer, h, positions, rows_attend, ffn, inputs)
             for buffer in buffers:
                 buffer.clip()
             h = out
@@ -154,26 +161,38 @@ class StandardEngine(KvEngine):
             return self.static
         return self.graph and model.device.type == "cuda" and not self.sinks
 
-    def _start(self, model: Model, ffn: FfnBackend, rows: torch.Tensor) -> torch.Tensor:
+    def _start(
+        self, model: Model, ffn: FfnBackend, rows: torch.Tensor, inputs: torch.Tensor | None
+    ) -> torch.Tensor:
         """rows: [S, H] → every prompt row's hidden [S, H] (boundary frames read inside it)."""
         self.fast_path = None
         self._layers = [self._new_buffer(model, i) for i in range(model.config.num_layers)]
-        return self._run(model, ffn, rows, start=0)
+        return self._run(model, ffn, rows, 0, inputs)
 
     def _step_token(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
         if self.fast_path is not None:  # the static step embeds on the device
             return self.fast_path.step(model, ffn, token_id, self.position)
         return super()._step_token(model, ffn, token_id)
 
-    def _step(self, model: Model, ffn: FfnBackend, row: torch.Tensor) -> torch.Tensor:
+    def _step(
+        self, model: Model, ffn: FfnBackend, row: torch.Tensor, inputs: torch.Tensor | None
+    ) -> torch.Tensor:
         if self.fast_path is not None:
             raise BackendUnavailable(
                 "standard's static CUDA path decodes token ids; prefill from hidden rows to "
                 "decode from hidden rows (the eager path)"
             )
-        return self._run(model, ffn, row, start=self.position)
+        return self._run(model, ffn, row, self.position, inputs)
 
-    def _run(self, model: Model, ffn: FfnBackend, h: torch.Tensor, start: int) -> torch.Tensor:
+    def _run(
+        self,
+        model: Model,
+        ffn: FfnBackend,
+        h: torch.Tensor,
+        start: int,
+        inputs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Rows h [S, H] at positions start.. (per-layer inputs [S, L, P] or None) → [S, H]."""
         assert self._layers is not None
         for layer, buffer in enumerate(self._layers):
             if isinstance(buffer, SinkKvBuffer):
@@ -181,13 +200,13 @@ class StandardEngine(KvEngine):
                 keys, values = buffer.append(k, v)
                 allowed = buffer.allowed(start, h.shape[0])
                 attn = attend(model, layer, q, keys, values, start, None, allowed)
-                h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn)
+                h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn, inputs)
             else:
                 fused = fused_layer_step(model, layer, h, start, buffer, ffn, self.window)
                 h = (
                     fused
                     if fused is not None
-                    else layer_step(model, layer, h, start, buffer, ffn, self.window)
+                    else layer_step(model, layer, h, start, buffer, ffn, self.window, inputs)
                 )
             buffer.clip()
         return h

@@ -28,7 +28,7 @@ from larql.inference.layer import (
     attend_static_kernel,
     attention_output,
     effective_window,
-    embed,
+    embed_rows,
     ffn_block,
     layer_step,
     project_qkv_with_rope,
@@ -103,10 +103,10 @@ class StaticCache:
         self._kernel = decode_attention_kernel(model.device) if use_kernel else None
         self._allocate(model, initial_capacity(len(token_ids)))
         assert self._keys is not None and self._values is not None
-        h = embed(model, token_tensor(model, token_ids))  # [S, H]
+        h, inputs = embed_rows(model, token_tensor(model, token_ids))  # [S, H], …
         for layer in range(model.config.num_layers):
             sink = _PrefillSink(self._keys[layer], self._values[layer])
-            h = layer_step(model, layer, h, 0, sink, ffn, self.window)
+            h = layer_step(model, layer, h, 0, sink, ffn, self.window, inputs)
         return h
 
     def step(self, model: Model, ffn: FfnBackend, token_id: int, position: int) -> torch.Tensor:
@@ -154,7 +154,7 @@ class StaticCache:
         pos = self._inputs.position
         masks: dict[int | None, torch.Tensor] = {}  # per window: layers share them
         rope = RopeAtPosition(pos)
-        h = embed(model, self._inputs.token)  # [1, H]
+        h, inputs = embed_rows(model, self._inputs.token)  # [1, H], [1, L, P] or None
         for layer in range(model.config.num_layers):
             window = effective_window(model, layer, self.window)
             if window not in masks and kernel is None:
@@ -168,7 +168,7 @@ class StaticCache:
             else:
                 sinks = model.weights.layers[layer].attn_sinks
                 attn = attend_static(model, q, *kv, masks[window], sinks)
-            h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn)
+            h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn, inputs)
         return h
 
     def _allocate(self, model: Model, capacity: int) -> None:

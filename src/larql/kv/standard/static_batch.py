@@ -52,6 +52,7 @@ class _BucketStep:
     # [2 + 2L, Bb] int64: positions, capacities, then per layer the key and value buffers'
     # offsets from the anchor (in elements)
     meta: torch.Tensor
+    per_layer: torch.Tensor | None  # [Bb, L, P]: the rows' per-layer inputs (Gemma 4), or None
     graph: CapturedStep = field(default_factory=CapturedStep)
 
 
@@ -89,13 +90,14 @@ class BatchedStaticStep:
         caches: Sequence[StaticCache],
         positions: Sequence[int],
         rows: torch.Tensor,
+        layer_inputs: torch.Tensor | None,
     ) -> torch.Tensor:
-        """rows [B, H]: row b is session b's token embedded, at positions[b] → hidden [B, H];
-        each row's K/V into its session's cache."""
+        """rows [B, H]: row b is session b's token embedded, at positions[b] (per-layer inputs
+        [B, L, P] or None) → hidden [B, H]; each row's K/V into its session's cache."""
         for cache, position in zip(caches, positions, strict=True):
             cache.reserve(model, position)
         if self._kernel is None:
-            return self._eager(model, ffn, caches, positions, rows)
+            return self._eager(model, ffn, caches, positions, rows, layer_inputs)
         count = rows.shape[0]
         capacity = next_power_of_two(max(cache.capacity for cache in caches))
         inputs = self._inputs(model, bucket(count), capacity)
@@ -107,6 +109,9 @@ class BatchedStaticStep:
         inputs.meta.copy_(torch.tensor(meta, dtype=torch.long).T)
         inputs.rows[:count].copy_(rows)
         inputs.rows[count:].zero_()
+        if inputs.per_layer is not None and layer_inputs is not None:
+            inputs.per_layer[:count].copy_(layer_inputs)
+            inputs.per_layer[count:].zero_()
 
         def forward() -> torch.Tensor:
             return self._forward(model, ffn, inputs, capacity)
@@ -122,7 +127,12 @@ class BatchedStaticStep:
             cfg, device = model.config, model.device
             rows = torch.zeros((size, cfg.hidden_size), dtype=model.dtype, device=device)
             meta = torch.zeros((_META + 2 * cfg.num_layers, size), dtype=torch.long, device=device)
-            self._buckets[key] = _BucketStep(rows, meta)
+            table = model.weights.per_layer
+            per_layer = None
+            if table is not None:
+                shape = (size, cfg.num_layers, table.norm.shape[0])
+                per_layer = torch.zeros(shape, dtype=model.dtype, device=device)
+            self._buckets[key] = _BucketStep(rows, meta, per_layer)
         return self._buckets[key]
 
     def _forward(
@@ -143,7 +153,8 @@ class BatchedStaticStep:
                 q, k, v, self.anchor, keys, values, positions, capacities, capacity,
                 cfg.attn_scale, window or 0, softcap,
             )  # fmt: skip  # [Bb, q_dim]
-            h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn)
+            h = attention_output(model, layer, h, attn)
+            h = ffn_block(model, layer, h, ffn, inputs.per_layer)
         return h
 
     def _eager(
@@ -153,6 +164,7 @@ class BatchedStaticStep:
         caches: Sequence[StaticCache],
         positions: Sequence[int],
         rows: torch.Tensor,
+        layer_inputs: torch.Tensor | None,
     ) -> torch.Tensor:
         """The same step without the kernel: projections and FFN once over the rows, each
         row's attention over its own cache with `attend_static`."""
@@ -160,7 +172,7 @@ class BatchedStaticStep:
         h = rows
         for layer in range(model.config.num_layers):
             attend_row = _row_attention(model, layer, caches, steps, self.window)
-            h = batched_layer_step(model, layer, h, list(positions), attend_row, ffn)
+            h = batched_layer_step(model, layer, h, list(positions), attend_row, ffn, layer_inputs)
         return h
 
     def _offset(self, buffer: torch.Tensor) -> int:

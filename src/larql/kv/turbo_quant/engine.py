@@ -163,7 +163,9 @@ class TurboQuantEngine(KvEngine):
 
     # ------------------------------------------------------------------ prefill
 
-    def _start(self, model: Model, ffn: FfnBackend, rows: torch.Tensor) -> torch.Tensor:
+    def _start(
+        self, model: Model, ffn: FfnBackend, rows: torch.Tensor, inputs: torch.Tensor | None
+    ) -> torch.Tensor:
         """rows: [S, H] → every row's hidden [S, H], attending over exact K/V."""
         cfg = model.config
         # a layout per head width (Gemma 4's global layers are wider): a codec of each width
@@ -192,7 +194,7 @@ class TurboQuantEngine(KvEngine):
             else:
                 assert self._layers is not None
                 self._layers[layer].append(exact.k, exact.v)
-            h = ffn_block(model, layer, h, ffn)
+            h = ffn_block(model, layer, h, ffn, inputs)
         return h
 
     # ------------------------------------------------------------------ decode
@@ -202,13 +204,18 @@ class TurboQuantEngine(KvEngine):
             return self._fast.decode(model, ffn, self.position, token_id=token_id)
         return super()._step_token(model, ffn, token_id)
 
-    def _step(self, model: Model, ffn: FfnBackend, row: torch.Tensor) -> torch.Tensor:
+    def _step(
+        self, model: Model, ffn: FfnBackend, row: torch.Tensor, inputs: torch.Tensor | None
+    ) -> torch.Tensor:
         if self._fast is not None:
             return self._fast.decode(model, ffn, self.position, hidden=row)
-        return self._decode_layers(model, ffn, row)
+        return self._decode_layers(model, ffn, row, inputs)
 
-    def _decode_layers(self, model: Model, ffn: FfnBackend, h: torch.Tensor) -> torch.Tensor:
-        """h: [1, H] at `self.position` → [1, H] after every layer; stores the new row."""
+    def _decode_layers(
+        self, model: Model, ffn: FfnBackend, h: torch.Tensor, inputs: torch.Tensor | None
+    ) -> torch.Tensor:
+        """h: [1, H] at `self.position` (per-layer inputs [1, L, P] or None) → [1, H] after
+        every layer; stores the new row."""
         assert self._layers is not None
         stage, device = self._profiler.stage, model.device
         for layer, store in enumerate(self._layers):
@@ -220,7 +227,7 @@ class TurboQuantEngine(KvEngine):
             with stage("state_append", device):
                 store.append(k, v)
             with stage("ffn", device):
-                h = ffn_block(model, layer, h, ffn)
+                h = ffn_block(model, layer, h, ffn, inputs)
         return h
 
     def _attend_over_history(
@@ -264,7 +271,12 @@ class TurboQuantEngine(KvEngine):
 
     @classmethod
     def _step_batch(
-        cls, engines: Sequence[Engine], model: Model, ffn: FfnBackend, rows: torch.Tensor
+        cls,
+        engines: Sequence[Engine],
+        model: Model,
+        ffn: FfnBackend,
+        rows: torch.Tensor,
+        inputs: torch.Tensor | None,
     ) -> torch.Tensor:
         """rows: [B, H] → [B, H]: projections and FFN once for all rows. Kernel-path engines:
         `BatchedKernelStep` (each layer's attention and encoding in two launches for every
@@ -284,7 +296,7 @@ class TurboQuantEngine(KvEngine):
             rotation = batch[0]._rotation(model.device, layer)
             new: list[tuple[torch.Tensor, torch.Tensor]] = []
             rows_attend = partial(_attend_and_keep, batch, model, layer, rotation, new)
-            h = batched_layer_step(model, layer, h, positions, rows_attend, ffn)
+            h = batched_layer_step(model, layer, h, positions, rows_attend, ffn, inputs)
             for engine, (k, v) in zip(batch, new, strict=True):
                 engine._layers[layer].append(k, v)  # type: ignore[index]
         return h
@@ -295,6 +307,8 @@ class TurboQuantEngine(KvEngine):
         if self.attention == "sdpa" or not self.rotated_attention or self._codec_factory:
             return None
         if model.config.arch.attention_sinks:  # the kernels have no attention sinks
+            return None
+        if model.weights.per_layer is not None:  # its captured step has no per-layer inputs
             return None
         if not larql.kernels.triton_available(model.device):
             return None

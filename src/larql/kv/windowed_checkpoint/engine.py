@@ -28,7 +28,7 @@ import torch
 from larql.inference.engine import KvEngine
 from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import FfnBackend
-from larql.inference.layer import FreshKv, attention_block, embed, ffn_block, token_tensor
+from larql.inference.layer import FreshKv, attention_block, embed_rows, ffn_block, token_tensor
 from larql.inference.memory import MemoryBreakdown
 from larql.kv.buffers import KvBuffer
 from larql.kv.spec import EngineBuildError
@@ -128,12 +128,12 @@ class WindowedCheckpointEngine(KvEngine):
             self._seed_window()
         start = self.offset + len(self.archive.pending)
         with stage("embed", model.device):
-            h = embed(model, token_tensor(model, chunk))  # [S, H]
+            h, inputs = embed_rows(model, token_tensor(model, chunk))  # [S, H], …
         for layer, kv in enumerate(self._layers):
             with stage("attention", model.device):
                 h = attention_block(model, layer, h, start, kv)
             with stage("ffn", model.device):
-                h = ffn_block(model, layer, h, ffn)
+                h = ffn_block(model, layer, h, ffn, inputs)
         self.archive.pending.extend(chunk)
         return h[-1:]
 
@@ -152,12 +152,12 @@ class WindowedCheckpointEngine(KvEngine):
         allowed = (window_of.unsqueeze(1) == window_of.unsqueeze(0)) | (
             positions.unsqueeze(0) == (window_of * w - 1).unsqueeze(1)
         )  # [S, S]
-        h = embed(model, token_tensor(model, token_ids))  # [S, H]
+        h, inputs = embed_rows(model, token_tensor(model, token_ids))  # [S, H], …
         rows: list[FreshKv] = []
         for layer in range(model.config.num_layers):
             rows.append(FreshKv())
             h = attention_block(model, layer, h, 0, rows[-1], allowed=allowed)
-            h = ffn_block(model, layer, h, ffn)
+            h = ffn_block(model, layer, h, ffn, inputs)
         closed = n // w
         for window_id in range(closed):
             last = (window_id + 1) * w - 1
@@ -250,12 +250,12 @@ class WindowedCheckpointEngine(KvEngine):
         previous = self.checkpoints.get(window_id - 1)
         sinks = [KvBuffer() for _ in range(model.config.num_layers)]
         with torch.inference_mode():
-            h = embed(model, archived.token_ids.long())  # [n, H]
+            h, inputs = embed_rows(model, archived.token_ids.long())  # [n, H], …
             for layer, kv in enumerate(sinks):
                 if previous is not None:
                     kv.append(previous.keys[layer], previous.values[layer])
                 h = attention_block(model, layer, h, archived.offset, kv)
-                h = ffn_block(model, layer, h, ffn)
+                h = ffn_block(model, layer, h, ffn, inputs)
         skip = int(previous is not None)
         return [(kv.keys[:, skip:].clone(), kv.values[:, skip:].clone()) for kv in sinks]
 
