@@ -124,6 +124,7 @@ def test_exact_engine_greedy_tokens_match_standard(spec: str, smollm2: Model) ->
         "gemma3",
         "gemma4",
         "gemma4_moe",
+        "gemma4_shared",
         "gemma4_ple",
         "mixtral",
         "qwen2_moe",

@@ -14,7 +14,7 @@ from helpers import full_forward_logits, teacher_forced
 from larql.models import load_model
 from tiny_models import ARCH_CONFIGS, TinyModel, build_tiny_model, random_ids, rewrite_config
 
-TOL = 1e-4
+TOL = 1e-4  # × the largest logit where that is above 1 (float32 through every layer)
 SEQ = 24  # > 4 × the tiny window
 
 
@@ -22,6 +22,10 @@ SEQ = 24  # > 4 × the tiny window
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     pytest.importorskip("transformers")
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def tolerance(reference: torch.Tensor) -> float:
+    return TOL * max(1.0, reference.abs().max().item())
 
 
 def larql_logits(directory: Path, ids: list[int]) -> torch.Tensor:
@@ -33,7 +37,7 @@ def test_full_forward_matches_transformers(tiny: TinyModel) -> None:
     ours = larql_logits(tiny.directory, ids)
     theirs = tiny.hf_logits(ids)
     assert ours.shape == theirs.shape
-    assert (ours - theirs).abs().max().item() < TOL
+    assert (ours - theirs).abs().max().item() < tolerance(theirs)
 
 
 def test_standard_engine_decode_matches_transformers(tiny: TinyModel) -> None:
@@ -41,7 +45,7 @@ def test_standard_engine_decode_matches_transformers(tiny: TinyModel) -> None:
     theirs = tiny.hf_logits(ids)
     prompt = 8
     ours = teacher_forced(load_model(str(tiny.directory)), "standard", ids, prompt)
-    assert (ours - theirs[prompt - 1 :]).abs().max().item() < TOL
+    assert (ours - theirs[prompt - 1 :]).abs().max().item() < tolerance(theirs)
 
 
 def test_sliding_layers_matter(tiny: TinyModel) -> None:
@@ -84,31 +88,30 @@ def test_transformers4_config_form(tiny: TinyModel, tmp_path: Path) -> None:
     assert (ours - tiny.hf_logits(ids)).abs().max().item() < TOL
 
 
-def test_gemma4_parts_not_run_yet_are_refused_by_name(tmp_path: Path) -> None:
-    """A Gemma 4 config with K/V shared across layers or bidirectional attention is refused,
-    naming each, not run as if it were the dense core — through the CLI too, as a one-line
-    error."""
+def test_gemma4_bidirectional_text_is_refused_by_name(tmp_path: Path) -> None:
+    """A Gemma 4 config whose text attends both ways is refused by name, not run causally —
+    through the CLI too, as a one-line error; attending both ways over vision tokens only leaves
+    text causal and loads."""
     import shutil
 
+    from typer.testing import CliRunner
+
+    from larql.cli.app import app
     from larql.models.errors import UnsupportedArchitecture
 
     pytest.importorskip("transformers")
     built = build_tiny_model("gemma4", tmp_path / "core")
-    for changes, named in (
-        ({"use_bidirectional_attention": "all"}, "bidirectional attention"),
-        ({"num_kv_shared_layers": 2}, "K/V shared across layers"),
-    ):
-        directory = tmp_path / named.replace(" ", "-").replace("/", "")
+    for mode, refused in (("all", True), ("vision", False)):
+        directory = tmp_path / mode
         shutil.copytree(built.directory, directory)
-        rewrite_config(directory, **changes)
-        with pytest.raises(UnsupportedArchitecture, match=named):
+        rewrite_config(directory, use_bidirectional_attention=mode)
+        if not refused:
             load_model(str(directory))
-    from typer.testing import CliRunner
-
-    from larql.cli.app import app
-
-    args = ["run", "w3 w4", "--model", str(directory), "-n", "2"]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code != 0
-    assert "K/V shared across layers" in result.output
-    assert "Traceback" not in result.output
+            continue
+        with pytest.raises(UnsupportedArchitecture, match="bidirectional attention"):
+            load_model(str(directory))
+        args = ["run", "w3 w4", "--model", str(directory), "-n", "2"]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code != 0
+        assert "bidirectional attention" in result.output
+        assert "Traceback" not in result.output

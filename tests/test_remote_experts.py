@@ -53,12 +53,18 @@ def shards(moe: Model) -> Iterator[str]:
 
 def test_remote_experts_give_the_local_logits(moe: Model, shards: str) -> None:
     """Prefill (each expert its rows) and decode steps (one request per shard) over f32."""
+    _remote_equals_local(moe, shards)
+
+
+def _remote_equals_local(model: Model, shards: str) -> None:
+    """Teacher-forced logits with the experts on `shards` = with them local (f32), and the
+    shards were asked (wire bytes > 0)."""
     ids = random_ids(14)
     engine = parse_engine("standard")
-    local = teacher_forced_logits(engine.build(moe), moe, DenseFfn(moe), ids, 6)
-    remote = build_ffn(moe, f"remote-experts:shards={shards}")
+    local = teacher_forced_logits(engine.build(model), model, DenseFfn(model), ids, 6)
+    remote = build_ffn(model, f"remote-experts:shards={shards}")
     try:
-        over = teacher_forced_logits(engine.build(moe), moe, remote, ids, 6)
+        over = teacher_forced_logits(engine.build(model), model, remote, ids, 6)
         assert remote.wire_bytes() > 0
     finally:
         remote.close()
@@ -70,20 +76,11 @@ def test_experts_beside_the_mlp_on_shards(tmp_path: Path) -> None:
     norms) on two shards give the local logits, and the shards carry them (wire bytes > 0)."""
     build_tiny_model("gemma4_moe", tmp_path)
     model = load_model(str(tmp_path))
-    ids = random_ids(14)
-    engine = parse_engine("standard")
-    local = teacher_forced_logits(engine.build(model), model, DenseFfn(model), ids, 6)
     with (
         start_shard(create_ffn_app(model, experts=(0, 1))) as low,
         start_shard(create_ffn_app(model, experts=(2, 3))) as high,
     ):
-        remote = build_ffn(model, f"remote-experts:shards=0-1={low.url}|2-3={high.url}")
-        try:
-            over = teacher_forced_logits(engine.build(model), model, remote, ids, 6)
-            assert remote.wire_bytes() > 0
-        finally:
-            remote.close()
-    assert (over - local).abs().max().item() < 1e-5
+        _remote_equals_local(model, f"0-1={low.url}|2-3={high.url}")
 
 
 @pytest.mark.parametrize("engine", ["no-cache", "apollo"])

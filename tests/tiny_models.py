@@ -110,6 +110,12 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "gemma4_ple": dict(
         model_type="gemma4_text", hidden_size_per_layer_input=4, vocab_size_per_layer_input=VOCAB,
     ),
+    # the E2B shape: per-layer inputs, the last 2 of 6 layers attending over the K/V of the last
+    # earlier layer of their kind (one sliding, one full) with double-wide MLPs
+    "gemma4_shared": dict(
+        model_type="gemma4_text", hidden_size_per_layer_input=4, vocab_size_per_layer_input=VOCAB,
+        num_kv_shared_layers=2, use_double_wide_mlp=True,
+    ),
     "granite": dict(
         model_type="granite", embedding_multiplier=6.0, residual_multiplier=0.5,
         attention_multiplier=0.05, logits_scaling=4.0, tie_word_embeddings=True,

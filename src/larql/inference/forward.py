@@ -9,6 +9,7 @@ import torch
 
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import FreshKv, layer_step
+from larql.inference.shared_kv import SharedKv
 from larql.models.model import Model
 
 # after_layer(layer, h) may return a replacement h (e.g. an injected perturbation).
@@ -28,8 +29,9 @@ def run_layers(
     """h: [S, H] at positions start.. → pre-final-norm hidden [S, H] after `layers` (all by
     default), each attending causally within h only; `inputs`: the rows' per-layer inputs
     [S, L, P] (`layer.per_layer_inputs`, Gemma 4), None for models without."""
+    shared = SharedKv(model.config)
     for layer in range(model.config.num_layers) if layers is None else layers:
-        h = layer_step(model, layer, h, start, FreshKv(), ffn, window, inputs)
+        h = layer_step(model, layer, h, start, FreshKv(), ffn, window, inputs, shared)
         if after_layer is not None:
             replaced = after_layer(layer, h)
             if replaced is not None:

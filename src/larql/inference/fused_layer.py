@@ -48,6 +48,7 @@ def _plain(model: Model, layer: int) -> bool:
         and lw.attn_sinks is None
         and lw.layer_scalar is None
         and lw.per_layer_gate is None
+        and not model.config.shares_kv  # its attention is inside the kernel: nothing to share
         and lw.experts_norm is None
         and not arch.v_norm
     )

@@ -24,6 +24,7 @@ from larql.inference.fused import activation_bits, attention_kernels, code, fuse
 from larql.inference.linear import linear
 from larql.inference.norm import LOW_PRECISION, rms_norm
 from larql.inference.rope import RopeTable, apply_rope
+from larql.inference.shared_kv import SharedKv, shares
 from larql.kernels import DecodeAttention
 from larql.models.model import Model
 
@@ -191,6 +192,26 @@ def project_qkv_with_rope(
     q = apply_rope(q.transpose(0, 1), cos, sin)
     k, v = _heads_k_v(model, layer, k, v, cos, sin)
     return q, k, v
+
+
+def project_q(model: Model, layer: int, h: torch.Tensor, start: int) -> torch.Tensor:
+    """The queries alone of a layer sharing another's K/V: h [S, H] at positions start.. →
+    q [Hq, S, D] (normed, q-normed, rotated, as `project_qkv` gives them)."""
+    cos, sin = rope_table(model, layer).slice(start, h.shape[0])
+    return project_q_with_rope(model, layer, h, cos, sin)
+
+
+def project_q_with_rope(
+    model: Model, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """`project_q` with the rows' RoPE cos/sin [S, rotary_dim] given."""
+    cfg, lw = model.config, model.weights.layers[layer]
+    x = rms_norm(h, lw.attn_norm, cfg.norm_eps)
+    q = linear(x, lw.wqkv, lw.bqkv, lw.blocks.get("wqkv"))  # [S, q_dim]: its only rows
+    q = q.view(h.shape[0], cfg.num_heads, cfg.head_dim_of(layer))
+    if lw.q_norm is not None:
+        q = rms_norm(q, lw.q_norm, cfg.norm_eps)
+    return apply_rope(q.transpose(0, 1), cos, sin)
 
 
 def recompute_kv(
@@ -391,11 +412,20 @@ def attention_block(
     kv: KvSink,
     window: int | None = None,
     allowed: torch.Tensor | None = None,
+    shared: SharedKv | None = None,
 ) -> torch.Tensor:
     """Pre-layer residual h: [S, H] at positions start.. → residual after attention [S, H].
-    The new rows' K (k-normed, rotated) and V go to `kv`; `allowed` as in `attend`."""
-    q, k, v = project_qkv(model, layer, h, start)
-    keys, values = kv.append(k, v)
+    The new rows' K (k-normed, rotated) and V go to `kv`; `allowed` as in `attend`. On a model
+    sharing K/V across layers, `shared` carries what each source layer attended over to the
+    layers that share it (which project queries alone and leave `kv` empty)."""
+    if shared is not None and shares(model.config, layer):
+        keys, values, allowed = shared.of(layer)
+        q = project_q(model, layer, h, start)
+    else:
+        q, k, v = project_qkv(model, layer, h, start)
+        keys, values = kv.append(k, v)
+        if shared is not None:
+            shared.keep(layer, keys, values, allowed)
     attn = attend(model, layer, q, keys, values, start, window, allowed)  # [S, q_dim]
     return attention_output(model, layer, h, attn)
 
@@ -477,19 +507,21 @@ def layer_step(
     ffn: FfnBackend,
     window: int | None = None,
     inputs: torch.Tensor | None = None,
+    shared: SharedKv | None = None,
 ) -> torch.Tensor:
-    """One whole layer: attention (K/V into `kv`) then FFN (`inputs`: the rows' per-layer
-    inputs, as `ffn_block`). h: [S, H] → [S, H]."""
-    h = attention_block(model, layer, h, start, kv, window)
+    """One whole layer: attention (K/V into `kv`; `shared` as `attention_block`) then FFN
+    (`inputs`: the rows' per-layer inputs, as `ffn_block`). h: [S, H] → [S, H]."""
+    h = attention_block(model, layer, h, start, kv, window, shared=shared)
     return ffn_block(model, layer, h, ffn, inputs)
 
 
 class RowAttention(Protocol):
     """Session i's attention for its decode row: q [Hq, 1, D], its new k, v [Hkv, 1, D] (which
-    the session keeps) → [1, q_dim]."""
+    the session keeps) → [1, q_dim]. On a layer sharing another's K/V, k and v are None: the
+    session attends over what its source layer attended over in this step."""
 
     def __call__(
-        self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, i: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> torch.Tensor: ...
 
 
@@ -507,9 +539,13 @@ def batched_layer_step(
     projections and the FFN run once over all rows (one matrix product instead of B);
     attention runs per row. h: [B, H] → [B, H]."""
     cos, sin = rope_table(model, layer).rows(positions)  # [B, rotary] each
-    q, k, v = project_qkv_with_rope(model, layer, h, cos, sin)  # [Hq, B, D], [Hkv, B, D] ×2
     one = [slice(i, i + 1) for i in range(h.shape[0])]
-    attn = torch.cat([attend_row(i, q[:, r], k[:, r], v[:, r]) for i, r in enumerate(one)])
+    if shares(model.config, layer):
+        q = project_q_with_rope(model, layer, h, cos, sin)  # [Hq, B, D]
+        attn = torch.cat([attend_row(i, q[:, r], None, None) for i, r in enumerate(one)])
+    else:
+        q, k, v = project_qkv_with_rope(model, layer, h, cos, sin)  # [Hq, B, D], [Hkv, B, D] ×2
+        attn = torch.cat([attend_row(i, q[:, r], k[:, r], v[:, r]) for i, r in enumerate(one)])
     return ffn_block(model, layer, attention_output(model, layer, h, attn), ffn, inputs)  # [B, H]
 
 

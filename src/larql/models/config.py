@@ -66,12 +66,16 @@ class ExpertRouting:
 class LayerSpec:
     """Per-layer attention: `sliding_window` keys including the current one (None = full);
     a head width and K/V head count of its own where it differs from the model's (Gemma 4's
-    global layers)."""
+    global layers); `kv_source`: the earlier layer whose keys and values this one attends over
+    instead of its own (Gemma 4's K/V-shared layers keep none; None: its own); an MLP width of
+    its own (`intermediate_size`, Gemma 4's double-wide MLP on those layers)."""
 
     sliding_window: int | None
     rope: RopeSpec
     head_dim: int | None = None
     num_kv_heads: int | None = None
+    kv_source: int | None = None
+    intermediate_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,18 @@ class ModelConfig:
             if self.num_heads % self.kv_heads_of(layer):
                 kv = self.kv_heads_of(layer)
                 raise ValueError(f"{self.num_heads} heads not divisible by {kv} (layer {layer})")
+            source = self.kv_source_of(layer)
+            if source is not None and not (
+                0 <= source < layer
+                and self.kv_source_of(source) is None
+                and self.head_dim_of(source) == self.head_dim_of(layer)
+                and self.kv_heads_of(source) == self.kv_heads_of(layer)
+                and self.layers[source].sliding_window == self.layers[layer].sliding_window
+            ):
+                raise ValueError(
+                    f"layer {layer} cannot share layer {source}'s K/V: the source must be an "
+                    "earlier layer with K/V of its own, the same head shape and window"
+                )
 
     def head_dim_of(self, layer: int) -> int:
         """Layer `layer`'s head width."""
@@ -112,6 +128,19 @@ class ModelConfig:
     def kv_heads_of(self, layer: int) -> int:
         """Layer `layer`'s K/V heads."""
         return self.layers[layer].num_kv_heads or self.num_kv_heads
+
+    def kv_source_of(self, layer: int) -> int | None:
+        """The layer whose K/V `layer` attends over instead of its own (None: its own)."""
+        return self.layers[layer].kv_source
+
+    @property
+    def shares_kv(self) -> bool:
+        """Some layer attends over another layer's K/V (and keeps none of its own)."""
+        return any(spec.kv_source is not None for spec in self.layers)
+
+    def intermediate_size_of(self, layer: int) -> int:
+        """Layer `layer`'s MLP width."""
+        return self.layers[layer].intermediate_size or self.intermediate_size
 
     def q_dim_of(self, layer: int) -> int:
         return self.num_heads * self.head_dim_of(layer)
@@ -147,8 +176,12 @@ class ModelConfig:
         return self.layers[layer].sliding_window
 
     def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
-        """K+V bytes one token costs in a full cache over all layers (fp16 by default)."""
-        kv_dims = sum(self.kv_dim_of(layer) for layer in range(self.num_layers))
+        """K+V bytes one token costs in a full cache over all layers (fp16 by default); a layer
+        sharing another's K/V costs nothing."""
+        kv_dims = sum(
+            self.kv_dim_of(layer) for layer in range(self.num_layers)
+            if self.kv_source_of(layer) is None
+        )  # fmt: skip
         return kv_dims * 2 * bytes_per_element
 
 

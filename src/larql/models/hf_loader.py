@@ -111,7 +111,7 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelFormatError(f"cannot read {path}: {e}") from e
-    if "text_config" in raw and raw.get("model_type") in ("gemma3", "gemma3n"):
+    if "text_config" in raw and raw.get("model_type") in ("gemma3", "gemma3n", "gemma4"):
         raw = {**raw["text_config"], "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
     return raw
 
@@ -206,14 +206,38 @@ def _layer_specs(
     ]
     window = raw.get("sliding_window")
     shapes = _layer_shapes(raw, types)
+    sources = _kv_sources(raw, types)
+    wide = 2 * int(raw["intermediate_size"]) if raw.get("use_double_wide_mlp") else None
     specs = []
     for i, layer_type in enumerate(types):
         sliding = layer_type == "sliding_attention"
         width, kv_heads = shapes.get(i, (None, None))
         rope = _rope_for(raw, preset, layer_type, width or head_dim)
-        # A layer that says it slides but has no width attends fully (never a window of 0).
-        specs.append(LayerSpec(int(window) if sliding and window else None, rope, width, kv_heads))
+        source = sources.get(i)
+        specs.append(
+            LayerSpec(
+                # a layer that says it slides but has no width attends fully (never a window of 0)
+                int(window) if sliding and window else None, rope, width, kv_heads,
+                kv_source=source, intermediate_size=wide if source is not None else None,
+            )
+        )  # fmt: skip
     return tuple(specs)
+
+
+def _kv_sources(raw: dict[str, Any], types: list[str]) -> dict[int, int]:
+    """Gemma 4's `num_kv_shared_layers`: each of the last N layers attends over the K/V of the
+    last earlier layer of its own type (sliding or full) → {layer: source}."""
+    shared = int(raw.get("num_kv_shared_layers") or 0)
+    first = len(types) - shared
+    sources = {}
+    for i in range(max(first, 0), len(types)):
+        same = [j for j in range(first) if types[j] == types[i]]
+        if not same:
+            raise ModelFormatError(
+                f"layer {i} shares K/V but no layer before {first} is {types[i]}"
+            )
+        sources[i] = same[-1]
+    return sources
 
 
 def _layer_shapes(
@@ -271,8 +295,11 @@ def hf_state_dict(directory: Path, config: ModelConfig) -> dict[str, torch.Tenso
                         tensor = tensor + config.arch.norm_offset
                     state[canonical] = tensor
     state.update(_dequantized_mxfp4(packed, layout))
-    if config.arch.keys_as_values:
-        for i in range(config.num_layers):
+    for i in range(config.num_layers):
+        if config.kv_source_of(i) is not None:  # its K/V are another layer's: drop any of its own
+            for name in ("wk", "wv", "bk", "bv", "k_norm"):
+                state.pop(f"layers.{i}.{name}", None)
+        elif config.arch.keys_as_values:
             state.setdefault(f"layers.{i}.wv", state[f"layers.{i}.wk"])
     _stack_experts(state, config)
     _unfuse_experts(state)

@@ -163,18 +163,20 @@ class ModelWeights:
         layers = []
         for i in range(config.num_layers):
             p = f"layers.{i}."
-            biases = [opt(p + b) for b in ("bq", "bk", "bv")]
+            # a layer attending over another's K/V projects its queries alone
+            parts = ("q",) if config.kv_source_of(i) is not None else ("q", "k", "v")
+            biases = [opt(p + "b" + part) for part in parts]
             bqkv = None
             if any(b is not None for b in biases):
                 sizes = (config.q_dim_of(i), config.kv_dim_of(i), config.kv_dim_of(i))
                 bqkv = torch.cat(
                     [b if b is not None else torch.zeros(n, dtype=dtype, device=device)
-                     for b, n in zip(biases, sizes, strict=True)]
+                     for b, n in zip(biases, sizes, strict=False)]
                 )  # fmt: skip
             layers.append(
                 LayerWeights(
                     attn_norm=get(p + "attn_norm"),
-                    wqkv=torch.cat([get(p + "wq"), get(p + "wk"), get(p + "wv")]),
+                    wqkv=torch.cat([get(p + "w" + part) for part in parts]),
                     bqkv=bqkv,
                     q_norm=opt(p + "q_norm"),
                     k_norm=opt(p + "k_norm"),
@@ -214,7 +216,8 @@ class ModelWeights:
         h = config.hidden_size
         expected = {"embed": (self.embed.shape, (config.vocab_size, h))}
         for i, lw in enumerate(self.layers):
-            qkv_rows = config.q_dim_of(i) + 2 * config.kv_dim_of(i)
+            own_kv = config.kv_source_of(i) is None
+            qkv_rows = config.q_dim_of(i) + (2 * config.kv_dim_of(i) if own_kv else 0)
             expected[f"layers.{i}.wqkv"] = (lw.wqkv.shape, (qkv_rows, h))
             if lw.w_gate_up is None and lw.experts is None:
                 raise ModelFormatError(f"layer {i} has neither an MLP nor experts")
@@ -233,11 +236,11 @@ class ModelWeights:
                         f"layer {i} has {count} experts, the config {config.experts.num_experts}"
                     )
         self._check_per_layer_shapes(config, expected)
-        dense = next((lw for lw in self.layers if lw.w_gate_up is not None), None)
-        if dense is not None and dense.w_down is not None:
-            f = config.intermediate_size
-            expected["w_gate_up"] = (dense.w_gate_up.shape, (2 * f, h))
-            expected["w_down"] = (dense.w_down.shape, (h, f))
+        for i, lw in enumerate(self.layers):
+            if lw.w_gate_up is not None and lw.w_down is not None:
+                f = config.intermediate_size_of(i)
+                expected[f"layers.{i}.w_gate_up"] = (lw.w_gate_up.shape, (2 * f, h))
+                expected[f"layers.{i}.w_down"] = (lw.w_down.shape, (h, f))
         for name, (got, want) in expected.items():
             if tuple(got) != want:
                 raise ModelFormatError(f"tensor {name} has shape {tuple(got)}, expected {want}")

@@ -56,11 +56,12 @@ class WalkFfn(FfnBackend):
         self._model = model
         self._dense = DenseFfn(model)
         self._activation = model.config.arch.activation
-        self._features = model.config.intermediate_size
+        cfg = model.config
+        self._features = max(cfg.intermediate_size_of(i) for i in range(cfg.num_layers))
 
     @property
     def is_dense(self) -> bool:
-        return self.k is None or self.k >= self._features
+        return self.k is None or self.k >= self._features  # the widest layer's count
 
     @property
     def graph_safe(self) -> bool:  # type: ignore[override]
@@ -73,12 +74,12 @@ class WalkFfn(FfnBackend):
         if self.is_dense:
             return self._dense.forward(layer, x)
         assert self.k is not None
-        n = self._features
         w_gate_up = self._model.weights.layers[layer].w_gate_up
+        n = w_gate_up.shape[0] // 2  # this layer's features (Gemma 4's may be double-wide)
         w_gate, w_up = w_gate_up[:n], w_gate_up[n:]  # [F, H] each (views)
         w_down = down_rows(self._model, layer)  # [F, H]
         activated = gated_activation(F.linear(x, w_gate), self._activation)  # [S, F]
-        chosen = select_features(activated, self.k)  # [S, k]
+        chosen = select_features(activated, min(self.k, n))  # [S, k]
         if x.shape[0] == 1:  # decode: whole-row gathers and two small mat-vecs
             idx = chosen[0]
             coefficient = activated[0, idx] * (w_up.index_select(0, idx) @ x[0])  # [k]

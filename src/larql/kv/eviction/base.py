@@ -12,13 +12,16 @@ import torch
 from larql.inference.engine import KvEngine
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
+    FreshKv,
     attend,
+    attention_block,
     attention_output,
     ffn_block,
     kept_rows,
     project_qkv,
 )
 from larql.inference.memory import MemoryBreakdown
+from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.buffers import KvBuffer
 from larql.models.model import Model
 
@@ -53,8 +56,15 @@ class EvictingEngine(KvEngine):
         """rows: [S, H] → every prompt row's hidden [S, H]."""
         h = rows
         self._layers = []
+        shared = SharedKv(model.config)
         for layer in range(model.config.num_layers):
+            if shares(model.config, layer):  # attends its source's rows; keeps none (empty)
+                h = attention_block(model, layer, h, 0, FreshKv(), shared=shared)
+                h = ffn_block(model, layer, h, ffn, inputs)
+                self._layers.append(KvBuffer())
+                continue
             q, k, v = project_qkv(model, layer, h, 0)
+            shared.keep(layer, k, v)
             attn = attend(model, layer, q, k, v, 0, None)  # exact over the prompt
             h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn, inputs)
             window = model.config.layers[layer].sliding_window
@@ -71,9 +81,15 @@ class EvictingEngine(KvEngine):
         self, model: Model, ffn: FfnBackend, row: torch.Tensor, inputs: torch.Tensor | None
     ) -> torch.Tensor:
         h = row
+        shared = SharedKv(model.config)
         for layer, rows in enumerate(self._layers):
+            if shares(model.config, layer):
+                h = attention_block(model, layer, h, self.position, rows, shared=shared)
+                h = ffn_block(model, layer, h, ffn, inputs)
+                continue
             q, k, v = project_qkv(model, layer, h, self.position)
             keys, values = rows.append(k, v)
+            shared.keep(layer, keys, values)
             # one query sees every kept row (a sliding layer's KvBuffer holds just its window)
             attn = attend(model, layer, q, keys, values, self.position, None)
             if isinstance(rows, KvBuffer) and model.config.layers[layer].sliding_window:

@@ -27,6 +27,7 @@ from larql.inference.ffn import FfnBackend
 from larql.inference.layer import attention_block, ffn_block
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import EngineProfiler
+from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.buffers import KvBuffer
 from larql.kv.residual.store import ResidualStore
 from larql.models.model import Model
@@ -116,12 +117,15 @@ class ResidualStreamEngine(KvEngine):
     ) -> torch.Tensor:
         """rows: [S, H] at positions 0.. → every row's hidden [S, H]."""
         self.validate_for(model)
-        store = ResidualStore(self.window, self.codec_labels(model))
+        cfg = model.config
+        keeps = [not shares(cfg, layer) for layer in range(cfg.num_layers)]
+        store = ResidualStore(self.window, self.codec_labels(model), keeps)
         assert store.kv is not None
         h = rows
+        shared = SharedKv(cfg)
         for layer, buffer in enumerate(store.kv):
             store.push(layer, h)
-            h = attention_block(model, layer, h, 0, buffer)
+            h = attention_block(model, layer, h, 0, buffer, shared=shared)
             h = ffn_block(model, layer, h, ffn, inputs)
         store.advance(rows.shape[0])
         self._store = store
@@ -139,11 +143,12 @@ class ResidualStreamEngine(KvEngine):
         store, prof, h = self.store, self._profiler, row
         position = store.next_position
         device = model.device
+        shared = SharedKv(model.config)
         for layer, buffer in enumerate(self._derivative_kv(model, prof)):
             with prof.stage("state_append", device):
                 store.push(layer, h)
             with prof.stage("attention", device):
-                h = attention_block(model, layer, h, position, buffer)
+                h = attention_block(model, layer, h, position, buffer, shared=shared)
             with prof.stage("ffn", device):
                 h = ffn_block(model, layer, h, ffn, inputs)
         store.advance(1)

@@ -38,10 +38,18 @@ class EvictedBlock:
 
 
 class ResidualStore:
-    """Hot/cold pre-layer residuals and derivative K/V of every layer."""
+    """Hot/cold pre-layer residuals and derivative K/V of every layer. A layer that attends over
+    another layer's K/V (`keeps_kv` False: Gemma 4's K/V-sharing layers) holds nothing: no
+    residuals, no K/V."""
 
-    def __init__(self, window: int | None, codec_labels: Sequence[str]) -> None:
+    def __init__(
+        self,
+        window: int | None,
+        codec_labels: Sequence[str],
+        keeps_kv: Sequence[bool] | None = None,
+    ) -> None:
         self.window = window
+        self.keeps_kv = list(keeps_kv) if keeps_kv is not None else [True] * len(codec_labels)
         self.hot = [GrowableRows() for _ in codec_labels]  # [hot_len, H] each
         self.cold: list[ColdCodec] = [new_codec(label) for label in codec_labels]
         self.kv: list[KvBuffer] | None = [KvBuffer() for _ in codec_labels]
@@ -67,7 +75,8 @@ class ResidualStore:
 
     def push(self, layer: int, h: torch.Tensor) -> None:
         """Record the pre-layer residual rows h: [S, H] of the positions being computed."""
-        self.hot[layer].append(h)
+        if self.keeps_kv[layer]:
+            self.hot[layer].append(h)
 
     def advance(self, rows: int) -> None:
         """The rows pushed to every layer are done: they now occupy the next positions."""
@@ -81,6 +90,8 @@ class ResidualStore:
         first = self.cold_len  # snapshot before appending: the true position of the first row
         blocks = []
         for layer, (hot, cold) in enumerate(zip(self.hot, self.cold, strict=True)):
+            if not self.keeps_kv[layer]:
+                continue
             rows = hot.pop_front(overflow)  # [overflow, H]
             stored = cold.append(rows)
             blocks.append(EvictedBlock(layer, first, stored, cold.lossless_for(rows.dtype)))
@@ -99,13 +110,13 @@ class ResidualStore:
     def rebuild_cold_kv(self, model: Model, layer: int) -> KvBuffer:
         """A fresh K/V buffer of one layer holding the cold rows' K/V at positions 0.."""
         buffer = KvBuffer()
-        if self.cold_len:
+        if self.cold_len and self.keeps_kv[layer]:
             buffer.append(*recompute_kv(model, layer, self.cold[layer].decode(), 0))
         return buffer
 
     def rebuild_hot_kv(self, model: Model, layer: int, buffer: KvBuffer) -> None:
         """Extend `buffer` (holding the cold K/V) with the hot rows' K/V at their positions."""
-        if self.hot_len:
+        if self.hot_len and self.keeps_kv[layer]:
             hot = self.hot[layer].rows  # [hot_len, H]
             buffer.append(*recompute_kv(model, layer, hot, self.next_position - self.hot_len))
 

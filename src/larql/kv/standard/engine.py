@@ -30,6 +30,7 @@ from larql.inference.layer import (
     project_qkv,
 )
 from larql.inference.memory import MemoryBreakdown
+from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.buffers import KvBuffer
 from larql.kv.standard.sinks import SinkKvBuffer
 from larql.kv.standard.static import StaticCache
@@ -131,12 +132,15 @@ class StandardEngine(KvEngine):
         assert len(batch) == len(engines), "batch_key groups only eager standard engines"
         positions = [e.position for e in batch]
         window = batch[0].window
+        shared = [SharedKv(model.config) for _ in batch]  # each session's, for sharing layers
         h = rows
         for layer in range(model.config.num_layers):
             buffers = [e._layers[layer] for e in batch]  # type: ignore[index]
             out = fused_layer_batch(model, layer, h, positions, buffers, ffn, window)
             if out is None:
-                rows_attend = partial(_attend_buffer, model, layer, buffers, positions, window)
+                rows_attend = partial(
+                    _attend_buffer, model, layer, buffers, positions, window, shared
+                )
                 out = batched_layer_step(model, layer, h, positions, rows_attend, ffn, inputs)
             for buffer in buffers:
                 buffer.clip()
@@ -194,11 +198,13 @@ class StandardEngine(KvEngine):
     ) -> torch.Tensor:
         """Rows h [S, H] at positions start.. (per-layer inputs [S, L, P] or None) → [S, H]."""
         assert self._layers is not None
+        shared = SharedKv(model.config)  # a K/V-sharing layer's buffer stays empty
         for layer, buffer in enumerate(self._layers):
-            if isinstance(buffer, SinkKvBuffer):
+            if isinstance(buffer, SinkKvBuffer) and not shares(model.config, layer):
                 q, k, v = project_qkv(model, layer, h, start)
                 keys, values = buffer.append(k, v)
                 allowed = buffer.allowed(start, h.shape[0])
+                shared.keep(layer, keys, values, allowed)
                 attn = attend(model, layer, q, keys, values, start, None, allowed)
                 h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn, inputs)
             else:
@@ -206,7 +212,9 @@ class StandardEngine(KvEngine):
                 h = (
                     fused
                     if fused is not None
-                    else layer_step(model, layer, h, start, buffer, ffn, self.window, inputs)
+                    else layer_step(
+                        model, layer, h, start, buffer, ffn, self.window, inputs, shared
+                    )
                 )
             buffer.clip()
         return h
@@ -225,11 +233,17 @@ def _attend_buffer(
     buffers: list[KvBuffer | SinkKvBuffer],
     positions: list[int],
     window: int | None,
+    shared: list[SharedKv],
     i: int,
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Row i of a batched step: its new K/V into session i's buffer, its query over it."""
-    keys, values = buffers[i].append(k, v)
+    """Row i of a batched step: its new K/V into session i's buffer, its query over it (a
+    K/V-sharing layer's query over what its source attended over)."""
+    if k is None or v is None:
+        keys, values, _ = shared[i].of(layer)
+    else:
+        keys, values = buffers[i].append(k, v)
+        shared[i].keep(layer, keys, values)
     return attend(model, layer, q, keys, values, positions[i], window)  # [1, q_dim]

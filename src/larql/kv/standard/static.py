@@ -31,11 +31,13 @@ from larql.inference.layer import (
     embed_rows,
     ffn_block,
     layer_step,
+    project_q_with_rope,
     project_qkv_with_rope,
     static_mask,
     token_tensor,
 )
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
+from larql.inference.shared_kv import SharedKv, shares
 from larql.kernels import DecodeAttention, decode_attention_kernel
 from larql.kv.captured_step import (
     CapturedStep,
@@ -91,7 +93,8 @@ class StaticCache:
         return f"static K/V cache, {self.dispatch_path()} decode step, {attention} attention"
 
     def memory(self) -> MemoryBreakdown:
-        return MemoryBreakdown(hot=tensor_bytes(*(self._keys or []), *(self._values or [])))
+        held = {t.data_ptr(): t for t in (*(self._keys or []), *(self._values or []))}
+        return MemoryBreakdown(hot=tensor_bytes(*held.values()))  # shared buffers counted once
 
     def dispatch_path(self) -> str:
         return "cuda-graph" if self._graph.captured else "static"
@@ -104,9 +107,10 @@ class StaticCache:
         self._allocate(model, initial_capacity(len(token_ids)))
         assert self._keys is not None and self._values is not None
         h, inputs = embed_rows(model, token_tensor(model, token_ids))  # [S, H], …
+        shared = SharedKv(model.config)
         for layer in range(model.config.num_layers):
             sink = _PrefillSink(self._keys[layer], self._values[layer])
-            h = layer_step(model, layer, h, 0, sink, ffn, self.window, inputs)
+            h = layer_step(model, layer, h, 0, sink, ffn, self.window, inputs, shared)
         return h
 
     def step(self, model: Model, ffn: FfnBackend, token_id: int, position: int) -> torch.Tensor:
@@ -159,9 +163,12 @@ class StaticCache:
             window = effective_window(model, layer, self.window)
             if window not in masks and kernel is None:
                 masks[window] = static_mask(capacity, pos, window)
-            q, k, v = project_qkv_with_rope(model, layer, h, *rope(model, layer))
-            self._keys[layer].index_copy_(1, pos, k)
-            self._values[layer].index_copy_(1, pos, v)
+            if shares(model.config, layer):  # its buffers are its source's, written already
+                q = project_q_with_rope(model, layer, h, *rope(model, layer))
+            else:
+                q, k, v = project_qkv_with_rope(model, layer, h, *rope(model, layer))
+                self._keys[layer].index_copy_(1, pos, k)
+                self._values[layer].index_copy_(1, pos, v)
             kv = self._keys[layer], self._values[layer]  # [Hkv, C, D] each
             if kernel is not None:
                 attn = attend_static_kernel(model, q, *kv, pos, window, kernel)
@@ -176,8 +183,13 @@ class StaticCache:
         shapes = [(cfg.kv_heads_of(i), capacity, cfg.head_dim_of(i)) for i in range(cfg.num_layers)]
         old_k, old_v = self._keys, self._values
         kw = {"dtype": model.dtype, "device": model.device}
-        self._keys = [torch.zeros(shape, **kw) for shape in shapes]
-        self._values = [torch.zeros(shape, **kw) for shape in shapes]
+        self._keys, self._values = [], []
+        for layer, shape in enumerate(shapes):
+            source = cfg.kv_source_of(layer)  # a K/V-sharing layer reads its source's buffers
+            self._keys.append(torch.zeros(shape, **kw) if source is None else self._keys[source])
+            self._values.append(
+                torch.zeros(shape, **kw) if source is None else self._values[source]
+            )
         if old_k is not None and old_v is not None:
             n = old_k[0].shape[1]
             for new, old in zip(self._keys + self._values, old_k + old_v, strict=True):

@@ -28,6 +28,7 @@ from larql.inference.layer import (
     batched_layer_step,
     effective_window,
     ffn_block,
+    project_q_with_rope,
     project_qkv_with_rope,
     static_mask,
 )
@@ -145,9 +146,16 @@ class BatchedStaticStep:
         positions, capacities = inputs.meta[0], inputs.meta[1]  # [Bb] each
         rope = RopeAtPosition(positions)
         h = inputs.rows
+        new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # each layer's new K/V rows
         for layer in range(cfg.num_layers):
             window = effective_window(model, layer, self.window)
-            q, k, v = project_qkv_with_rope(model, layer, h, *rope(model, layer))
+            source = cfg.kv_source_of(layer)
+            if source is None:
+                q, k, v = project_qkv_with_rope(model, layer, h, *rope(model, layer))
+                new[layer] = k, v
+            else:  # its buffers are its source's: the kernel writes the source's rows again
+                q = project_q_with_rope(model, layer, h, *rope(model, layer))
+                k, v = new[source]
             keys, values = inputs.meta[_META + 2 * layer], inputs.meta[_META + 2 * layer + 1]
             attn = self._kernel(
                 q, k, v, self.anchor, keys, values, positions, capacities, capacity,
@@ -189,10 +197,13 @@ def _row_attention(
     window = effective_window(model, layer, engine_window)
     sinks = model.weights.layers[layer].attn_sinks
 
-    def attend_row(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        keys, values = caches[i].layer_buffers(layer)  # [Hkv, C, D] each
-        keys.index_copy_(1, positions[i], k)
-        values.index_copy_(1, positions[i], v)
+    def attend_row(
+        i: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> torch.Tensor:
+        keys, values = caches[i].layer_buffers(layer)  # [Hkv, C, D] each (a sharer's: its source's)
+        if k is not None and v is not None:
+            keys.index_copy_(1, positions[i], k)
+            values.index_copy_(1, positions[i], v)
         mask = static_mask(keys.shape[1], positions[i], window)
         return attend_static(model, q, keys, values, mask, sinks)  # [1, q_dim]
 

@@ -48,9 +48,11 @@ from larql.inference.layer import (
     effective_window,
     ffn_block,
     kept_rows,
+    project_q,
     project_qkv,
 )
 from larql.inference.memory import MemoryBreakdown
+from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
 from larql.kv.turbo_quant.kernel_batch import BatchedKernelStep
 from larql.kv.turbo_quant.kernel_path import KernelPath
@@ -185,9 +187,13 @@ class TurboQuantEngine(KvEngine):
         if self._fast is not None:
             self._fast.start(model, rows.shape[0])
         h = rows  # [S, H]
+        shared = SharedKv(cfg)  # a K/V-sharing layer's store stays empty
         for layer in range(cfg.num_layers):
             exact = FreshKv()
-            h = attention_block(model, layer, h, 0, exact)
+            h = attention_block(model, layer, h, 0, exact, shared=shared)
+            if shares(cfg, layer):
+                h = ffn_block(model, layer, h, ffn, inputs)
+                continue
             assert exact.k is not None and exact.v is not None
             if self._fast is not None:
                 self._fast.store_prompt(layer, exact.k, exact.v)
@@ -218,14 +224,22 @@ class TurboQuantEngine(KvEngine):
         every layer; stores the new row."""
         assert self._layers is not None
         stage, device = self._profiler.stage, model.device
+        shared = SharedKv(model.config)
         for layer, store in enumerate(self._layers):
-            q, k, v = project_qkv(model, layer, h, self.position)  # [Hq|Hkv, 1, D]
             rotation = self._rotation(device, layer)
-            attn = self._attend_over_history(model, layer, q, k, v, rotation)  # [1, q_dim]
+            if shares(model.config, layer):  # its source's rows, in the same basis
+                q = project_q(model, layer, h, self.position)  # [Hq, 1, D]
+                keys, values, _ = shared.of(layer)
+                attn = self._attend_in_basis(model, layer, q, keys, values, rotation)
+            else:
+                q, k, v = project_qkv(model, layer, h, self.position)  # [Hq|Hkv, 1, D]
+                keys, values = self._history_with_row(model, layer, k, v, rotation)
+                shared.keep(layer, keys, values)
+                attn = self._attend_in_basis(model, layer, q, keys, values, rotation)
+                with stage("state_append", device):
+                    store.append(k, v)
             with stage("attention", device):
-                h = attention_output(model, layer, h, attn)
-            with stage("state_append", device):
-                store.append(k, v)
+                h = attention_output(model, layer, h, attn)  # attn: [1, q_dim]
             with stage("ffn", device):
                 h = ffn_block(model, layer, h, ffn, inputs)
         return h
@@ -242,17 +256,42 @@ class TurboQuantEngine(KvEngine):
         """The decode query q [Hq, 1, D] at `self.position` over the layer's stored rows and the
         new row k, v [Hkv, 1, D] (stored by the caller after the step): in the codec's rotated
         basis where `rotation` is given, else over the decoded rows → [1, q_dim]."""
+        keys, values = self._history_with_row(model, layer, k, v, rotation)
+        return self._attend_in_basis(model, layer, q, keys, values, rotation)
+
+    def _history_with_row(
+        self,
+        model: Model,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotation: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's stored rows then the new row k, v [Hkv, 1, D], decoded (`rotation`
+        None) or in the rotated basis → keys, values [Hkv, n + 1, D']."""
         assert self._layers is not None
         stage, device, dtype = self._profiler.stage, model.device, model.dtype
         with stage("state_materialise", device):
             keys, values = self._layers[layer].keys_values(dtype, rotation)  # [Hkv, n, D']
-        with stage("attention", device):
+            if rotation is not None:
+                k, v = rotate(k, rotation).to(dtype), rotate(v, rotation).to(dtype)
+            return torch.cat((keys, k), dim=1), torch.cat((values, v), dim=1)
+
+    def _attend_in_basis(
+        self,
+        model: Model,
+        layer: int,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rotation: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """q [Hq, 1, D] at `self.position` over keys, values [Hkv, n, D'] in the basis
+        `rotation` gives (None: the model's own) → [1, q_dim]."""
+        with self._profiler.stage("attention", model.device):
             if rotation is None:
-                keys, values = torch.cat((keys, k), dim=1), torch.cat((values, v), dim=1)
                 return attend(model, layer, q, keys, values, self.position, None)
-            cfg = model.config
-            keys = torch.cat((keys, rotate(k, rotation).to(dtype)), dim=1)  # [Hkv, n + 1, D']
-            values = torch.cat((values, rotate(v, rotation).to(dtype)), dim=1)
+            cfg, dtype = model.config, model.dtype
             q_rot = rotate(q, rotation).to(dtype)
             attn = attend(model, layer, q_rot, keys, values, self.position, None)  # [1, Hq·D']
             back = attn.view(cfg.num_heads, -1).float() @ rotation  # [Hq, D'] (R·R = I)
@@ -291,13 +330,14 @@ class TurboQuantEngine(KvEngine):
         batch = [e for e in engines if isinstance(e, TurboQuantEngine) and e._layers is not None]
         assert len(batch) == len(engines), "batch_key groups only torch-path engines"
         positions = [e.position for e in batch]
+        shared = [SharedKv(model.config) for _ in batch]  # each session's, for sharing layers
         h = rows
         for layer in range(model.config.num_layers):
             rotation = batch[0]._rotation(model.device, layer)
             new: list[tuple[torch.Tensor, torch.Tensor]] = []
-            rows_attend = partial(_attend_and_keep, batch, model, layer, rotation, new)
+            rows_attend = partial(_attend_and_keep, batch, model, layer, rotation, new, shared)
             h = batched_layer_step(model, layer, h, positions, rows_attend, ffn, inputs)
-            for engine, (k, v) in zip(batch, new, strict=True):
+            for engine, (k, v) in zip(batch, new, strict=False):  # none on a sharing layer
                 engine._layers[layer].append(k, v)  # type: ignore[index]
         return h
 
@@ -308,8 +348,8 @@ class TurboQuantEngine(KvEngine):
             return None
         if model.config.arch.attention_sinks:  # the kernels have no attention sinks
             return None
-        if model.weights.per_layer is not None:  # its captured step has no per-layer inputs
-            return None
+        if model.weights.per_layer is not None or model.config.shares_kv:
+            return None  # its captured step has neither per-layer inputs nor shared K/V
         if not larql.kernels.triton_available(model.device):
             return None
         from larql.kv.turbo_quant import kernels  # imports Triton: only where it runs
@@ -360,12 +400,20 @@ def _attend_and_keep(
     layer: int,
     rotation: torch.Tensor | None,
     new: list[tuple[torch.Tensor, torch.Tensor]],
+    shared: list[SharedKv],
     i: int,
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
 ) -> torch.Tensor:
     """Row i of a batched step: engine i's attention; its new row kept (in `new`, in row
-    order) for storing after the layer."""
-    new.append((k, v))
-    return batch[i]._attend_over_history(model, layer, q, k, v, rotation)  # [1, q_dim]
+    order) for storing after the layer. A K/V-sharing layer's row attends over what its
+    source attended over, and keeps nothing."""
+    engine = batch[i]
+    if k is None or v is None:
+        keys, values, _ = shared[i].of(layer)
+    else:
+        new.append((k, v))
+        keys, values = engine._history_with_row(model, layer, k, v, rotation)
+        shared[i].keep(layer, keys, values)
+    return engine._attend_in_basis(model, layer, q, keys, values, rotation)  # [1, q_dim]

@@ -30,6 +30,7 @@ from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import FreshKv, attention_block, embed_rows, ffn_block, token_tensor
 from larql.inference.memory import MemoryBreakdown
+from larql.inference.shared_kv import SharedKv
 from larql.kv.buffers import KvBuffer
 from larql.kv.spec import EngineBuildError
 from larql.kv.windowed_checkpoint.checkpoints import (
@@ -38,6 +39,7 @@ from larql.kv.windowed_checkpoint.checkpoints import (
     TokenArchive,
     WindowedCheckpointStats,
 )
+from larql.models.config import ModelConfig
 from larql.models.model import Model
 
 DEFAULT_WINDOW = 512
@@ -48,6 +50,9 @@ Stage = Callable[[str, torch.device], AbstractContextManager[None]]
 
 def _unprofiled(name: str, device: torch.device) -> AbstractContextManager[None]:
     return nullcontext()
+
+
+_NONE = torch.empty(0)  # a checkpoint's row for a layer that shares another's K/V
 
 
 class WindowedCheckpointEngine(KvEngine):
@@ -129,9 +134,10 @@ class WindowedCheckpointEngine(KvEngine):
         start = self.offset + len(self.archive.pending)
         with stage("embed", model.device):
             h, inputs = embed_rows(model, token_tensor(model, chunk))  # [S, H], …
+        shared = SharedKv(model.config)  # a K/V-sharing layer's buffer stays empty
         for layer, kv in enumerate(self._layers):
             with stage("attention", model.device):
-                h = attention_block(model, layer, h, start, kv)
+                h = attention_block(model, layer, h, start, kv, shared=shared)
             with stage("ffn", model.device):
                 h = ffn_block(model, layer, h, ffn, inputs)
         self.archive.pending.extend(chunk)
@@ -154,9 +160,10 @@ class WindowedCheckpointEngine(KvEngine):
         )  # [S, S]
         h, inputs = embed_rows(model, token_tensor(model, token_ids))  # [S, H], …
         rows: list[FreshKv] = []
+        shared = SharedKv(model.config)
         for layer in range(model.config.num_layers):
             rows.append(FreshKv())
-            h = attention_block(model, layer, h, 0, rows[-1], allowed=allowed)
+            h = attention_block(model, layer, h, 0, rows[-1], allowed=allowed, shared=shared)
             h = ffn_block(model, layer, h, ffn, inputs)
         closed = n // w
         for window_id in range(closed):
@@ -169,14 +176,17 @@ class WindowedCheckpointEngine(KvEngine):
         if self.offset < n:
             self.archive.pending = token_ids[self.offset :]
             for layer, kv in enumerate(self._layers):
-                kv.append(rows[layer].k[:, self.offset :], rows[layer].v[:, self.offset :])
+                k, v = rows[layer].k, rows[layer].v
+                if k is not None and v is not None:  # (a K/V-sharing layer has none)
+                    kv.append(k[:, self.offset :], v[:, self.offset :])
         return h[-1:]
 
     @staticmethod
     def _rows_at(rows: list[FreshKv], start: int, end: int) -> Checkpoint:
-        """The K/V rows start..end−1 of every layer as a checkpoint (the row end − 1's)."""
-        keys = tuple(r.k[:, start:end].clone() for r in rows if r.k is not None)
-        values = tuple(r.v[:, start:end].clone() for r in rows if r.v is not None)
+        """The K/V rows start..end−1 of every layer as a checkpoint (the row end − 1's; none for
+        a layer sharing another's K/V)."""
+        keys = tuple(_NONE if r.k is None else r.k[:, start:end].clone() for r in rows)
+        values = tuple(_NONE if r.v is None else r.v[:, start:end].clone() for r in rows)
         return Checkpoint(position=end - 1, keys=keys, values=values)
 
     def _seed_window(self) -> None:
@@ -185,7 +195,7 @@ class WindowedCheckpointEngine(KvEngine):
         previous = self.checkpoints.get(self.window_id - 1)
         for layer, kv in enumerate(self._layers):
             kv.truncate(0)
-            if previous is not None:
+            if previous is not None and previous.keys[layer].numel():
                 kv.append(previous.keys[layer], previous.values[layer])
         self._seeded = previous is not None
 
@@ -196,8 +206,10 @@ class WindowedCheckpointEngine(KvEngine):
             n = len(self.archive.pending)
             checkpoint = Checkpoint(
                 position=self.offset + n - 1,
-                keys=tuple(kv.keys[:, -1:].clone() for kv in self._layers),
-                values=tuple(kv.values[:, -1:].clone() for kv in self._layers),
+                keys=tuple(kv.keys[:, -1:].clone() if len(kv) else _NONE for kv in self._layers),
+                values=tuple(
+                    kv.values[:, -1:].clone() if len(kv) else _NONE for kv in self._layers
+                ),
             )
             self.checkpoints.put(self.window_id, checkpoint)
             self.archive.close(self.window_id, self.offset, model.device)
@@ -229,8 +241,8 @@ class WindowedCheckpointEngine(KvEngine):
         """K/V of the open window's own tokens (checkpoint row excluded), per layer."""
         if self._layers is None or not self.archive.pending:
             return []
-        skip = int(self._seeded)
-        return [(kv.keys[:, skip:].clone(), kv.values[:, skip:].clone()) for kv in self._layers]
+        assert self._model is not None
+        return self._per_layer(self._model.config, self._layers, int(self._seeded))
 
     def replay_window(
         self, window_id: int, model: Model | None = None, ffn: FfnBackend | None = None
@@ -249,15 +261,25 @@ class WindowedCheckpointEngine(KvEngine):
             )
         previous = self.checkpoints.get(window_id - 1)
         sinks = [KvBuffer() for _ in range(model.config.num_layers)]
+        shared = SharedKv(model.config)
         with torch.inference_mode():
             h, inputs = embed_rows(model, archived.token_ids.long())  # [n, H], …
             for layer, kv in enumerate(sinks):
-                if previous is not None:
+                if previous is not None and previous.keys[layer].numel():
                     kv.append(previous.keys[layer], previous.values[layer])
-                h = attention_block(model, layer, h, archived.offset, kv)
+                h = attention_block(model, layer, h, archived.offset, kv, shared=shared)
                 h = ffn_block(model, layer, h, ffn, inputs)
-        skip = int(previous is not None)
-        return [(kv.keys[:, skip:].clone(), kv.values[:, skip:].clone()) for kv in sinks]
+        return self._per_layer(model.config, sinks, int(previous is not None))
+
+    @staticmethod
+    def _per_layer(config: ModelConfig, buffers: list[KvBuffer], skip: int) -> LayerKv:
+        """Each layer's (keys, values) past the first `skip` rows; a K/V-sharing layer's are
+        its source's."""
+        owners = [config.kv_source_of(layer) for layer in range(len(buffers))]
+        owners = [layer if source is None else source for layer, source in enumerate(owners)]
+        return [
+            (buffers[i].keys[:, skip:].clone(), buffers[i].values[:, skip:].clone()) for i in owners
+        ]
 
     def stats(self) -> WindowedCheckpointStats:
         tokens = self.archive.total_tokens
