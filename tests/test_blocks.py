@@ -414,3 +414,37 @@ def test_the_commands_ffn_router_hands_on_the_compiled_mlp(auto_smollm2: Model) 
     h = torch.randn(1, auto_smollm2.config.hidden_size)
     norm, eps = auto_smollm2.weights.layers[3].ffn_norm, auto_smollm2.config.norm_eps
     assert torch.equal(router.fused_block(3, h, norm, eps), dense.fused_block(3, h, norm, eps))
+
+
+@pytest.mark.parametrize(
+    "qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K]
+)
+def test_tiled_products_on_amx(qtype: GGMLQuantizationType) -> None:
+    """On a CPU with AMX: a 4-bit matrix tiled for the tile unit gives, for int16 inputs, the
+    float product within the inputs' rounding (as the untiled one does), each row of a batch
+    bit for bit its product alone, and refuses float or int8 inputs by name."""
+    kernels = load_block_kernels()
+    if kernels is None or not kernels.amx():
+        pytest.skip("needs the CPU kernels built with AMX, on a CPU that has it")
+    width = 256 if qtype == GGMLQuantizationType.Q4_K else 96
+    if qtype == GGMLQuantizationType.Q4_K:
+        raw = _random_q4_k(96, width, 5)
+    else:
+        weights = np.random.default_rng(3).standard_normal((96, width)).astype(np.float32)
+        raw = quantize(weights, qtype)
+    rows = BlockRows.from_gguf(qtype, raw, (96, width))
+    code = FORMAT_CODES[rows.format]
+    tiled = kernels.tile_rows(rows.data, code)
+    assert tiled.shape == rows.data.shape and not torch.equal(tiled, rows.data)
+    x = torch.randn(11, width, generator=torch.Generator().manual_seed(4))
+    reference = x.double() @ rows.dequantize().double().T
+    many = kernels.block_gemm(x, tiled, code + 16, 16)
+    untiled = kernels.block_gemm(x, rows.data, code, 16)
+    assert (many.double() - reference).abs().max() < 1e-3 * reference.abs().max()
+    assert torch.allclose(many, untiled, rtol=1e-5, atol=1e-4)
+    for m in range(x.shape[0]):
+        one = kernels.block_gemv(x[m].contiguous(), tiled, code + 16, 16)
+        assert torch.equal(many[m], one), m
+    for bits in (0, 8):
+        with pytest.raises(ValueError, match="tiled blocks take int16 inputs"):
+            kernels.block_gemm(x, tiled, code + 16, bits)

@@ -13,7 +13,7 @@ import torch
 
 from larql.inference.linear import BLOCK_ROWS
 from larql.kernels.cpu.build import load as load_block_kernels
-from larql.models.blocks import ACTIVATION_BITS, FORMAT_CODES, BlockRows
+from larql.models.blocks import ACTIVATION_BITS, BlockRows
 
 
 def fused_kernels(h: torch.Tensor) -> ModuleType | None:
@@ -41,8 +41,3 @@ def attention_kernels(
 def activation_bits(blocks: BlockRows) -> int:
     """The extension's `activation_bits` argument for these blocks."""
     return ACTIVATION_BITS[blocks.activation]
-
-
-def code(blocks: BlockRows) -> int:
-    """The extension's `format` argument for these blocks."""
-    return FORMAT_CODES[blocks.format]

@@ -16,13 +16,16 @@ its step).
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Protocol
 
 import torch
 
 from larql.inference.ffn.backend import FfnBackend
-from larql.inference.fused import activation_bits, code, fused_kernels
+from larql.inference.fused import activation_bits, fused_kernels
 from larql.inference.layer import effective_window, rope_table
+from larql.inference.linear import kernel_rows
+from larql.models.blocks import BlockRows
 from larql.models.model import Model
 
 
@@ -64,6 +67,12 @@ def _norms(model: Model, layer: int) -> torch.Tensor:
     return norms
 
 
+def _matrices(kernels: ModuleType, *blocks: BlockRows) -> tuple:
+    """The compiled layer's four matrix arguments and their format codes (`kernel_rows`)."""
+    rows = [kernel_rows(b, kernels) for b in blocks]
+    return (*(data for data, _ in rows), [code for _, code in rows])
+
+
 def _compiled_pieces(model: Model, layer: int, h: torch.Tensor, ffn: FfnBackend) -> tuple | None:
     """(kernels, W_qkv, W_o, W_gate_up, W_down) in blocks of one activation kind, where the
     compiled layer applies to the rows h, else None."""
@@ -96,6 +105,7 @@ def fused_layer_batch(
     if pieces is None or not all(hasattr(kv, "decode_slot") for kv in stores):
         return None
     kernels, qkv, wo, gate_up, down = pieces
+    matrices = _matrices(kernels, qkv, wo, gate_up, down)
     slots = [kv.decode_slot() for kv in stores]  # type: ignore[attr-defined]
     if any(slot is None or slot[0].dtype != torch.float32 for slot in slots):
         return None
@@ -106,8 +116,7 @@ def fused_layer_batch(
     cfg, lw = model.config, model.weights.layers[layer]
     cos, sin = rope_table(model, layer).rows(positions)  # [B, rotary] each
     out = kernels.decode_layer_batch(
-        h.contiguous(), _norms(model, layer), cfg.norm_eps, qkv.data, wo.data, gate_up.data,
-        down.data, [code(qkv), code(wo), code(gate_up), code(down)], lw.bqkv, lw.bo,
+        h.contiguous(), _norms(model, layer), cfg.norm_eps, *matrices, lw.bqkv, lw.bo,
         cos.contiguous(), sin.contiguous(),
         [slot[0] for slot in slots], [slot[1] for slot in slots], firsts,
         [slot[3] for slot in slots], cfg.num_heads, cfg.attn_scale, activation_bits(qkv),
@@ -134,6 +143,7 @@ def fused_layer_step(
     if pieces is None:
         return None
     kernels, qkv, wo, gate_up, down = pieces
+    matrices = _matrices(kernels, qkv, wo, gate_up, down)
     lw = model.weights.layers[layer]
     slot = kv.decode_slot()  # type: ignore[attr-defined]
     if slot is None:
@@ -147,8 +157,7 @@ def fused_layer_step(
     cfg = model.config
     cos, sin = rope_table(model, layer).slice(start, 1)  # [1, rotary] each
     out = kernels.decode_layer(
-        h.contiguous(), _norms(model, layer), cfg.norm_eps, qkv.data, wo.data, gate_up.data,
-        down.data, [code(qkv), code(wo), code(gate_up), code(down)], lw.bqkv, lw.bo,
+        h.contiguous(), _norms(model, layer), cfg.norm_eps, *matrices, lw.bqkv, lw.bo,
         cos.reshape(-1), sin.reshape(-1), keys, values, first, row, cfg.num_heads,
         cfg.attn_scale, activation_bits(qkv),
     )  # fmt: skip

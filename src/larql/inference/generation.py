@@ -18,9 +18,10 @@ from larql.inference.errors import EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.fused import fused_kernels
 from larql.inference.layer import final_logits
+from larql.inference.linear import kernel_rows
 from larql.inference.norm import rms_norm
 from larql.inference.sampling import Sampler
-from larql.models.blocks import ACTIVATION_BITS, FORMAT_CODES
+from larql.models.blocks import ACTIVATION_BITS
 from larql.models.model import Model
 
 FinishReason = Literal["stop", "length"]
@@ -55,8 +56,8 @@ def rows_logits(model: Model, hidden: torch.Tensor) -> torch.Tensor:
     if blocks is None or kernels is None or model.config.arch.final_softcap is not None:
         return final_logits(model, hidden)
     x = rms_norm(hidden, model.weights.final_norm, model.config.norm_eps).contiguous()
-    code, bits = FORMAT_CODES[blocks.format], ACTIVATION_BITS[blocks.activation]
-    return kernels.block_gemm(x, blocks.data, code, bits)  # [B, V]
+    data, code = kernel_rows(blocks, kernels)
+    return kernels.block_gemm(x, data, code, ACTIVATION_BITS[blocks.activation])  # [B, V]
 
 
 def step_together(sessions: Sequence[GenerationSession]) -> list[int]:

@@ -20,8 +20,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.ffn.activation import gated_activation
-from larql.inference.fused import activation_bits, attention_kernels, code, fused_kernels
-from larql.inference.linear import linear
+from larql.inference.fused import activation_bits, attention_kernels, fused_kernels
+from larql.inference.linear import kernel_rows, linear
 from larql.inference.norm import LOW_PRECISION, rms_norm
 from larql.inference.rope import RopeTable, apply_rope
 from larql.inference.shared_kv import SharedKv, shares
@@ -167,7 +167,7 @@ def project_qkv_with_rope(
     if plain and blocks is not None and (kernels := fused_kernels(h)) is not None:
         # a few rows: norm, product and RoPE of q and k in one compiled call
         qkv = kernels.decode_qkv(
-            h.contiguous(), lw.attn_norm, cfg.norm_eps, blocks.data, code(blocks), lw.bqkv,
+            h.contiguous(), lw.attn_norm, cfg.norm_eps, *kernel_rows(blocks, kernels), lw.bqkv,
             cos.contiguous(), sin.contiguous(), heads + kv_heads, dim, activation_bits(blocks),
         )  # fmt: skip  # [S, q_dim + 2·kv_dim]
         q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
@@ -438,7 +438,7 @@ def attention_output(model: Model, layer: int, h: torch.Tensor, attn: torch.Tens
     if kernels is not None:
         attn = attn.contiguous()
         return kernels.residual_gemv(
-            h.contiguous(), attn, blocks.data, code(blocks), lw.bo, activation_bits(blocks)
+            h.contiguous(), attn, *kernel_rows(blocks, kernels), lw.bo, activation_bits(blocks)
         )
     out = linear(attn, lw.wo, lw.bo, blocks)
     if lw.post_attn_norm is not None:

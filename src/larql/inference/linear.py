@@ -17,6 +17,8 @@ faster. Without the built extension, torch's float product runs as before.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +30,24 @@ _SPLIT_DTYPES = (torch.float32, torch.float64)
 # rows up to which the block product beats BLAS on the float matrix (SmolLM2's gate/up on the
 # project's 2-core machine: 0.29 against 0.42 ms at 8 rows, 0.53 / 0.66 at 16, 1.35 / 1.04 at 32)
 BLOCK_ROWS = 16
+
+
+_TILED_CODE = 16  # the extension's format code of a tiled matrix: 16 + its format's
+
+
+def kernel_rows(blocks: BlockRows, kernels: ModuleType) -> tuple[torch.Tensor, int]:
+    """The extension's (rows, format) arguments for `blocks`. On a CPU with AMX a 4-bit matrix
+    of int16 products (whole tiles of 16 rows) is rearranged into the tiles' order at its first
+    product, in place (`BlockRows.tiled`: the same bytes, so no second copy), and is then read
+    tiled with the tiled format code by every product, one row or many."""
+    code = FORMAT_CODES[blocks.format]
+    if blocks.tiled:
+        return blocks.data, code + _TILED_CODE
+    tileable = blocks.activation == "int16" and blocks.format != "q8_0"
+    if tileable and blocks.out_features % 16 == 0 and kernels.amx():
+        blocks.data, blocks.tiled = kernels.tile_rows(blocks.data, code), True
+        return blocks.data, code + _TILED_CODE
+    return blocks.data, code
 
 
 def reads_blocks(model: Model) -> bool:
@@ -56,8 +76,9 @@ def linear(
     if blocks is not None and x.dtype != torch.float64 and (kernels := load_block_kernels()):
         # float64 is the precision reference: it keeps the float product
         rows = x.to(torch.float32).contiguous()  # [S, in]
-        code, bits = FORMAT_CODES[blocks.format], ACTIVATION_BITS[blocks.activation]
-        out = kernels.block_gemm(rows, blocks.data, code, bits).to(x.dtype)  # [S, out]
+        data, code = kernel_rows(blocks, kernels)
+        bits = ACTIVATION_BITS[blocks.activation]
+        out = kernels.block_gemm(rows, data, code, bits).to(x.dtype)  # [S, out]
         return out if bias is None else out + bias
     if x.shape[0] != 1:
         return F.linear(x, weight, bias)

@@ -45,14 +45,22 @@ def block_width(qtype: GGMLQuantizationType) -> int:
     return 256 if qtype == GGMLQuantizationType.Q4_K else BLOCK
 
 
-@dataclass(frozen=True)
+@dataclass
 class BlockRows:
-    """A weight matrix [out_features, in_features] as rows of quantisation blocks."""
+    """A weight matrix [out_features, in_features] as rows of quantisation blocks. `tiled`: the
+    same bytes rearranged for the CPU's AMX products (`inference.linear.kernel_rows` does it,
+    in place, at the matrix's first product on such a CPU); a tiled matrix is read by those
+    products only."""
 
     format: str  # a key of BLOCK_BYTES
     data: torch.Tensor  # uint8 [out_features, in_features / 32 · BLOCK_BYTES[format]]
     in_features: int
     activation: str = "float"  # a key of ACTIVATION_BITS: how one-row products take x
+    tiled: bool = False
+
+    def _require_rows(self) -> None:
+        if self.tiled:
+            raise ValueError("a tiled block matrix is read by the AMX products only")
 
     @property
     def out_features(self) -> int:
@@ -80,6 +88,7 @@ class BlockRows:
 
     def take_rows(self, order: torch.Tensor) -> BlockRows:
         """The rows in another order (order: [out] int64)."""
+        self._require_rows()
         return replace(self, data=self.data[order].contiguous())
 
     @staticmethod
@@ -90,10 +99,13 @@ class BlockRows:
         inputs = {p.activation for p in parts}
         if len(formats) != 1 or len(widths) != 1 or len(inputs) != 1:
             raise ValueError(f"cannot stack blocks of formats {formats} and widths {widths}")
+        for part in parts:
+            part._require_rows()
         return replace(parts[0], data=torch.cat([p.data for p in parts]))
 
     def dequantize(self) -> torch.Tensor:
         """→ float32 [out_features, in_features]."""
+        self._require_rows()
         out_features = self.out_features
         blocks = self.data.view(out_features, -1, BLOCK_BYTES[self.format])  # [O, B, bytes]
         if self.format == "q4_k32":

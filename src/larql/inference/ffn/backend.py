@@ -15,8 +15,8 @@ import torch
 from larql.inference.errors import BackendUnavailable
 from larql.inference.ffn.activation import gated_activation
 from larql.inference.ffn.experts import expert_glu, experts_forward
-from larql.inference.fused import activation_bits, code, fused_kernels
-from larql.inference.linear import linear
+from larql.inference.fused import activation_bits, fused_kernels
+from larql.inference.linear import kernel_rows, linear
 from larql.inference.norm import rms_norm
 from larql.models.blocks import BlockRows
 from larql.models.model import Model
@@ -101,7 +101,7 @@ class DenseFfn(FfnBackend):
             return None
         gate_up, down = blocks
         return kernels.residual_ffn(
-            h.contiguous(), norm, eps, gate_up.data, code(gate_up), down.data, code(down),
+            h.contiguous(), norm, eps, *kernel_rows(gate_up, kernels), *kernel_rows(down, kernels),
             activation_bits(gate_up),
         )  # fmt: skip  # [1, H]
 

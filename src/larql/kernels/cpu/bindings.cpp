@@ -9,6 +9,8 @@ torch::Tensor block_gemv(torch::Tensor x, torch::Tensor rows, int64_t format,
 torch::Tensor block_gemm(torch::Tensor x, torch::Tensor rows, int64_t format,
                          int64_t activation_bits);
 std::string simd();
+torch::Tensor tile_rows(torch::Tensor rows, int64_t format);
+bool amx();
 torch::Tensor decode_qkv(torch::Tensor h, torch::Tensor norm_weight, double eps,
                          torch::Tensor rows, int64_t format, c10::optional<torch::Tensor> bias,
                          torch::Tensor cos, torch::Tensor sin, int64_t rope_heads,
@@ -46,6 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_gemv", &larql::block_gemv, "one-token product with GGUF block rows", no_gil);
   m.def("block_gemm", &larql::block_gemm, "M-row product with GGUF block rows", no_gil);
   m.def("simd", &larql::simd, "the instruction set this build uses");
+  m.def("tile_rows", &larql::tile_rows, "4-bit block rows tiled for the AMX products");
+  m.def("amx", &larql::amx, "whether tiled blocks' products run here");
   m.def("decode_qkv", &larql::decode_qkv, "rms_norm → fused QKV product → RoPE, one row", no_gil);
   m.def("residual_gemv", &larql::residual_gemv, "h + W · x, one row", no_gil);
   m.def("decode_attention", &larql::decode_attention, "one query's attention over K/V rows",

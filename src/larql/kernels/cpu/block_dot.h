@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -33,16 +34,27 @@ namespace larql {
 
 constexpr int64_t kBlock = 32;
 
-enum class Format : int { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K32 = 3 };
+// The 4-bit formats also come tiled for the AMX products (`amx_gemm.h`): kTiled + the format.
+enum class Format : int {
+  Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K32 = 3,
+  Q4_0_TILED = 17, Q4_1_TILED = 18, Q4_K32_TILED = 19,
+};
+constexpr int kTiled = 16;
+
+inline bool is_tiled(Format f) { return static_cast<int>(f) >= kTiled; }
+
+inline Format base_of(Format f) {
+  return is_tiled(f) ? static_cast<Format>(static_cast<int>(f) - kTiled) : f;
+}
 
 inline int64_t block_bytes(Format f) {
-  switch (f) {
+  switch (base_of(f)) {
     case Format::Q8_0: return 34;
     case Format::Q4_0: return 18;
     case Format::Q4_1: return 20;
     case Format::Q4_K32: return 24;  // d f32, m f32, 16 bytes of nibbles
+    default: return 0;
   }
-  return 0;
 }
 
 inline float half_to_float(uint16_t h) {
@@ -477,6 +489,12 @@ inline void rows_dot_int16_tile(Format f, const uint8_t* row, int64_t blocks, co
 }
 #endif
 
+}  // namespace larql
+
+#include "amx_gemm.h"  // the int16 products on AMX tiles (uses the definitions above)
+
+namespace larql {
+
 // out: [M, n] for x: [M, k] (rows contiguous), x rounded to integer codes per block first.
 template <typename Code>
 void gemm_codes(Format f, const uint8_t* rows, int64_t row_bytes, int64_t n, const float* x,
@@ -485,6 +503,12 @@ void gemm_codes(Format f, const uint8_t* rows, int64_t row_bytes, int64_t n, con
   std::vector<QuantizedInput<Code>> ins;
   ins.reserve(m_rows);
   for (int64_t m = 0; m < m_rows; ++m) ins.push_back(quantize_input<Code>(x + m * k, k));
+  if (is_tiled(f)) {  // (gemm_with allows it for int16 inputs on an AMX build only)
+#if LARQL_AMX
+    if constexpr (sizeof(Code) == 2) return amx_gemm(base_of(f), rows, n, blocks, ins.data(), m_rows, out);
+#endif
+    return;
+  }
   const int64_t grain = std::max<int64_t>(8, 64 / m_rows);
 #if LARQL_AVX2
   if constexpr (sizeof(Code) == 2) {
@@ -537,9 +561,24 @@ inline void gemm_float(Format f, const uint8_t* rows, int64_t row_bytes, int64_t
   });
 }
 
+// Whether these weights can be multiplied with these inputs: tiled ones only with int16 inputs
+// where this build has the AMX products and this process may use them.
+inline bool product_supported(Activation a, Format f) {
+  if (!is_tiled(f)) return true;
+#if LARQL_AMX
+  return a == Activation::Int16 && amx_usable();
+#else
+  (void)a;
+  return false;
+#endif
+}
+
 // The M-row product with float32, int8 or int16 inputs: x [M, k] → out [M, n].
 inline void gemm_with(Activation a, Format f, const uint8_t* rows, int64_t row_bytes, int64_t n,
                       const float* x, int64_t m_rows, int64_t k, float* out) {
+  if (!product_supported(a, f)) {
+    throw std::invalid_argument("tiled blocks take int16 inputs on a CPU with AMX only");
+  }
   switch (a) {
     case Activation::Int8: return gemm_codes<int8_t>(f, rows, row_bytes, n, x, m_rows, k, out);
     case Activation::Int16: return gemm_codes<int16_t>(f, rows, row_bytes, n, x, m_rows, k, out);
@@ -550,6 +589,9 @@ inline void gemm_with(Activation a, Format f, const uint8_t* rows, int64_t row_b
 // The one-row product with a float32, int8 or int16 input.
 inline void gemv_with(Activation a, Format f, const uint8_t* rows, int64_t row_bytes, int64_t n,
                       const float* x, int64_t k, float* out) {
+  if (!product_supported(a, f)) {
+    throw std::invalid_argument("tiled blocks take int16 inputs on a CPU with AMX only");
+  }
   switch (a) {
     case Activation::Int8: return gemv_codes<int8_t>(f, rows, row_bytes, n, x, k, out);
     case Activation::Int16: return gemv_codes<int16_t>(f, rows, row_bytes, n, x, k, out);

@@ -1,0 +1,235 @@
+// The int16-input block products on Intel's AMX tiles, for the 4-bit formats (Q4_0, Q4_1,
+// Q4_K32), where the CPU has AMX-INT8 and the kernel lets this process use the tile registers.
+//
+// The weights are held tiled (`tile_rows`, once, when a model's blocks are first used): per 16
+// rows and block of 32, the rows' code bytes as the tile unit reads them, then their scales —
+// the same bytes as the 16 rows' blocks, read in order. The integer sums are the ones the AVX2
+// path computes, exactly: an int16 code q is split as q = 256·hi + lo (hi signed, lo unsigned
+// bytes) and Σ w q = 256·Σ w·hi + Σ w·lo, each a tile product of bytes (the nibbles are
+// unsigned bytes):
+//   C_hi[m, o] = Σ_k hi[m, k] · w[o, k]   (TDPBSUD: signed × unsigned bytes)
+//   C_lo[m, o] = Σ_k lo[m, k] · w[o, k]   (TDPBUUD)
+// The weights' tile (the second operand) holds 4 consecutive k of one row per 32-bit word: word
+// r of a Q4 block's 16 code bytes carries elements 4r..4r+3 in its low nibbles and 16+4r..19+4r
+// in its high ones, so the tiled layout keeps word r of the 16 rows together.
+//
+// Per block the whole integer sum is scaled (not the AVX2 path's 8 partial sums), the same
+// arithmetic for every input whatever else shares the tile: a row's result does not depend on
+// its batch, and a tiled matrix takes this path for one row or many.
+#pragma once  // included by block_dot.h, after the definitions it uses
+
+#include <cstdint>
+#include <cstdlib>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && \
+    defined(__AVX512BW__) && defined(__F16C__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define LARQL_AMX 1
+#else
+#define LARQL_AMX 0
+#endif
+
+namespace larql {
+
+#if LARQL_AMX
+constexpr int kTileOutputs = 16;  // weight rows per tile
+constexpr int kTileInputs = 16;   // inputs per tile, at most
+
+// Whether this process may use the tile registers: Linux grants them on request, once.
+inline bool amx_usable() {
+  static const bool usable = [] {
+    if (const char* off = std::getenv("LARQL_NO_AMX"); off != nullptr && off[0] == '1') return false;
+    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return usable;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0, 1 C_hi, C_lo [M × 16 int32]; 2, 3 hi, lo [M × 32 bytes]; 4 the weights [8 × 64].
+inline void configure_tiles(int inputs) {
+  thread_local int configured = 0;
+  if (configured == inputs) return;
+  TileConfig config;
+  for (int t : {0, 1}) config.rows[t] = inputs, config.bytes_per_row[t] = 64;
+  for (int t : {2, 3}) config.rows[t] = inputs, config.bytes_per_row[t] = 32;
+  config.rows[4] = 8, config.bytes_per_row[4] = 64;
+  _tile_loadconfig(&config);
+  configured = inputs;
+}
+
+// Up to 16 inputs' int16 codes as the tiles' first operands, block-major: [blocks][M][32] high
+// and low bytes, and per block and input its scale, Σ x and Σ q.
+struct AmxInputs {
+  int count = 0;
+  std::vector<int8_t> high;
+  std::vector<uint8_t> low;
+  std::vector<float> scales, sums;
+  std::vector<int32_t> code_sums;
+
+  AmxInputs(const QuantizedInput<int16_t>* ins, int n, int64_t blocks)
+      : count(n), high(blocks * n * kBlock), low(blocks * n * kBlock), scales(blocks * n),
+        sums(blocks * n), code_sums(blocks * n) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int m = 0; m < n; ++m) {
+        const int16_t* q = ins[m].codes.data() + b * kBlock;
+        for (int i = 0; i < kBlock; ++i) {
+          high[(b * n + m) * kBlock + i] = static_cast<int8_t>(q[i] >> 8);
+          low[(b * n + m) * kBlock + i] = static_cast<uint8_t>(q[i] & 0xff);
+        }
+        scales[b * n + m] = ins[m].scales[b];
+        sums[b * n + m] = ins[m].sums[b];
+        code_sums[b * n + m] = ins[m].code_sums[b];
+      }
+    }
+  }
+};
+
+// The bytes of one tile (16 rows) and block in the tiled layout: the 16 rows' code words
+// first — 4 chunks of 64 bytes, chunk r holding word r (bytes 4r..4r+3) of each row's 16 code
+// bytes, rows in order — then the rows' scales d and offsets m, fp16 (Q4_0: d alone, Q4_1) or
+// float32 (Q4_K32): 16 × block_bytes.
+inline int64_t tile_block_bytes(Format base) { return kTileOutputs * block_bytes(base); }
+
+// rows [n, row_bytes] in GGUF blocks → the same matrix tiled into out (n a multiple of 16):
+// tile-major, then block-major.
+inline void tile_rows(Format base, const uint8_t* rows, int64_t row_bytes, int64_t n,
+                      uint8_t* out) {
+  const int64_t stride = block_bytes(base);
+  const int64_t blocks = row_bytes / stride;
+  const int64_t per = tile_block_bytes(base);
+  const int scale_bytes = base == Format::Q4_K32 ? 4 : 2;
+  const int scales = base == Format::Q4_0 ? 1 : 2;
+  for (int64_t t = 0; t < n / kTileOutputs; ++t) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* target = out + (t * blocks + b) * per;
+      for (int o = 0; o < kTileOutputs; ++o) {
+        const uint8_t* block = rows + (t * kTileOutputs + o) * row_bytes + b * stride;
+        const uint8_t* codes = block_codes(base, block);
+        for (int r = 0; r < 4; ++r) std::memcpy(target + 64 * r + 4 * o, codes + 4 * r, 4);
+        for (int s = 0; s < scales; ++s) {
+          std::memcpy(target + 256 + (s * kTileOutputs + o) * scale_bytes,
+                      block + s * scale_bytes, scale_bytes);
+        }
+      }
+    }
+  }
+}
+
+// One tile of 16 weight rows × M inputs over every block (`tile`: the tile's first block)
+// → out[m · out_stride + o].
+template <Format F, int M>
+inline void amx_tile(const uint8_t* tile, int64_t blocks, const AmxInputs& in, float* out,
+                     int64_t out_stride) {
+  const int64_t per = tile_block_bytes(F);
+  alignas(64) uint8_t weights[8 * 64];
+  alignas(64) int32_t c_high[kTileInputs * 16], c_low[kTileInputs * 16];
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = tile + b * per;
+    for (int64_t line = 0; line < per; line += 64) {  // 4 blocks ahead
+      _mm_prefetch(reinterpret_cast<const char*>(block + 4 * per + line), _MM_HINT_T0);
+    }
+    for (int r = 0; r < 4; ++r) {  // word r: elements 4r..4r+3 (low nibbles), 16+4r.. (high)
+      const __m512i words = _mm512_loadu_si512(block + 64 * r);
+      _mm512_store_si512(weights + 64 * r, _mm512_and_si512(words, nibble));
+      _mm512_store_si512(weights + 64 * (r + 4),
+                         _mm512_and_si512(_mm512_srli_epi16(words, 4), nibble));
+    }
+    _tile_loadd(4, weights, 64);
+    _tile_loadd(2, in.high.data() + b * M * kBlock, kBlock);
+    _tile_loadd(3, in.low.data() + b * M * kBlock, kBlock);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_dpbsud(0, 2, 4);
+    _tile_dpbuud(1, 3, 4);
+    _tile_stored(0, c_high, 64);
+    _tile_stored(1, c_low, 64);
+    __m512 d, offset = _mm512_setzero_ps();
+    if constexpr (F == Format::Q4_K32) {
+      d = _mm512_loadu_ps(block + 256);
+      offset = _mm512_loadu_ps(block + 256 + 64);
+    } else {
+      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 256)));
+      if constexpr (F == Format::Q4_1) {
+        offset = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 256 + 32)));
+      }
+    }
+    const int64_t at = b * M;
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c_high + 16 * m), 8),
+                                     _mm512_load_si512(c_low + 16 * m));
+      if constexpr (F == Format::Q4_0) {  // weight = d · (q − 8)
+        sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * in.code_sums[at + m]));
+      }
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(in.scales[at + m]));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[m]);
+      if constexpr (F == Format::Q4_1 || F == Format::Q4_K32) {  // + m · X
+        acc[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(in.sums[at + m]), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * out_stride, acc[m]);
+}
+
+template <Format F>
+inline void amx_tile_of(int inputs, const uint8_t* tile, int64_t blocks, const AmxInputs& in,
+                        float* out, int64_t out_stride) {
+  switch (inputs) {
+#define LARQL_AMX_CASE(M) \
+  case M: return amx_tile<F, M>(tile, blocks, in, out, out_stride);
+    LARQL_AMX_CASE(1) LARQL_AMX_CASE(2) LARQL_AMX_CASE(3) LARQL_AMX_CASE(4)
+    LARQL_AMX_CASE(5) LARQL_AMX_CASE(6) LARQL_AMX_CASE(7) LARQL_AMX_CASE(8)
+    LARQL_AMX_CASE(9) LARQL_AMX_CASE(10) LARQL_AMX_CASE(11) LARQL_AMX_CASE(12)
+    LARQL_AMX_CASE(13) LARQL_AMX_CASE(14) LARQL_AMX_CASE(15)
+    default: return amx_tile<F, 16>(tile, blocks, in, out, out_stride);
+#undef LARQL_AMX_CASE
+  }
+}
+
+// out: [M, n] for the inputs' codes and n weight rows held tiled (`tile_rows`), the tiles
+// over torch's threads.
+inline void amx_gemm(Format base, const uint8_t* tiled, int64_t n, int64_t blocks,
+                     const QuantizedInput<int16_t>* ins, int64_t m_rows, float* out) {
+  std::vector<AmxInputs> groups;
+  for (int64_t m0 = 0; m0 < m_rows; m0 += kTileInputs) {
+    groups.emplace_back(ins + m0, static_cast<int>(std::min<int64_t>(kTileInputs, m_rows - m0)),
+                        blocks);
+  }
+  const int64_t tile_bytes = blocks * tile_block_bytes(base);
+  at::parallel_for(0, n / kTileOutputs, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* tile = tiled + t * tile_bytes;
+      for (size_t g = 0; g < groups.size(); ++g) {
+        const int count = groups[g].count;
+        configure_tiles(count);
+        float* target = out + g * kTileInputs * n + t * kTileOutputs;
+        if (base == Format::Q4_0) {
+          amx_tile_of<Format::Q4_0>(count, tile, blocks, groups[g], target, n);
+        } else if (base == Format::Q4_1) {
+          amx_tile_of<Format::Q4_1>(count, tile, blocks, groups[g], target, n);
+        } else {
+          amx_tile_of<Format::Q4_K32>(count, tile, blocks, groups[g], target, n);
+        }
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace larql
