@@ -417,10 +417,16 @@ def test_the_commands_ffn_router_hands_on_the_compiled_mlp(auto_smollm2: Model) 
 
 
 @pytest.mark.parametrize(
-    "qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K]
+    "qtype",
+    [
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q4_K,
+    ],
 )
 def test_tiled_products_on_amx(qtype: GGMLQuantizationType) -> None:
-    """On a CPU with AMX: a 4-bit matrix tiled for the tile unit gives, for int16 inputs, the
+    """On a CPU with AMX: a block matrix tiled for the tile unit gives, for int16 inputs, the
     float product within the inputs' rounding (as the untiled one does), each row of a batch
     bit for bit its product alone, and refuses float or int8 inputs by name."""
     kernels = load_block_kernels()

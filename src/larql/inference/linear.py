@@ -36,15 +36,14 @@ _TILED_CODE = 16  # the extension's format code of a tiled matrix: 16 + its form
 
 
 def kernel_rows(blocks: BlockRows, kernels: ModuleType) -> tuple[torch.Tensor, int]:
-    """The extension's (rows, format) arguments for `blocks`. On a CPU with AMX a 4-bit matrix
+    """The extension's (rows, format) arguments for `blocks`. On a CPU with AMX a block matrix
     of int16 products (whole tiles of 16 rows) is rearranged into the tiles' order at its first
     product, in place (`BlockRows.tiled`: the same bytes, so no second copy), and is then read
     tiled with the tiled format code by every product, one row or many."""
     code = FORMAT_CODES[blocks.format]
     if blocks.tiled:
         return blocks.data, code + _TILED_CODE
-    tileable = blocks.activation == "int16" and blocks.format != "q8_0"
-    if tileable and blocks.out_features % 16 == 0 and kernels.amx():
+    if blocks.activation == "int16" and blocks.out_features % 16 == 0 and kernels.amx():
         blocks.data, blocks.tiled = kernels.tile_rows(blocks.data, code), True
         return blocks.data, code + _TILED_CODE
     return blocks.data, code

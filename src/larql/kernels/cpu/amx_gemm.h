@@ -1,17 +1,18 @@
-// The int16-input block products on Intel's AMX tiles, for the 4-bit formats (Q4_0, Q4_1,
-// Q4_K32), where the CPU has AMX-INT8 and the kernel lets this process use the tile registers.
+// The int16-input block products on Intel's AMX tiles, for Q8_0 and the 4-bit formats (Q4_0,
+// Q4_1, Q4_K32), where the CPU has AMX-INT8 and the kernel lets this process use the tile registers.
 //
 // The weights are held tiled (`tile_rows`, once, when a model's blocks are first used): per 16
 // rows and block of 32, the rows' code bytes as the tile unit reads them, then their scales —
 // the same bytes as the 16 rows' blocks, read in order. The integer sums are the ones the AVX2
 // path computes, exactly: an int16 code q is split as q = 256·hi + lo (hi signed, lo unsigned
 // bytes) and Σ w q = 256·Σ w·hi + Σ w·lo, each a tile product of bytes (the nibbles are
-// unsigned bytes):
-//   C_hi[m, o] = Σ_k hi[m, k] · w[o, k]   (TDPBSUD: signed × unsigned bytes)
-//   C_lo[m, o] = Σ_k lo[m, k] · w[o, k]   (TDPBUUD)
+// unsigned bytes, Q8_0's signed ones):
+//   C_hi[m, o] = Σ_k hi[m, k] · w[o, k]   (TDPBSUD: signed × unsigned bytes; Q8_0: TDPBSSD)
+//   C_lo[m, o] = Σ_k lo[m, k] · w[o, k]   (TDPBUUD; Q8_0: TDPBUSD)
 // The weights' tile (the second operand) holds 4 consecutive k of one row per 32-bit word: word
 // r of a Q4 block's 16 code bytes carries elements 4r..4r+3 in its low nibbles and 16+4r..19+4r
-// in its high ones, so the tiled layout keeps word r of the 16 rows together.
+// in its high ones (a Q8_0 block's 32 bytes are 8 such words, elements 4r..4r+3 each), so the
+// tiled layout keeps word r of the 16 rows together.
 //
 // Per block the whole integer sum is scaled (not the AVX2 path's 8 partial sums), the same
 // arithmetic for every input whatever else shares the tile: a row's result does not depend on
@@ -98,9 +99,13 @@ struct AmxInputs {
 
 // The bytes of one tile (16 rows) and block in the tiled layout: the 16 rows' code words
 // first — 4 chunks of 64 bytes, chunk r holding word r (bytes 4r..4r+3) of each row's 16 code
-// bytes, rows in order — then the rows' scales d and offsets m, fp16 (Q4_0: d alone, Q4_1) or
-// float32 (Q4_K32): 16 × block_bytes.
+// bytes, rows in order — then the rows' scales d and offsets m, fp16 (Q8_0, Q4_0: d alone;
+// Q4_1) or float32 (Q4_K32): 16 × block_bytes.
 inline int64_t tile_block_bytes(Format base) { return kTileOutputs * block_bytes(base); }
+
+// The code words of a block: 8 for Q8_0 (32 bytes), 4 for the 4-bit formats (16 bytes); the
+// tiled block holds them first, 64 bytes per word (16 rows).
+inline int code_words(Format base) { return base == Format::Q8_0 ? 8 : 4; }
 
 // rows [n, row_bytes] in GGUF blocks → the same matrix tiled into out (n a multiple of 16):
 // tile-major, then block-major.
@@ -110,16 +115,17 @@ inline void tile_rows(Format base, const uint8_t* rows, int64_t row_bytes, int64
   const int64_t blocks = row_bytes / stride;
   const int64_t per = tile_block_bytes(base);
   const int scale_bytes = base == Format::Q4_K32 ? 4 : 2;
-  const int scales = base == Format::Q4_0 ? 1 : 2;
+  const int scales = base == Format::Q4_0 || base == Format::Q8_0 ? 1 : 2;
+  const int words = code_words(base);
   for (int64_t t = 0; t < n / kTileOutputs; ++t) {
     for (int64_t b = 0; b < blocks; ++b) {
       uint8_t* target = out + (t * blocks + b) * per;
       for (int o = 0; o < kTileOutputs; ++o) {
         const uint8_t* block = rows + (t * kTileOutputs + o) * row_bytes + b * stride;
         const uint8_t* codes = block_codes(base, block);
-        for (int r = 0; r < 4; ++r) std::memcpy(target + 64 * r + 4 * o, codes + 4 * r, 4);
+        for (int r = 0; r < words; ++r) std::memcpy(target + 64 * r + 4 * o, codes + 4 * r, 4);
         for (int s = 0; s < scales; ++s) {
-          std::memcpy(target + 256 + (s * kTileOutputs + o) * scale_bytes,
+          std::memcpy(target + 64 * words + (s * kTileOutputs + o) * scale_bytes,
                       block + s * scale_bytes, scale_bytes);
         }
       }
@@ -143,30 +149,39 @@ inline void amx_tile(const uint8_t* tile, int64_t blocks, const AmxInputs& in, f
     for (int64_t line = 0; line < per; line += 64) {  // 4 blocks ahead
       _mm_prefetch(reinterpret_cast<const char*>(block + 4 * per + line), _MM_HINT_T0);
     }
-    for (int r = 0; r < 4; ++r) {  // word r: elements 4r..4r+3 (low nibbles), 16+4r.. (high)
-      const __m512i words = _mm512_loadu_si512(block + 64 * r);
-      _mm512_store_si512(weights + 64 * r, _mm512_and_si512(words, nibble));
-      _mm512_store_si512(weights + 64 * (r + 4),
-                         _mm512_and_si512(_mm512_srli_epi16(words, 4), nibble));
+    if constexpr (F == Format::Q8_0) {  // signed bytes, already as the unit reads them
+      _tile_loadd(4, block, 64);
+    } else {
+      for (int r = 0; r < 4; ++r) {  // word r: elements 4r..4r+3 (low nibbles), 16+4r.. (high)
+        const __m512i words = _mm512_loadu_si512(block + 64 * r);
+        _mm512_store_si512(weights + 64 * r, _mm512_and_si512(words, nibble));
+        _mm512_store_si512(weights + 64 * (r + 4),
+                           _mm512_and_si512(_mm512_srli_epi16(words, 4), nibble));
+      }
+      _tile_loadd(4, weights, 64);
     }
-    _tile_loadd(4, weights, 64);
     _tile_loadd(2, in.high.data() + b * M * kBlock, kBlock);
     _tile_loadd(3, in.low.data() + b * M * kBlock, kBlock);
     _tile_zero(0);
     _tile_zero(1);
-    _tile_dpbsud(0, 2, 4);
-    _tile_dpbuud(1, 3, 4);
+    if constexpr (F == Format::Q8_0) {
+      _tile_dpbssd(0, 2, 4);  // signed high bytes × signed weights
+      _tile_dpbusd(1, 3, 4);  // unsigned low bytes × signed weights
+    } else {
+      _tile_dpbsud(0, 2, 4);
+      _tile_dpbuud(1, 3, 4);
+    }
+    const uint8_t* scales = block + 64 * code_words(F);
     _tile_stored(0, c_high, 64);
     _tile_stored(1, c_low, 64);
     __m512 d, offset = _mm512_setzero_ps();
     if constexpr (F == Format::Q4_K32) {
-      d = _mm512_loadu_ps(block + 256);
-      offset = _mm512_loadu_ps(block + 256 + 64);
+      d = _mm512_loadu_ps(scales);
+      offset = _mm512_loadu_ps(scales + 64);
     } else {
-      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 256)));
+      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
       if constexpr (F == Format::Q4_1) {
-        offset = _mm512_cvtph_ps(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 256 + 32)));
+        offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
       }
     }
     const int64_t at = b * M;
@@ -219,7 +234,9 @@ inline void amx_gemm(Format base, const uint8_t* tiled, int64_t n, int64_t block
         const int count = groups[g].count;
         configure_tiles(count);
         float* target = out + g * kTileInputs * n + t * kTileOutputs;
-        if (base == Format::Q4_0) {
+        if (base == Format::Q8_0) {
+          amx_tile_of<Format::Q8_0>(count, tile, blocks, groups[g], target, n);
+        } else if (base == Format::Q4_0) {
           amx_tile_of<Format::Q4_0>(count, tile, blocks, groups[g], target, n);
         } else if (base == Format::Q4_1) {
           amx_tile_of<Format::Q4_1>(count, tile, blocks, groups[g], target, n);

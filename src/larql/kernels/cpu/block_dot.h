@@ -34,10 +34,10 @@ namespace larql {
 
 constexpr int64_t kBlock = 32;
 
-// The 4-bit formats also come tiled for the AMX products (`amx_gemm.h`): kTiled + the format.
+// Every format also comes tiled for the AMX products (`amx_gemm.h`): kTiled + the format.
 enum class Format : int {
   Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K32 = 3,
-  Q4_0_TILED = 17, Q4_1_TILED = 18, Q4_K32_TILED = 19,
+  Q8_0_TILED = 16, Q4_0_TILED = 17, Q4_1_TILED = 18, Q4_K32_TILED = 19,
 };
 constexpr int kTiled = 16;
 

@@ -9,9 +9,9 @@
 namespace larql {
 
 Format checked_format(int64_t format) {
-  TORCH_CHECK((format >= 0 && format <= 3) || (format >= kTiled + 1 && format <= kTiled + 3),
+  TORCH_CHECK((format >= 0 && format <= 3) || (format >= kTiled && format <= kTiled + 3),
               "format must be 0 (Q8_0), 1 (Q4_0), 2 (Q4_1) or 3 (Q4_K in blocks of 32), or 16 + "
-              "a 4-bit one tiled for AMX");
+              "one of them tiled for AMX");
   return static_cast<Format>(format);
 }
 
@@ -58,11 +58,11 @@ torch::Tensor block_gemm(torch::Tensor x, torch::Tensor rows, int64_t format,
   return out;
 }
 
-// rows: uint8 [N, row_bytes] of a 4-bit format (N a multiple of 16) → the same bytes tiled for
+// rows: uint8 [N, row_bytes] of blocks (N a multiple of 16) → the same bytes tiled for
 // the AMX products (amx_gemm.h), to be used with format + 16.
 torch::Tensor tile_rows(torch::Tensor rows, int64_t format) {
   const Format f = checked_format(format);
-  TORCH_CHECK(!is_tiled(f) && f != Format::Q8_0, "only untiled 4-bit blocks can be tiled");
+  TORCH_CHECK(!is_tiled(f), "these blocks are tiled already");
   TORCH_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 2 && rows.is_contiguous(),
               "rows must be contiguous uint8 [N, row_bytes]");
   TORCH_CHECK(rows.size(0) % 16 == 0, "tiles hold 16 rows: N must be a multiple of 16");
