@@ -70,28 +70,36 @@ inline void configure_tiles(int inputs) {
   configured = inputs;
 }
 
-// Up to 16 inputs' int16 codes as the tiles' first operands, block-major: [blocks][M][32] high
-// and low bytes, and per block and input its scale, Σ x and Σ q.
+// Up to 16 inputs' int16 codes as the tiles' first operands, block-major: [blocks][rows][32]
+// high and low bytes, and per block and input its scale, Σ x and Σ q. `rows`: the count
+// rounded up to 1, 2, 4, 8 or 16 (the kernel's instances), the rows past it zero.
 struct AmxInputs {
   int count = 0;
+  int rows = 0;
   std::vector<int8_t> high;
   std::vector<uint8_t> low;
   std::vector<float> scales, sums;
   std::vector<int32_t> code_sums;
 
+  static int rows_for(int n) {
+    int rows = 1;
+    while (rows < n) rows *= 2;
+    return rows;
+  }
+
   AmxInputs(const QuantizedInput<int16_t>* ins, int n, int64_t blocks)
-      : count(n), high(blocks * n * kBlock), low(blocks * n * kBlock), scales(blocks * n),
-        sums(blocks * n), code_sums(blocks * n) {
+      : count(n), rows(rows_for(n)), high(blocks * rows * kBlock), low(blocks * rows * kBlock),
+        scales(blocks * rows), sums(blocks * rows), code_sums(blocks * rows) {
     for (int64_t b = 0; b < blocks; ++b) {
       for (int m = 0; m < n; ++m) {
         const int16_t* q = ins[m].codes.data() + b * kBlock;
         for (int i = 0; i < kBlock; ++i) {
-          high[(b * n + m) * kBlock + i] = static_cast<int8_t>(q[i] >> 8);
-          low[(b * n + m) * kBlock + i] = static_cast<uint8_t>(q[i] & 0xff);
+          high[(b * rows + m) * kBlock + i] = static_cast<int8_t>(q[i] >> 8);
+          low[(b * rows + m) * kBlock + i] = static_cast<uint8_t>(q[i] & 0xff);
         }
-        scales[b * n + m] = ins[m].scales[b];
-        sums[b * n + m] = ins[m].sums[b];
-        code_sums[b * n + m] = ins[m].code_sums[b];
+        scales[b * rows + m] = ins[m].scales[b];
+        sums[b * rows + m] = ins[m].sums[b];
+        code_sums[b * rows + m] = ins[m].code_sums[b];
       }
     }
   }
@@ -199,21 +207,18 @@ inline void amx_tile(const uint8_t* tile, int64_t blocks, const AmxInputs& in, f
       }
     }
   }
-  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * out_stride, acc[m]);
+  for (int m = 0; m < in.count; ++m) _mm512_storeu_ps(out + m * out_stride, acc[m]);
 }
 
 template <Format F>
-inline void amx_tile_of(int inputs, const uint8_t* tile, int64_t blocks, const AmxInputs& in,
-                        float* out, int64_t out_stride) {
-  switch (inputs) {
-#define LARQL_AMX_CASE(M) \
-  case M: return amx_tile<F, M>(tile, blocks, in, out, out_stride);
-    LARQL_AMX_CASE(1) LARQL_AMX_CASE(2) LARQL_AMX_CASE(3) LARQL_AMX_CASE(4)
-    LARQL_AMX_CASE(5) LARQL_AMX_CASE(6) LARQL_AMX_CASE(7) LARQL_AMX_CASE(8)
-    LARQL_AMX_CASE(9) LARQL_AMX_CASE(10) LARQL_AMX_CASE(11) LARQL_AMX_CASE(12)
-    LARQL_AMX_CASE(13) LARQL_AMX_CASE(14) LARQL_AMX_CASE(15)
+inline void amx_tile_of(const uint8_t* tile, int64_t blocks, const AmxInputs& in, float* out,
+                        int64_t out_stride) {
+  switch (in.rows) {
+    case 1: return amx_tile<F, 1>(tile, blocks, in, out, out_stride);
+    case 2: return amx_tile<F, 2>(tile, blocks, in, out, out_stride);
+    case 4: return amx_tile<F, 4>(tile, blocks, in, out, out_stride);
+    case 8: return amx_tile<F, 8>(tile, blocks, in, out, out_stride);
     default: return amx_tile<F, 16>(tile, blocks, in, out, out_stride);
-#undef LARQL_AMX_CASE
   }
 }
 
@@ -231,17 +236,16 @@ inline void amx_gemm(Format base, const uint8_t* tiled, int64_t n, int64_t block
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* tile = tiled + t * tile_bytes;
       for (size_t g = 0; g < groups.size(); ++g) {
-        const int count = groups[g].count;
-        configure_tiles(count);
+        configure_tiles(groups[g].rows);
         float* target = out + g * kTileInputs * n + t * kTileOutputs;
         if (base == Format::Q8_0) {
-          amx_tile_of<Format::Q8_0>(count, tile, blocks, groups[g], target, n);
+          amx_tile_of<Format::Q8_0>(tile, blocks, groups[g], target, n);
         } else if (base == Format::Q4_0) {
-          amx_tile_of<Format::Q4_0>(count, tile, blocks, groups[g], target, n);
+          amx_tile_of<Format::Q4_0>(tile, blocks, groups[g], target, n);
         } else if (base == Format::Q4_1) {
-          amx_tile_of<Format::Q4_1>(count, tile, blocks, groups[g], target, n);
+          amx_tile_of<Format::Q4_1>(tile, blocks, groups[g], target, n);
         } else {
-          amx_tile_of<Format::Q4_K32>(count, tile, blocks, groups[g], target, n);
+          amx_tile_of<Format::Q4_K32>(tile, blocks, groups[g], target, n);
         }
       }
     }
