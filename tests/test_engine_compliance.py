@@ -106,15 +106,22 @@ def test_exact_engine_logits_match_standard_in_float64(spec: str, smollm2_f64: M
     assert ((ours - reference).abs().max() / reference.abs().max()).item() <= 1e-9
 
 
+def _greedy_tokens(model: Model, spec: str) -> list[int]:
+    engine = parse_engine(spec).build(model)
+    ids = model.tokenizer.encode(PROMPT)
+    return generate(engine, model, DenseFfn(model), ids, 32, stop_ids=frozenset()).tokens
+
+
+@pytest.fixture(scope="module")
+def standard_greedy_tokens(smollm2: Model) -> list[int]:
+    return _greedy_tokens(smollm2, "standard")
+
+
 @pytest.mark.parametrize("spec", exact_specs())
-def test_exact_engine_greedy_tokens_match_standard(spec: str, smollm2: Model) -> None:
-    ids = smollm2.tokenizer.encode(PROMPT)
-    ffn = DenseFfn(smollm2)
-    tokens = {}
-    for s in ("standard", spec):
-        engine = parse_engine(s).build(smollm2)
-        tokens[s] = generate(engine, smollm2, ffn, ids, 32, stop_ids=frozenset()).tokens
-    assert tokens[spec] == tokens["standard"]
+def test_exact_engine_greedy_tokens_match_standard(
+    spec: str, smollm2: Model, standard_greedy_tokens: list[int]
+) -> None:
+    assert _greedy_tokens(smollm2, spec) == standard_greedy_tokens
 
 
 @pytest.fixture(

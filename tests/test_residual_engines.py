@@ -140,7 +140,7 @@ def test_markov_rs_greedy_tokens_match_standard_in_float32(smollm2: Model) -> No
 
     reference = tokens("standard")
     assert len(reference) == 32
-    for window in WINDOWS:
+    for window in (1, 32):  # (no window and window 4: test_engine_compliance's greedy test)
         assert tokens(markov_spec(window)) == reference, window
 
 
