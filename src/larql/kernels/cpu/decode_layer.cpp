@@ -55,6 +55,57 @@ void rms_norm(const float* x, const float* weight, int64_t n, double eps, float*
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * scale * weight[i];
 }
 
+// fn(m) for every row m < m_rows: over the threads where there are several rows (each row's
+// arithmetic is the same either way), on the calling thread for one.
+template <typename Fn>
+void each_row(int64_t m_rows, const Fn& fn) {
+  if (m_rows < 2) {
+    for (int64_t m = 0; m < m_rows; ++m) fn(m);
+    return;
+  }
+  at::parallel_for(0, m_rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) fn(m);
+  });
+}
+
+#if LARQL_AVX2
+// e^x for 8 lanes: 2^n · e^r with n = round(x · log2 e), r = x − n · ln 2 (ln 2 split in two for
+// precision) and e^r by its degree-7 series in Horner form (Cephes' expf coefficients, within
+// 2 ulp of std::exp over the clamped range).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i scale = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);  // 2^n
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+#endif
+
+// out[i] = silu(gate[i]) · up[i] = gate[i] / (1 + e^{−gate[i]}) · up[i], i < n.
+void silu_times(const float* gate, const float* up, int64_t n, float* out) {
+  int64_t i = 0;
+#if LARQL_AVX2
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, e));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
 // A block matrix as the products take it.
 struct BlockMatrix {
   const uint8_t* data;
@@ -115,15 +166,15 @@ void qkv_rows(Activation a, const float* h, int64_t m_rows, const float* norm, d
               int64_t width, const BlockMatrix& w, const float* bias, const float* cos,
               const float* sin, int64_t rotary, int64_t rope_heads, int64_t head_dim, float* qkv) {
   std::vector<float> x(m_rows * width);
-  for (int64_t m = 0; m < m_rows; ++m) rms_norm(h + m * width, norm, width, eps, x.data() + m * width);
+  each_row(m_rows, [&](int64_t m) { rms_norm(h + m * width, norm, width, eps, x.data() + m * width); });
   product(a, w, x.data(), m_rows, width, qkv);
-  for (int64_t m = 0; m < m_rows; ++m) {
+  each_row(m_rows, [&](int64_t m) {
     float* row = qkv + m * w.rows;
     if (bias != nullptr) {
       for (int64_t i = 0; i < w.rows; ++i) row[i] += bias[i];
     }
     rotate_heads(row, cos + m * rotary, sin + m * rotary, rotary, rope_heads, head_dim);
-  }
+  });
 }
 
 // out: [M, W rows] = h + W · x (+ bias), x: [M, width].
@@ -141,15 +192,12 @@ void ffn_rows(Activation a, const float* h, int64_t m_rows, const float* norm, d
               int64_t width, const BlockMatrix& gate_up, const BlockMatrix& down, float* out) {
   const int64_t hidden = gate_up.rows / 2;
   std::vector<float> x(m_rows * width), both(m_rows * 2 * hidden), inner(m_rows * hidden);
-  for (int64_t m = 0; m < m_rows; ++m) rms_norm(h + m * width, norm, width, eps, x.data() + m * width);
+  each_row(m_rows, [&](int64_t m) { rms_norm(h + m * width, norm, width, eps, x.data() + m * width); });
   product(a, gate_up, x.data(), m_rows, width, both.data());
-  for (int64_t m = 0; m < m_rows; ++m) {
+  each_row(m_rows, [&](int64_t m) {
     const float* row = both.data() + m * 2 * hidden;
-    for (int64_t i = 0; i < hidden; ++i) {
-      const float gate = row[i];
-      inner[m * hidden + i] = gate / (1.0f + std::exp(-gate)) * row[hidden + i];
-    }
-  }
+    silu_times(row, row + hidden, hidden, inner.data() + m * hidden);
+  });
   add_product_rows(a, h, m_rows, down, inner.data(), hidden, nullptr, out);
 }
 
