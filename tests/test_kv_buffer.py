@@ -69,16 +69,16 @@ def test_rows_written_in_place_through_decode_slots() -> None:
     """A compiled decode layer writes its row into the storage itself, across regrowths and a
     window's clips; the buffer then holds what appends would have."""
     slotted, appended = KvBuffer(keep=20), KvBuffer(keep=20)
-    assert slotted.decode_slot() is None  # nothing to write into before the first append
+    assert slotted.decode_slots() is None  # nothing to write into before the first append
     first_k, first_v = torch.randn(2, 5, 4), torch.randn(2, 5, 4)  # [Hkv, S, D]
     slotted.append(first_k, first_v)
     appended.append(first_k, first_v)
     for step in range(60):
         k, v = torch.full((2, 1, 4), float(step)), torch.full((2, 1, 4), -float(step))
-        keys, values, first, row = slotted.decode_slot()
+        keys, values, first, row = slotted.decode_slots()
         assert row - first == len(slotted) and row < keys.shape[0]
         keys[row], values[row] = k[:, 0], v[:, 0]
-        slotted.commit_decode_row()
+        slotted.commit_rows()
         appended.append(k, v)
         slotted.clip()
         appended.clip()

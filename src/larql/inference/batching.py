@@ -6,15 +6,21 @@ Engines batch when their `batch_key()`s are equal (`batch_groups` sorts a set of
 such groups); each engine keeps its own state and position, and each row attends only over its
 own engine's keys. A row's result does not depend on which other rows share its step beyond the
 order of float sums (on the CPU's compiled layer not even that: it is bit-identical).
+
+`advance_batch` is the same step where some engines take several rows: a fresh engine its
+prompt (or the prompt's first chunk), an engine part-way through its prompt the next chunk.
+A new stream's prompt then rides in the running streams' step instead of taking a forward
+pass of its own, and the running streams lose no step to it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from itertools import chain
 
 import torch
 
-from larql.inference.engine import Engine
+from larql.inference.engine import Engine, backend_name
 from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import embed_rows, token_tensor
@@ -56,3 +62,39 @@ def decode_batch(
     for engine in engines:
         engine.position += 1
     return hidden
+
+
+def advance_batch(
+    engines: Sequence[Engine],
+    model: Model,
+    ffn: FfnBackend,
+    token_lists: Sequence[Sequence[int]],
+) -> list[torch.Tensor]:
+    """Append token_lists[i] to engines[i] at its next positions, all in one step: a decode
+    token for an engine whose prompt is in, a prompt or the next chunk of one otherwise (an
+    engine with no prompt yet starts with it) → each engine's hidden rows [n_i, H], as its own
+    `prefill` / `extend` / `decode_step` would return them (every row; the last is the one a
+    next token is read from)."""
+    counts = [len(tokens) for tokens in token_lists]
+    if len(engines) != len(token_lists) or not engines or min(counts) < 1:
+        raise InvariantViolation("advance_batch needs one or more tokens per engine")
+    if len({id(engine) for engine in engines}) != len(engines):
+        raise InvariantViolation("an engine appears twice in one batch")
+    fresh = [not engine.prefilled for engine in engines]
+    keys = [engine.joining_batch_key(model) for engine in engines]
+    if keys[0] is None or any(key != keys[0] for key in keys):
+        raise InvariantViolation("these engines do not batch together (batch_key differs)")
+    for engine, new in zip(engines, fresh, strict=True):
+        if new:
+            engine._check_ffn(ffn)
+            engine._backend = backend_name(model)
+            engine._begin_in_batch(model)
+    ids = token_tensor(model, list(chain.from_iterable(token_lists)))
+    rows, inputs = embed_rows(model, ids)  # [R, H], …
+    hidden = type(engines[0])._advance_batch(engines, model, ffn, rows, counts, inputs)
+    for engine, new, n in zip(engines, fresh, counts, strict=True):
+        if new:
+            engine._started(n)
+        else:
+            engine.position += n
+    return list(hidden.split(counts))

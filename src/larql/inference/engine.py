@@ -17,7 +17,11 @@ hidden rows.
 Batched decode: engines whose `batch_key()` is equal (not None) decode one step together
 (`larql.inference.batching.decode_batch`): their class's `_step_batch` takes one input row per
 engine [B, H] and reads the weights once for all of them, each row attending over its own
-engine's state. An engine whose key is None steps alone.
+engine's state. An engine whose key is None steps alone. An engine class that also implements
+`_advance_batch` takes several rows per engine in such a step (`batching.advance_batch`): a
+new prompt, or a chunk of one, rides in the running sessions' decode step instead of taking a
+forward pass of its own; a fresh engine says with `prompt_batch_key` whose steps its prompt
+may ride in.
 
 State snapshots: an engine's state is its attributes (`state_dict`), less those it rebuilds
 from its spec (`_snapshot_exclude`). `snapshot` writes them to a directory, `load_snapshot`
@@ -214,6 +218,41 @@ class Engine(ABC):
         own `position`, with their per-layer inputs [B, L, P] (or None) → hidden [B, H]
         (positions are advanced by the caller)."""
         raise BackendUnavailable(f"{cls.name} cannot decode in a batch")
+
+    @property
+    def prefilled(self) -> bool:
+        """Whether a prompt (or its first chunk) is in."""
+        return self._prefilled
+
+    def joining_batch_key(self, model: Model) -> Hashable | None:
+        """The key whose batched steps this engine's next rows may go into: its `batch_key`
+        once a prompt is in, else its `prompt_batch_key`."""
+        return self.batch_key() if self._prefilled else self.prompt_batch_key(model)
+
+    def prompt_batch_key(self, model: Model) -> Hashable | None:
+        """For an engine with no prompt in yet: the `batch_key` it will have once it has one,
+        where its prompt (or a chunk of it) may go into a batched step beside engines of that
+        key (`_advance_batch`, `_begin_in_batch`); None: its prompt goes in on its own."""
+        return None
+
+    def _begin_in_batch(self, model: Model) -> None:
+        """Make the empty state a prompt's rows are written into by `_advance_batch`."""
+        raise BackendUnavailable(f"{self.name} cannot take its prompt in a batched step")
+
+    @classmethod
+    def _advance_batch(
+        cls,
+        engines: Sequence[Engine],
+        model: Model,
+        ffn: FfnBackend,
+        rows: torch.Tensor,
+        counts: Sequence[int],
+        inputs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`_step_batch` with counts[i] rows for engine i, one after another in rows [R, H]
+        (engine i's next tokens at positions `position`..: a decode row, or a prompt's chunk
+        that attends causally within itself) → their hidden rows [R, H]."""
+        raise BackendUnavailable(f"{cls.name} cannot take several rows per engine in a batch")
 
     # ------------------------------------------------------------------ snapshots
 

@@ -8,10 +8,12 @@ attention over the live rows (the window's, where one bounds the layer), the out
 and the MLP with their residuals. It computes what `layer.layer_step` computes with the same
 pieces (tested against it); everything else takes `layer_step`'s operators.
 
-`fused_layer_batch` is the same layer for B rows of B sessions (a batched decode step): each
-matrix is read once for all rows, each row writes and attends over its own session's store, and
-a row's arithmetic is exactly the one-row call's (a session's tokens do not depend on who shares
-its step).
+`fused_layer_rows` is the same layer for the rows of several sessions at once (a batched
+decode step, a short prompt, or both: a decode step that carries a new prompt's chunk): each
+matrix is read once for all rows, each row writes into and attends over its own session's store
+(a prompt's rows causally), and a row's arithmetic is exactly the one-row call's (a session's
+tokens do not depend on who shares its step, and a short prompt's rows are the same prefilled
+alone or beside other sessions' steps).
 """
 
 from __future__ import annotations
@@ -24,19 +26,22 @@ import torch
 from larql.inference.ffn.backend import FfnBackend
 from larql.inference.fused import activation_bits, fused_kernels
 from larql.inference.layer import effective_window, rope_table
-from larql.inference.linear import kernel_rows
+from larql.inference.linear import BLOCK_ROWS, kernel_rows
 from larql.models.blocks import BlockRows
 from larql.models.model import Model
 
 
 class DecodeSlots(Protocol):
-    """A K/V store a compiled decode layer writes its new row into."""
+    """A K/V store a compiled decode layer writes its new rows into."""
 
-    def decode_slot(self) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
-        """→ (K storage, V storage [capacity, Hkv, D], first live row, the new row's index)."""
+    def decode_slots(
+        self, rows: int = 1, like: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+        """→ (K storage, V storage [capacity, Hkv, D], first live row, the first new row's
+        index); an empty store's storage made like `like` [1, Hkv, D]."""
         ...
 
-    def commit_decode_row(self) -> None: ...
+    def commit_rows(self, rows: int = 1) -> None: ...
 
 
 def _plain(model: Model, layer: int) -> bool:
@@ -88,41 +93,55 @@ def _compiled_pieces(model: Model, layer: int, h: torch.Tensor, ffn: FfnBackend)
     return kernels, qkv, wo, gate_up, down
 
 
-def fused_layer_batch(
+def fused_layer_rows(
     model: Model,
     layer: int,
     h: torch.Tensor,
-    positions: list[int],
+    starts: list[int],
+    counts: list[int],
     stores: list[object],
     ffn: FfnBackend,
     window: int | None,
 ) -> torch.Tensor | None:
-    """h: [B, H], row i session i's token at positions[i] → the residuals after the whole layer
-    [B, H], each row's K/V committed to stores[i]; None where the compiled layer does not apply
-    to every row (nothing is changed)."""
+    """h: [R, H], the rows of several sessions one after another: session i's counts[i] rows
+    at positions starts[i].. (one for a decode step, more for a prompt or a chunk of one) →
+    the residuals after the whole layer [R, H]. Each row's K/V is written into its session's
+    store, and each row attends over that store up to itself (causal within a prompt's rows).
+    None where the compiled layer does not apply to every row (nothing is changed)."""
     pieces = _compiled_pieces(model, layer, h, ffn)
     # (hasattr, not isinstance: a runtime Protocol check costs ~10 µs, per layer and session)
-    if pieces is None or not all(hasattr(kv, "decode_slot") for kv in stores):
+    if pieces is None or not all(hasattr(kv, "decode_slots") for kv in stores):
         return None
     kernels, qkv, wo, gate_up, down = pieces
     matrices = _matrices(kernels, qkv, wo, gate_up, down)
-    slots = [kv.decode_slot() for kv in stores]  # type: ignore[attr-defined]
+    cfg, lw = model.config, model.weights.layers[layer]
+    slots = [kv.decode_slots(n) for kv, n in zip(stores, counts, strict=True)]  # type: ignore[attr-defined]
+    if any(slot is None for slot in slots):  # an empty store: its storage made for these rows
+        like = h.new_empty(1, cfg.kv_heads_of(layer), cfg.head_dim_of(layer))
+        slots = [
+            slot or kv.decode_slots(n, like)  # type: ignore[attr-defined]
+            for slot, kv, n in zip(slots, stores, counts, strict=True)
+        ]
     if any(slot is None or slot[0].dtype != torch.float32 for slot in slots):
         return None
     w = effective_window(model, layer, window)
-    firsts = [
-        first if w is None else max(first, row + 1 - w) for _, _, first, row in slots
-    ]  # fmt: skip
-    cfg, lw = model.config, model.weights.layers[layer]
-    cos, sin = rope_table(model, layer).rows(positions)  # [B, rotary] each
+    k_stores, v_stores, firsts, rows, positions = [], [], [], [], []
+    for (keys, values, first, new), n, start in zip(slots, counts, starts, strict=True):  # type: ignore[misc]
+        for j in range(n):
+            k_stores.append(keys)
+            v_stores.append(values)
+            rows.append(new + j)
+            # the query sees its own row and the w − 1 before it
+            firsts.append(first if w is None else max(first, new + j + 1 - w))
+            positions.append(start + j)
+    cos, sin = rope_table(model, layer).rows(positions)  # [R, rotary] each
     out = kernels.decode_layer_batch(
         h.contiguous(), _norms(model, layer), cfg.norm_eps, *matrices, lw.bqkv, lw.bo,
-        cos.contiguous(), sin.contiguous(),
-        [slot[0] for slot in slots], [slot[1] for slot in slots], firsts,
-        [slot[3] for slot in slots], cfg.num_heads, cfg.attn_scale, activation_bits(qkv),
+        cos.contiguous(), sin.contiguous(), k_stores, v_stores, firsts, rows, cfg.num_heads,
+        cfg.attn_scale, activation_bits(qkv),
     )  # fmt: skip
-    for kv in stores:
-        kv.commit_decode_row()  # type: ignore[attr-defined]
+    for kv, n in zip(stores, counts, strict=True):
+        kv.commit_rows(n)  # type: ignore[attr-defined]
     return out
 
 
@@ -135,31 +154,10 @@ def fused_layer_step(
     ffn: FfnBackend,
     window: int | None,
 ) -> torch.Tensor | None:
-    """h: [1, H] at position `start` → the residual after the whole layer [1, H], its K/V row
-    committed to `kv`; None where the compiled layer does not apply (nothing is changed)."""
-    if h.shape[0] != 1 or not hasattr(kv, "decode_slot"):
+    """h: [S, H] of one session at positions `start`.. (a decode step, a short prompt or a
+    chunk of one) → the residuals after the whole layer [S, H], its K/V rows committed to
+    `kv`; None where the compiled layer does not apply (nothing is changed), or for more rows
+    than `BLOCK_ROWS` (a longer prompt's products are faster on the float matrices)."""
+    if h.shape[0] > BLOCK_ROWS:
         return None
-    pieces = _compiled_pieces(model, layer, h, ffn)
-    if pieces is None:
-        return None
-    kernels, qkv, wo, gate_up, down = pieces
-    matrices = _matrices(kernels, qkv, wo, gate_up, down)
-    lw = model.weights.layers[layer]
-    slot = kv.decode_slot()  # type: ignore[attr-defined]
-    if slot is None:
-        return None
-    keys, values, first, row = slot
-    if keys.dtype != torch.float32:
-        return None
-    w = effective_window(model, layer, window)
-    if w is not None:
-        first = max(first, row + 1 - w)  # the query sees its own row and the w − 1 before it
-    cfg = model.config
-    cos, sin = rope_table(model, layer).slice(start, 1)  # [1, rotary] each
-    out = kernels.decode_layer(
-        h.contiguous(), _norms(model, layer), cfg.norm_eps, *matrices, lw.bqkv, lw.bo,
-        cos.reshape(-1), sin.reshape(-1), keys, values, first, row, cfg.num_heads,
-        cfg.attn_scale, activation_bits(qkv),
-    )  # fmt: skip
-    kv.commit_decode_row()  # type: ignore[attr-defined]
-    return out
+    return fused_layer_rows(model, layer, h, [start], [h.shape[0]], [kv], ffn, window)

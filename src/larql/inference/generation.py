@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from larql.inference.batching import decode_batch
+from larql.inference.batching import advance_batch, decode_batch
 from larql.inference.engine import Engine
 from larql.inference.errors import EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
@@ -82,6 +82,52 @@ def step_together(sessions: Sequence[GenerationSession]) -> list[int]:
         session.step_ms.append(elapsed)
         session._accept(token)
     return picked
+
+
+def advance_together(
+    sessions: Sequence[GenerationSession], prompt_tokens: Sequence[int]
+) -> list[int | None]:
+    """`step_together` where some sessions are still taking their prompt: session i, if
+    started, takes a decode step; otherwise its next prompt_tokens[i] prompt tokens go in (at
+    most: the rest of its prompt; `takes_prompt_in_batch` says whether it may). → each
+    session's next token, None for one whose prompt is not all in yet. Each session's tokens
+    are those it would get alone, up to the order of float sums (exactly, on the CPU's
+    compiled layer, for a prompt that fits one compiled call)."""
+    token_lists: list[list[int]] = []
+    for session, chunk in zip(sessions, prompt_tokens, strict=True):
+        if session.started:
+            session.check_can_step()
+            token_lists.append([session.tokens[-1]])
+        else:
+            token_lists.append(session._prompt_chunk(chunk))
+    model, ffn = sessions[0].model, sessions[0].ffn
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        hidden = advance_batch([s.engine for s in sessions], model, ffn, token_lists)
+        for session, tokens in zip(sessions, token_lists, strict=True):
+            if not session.started:
+                session.prompt_done += len(tokens)
+        picking = [
+            i for i, s in enumerate(sessions) if s.started or s.prompt_done == len(s.prompt_ids)
+        ]
+        logits = rows_logits(model, torch.cat([hidden[i][-1:] for i in picking]))  # [P, V]
+        picked = [sessions[i].sampler.pick(row) for i, row in zip(picking, logits, strict=True)]
+        elapsed = (time.perf_counter() - t0) * 1000
+    tokens: list[int | None] = [None] * len(sessions)
+    for i, row, token in zip(picking, logits, picked, strict=True):
+        session = sessions[i]
+        session.logits = row
+        if session.started:
+            session.step_ms.append(elapsed)
+        else:
+            session.last_hidden = hidden[i][-1:]
+            session.prefill_ms += elapsed
+        session._accept(token)
+        tokens[i] = token
+    for session, token in zip(sessions, tokens, strict=True):
+        if token is None:
+            session.prefill_ms += elapsed
+    return tokens
 
 
 class GenerationSession:
@@ -193,6 +239,27 @@ class GenerationSession:
         if token is not None:
             self._accept(token)
         return token
+
+    def takes_prompt_in_batch(self, max_tokens: int) -> bool:
+        """Whether up to `max_tokens` more of its prompt may go in through `advance_together`
+        (a batched step): not started, its engine takes prompts in batched steps, the prompt's
+        rows need not be kept nor a restored state resumed, and a chunk short of the rest only
+        where the engine extends a prefill exactly."""
+        if self.started or self.finished or max_tokens < 1:
+            return False
+        if self.keep_prompt_rows or self.resume_hidden is not None:
+            return False
+        if self.engine.joining_batch_key(self.model) is None:
+            return False
+        rest = len(self.prompt_ids) - self.prompt_done
+        return rest <= max_tokens or self.engine.extends_exactly(self.model)
+
+    def _prompt_chunk(self, max_tokens: int) -> list[int]:
+        """The next up to `max_tokens` prompt tokens for a batched step (refused where
+        `takes_prompt_in_batch` says no)."""
+        if not self.takes_prompt_in_batch(max_tokens):
+            raise InvariantViolation("this session cannot take its prompt in a batched step")
+        return self.prompt_ids[self.prompt_done : self.prompt_done + max_tokens]
 
     def step(self) -> int:
         """Feed the last token as one decode step → the next token."""

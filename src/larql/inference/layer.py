@@ -11,6 +11,8 @@ Shapes: S query rows, T key rows, H hidden, D head_dim, Hq/Hkv query/kv heads.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -516,9 +518,10 @@ def layer_step(
 
 
 class RowAttention(Protocol):
-    """Session i's attention for its decode row: q [Hq, 1, D], its new k, v [Hkv, 1, D] (which
-    the session keeps) → [1, q_dim]. On a layer sharing another's K/V, k and v are None: the
-    session attends over what its source layer attended over in this step."""
+    """Session i's attention for its rows: q [Hq, n, D], its new k, v [Hkv, n, D] (which the
+    session keeps; n = 1 for a decode row, more for a prompt's chunk, causal) → [n, q_dim].
+    On a layer sharing another's K/V, k and v are None: the session attends over what its
+    source layer attended over in this step."""
 
     def __call__(
         self, i: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
@@ -533,20 +536,23 @@ def batched_layer_step(
     attend_row: RowAttention,
     ffn: FfnBackend,
     inputs: torch.Tensor | None = None,
+    counts: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """One layer for B decode rows of B sessions at once: row i is session i's token at
-    `positions[i]` and attends through `attend_row(i, …)` over that session's state only. The
-    projections and the FFN run once over all rows (one matrix product instead of B);
-    attention runs per row. h: [B, H] → [B, H]."""
-    cos, sin = rope_table(model, layer).rows(positions)  # [B, rotary] each
-    one = [slice(i, i + 1) for i in range(h.shape[0])]
+    """One layer for the rows of B sessions at once: session i's rows (one, a decode row, or
+    counts[i] of them, consecutive) are its tokens at `positions` (one per row) and attend
+    through `attend_row(i, …)` over that session's state only. The projections and the FFN
+    run once over all rows (one matrix product instead of B); attention runs per session.
+    h: [R, H] → [R, H]."""
+    cos, sin = rope_table(model, layer).rows(positions)  # [R, rotary] each
+    ends = list(itertools.accumulate(counts if counts is not None else [1] * h.shape[0]))
+    spans = [slice(end - n, end) for end, n in zip(ends, counts or [1] * len(ends), strict=True)]
     if shares(model.config, layer):
-        q = project_q_with_rope(model, layer, h, cos, sin)  # [Hq, B, D]
-        attn = torch.cat([attend_row(i, q[:, r], None, None) for i, r in enumerate(one)])
+        q = project_q_with_rope(model, layer, h, cos, sin)  # [Hq, R, D]
+        attn = torch.cat([attend_row(i, q[:, r], None, None) for i, r in enumerate(spans)])
     else:
-        q, k, v = project_qkv_with_rope(model, layer, h, cos, sin)  # [Hq, B, D], [Hkv, B, D] ×2
-        attn = torch.cat([attend_row(i, q[:, r], k[:, r], v[:, r]) for i, r in enumerate(one)])
-    return ffn_block(model, layer, attention_output(model, layer, h, attn), ffn, inputs)  # [B, H]
+        q, k, v = project_qkv_with_rope(model, layer, h, cos, sin)  # [Hq, R, D], [Hkv, R, D] ×2
+        attn = torch.cat([attend_row(i, q[:, r], k[:, r], v[:, r]) for i, r in enumerate(spans)])
+    return ffn_block(model, layer, attention_output(model, layer, h, attn), ffn, inputs)  # [R, H]
 
 
 def final_logits(model: Model, h: torch.Tensor) -> torch.Tensor:

@@ -35,19 +35,22 @@ class KvBuffer:
         values = self._v.append(v.transpose(0, 1))
         return keys.transpose(0, 1), values.transpose(0, 1)
 
-    def decode_slot(self) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
-        """Room for one decode row, written by the caller in place (a compiled decode layer):
-        → (K storage, V storage: [capacity, Hkv, D], the first live row, the new row's index);
-        `commit_decode_row()` then counts it. None before the first append."""
-        keys, values = self._k.reserve_back(1), self._v.reserve_back(1)
+    def decode_slots(
+        self, rows: int = 1, like: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+        """Room for `rows` new rows, written by the caller in place (a compiled decode layer):
+        → (K storage, V storage: [capacity, Hkv, D], the first live row, the first new row's
+        index); `commit_rows(rows)` then counts them. An empty buffer's storage is made like
+        `like` ([1, Hkv, D]); None when it is empty and no `like` is given."""
+        keys, values = self._k.reserve_back(rows, like), self._v.reserve_back(rows, like)
         if keys is None or values is None:
             return None
         assert keys[1:] == values[1:], "K and V rows are appended together"
         return keys[0], values[0], keys[1], keys[2]
 
-    def commit_decode_row(self) -> None:
-        self._k.commit(1)
-        self._v.commit(1)
+    def commit_rows(self, rows: int = 1) -> None:
+        self._k.commit(rows)
+        self._v.commit(rows)
 
     def clip(self) -> None:
         """Drop the oldest rows beyond `keep`."""

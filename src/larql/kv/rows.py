@@ -64,13 +64,20 @@ class GrowableRows:
         self._end += s
         return self.rows
 
-    def reserve_back(self, s: int) -> tuple[torch.Tensor, int, int] | None:
+    def reserve_back(
+        self, s: int, like: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int, int] | None:
         """Room for s more rows without appending them: → (the storage [capacity, *row_shape],
         the first live row's index in it, the index the next row goes to), so a caller can
-        write rows there itself and then `commit(s)`; None before the first append."""
-        if self._data is None:
+        write rows there itself and then `commit(s)`. Before the first append the storage is
+        made like `like` ([n, *row_shape]: its row shape, dtype and device); None without it."""
+        data = self._data
+        if data is not None and self._end + s <= data.shape[0]:  # room already: most steps
+            return data, self._start, self._end
+        if data is None and like is None:
             return None
-        self._reserve(s, self._data)
+        self._reserve(s, data if data is not None else like)  # type: ignore[arg-type]
+        assert self._data is not None
         return self._data, self._start, self._end
 
     def commit(self, s: int) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 # RoPE lives in its own module; importers of the model's config find it here too
@@ -133,7 +134,7 @@ class ModelConfig:
         """The layer whose K/V `layer` attends over instead of its own (None: its own)."""
         return self.layers[layer].kv_source
 
-    @property
+    @cached_property  # (asked per layer and step by the compiled decode layer)
     def shares_kv(self) -> bool:
         """Some layer attends over another layer's K/V (and keeps none of its own)."""
         return any(spec.kv_source is not None for spec in self.layers)

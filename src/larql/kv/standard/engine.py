@@ -18,7 +18,7 @@ import torch
 from larql.inference.engine import Engine, KvEngine
 from larql.inference.errors import BackendUnavailable
 from larql.inference.ffn import FfnBackend
-from larql.inference.fused_layer import fused_layer_batch, fused_layer_step
+from larql.inference.fused_layer import fused_layer_rows, fused_layer_step
 from larql.inference.layer import (
     attend,
     attention_output,
@@ -108,6 +108,16 @@ class StandardEngine(KvEngine):
             return None
         return (type(self), self.window)
 
+    def prompt_batch_key(self, model: Model) -> Hashable | None:
+        """A fresh eager engine's prompt may ride in the eager engines' steps."""
+        if self._static(model) or self.sinks:
+            return None
+        return (type(self), self.window)
+
+    def _begin_in_batch(self, model: Model) -> None:
+        self.fast_path = None
+        self._layers = [self._new_buffer(model, i) for i in range(model.config.num_layers)]
+
     @classmethod
     def _step_batch(
         cls,
@@ -118,8 +128,7 @@ class StandardEngine(KvEngine):
         inputs: torch.Tensor | None,
     ) -> torch.Tensor:
         """rows: [B, H] → [B, H]. Static engines: `BatchedStaticStep` (on CUDA a captured graph
-        per batch size). Eager ones: each layer through the compiled batched layer where it
-        applies, else the torch operators (projections and FFN once, attention per row)."""
+        per batch size); eager ones: `_advance_batch` with a row each."""
         static = [e.fast_path for e in engines if isinstance(e, StandardEngine)]
         if all(cache is not None for cache in static):
             first = engines[0]
@@ -128,20 +137,36 @@ class StandardEngine(KvEngine):
                                         first.attention)  # fmt: skip
             positions = [e.position for e in engines]
             return step.step(model, ffn, static, positions, rows, inputs)  # type: ignore[arg-type]
+        return cls._advance_batch(engines, model, ffn, rows, [1] * len(engines), inputs)
+
+    @classmethod
+    def _advance_batch(
+        cls,
+        engines: Sequence[Engine],
+        model: Model,
+        ffn: FfnBackend,
+        rows: torch.Tensor,
+        counts: Sequence[int],
+        inputs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Eager engines, counts[i] rows for engine i in rows [R, H] → [R, H]: each layer
+        through the compiled layer where it applies, else the torch operators (projections
+        and FFN once, attention per engine)."""
         batch = [e for e in engines if isinstance(e, StandardEngine) and e._layers is not None]
         assert len(batch) == len(engines), "batch_key groups only eager standard engines"
-        positions = [e.position for e in batch]
+        starts = [e.position for e in batch]
+        positions = [start + j for start, n in zip(starts, counts, strict=True) for j in range(n)]
         window = batch[0].window
         shared = [SharedKv(model.config) for _ in batch]  # each session's, for sharing layers
         h = rows
         for layer in range(model.config.num_layers):
             buffers = [e._layers[layer] for e in batch]  # type: ignore[index]
-            out = fused_layer_batch(model, layer, h, positions, buffers, ffn, window)
+            out = fused_layer_rows(model, layer, h, starts, list(counts), buffers, ffn, window)
             if out is None:
-                rows_attend = partial(
-                    _attend_buffer, model, layer, buffers, positions, window, shared
+                rows_attend = partial(_attend_buffer, model, layer, buffers, starts, window, shared)
+                out = batched_layer_step(
+                    model, layer, h, positions, rows_attend, ffn, inputs, counts
                 )
-                out = batched_layer_step(model, layer, h, positions, rows_attend, ffn, inputs)
             for buffer in buffers:
                 buffer.clip()
             h = out
@@ -231,7 +256,7 @@ def _attend_buffer(
     model: Model,
     layer: int,
     buffers: list[KvBuffer | SinkKvBuffer],
-    positions: list[int],
+    starts: list[int],
     window: int | None,
     shared: list[SharedKv],
     i: int,
@@ -239,11 +264,11 @@ def _attend_buffer(
     k: torch.Tensor | None,
     v: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Row i of a batched step: its new K/V into session i's buffer, its query over it (a
-    K/V-sharing layer's query over what its source attended over)."""
+    """Session i's rows of a batched step (at positions starts[i]..): their new K/V into its
+    buffer, their queries over it (a K/V-sharing layer's over what its source attended over)."""
     if k is None or v is None:
         keys, values, _ = shared[i].of(layer)
     else:
         keys, values = buffers[i].append(k, v)
         shared[i].keep(layer, keys, values)
-    return attend(model, layer, q, keys, values, positions[i], window)  # [1, q_dim]
+    return attend(model, layer, q, keys, values, starts[i], window)  # [n, q_dim]
