@@ -14,16 +14,23 @@ import torch
 from gguf import GGMLQuantizationType, quantize
 
 import larql.server.scheduler as scheduler_module
-from larql.inference.batching import batch_groups, decode_batch
+from larql.inference.batching import advance_batch, batch_groups, decode_batch
 from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import DenseFfn
-from larql.inference.generation import GenerationSession, generate, step_together
+from larql.inference.generation import (
+    GenerationSession,
+    advance_together,
+    generate,
+    step_together,
+)
+from larql.inference.linear import BLOCK_ROWS, rows_per_pass
 from larql.kernels.cpu.build import load as load_block_kernels
 from larql.kv import parse_engine
+from larql.kv.standard.engine import StandardEngine
 from larql.models import Model
 from larql.models.blocks import FORMAT_CODES, GGUF_FORMATS, BlockRows
 from larql.server.metrics import ServerMetrics
-from larql.server.scheduler import DoneEvent, Scheduler, SchedulerLimits
+from larql.server.scheduler import DoneEvent, Scheduler, SchedulerLimits, SessionRequest
 from test_server_scheduler import events_of, request
 
 PROMPTS = [
@@ -163,11 +170,77 @@ def test_the_catalog_says_which_engines_batch() -> None:
     assert rows["no-cache"]["batching"] is None  # steps alone
 
 
-def test_a_long_prompt_goes_in_chunks_between_the_running_streams_steps(
+def _alone_tokens(model: Model, req: SessionRequest, spec: str = "standard") -> list[int]:
+    return generate(
+        parse_engine(spec).build(model), model, DenseFfn(model), list(req.prompt_ids),
+        req.max_new_tokens, stop_ids=frozenset(),
+    ).tokens  # fmt: skip
+
+
+def _long_prompt(model: Model) -> tuple[int, ...]:
+    return tuple(model.tokenizer.encode(" ".join(["The quick brown fox jumps."] * 7)))[:40]
+
+
+def _a_long_prompt_beside_a_stream(
+    model: Model, first_spec: str
+) -> tuple[SessionRequest, SessionRequest, list, list]:
+    """A 24-token stream of `first_spec` starts decoding; then a `standard` request with a
+    40-token prompt arrives (`prefill_chunk` 16) → both requests and both event lists."""
+    short = request(model, 24, ignore_eos=True)
+    long = dataclasses.replace(short, prompt_ids=_long_prompt(model), max_new_tokens=6)
+
+    async def scenario() -> tuple[list, list]:
+        limits = SchedulerLimits(max_sessions=2, prefill_chunk=16)
+        s = Scheduler(model, DenseFfn(model), limits, ServerMetrics())
+        loop = asyncio.get_running_loop()
+        first = s.submit(short, parse_engine(first_spec).build(model), loop)
+        await asyncio.wait_for(first.events.get(), 60)  # it is decoding
+        second = s.submit(long, parse_engine("standard").build(model), loop)
+        results = await asyncio.gather(events_of(first), events_of(second))
+        s.close()
+        return results[0], results[1]
+
+    first_events, second_events = asyncio.run(scenario())
+    return short, long, first_events, second_events
+
+
+@pytest.mark.parametrize("weights", ["blocks", "float"])
+def test_a_new_prompt_rides_in_the_running_streams_steps(
+    weights: str,
+    smollm2_default: Model,
+    smollm2: Model,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While a stream decodes, a new 40-token prompt goes in riding in its steps, in chunks
+    of at most `prefill_chunk` tokens a step (fewer where they fill the step's pass of rows):
+    the running stream loses no step to it, and both
+    get the tokens they get alone (the compiled layer of the block weights, and the torch
+    operators of the float ones)."""
+    model = smollm2_default if weights == "blocks" else smollm2
+    steps: list[list[int]] = []  # per step: the prompt tokens each session took (0: decode)
+    real = scheduler_module.advance_together
+
+    def recording(sessions, chunks):  # type: ignore[no-untyped-def]
+        steps.append([0 if s.started else c for s, c in zip(sessions, chunks, strict=True)])
+        return real(sessions, chunks)
+
+    monkeypatch.setattr(scheduler_module, "advance_together", recording)
+    short, long, first_events, second_events = _a_long_prompt_beside_a_stream(model, "standard")
+    per_pass = rows_per_pass(model)  # the block products': fill the step's pass of rows
+    room = 16 if per_pass is None else min(16, -1 % per_pass)
+    sizes = [room] * (40 // room) + ([40 % room] if 40 % room else [])
+    assert steps == [[0, size] for size in sizes]  # the decode row, then the prompt's chunk
+    for events, req in ((second_events, long), (first_events, short)):
+        assert isinstance(events[-1], DoneEvent)
+        assert list(events[-1].token_ids) == _alone_tokens(model, req)
+
+
+def test_a_prompt_that_cannot_ride_goes_in_chunks_between_the_steps(
     smollm2: Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """While a stream decodes, a new 40-token prompt is prefilled 16 tokens a turn with the
-    stream's steps in between; both get the tokens they get alone."""
+    """A new `standard` prompt cannot ride in a `turbo-quant` stream's steps: it is
+    prefilled 16 tokens a turn with the stream's steps in between; both get the tokens they
+    get alone."""
     turns: list[str] = []
     real_part, real_step = GenerationSession.prefill_part, GenerationSession.step
 
@@ -181,30 +254,101 @@ def test_a_long_prompt_goes_in_chunks_between_the_running_streams_steps(
 
     monkeypatch.setattr(GenerationSession, "prefill_part", part)
     monkeypatch.setattr(GenerationSession, "step", step)
-    model, ffn = smollm2, DenseFfn(smollm2)
-    long_ids = tuple(model.tokenizer.encode(" ".join(["The quick brown fox jumps."] * 7)))[:40]
-    short = request(model, 24, ignore_eos=True)
-    long = dataclasses.replace(short, prompt_ids=long_ids, max_new_tokens=6)
-
-    async def scenario() -> tuple[list, list]:
-        limits = SchedulerLimits(max_sessions=2, prefill_chunk=16)
-        s = Scheduler(model, ffn, limits, ServerMetrics())
-        loop = asyncio.get_running_loop()
-        first = s.submit(short, parse_engine("standard").build(model), loop)
-        await asyncio.wait_for(first.events.get(), 60)  # it is decoding
-        second = s.submit(long, parse_engine("standard").build(model), loop)
-        results = await asyncio.gather(events_of(first), events_of(second))
-        s.close()
-        return results[0], results[1]
-
-    first_events, second_events = asyncio.run(scenario())
+    model = smollm2
+    short, long, first_events, second_events = _a_long_prompt_beside_a_stream(model, "turbo-quant")
     first_chunk = turns.index("prefill 16")
     # 16 + 16 + 8 tokens, each chunk followed by a step of the running stream
     assert turns[first_chunk : first_chunk + 6] == ["prefill 16", "step"] * 3
-    for events, req in ((second_events, long), (first_events, short)):
-        alone = generate(
-            parse_engine("standard").build(model), model, ffn, list(req.prompt_ids),
-            req.max_new_tokens, stop_ids=frozenset(),
-        )  # fmt: skip
+    for events, req, spec in (
+        (second_events, long, "standard"),
+        (first_events, short, "turbo-quant"),
+    ):
         assert isinstance(events[-1], DoneEvent)
-        assert list(events[-1].token_ids) == alone.tokens
+        assert list(events[-1].token_ids) == _alone_tokens(model, req, spec)
+
+
+def _fresh(model: Model, prompt: str, spec: str = "standard", **kw) -> GenerationSession:  # type: ignore[no-untyped-def]
+    engine = parse_engine(spec).build(model)
+    ids = model.tokenizer.encode(prompt)
+    return GenerationSession(engine, model, DenseFfn(model), ids, 6, stop_ids=frozenset(), **kw)
+
+
+def test_prompts_ride_in_decode_steps_bit_for_bit(smollm2_default: Model) -> None:
+    """Two streams decode while a short prompt goes in whole and a longer one in chunks, all
+    in the same steps: every session's logits are the ones it gets alone, bit for bit on the
+    compiled layer (a prompt of at most `BLOCK_ROWS` rows is prefilled by it alone too)."""
+    model = smollm2_default
+    long_text = "In the beginning the universe was created, which made a lot of people angry"
+    texts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], long_text]
+    assert len(model.tokenizer.encode(long_text)) <= BLOCK_ROWS
+
+    def alone(text: str) -> list[torch.Tensor]:
+        session, logits = _fresh(model, text), []
+        session.prefill()
+        logits.append(session.logits)
+        while not session.finished:
+            session.step()
+            logits.append(session.logits)
+        return logits
+
+    want = [alone(text) for text in texts]
+    sessions = [_fresh(model, text) for text in texts]
+    got: list[list[torch.Tensor]] = [[] for _ in texts]
+    for session in sessions[:2]:
+        session.prefill()
+    got[0].append(sessions[0].logits)
+    got[1].append(sessions[1].logits)
+    chunks = {2: [100], 3: [5, 4, 100]}  # the third whole, the fourth in three chunks
+    while not all(s.finished for s in sessions):
+        live = [i for i, s in enumerate(sessions) if not s.finished]
+        sizes = [1 if sessions[i].started else chunks[i].pop(0) for i in live]
+        tokens = advance_together([sessions[i] for i in live], sizes)
+        for i, token in zip(live, tokens, strict=True):
+            if token is not None:
+                got[i].append(sessions[i].logits)
+    for mine, theirs in zip(got, want, strict=True):
+        assert len(mine) == len(theirs)
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+
+
+def test_which_prompts_may_ride_and_what_is_refused(smollm2: Model) -> None:
+    model, ffn = smollm2, DenseFfn(smollm2)
+    fresh = _fresh(model, PROMPTS[1])
+    rest = len(fresh.prompt_ids)
+    assert fresh.takes_prompt_in_batch(rest) and fresh.takes_prompt_in_batch(3)  # chunks: exact
+    assert not fresh.takes_prompt_in_batch(0)
+    assert not _fresh(model, PROMPTS[1], keep_prompt_rows=True).takes_prompt_in_batch(rest)
+    assert not _fresh(model, PROMPTS[1], "turbo-quant").takes_prompt_in_batch(rest)
+    static = GenerationSession(StandardEngine(static=True), model, ffn, fresh.prompt_ids, 6)
+    assert not static.takes_prompt_in_batch(rest)  # the static path prefills in one pass
+    with pytest.raises(InvariantViolation, match="cannot take its prompt"):
+        advance_together([_fresh(model, PROMPTS[1], "turbo-quant")], [rest])
+    running = parse_engine("standard").build(model)
+    running.prefill(model, ffn, model.tokenizer.encode(PROMPTS[0]))
+    windowed = parse_engine("standard:window=8").build(model)
+    with pytest.raises(InvariantViolation, match="batch_key"):
+        advance_batch([running, windowed], model, ffn, [[1], [2, 3]])
+    with pytest.raises(InvariantViolation, match="twice"):
+        advance_batch([running, running], model, ffn, [[1], [2]])
+    with pytest.raises(InvariantViolation, match="one or more tokens"):
+        advance_batch([running], model, ffn, [[]])
+
+
+def test_a_step_takes_what_fills_its_last_pass_of_rows(
+    smollm2_default: Model, smollm2: Model
+) -> None:
+    """Where the block products take rows in passes, riding prompts fill the step's last pass
+    (the next one where less than a quarter is left), at most `prefill_chunk` tokens; on the
+    float matrices, `prefill_chunk`."""
+    per_pass = rows_per_pass(smollm2_default)
+    assert per_pass == (16 if load_block_kernels().amx() else 8)
+    assert rows_per_pass(smollm2) is None
+    limits = SchedulerLimits(prefill_chunk=32)
+    blocks = Scheduler(smollm2_default, DenseFfn(smollm2_default), limits, ServerMetrics())
+    floats = Scheduler(smollm2, DenseFfn(smollm2), limits, ServerMetrics())
+    for decoding in (1, 7, 8, 14, 15, 16, 40):
+        room = blocks._prompt_room(decoding)
+        left = -decoding % per_pass
+        assert room == min(32, left if 4 * left >= per_pass else left + per_pass)
+        assert (decoding + room) % per_pass == 0 or room == 32
+        assert floats._prompt_room(decoding) == 32

@@ -39,8 +39,9 @@ def serve(
         int,
         typer.Option(
             "--prefill-chunk",
-            help="While other streams decode, a new prompt goes in chunks of this many tokens "
-            "between their steps (engines that extend a prefill exactly: standard).",
+            help="While other streams decode, new prompts go in at most this many tokens a "
+            "step: riding in the streams' own step where their engines batch (standard), else "
+            "in a turn between their steps.",
         ),
     ] = 32,
     device: DeviceOption = "cpu",

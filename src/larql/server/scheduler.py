@@ -36,7 +36,13 @@ from larql.errors import LarqlError
 from larql.inference.engine import Engine
 from larql.inference.errors import BackendUnavailable, EngineError
 from larql.inference.ffn import FfnBackend
-from larql.inference.generation import FinishReason, GenerationSession, step_together
+from larql.inference.generation import (
+    FinishReason,
+    GenerationSession,
+    advance_together,
+    step_together,
+)
+from larql.inference.linear import rows_per_pass
 from larql.inference.logprobs import TokenLogprob, prompt_logprobs, token_logprob
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.sampling import Sampler, SamplingParams
@@ -128,7 +134,9 @@ class SchedulerLimits:
     max_queue: int = 16
     request_timeout_s: float = 300.0
     retry_after_s: int = 1
-    prefill_chunk: int = 32  # tokens of a new prompt per turn while other sessions decode
+    # new prompts' tokens one step takes in while other sessions decode (riding in their step,
+    # or in a turn of its own between their steps)
+    prefill_chunk: int = 32
 
 
 class Session:
@@ -220,6 +228,7 @@ class Scheduler:
         self._closing = False
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()  # the loop has ended
+        self._rows_per_pass = rows_per_pass(model)
         metrics.watch_engine_memory(self.memory_by_engine)
 
     # ------------------------------------------------------------------ called from the event loop
@@ -316,17 +325,28 @@ class Scheduler:
         self._stopped.set()
 
     def _pick(self) -> list[Session]:
-        """A session whose prompt is not all in goes first: all of it when nothing else
-        decodes, else its next chunk, taking turns with the decoding sessions' steps (so a long
-        prompt never stalls running streams for its whole prefill). Otherwise the decoding
-        session whose turn it is, with every one whose engine batches with its own (lock
-        held)."""
-        filling = next((s for s in self._active if _prefilling(s)), None)
+        """The next step's sessions (lock held). With nothing decoding, new prompts go in whole:
+        several together where their engines batch and they fit `prefill_chunk` tokens, else
+        the first alone. Otherwise the decoding session whose turn it is, with every one whose
+        engine batches with its own; new prompts (or their next chunks) ride in that step, up
+        to `prefill_chunk` tokens in all, so a prompt costs the running streams no step of
+        their own. A prompt that cannot ride (another engine family, echo) takes turns with
+        the decode steps instead, a chunk at a time, so a long prompt never stalls running
+        streams for its whole prefill."""
+        filling = [s for s in self._active if _prefilling(s)]
         decoding = [s for s in self._active if not _prefilling(s)]
-        if filling is not None and (not decoding or self._fill_turn):
+        if filling and not decoding:
+            together = self._prompts_together(filling)
+            if len(together) > 1 and together[0] is filling[0]:
+                return together
+            filling[0].prefill_chunk = None
+            return [filling[0]]
+        if filling and self._fill_turn:
             self._fill_turn = False
-            filling.prefill_chunk = self.limits.prefill_chunk if decoding else None
-            return [filling]
+            alone = next((s for s in filling if not self._may_ride(s, decoding)), None)
+            if alone is not None:
+                alone.prefill_chunk = self.limits.prefill_chunk
+                return [alone]
         self._fill_turn = True
         session = decoding[0]
         self._active.remove(session)
@@ -334,7 +354,7 @@ class Scheduler:
         key = session.engine.batch_key() if session.engine is not None else None
         if key is None or session.cancelled:
             return [session]
-        return [session] + [
+        batch = [session] + [
             s
             for s in decoding
             if s is not session
@@ -344,10 +364,72 @@ class Scheduler:
             and s.engine is not None
             and s.engine.batch_key() == key
         ]
+        room = self._prompt_room(len(batch))
+        for rider in filling:
+            chunk = self._ride_chunk(rider, key, room)
+            if chunk:
+                rider.prefill_chunk = chunk
+                batch.append(rider)
+                room -= chunk
+        return batch
+
+    def _prompt_room(self, decode_rows: int) -> int:
+        """The prompt tokens a step of `decode_rows` decode rows takes in: `prefill_chunk` at
+        most, and where the products take rows in passes (`rows_per_pass`), what fills the
+        step's last pass, or the next pass where less than a quarter of one is left: a row
+        past a pass costs a whole pass, so a prompt goes in over two cheap steps rather than
+        one that costs a pass more."""
+        room, per_pass = self.limits.prefill_chunk, self._rows_per_pass
+        if per_pass is None:
+            return room
+        left = -decode_rows % per_pass
+        return min(room, left if left >= per_pass // 4 else left + per_pass)
+
+    def _prompts_together(self, filling: list[Session]) -> list[Session]:
+        """With nothing decoding: new prompts whose engines batch with the first one's, whole,
+        as many as fit in `prefill_chunk` tokens (lock held)."""
+        first = filling[0].engine
+        key = first.joining_batch_key(self.model) if first is not None else None
+        together, room = [], self.limits.prefill_chunk
+        for session in filling if key is not None else ():
+            generation = session.generation
+            rest = len(session.request.prompt_ids) - (generation.prompt_done if generation else 0)
+            if rest <= room and self._ride_chunk(session, key, room) == rest:
+                session.prefill_chunk = rest
+                together.append(session)
+                room -= rest
+        return together
+
+    def _may_ride(self, filling: Session, decoding: list[Session]) -> bool:
+        """Whether a new prompt can ride in some decode step: some decoding session's engine
+        batches with its prompt (lock held)."""
+        if filling.engine is None:
+            return False
+        key = filling.engine.joining_batch_key(self.model)
+        if not any(s.engine is not None and s.engine.batch_key() == key for s in decoding):
+            return False
+        return self._ride_chunk(filling, key, self.limits.prefill_chunk) > 0
+
+    def _ride_chunk(self, filling: Session, key: object, room: int) -> int:
+        """The prompt tokens `filling` takes in a step of the engines of batch `key` that takes
+        `room` more prompt tokens; 0: it does not ride (lock held)."""
+        request, engine = filling.request, filling.engine
+        if room < 1 or filling.cancelled or engine is None or request.max_new_tokens == 0:
+            return 0
+        if request.echo or engine.joining_batch_key(self.model) != key:
+            return 0
+        try:
+            generation = self._generation(filling)
+        except LarqlError:  # (its own turn reports it)
+            return 0
+        chunk = min(len(generation.prompt_ids) - generation.prompt_done, room)
+        return chunk if generation.takes_prompt_in_batch(chunk) else 0
 
     def _advance_together(self, batch: list[Session]) -> None:
-        """One decode step for sessions whose engines batch; a failure of the shared step ends
-        every session in it (it is the server's fault, not one request's)."""
+        """One step for sessions whose engines batch: a decode row each, and new prompts' chunks
+        riding in it (`prefill_chunk` tokens each). A failure of the shared step ends every
+        session in it (it is the server's fault, not one request's: prompts are checked before
+        they are queued)."""
         now = time.perf_counter()
         for session in [s for s in batch if now >= s.deadline]:
             session.emit(self._timeout_event())
@@ -357,9 +439,14 @@ class Scheduler:
             for session in batch:
                 self._advance(session)
             return
-        generations = [s.generation for s in batch]
+        generations = [self._generation(s) for s in batch]
+        riding = [not g.started for g in generations]
         try:
-            tokens = step_together([g for g in generations if g is not None])
+            if any(riding):
+                chunks = [s.prefill_chunk or 0 for s in batch]
+                tokens: list[int | None] = advance_together(generations, chunks)
+            else:
+                tokens = list(step_together(generations))
         except Exception as e:
             log.exception("batched step failed")
             for session in batch:
@@ -371,8 +458,13 @@ class Scheduler:
                 self._retire(session, "error")
             return
         now = time.perf_counter()
-        for session, token in zip(batch, tokens, strict=True):
-            self.metrics.time_per_output_token.observe(now - session.last_token_at)
+        for session, token, rode in zip(batch, tokens, riding, strict=True):
+            if token is None:  # a chunk of its prompt went in
+                continue
+            if rode:
+                self.metrics.time_to_first_token.observe(now - session.arrived)
+            else:
+                self.metrics.time_per_output_token.observe(now - session.last_token_at)
             session.last_token_at = now
             self._deliver(session, token)
 
@@ -454,20 +546,7 @@ class Scheduler:
     def _next_token(self, session: Session) -> int | None:
         """The session's next token: its first after (the rest of) its prompt, or a decode
         step's; None when only a chunk of its prompt went in."""
-        if session.generation is None:
-            assert session.engine is not None
-            request = session.request
-            session.generation = GenerationSession(
-                session.engine,
-                self.model,
-                self.ffn,
-                request.prompt_ids,
-                request.max_new_tokens,
-                Sampler(request.sampling),
-                stop_ids=frozenset() if request.ignore_eos else None,
-                keep_prompt_rows=request.scores_prompt,
-            )
-        generation = session.generation
+        generation = self._generation(session)
         if not generation.started:
             request = session.request
             chunk = session.prefill_chunk or len(request.prompt_ids)
@@ -487,6 +566,23 @@ class Scheduler:
             self.metrics.time_per_output_token.observe(now - session.last_token_at)
         session.last_token_at = now
         return token
+
+    def _generation(self, session: Session) -> GenerationSession:
+        """The session's generation, made at its first turn."""
+        if session.generation is None:
+            assert session.engine is not None
+            request = session.request
+            session.generation = GenerationSession(
+                session.engine,
+                self.model,
+                self.ffn,
+                request.prompt_ids,
+                request.max_new_tokens,
+                Sampler(request.sampling),
+                stop_ids=frozenset() if request.ignore_eos else None,
+                keep_prompt_rows=request.scores_prompt,
+            )
+        return session.generation
 
     def _deliver(self, session: Session, token: int) -> None:
         generation = session.generation

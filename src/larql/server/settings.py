@@ -19,7 +19,7 @@ class ServerSettings:
     request_timeout_s: float = 300.0
     max_body_bytes: int = 8 * 2**20  # a prompt of the whole context as token ids is ~60 kB
     retry_after_s: int = 1
-    prefill_chunk: int = 32  # tokens of a new prompt per turn while other streams decode
+    prefill_chunk: int = 32  # new prompts' tokens a step takes in while other streams decode
     # names the `model` field may carry besides the model's own (e.g. the -m path it came from)
     model_aliases: tuple[str, ...] = ()
 
