@@ -315,12 +315,16 @@ def test_which_prompts_may_ride_and_what_is_refused(smollm2: Model) -> None:
     model, ffn = smollm2, DenseFfn(smollm2)
     fresh = _fresh(model, PROMPTS[1])
     rest = len(fresh.prompt_ids)
-    assert fresh.takes_prompt_in_batch(rest) and fresh.takes_prompt_in_batch(3)  # chunks: exact
-    assert not fresh.takes_prompt_in_batch(0)
-    assert not _fresh(model, PROMPTS[1], keep_prompt_rows=True).takes_prompt_in_batch(rest)
-    assert not _fresh(model, PROMPTS[1], "turbo-quant").takes_prompt_in_batch(rest)
     static = GenerationSession(StandardEngine(static=True), model, ffn, fresh.prompt_ids, 6)
     assert not static.takes_prompt_in_batch(rest)  # the static path prefills in one pass
+    assert fresh.takes_prompt_in_batch(rest) and fresh.takes_prompt_in_batch(3)  # chunks: exact
+    assert not fresh.takes_prompt_in_batch(0)
+    assert advance_together([fresh], [3]) == [None]  # a chunk went in, no token yet
+    assert fresh.prompt_done == 3 and fresh.engine.position == 3 and not fresh.started
+    alone = _fresh(model, PROMPTS[1])
+    assert advance_together([fresh], [rest]) == [alone.prefill()]  # the rest: its first token
+    assert not _fresh(model, PROMPTS[1], keep_prompt_rows=True).takes_prompt_in_batch(rest)
+    assert not _fresh(model, PROMPTS[1], "turbo-quant").takes_prompt_in_batch(rest)
     with pytest.raises(InvariantViolation, match="cannot take its prompt"):
         advance_together([_fresh(model, PROMPTS[1], "turbo-quant")], [rest])
     running = parse_engine("standard").build(model)

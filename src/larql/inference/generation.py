@@ -72,16 +72,20 @@ def step_together(sessions: Sequence[GenerationSession]) -> list[int]:
         engines = [s.engine for s in sessions]
         hidden = decode_batch(engines, model, ffn, [s.tokens[-1] for s in sessions])  # [B, H]
         logits = rows_logits(model, hidden)  # [B, V]
-        if all(s.sampler.params.greedy for s in sessions):  # one argmax and one copy for all
-            picked = logits.argmax(-1).tolist()
-        else:
-            picked = [s.sampler.pick(row) for s, row in zip(sessions, logits, strict=True)]
+        picked = _picks(sessions, logits)
         elapsed = (time.perf_counter() - t0) * 1000
     for session, row, token in zip(sessions, logits, picked, strict=True):
         session.logits = row
         session.step_ms.append(elapsed)
         session._accept(token)
     return picked
+
+
+def _picks(sessions: Sequence[GenerationSession], logits: torch.Tensor) -> list[int]:
+    """Each session's pick from its row of logits [B, V] (greedy ones: one argmax for all)."""
+    if all(s.sampler.params.greedy for s in sessions):
+        return logits.argmax(-1).tolist()
+    return [s.sampler.pick(row) for s, row in zip(sessions, logits, strict=True)]
 
 
 def advance_together(
@@ -110,11 +114,14 @@ def advance_together(
         picking = [
             i for i, s in enumerate(sessions) if s.started or s.prompt_done == len(s.prompt_ids)
         ]
-        logits = rows_logits(model, torch.cat([hidden[i][-1:] for i in picking]))  # [P, V]
-        picked = [sessions[i].sampler.pick(row) for i, row in zip(picking, logits, strict=True)]
+        picked: list[int] = []
+        rows: list[torch.Tensor] = []
+        if picking:
+            logits = rows_logits(model, torch.cat([hidden[i][-1:] for i in picking]))  # [P, V]
+            picked, rows = _picks([sessions[i] for i in picking], logits), list(logits)
         elapsed = (time.perf_counter() - t0) * 1000
     tokens: list[int | None] = [None] * len(sessions)
-    for i, row, token in zip(picking, logits, picked, strict=True):
+    for i, row, token in zip(picking, rows, picked, strict=True):
         session = sessions[i]
         session.logits = row
         if session.started:
