@@ -22,7 +22,7 @@ from larql.harness.contexts import context_ids
 from larql.inference.ffn import DenseFfn
 from larql.inference.ffn.policy import build_ffn
 from larql.inference.generation import next_token_logits
-from larql.inference.linear import BLOCK_ROWS, linear, reads_blocks
+from larql.inference.linear import block_rows, linear, reads_blocks
 from larql.inference.rope import apply_rope
 from larql.kernels.cpu.build import load as load_block_kernels
 from larql.kv import parse_engine
@@ -327,7 +327,8 @@ def test_fused_decode_step_matches_the_operator_path(
 @pytest.mark.parametrize(
     ("spec", "prompt", "weights"),
     [
-        *((spec, 40, weights) for spec in ("standard", "standard:window=24")
+        # a prompt longer than the compiled layer takes: prefilled by the operators both times
+        *((spec, 0, weights) for spec in ("standard", "standard:window=24")
           for weights in ("blocks-float", "auto")),
         # a short prompt's rows (causal, windowed) through the compiled layer too; with int16
         # inputs its many rows' roundings differ from the operators' by a code here and there
@@ -339,17 +340,17 @@ def test_the_compiled_decode_layer_is_the_layer_step(
     spec: str, prompt: int, weights: str, blocks_smollm2: Model, auto_smollm2: Model,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    """Decode rows, and a prompt of up to `BLOCK_ROWS` rows, through the compiled layer give
+    """Decode rows, and a prompt of up to `block_rows()` rows, through the compiled layer give
     the operators' logits."""
     _kernels_or_skip()
     model = blocks_smollm2 if weights == "blocks-float" else auto_smollm2
-    ids = context_ids(model, prompt, default_text())
+    ids = context_ids(model, prompt or block_rows() + 8, default_text())
     compiled_calls = []
     real_step = fused_layer_module.fused_layer_step
 
     def counted(*args: object) -> torch.Tensor | None:
         out = real_step(*args)
-        if args[2].shape[0] <= BLOCK_ROWS:  # h: a decode row or a short prompt (longer: BLAS)
+        if args[2].shape[0] <= block_rows():  # h: a decode row or a prompt (longer: BLAS)
             compiled_calls.append(out is not None)
         return out
 

@@ -105,7 +105,9 @@ def test_fidelity_with_a_long_prompt_sees_snapkv_compress(tmp_path) -> None:
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     kl = {row["spec"]: row["mean_kl"] for row in json.loads(out.read_text())["fidelity"]}
-    assert kl["snapkv:budget=64"] == 0.0  # the 40-token prompt fits: nothing evicted
+    # the 40-token prompt fits: nothing evicted, so standard's answers up to float rounding (on
+    # AMX, standard prefills through the compiled layer, snapkv through the operators)
+    assert kl["snapkv:budget=64"] < 1e-5
     assert kl["snapkv:budget=4,window=4"] > 1e-3
 
 

@@ -1,5 +1,5 @@
 """The compiled decode-step pieces (`larql.kernels.cpu`) where a few float32 rows on the CPU
-(a decode step, a batched one, a short prompt: up to `BLOCK_ROWS`) run through them: fused QKV +
+(a decode step, a batched one, a prompt: up to `block_rows()`) run through them: fused QKV +
 RoPE, output projection + residual and the whole gated MLP + residual for matrices the model
 holds in GGUF blocks, and one query's attention over float32 K/V rows (any model). `layer.py`
 asks here first and otherwise runs the torch operators, which stay the reference the pieces
@@ -11,15 +11,15 @@ from types import ModuleType
 
 import torch
 
-from larql.inference.linear import BLOCK_ROWS
+from larql.inference.linear import block_rows
 from larql.kernels.cpu.build import load as load_block_kernels
 from larql.models.blocks import ACTIVATION_BITS, BlockRows
 
 
 def fused_kernels(h: torch.Tensor) -> ModuleType | None:
-    """The extension when the residual h: [S, H] is at most `BLOCK_ROWS` float32 rows on the
+    """The extension when the residual h: [S, H] is at most `block_rows()` float32 rows on the
     CPU, else None."""
-    if h.shape[0] > BLOCK_ROWS or h.dtype != torch.float32 or h.device.type != "cpu":
+    if h.shape[0] > block_rows() or h.dtype != torch.float32 or h.device.type != "cpu":
         return None
     if h.requires_grad or torch.compiler.is_compiling():
         return None

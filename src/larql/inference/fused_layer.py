@@ -26,7 +26,7 @@ import torch
 from larql.inference.ffn.backend import FfnBackend
 from larql.inference.fused import activation_bits, fused_kernels
 from larql.inference.layer import effective_window, rope_table
-from larql.inference.linear import BLOCK_ROWS, kernel_rows
+from larql.inference.linear import block_rows, kernel_rows
 from larql.models.blocks import BlockRows
 from larql.models.model import Model
 
@@ -157,7 +157,7 @@ def fused_layer_step(
     """h: [S, H] of one session at positions `start`.. (a decode step, a short prompt or a
     chunk of one) → the residuals after the whole layer [S, H], its K/V rows committed to
     `kv`; None where the compiled layer does not apply (nothing is changed), or for more rows
-    than `BLOCK_ROWS` (a longer prompt's products are faster on the float matrices)."""
-    if h.shape[0] > BLOCK_ROWS:
+    than `block_rows()` (a longer prompt's products are faster on the float matrices)."""
+    if h.shape[0] > block_rows():
         return None
     return fused_layer_rows(model, layer, h, [start], [h.shape[0]], [kv], ffn, window)

@@ -10,13 +10,14 @@ already fast there.
 A matrix the model also holds in its GGUF blocks (`BlockRows`: Q8_0 / Q4_0 / Q4_1, Q4_K
 repacked) is read from those instead, on the CPU, by the compiled block product
 (`larql.kernels.cpu`): a Q4_1 row is 0.16× the bytes of its float32 one. So are products of a
-few rows (up to `BLOCK_ROWS`: a batched decode step, a short prompt), each weight read once for
+few rows (up to `block_rows()`: a batched decode step, a prompt), each weight read once for
 all of them and each row computed exactly as alone; past that, BLAS on the float matrix is
 faster. Without the built extension, torch's float product runs as before.
 """
 
 from __future__ import annotations
 
+from functools import cache
 from types import ModuleType
 
 import torch
@@ -27,9 +28,21 @@ from larql.models.blocks import ACTIVATION_BITS, FORMAT_CODES, BlockRows
 from larql.models.model import Model
 
 _SPLIT_DTYPES = (torch.float32, torch.float64)
-# rows up to which the block product beats BLAS on the float matrix (SmolLM2's gate/up on the
-# project's 2-core machine: 0.29 against 0.42 ms at 8 rows, 0.53 / 0.66 at 16, 1.35 / 1.04 at 32)
+# rows up to which the block product beats BLAS on the float matrix: with the AVX2 products
+# (SmolLM2's gate/up on a 2-core machine: 0.29 against 0.42 ms at 8 rows, 0.53 / 0.66 at 16,
+# 1.35 / 1.04 at 32) and on AMX tiles (a whole prefill of the default model on a 2-core Xeon:
+# 24 tokens 22.5 against 61 ms, 64: 51 / 94, 128: 111 / 143, 256: 240 / 263)
 BLOCK_ROWS = 16
+AMX_BLOCK_ROWS = 256
+
+
+@cache
+def block_rows() -> int:
+    """Rows up to which a product (and the compiled layer) reads the GGUF blocks rather than
+    the float matrix: `AMX_BLOCK_ROWS` where the products run on AMX tiles, else
+    `BLOCK_ROWS`."""
+    kernels = load_block_kernels()
+    return AMX_BLOCK_ROWS if kernels is not None and kernels.amx() else BLOCK_ROWS
 
 
 _TILED_CODE = 16  # the extension's format code of a tiled matrix: 16 + its format's
@@ -80,7 +93,7 @@ def linear(
 ) -> torch.Tensor:
     """x: [S, in] @ weight[out, in]ᵀ (+ bias) → [S, out]; `blocks`: the same matrix in GGUF
     blocks, which a one-row product on the CPU reads instead."""
-    if torch.compiler.is_compiling() or x.device.type != "cpu" or x.shape[0] > BLOCK_ROWS:
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or x.shape[0] > block_rows():
         # decided before asking for the thread count, which torch.compile cannot trace: a
         # compiled step must not break its graph here (a compiler fuses the product itself)
         return F.linear(x, weight, bias)
