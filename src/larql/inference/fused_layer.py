@@ -9,11 +9,12 @@ and the MLP with their residuals. It computes what `layer.layer_step` computes w
 pieces (tested against it); everything else takes `layer_step`'s operators.
 
 `fused_layer_rows` is the same layer for the rows of several sessions at once (a batched
-decode step, a short prompt, or both: a decode step that carries a new prompt's chunk): each
+decode step, a prompt of up to `block_rows()` rows, or both: a decode step that carries a new
+prompt's chunk): each
 matrix is read once for all rows, each row writes into and attends over its own session's store
 (a prompt's rows causally), and a row's arithmetic is exactly the one-row call's (a session's
-tokens do not depend on who shares its step, and a short prompt's rows are the same prefilled
-alone or beside other sessions' steps).
+tokens do not depend on who shares its step, and a prompt's rows are the same prefilled alone
+or beside other sessions' steps).
 """
 
 from __future__ import annotations
