@@ -437,20 +437,22 @@ def test_the_commands_ffn_router_hands_on_the_compiled_mlp(auto_smollm2: Model) 
         GGMLQuantizationType.Q4_K,
     ],
 )
-def test_tiled_products_on_amx(qtype: GGMLQuantizationType) -> None:
+@pytest.mark.parametrize("outputs", [96, 112])  # 6 tiles of 16 rows (taken in pairs), 7
+def test_tiled_products_on_amx(qtype: GGMLQuantizationType, outputs: int) -> None:
     """On a CPU with AMX: a block matrix tiled for the tile unit gives, for int16 inputs, the
     float product within the inputs' rounding (as the untiled one does), each row of a batch
-    bit for bit its product alone, and refuses float or int8 inputs by name."""
+    bit for bit its product alone, and refuses float or int8 inputs by name — for an even
+    count of 16-row tiles and an odd one (the last tile then taken alone)."""
     kernels = load_block_kernels()
     if kernels is None or not kernels.amx():
         pytest.skip("needs the CPU kernels built with AMX, on a CPU that has it")
     width = 256 if qtype == GGMLQuantizationType.Q4_K else 96
     if qtype == GGMLQuantizationType.Q4_K:
-        raw = _random_q4_k(96, width, 5)
+        raw = _random_q4_k(outputs, width, 5)
     else:
-        weights = np.random.default_rng(3).standard_normal((96, width)).astype(np.float32)
+        weights = np.random.default_rng(3).standard_normal((outputs, width)).astype(np.float32)
         raw = quantize(weights, qtype)
-    rows = BlockRows.from_gguf(qtype, raw, (96, width))
+    rows = BlockRows.from_gguf(qtype, raw, (outputs, width))
     code = FORMAT_CODES[rows.format]
     tiled = kernels.tile_rows(rows.data, code)
     assert tiled.shape == rows.data.shape and not torch.equal(tiled, rows.data)

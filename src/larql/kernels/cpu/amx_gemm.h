@@ -38,6 +38,7 @@ namespace larql {
 #if LARQL_AMX
 constexpr int kTileOutputs = 16;  // weight rows per tile
 constexpr int kTileInputs = 16;   // inputs per tile, at most
+constexpr int kAhead = 4;         // blocks of weights prefetched ahead
 
 // Whether this process may use the tile registers: Linux grants them on request, once.
 inline bool amx_usable() {
@@ -58,14 +59,15 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles: 0, 1 C_hi, C_lo [M × 16 int32]; 2, 3 hi, lo [M × 32 bytes]; 4 the weights [8 × 64].
+// Tiles: 0, 1 C_hi, C_lo [M × 16 int32] of a first weight tile and 5, 6 of a second; 2, 3 hi,
+// lo [M × 32 bytes]; 4, 7 the two weight tiles [8 × 64].
 inline void configure_tiles(int inputs) {
   thread_local int configured = 0;
   if (configured == inputs) return;
   TileConfig config;
-  for (int t : {0, 1}) config.rows[t] = inputs, config.bytes_per_row[t] = 64;
+  for (int t : {0, 1, 5, 6}) config.rows[t] = inputs, config.bytes_per_row[t] = 64;
   for (int t : {2, 3}) config.rows[t] = inputs, config.bytes_per_row[t] = 32;
-  config.rows[4] = 8, config.bytes_per_row[4] = 64;
+  for (int t : {4, 7}) config.rows[t] = 8, config.bytes_per_row[t] = 64;
   _tile_loadconfig(&config);
   configured = inputs;
 }
@@ -141,35 +143,42 @@ inline void tile_rows(Format base, const uint8_t* rows, int64_t row_bytes, int64
   }
 }
 
-// One tile of 16 weight rows × M inputs over every block (`tile`: the tile's first block)
-// → out[m · out_stride + o].
-template <Format F, int M>
-inline void amx_tile(const uint8_t* tile, int64_t blocks, const AmxInputs& in, float* out,
-                     int64_t out_stride) {
-  const int64_t per = tile_block_bytes(F);
-  alignas(64) uint8_t weights[8 * 64];
-  alignas(64) int32_t c_high[kTileInputs * 16], c_low[kTileInputs * 16];
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  const __m512i nibble = _mm512_set1_epi8(0x0f);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = tile + b * per;
-    for (int64_t line = 0; line < per; line += 64) {  // 4 blocks ahead
-      _mm_prefetch(reinterpret_cast<const char*>(block + 4 * per + line), _MM_HINT_T0);
+// The tile intrinsics take their registers' numbers as literals (they are pasted into the
+// instruction): `SECOND` picks the second weight tile's registers (5, 6 and 7) over the
+// first's (0, 1 and 4).
+
+// One weight tile's block into its tile register (`staging`: 512 bytes for the 4-bit
+// formats' nibbles spread to bytes).
+template <Format F, bool SECOND>
+inline void load_weights(const uint8_t* block, uint8_t* staging) {
+  if constexpr (F == Format::Q8_0) {  // signed bytes, already as the unit reads them
+    if constexpr (SECOND) _tile_loadd(7, block, 64); else _tile_loadd(4, block, 64);
+  } else {
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    for (int r = 0; r < 4; ++r) {  // word r: elements 4r..4r+3 (low nibbles), 16+4r.. (high)
+      const __m512i words = _mm512_loadu_si512(block + 64 * r);
+      _mm512_store_si512(staging + 64 * r, _mm512_and_si512(words, nibble));
+      _mm512_store_si512(staging + 64 * (r + 4),
+                         _mm512_and_si512(_mm512_srli_epi16(words, 4), nibble));
     }
-    if constexpr (F == Format::Q8_0) {  // signed bytes, already as the unit reads them
-      _tile_loadd(4, block, 64);
+    if constexpr (SECOND) _tile_loadd(7, staging, 64); else _tile_loadd(4, staging, 64);
+  }
+}
+
+// C_hi and C_lo of one weight tile and the inputs' bytes (tiles 2, 3).
+template <Format F, bool SECOND>
+inline void tile_products() {
+  if constexpr (SECOND) {
+    _tile_zero(5);
+    _tile_zero(6);
+    if constexpr (F == Format::Q8_0) {
+      _tile_dpbssd(5, 2, 7);
+      _tile_dpbusd(6, 3, 7);
     } else {
-      for (int r = 0; r < 4; ++r) {  // word r: elements 4r..4r+3 (low nibbles), 16+4r.. (high)
-        const __m512i words = _mm512_loadu_si512(block + 64 * r);
-        _mm512_store_si512(weights + 64 * r, _mm512_and_si512(words, nibble));
-        _mm512_store_si512(weights + 64 * (r + 4),
-                           _mm512_and_si512(_mm512_srli_epi16(words, 4), nibble));
-      }
-      _tile_loadd(4, weights, 64);
+      _tile_dpbsud(5, 2, 7);
+      _tile_dpbuud(6, 3, 7);
     }
-    _tile_loadd(2, in.high.data() + b * M * kBlock, kBlock);
-    _tile_loadd(3, in.low.data() + b * M * kBlock, kBlock);
+  } else {
     _tile_zero(0);
     _tile_zero(1);
     if constexpr (F == Format::Q8_0) {
@@ -179,47 +188,113 @@ inline void amx_tile(const uint8_t* tile, int64_t blocks, const AmxInputs& in, f
       _tile_dpbsud(0, 2, 4);
       _tile_dpbuud(1, 3, 4);
     }
-    const uint8_t* scales = block + 64 * code_words(F);
+  }
+}
+
+// The sums of tile_products<F, SECOND> into memory ([M × 16] int32 each).
+template <bool SECOND>
+inline void store_sums(int32_t* c_high, int32_t* c_low) {
+  if constexpr (SECOND) {
+    _tile_stored(5, c_high, 64);
+    _tile_stored(6, c_low, 64);
+  } else {
     _tile_stored(0, c_high, 64);
     _tile_stored(1, c_low, 64);
-    __m512 d, offset = _mm512_setzero_ps();
-    if constexpr (F == Format::Q4_K32) {
-      d = _mm512_loadu_ps(scales);
-      offset = _mm512_loadu_ps(scales + 64);
-    } else {
-      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
-      if constexpr (F == Format::Q4_1) {
-        offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
-      }
-    }
-    const int64_t at = b * M;
-#pragma GCC unroll 16
-    for (int m = 0; m < M; ++m) {
-      __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c_high + 16 * m), 8),
-                                     _mm512_load_si512(c_low + 16 * m));
-      if constexpr (F == Format::Q4_0) {  // weight = d · (q − 8)
-        sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * in.code_sums[at + m]));
-      }
-      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(in.scales[at + m]));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[m]);
-      if constexpr (F == Format::Q4_1 || F == Format::Q4_K32) {  // + m · X
-        acc[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(in.sums[at + m]), acc[m]);
-      }
+  }
+}
+
+// acc[m] += the block's integer sums (c_high, c_low: [M × 16]) scaled by the weight rows'
+// scales (`scales`, the tiled block's) and input m's; + m · X for the formats with offsets.
+template <Format F, int M>
+inline void scale_block(const uint8_t* scales, const int32_t* c_high, const int32_t* c_low,
+                        const AmxInputs& in, int64_t at, __m512* acc) {
+  __m512 d, offset = _mm512_setzero_ps();
+  if constexpr (F == Format::Q4_K32) {
+    d = _mm512_loadu_ps(scales);
+    offset = _mm512_loadu_ps(scales + 64);
+  } else {
+    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+    if constexpr (F == Format::Q4_1) {
+      offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
     }
   }
-  for (int m = 0; m < in.count; ++m) _mm512_storeu_ps(out + m * out_stride, acc[m]);
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m) {
+    __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c_high + 16 * m), 8),
+                                   _mm512_load_si512(c_low + 16 * m));
+    if constexpr (F == Format::Q4_0) {  // weight = d · (q − 8)
+      sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * in.code_sums[at + m]));
+    }
+    const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(in.scales[at + m]));
+    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[m]);
+    if constexpr (F == Format::Q4_1 || F == Format::Q4_K32) {  // + m · X
+      acc[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(in.sums[at + m]), acc[m]);
+    }
+  }
+}
+
+// T (1 or 2) consecutive tiles of 16 weight rows × M inputs over every block (`tile`: the
+// first tile's first block, `tile_bytes` apart) → out[m · out_stride + o]. Two tiles share
+// the inputs' tiles and give the unit two independent chains of products: while one tile's
+// sums are stored and scaled, the other's products run.
+template <Format F, int M, int T>
+inline void amx_tiles(const uint8_t* tile, int64_t tile_bytes, int64_t blocks,
+                      const AmxInputs& in, float* out, int64_t out_stride) {
+  static_assert(T == 1 || T == 2);
+  const int64_t per = tile_block_bytes(F);
+  alignas(64) uint8_t weights[T][8 * 64];
+  alignas(64) int32_t c_high[T][kTileInputs * 16], c_low[T][kTileInputs * 16];
+  __m512 acc[T][M];
+  for (int t = 0; t < T; ++t) {
+    for (int m = 0; m < M; ++m) acc[t][m] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* first = tile + b * per;
+    const uint8_t* second = first + (T - 1) * tile_bytes;
+    for (int64_t line = 0; line < per; line += 64) {  // kAhead blocks ahead
+      _mm_prefetch(reinterpret_cast<const char*>(first + kAhead * per + line), _MM_HINT_T0);
+      if constexpr (T == 2) {
+        _mm_prefetch(reinterpret_cast<const char*>(second + kAhead * per + line), _MM_HINT_T0);
+      }
+    }
+    load_weights<F, false>(first, weights[0]);
+    if constexpr (T == 2) load_weights<F, true>(second, weights[T - 1]);
+    _tile_loadd(2, in.high.data() + b * M * kBlock, kBlock);
+    _tile_loadd(3, in.low.data() + b * M * kBlock, kBlock);
+    tile_products<F, false>();
+    if constexpr (T == 2) tile_products<F, true>();
+    store_sums<false>(c_high[0], c_low[0]);
+    scale_block<F, M>(first + 64 * code_words(F), c_high[0], c_low[0], in, b * M, acc[0]);
+    if constexpr (T == 2) {
+      store_sums<true>(c_high[T - 1], c_low[T - 1]);
+      scale_block<F, M>(second + 64 * code_words(F), c_high[T - 1], c_low[T - 1], in, b * M,
+                        acc[T - 1]);
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    for (int m = 0; m < in.count; ++m) {
+      _mm512_storeu_ps(out + m * out_stride + t * kTileOutputs, acc[t][m]);
+    }
+  }
+}
+
+template <Format F, int T>
+inline void amx_tiles_of(const uint8_t* tile, int64_t tile_bytes, int64_t blocks,
+                         const AmxInputs& in, float* out, int64_t out_stride) {
+  switch (in.rows) {
+    case 1: return amx_tiles<F, 1, T>(tile, tile_bytes, blocks, in, out, out_stride);
+    case 2: return amx_tiles<F, 2, T>(tile, tile_bytes, blocks, in, out, out_stride);
+    case 4: return amx_tiles<F, 4, T>(tile, tile_bytes, blocks, in, out, out_stride);
+    case 8: return amx_tiles<F, 8, T>(tile, tile_bytes, blocks, in, out, out_stride);
+    default: return amx_tiles<F, 16, T>(tile, tile_bytes, blocks, in, out, out_stride);
+  }
 }
 
 template <Format F>
-inline void amx_tile_of(const uint8_t* tile, int64_t blocks, const AmxInputs& in, float* out,
-                        int64_t out_stride) {
-  switch (in.rows) {
-    case 1: return amx_tile<F, 1>(tile, blocks, in, out, out_stride);
-    case 2: return amx_tile<F, 2>(tile, blocks, in, out, out_stride);
-    case 4: return amx_tile<F, 4>(tile, blocks, in, out, out_stride);
-    case 8: return amx_tile<F, 8>(tile, blocks, in, out, out_stride);
-    default: return amx_tile<F, 16>(tile, blocks, in, out, out_stride);
-  }
+inline void amx_tile_pair(const uint8_t* tile, int64_t tile_bytes, int64_t blocks, bool pair,
+                          const AmxInputs& in, float* out, int64_t out_stride) {
+  if (pair) return amx_tiles_of<F, 2>(tile, tile_bytes, blocks, in, out, out_stride);
+  amx_tiles_of<F, 1>(tile, tile_bytes, blocks, in, out, out_stride);
 }
 
 // out: [M, n] for the inputs' codes and n weight rows held tiled (`tile_rows`), the tiles
@@ -232,20 +307,23 @@ inline void amx_gemm(Format base, const uint8_t* tiled, int64_t n, int64_t block
                         blocks);
   }
   const int64_t tile_bytes = blocks * tile_block_bytes(base);
-  at::parallel_for(0, n / kTileOutputs, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
+  const int64_t tiles = n / kTileOutputs;
+  at::parallel_for(0, (tiles + 1) / 2, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {  // tiles 2p and 2p + 1 together
+      const int64_t t = 2 * p;
       const uint8_t* tile = tiled + t * tile_bytes;
+      const bool pair = t + 1 < tiles;
       for (size_t g = 0; g < groups.size(); ++g) {
         configure_tiles(groups[g].rows);
         float* target = out + g * kTileInputs * n + t * kTileOutputs;
         if (base == Format::Q8_0) {
-          amx_tile_of<Format::Q8_0>(tile, blocks, groups[g], target, n);
+          amx_tile_pair<Format::Q8_0>(tile, tile_bytes, blocks, pair, groups[g], target, n);
         } else if (base == Format::Q4_0) {
-          amx_tile_of<Format::Q4_0>(tile, blocks, groups[g], target, n);
+          amx_tile_pair<Format::Q4_0>(tile, tile_bytes, blocks, pair, groups[g], target, n);
         } else if (base == Format::Q4_1) {
-          amx_tile_of<Format::Q4_1>(tile, blocks, groups[g], target, n);
+          amx_tile_pair<Format::Q4_1>(tile, tile_bytes, blocks, pair, groups[g], target, n);
         } else {
-          amx_tile_of<Format::Q4_K32>(tile, blocks, groups[g], target, n);
+          amx_tile_pair<Format::Q4_K32>(tile, tile_bytes, blocks, pair, groups[g], target, n);
         }
       }
     }
