@@ -20,7 +20,7 @@ from larql.inference.fused import fused_kernels
 from larql.inference.layer import final_logits
 from larql.inference.linear import kernel_rows
 from larql.inference.norm import rms_norm
-from larql.inference.sampling import Sampler
+from larql.inference.sampling import Sampler, greedy_picks
 from larql.models.blocks import ACTIVATION_BITS
 from larql.models.model import Model
 
@@ -84,7 +84,7 @@ def step_together(sessions: Sequence[GenerationSession]) -> list[int]:
 def _picks(sessions: Sequence[GenerationSession], logits: torch.Tensor) -> list[int]:
     """Each session's pick from its row of logits [B, V] (greedy ones: one argmax for all)."""
     if all(s.sampler.params.greedy for s in sessions):
-        return logits.argmax(-1).tolist()
+        return greedy_picks(logits)
     return [s.sampler.pick(row) for s, row in zip(sessions, logits, strict=True)]
 
 
