@@ -136,13 +136,15 @@ def test_linear_reads_the_blocks_and_falls_back_without_kernels(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rows = _random_rows(GGMLQuantizationType.Q4_1, 64, 128, 2)
-    weight, bias = rows.dequantize(), torch.randn(64)
-    x = torch.randn(1, 128)
+    generator = torch.Generator().manual_seed(5)
+    weight, bias = rows.dequantize(), torch.randn(64, generator=generator)
+    x = torch.randn(1, 128, generator=generator)
     want = F.linear(x, weight, bias)
-    assert torch.allclose(linear(x, weight, bias, rows), want, rtol=1e-5, atol=1e-5)
+    # float32 sums of 128 products in another order: ~1e-5 apart on outputs of ~10
+    assert torch.allclose(linear(x, weight, bias, rows), want, rtol=1e-5, atol=1e-4)
     assert linear(x.bfloat16(), weight.bfloat16(), None, rows).dtype == torch.bfloat16
     monkeypatch.setattr(linear_module, "load_block_kernels", lambda: None)
-    assert torch.allclose(linear(x, weight, bias, rows), want, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(linear(x, weight, bias, rows), want, rtol=1e-5, atol=1e-4)
 
 
 def test_greedy_tokens_through_the_blocks_equal_the_float_paths(
@@ -346,24 +348,30 @@ def test_the_compiled_decode_layer_is_the_layer_step(
     model = blocks_smollm2 if weights == "blocks-float" else auto_smollm2
     ids = context_ids(model, prompt or block_rows() + 8, default_text())
     compiled_calls = []
-    real_step = fused_layer_module.fused_layer_step
+    real_layers = fused_layer_module.fused_layers_rows
 
     def counted(*args: object) -> torch.Tensor | None:
-        out = real_step(*args)
-        if args[2].shape[0] <= block_rows():  # h: a decode row or a prompt (longer: BLAS)
-            compiled_calls.append(out is not None)
+        out = real_layers(*args)
+        compiled_calls.append(out is not None)
         return out
+
+    def refused(*args: object) -> None:  # layer_step's pieces instead
+        return None
 
     logits = []
     for compiled in (True, False):
-        step = counted if compiled else (lambda *args: None)  # None: layer_step's pieces
-        monkeypatch.setattr(standard_engine_module, "fused_layer_step", step)
+        monkeypatch.setattr(
+            standard_engine_module, "fused_layers_rows", counted if compiled else refused
+        )
+        if not compiled:
+            monkeypatch.setattr(standard_engine_module, "fused_layer_step", refused)
         ffn, engine = DenseFfn(model), parse_engine(spec).build(model)
         with torch.inference_mode():
             engine.prefill(model, ffn, ids)
             steps = [engine.decode_step(model, ffn, t) for t in (42, 7, 1999, 5, 300, 11)]
         logits.append(torch.stack([next_token_logits(model, s) for s in steps]))
-    assert compiled_calls and all(compiled_calls)  # every decode layer ran compiled
+    # every decode step (and a prompt of up to block_rows()) ran all its layers in one call
+    assert len(compiled_calls) == 6 + (len(ids) <= block_rows()) and all(compiled_calls)
     assert torch.allclose(logits[0], logits[1], rtol=1e-5, atol=1e-4)
 
 

@@ -1,24 +1,31 @@
-"""A whole decode layer in one compiled call (`larql.kernels.cpu`'s `decode_layer`).
+"""Whole decode layers in one compiled call (`larql.kernels.cpu`'s `decode_layers_batch`).
 
-Where one float32 row on the CPU meets a plain layer (RMS pre-norms only, no q/k norms, no
+Where float32 rows on the CPU meet plain layers (RMS pre-norms only, no q/k norms, no
 post-norms, no soft-cap, the gated SiLU MLP of the model's own weights) whose four matrices are
-held in GGUF blocks, and a K/V store that lets a row be written in place (`DecodeSlots`), the
-layer runs as one call: QKV + RoPE, the new K/V row written into the store, one query's
-attention over the live rows (the window's, where one bounds the layer), the output projection
-and the MLP with their residuals. It computes what `layer.layer_step` computes with the same
-pieces (tested against it); everything else takes `layer_step`'s operators.
+held in GGUF blocks, and K/V stores that let rows be written in place (`DecodeSlots`), the
+layers run as one call: per layer QKV + RoPE, the new K/V rows written into the stores, each
+query's attention over its store's live rows (the window's, where one bounds the layer), the
+output projection and the MLP with their residuals. It computes what `layer.layer_step`
+computes with the same pieces (tested against it); everything else takes `layer_step`'s
+operators.
 
-`fused_layer_rows` is the same layer for the rows of several sessions at once (a batched
-decode step, a prompt of up to `block_rows()` rows, or both: a decode step that carries a new
-prompt's chunk): each
-matrix is read once for all rows, each row writes into and attends over its own session's store
-(a prompt's rows causally), and a row's arithmetic is exactly the one-row call's (a session's
-tokens do not depend on who shares its step, and a prompt's rows are the same prefilled alone
-or beside other sessions' steps).
+`fused_layers_rows` takes the rows of one session or of several at once (a decode step, a
+batched one, a prompt of up to `block_rows()` rows, or a decode step that carries a new
+prompt's chunk): each matrix is read once for all rows, each row writes into and attends over
+its own session's store (a prompt's rows causally), and a row's arithmetic is exactly the
+one-row call's (a session's tokens do not depend on who shares its step, and a prompt's rows
+are the same prefilled alone or beside other sessions' steps). All of a step's layers go in
+one call: Python's work per layer (and, in a server, the wait to take the GIL back from the
+event loop after each layer) then comes once per step — on SmolLM2 a decode step of one
+session went from 6.65 to 5.7 ms, of eight from 11.8 to 10.9.
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
 
@@ -28,7 +35,6 @@ from larql.inference.ffn.backend import FfnBackend
 from larql.inference.fused import activation_bits, fused_kernels
 from larql.inference.layer import effective_window, rope_table
 from larql.inference.linear import block_rows, kernel_rows
-from larql.models.blocks import BlockRows
 from larql.models.model import Model
 
 
@@ -63,35 +69,135 @@ def _plain(model: Model, layer: int) -> bool:
     )
 
 
-def _norms(model: Model, layer: int) -> torch.Tensor:
-    """The layer's [attention norm; FFN norm] weights, float32 [2, H] (kept per model)."""
-    key = ("decode_layer_norms", layer)
-    norms = model.runtime.get(key)
-    if norms is None:
-        lw = model.weights.layers[layer]
-        norms = model.runtime[key] = torch.stack((lw.attn_norm, lw.ffn_norm)).contiguous()
-    return norms
+@dataclass(frozen=True)
+class _LayerPlan:
+    """One layer's compiled-call arguments that do not change between steps."""
+
+    norms: torch.Tensor  # [attention norm; FFN norm] float32 [2, H]
+    matrices: tuple[torch.Tensor, ...]  # W_qkv, W_o, W_gate_up, W_down as the kernels read them
+    formats: list[int]  # their format codes (`kernel_rows`)
+    qkv_bias: torch.Tensor | None
+    o_bias: torch.Tensor | None
+    bits: int  # the products' `activation_bits`
 
 
-def _matrices(kernels: ModuleType, *blocks: BlockRows) -> tuple:
-    """The compiled layer's four matrix arguments and their format codes (`kernel_rows`)."""
-    rows = [kernel_rows(b, kernels) for b in blocks]
-    return (*(data for data, _ in rows), [code for _, code in rows])
+def _layer_plan(
+    model: Model, layer: int, ffn: FfnBackend, kernels: ModuleType
+) -> _LayerPlan | None:
+    """The layer's plan where the compiled layer applies to it with `ffn`'s MLP, else None;
+    kept per model and layer while the same FFN backend asks."""
+    key = ("decode_layer_plan", layer)
+    cached = model.runtime.get(key)
+    if isinstance(cached, tuple) and cached[0]() is ffn:
+        return cached[1]
+    plan = _new_layer_plan(model, layer, ffn, kernels)
+    # (an FFN backend without weak references: worked out at every step)
+    with contextlib.suppress(TypeError):
+        model.runtime[key] = (weakref.ref(ffn), plan)
+    return plan
 
 
-def _compiled_pieces(model: Model, layer: int, h: torch.Tensor, ffn: FfnBackend) -> tuple | None:
-    """(kernels, W_qkv, W_o, W_gate_up, W_down) in blocks of one activation kind, where the
-    compiled layer applies to the rows h, else None."""
-    kernels = fused_kernels(h[:1])  # float32 rows on the CPU, outside autograd and compilers
+def _new_layer_plan(
+    model: Model, layer: int, ffn: FfnBackend, kernels: ModuleType
+) -> _LayerPlan | None:
     lw = model.weights.layers[layer]
     qkv, wo = lw.blocks.get("wqkv"), lw.blocks.get("wo")
     mlp = ffn.silu_blocks(layer)
-    if kernels is None or qkv is None or wo is None or mlp is None or not _plain(model, layer):
+    if qkv is None or wo is None or mlp is None or not _plain(model, layer):
         return None
     gate_up, down = mlp
     if len({b.activation for b in (qkv, wo, gate_up, down)}) != 1:
         return None
-    return kernels, qkv, wo, gate_up, down
+    rows = [kernel_rows(b, kernels) for b in (qkv, wo, gate_up, down)]
+    norms = torch.stack((lw.attn_norm, lw.ffn_norm)).contiguous()
+    return _LayerPlan(
+        norms, tuple(data for data, _ in rows), [code for _, code in rows], lw.bqkv, lw.bo,
+        activation_bits(qkv),
+    )  # fmt: skip
+
+
+def _store_rows(
+    model: Model,
+    layer: int,
+    h: torch.Tensor,
+    starts: Sequence[int],
+    counts: Sequence[int],
+    stores: Sequence[object],
+    window: int | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int], list[int]] | None:
+    """For each row of h [R, H] (session i's counts[i] rows at positions starts[i]..): its
+    session's K and V storage, the first row its query sees and the slot its K/V goes to —
+    room reserved in the stores, nothing committed; None where a store is not float32 rows the
+    compiled layer may write."""
+    slots = [kv.decode_slots(n) for kv, n in zip(stores, counts, strict=True)]  # type: ignore[attr-defined]
+    if any(slot is None for slot in slots):  # an empty store: its storage made for these rows
+        cfg = model.config
+        like = h.new_empty(1, cfg.kv_heads_of(layer), cfg.head_dim_of(layer))
+        slots = [
+            slot or kv.decode_slots(n, like)  # type: ignore[attr-defined]
+            for slot, kv, n in zip(slots, stores, counts, strict=True)
+        ]
+    if any(slot is None or slot[0].dtype != torch.float32 for slot in slots):
+        return None
+    w = effective_window(model, layer, window)
+    k_stores, v_stores, firsts, rows = [], [], [], []
+    for (keys, values, first, new), n in zip(slots, counts, strict=True):  # type: ignore[misc]
+        for j in range(n):
+            k_stores.append(keys)
+            v_stores.append(values)
+            rows.append(new + j)
+            # the query sees its own row and the w − 1 before it
+            firsts.append(first if w is None else max(first, new + j + 1 - w))
+    return k_stores, v_stores, firsts, rows
+
+
+def fused_layers_rows(
+    model: Model,
+    layers: Sequence[int],
+    h: torch.Tensor,
+    starts: Sequence[int],
+    counts: Sequence[int],
+    stores: Sequence[Sequence[object]],
+    ffn: FfnBackend,
+    window: int | None,
+) -> torch.Tensor | None:
+    """h: [R, H], the rows of several sessions one after another: session i's counts[i] rows
+    at positions starts[i].. (one for a decode step, more for a prompt or a chunk of one) →
+    the residuals after `layers` [R, H], in one compiled call; stores[k][i]: session i's store
+    of layers[k]. Each row's K/V is written into its session's store, and each row attends
+    over that store up to itself (causal within a prompt's rows). None where the compiled
+    layer does not apply to every layer and row (nothing is changed)."""
+    kernels = fused_kernels(h[:1])  # float32 rows on the CPU, outside autograd and compilers
+    if kernels is None:
+        return None
+    plans = [_layer_plan(model, layer, ffn, kernels) for layer in layers]
+    if any(plan is None for plan in plans) or len({p.bits for p in plans if p}) != 1:
+        return None
+    # (hasattr, not isinstance: a runtime Protocol check costs ~10 µs, per layer and session)
+    if not all(hasattr(kv, "decode_slots") for layer_stores in stores for kv in layer_stores):
+        return None
+    positions = [start + j for start, n in zip(starts, counts, strict=True) for j in range(n)]
+    per_layer = []
+    for layer, layer_stores in zip(layers, stores, strict=True):
+        rows = _store_rows(model, layer, h, starts, counts, layer_stores, window)
+        if rows is None:
+            return None
+        per_layer.append(rows)
+    ropes = [rope_table(model, layer).rows(positions) for layer in layers]  # [R, rotary] each
+    cfg = model.config
+    done = [p for p in plans if p is not None]
+    out = kernels.decode_layers_batch(
+        h.contiguous(), [p.norms for p in done], cfg.norm_eps,
+        *([p.matrices[i] for p in done] for i in range(4)), [p.formats for p in done],
+        [p.qkv_bias for p in done], [p.o_bias for p in done],
+        [cos.contiguous() for cos, _ in ropes], [sin.contiguous() for _, sin in ropes],
+        *([rows[i] for rows in per_layer] for i in range(4)), cfg.num_heads, cfg.attn_scale,
+        done[0].bits,
+    )  # fmt: skip
+    for layer_stores in stores:
+        for kv, n in zip(layer_stores, counts, strict=True):
+            kv.commit_rows(n)  # type: ignore[attr-defined]
+    return out
 
 
 def fused_layer_rows(
@@ -104,46 +210,8 @@ def fused_layer_rows(
     ffn: FfnBackend,
     window: int | None,
 ) -> torch.Tensor | None:
-    """h: [R, H], the rows of several sessions one after another: session i's counts[i] rows
-    at positions starts[i].. (one for a decode step, more for a prompt or a chunk of one) →
-    the residuals after the whole layer [R, H]. Each row's K/V is written into its session's
-    store, and each row attends over that store up to itself (causal within a prompt's rows).
-    None where the compiled layer does not apply to every row (nothing is changed)."""
-    pieces = _compiled_pieces(model, layer, h, ffn)
-    # (hasattr, not isinstance: a runtime Protocol check costs ~10 µs, per layer and session)
-    if pieces is None or not all(hasattr(kv, "decode_slots") for kv in stores):
-        return None
-    kernels, qkv, wo, gate_up, down = pieces
-    matrices = _matrices(kernels, qkv, wo, gate_up, down)
-    cfg, lw = model.config, model.weights.layers[layer]
-    slots = [kv.decode_slots(n) for kv, n in zip(stores, counts, strict=True)]  # type: ignore[attr-defined]
-    if any(slot is None for slot in slots):  # an empty store: its storage made for these rows
-        like = h.new_empty(1, cfg.kv_heads_of(layer), cfg.head_dim_of(layer))
-        slots = [
-            slot or kv.decode_slots(n, like)  # type: ignore[attr-defined]
-            for slot, kv, n in zip(slots, stores, counts, strict=True)
-        ]
-    if any(slot is None or slot[0].dtype != torch.float32 for slot in slots):
-        return None
-    w = effective_window(model, layer, window)
-    k_stores, v_stores, firsts, rows, positions = [], [], [], [], []
-    for (keys, values, first, new), n, start in zip(slots, counts, starts, strict=True):  # type: ignore[misc]
-        for j in range(n):
-            k_stores.append(keys)
-            v_stores.append(values)
-            rows.append(new + j)
-            # the query sees its own row and the w − 1 before it
-            firsts.append(first if w is None else max(first, new + j + 1 - w))
-            positions.append(start + j)
-    cos, sin = rope_table(model, layer).rows(positions)  # [R, rotary] each
-    out = kernels.decode_layer_batch(
-        h.contiguous(), _norms(model, layer), cfg.norm_eps, *matrices, lw.bqkv, lw.bo,
-        cos.contiguous(), sin.contiguous(), k_stores, v_stores, firsts, rows, cfg.num_heads,
-        cfg.attn_scale, activation_bits(qkv),
-    )  # fmt: skip
-    for kv, n in zip(stores, counts, strict=True):
-        kv.commit_rows(n)  # type: ignore[attr-defined]
-    return out
+    """`fused_layers_rows` for one layer."""
+    return fused_layers_rows(model, [layer], h, starts, counts, [stores], ffn, window)
 
 
 def fused_layer_step(

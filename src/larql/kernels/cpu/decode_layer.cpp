@@ -4,9 +4,9 @@
 //   decode_qkv     h → rms_norm → W_qkv (blocks) (+ bias) → RoPE on the q and k heads
 //   residual_gemv  h + W_o (blocks) · attn (+ bias)
 //   residual_ffn   h + W_down · (silu(W_gate · x) ⊙ W_up · x),  x = rms_norm(h)
-//   decode_layer   all of it: decode_qkv, the new K/V row written into the cache's storage,
-//                  one query's attention over the live rows, residual_gemv, residual_ffn
-//   decode_layer_batch  decode_layer for M rows of M sessions at once (a batched decode step)
+//   decode_layers_batch  whole layers, one after another, for M rows of one or more sessions:
+//                  decode_qkv, each row's K/V written into its session's cache storage, each
+//                  query's attention over its session's live rows, residual_gemv, residual_ffn
 //
 // Every piece takes M rows (a batched decode step, or a short prompt for the first three):
 // each product reads its weights once for all rows (gemm_with), and a row's arithmetic does not
@@ -27,6 +27,7 @@
 
 #include "block_dot.h"
 #include "decode_attention.h"
+#include "decode_layer.h"
 
 namespace larql {
 
@@ -284,7 +285,7 @@ torch::Tensor residual_ffn(torch::Tensor h, torch::Tensor norm_weight, double ep
 // contiguous; row m's K (rotated) and V are written at slots[m], and its query attends rows
 // firsts[m]..slots[m] (one session per thread, each chunked as a call of its own would be).
 // norms: [attn_norm; ffn_norm] float32 [2, H]; formats: [qkv, o, gate_up, down] → [M, H].
-torch::Tensor decode_layer_batch(torch::Tensor h, torch::Tensor norms, double eps,
+static torch::Tensor decode_layer_batch(torch::Tensor h, torch::Tensor norms, double eps,
                                  torch::Tensor qkv, torch::Tensor wo, torch::Tensor gate_up,
                                  torch::Tensor down, std::vector<int64_t> formats,
                                  c10::optional<torch::Tensor> qkv_bias,
@@ -355,19 +356,29 @@ torch::Tensor decode_layer_batch(torch::Tensor h, torch::Tensor norms, double ep
   return out;
 }
 
-// decode_layer_batch for one row h: float32 [1, H] of one session: its K/V written at `slot`
-// of k_store / v_store [capacity, Hkv, D], attending rows first..slot → [1, H].
-torch::Tensor decode_layer(torch::Tensor h, torch::Tensor norms, double eps, torch::Tensor qkv,
-                           torch::Tensor wo, torch::Tensor gate_up, torch::Tensor down,
-                           std::vector<int64_t> formats, c10::optional<torch::Tensor> qkv_bias,
-                           c10::optional<torch::Tensor> o_bias, torch::Tensor cos,
-                           torch::Tensor sin, torch::Tensor k_store, torch::Tensor v_store,
-                           int64_t first, int64_t slot, int64_t heads, double scale,
-                           int64_t activation_bits) {
-  return decode_layer_batch(h.reshape({1, -1}), norms, eps, qkv, wo, gate_up, down, formats,
-                            qkv_bias, o_bias, cos.reshape({1, -1}), sin.reshape({1, -1}),
-                            {k_store}, {v_store}, {first}, {slot}, heads, scale,
-                            activation_bits).reshape(h.sizes());
+// decode_layer_batch through every layer in one call: argument i of each list is layer i's
+// (its weights, its cos / sin rows, and each row's K/V store, first row and slot in it) → the
+// residuals after the last layer [M, H]. The same arithmetic as a call per layer; the GIL stays
+// released for the whole step, so a server's event loop runs beside it without the step
+// waiting for the GIL at each layer, and the step pays Python's per-layer work once.
+torch::Tensor decode_layers_batch(torch::Tensor h, Tensors norms, double eps, Tensors qkv,
+                                  Tensors wo, Tensors gate_up, Tensors down, PerLayerInts formats,
+                                  OptionalTensors qkv_bias, OptionalTensors o_bias, Tensors cos,
+                                  Tensors sin, PerLayerTensors k_stores, PerLayerTensors v_stores,
+                                  PerLayerInts firsts, PerLayerInts slots, int64_t heads,
+                                  double scale, int64_t activation_bits) {
+  const size_t layers = norms.size();
+  for (const size_t n : {qkv.size(), wo.size(), gate_up.size(), down.size(), formats.size(),
+                         qkv_bias.size(), o_bias.size(), cos.size(), sin.size(), k_stores.size(),
+                         v_stores.size(), firsts.size(), slots.size()}) {
+    TORCH_CHECK(n == layers, "every per-layer argument needs one entry per layer");
+  }
+  for (size_t l = 0; l < layers; ++l) {
+    h = decode_layer_batch(h, norms[l], eps, qkv[l], wo[l], gate_up[l], down[l], formats[l],
+                           qkv_bias[l], o_bias[l], cos[l], sin[l], k_stores[l], v_stores[l],
+                           firsts[l], slots[l], heads, scale, activation_bits);
+  }
+  return h;
 }
 
 }  // namespace larql

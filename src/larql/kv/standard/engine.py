@@ -18,7 +18,7 @@ import torch
 from larql.inference.engine import Engine, KvEngine
 from larql.inference.errors import BackendUnavailable
 from larql.inference.ffn import FfnBackend
-from larql.inference.fused_layer import fused_layer_rows, fused_layer_step
+from larql.inference.fused_layer import fused_layer_rows, fused_layer_step, fused_layers_rows
 from larql.inference.layer import (
     attend,
     attention_output,
@@ -29,6 +29,7 @@ from larql.inference.layer import (
     layer_step,
     project_qkv,
 )
+from larql.inference.linear import block_rows
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.buffers import KvBuffer
@@ -157,9 +158,17 @@ class StandardEngine(KvEngine):
         starts = [e.position for e in batch]
         positions = [start + j for start, n in zip(starts, counts, strict=True) for j in range(n)]
         window = batch[0].window
+        layers = range(model.config.num_layers)
+        stores = [[e._layers[layer] for e in batch] for layer in layers]  # type: ignore[index]
+        h = fused_layers_rows(model, layers, rows, starts, counts, stores, ffn, window)
+        if h is not None:  # every layer in one compiled call
+            for buffers in stores:
+                for buffer in buffers:
+                    buffer.clip()
+            return h
         shared = [SharedKv(model.config) for _ in batch]  # each session's, for sharing layers
         h = rows
-        for layer in range(model.config.num_layers):
+        for layer in layers:
             buffers = [e._layers[layer] for e in batch]  # type: ignore[index]
             out = fused_layer_rows(model, layer, h, starts, list(counts), buffers, ffn, window)
             if out is None:
@@ -223,6 +232,15 @@ class StandardEngine(KvEngine):
     ) -> torch.Tensor:
         """Rows h [S, H] at positions start.. (per-layer inputs [S, L, P] or None) → [S, H]."""
         assert self._layers is not None
+        if h.shape[0] <= block_rows():  # every layer in one compiled call, where they all take it
+            stores = [[buffer] for buffer in self._layers]
+            layers = range(len(self._layers))
+            fused = fused_layers_rows(model, layers, h, [start], [h.shape[0]], stores, ffn,
+                                      self.window)  # fmt: skip
+            if fused is not None:
+                for buffer in self._layers:
+                    buffer.clip()
+                return fused
         shared = SharedKv(model.config)  # a K/V-sharing layer's buffer stays empty
         for layer, buffer in enumerate(self._layers):
             if isinstance(buffer, SinkKvBuffer) and not shares(model.config, layer):
