@@ -140,6 +140,13 @@ def _store_rows(
     if any(slot is None or slot[0].dtype != torch.float32 for slot in slots):
         return None
     w = effective_window(model, layer, window)
+    if w is None and all(n == 1 for n in counts):  # a decode step's rows: one per store
+        return (
+            [slot[0] for slot in slots],  # type: ignore[index]
+            [slot[1] for slot in slots],  # type: ignore[index]
+            [slot[2] for slot in slots],  # type: ignore[index]
+            [slot[3] for slot in slots],  # type: ignore[index]
+        )
     k_stores, v_stores, firsts, rows = [], [], [], []
     for (keys, values, first, new), n in zip(slots, counts, strict=True):  # type: ignore[misc]
         for j in range(n):
