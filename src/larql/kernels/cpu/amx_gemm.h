@@ -72,39 +72,81 @@ inline void configure_tiles(int inputs) {
   configured = inputs;
 }
 
+// Below this many input elements a product's rounding runs on the calling thread: waking the
+// other threads costs more.
+constexpr int64_t kParallelRounding = 1 << 14;
+
 // Up to 16 inputs' int16 codes as the tiles' first operands, block-major: [blocks][rows][32]
 // high and low bytes, and per block and input its scale, Σ x and Σ q. `rows`: the count
 // rounded up to 1, 2, 4, 8 or 16 (the kernel's instances), the rows past it zero.
 struct AmxInputs {
   int count = 0;
   int rows = 0;
-  std::vector<int8_t> high;
-  std::vector<uint8_t> low;
-  std::vector<float> scales, sums;
-  std::vector<int32_t> code_sums;
+  const int8_t* high = nullptr;
+  const uint8_t* low = nullptr;
+  const float* scales = nullptr;
+  const float* sums = nullptr;
+  const int32_t* code_sums = nullptr;
 
   static int rows_for(int n) {
     int rows = 1;
     while (rows < n) rows *= 2;
     return rows;
   }
+};
 
-  AmxInputs(const QuantizedInput<int16_t>* ins, int n, int64_t blocks)
-      : count(n), rows(rows_for(n)), high(blocks * rows * kBlock), low(blocks * rows * kBlock),
-        scales(blocks * rows), sums(blocks * rows), code_sums(blocks * rows) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      for (int m = 0; m < n; ++m) {
-        const int16_t* q = ins[m].codes.data() + b * kBlock;
-        for (int i = 0; i < kBlock; ++i) {
-          high[(b * rows + m) * kBlock + i] = static_cast<int8_t>(q[i] >> 8);
-          low[(b * rows + m) * kBlock + i] = static_cast<uint8_t>(q[i] & 0xff);
+// The storage of one AmxInputs, kept by the thread from product to product.
+class AmxInputBuffers {
+ public:
+  // x: [n, k] float rows (n ≤ 16) → their int16 codes as `quantize_input` rounds them, laid
+  // out for the tiles; valid until the next fill.
+  AmxInputs fill(const float* x, int n, int64_t k) {
+    const int64_t blocks = k / kBlock;
+    const int rows = AmxInputs::rows_for(n);
+    int8_t* high = high_.take(blocks * rows * kBlock);
+    uint8_t* low = low_.take(blocks * rows * kBlock);
+    float* scales = scales_.take(blocks * rows);
+    float* sums = sums_.take(blocks * rows);
+    int32_t* code_sums = code_sums_.take(blocks * rows);
+    const auto round_rows = [&](int64_t begin, int64_t end) {
+      BlockCodes block;
+      for (int64_t m = begin; m < end; ++m) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t at = b * rows + m;
+          if (m >= n) {  // a padding row: zero codes and scales
+            std::memset(high + at * kBlock, 0, kBlock);
+            std::memset(low + at * kBlock, 0, kBlock);
+            scales[at] = sums[at] = 0.0f;
+            code_sums[at] = 0;
+            continue;
+          }
+          quantize_block(x + m * k + b * kBlock, 32767.0f, block);
+          for (int half = 0; half < 2; ++half) {  // q = 256 · high + low, |q| ≤ 32767
+            const __m512i q = _mm512_load_si512(block.codes + 16 * half);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(high + at * kBlock + 16 * half),
+                             _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 8)));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(low + at * kBlock + 16 * half),
+                             _mm512_cvtepi32_epi8(q));
+          }
+          scales[at] = block.scale;
+          sums[at] = block.sum;
+          code_sums[at] = block.code_sum;
         }
-        scales[b * rows + m] = ins[m].scales[b];
-        sums[b * rows + m] = ins[m].sums[b];
-        code_sums[b * rows + m] = ins[m].code_sums[b];
       }
+    };
+    if (static_cast<int64_t>(n) * k < kParallelRounding) {
+      round_rows(0, rows);
+    } else {
+      at::parallel_for(0, rows, 1, round_rows);  // (each row's codes alike either way)
     }
+    return AmxInputs{n, rows, high, low, scales, sums, code_sums};
   }
+
+ private:
+  Scratch<int8_t> high_;
+  Scratch<uint8_t> low_;
+  Scratch<float> scales_, sums_;
+  Scratch<int32_t> code_sums_;
 };
 
 // The bytes of one tile (16 rows) and block in the tiled layout: the 16 rows' code words
@@ -220,6 +262,7 @@ inline void scale_block(const uint8_t* scales, const int32_t* c_high, const int3
   }
 #pragma GCC unroll 16
   for (int m = 0; m < M; ++m) {
+    if (m >= in.count) break;  // (rows past the count are padding)
     __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c_high + 16 * m), 8),
                                    _mm512_load_si512(c_low + 16 * m));
     if constexpr (F == Format::Q4_0) {  // weight = d · (q − 8)
@@ -259,8 +302,8 @@ inline void amx_tiles(const uint8_t* tile, int64_t tile_bytes, int64_t blocks,
     }
     load_weights<F, false>(first, weights[0]);
     if constexpr (T == 2) load_weights<F, true>(second, weights[T - 1]);
-    _tile_loadd(2, in.high.data() + b * M * kBlock, kBlock);
-    _tile_loadd(3, in.low.data() + b * M * kBlock, kBlock);
+    _tile_loadd(2, in.high + b * M * kBlock, kBlock);
+    _tile_loadd(3, in.low + b * M * kBlock, kBlock);
     tile_products<F, false>();
     if constexpr (T == 2) tile_products<F, true>();
     store_sums<false>(c_high[0], c_low[0]);
@@ -297,14 +340,18 @@ inline void amx_tile_pair(const uint8_t* tile, int64_t tile_bytes, int64_t block
   amx_tiles_of<F, 1>(tile, tile_bytes, blocks, in, out, out_stride);
 }
 
-// out: [M, n] for the inputs' codes and n weight rows held tiled (`tile_rows`), the tiles
-// over torch's threads.
+// out: [M, n] for float32 inputs x [M, blocks · 32], rounded to int16 codes, and n weight rows
+// held tiled (`tile_rows`), the tiles over torch's threads.
 inline void amx_gemm(Format base, const uint8_t* tiled, int64_t n, int64_t blocks,
-                     const QuantizedInput<int16_t>* ins, int64_t m_rows, float* out) {
-  std::vector<AmxInputs> groups;
-  for (int64_t m0 = 0; m0 < m_rows; m0 += kTileInputs) {
-    groups.emplace_back(ins + m0, static_cast<int>(std::min<int64_t>(kTileInputs, m_rows - m0)),
-                        blocks);
+                     const float* x, int64_t m_rows, float* out) {
+  thread_local std::vector<AmxInputBuffers> buffers;
+  const int64_t k = blocks * kBlock;
+  const size_t group_count = static_cast<size_t>((m_rows + kTileInputs - 1) / kTileInputs);
+  if (buffers.size() < group_count) buffers.resize(group_count);
+  std::vector<AmxInputs> groups(group_count);
+  for (size_t g = 0; g < group_count; ++g) {
+    const int64_t m0 = static_cast<int64_t>(g) * kTileInputs;
+    groups[g] = buffers[g].fill(x + m0 * k, static_cast<int>(std::min<int64_t>(kTileInputs, m_rows - m0)), k);
   }
   const int64_t tile_bytes = blocks * tile_block_bytes(base);
   const int64_t tiles = n / kTileOutputs;

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <vector>
 
@@ -33,6 +34,24 @@
 namespace larql {
 
 constexpr int64_t kBlock = 32;
+
+// A buffer reused from call to call: it only grows, and what it hands out is not initialised
+// (a decode step's products and layers need the same sizes at every step).
+template <typename T>
+class Scratch {
+ public:
+  T* take(size_t n) {
+    if (n > capacity_) {
+      data_.reset(new T[n]);
+      capacity_ = n;
+    }
+    return data_.get();
+  }
+
+ private:
+  std::unique_ptr<T[]> data_;
+  size_t capacity_ = 0;
+};
 
 // Every format also comes tiled for the AMX products (`amx_gemm.h`): kTiled + the format.
 enum class Format : int {
@@ -248,64 +267,75 @@ struct QuantizedInput {
   std::vector<float> sums;         // [K/32] X_b
 };
 
+// One block of 32 rounded to integer codes with L levels (127 or 32767): the codes as int32, the
+// block's scale d_b, Σ q_i and X_b = Σ x_i.
+struct BlockCodes {
+  alignas(64) int32_t codes[kBlock];
+  float scale;
+  int32_t code_sum;
+  float sum;
+};
+
+inline void quantize_block(const float* xb, float levels, BlockCodes& out) {
+#if LARQL_AVX2
+  // the same codes as the loop below (the conversion rounds half to even, as nearbyint does);
+  // the block's float sum in another order
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[4], top = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    top = _mm256_max_ps(top, _mm256_and_ps(v[i], magnitude));
+    sum = _mm256_add_ps(sum, v[i]);
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float d = _mm_cvtss_f32(m) / levels;
+  const __m256 inverse = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+  __m256i code_sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out.codes + 8 * i), q);
+    code_sum = _mm256_add_epi32(code_sum, q);
+  }
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), code_sum);
+  out.scale = d;
+  out.code_sum =
+      lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
+  out.sum = horizontal_sum(sum);
+#else
+  float amax = 0.0f, sum = 0.0f;
+  for (int i = 0; i < kBlock; ++i) {
+    amax = std::max(amax, std::fabs(xb[i]));
+    sum += xb[i];
+  }
+  const float d = amax / levels;
+  const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+  int32_t code_sum = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    out.codes[i] = static_cast<int32_t>(std::nearbyint(xb[i] * inverse));
+    code_sum += out.codes[i];
+  }
+  out.scale = d;
+  out.code_sum = code_sum;
+  out.sum = sum;
+#endif
+}
+
 template <typename Code>
 QuantizedInput<Code> quantize_input(const float* x, int64_t k) {
   constexpr float levels = sizeof(Code) == 1 ? 127.0f : 32767.0f;
   const int64_t blocks = k / kBlock;
   QuantizedInput<Code> in{std::vector<Code>(k), std::vector<float>(blocks),
                           std::vector<int32_t>(blocks), std::vector<float>(blocks)};
-#if LARQL_AVX2
-  // the same codes as the loop below (the conversion rounds half to even, as nearbyint does);
-  // the block's float sum in another order
-  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  BlockCodes block;
   for (int64_t b = 0; b < blocks; ++b) {
-    const float* xb = x + b * kBlock;
-    __m256 v[4], top = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(xb + 8 * i);
-      top = _mm256_max_ps(top, _mm256_and_ps(v[i], magnitude));
-      sum = _mm256_add_ps(sum, v[i]);
-    }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float d = _mm_cvtss_f32(m) / levels;
-    const __m256 inverse = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-    alignas(32) int32_t codes[kBlock];
-    __m256i code_sum = _mm256_setzero_si256();
-    for (int i = 0; i < 4; ++i) {
-      const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 8 * i), q);
-      code_sum = _mm256_add_epi32(code_sum, q);
-    }
-    for (int i = 0; i < kBlock; ++i) in.codes[b * kBlock + i] = static_cast<Code>(codes[i]);
-    alignas(32) int32_t lanes[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), code_sum);
-    in.scales[b] = d;
-    in.code_sums[b] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] +
-                      lanes[7];
-    in.sums[b] = horizontal_sum(sum);
-  }
-  return in;
-#endif
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.0f, sum = 0.0f;
-    for (int i = 0; i < kBlock; ++i) {
-      amax = std::max(amax, std::fabs(xb[i]));
-      sum += xb[i];
-    }
-    const float d = amax / levels;
-    const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
-    int32_t code_sum = 0;
-    for (int i = 0; i < kBlock; ++i) {
-      const Code q = static_cast<Code>(std::nearbyint(xb[i] * inverse));
-      in.codes[b * kBlock + i] = q;
-      code_sum += q;
-    }
-    in.scales[b] = d;
-    in.code_sums[b] = code_sum;
-    in.sums[b] = sum;
+    quantize_block(x + b * kBlock, levels, block);
+    for (int i = 0; i < kBlock; ++i) in.codes[b * kBlock + i] = static_cast<Code>(block.codes[i]);
+    in.scales[b] = block.scale;
+    in.code_sums[b] = block.code_sum;
+    in.sums[b] = block.sum;
   }
   return in;
 }
@@ -534,6 +564,12 @@ template <typename Code>
 void gemm_codes(Format f, const uint8_t* rows, int64_t row_bytes, int64_t n, const float* x,
                 int64_t m_rows, int64_t k, float* out) {
   const int64_t blocks = k / kBlock;
+  if (is_tiled(f)) {  // (gemm_with allows it for int16 inputs on an AMX build only)
+#if LARQL_AMX
+    if constexpr (sizeof(Code) == 2) return amx_gemm(base_of(f), rows, n, blocks, x, m_rows, out);
+#endif
+    return;
+  }
   std::vector<QuantizedInput<Code>> ins(m_rows);
   const auto quantize_rows = [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) ins[m] = quantize_input<Code>(x + m * k, k);
@@ -542,12 +578,6 @@ void gemm_codes(Format f, const uint8_t* rows, int64_t row_bytes, int64_t n, con
     quantize_rows(0, m_rows);
   } else {
     at::parallel_for(0, m_rows, 1, quantize_rows);  // (each row's codes alike either way)
-  }
-  if (is_tiled(f)) {  // (gemm_with allows it for int16 inputs on an AMX build only)
-#if LARQL_AMX
-    if constexpr (sizeof(Code) == 2) return amx_gemm(base_of(f), rows, n, blocks, ins.data(), m_rows, out);
-#endif
-    return;
   }
   const int64_t grain = std::max<int64_t>(8, 64 / m_rows);
 #if LARQL_AVX2

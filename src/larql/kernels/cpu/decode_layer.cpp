@@ -166,9 +166,10 @@ LayerMatrices checked_layer(const torch::Tensor& qkv, const torch::Tensor& wo,
 void qkv_rows(Activation a, const float* h, int64_t m_rows, const float* norm, double eps,
               int64_t width, const BlockMatrix& w, const float* bias, const float* cos,
               const float* sin, int64_t rotary, int64_t rope_heads, int64_t head_dim, float* qkv) {
-  std::vector<float> x(m_rows * width);
-  each_row(m_rows, [&](int64_t m) { rms_norm(h + m * width, norm, width, eps, x.data() + m * width); });
-  product(a, w, x.data(), m_rows, width, qkv);
+  thread_local Scratch<float> normed;
+  float* x = normed.take(m_rows * width);
+  each_row(m_rows, [&](int64_t m) { rms_norm(h + m * width, norm, width, eps, x + m * width); });
+  product(a, w, x, m_rows, width, qkv);
   each_row(m_rows, [&](int64_t m) {
     float* row = qkv + m * w.rows;
     if (bias != nullptr) {
@@ -181,8 +182,9 @@ void qkv_rows(Activation a, const float* h, int64_t m_rows, const float* norm, d
 // out: [M, W rows] = h + W · x (+ bias), x: [M, width].
 void add_product_rows(Activation a, const float* h, int64_t m_rows, const BlockMatrix& w,
                       const float* x, int64_t width, const float* bias, float* out) {
-  std::vector<float> p(m_rows * w.rows);
-  product(a, w, x, m_rows, width, p.data());
+  thread_local Scratch<float> products;
+  float* p = products.take(m_rows * w.rows);
+  product(a, w, x, m_rows, width, p);
   for (int64_t i = 0; i < m_rows * w.rows; ++i) {
     out[i] = h[i] + (bias ? p[i] + bias[i % w.rows] : p[i]);
   }
@@ -192,14 +194,17 @@ void add_product_rows(Activation a, const float* h, int64_t m_rows, const BlockM
 void ffn_rows(Activation a, const float* h, int64_t m_rows, const float* norm, double eps,
               int64_t width, const BlockMatrix& gate_up, const BlockMatrix& down, float* out) {
   const int64_t hidden = gate_up.rows / 2;
-  std::vector<float> x(m_rows * width), both(m_rows * 2 * hidden), inner(m_rows * hidden);
-  each_row(m_rows, [&](int64_t m) { rms_norm(h + m * width, norm, width, eps, x.data() + m * width); });
-  product(a, gate_up, x.data(), m_rows, width, both.data());
+  thread_local Scratch<float> normed, gate_up_rows, gated;
+  float* x = normed.take(m_rows * width);
+  float* both = gate_up_rows.take(m_rows * 2 * hidden);
+  float* inner = gated.take(m_rows * hidden);
+  each_row(m_rows, [&](int64_t m) { rms_norm(h + m * width, norm, width, eps, x + m * width); });
+  product(a, gate_up, x, m_rows, width, both);
   each_row(m_rows, [&](int64_t m) {
-    const float* row = both.data() + m * 2 * hidden;
-    silu_times(row, row + hidden, hidden, inner.data() + m * hidden);
+    const float* row = both + m * 2 * hidden;
+    silu_times(row, row + hidden, hidden, inner + m * hidden);
   });
-  add_product_rows(a, h, m_rows, down, inner.data(), hidden, nullptr, out);
+  add_product_rows(a, h, m_rows, down, inner, hidden, nullptr, out);
 }
 
 // Rows of a [width] or [M, width] float32 input: (M, width).
@@ -321,12 +326,15 @@ static torch::Tensor decode_layer_batch(torch::Tensor h, torch::Tensor norms, do
   const Activation a = checked_activation(activation_bits);
   const float* norm = norms.data_ptr<float>();
 
-  std::vector<float> projected(m_rows * w.qkv.rows), attn(m_rows * q_dim), mid(m_rows * width);
+  thread_local Scratch<float> projected_rows, attn_rows, mid_rows;
+  float* projected = projected_rows.take(m_rows * w.qkv.rows);
+  float* attn = attn_rows.take(m_rows * q_dim);
+  float* mid = mid_rows.take(m_rows * width);
   qkv_rows(a, h.data_ptr<float>(), m_rows, norm, eps, width, w.qkv,
            optional_data(qkv_bias, "qkv bias"), cos.data_ptr<float>(), sin.data_ptr<float>(),
-           rotary, heads + kv_heads, head_dim, projected.data());
+           rotary, heads + kv_heads, head_dim, projected);
   for (int64_t m = 0; m < m_rows; ++m) {
-    const float* row = projected.data() + m * w.qkv.rows;
+    const float* row = projected + m * w.qkv.rows;
     std::memcpy(k_stores[m].data_ptr<float>() + slots[m] * kv_dim, row + q_dim,
                 kv_dim * sizeof(float));
     std::memcpy(v_stores[m].data_ptr<float>() + slots[m] * kv_dim, row + q_dim + kv_dim,
@@ -337,10 +345,10 @@ static torch::Tensor decode_layer_batch(torch::Tensor h, torch::Tensor norms, do
     for (int64_t m = begin; m < end; ++m) {
       const float* keys = k_stores[m].data_ptr<float>() + firsts[m] * kv_dim;
       const float* values = v_stores[m].data_ptr<float>() + firsts[m] * kv_dim;
-      attend_one_query(projected.data() + m * w.qkv.rows, heads, head_dim,
+      attend_one_query(projected + m * w.qkv.rows, heads, head_dim,
                        Rows{keys, head_dim, kv_dim}, Rows{values, head_dim, kv_dim}, kv_heads,
                        slots[m] - firsts[m] + 1, static_cast<float>(scale),
-                       attn.data() + m * q_dim, threads);
+                       attn + m * q_dim, threads);
     }
   };
   if (m_rows >= threads) {
@@ -348,10 +356,10 @@ static torch::Tensor decode_layer_batch(torch::Tensor h, torch::Tensor norms, do
   } else {
     attend_rows(0, m_rows);  // each session's rows over the threads
   }
-  add_product_rows(a, h.data_ptr<float>(), m_rows, w.o, attn.data(), q_dim,
-                   optional_data(o_bias, "o bias"), mid.data());
+  add_product_rows(a, h.data_ptr<float>(), m_rows, w.o, attn, q_dim,
+                   optional_data(o_bias, "o bias"), mid);
   torch::Tensor out = torch::empty_like(h);
-  ffn_rows(a, mid.data(), m_rows, norm + width, eps, width, w.gate_up, w.down,
+  ffn_rows(a, mid, m_rows, norm + width, eps, width, w.gate_up, w.down,
            out.data_ptr<float>());
   return out;
 }
