@@ -288,7 +288,9 @@ inline void amx_tiles(const uint8_t* tile, int64_t tile_bytes, int64_t blocks,
   alignas(64) uint8_t weights[T][8 * 64];
   alignas(64) int32_t c_high[T][kTileInputs * 16], c_low[T][kTileInputs * 16];
   __m512 acc[T][M];
+#pragma GCC unroll 2
   for (int t = 0; t < T; ++t) {
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) acc[t][m] = _mm512_setzero_ps();
   }
   for (int64_t b = 0; b < blocks; ++b) {
@@ -314,9 +316,12 @@ inline void amx_tiles(const uint8_t* tile, int64_t tile_bytes, int64_t blocks,
                         acc[T - 1]);
     }
   }
+  // (constant indices only, so the accumulators stay in registers)
+#pragma GCC unroll 2
   for (int t = 0; t < T; ++t) {
-    for (int m = 0; m < in.count; ++m) {
-      _mm512_storeu_ps(out + m * out_stride + t * kTileOutputs, acc[t][m]);
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      if (m < in.count) _mm512_storeu_ps(out + m * out_stride + t * kTileOutputs, acc[t][m]);
     }
   }
 }
