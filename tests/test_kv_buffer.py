@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from larql.kv.buffers import KvBuffer
+from larql.kv.buffers import KvBuffer, commit_step, step_slots
 
 HEADS, DIM = 2, 3
 
@@ -84,3 +84,40 @@ def test_rows_written_in_place_through_decode_slots() -> None:
         appended.clip()
         assert torch.equal(slotted.keys, appended.keys)
         assert torch.equal(slotted.values, appended.values)
+
+
+def test_a_sessions_layers_take_a_step_row_at_once() -> None:
+    """`step_slots` hands out each layer's storage at the one place every layer's next row
+    goes, across regrowths; written there and counted (`commit_step`), the layers hold what
+    appends would have. Layers whose rows are not at the same places, or that clip to a
+    window, are refused (None), and so are layers with no room left."""
+    layers = [KvBuffer() for _ in range(3)]
+    appended = [KvBuffer() for _ in range(3)]
+    for i, (slotted, plain) in enumerate(zip(layers, appended, strict=True)):
+        prompt = torch.full((2, 5, 4), float(i))
+        slotted.append(prompt, -prompt)
+        plain.append(prompt, -prompt)
+    for step in range(60):
+        reserved = step_slots(layers)
+        if reserved is None:  # no room at the back: a reservation grows every layer alike
+            for buffer in layers:
+                assert buffer.decode_slots() is not None
+            reserved = step_slots(layers)
+        assert reserved is not None
+        keys, values, first, row = reserved
+        assert first == 0 and row == len(layers[0])
+        for i, (k_store, v_store) in enumerate(zip(keys, values, strict=True)):
+            k_store[row], v_store[row] = float(100 * i + step), -float(100 * i + step)
+            appended[i].append(torch.full((2, 1, 4), float(100 * i + step)),
+                               torch.full((2, 1, 4), -float(100 * i + step)))  # fmt: skip
+        commit_step(layers)
+    for slotted, plain in zip(layers, appended, strict=True):
+        assert torch.equal(slotted.keys, plain.keys) and torch.equal(slotted.values, plain.values)
+
+    layers[1].truncate(len(layers[1]) - 1)  # one layer a row behind
+    assert step_slots(layers) is None
+    windowed = [KvBuffer(keep=8), KvBuffer(keep=8)]
+    for buffer in windowed:
+        buffer.append(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4))
+    assert step_slots(windowed) is None
+    assert step_slots([KvBuffer()]) is None  # empty: nothing to write into yet

@@ -158,6 +158,10 @@ def _store_rows(
     return k_stores, v_stores, firsts, rows
 
 
+# Per layer, each row's (K storages, V storages, first row it sees, slot its K/V goes to).
+StoreRows = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[int], Sequence[int]]
+
+
 def fused_layers_rows(
     model: Model,
     layers: Sequence[int],
@@ -167,29 +171,37 @@ def fused_layers_rows(
     stores: Sequence[Sequence[object]],
     ffn: FfnBackend,
     window: int | None,
+    reserved: Sequence[StoreRows] | None = None,
 ) -> torch.Tensor | None:
     """h: [R, H], the rows of several sessions one after another: session i's counts[i] rows
     at positions starts[i].. (one for a decode step, more for a prompt or a chunk of one) →
     the residuals after `layers` [R, H], in one compiled call; stores[k][i]: session i's store
     of layers[k]. Each row's K/V is written into its session's store, and each row attends
-    over that store up to itself (causal within a prompt's rows). None where the compiled
-    layer does not apply to every layer and row (nothing is changed)."""
+    over that store up to itself (causal within a prompt's rows). `reserved`: the rows' places
+    in the stores, per layer, already reserved by the caller, who then counts them (`stores`
+    are not touched). None where the compiled layer does not apply to every layer and row
+    (nothing is changed)."""
     kernels = fused_kernels(h[:1])  # float32 rows on the CPU, outside autograd and compilers
     if kernels is None:
         return None
     plans = [_layer_plan(model, layer, ffn, kernels) for layer in layers]
     if any(plan is None for plan in plans) or len({p.bits for p in plans if p}) != 1:
         return None
-    # (hasattr, not isinstance: a runtime Protocol check costs ~10 µs, per layer and session)
-    if not all(hasattr(kv, "decode_slots") for layer_stores in stores for kv in layer_stores):
-        return None
     positions = [start + j for start, n in zip(starts, counts, strict=True) for j in range(n)]
-    per_layer = []
-    for layer, layer_stores in zip(layers, stores, strict=True):
-        rows = _store_rows(model, layer, h, starts, counts, layer_stores, window)
-        if rows is None:
+    if reserved is not None:
+        if any(keys[0].dtype != torch.float32 for keys, _, _, _ in reserved):
             return None
-        per_layer.append(rows)
+        per_layer = list(reserved)
+    else:
+        # (hasattr, not isinstance: a runtime Protocol check costs ~10 µs, per layer and session)
+        if not all(hasattr(kv, "decode_slots") for layer_stores in stores for kv in layer_stores):
+            return None
+        per_layer = []
+        for layer, layer_stores in zip(layers, stores, strict=True):
+            rows = _store_rows(model, layer, h, starts, counts, layer_stores, window)
+            if rows is None:
+                return None
+            per_layer.append(rows)
     ropes = [rope_table(model, layer).rows(positions) for layer in layers]  # [R, rotary] each
     cfg = model.config
     done = [p for p in plans if p is not None]
@@ -201,9 +213,10 @@ def fused_layers_rows(
         *([rows[i] for rows in per_layer] for i in range(4)), cfg.num_heads, cfg.attn_scale,
         done[0].bits,
     )  # fmt: skip
-    for layer_stores in stores:
-        for kv, n in zip(layer_stores, counts, strict=True):
-            kv.commit_rows(n)  # type: ignore[attr-defined]
+    if reserved is None:
+        for layer_stores in stores:
+            for kv, n in zip(layer_stores, counts, strict=True):
+                kv.commit_rows(n)  # type: ignore[attr-defined]
     return out
 
 

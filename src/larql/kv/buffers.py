@@ -4,6 +4,8 @@ a sliding layer keeps only its last `keep` rows). Rows are stored [n, Hkv, D] an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from larql.kv.rows import GrowableRows
@@ -75,3 +77,45 @@ class KvBuffer:
 
     def live_nbytes(self) -> int:
         return self._k.live_nbytes() + self._v.live_nbytes()
+
+
+def step_slots(
+    buffers: Sequence[object],
+) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int] | None:
+    """Room for one new row in each of one session's layer buffers where they all hold their
+    rows at the same places (a decode step of an engine that appends every row to every layer
+    and keeps them all): → (each buffer's K and V storage [capacity, Hkv, D], the first live
+    row, the new row's index), one check per buffer instead of a reservation; `commit_step`
+    then counts the rows. None where any buffer is not such a `KvBuffer` (reserve them one by
+    one)."""
+    head = buffers[0]
+    if type(head) is not KvBuffer or head._k._data is None:
+        return None
+    start, end = head._k._start, head._k._end
+    keys, values = [], []
+    for buffer in buffers:
+        if type(buffer) is not KvBuffer or buffer.keep is not None:
+            return None
+        k_rows, v_rows = buffer._k, buffer._v
+        k_data, v_data = k_rows._data, v_rows._data
+        if (
+            k_data is None
+            or v_data is None
+            or k_rows._start != start
+            or k_rows._end != end
+            or v_rows._start != start
+            or v_rows._end != end
+            or end >= k_data.shape[0]
+            or end >= v_data.shape[0]
+        ):
+            return None
+        keys.append(k_data)
+        values.append(v_data)
+    return keys, values, start, end
+
+
+def commit_step(buffers: Sequence[KvBuffer]) -> None:
+    """Count the row each buffer's storage got at its end (after `step_slots`)."""
+    for buffer in buffers:
+        buffer._k._end += 1
+        buffer._v._end += 1

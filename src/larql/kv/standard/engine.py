@@ -32,7 +32,7 @@ from larql.inference.layer import (
 from larql.inference.linear import block_rows
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
-from larql.kv.buffers import KvBuffer
+from larql.kv.buffers import KvBuffer, commit_step, step_slots
 from larql.kv.standard.sinks import SinkKvBuffer
 from larql.kv.standard.static import StaticCache
 from larql.kv.standard.static_batch import BatchedStaticStep
@@ -160,7 +160,7 @@ class StandardEngine(KvEngine):
         window = batch[0].window
         layers = range(model.config.num_layers)
         stores = [[e._layers[layer] for e in batch] for layer in layers]  # type: ignore[index]
-        h = fused_layers_rows(model, layers, rows, starts, counts, stores, ffn, window)
+        h = _fused_step(model, ffn, rows, batch, starts, counts, stores, window)
         if h is not None:  # every layer in one compiled call
             for buffers in stores:
                 for buffer in buffers:
@@ -234,9 +234,7 @@ class StandardEngine(KvEngine):
         assert self._layers is not None
         if h.shape[0] <= block_rows():  # every layer in one compiled call, where they all take it
             stores = [[buffer] for buffer in self._layers]
-            layers = range(len(self._layers))
-            fused = fused_layers_rows(model, layers, h, [start], [h.shape[0]], stores, ffn,
-                                      self.window)  # fmt: skip
+            fused = _fused_step(model, ffn, h, [self], [start], [h.shape[0]], stores, self.window)
             if fused is not None:
                 for buffer in self._layers:
                     buffer.clip()
@@ -268,6 +266,38 @@ class StandardEngine(KvEngine):
         if self.sinks and self.window and model.config.layers[layer].sliding_window is None:
             return SinkKvBuffer(self.sinks, self.window)
         return KvBuffer(keep=kept_rows(effective_window(model, layer, self.window)))
+
+
+def _fused_step(
+    model: Model,
+    ffn: FfnBackend,
+    rows: torch.Tensor,
+    batch: Sequence[StandardEngine],
+    starts: list[int],
+    counts: Sequence[int],
+    stores: list[list[KvBuffer | SinkKvBuffer]],
+    window: int | None,
+) -> torch.Tensor | None:
+    """Every layer of a batched step in one compiled call (`fused_layers_rows`), or None. A
+    decode step of engines whose layers keep every row reserves each session's new row in all
+    its layers at once (`step_slots`: their rows sit at the same places), not layer by layer."""
+    layers = range(len(stores))
+    if window is None and all(n == 1 for n in counts):
+        slots = [step_slots(engine._layers) for engine in batch]  # type: ignore[arg-type]
+        if all(slot is not None for slot in slots):
+            firsts = [slot[2] for slot in slots]  # type: ignore[index]
+            news = [slot[3] for slot in slots]  # type: ignore[index]
+            keys = zip(*(slot[0] for slot in slots), strict=True)  # type: ignore[index]
+            values = zip(*(slot[1] for slot in slots), strict=True)  # type: ignore[index]
+            reserved = [(k, v, firsts, news) for k, v in zip(keys, values, strict=True)]
+            h = fused_layers_rows(
+                model, layers, rows, starts, counts, stores, ffn, window, reserved
+            )
+            if h is not None:
+                for engine in batch:
+                    commit_step(engine._layers)  # type: ignore[arg-type]
+            return h
+    return fused_layers_rows(model, layers, rows, starts, counts, stores, ffn, window)
 
 
 def _attend_buffer(
