@@ -24,7 +24,7 @@
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && \
-    defined(__AVX512BW__) && defined(__F16C__)
+    defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -121,12 +121,15 @@ class AmxInputBuffers {
             continue;
           }
           quantize_block(x + m * k + b * kBlock, 32767.0f, block);
-          for (int half = 0; half < 2; ++half) {  // q = 256 · high + low, |q| ≤ 32767
-            const __m512i q = _mm512_load_si512(block.codes + 16 * half);
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(high + at * kBlock + 16 * half),
-                             _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 8)));
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(low + at * kBlock + 16 * half),
-                             _mm512_cvtepi32_epi8(q));
+          // q = 256 · high + low, |q| ≤ 32767; read as the 8-code stores wrote them (a
+          // wider load would wait for both stores to reach the cache)
+          for (int part = 0; part < 4; ++part) {
+            const __m256i q =
+                _mm256_load_si256(reinterpret_cast<const __m256i*>(block.codes + 8 * part));
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(high + at * kBlock + 8 * part),
+                             _mm256_cvtepi32_epi8(_mm256_srai_epi32(q, 8)));
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(low + at * kBlock + 8 * part),
+                             _mm256_cvtepi32_epi8(q));
           }
           scales[at] = block.scale;
           sums[at] = block.sum;
