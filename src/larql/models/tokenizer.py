@@ -111,21 +111,17 @@ class TextTokenizer:
 
 
 class StreamDecoder:
-    """Turns a stream of token ids into text pieces, holding back incomplete UTF-8."""
+    """Turns a stream of token ids into text pieces, holding back incomplete UTF-8 (the
+    `tokenizers` stream decoder: each step decodes only a short window of the latest ids, so
+    a step's cost does not grow with the text)."""
 
     def __init__(self, tokenizer: TextTokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._ids: list[int] = []
-        self._emitted = ""
+        self._tokenizer = tokenizer.tokenizer
+        self._stream = decoders.DecodeStream(skip_special_tokens=False)
 
     def step(self, token_id: int) -> str:
-        self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids)
-        if text.endswith("\ufffd"):
-            return ""  # a multi-byte character is not complete yet
-        piece = text[len(self._emitted) :]
-        self._emitted = text
-        return piece
+        """The text this token completes ("" while a multi-byte character is incomplete)."""
+        return self._stream.step(self._tokenizer, token_id) or ""
 
 
 def _raise_template_error(message: str) -> None:
