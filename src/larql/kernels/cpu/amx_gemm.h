@@ -74,7 +74,7 @@ inline void configure_tiles(int inputs) {
 
 // Below this many input elements a product's rounding runs on the calling thread: waking the
 // other threads costs more.
-constexpr int64_t kParallelRounding = 1 << 14;
+constexpr int64_t kParallelRounding = 1 << 12;
 
 // Up to 16 inputs' int16 codes as the tiles' first operands, block-major: [blocks][rows][32]
 // high and low bytes, and per block and input its scale, Σ x and Σ q. `rows`: the count
@@ -108,10 +108,11 @@ class AmxInputBuffers {
     float* scales = scales_.take(blocks * rows);
     float* sums = sums_.take(blocks * rows);
     int32_t* code_sums = code_sums_.take(blocks * rows);
-    const auto round_rows = [&](int64_t begin, int64_t end) {
+    // blocks begin..end of every row (a thread's blocks share no cache line with another's)
+    const auto round_blocks = [&](int64_t begin, int64_t end) {
       BlockCodes block;
-      for (int64_t m = begin; m < end; ++m) {
-        for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t b = begin; b < end; ++b) {
+        for (int64_t m = 0; m < rows; ++m) {
           const int64_t at = b * rows + m;
           if (m >= n) {  // a padding row: zero codes and scales
             std::memset(high + at * kBlock, 0, kBlock);
@@ -138,9 +139,9 @@ class AmxInputBuffers {
       }
     };
     if (static_cast<int64_t>(n) * k < kParallelRounding) {
-      round_rows(0, rows);
+      round_blocks(0, blocks);
     } else {
-      at::parallel_for(0, rows, 1, round_rows);  // (each row's codes alike either way)
+      at::parallel_for(0, blocks, 4, round_blocks);  // (each row's codes alike either way)
     }
     return AmxInputs{n, rows, high, low, scales, sums, code_sums};
   }
