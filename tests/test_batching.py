@@ -342,7 +342,8 @@ def test_a_step_takes_what_fills_its_last_pass_of_rows(
     smollm2_default: Model, smollm2: Model
 ) -> None:
     """Where the block products take rows in passes, riding prompts fill the step's last pass
-    (the next one where less than a quarter is left), at most `prefill_chunk` tokens; on the
+    (the next one where less than a quarter is left), and further whole passes where enough
+    prompt tokens wait to fill them three quarters, at most `prefill_chunk` tokens; on the
     float matrices, `prefill_chunk`."""
     per_pass = rows_per_pass(smollm2_default)
     assert per_pass == (16 if load_block_kernels().amx() else 8)
@@ -356,3 +357,9 @@ def test_a_step_takes_what_fills_its_last_pass_of_rows(
         assert room == min(32, left if 4 * left >= per_pass else left + per_pass)
         assert (decoding + room) % per_pass == 0 or room == 32
         assert floats._prompt_room(decoding) == 32
+        # prompts waiting beyond the pass: whole further passes, each at least 3/4 filled
+        assert blocks._prompt_room(decoding, waiting=room) == room
+        more = blocks._prompt_room(decoding, waiting=room + per_pass)
+        assert more == (room + per_pass if room + per_pass <= 32 else room)
+        assert blocks._prompt_room(decoding, waiting=room + per_pass // 2) == room
+        assert floats._prompt_room(decoding, waiting=100) == 32

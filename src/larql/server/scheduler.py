@@ -364,7 +364,8 @@ class Scheduler:
             and s.engine is not None
             and s.engine.batch_key() == key
         ]
-        room = self._prompt_room(len(batch))
+        waiting = sum(_prompt_left(s) for s in filling)
+        room = self._prompt_room(len(batch), waiting)
         for rider in filling:
             chunk = self._ride_chunk(rider, key, room)
             if chunk:
@@ -373,17 +374,24 @@ class Scheduler:
                 room -= chunk
         return batch
 
-    def _prompt_room(self, decode_rows: int) -> int:
+    def _prompt_room(self, decode_rows: int, waiting: int = 0) -> int:
         """The prompt tokens a step of `decode_rows` decode rows takes in: `prefill_chunk` at
         most, and where the products take rows in passes (`rows_per_pass`), what fills the
         step's last pass, or the next pass where less than a quarter of one is left: a row
         past a pass costs a whole pass, so a prompt goes in over two cheap steps rather than
-        one that costs a pass more."""
+        one that costs a pass more. Where `waiting` prompt tokens would fill further passes
+        at least three quarters full, the step takes those passes too: a full pass costs its
+        rows about what they cost in the first (on the default model 8 decode rows and 8
+        prompt rows take 11.3 ms, and 24 prompt rows 20.4), and new streams then start in one
+        step rather than several."""
         room, per_pass = self.limits.prefill_chunk, self._rows_per_pass
         if per_pass is None:
             return room
         left = -decode_rows % per_pass
-        return min(room, left if left >= per_pass // 4 else left + per_pass)
+        rows = left if left >= per_pass // 4 else left + per_pass
+        while rows + per_pass <= room and waiting >= rows + 3 * per_pass // 4:
+            rows += per_pass
+        return min(room, rows)
 
     def _prompts_together(self, filling: list[Session]) -> list[Session]:
         """With nothing decoding: new prompts whose engines batch with the first one's, whole,
@@ -392,8 +400,7 @@ class Scheduler:
         key = first.joining_batch_key(self.model) if first is not None else None
         together, room = [], self.limits.prefill_chunk
         for session in filling if key is not None else ():
-            generation = session.generation
-            rest = len(session.request.prompt_ids) - (generation.prompt_done if generation else 0)
+            rest = _prompt_left(session)
             if rest <= room and self._ride_chunk(session, key, room) == rest:
                 session.prefill_chunk = rest
                 together.append(session)
@@ -652,6 +659,12 @@ class Scheduler:
     def _update_gauges(self) -> None:
         self.metrics.active_sessions.set(len(self._active))
         self.metrics.queued_sessions.set(len(self._queue))
+
+
+def _prompt_left(session: Session) -> int:
+    """Its prompt tokens not yet in the engine."""
+    generation = session.generation
+    return len(session.request.prompt_ids) - (generation.prompt_done if generation else 0)
 
 
 def _prefilling(session: Session) -> bool:
