@@ -3,7 +3,7 @@
 throughput; failures) and the server's RSS before and after a fixed number of requests.
 
     .venv/bin/python benchmarks/serve_load.py [--concurrency 4] [--duration 30] [--max-tokens 32]
-        [--prompt-words 48] [--engine standard] [--threads 2] [--rss-requests 200]
+        [--prompt-words 48] [--engine standard] [--threads 2] [--rounds 3] [--rss-requests 200]
         [--rss-max-tokens 8]
         [--url URL --server-pid PID] [--json PATH]
 
@@ -12,6 +12,8 @@ Phases (each bounded; the script stops by itself):
   2. warm-up: --warmup requests at concurrency N (not measured);
   3. single: --single-requests requests one at a time (the single-request TTFT baseline);
   4. load: N clients, each sending a new request as soon as its last one ends, for --duration s;
+     (3 and 4 alternate --rounds times, each round a share of the requests and of the seconds,
+     and are reported over all rounds: a machine whose speed drifts weighs on both alike)
   5. RSS: VmRSS of the server, then --rss-requests requests (of --rss-max-tokens tokens) at
      concurrency N, then VmRSS again.
 Every request streams (SSE), asks for exactly --max-tokens tokens (`ignore_eos`, as vLLM's
@@ -208,8 +210,17 @@ async def benchmark(args: argparse.Namespace, url: str, pid: int | None) -> dict
     short_bodies = itertools.cycle([{**short, "prompt": p} for p in texts])
     n = args.concurrency
     await run_phase(url, n, bodies, requests=args.warmup)
-    single, single_s = await run_phase(url, 1, bodies, requests=args.single_requests)
-    load, load_s = await run_phase(url, n, bodies, duration_s=args.duration)
+    # the single and the load phase in turn, `rounds` times, so a machine whose speed drifts
+    # (shared hosts move by tens of percent within minutes) weighs on both alike
+    single: list[Record] = []
+    load: list[Record] = []
+    single_s = load_s = 0.0
+    per_round = -(-args.single_requests // args.rounds)
+    for _ in range(args.rounds):
+        records, wall = await run_phase(url, 1, bodies, requests=per_round)
+        single, single_s = single + records, single_s + wall
+        records, wall = await run_phase(url, n, bodies, duration_s=args.duration / args.rounds)
+        load, load_s = load + records, load_s + wall
     rss_before = rss_bytes(pid) if pid else None
     rss_run, rss_s = await run_phase(url, n, short_bodies, requests=args.rss_requests)
     rss_after = rss_bytes(pid) if pid else None
@@ -221,6 +232,7 @@ async def benchmark(args: argparse.Namespace, url: str, pid: int | None) -> dict
         "rss_max_tokens": args.rss_max_tokens,
         "prompt_words": args.prompt_words,
         "threads": args.threads,
+        "rounds": args.rounds,
         "single": summarise(single, single_s),
         "load": summarise(load, load_s),
         "rss_phase": summarise(rss_run, rss_s),
@@ -304,12 +316,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--single-requests", type=int, default=10)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="single and load phases in turn, this many times"
+    )
     parser.add_argument("--rss-requests", type=int, default=200)
     parser.add_argument("--rss-max-tokens", type=int, default=8, help="tokens/request, RSS phase")
     parser.add_argument("--url", help="use a running server instead of starting one")
     parser.add_argument("--server-pid", type=int, help="with --url: the server's pid (RSS)")
     parser.add_argument("--json", help="also write the report to this file")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
 
     proc = None
     url, pid = args.url, args.server_pid
