@@ -86,13 +86,27 @@ def step_slots(
     rows at the same places (a decode step of an engine that appends every row to every layer
     and keeps them all): → (each buffer's K and V storage [capacity, Hkv, D], the first live
     row, the new row's index), one check per buffer instead of a reservation; `commit_step`
-    then counts the rows. None where any buffer is not such a `KvBuffer` (reserve them one by
-    one)."""
+    then counts the rows. Where their storage is full, every buffer grows alike first. None
+    where any buffer is not such a `KvBuffer` (reserve them one by one)."""
+    slots = _aligned_slots(buffers)
+    if slots == "full":  # the same places, no room after them: each grows the same way
+        for buffer in buffers:
+            buffer.decode_slots()  # type: ignore[attr-defined]
+        slots = _aligned_slots(buffers)
+    return None if slots == "full" else slots  # type: ignore[return-value]
+
+
+def _aligned_slots(
+    buffers: Sequence[object],
+) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int] | str | None:
+    """`step_slots`' answer without growing: "full" where the buffers hold their rows at the
+    same places with no room after them."""
     head = buffers[0]
     if type(head) is not KvBuffer or head._k._data is None:
         return None
     start, end = head._k._start, head._k._end
     keys, values = [], []
+    full = False
     for buffer in buffers:
         if type(buffer) is not KvBuffer or buffer.keep is not None:
             return None
@@ -105,13 +119,12 @@ def step_slots(
             or k_rows._end != end
             or v_rows._start != start
             or v_rows._end != end
-            or end >= k_data.shape[0]
-            or end >= v_data.shape[0]
         ):
             return None
+        full = full or end >= k_data.shape[0] or end >= v_data.shape[0]
         keys.append(k_data)
         values.append(v_data)
-    return keys, values, start, end
+    return "full" if full else (keys, values, start, end)
 
 
 def commit_step(buffers: Sequence[KvBuffer]) -> None:
