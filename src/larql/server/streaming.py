@@ -126,8 +126,9 @@ async def collect(
     next_check = clock() + DISCONNECT_POLL_S
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(session.events.get(), DISCONNECT_POLL_S)
+            try:  # (a timeout scope, not `wait_for`: that starts a task per token)
+                async with asyncio.timeout(DISCONNECT_POLL_S):
+                    event = await session.events.get()
             except TimeoutError:
                 event = None
             if clock() >= next_check:  # checked on a clock: tokens may never stop arriving
