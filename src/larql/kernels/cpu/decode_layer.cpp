@@ -207,6 +207,28 @@ void ffn_rows(Activation a, const float* h, int64_t m_rows, const float* norm, d
   add_product_rows(a, h, m_rows, down, inner, hidden, nullptr, out);
 }
 
+// Rows 0..M split into `parts` contiguous runs of about equal attention work (the keys a row's
+// query reads, plus a fixed share for the row itself) → the runs' bounds [parts + 1]: a batch's
+// sessions differ in length, and a new prompt's short rows follow the decode rows, so equal
+// row counts would leave one thread most of the work.
+std::vector<int64_t> balanced_runs(const std::vector<int64_t>& firsts,
+                                   const std::vector<int64_t>& slots, int64_t parts) {
+  constexpr int64_t kRowShare = 16;  // a row's own cost, in keys
+  const int64_t rows = static_cast<int64_t>(slots.size());
+  int64_t total = 0;
+  for (int64_t m = 0; m < rows; ++m) total += slots[m] - firsts[m] + 1 + kRowShare;
+  std::vector<int64_t> bounds(parts + 1, rows);
+  bounds[0] = 0;
+  int64_t done = 0, part = 1;
+  for (int64_t m = 0; m < rows && part < parts; ++m) {
+    const int64_t work = slots[m] - firsts[m] + 1 + kRowShare;
+    // row m goes to the run where the middle of its work falls
+    while (part < parts && (2 * done + work) * parts >= 2 * part * total) bounds[part++] = m;
+    done += work;
+  }
+  return bounds;
+}
+
 // Rows of a [width] or [M, width] float32 input: (M, width).
 std::pair<int64_t, int64_t> rows_of(const torch::Tensor& h) {
   TORCH_CHECK(h.dim() == 1 || h.dim() == 2, "expected [width] or [M, width] rows");
@@ -351,8 +373,11 @@ static torch::Tensor decode_layer_batch(torch::Tensor h, torch::Tensor norms, do
                        attn + m * q_dim, threads);
     }
   };
-  if (m_rows >= threads) {
-    at::parallel_for(0, m_rows, 1, attend_rows);  // a session per thread
+  if (m_rows >= threads) {  // whole sessions per thread, in runs of about equal work
+    const std::vector<int64_t> bounds = balanced_runs(firsts, slots, threads);
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t part = begin; part < end; ++part) attend_rows(bounds[part], bounds[part + 1]);
+    });
   } else {
     attend_rows(0, m_rows);  // each session's rows over the threads
   }
