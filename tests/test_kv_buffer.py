@@ -120,3 +120,33 @@ def test_a_sessions_layers_take_a_step_row_at_once() -> None:
         buffer.append(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4))
     assert step_slots(windowed) is None
     assert step_slots([KvBuffer()]) is None  # empty: nothing to write into yet
+
+
+def test_a_sessions_layers_take_a_chunk_of_rows_at_once() -> None:
+    """`step_slots(layers, n)`: room for n rows in every layer at once (a prompt's next chunk
+    riding in a batched step), the storage growing alike where fewer than n rows are left;
+    the rows written there and counted with `commit_step(layers, n)` are what appends of the
+    same chunks would hold."""
+    layers = [KvBuffer() for _ in range(2)]
+    appended = [KvBuffer() for _ in range(2)]
+    for slotted, plain in zip(layers, appended, strict=True):
+        slotted.append(torch.ones(2, 3, 4), -torch.ones(2, 3, 4))
+        plain.append(torch.ones(2, 3, 4), -torch.ones(2, 3, 4))
+    capacities = set()
+    for chunk in (5, 1, 9, 7, 16):
+        reserved = step_slots(layers, chunk)
+        assert reserved is not None
+        keys, values, first, row = reserved
+        assert first == 0 and row == len(layers[0])
+        capacities.add(keys[0].shape[0])
+        for i, (k_store, v_store) in enumerate(zip(keys, values, strict=True)):
+            assert k_store.shape[0] >= row + chunk
+            rows = torch.arange(chunk, dtype=torch.float32).view(chunk, 1, 1) + 10 * i + row
+            k_store[row : row + chunk] = rows.expand(chunk, 2, 4)
+            v_store[row : row + chunk] = -rows.expand(chunk, 2, 4)
+            new = rows.expand(chunk, 2, 4).transpose(0, 1)  # [Hkv, chunk, D]
+            appended[i].append(new, -new)
+        commit_step(layers, chunk)
+    assert len(capacities) > 1  # grown on the way
+    for slotted, plain in zip(layers, appended, strict=True):
+        assert torch.equal(slotted.keys, plain.keys) and torch.equal(slotted.values, plain.values)

@@ -80,27 +80,27 @@ class KvBuffer:
 
 
 def step_slots(
-    buffers: Sequence[object],
+    buffers: Sequence[object], rows: int = 1
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int] | None:
-    """Room for one new row in each of one session's layer buffers where they all hold their
-    rows at the same places (a decode step of an engine that appends every row to every layer
-    and keeps them all): → (each buffer's K and V storage [capacity, Hkv, D], the first live
-    row, the new row's index), one check per buffer instead of a reservation; `commit_step`
+    """Room for `rows` new rows in each of one session's layer buffers where they all hold their
+    rows at the same places (a step of an engine that appends every row to every layer and
+    keeps them all): → (each buffer's K and V storage [capacity, Hkv, D], the first live row,
+    the first new row's index), one check per buffer instead of a reservation; `commit_step`
     then counts the rows. Where their storage is full, every buffer grows alike first. None
-    where any buffer is not such a `KvBuffer` (reserve them one by one)."""
-    slots = _aligned_slots(buffers)
+    where any buffer is not such a `KvBuffer`, or is still empty (reserve them one by one)."""
+    slots = _aligned_slots(buffers, rows)
     if slots == "full":  # the same places, no room after them: each grows the same way
         for buffer in buffers:
-            buffer.decode_slots()  # type: ignore[attr-defined]
-        slots = _aligned_slots(buffers)
+            buffer.decode_slots(rows)  # type: ignore[attr-defined]
+        slots = _aligned_slots(buffers, rows)
     return None if slots == "full" else slots  # type: ignore[return-value]
 
 
 def _aligned_slots(
-    buffers: Sequence[object],
+    buffers: Sequence[object], rows: int = 1
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int] | str | None:
     """`step_slots`' answer without growing: "full" where the buffers hold their rows at the
-    same places with no room after them."""
+    same places with less than `rows` rows of room after them."""
     head = buffers[0]
     if type(head) is not KvBuffer or head._k._data is None:
         return None
@@ -121,14 +121,14 @@ def _aligned_slots(
             or v_rows._end != end
         ):
             return None
-        full = full or end >= k_data.shape[0] or end >= v_data.shape[0]
+        full = full or end + rows > k_data.shape[0] or end + rows > v_data.shape[0]
         keys.append(k_data)
         values.append(v_data)
     return "full" if full else (keys, values, start, end)
 
 
-def commit_step(buffers: Sequence[KvBuffer]) -> None:
-    """Count the row each buffer's storage got at its end (after `step_slots`)."""
+def commit_step(buffers: Sequence[KvBuffer], rows: int = 1) -> None:
+    """Count the rows each buffer's storage got at its end (after `step_slots`)."""
     for buffer in buffers:
-        buffer._k._end += 1
-        buffer._v._end += 1
+        buffer._k._end += rows
+        buffer._v._end += rows

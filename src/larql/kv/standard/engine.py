@@ -18,7 +18,12 @@ import torch
 from larql.inference.engine import Engine, KvEngine
 from larql.inference.errors import BackendUnavailable
 from larql.inference.ffn import FfnBackend
-from larql.inference.fused_layer import fused_layer_rows, fused_layer_step, fused_layers_rows
+from larql.inference.fused_layer import (
+    StoreRows,
+    fused_layer_rows,
+    fused_layer_step,
+    fused_layers_rows,
+)
 from larql.inference.layer import (
     attend,
     attention_output,
@@ -278,26 +283,81 @@ def _fused_step(
     stores: list[list[KvBuffer | SinkKvBuffer]],
     window: int | None,
 ) -> torch.Tensor | None:
-    """Every layer of a batched step in one compiled call (`fused_layers_rows`), or None. A
-    decode step of engines whose layers keep every row reserves each session's new row in all
-    its layers at once (`step_slots`: their rows sit at the same places), not layer by layer."""
+    """Every layer of a batched step in one compiled call (`fused_layers_rows`), or None. An
+    unwindowed engine whose layers keep every row at the same places reserves its rows in all
+    its layers at once (`step_slots`), not layer by layer; in a step where new prompts ride,
+    the decoding sessions still do, and only the new ones reserve layer by layer."""
     layers = range(len(stores))
-    if window is None and all(n == 1 for n in counts):
-        slots = [step_slots(engine._layers) for engine in batch]  # type: ignore[arg-type]
-        if all(slot is not None for slot in slots):
+    if window is None:
+        slots = [
+            step_slots(engine._layers, n)  # type: ignore[arg-type]
+            for engine, n in zip(batch, counts, strict=True)
+        ]
+        if all(n == 1 for n in counts) and all(slot is not None for slot in slots):
             firsts = [slot[2] for slot in slots]  # type: ignore[index]
             news = [slot[3] for slot in slots]  # type: ignore[index]
             keys = zip(*(slot[0] for slot in slots), strict=True)  # type: ignore[index]
             values = zip(*(slot[1] for slot in slots), strict=True)  # type: ignore[index]
             reserved = [(k, v, firsts, news) for k, v in zip(keys, values, strict=True)]
+        else:
+            reserved = _rows_reserved(model, rows, batch, counts, slots)
+        if reserved is not None:
             h = fused_layers_rows(
                 model, layers, rows, starts, counts, stores, ffn, window, reserved
             )
             if h is not None:
-                for engine in batch:
-                    commit_step(engine._layers)  # type: ignore[arg-type]
+                for engine, n, slot in zip(batch, counts, slots, strict=True):
+                    if slot is not None:
+                        commit_step(engine._layers, n)  # type: ignore[arg-type]
+                    else:
+                        for buffer in engine._layers:  # type: ignore[union-attr]
+                            buffer.commit_rows(n)
             return h
     return fused_layers_rows(model, layers, rows, starts, counts, stores, ffn, window)
+
+
+def _rows_reserved(
+    model: Model,
+    rows: torch.Tensor,
+    batch: Sequence[StandardEngine],
+    counts: Sequence[int],
+    slots: Sequence[tuple[list[torch.Tensor], list[torch.Tensor], int, int] | None],
+) -> list[StoreRows] | None:
+    """Per layer, each of the step's rows' (K storage, V storage, first row its query sees,
+    slot): session i's counts[i] rows from its `step_slots` reservation, or reserved layer by
+    layer where it has none (a new session: its storage made here). None where a session's
+    layer is not a plain `KvBuffer` that keeps every row (a sliding layer, sinks)."""
+    cfg = model.config
+    per_session = []  # per session, per layer: (K storage, V storage, first, first new row)
+    for engine, n, slot in zip(batch, counts, slots, strict=True):
+        if slot is not None:
+            keys, values, first, new = slot
+            per_session.append([(k, v, first, new) for k, v in zip(keys, values, strict=True)])
+            continue
+        mine = []
+        for layer, buffer in enumerate(engine._layers):  # type: ignore[arg-type]
+            if type(buffer) is not KvBuffer or buffer.keep is not None:
+                return None
+            like = rows.new_empty(1, cfg.kv_heads_of(layer), cfg.head_dim_of(layer))
+            got = buffer.decode_slots(n, like)
+            if got is None or got[0].dtype != torch.float32:
+                return None
+            mine.append(got)
+        per_session.append(mine)
+    reserved: list[StoreRows] = []
+    for layer in range(cfg.num_layers):
+        k_stores: list[torch.Tensor] = []
+        v_stores: list[torch.Tensor] = []
+        firsts: list[int] = []
+        places: list[int] = []
+        for session, n in zip(per_session, counts, strict=True):
+            keys, values, first, new = session[layer]
+            k_stores += [keys] * n
+            v_stores += [values] * n
+            firsts += [first] * n
+            places += range(new, new + n)
+        reserved.append((k_stores, v_stores, firsts, places))
+    return reserved
 
 
 def _attend_buffer(
