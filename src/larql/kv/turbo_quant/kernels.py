@@ -84,6 +84,10 @@ BATCH_PROGRAMS = 1024  # a batched launch's programs, about (`batch_splits`)
 COMBINE_WARPS = 8
 PARTIAL_WARPS = 4
 _MIN_DOT = 16  # tl.dot needs every dimension ≥ 16
+# ... except the query rows (a product's first dimension) on Triton ≥ 3.6, where 8 compile and
+# the softmax then runs over 8 rows, not 16 (a 4-query group: one layer at depth 32,000 on an
+# H200 35.1 → 33.0 µs; docs/PERFORMANCE.md)
+_MIN_QUERY_ROWS = 8 if tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 6) else 16
 # Exact rows the combine launch holds at once: 160 int8 recent rows in one [256, D'] block
 # spilled registers and cost ~130 µs a layer on an H200 (docs/PERFORMANCE.md)
 EXACT_CHUNK = 64
@@ -210,7 +214,8 @@ class Workspace:
     def of(
         heads: int, kv_heads: int, tables: CodecTables, device: torch.device, sessions: int = 1
     ) -> Workspace:
-        gp = _group_rows(heads // kv_heads)
+        group = heads // kv_heads  # (EXACT_CHUNK: the most exact rows a combine holds at once)
+        gp = _group_rows(group, _combine_rows(group, tables.rotated_dim, EXACT_CHUNK))
         f32 = {"dtype": torch.float32, "device": device}
         m = torch.empty((sessions * kv_heads, MAX_SPLITS, gp), **f32)
         acc = torch.empty((sessions * kv_heads, MAX_SPLITS, gp, tables.rotated_dim), **f32)
@@ -840,12 +845,13 @@ def _combine_rows(group: int, dp: int, exact_chunk: int) -> int:
     products were most of its instructions) — unless the largest of them, [rows, D'] · [D',
     D'], would not fit in registers (wide heads): then the group padded for tl.dot."""
     rows = _next_power_of_two(group)
-    return rows if rows * dp * max(dp, exact_chunk) <= 2**14 else _group_rows(group)
+    return rows if rows * dp * max(dp, exact_chunk) <= 2**14 else max(_MIN_DOT, rows)
 
 
-def _group_rows(group: int) -> int:
-    """Query rows a program holds: the group, padded for tl.dot."""
-    return max(_MIN_DOT, _next_power_of_two(group))
+def _group_rows(group: int, combine_rows: int) -> int:
+    """Query rows a partial-launch program holds: the group, padded for tl.dot, and no fewer
+    than the combine launch reads back (`_combine_rows`)."""
+    return max(_MIN_QUERY_ROWS, _next_power_of_two(group), combine_rows)
 
 
 @dataclass(frozen=True)
@@ -975,9 +981,12 @@ def batched_attention(
     assert workspace.m.shape[0] >= batch * kv_heads, "a workspace too small for the batch"
     if levers is None:
         levers = Levers.none(kv_heads, tables, q.device)
-    shape = {"G": group, "GP": _group_rows(group), "D": dim, "DP": dp, "HKV": kv_heads}
-    common = {"BPV": tables.bytes_per_vector, "BITS": tables.bits, "SOFTCAP": softcap > 0.0}
     constants = levers.constants()
+    combine_rows = _combine_rows(group, dp, constants["EC"])
+    gp = workspace.m.shape[-1]  # the states' rows: the partial launch's query rows
+    assert gp >= max(group, combine_rows), "a workspace made for fewer query rows"
+    shape = {"G": group, "GP": gp, "D": dim, "DP": dp, "HKV": kv_heads}
+    common = {"BPV": tables.bytes_per_vector, "BITS": tables.bits, "SOFTCAP": softcap > 0.0}
     q = q.contiguous()
     row_bytes = 2 * kv_heads * tables.bytes_per_vector
     assert launch_indices_fit(max_slots, row_bytes), "a store past 2 GiB needs 64-bit indices"
@@ -1040,7 +1049,7 @@ def batched_attention(
         **shape,
         **common,
         **constants,
-        R=_combine_rows(group, dp, constants["EC"]),
+        R=combine_rows,
         NORM_FIX=tables.norm_correction,
         NS=n_splits,
         # 8 warps: at Triton's default 4 this program spills registers and took 55 µs on an
