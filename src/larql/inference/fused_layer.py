@@ -162,6 +162,26 @@ def _store_rows(
 StoreRows = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[int], Sequence[int]]
 
 
+def _layer_plans(
+    model: Model, layers: Sequence[int], h: torch.Tensor, ffn: FfnBackend
+) -> list[_LayerPlan] | None:
+    """Every layer's plan where the compiled layer applies to all of them for the rows h (float32
+    rows on the CPU, outside autograd and compilers; one activation rounding), else None."""
+    kernels = fused_kernels(h[:1])
+    if kernels is None:
+        return None
+    plans = [_layer_plan(model, layer, ffn, kernels) for layer in layers]
+    if any(plan is None for plan in plans) or len({p.bits for p in plans if p}) != 1:
+        return None
+    return plans  # type: ignore[return-value]
+
+
+def layers_compile(model: Model, layers: Sequence[int], h: torch.Tensor, ffn: FfnBackend) -> bool:
+    """Whether `fused_layers_rows` takes these layers for the rows h (before any store is
+    touched: a caller reserving rows itself asks first)."""
+    return _layer_plans(model, layers, h, ffn) is not None
+
+
 def fused_layers_rows(
     model: Model,
     layers: Sequence[int],
@@ -181,12 +201,11 @@ def fused_layers_rows(
     in the stores, per layer, already reserved by the caller, who then counts them (`stores`
     are not touched). None where the compiled layer does not apply to every layer and row
     (nothing is changed)."""
-    kernels = fused_kernels(h[:1])  # float32 rows on the CPU, outside autograd and compilers
-    if kernels is None:
+    plans = _layer_plans(model, layers, h, ffn)
+    if plans is None:
         return None
-    plans = [_layer_plan(model, layer, ffn, kernels) for layer in layers]
-    if any(plan is None for plan in plans) or len({p.bits for p in plans if p}) != 1:
-        return None
+    kernels = fused_kernels(h[:1])
+    assert kernels is not None
     positions = [start + j for start, n in zip(starts, counts, strict=True) for j in range(n)]
     if reserved is not None:
         if any(keys[0].dtype != torch.float32 for keys, _, _, _ in reserved):

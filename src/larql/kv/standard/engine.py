@@ -23,6 +23,7 @@ from larql.inference.fused_layer import (
     fused_layer_rows,
     fused_layer_step,
     fused_layers_rows,
+    layers_compile,
 )
 from larql.inference.layer import (
     attend,
@@ -299,8 +300,10 @@ def _fused_step(
             keys = zip(*(slot[0] for slot in slots), strict=True)  # type: ignore[index]
             values = zip(*(slot[1] for slot in slots), strict=True)  # type: ignore[index]
             reserved = [(k, v, firsts, news) for k, v in zip(keys, values, strict=True)]
-        else:
+        elif layers_compile(model, layers, rows, ffn):  # (new sessions' storage made here)
             reserved = _rows_reserved(model, rows, batch, counts, slots)
+        else:
+            reserved = None
         if reserved is not None:
             h = fused_layers_rows(
                 model, layers, rows, starts, counts, stores, ffn, window, reserved
