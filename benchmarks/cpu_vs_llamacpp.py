@@ -85,29 +85,45 @@ def larql_round(
     return {"decode_tok_s": row["tok_s"], "prefill_tok_s": prefill_tok_s}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_peer_arguments(
+    parser: argparse.ArgumentParser, prompt_tokens: int, new_tokens: int
+) -> None:
+    """The arguments every llama.cpp comparison takes."""
     parser.add_argument("--model", default="smollm2-135m", help="a registry name or a .gguf")
-    parser.add_argument("--dtypes", default="float32", help="larql rows, comma-separated")
-    parser.add_argument("--weights", default="auto", help="larql rows, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--prompt-tokens", type=int, default=256)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=prompt_tokens)
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--llama-python", type=Path, default=Path(os.environ.get("LLAMA_PY", DEFAULT_LLAMA_PYTHON))
     )
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
 
+
+def peer_inputs(args: argparse.Namespace) -> tuple[Path, list[int]] | None:
+    """(the GGUF, the prompt ids) both peers run; None (after saying how to build it) without
+    the llama venv."""
     if not os.access(args.llama_python, os.X_OK):
         print(f"no llama-cpp-python at {args.llama_python}; build it (~15 minutes on 2 cores):")
         print(f"    {INSTALL}")
-        return
+        return None
     _, gguf = resolve_model_path(args.model)
     if gguf.is_dir():
         sys.exit(f"{args.model} is an HF directory; llama.cpp needs a .gguf")
-    ids = context_ids(load_model(args.model), args.prompt_tokens, default_text())
+    return gguf, context_ids(load_model(args.model), args.prompt_tokens, default_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default="float32", help="larql rows, comma-separated")
+    parser.add_argument("--weights", default="auto", help="larql rows, comma-separated")
+    add_peer_arguments(parser, prompt_tokens=256, new_tokens=64)
+    args = parser.parse_args()
+
+    inputs = peer_inputs(args)
+    if inputs is None:
+        return
+    gguf, ids = inputs
     variants = [(d, w) for d in args.dtypes.split(",") for w in args.weights.split(",")]
     peers = ["llama.cpp", *(f"larql {d}, --weights {w}" for d, w in variants)]
     runs: dict[str, list[dict]] = {peer: [] for peer in peers}
