@@ -226,9 +226,10 @@ def test_a_new_prompt_rides_in_the_running_streams_steps(
 
     monkeypatch.setattr(scheduler_module, "advance_together", recording)
     short, long, first_events, second_events = _a_long_prompt_beside_a_stream(model, "standard")
-    per_pass = rows_per_pass(model)  # the block products': fill the step's pass of rows
-    room = 16 if per_pass is None else min(16, -1 % per_pass)
-    sizes = [room] * (40 // room) + ([40 % room] if 40 % room else [])
+    # the prompt's chunks: 16 a step where the products cost by the row; else what fills the
+    # decode row's pass (15 of AMX's 16 rows, 7 of the AVX2 tiles' 8) and, while at least
+    # three quarters of another pass wait, whole passes more, up to 16 tokens
+    sizes = {None: [16, 16, 8], 16: [15, 15, 10], 8: [15, 15, 7, 3]}[rows_per_pass(model)]
     assert steps == [[0, size] for size in sizes]  # the decode row, then the prompt's chunk
     for events, req in ((second_events, long), (first_events, short)):
         assert isinstance(events[-1], DoneEvent)
