@@ -10,7 +10,19 @@ import torch
 
 from larql.models import KNOWN_MODELS, Model, load_model
 
-torch.set_num_threads(int(os.environ.get("LARQL_TEST_THREADS", "2")))
+
+def threads_per_test_process() -> int:
+    """Threads for each test process: `LARQL_TEST_THREADS`, else the cores shared among
+    pytest-xdist's workers (`make test` runs one worker per core, so one thread each there)."""
+    if "LARQL_TEST_THREADS" in os.environ:
+        return int(os.environ["LARQL_TEST_THREADS"])
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, (os.cpu_count() or 2) // workers)
+
+
+torch.set_num_threads(threads_per_test_process())
+# the commands tests start (`larql …` in a subprocess) share the cores the same way
+os.environ["OMP_NUM_THREADS"] = str(threads_per_test_process())
 
 # Without a GPU, larql's Triton kernels (where Triton is installed) run in Triton's interpreter
 # for their tests; `triton.jit` reads this when a kernel is defined, before any test imports one.

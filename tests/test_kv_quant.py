@@ -46,7 +46,7 @@ def test_norm_correction_gives_decoded_rows_their_length(bits: int) -> None:
         (Fp8Codec(64), 0.04),
         (Fp8Codec(64, rotate=True), 0.04),
     ],
-    ids=str,
+    ids=["int8", "int4", "int2", "int4-rotated", "int4-group16-rotated", "fp8", "fp8-rotated"],
 )
 def test_kv_quant_codecs_round_trip_within_their_precision(codec, bound: float) -> None:
     x = torch.randn(300, codec.dim, generator=torch.Generator().manual_seed(codec.dim))
