@@ -73,10 +73,8 @@ def test_snapkv_finds_a_needle_a_window_of_its_size_loses(smollm2: Model) -> Non
     snap = score_sample(smollm2, ffn, parse_engine("snapkv:budget=1024"), sample)
     window = score_sample(smollm2, ffn, parse_engine("standard:window=1024"), sample)
     assert snap.score == 1.0 and window.score == 0.0
-    assert (
-        snap.memory_bytes
-        < 0.6 * score_sample(smollm2, ffn, parse_engine("standard"), sample).memory_bytes
-    )
+    # the window holds half the full cache's rows; snapkv as many, plus its vote's small state
+    assert snap.memory_bytes < 1.2 * window.memory_bytes
 
 
 @pytest.mark.parametrize(

@@ -313,13 +313,13 @@ def test_codec_is_bit_identical_to_markov_rs_without_overflow(smollm2: Model) ->
 
 
 @pytest.mark.slow
-def test_codec_mean_kl_vs_standard_over_128_positions(smollm2: Model) -> None:
-    """The contract with overflow: mean KL(standard ‖ codec) ≤ 0.01 nats over 128 teacher-forced
-    positions of natural text (measured ≈1e-5 at window 4; benchmarks/codec_kl.py)."""
-    ids = smollm2.tokenizer.encode(LICENSE.read_text())[: 32 + 127]
+def test_codec_mean_kl_vs_standard_over_64_positions(smollm2: Model) -> None:
+    """The contract with overflow: mean KL(standard ‖ codec) ≤ 0.01 nats over 64 teacher-forced
+    positions of natural text (measured ≈1e-5 at window 4 over 128; benchmarks/codec_kl.py)."""
+    ids = smollm2.tokenizer.encode(LICENSE.read_text())[: 32 + 63]
     standard = teacher_forced(smollm2, "standard", ids, 32)
     codec = teacher_forced(smollm2, "markov-rs-codec:window=4", ids, 32)
-    assert standard.shape[0] == 128
+    assert standard.shape[0] == 64
     kl = kl_per_position(standard, codec)
     assert 0 < kl.mean().item() <= 0.01  # > 0: the cold tier really was rounded
     assert (codec.argmax(-1) == standard.argmax(-1)).double().mean().item() >= 0.95
@@ -419,19 +419,19 @@ def test_boundary_per_layer_refusals_are_typed(smollm2: Model) -> None:
 
 @pytest.mark.slow
 def test_boundary_per_layer_parity_gate_vs_codec(smollm2: Model) -> None:
-    """First greedy divergence from markov-rs-codec at the same window not before step 5 over
-    50 steps (measured: no divergence, 50/50, unbounded and at window 8)."""
+    """First greedy divergence from markov-rs-codec at the same window not before step 5 (over
+    50 steps measured: no divergence, 50/50, unbounded and at window 8; 24 here)."""
     ids = smollm2.tokenizer.encode(PROMPT)
     ffn = DenseFfn(smollm2)
     for window in (None, 8):
         runs = []
         for name in ("markov-rs-codec", "boundary-per-layer"):
             engine = parse_engine(markov_spec(window, name)).build(smollm2)
-            runs.append(generate(engine, smollm2, ffn, ids, 50, stop_ids=frozenset()).tokens)
+            runs.append(generate(engine, smollm2, ffn, ids, 24, stop_ids=frozenset()).tokens)
         codec, per_layer = runs
-        assert len(codec) == 50
+        assert len(codec) == 24
         divergence = next(
-            (i for i, (a, b) in enumerate(zip(codec, per_layer, strict=True)) if a != b), 50
+            (i for i, (a, b) in enumerate(zip(codec, per_layer, strict=True)) if a != b), 24
         )
         assert divergence >= 5
         assert per_layer == codec  # measured agreement: identical streams
