@@ -1,6 +1,8 @@
 // The one-token product with GGUF block rows, as a torch operator (the arithmetic is in
 // block_dot.h).
-#include <torch/extension.h>
+// the tensor API alone: torch/extension.h (pybind11, the C++ frontend) is bindings.cpp's,
+// and it doubles a file's compile time
+#include <torch/types.h>
 
 #include <string>
 

@@ -7,7 +7,9 @@
 // a = Σ e^{s − m} v; the chunks then combine with weights e^{m_c − M}. Every key and value row
 // is read once for all the query heads that share it. The cache rows come as torch hands them
 // out ([Hkv, T, D] views of token-major storage), so nothing is copied.
-#include <torch/extension.h>
+// the tensor API alone: torch/extension.h (pybind11, the C++ frontend) is bindings.cpp's,
+// and it doubles a file's compile time
+#include <torch/types.h>
 
 #include <ATen/Parallel.h>
 

@@ -18,7 +18,9 @@
 // rotates the split-half pairs of the first `rotary` dims of each head with
 // cos = [cos θ, cos θ] and signed sin = [−sin θ, sin θ]:
 // x_i' = x_i cos_i + x_{i+half} sin_i, x_{i+half}' = x_{i+half} cos_{i+half} + x_i sin_{i+half}.
-#include <torch/extension.h>
+// the tensor API alone: torch/extension.h (pybind11, the C++ frontend) is bindings.cpp's,
+// and it doubles a file's compile time
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cmath>

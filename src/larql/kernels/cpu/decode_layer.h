@@ -1,7 +1,9 @@
 // The decode step's layer pieces for float32 rows and GGUF block matrices (decode_layer.cpp).
 #pragma once
 
-#include <torch/extension.h>
+// the tensor API alone: torch/extension.h (pybind11, the C++ frontend) is bindings.cpp's,
+// and it doubles a file's compile time
+#include <torch/types.h>
 
 #include <vector>
 
