@@ -52,7 +52,7 @@ def kernel_module(name: str) -> ModuleType:
 
 
 def model_for_kernels(
-    cpu_model: Model, monkeypatch: pytest.MonkeyPatch, interpreted_layers: int = 3
+    cpu_model: Model, monkeypatch: pytest.MonkeyPatch, interpreted_layers: int = 2
 ) -> Model:
     """The default model (float32) where engines will use the Triton kernels: on CUDA, the whole
     model; on a CPU machine its first `interpreted_layers` layers (Triton's interpreter runs a
