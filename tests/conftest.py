@@ -17,7 +17,7 @@ def threads_per_test_process() -> int:
     if "LARQL_TEST_THREADS" in os.environ:
         return int(os.environ["LARQL_TEST_THREADS"])
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    return max(1, (os.cpu_count() or 2) // workers)
+    return max(1, len(os.sched_getaffinity(0)) // workers)
 
 
 torch.set_num_threads(threads_per_test_process())
