@@ -4,6 +4,7 @@ equals a band-masked full forward pass."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import full_forward_logits, relative_error, teacher_forced
@@ -25,6 +26,7 @@ def test_no_cache_matches_standard_in_float64(smollm2_f64: Model) -> None:
     assert relative_error(no_cache, standard) <= 1e-9
 
 
+@pytest.mark.long  # test_engine_compliance.py's greedy test runs no-cache for 32 tokens too
 def test_no_cache_greedy_tokens_match_standard_in_float32(smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode(PROMPT)
     ffn = DenseFfn(smollm2)

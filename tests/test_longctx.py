@@ -59,7 +59,7 @@ def test_scoring_sees_what_is_forgotten_after_the_prefill(smollm2: Model) -> Non
     from larql.inference.ffn import DenseFfn
 
     ffn = DenseFfn(smollm2)
-    samples = generate_samples(smollm2.tokenizer, ("needle-number",), (256,), (25, 75), 1)
+    samples = generate_samples(smollm2.tokenizer, ("needle-number",), (256,), (75,), 1)
     for sample in samples:
         full = score_sample(smollm2, ffn, parse_engine("standard"), sample)
         forgot = score_sample(smollm2, ffn, _ForgetfulSpec(), sample)
