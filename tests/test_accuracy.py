@@ -119,6 +119,7 @@ def test_needles_have_the_requested_length(smollm2: Model) -> None:
     assert haystack_with_needle(smollm2.tokenizer, 300).endswith("code name is")
 
 
+@pytest.mark.slow
 def test_exact_engines_have_zero_kl_and_full_agreement(smollm2: Model) -> None:
     ffn = DenseFfn(smollm2)
     ids = smollm2.tokenizer.encode(Path(__file__).resolve().parents[1].joinpath("LICENSE")
@@ -167,6 +168,7 @@ def test_corpora_sizes_and_parametric_n(smollm2: Model) -> None:
     assert result.exit_code == 2 and "parametric_n must be ≥ 1" in result.stderr
 
 
+@pytest.mark.slow
 def test_cli_report(tmp_path: Path) -> None:
     out, plot = tmp_path / "accuracy.json", tmp_path / "frontier.png"
     result = CliRunner().invoke(

@@ -66,6 +66,7 @@ def _alone_and_batched(
 
 
 @pytest.mark.parametrize("spec", ["standard", "standard:window=6", "turbo-quant", "kv-quant"])
+@pytest.mark.slow
 def test_batched_steps_are_bit_identical_on_the_default_model(
     smollm2_default: Model, spec: str
 ) -> None:
@@ -80,6 +81,7 @@ def test_batched_steps_are_bit_identical_on_the_default_model(
 
 
 @pytest.mark.parametrize("spec", ["standard", "standard:window=6"])
+@pytest.mark.slow
 def test_batched_steps_on_the_float_path_give_the_same_greedy_tokens(
     smollm2: Model, spec: str
 ) -> None:
@@ -205,6 +207,7 @@ def _a_long_prompt_beside_a_stream(
 
 
 @pytest.mark.parametrize("weights", ["blocks", "float"])
+@pytest.mark.slow
 def test_a_new_prompt_rides_in_the_running_streams_steps(
     weights: str,
     smollm2_default: Model,
@@ -236,6 +239,7 @@ def test_a_new_prompt_rides_in_the_running_streams_steps(
         assert list(events[-1].token_ids) == _alone_tokens(model, req)
 
 
+@pytest.mark.slow
 def test_a_prompt_that_cannot_ride_goes_in_chunks_between_the_steps(
     smollm2: Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:

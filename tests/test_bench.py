@@ -94,6 +94,7 @@ class RecordingKind:
         return engine
 
 
+@pytest.mark.slow
 def test_engines_are_timed_in_interleaved_rounds(smollm2: Model) -> None:
     """Round i runs every engine once, so run i of each happened in the same stretch of time;
     an engine that fails stops being run but leaves the others' rounds intact."""

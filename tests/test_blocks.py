@@ -147,6 +147,7 @@ def test_linear_reads_the_blocks_and_falls_back_without_kernels(
     assert torch.allclose(linear(x, weight, bias, rows), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_greedy_tokens_through_the_blocks_equal_the_float_paths(
     blocks_smollm2: Model, auto_smollm2: Model, float_smollm2: Model
 ) -> None:

@@ -253,6 +253,7 @@ def test_agreement_can_be_switched_off(smollm2: Model) -> None:
 # ---------------------------------------------------------------------------- archives
 
 
+@pytest.mark.slow
 def test_directory_archive_round_trips_in_a_fresh_load(run: Run, tmp_path: Path) -> None:
     archive = DirectoryBoundaryArchive(tmp_path / "frames")
     for frame in run.engine.frames():

@@ -187,6 +187,7 @@ def test_models_lists_the_registry(cli) -> None:
     assert "gemma3-270m" in rows
 
 
+@pytest.mark.slow
 def test_console_script_runs(tmp_path: Path) -> None:
     larql = Path(sys.executable).with_name("larql")
     env = {**os.environ, "LARQL_KV_ENGINE": ""}
@@ -211,6 +212,7 @@ ACCEPTANCE_SPECS = [
 ]
 
 
+@pytest.mark.slow
 def test_exact_engines_give_standard_tokens_through_the_cli(cli) -> None:
     """Issue 3's acceptance run: the same 24 tokens from `larql run` for every exact engine."""
     prompt = "Alice put the red ball in the box, and Bob"
@@ -219,6 +221,7 @@ def test_exact_engines_give_standard_tokens_through_the_cli(cli) -> None:
         assert run_json(cli, prompt, "-n", "24", "--engine", spec)["tokens"] == reference, spec
 
 
+@pytest.mark.slow
 def test_turbo_quant_reports_its_compressed_memory(cli) -> None:
     """Every row quantised (no exact rows): under a quarter of the float32 cache; with the
     default exact newest rows, a 13-token run is held exactly at 16 bits: half of float32."""

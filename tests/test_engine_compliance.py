@@ -107,6 +107,7 @@ def standard_f64_logits(smollm2_f64: Model) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("spec", exact_specs())
+@pytest.mark.slow
 def test_exact_engine_logits_match_standard_in_float64(
     spec: str, smollm2_f64: Model, standard_f64_logits: torch.Tensor
 ) -> None:
@@ -127,6 +128,7 @@ def standard_greedy_tokens(smollm2: Model) -> list[int]:
 
 
 @pytest.mark.parametrize("spec", exact_specs())
+@pytest.mark.slow
 def test_exact_engine_greedy_tokens_match_standard(
     spec: str, smollm2: Model, standard_greedy_tokens: list[int]
 ) -> None:

@@ -65,6 +65,7 @@ def test_h2o_holds_its_budget_and_the_newest_rows(smollm2: Model) -> None:
         assert layer.mass.shape == layer.keys.shape[:2] and (layer.mass > 0).all()
 
 
+@pytest.mark.slow
 def test_snapkv_finds_a_needle_a_window_of_its_size_loses(smollm2: Model) -> None:
     """Half of a 2k context kept: snapkv by the prompt tail's votes, the window by recency
     (seed 0's number needle at 25% depth; over more seeds and tasks see docs/FIDELITY.md)."""
@@ -91,6 +92,7 @@ def test_bad_parameters_are_refused(spec: str, message: str) -> None:
     assert result.exit_code == 2 and message in result.stderr, result.output
 
 
+@pytest.mark.slow
 def test_fidelity_with_a_long_prompt_sees_snapkv_compress(tmp_path) -> None:
     import json
 
@@ -110,6 +112,7 @@ def test_fidelity_with_a_long_prompt_sees_snapkv_compress(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("value", "message"), [("0", "must be ≥ 1"), ("99999", "leaves no")])
+@pytest.mark.slow
 def test_bad_prompt_tokens_are_refused(value: str, message: str) -> None:
     result = CliRunner().invoke(
         app, ["accuracy", "--quick", "--engines", "standard", "--prompt-tokens", value]

@@ -18,6 +18,7 @@ from larql.models import Model
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
 
+@pytest.mark.slow
 def test_no_cache_matches_standard_in_float64(smollm2_f64: Model) -> None:
     ids = smollm2_f64.tokenizer.encode(PROMPT + " it was tired of running all day long")
     standard = teacher_forced(smollm2_f64, "standard", ids, 6)

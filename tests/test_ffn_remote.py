@@ -132,6 +132,7 @@ def test_any_bytes_decode_or_raise_a_typed_error(body: bytes, wire: str, batched
 # ---------------------------------------------------------------------------- generation
 
 
+@pytest.mark.slow
 def test_every_layer_remote_over_f32_is_exactly_dense(smollm2: Model, shard: str) -> None:
     before = stats(shard).get("layer_calls", 0)
     remote = build_ffn(smollm2, f"remote-walk:endpoint={shard}")
@@ -146,6 +147,7 @@ def test_every_layer_remote_over_f32_is_exactly_dense(smollm2: Model, shard: str
 
 
 @pytest.mark.parametrize(("wire", "max_mean_kl"), [(F16, 1e-4), (I8, 0.5)])
+@pytest.mark.slow
 def test_lossy_wires_report_their_kl(
     smollm2: Model, shard: str, wire: str, max_mean_kl: float
 ) -> None:

@@ -199,6 +199,7 @@ def test_sinks_codes_and_recent_rows_keep_token_order(smollm2: Model) -> None:
 # ---------------------------------------------------------------------------- fidelity
 
 
+@pytest.mark.slow
 def test_levers_beat_plain_codes_and_turbo_beats_kv_quant_at_equal_bytes(smollm2: Model) -> None:
     """On SmolLM2 over 56 positions: the default turbo-quant (its levers) is far closer to the
     full cache than its plain 4-bit codes, and beats 4-bit rotated integer codes with a scale and

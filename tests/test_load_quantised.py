@@ -118,6 +118,7 @@ def test_decoding_through_the_blocks_is_the_float_path(tiny_dir: Path, mode: str
     assert not torch.equal(logits, float_logits)  # the blocks were read
 
 
+@pytest.mark.slow
 def test_requantising_a_quantised_gguf(smollm2: Model) -> None:
     model = load_model("smollm2-135m", weights="q4_0")
     rows = model.weights.layers[5].blocks["w_down"]

@@ -55,6 +55,7 @@ class _ForgetfulSpec:
         return _Forgetful()
 
 
+@pytest.mark.slow
 def test_scoring_sees_what_is_forgotten_after_the_prefill(smollm2: Model) -> None:
     from larql.inference.ffn import DenseFfn
 
@@ -67,6 +68,7 @@ def test_scoring_sees_what_is_forgotten_after_the_prefill(smollm2: Model) -> Non
         assert forgot.score == 0.0 and forgot.answer_logprob < full.answer_logprob - 5
 
 
+@pytest.mark.slow
 def test_cli_longctx_report(tmp_path: Path) -> None:
     out, plot = tmp_path / "longctx.json", tmp_path / "longctx.png"
     result = CliRunner().invoke(
@@ -101,6 +103,7 @@ def test_cli_rejects_bad_grids(args: list[str], message: str) -> None:
     assert result.exit_code == 2 and message in result.stderr, result.output
 
 
+@pytest.mark.slow
 def test_cli_ppl_position(tmp_path: Path) -> None:
     out = tmp_path / "ppl.json"
     result = CliRunner().invoke(
@@ -121,6 +124,7 @@ def _cells(model: Model, spec: str, samples) -> list:
     return [score_sample(model, DenseFfn(model), parse_engine(spec), s) for s in samples]
 
 
+@pytest.mark.slow
 def test_exact_engines_score_cell_for_cell_like_standard(smollm2: Model) -> None:
     """(`no-cache`, which recomputes the whole context for every answer token, is left out: its
     tokens and logits against standard's are test_exactness.py's.)"""
@@ -136,6 +140,7 @@ def test_exact_engines_score_cell_for_cell_like_standard(smollm2: Model) -> None
                    for a, b in zip(changed, standard, strict=True))  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_window_forgets_exactly_the_needles_beyond_it(smollm2: Model) -> None:
     # seed 5's needles sit 284 and 59 tokens back from the answer: just beyond, well within
     samples = generate_samples(smollm2.tokenizer, ("needle-number",), (512,), (50, 90), 5)
@@ -161,6 +166,7 @@ def test_passage_qa_asks_back_the_one_definition_placed(smollm2: Model) -> None:
         assert len(sample.answer.split()) == 8
 
 
+@pytest.mark.slow
 def test_apollo_answers_from_a_store_built_of_the_context(smollm2: Model) -> None:
     from larql.inference.ffn import DenseFfn
 

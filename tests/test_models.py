@@ -25,6 +25,7 @@ from larql.models.registry import resolve_model_path
 from tiny_models import build_tiny_model, rewrite_config
 
 
+@pytest.mark.slow
 def test_header_and_tensors_match_gguf_reader(smollm2: Model) -> None:
     from gguf import GGUFReader
 
@@ -79,6 +80,7 @@ def test_run_with_an_hf_directory_and_a_gguf_path(tmp_path: Path, smollm2: Model
     assert json.loads(result.stdout)["model"] == smollm2.source.stem
 
 
+@pytest.mark.slow
 def test_second_load_reads_the_weight_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2: Model
 ) -> None:
@@ -97,6 +99,7 @@ def test_second_load_reads_the_weight_cache(
     assert torch.equal(second.weights.embed, smollm2.weights.embed)
 
 
+@pytest.mark.slow
 def test_corrupt_cache_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LARQL_CACHE_DIR", str(tmp_path))
     load_model("smollm2-135m")

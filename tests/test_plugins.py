@@ -52,6 +52,7 @@ def larql_cli(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           env=env, timeout=300)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_plugin_engine_is_listed_and_decodes_like_standard(
     tmp_path: Path, smollm2_default: Model
 ) -> None:
@@ -135,6 +136,7 @@ def test_an_unusable_plugin_is_left_out_with_one_warning(
     assert catalog.parse("standard").entry is BUILTIN[0]
 
 
+@pytest.mark.slow
 def test_a_plugin_engine_runs_in_bench_and_accuracy(
     example_on_path: None, smollm2_default: Model
 ) -> None:

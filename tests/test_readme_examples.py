@@ -81,6 +81,7 @@ def test_every_command_section_has_examples() -> None:
         for h, c in BLOCKS
     ],
 )
+@pytest.mark.slow
 def test_readme_block_runs_as_pasted(heading: str, commands: list[str], tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text(default_text())
     env = {k: v for k, v in os.environ.items() if k != ENV_VAR}

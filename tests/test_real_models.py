@@ -30,6 +30,7 @@ def hf_smollm2(smollm2: Model):
     return load_hf_gguf(smollm2.source)
 
 
+@pytest.mark.slow
 def test_smollm2_tokenizer_matches_transformers(smollm2: Model, hf_smollm2) -> None:
     _, hf_tok = hf_smollm2
     for text in [*SAMPLE_TEXTS, licence_text()[:4000]]:
@@ -38,6 +39,7 @@ def test_smollm2_tokenizer_matches_transformers(smollm2: Model, hf_smollm2) -> N
         assert smollm2.tokenizer.decode(ours) == hf_tok.decode(ours)
 
 
+@pytest.mark.slow
 def test_smollm2_prefill_logits_match_transformers(smollm2: Model, hf_smollm2) -> None:
     hf_model, _ = hf_smollm2
     ids = smollm2.tokenizer.encode(licence_text()[:1200])
@@ -46,6 +48,7 @@ def test_smollm2_prefill_logits_match_transformers(smollm2: Model, hf_smollm2) -
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_20_tokens_match_transformers(smollm2: Model, hf_smollm2) -> None:
     hf_model, _ = hf_smollm2
     ids = smollm2.tokenizer.encode("The capital of France is")

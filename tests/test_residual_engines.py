@@ -104,6 +104,7 @@ def test_markov_rs_logits_match_standard_in_float64(
 
 
 @pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.slow
 def test_recompute_mode_is_exact_and_holds_the_residuals_alone(
     window: int | None,
     smollm2_f64: Model,
@@ -279,6 +280,7 @@ def test_bf16_codec_stores_bf16_rows_bit_for_bit() -> None:
     assert IdentityCodec().lossless_for(torch.float32)
 
 
+@pytest.mark.slow
 def test_codec_equals_markov_rs_in_a_bf16_model(smollm2: Model) -> None:
     """In a bfloat16 model the bf16 cold tier loses nothing, so the codec engine keeps the K/V it
     computed (no recompute) and decodes exactly as markov-rs at the same window."""
@@ -501,6 +503,7 @@ def test_memory_is_counted_from_the_tensors_held(smollm2: Model) -> None:
         assert engine.memory().brief() in engine.info().description  # state + reserve in MiB
 
 
+@pytest.mark.slow
 def test_hot_tier_storage_stays_bounded_over_a_long_decode(tiny: Model) -> None:
     """Amortised O(1) per step: the hot tier's allocation does not grow with the context."""
     engine = residual_engine("markov-rs-codec:window=4", tiny)

@@ -19,6 +19,7 @@ PROMPT = "Alice put the red ball in the box, and Bob"
 
 
 @pytest.mark.parametrize("base", ["standard:window=8", "turbo-quant", "markov-rs:window=4"])
+@pytest.mark.slow
 def test_observe_mode_is_bit_identical_to_its_base(smollm2: Model, base: str) -> None:
     ids = smollm2.tokenizer.encode(PROMPT)
     wrapped = teacher_forced(smollm2, f"semantic-promotion:base={base}", ids + ids[:6], len(ids))

@@ -196,6 +196,7 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
 # ---------------------------------------------------------------------------- the openai client
 
 
+@pytest.mark.slow
 def test_models_engines_health(server: str, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
@@ -678,6 +679,7 @@ def test_ffn_only_dispatches_to_the_shard(monkeypatch: pytest.MonkeyPatch, smoll
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+@pytest.mark.slow
 def test_a_signal_ends_open_streams_with_an_error_and_the_server_exits_cleanly(
     sig: signal.Signals,
 ) -> None:

@@ -29,6 +29,7 @@ def test_sink_rows_survive_a_thousand_steps() -> None:
     assert buffer.positions().tolist() == [0, 1, 2, 3, *range(999, 1006)]
 
 
+@pytest.mark.slow
 def test_prefill_mask_equals_step_by_step_eviction(smollm2_f64: Model) -> None:
     """The prefill's band-plus-sinks mask and the decode's kept rows are one rule."""
     ids = smollm2_f64.tokenizer.encode(PROMPT)
@@ -40,6 +41,7 @@ def test_prefill_mask_equals_step_by_step_eviction(smollm2_f64: Model) -> None:
     assert relative_error(prefilled, window_only) > 1e-3  # the sinks change what is seen
 
 
+@pytest.mark.slow
 def test_sinks_covering_the_text_equal_the_full_cache(smollm2_f64: Model) -> None:
     ids = smollm2_f64.tokenizer.encode(PROMPT)
     with_sinks = teacher_forced(smollm2_f64, f"standard:window=2,sinks={len(ids)}", ids, 5)

@@ -145,6 +145,7 @@ def run_cli(monkeypatch: pytest.MonkeyPatch, *args: str):
     return CliRunner().invoke(app, ["run", *args, "--weights", "float", "--output", "json"])
 
 
+@pytest.mark.slow
 def test_cli_load_state_continues_like_one_run(
     monkeypatch: pytest.MonkeyPatch, smollm2: Model, tmp_path: Path
 ) -> None:

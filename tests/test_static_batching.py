@@ -31,6 +31,7 @@ def _static_engines(window: int | None = None) -> list[StandardEngine]:
 
 
 @pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.slow
 def test_static_sessions_batched_give_their_tokens_alone(smollm2: Model, window) -> None:
     engines = _static_engines(window)
     alone_tokens, alone_logits = _decode(smollm2, engines, 8, batched=False)
@@ -51,6 +52,7 @@ def test_static_engines_batch_only_with_their_own_path(smollm2: Model) -> None:
     assert batch_groups(engines) == [[0, 2], [1], [3]]
 
 
+@pytest.mark.slow
 def test_the_batch_kernel_gives_each_session_its_own_attention(
     smollm2: Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -98,6 +98,7 @@ def test_cuda_graph_path_is_as_close_to_float32_as_eager_in_bfloat16() -> None:
         assert errors[spec] <= 1.25 * errors["standard:graph=0"], errors
 
 
+@pytest.mark.slow
 def test_static_step_traces_as_one_graph(smollm2: Model) -> None:
     """torch.compile must see the whole decode step as one graph: a break splits it into
     per-layer pieces that recompile per layer and, past dynamo's recompile limit, run uncompiled

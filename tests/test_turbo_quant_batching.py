@@ -40,6 +40,7 @@ def _decode(
     return greedy_streams(model, engines, PROMPTS, steps, batched)
 
 
+@pytest.mark.slow
 def test_kernel_path_sessions_batched_give_their_tokens_alone(
     smollm2: Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:

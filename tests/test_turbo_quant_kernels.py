@@ -306,6 +306,7 @@ LEVERS = {  # the catalog's levers, with rings small enough to wrap in a few ste
         (3, "int8 ring"),
     ],
 )
+@pytest.mark.slow
 def test_engine_with_the_kernels_equals_its_torch_path(
     kernels, bits: int, levers: str, smollm2: Model, monkeypatch
 ) -> None:
@@ -316,6 +317,7 @@ def test_engine_with_the_kernels_equals_its_torch_path(
     assert error <= 1e-4  # CUDA's float32 matmuls differ from float64 by ~1e-5
 
 
+@pytest.mark.slow
 def test_kernel_levers_store_the_torch_paths_bytes(kernels, smollm2: Model, monkeypatch) -> None:
     """With the catalog's levers, each step moves the oldest recent row into the codes: from the
     same state, the kernels and the torch path store the same codes (indices exact but for a
@@ -350,6 +352,7 @@ def test_kernel_levers_store_the_torch_paths_bytes(kernels, smollm2: Model, monk
 
 
 @pytest.mark.parametrize("levers", ["plain", "catalog"])
+@pytest.mark.slow
 def test_the_prompt_is_stored_as_the_codec_stores_it(
     kernels, levers: str, smollm2: Model, monkeypatch
 ) -> None:
@@ -399,6 +402,7 @@ def tiny_sliding(request, tmp_path_factory: pytest.TempPathFactory) -> Model:
     ],
     indirect=["tiny_sliding"],
 )
+@pytest.mark.slow
 def test_kernel_path_rings_sliding_layers_and_grows_full_ones(
     kernels,
     tiny_sliding: Model,
@@ -440,6 +444,7 @@ def test_kernel_path_rings_sliding_layers_and_grows_full_ones(
     assert fused.memory().total == slots * row_bytes  # full layers end at 16 slots
 
 
+@pytest.mark.slow
 def test_spec_picks_the_path(smollm2: Model, monkeypatch) -> None:
     model = model_for_kernels(smollm2, monkeypatch)
     for spec, on_kernels in (

@@ -57,6 +57,7 @@ def test_walk_without_a_real_k_is_bit_identical_to_dense(smollm2: Model, k: int 
         assert torch.equal(walk.forward(layer, x), dense.forward(layer, x))
 
 
+@pytest.mark.slow
 def test_walk_policy_generation_is_bit_identical_to_dense(smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode("The capital of France is")
     engine = parse_engine("standard")
@@ -87,6 +88,7 @@ def test_walk_is_the_sum_over_its_top_k_features(smollm2_f64: Model, k: int, row
     assert (got - expected).abs().max().item() <= 1e-10 * expected.abs().max().item()
 
 
+@pytest.mark.slow
 def test_walk_with_most_features_changes_the_output_but_stays_close(smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode(TEXT)
     engine = parse_engine("standard")
@@ -101,6 +103,7 @@ def test_walk_with_most_features_changes_the_output_but_stays_close(smollm2: Mod
     assert kl.mean().item() < 0.5 and agree >= 0.75
 
 
+@pytest.mark.slow
 def test_fewer_features_drift_further(smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode(TEXT)
     with torch.inference_mode():
