@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from larql.kernels import elementwise_kernels
 from larql.models.config import RopeSpec
 
 _MIN_TABLE = 256
@@ -102,6 +103,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     x: [heads, S, head_dim]; cos, sin: [S, rotary_dim] from `RopeTable`. Dims beyond rotary_dim
     pass through."""
+    if (kernels := elementwise_kernels(x)) is not None:
+        return kernels.rope(x, cos, sin)  # one launch on CUDA instead of three
     rotary_dim = cos.shape[-1]
     half = rotary_dim // 2
     if rotary_dim == x.shape[-1]:

@@ -1,7 +1,7 @@
 """Generic Triton kernels for the CUDA decode step (one query row per step): `decode_attention`
 for the static-cache fast path of `standard`, and `online_softmax`, the device functions every
 attention kernel shares (turbo-quant's, which reads its codec's bytes, lives beside the codec in
-`larql.kv.turbo_quant.kernels`).
+`larql.kv.turbo_quant.kernels`); `elementwise`, RoPE and SiLU · up in one launch each.
 
 Triton comes with torch's CUDA builds; a CPU install may have none, and nothing imports these
 modules unless `triton_available` says they run. Each kernel has a torch path it replaces
@@ -11,8 +11,10 @@ selectable with `attention=sdpa`.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
@@ -44,3 +46,19 @@ def batched_decode_attention_kernel(device: torch.device) -> DecodeAttention | N
     from larql.kernels.batched_decode_attention import batched_decode_attention
 
     return batched_decode_attention
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def elementwise_kernels(x: torch.Tensor) -> ModuleType | None:
+    """The one-launch RoPE and SiLU · up (`larql.kernels.elementwise`) for a tensor on CUDA with
+    Triton installed, outside torch.compile (which fuses these itself); None elsewhere, where
+    torch's ops run."""
+    if x.device.type != "cuda" or not _triton_installed() or torch.compiler.is_compiling():
+        return None
+    from larql.kernels import elementwise
+
+    return elementwise

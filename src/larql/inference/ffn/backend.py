@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from larql.inference.errors import BackendUnavailable
-from larql.inference.ffn.activation import gated_activation
+from larql.inference.ffn.activation import gated_product
 from larql.inference.ffn.experts import expert_glu, experts_forward
 from larql.inference.fused import activation_bits, fused_kernels
 from larql.inference.linear import kernel_rows, linear
@@ -110,10 +110,8 @@ class DenseFfn(FfnBackend):
         out = None
         if lw.w_gate_up is not None and lw.w_down is not None:
             gate, up = linear(x, lw.w_gate_up, blocks=lw.blocks.get("w_gate_up")).chunk(2, dim=-1)
-            out = linear(
-                gated_activation(gate, self._activation) * up, lw.w_down,
-                blocks=lw.blocks.get("w_down"),
-            )  # fmt: skip  # [S, H]
+            out = linear(gated_product(gate, up, self._activation), lw.w_down,
+                         blocks=lw.blocks.get("w_down"))  # fmt: skip  # [S, H]
         if lw.experts is not None and lw.experts_norm is None and self._routing is not None:
             routed = experts_forward(lw.experts, self._routing, x, self._glu)  # [S, H]
             out = routed if out is None else out + routed

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from larql.inference.ffn.activation import gated_activation
+from larql.inference.ffn.activation import gated_product
 from larql.models.config import ExpertRouting, ModelConfig
 from larql.models.weights import ExpertWeights
 
@@ -29,11 +29,7 @@ def expert_glu(config: ModelConfig) -> Glu:
     if routing is not None and routing.clamped_swiglu is not None:
         alpha, limit = routing.clamped_swiglu
         return partial(_clamped_swiglu, alpha=alpha, limit=limit)
-    return partial(_gated, activation=config.arch.activation)
-
-
-def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    return gated_activation(gate, activation) * up
+    return partial(gated_product, activation=config.arch.activation)
 
 
 def _clamped_swiglu(

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from larql.inference.ffn.backend import FfnBackend, gated_activation
+from larql.inference.ffn.activation import gated_activation
+from larql.inference.ffn.backend import FfnBackend
 from larql.inference.ffn.walk import select_features
 from larql.models.model import Model
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from larql.inference.ffn.backend import DenseFfn, FfnBackend, gated_activation
+from larql.inference.ffn.activation import gated_activation
+from larql.inference.ffn.backend import DenseFfn, FfnBackend
 from larql.inference.ffn.spec import FfnPolicyError
 from larql.models.model import Model
 

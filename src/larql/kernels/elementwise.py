@@ -1,0 +1,103 @@
+"""One-launch forms of two elementwise steps of a layer on CUDA: RoPE over q and k, and the
+gated MLP's SiLU(gate) · up.
+
+In a decode step each launch costs ~1.5–2.5 µs however little it computes, and torch spends
+three on RoPE (the halves swapped, x·cos, the multiply-add) and two on SiLU · up; these do each
+in one. The roundings are torch's, in the same order: x·cos is rounded to the tensor's dtype
+before the multiply-add (as `apply_rope` computes it), SiLU(gate) before the product — so
+the results are torch's up to how the device contracts a multiply and an add.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,  # [H, S, D], the last dim contiguous
+    cos_ptr,  # [S, R] contiguous: [cos θ, cos θ]
+    sin_ptr,  # [S, R] contiguous: [−sin θ, sin θ]
+    out_ptr,  # [H, S, D] contiguous
+    rows,  # S
+    stride_h,
+    stride_s,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    DP: tl.constexpr,  # D rounded up to a power of two
+):
+    pid = tl.program_id(0)
+    head = pid // rows
+    row = pid % rows
+    dims = tl.arange(0, DP)
+    present = dims < D
+    rotated = dims < R
+    half = R // 2
+    partner = tl.where(dims < half, dims + half, dims - half)
+    base = x_ptr + head * stride_h + row * stride_s
+    x = tl.load(base + dims, mask=present, other=0.0)
+    x_partner = tl.load(base + partner, mask=rotated, other=0.0)
+    cos = tl.load(cos_ptr + row * R + dims, mask=rotated, other=1.0)
+    sin = tl.load(sin_ptr + row * R + dims, mask=rotated, other=0.0)
+    scaled = (x.to(tl.float32) * cos.to(tl.float32)).to(x.dtype)  # rounded, as torch's x·cos
+    out = scaled.to(tl.float32) + x_partner.to(tl.float32) * sin.to(tl.float32)
+    out = tl.where(rotated, out, x.to(tl.float32))
+    tl.store(out_ptr + pid * D + dims, out.to(x.dtype), mask=present)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` in one launch. x: [H, S, D]; cos, sin: [S, R] (R ≤ D, even) → [H, S, D]."""
+    heads, rows, dim = x.shape
+    rotary_dim = cos.shape[-1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((heads, rows, dim), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    _rope_kernel[(heads * rows,)](
+        x, cos.contiguous(), sin.contiguous(), out, rows, x.stride(0), x.stride(1),
+        D=dim, R=rotary_dim, DP=triton.next_power_of_2(dim),
+    )  # fmt: skip
+    return out
+
+
+_SILU_BLOCK = 1024
+
+
+@triton.jit
+def _silu_mul_kernel(
+    gate_ptr,  # [S, F], the last dim contiguous
+    up_ptr,  # [S, F], the last dim contiguous
+    out_ptr,  # [S, F] contiguous
+    width,  # F
+    stride_gate,
+    stride_up,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    present = cols < width
+    gate = tl.load(gate_ptr + row * stride_gate + cols, mask=present, other=0.0)
+    up = tl.load(up_ptr + row * stride_up + cols, mask=present, other=0.0)
+    g = gate.to(tl.float32)
+    activated = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # rounded, as torch's SiLU
+    out = activated.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * width + cols, out.to(gate.dtype), mask=present)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) · up in one launch. gate, up: [S, F] (rows may be strided, e.g. the two
+    halves of one [S, 2F] product) → [S, F]."""
+    if gate.stride(-1) != 1:
+        gate = gate.contiguous()
+    if up.stride(-1) != 1:
+        up = up.contiguous()
+    rows, width = gate.shape
+    out = torch.empty((rows, width), dtype=gate.dtype, device=gate.device)
+    if out.numel() == 0:
+        return out
+    grid = (rows, triton.cdiv(width, _SILU_BLOCK))
+    _silu_mul_kernel[grid](gate, up, out, width, gate.stride(0), up.stride(0), BLOCK=_SILU_BLOCK)
+    return out

@@ -1,0 +1,79 @@
+"""The one-launch RoPE and SiLU · up (compiled on CUDA, in Triton's interpreter on a CPU machine)
+give what torch's ops give, on the layouts the layer hands them: q and k as strided views of
+one projection, partial rotary widths, head sizes that are not a power of two, gate and up as
+the two halves of one product."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import kernel_module
+from larql.inference.rope import RopeTable, apply_rope
+from larql.kernels import elementwise_kernels
+from larql.models.rope import RopeSpec
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rope_rows(rotary_dim: int, positions: list[int], dtype: torch.dtype):
+    spec = RopeSpec(base=10000.0, rotary_dim=rotary_dim)
+    table = RopeTable(spec, dtype, torch.device(DEVICE))
+    return table.rows(positions)
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """On CUDA torch's own tolerances. Triton's interpreter truncates where the device rounds
+    float32 → bfloat16 to nearest, so there a bfloat16 result may be an ulp or two off (of
+    values up to ~4 here: ≤ 2 · 2⁻⁶)."""
+    if torch.cuda.is_available() or dtype != torch.bfloat16:
+        return {}
+    return {"rtol": 2**-6, "atol": 2**-5}
+
+
+def _torch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope`'s torch ops (on CUDA `apply_rope` itself takes the kernel)."""
+    if x.is_cuda:
+        return apply_rope(x.cpu(), cos.cpu(), sin.cpu()).to(x.device)
+    return apply_rope(x, cos, sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dim", "rotary_dim"), [(64, 64), (64, 32), (80, 80)])
+def test_rope_in_one_launch_equals_torchs(dtype, dim, rotary_dim) -> None:
+    elementwise = kernel_module("larql.kernels.elementwise")
+    heads, kv_heads, rows = 6, 2, 3
+    generator = torch.Generator().manual_seed(dim + rotary_dim)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator).to(dtype)
+    qkv = qkv.to(DEVICE)
+    # q and k as the layer reads them: a strided view of the projection, heads first
+    qk = qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim).transpose(0, 1)
+    cos, sin = _rope_rows(rotary_dim, [0, 7, 4097], dtype)
+    got = elementwise.rope(qk, cos, sin)  # [H, S, D]
+    expected = _torch_rope(qk, cos, sin)
+    assert got.shape == expected.shape == (heads + kv_heads, rows, dim)
+    torch.testing.assert_close(got, expected, **_tolerance(dtype))
+    # the rotation did something, and the dims past the rotary width passed through
+    assert not torch.equal(got, qk)
+    torch.testing.assert_close(got[..., rotary_dim:], qk[..., rotary_dim:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1536, 1500])
+def test_silu_times_up_in_one_launch_equals_torchs(dtype, width) -> None:
+    elementwise = kernel_module("larql.kernels.elementwise")
+    generator = torch.Generator().manual_seed(width)
+    gate_up = (3 * torch.randn(4, 2 * width, generator=generator)).to(dtype).to(DEVICE)
+    gate, up = gate_up.chunk(2, dim=-1)  # strided halves, as the MLP's product gives them
+    got = elementwise.silu_mul(gate, up)
+    expected = (F.silu(gate.cpu()) * up.cpu()).to(DEVICE)
+    assert got.shape == (4, width)
+    torch.testing.assert_close(got, expected, **_tolerance(dtype))
+
+
+def test_the_one_launch_forms_run_only_on_cuda() -> None:
+    x = torch.zeros(2, 3)
+    assert elementwise_kernels(x) is None  # a CPU tensor keeps torch's ops
+    if torch.cuda.is_available():
+        assert elementwise_kernels(x.cuda()) is not None
