@@ -1,7 +1,8 @@
-"""The one-launch RoPE and SiLU · up (compiled on CUDA, in Triton's interpreter on a CPU machine)
-give what torch's ops give, on the layouts the layer hands them: q and k as strided views of
-one projection, partial rotary widths, head sizes that are not a power of two, gate and up as
-the two halves of one product."""
+"""The one-launch RoPE, SiLU · up and 16-bit RMS norm (compiled on CUDA, in Triton's
+interpreter on a CPU machine) give what torch's ops give, on the layouts the layer hands them:
+q and k as strided views of one projection, partial rotary widths, head sizes that are not a
+power of two, gate and up as the two halves of one product, norms over heads (q/k norms) and
+rows of odd widths."""
 
 from __future__ import annotations
 
@@ -70,6 +71,19 @@ def test_silu_times_up_in_one_launch_equals_torchs(dtype, width) -> None:
     expected = (F.silu(gate.cpu()) * up.cpu()).to(DEVICE)
     assert got.shape == (4, width)
     torch.testing.assert_close(got, expected, **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 576), (4, 2, 64), (2, 1000)])
+def test_rms_norm_in_one_launch_equals_torchs(dtype, shape) -> None:
+    elementwise = kernel_module("larql.kernels.elementwise")
+    generator = torch.Generator().manual_seed(shape[-1])
+    x = (2 * torch.randn(*shape, generator=generator)).to(dtype).to(DEVICE)
+    weight = (1 + torch.randn(shape[-1], generator=generator)).to(dtype).to(DEVICE)
+    got = elementwise.rms_norm(x, weight, 1e-5)
+    expected = F.rms_norm(x.cpu().float(), (shape[-1],), None, 1e-5).to(dtype) * weight.cpu()
+    assert got.shape == x.shape
+    torch.testing.assert_close(got, expected.to(DEVICE), **_tolerance(dtype))
 
 
 def test_the_one_launch_forms_run_only_on_cuda() -> None:

@@ -1,7 +1,8 @@
 """Generic Triton kernels for the CUDA decode step (one query row per step): `decode_attention`
 for the static-cache fast path of `standard`, and `online_softmax`, the device functions every
 attention kernel shares (turbo-quant's, which reads its codec's bytes, lives beside the codec in
-`larql.kv.turbo_quant.kernels`); `elementwise`, RoPE and SiLU · up in one launch each.
+`larql.kv.turbo_quant.kernels`); `elementwise`, RoPE, SiLU · up and a 16-bit RMS norm in one
+launch each.
 
 Triton comes with torch's CUDA builds; a CPU install may have none, and nothing imports these
 modules unless `triton_available` says they run. Each kernel has a torch path it replaces
@@ -54,9 +55,9 @@ def _triton_installed() -> bool:
 
 
 def elementwise_kernels(x: torch.Tensor) -> ModuleType | None:
-    """The one-launch RoPE and SiLU · up (`larql.kernels.elementwise`) for a tensor on CUDA with
-    Triton installed, outside torch.compile (which fuses these itself); None elsewhere, where
-    torch's ops run."""
+    """The one-launch RoPE, SiLU · up and 16-bit RMS norm (`larql.kernels.elementwise`) for a
+    tensor on CUDA with Triton installed, outside torch.compile (which fuses these itself); None
+    elsewhere, where torch's ops run."""
     if x.device.type != "cuda" or not _triton_installed() or torch.compiler.is_compiling():
         return None
     from larql.kernels import elementwise

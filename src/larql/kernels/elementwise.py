@@ -1,11 +1,12 @@
-"""One-launch forms of two elementwise steps of a layer on CUDA: RoPE over q and k, and the
-gated MLP's SiLU(gate) · up.
+"""One-launch forms of three row-wise steps of a layer on CUDA: RoPE over q and k, the gated
+MLP's SiLU(gate) · up, and a 16-bit RMS norm with its weight.
 
 In a decode step each launch costs ~1.5–2.5 µs however little it computes, and torch spends
-three on RoPE (the halves swapped, x·cos, the multiply-add) and two on SiLU · up; these do each
-in one. The roundings are torch's, in the same order: x·cos is rounded to the tensor's dtype
-before the multiply-add (as `apply_rope` computes it), SiLU(gate) before the product — so
-the results are torch's up to how the device contracts a multiply and an add.
+three on RoPE (the halves swapped, x·cos, the multiply-add), two on SiLU · up and two on a 16-bit
+norm (the normalised row, then × weight); these do each in one. The roundings are torch's, in
+the same order: x·cos is rounded to the tensor's dtype before the multiply-add (as `apply_rope`
+computes it), SiLU(gate) before the product, the normalised row before the weight — so the
+results are torch's up to how the device contracts a multiply and an add and orders a sum.
 """
 
 from __future__ import annotations
@@ -100,4 +101,41 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return out
     grid = (rows, triton.cdiv(width, _SILU_BLOCK))
     _silu_mul_kernel[grid](gate, up, out, width, gate.stride(0), up.stride(0), BLOCK=_SILU_BLOCK)
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [N, W], the last dim contiguous
+    weight_ptr,  # [W]
+    out_ptr,  # [N, W] contiguous
+    width,  # W
+    stride_row,
+    eps,
+    BLOCK: tl.constexpr,  # W rounded up to a power of two
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    present = cols < width
+    x = tl.load(x_ptr + row * stride_row + cols, mask=present, other=0.0)
+    xf = x.to(tl.float32)
+    scale = tl.rsqrt(tl.sum(xf * xf, axis=0) / width + eps)
+    normalised = (xf * scale).to(x.dtype)  # rounded, as torch's norm without a weight
+    weight = tl.load(weight_ptr + cols, mask=present, other=0.0)
+    out = normalised.to(tl.float32) * weight.to(tl.float32)
+    tl.store(out_ptr + row * width + cols, out.to(x.dtype), mask=present)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm over the last dim, then × weight, in one launch: x [..., W] → [..., W]."""
+    width = x.shape[-1]
+    rows = x.reshape(-1, width)  # a view where it can be
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows, weight, out, width, rows.stride(0), eps, BLOCK=triton.next_power_of_2(width)
+    )
     return out
