@@ -2,7 +2,7 @@
 interpreter on a CPU machine) give what torch's ops give, on the layouts the layer hands them:
 q and k as strided views of one projection, partial rotary widths, head sizes that are not a
 power of two, gate and up as the two halves of one product, norms over heads (q/k norms) and
-rows of odd widths."""
+rows of odd widths, a decode step's K and V rows written where the device-held position says."""
 
 from __future__ import annotations
 
@@ -84,6 +84,26 @@ def test_rms_norm_in_one_launch_equals_torchs(dtype, shape) -> None:
     expected = F.rms_norm(x.cpu().float(), (shape[-1],), None, 1e-5).to(dtype) * weight.cpu()
     assert got.shape == x.shape
     torch.testing.assert_close(got, expected.to(DEVICE), **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dim", [64, 80])
+def test_store_row_writes_k_and_v_at_the_position_and_nothing_else(dim) -> None:
+    elementwise = kernel_module("larql.kernels.elementwise")
+    kv_heads, capacity, heads = 3, 16, 6
+    generator = torch.Generator().manual_seed(dim)
+    keys = torch.randn(kv_heads, capacity, dim, generator=generator).bfloat16().to(DEVICE)
+    values = torch.randn(kv_heads, capacity, dim, generator=generator).bfloat16().to(DEVICE)
+    qkv = torch.randn(1, (heads + 2 * kv_heads) * dim, generator=generator).bfloat16().to(DEVICE)
+    # k and v as the layer hands them: strided views of the projection, heads first
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(1, kv_heads, dim).transpose(0, 1)
+    v = qkv[:, (heads + kv_heads) * dim :].view(1, kv_heads, dim).transpose(0, 1)
+    pos = torch.tensor([11], device=DEVICE)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    expected_keys.index_copy_(1, pos, k)
+    expected_values.index_copy_(1, pos, v)
+    elementwise.store_row(keys, values, k, v, pos)
+    assert torch.equal(keys, expected_keys)
+    assert torch.equal(values, expected_values)
 
 
 def test_the_one_launch_forms_run_only_on_cuda() -> None:

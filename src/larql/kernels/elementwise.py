@@ -1,9 +1,11 @@
-"""One-launch forms of three row-wise steps of a layer on CUDA: RoPE over q and k, the gated
-MLP's SiLU(gate) · up, and a 16-bit RMS norm with its weight.
+"""One-launch forms of four row-wise steps of a layer on CUDA: RoPE over q and k, the gated
+MLP's SiLU(gate) · up, a 16-bit RMS norm with its weight, and a decode step's K and V rows
+written into a static cache.
 
 In a decode step each launch costs ~1.5–2.5 µs however little it computes, and torch spends
-three on RoPE (the halves swapped, x·cos, the multiply-add), two on SiLU · up and two on a 16-bit
-norm (the normalised row, then × weight); these do each in one. The roundings are torch's, in
+three on RoPE (the halves swapped, x·cos, the multiply-add), two on SiLU · up, two on a 16-bit
+norm (the normalised row, then × weight) and two on the K/V rows (an `index_copy_` each); these
+do each in one. The roundings are torch's, in
 the same order: x·cos is rounded to the tensor's dtype before the multiply-add (as `apply_rope`
 computes it), SiLU(gate) before the product, the normalised row before the weight — so the
 results are torch's up to how the device contracts a multiply and an add and orders a sum.
@@ -139,3 +141,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows, weight, out, width, rows.stride(0), eps, BLOCK=triton.next_power_of_2(width)
     )
     return out
+
+
+@triton.jit
+def _store_row_kernel(
+    k_ptr,  # [Hkv, 1, D], the last dim contiguous
+    v_ptr,  # [Hkv, 1, D], the last dim contiguous
+    keys_ptr,  # [Hkv, C, D] contiguous
+    values_ptr,  # [Hkv, C, D] contiguous
+    pos_ptr,  # [1] int64
+    capacity,
+    stride_k,
+    stride_v,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+):
+    head = tl.program_id(0)
+    dims = tl.arange(0, DP)
+    present = dims < D
+    row = (head * capacity + tl.load(pos_ptr)) * D
+    k = tl.load(k_ptr + head * stride_k + dims, mask=present)
+    v = tl.load(v_ptr + head * stride_v + dims, mask=present)
+    tl.store(keys_ptr + row + dims, k, mask=present)
+    tl.store(values_ptr + row + dims, v, mask=present)
+
+
+def store_row(
+    keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+) -> None:
+    """keys[:, pos] = k and values[:, pos] = v in one launch, the position read on the device.
+    keys, values: [Hkv, C, D] contiguous; k, v: [Hkv, 1, D]; pos: [1] int64."""
+    heads, capacity, dim = keys.shape
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    _store_row_kernel[(heads,)](
+        k, v, keys, values, pos, capacity, k.stride(0), v.stride(0),
+        D=dim, DP=triton.next_power_of_2(dim),
+    )  # fmt: skip

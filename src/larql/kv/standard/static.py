@@ -3,8 +3,9 @@ step captured in a CUDA graph (`larql.kv.captured_step`). `StandardEngine` owns 
 runs, as turbo-quant's engine owns its `KernelPath`.
 
 Each layer's K/V lives in a [Hkv, capacity, D] buffer whose row i is position i; the step writes
-its row with `index_copy_` at a position held in a device tensor and attends through larql's
-split-key Triton kernel, which reads that position and skips the rows past it
+its row at a position held in a device tensor (one launch for K and V on CUDA, else
+`index_copy_`) and attends through larql's split-key Triton kernel, which reads that position and
+skips the rows past it
 (`attend_static_kernel`; `attention=sdpa`: torch's attention over the whole buffer with a mask,
 `attend_static`). Capacity grows by doubling (a re-capture each time). `compile=1` also fuses the
 step's small kernels with torch.compile, tuning their block sizes for these shapes.
@@ -38,7 +39,7 @@ from larql.inference.layer import (
 )
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.inference.shared_kv import SharedKv, shares
-from larql.kernels import DecodeAttention, decode_attention_kernel
+from larql.kernels import DecodeAttention, decode_attention_kernel, elementwise_kernels
 from larql.kv.captured_step import (
     CapturedStep,
     RopeAtPosition,
@@ -167,8 +168,11 @@ class StaticCache:
                 q = project_q_with_rope(model, layer, h, *rope(model, layer))
             else:
                 q, k, v = project_qkv_with_rope(model, layer, h, *rope(model, layer))
-                self._keys[layer].index_copy_(1, pos, k)
-                self._values[layer].index_copy_(1, pos, v)
+                if (row_kernels := elementwise_kernels(k)) is not None:
+                    row_kernels.store_row(self._keys[layer], self._values[layer], k, v, pos)
+                else:
+                    self._keys[layer].index_copy_(1, pos, k)
+                    self._values[layer].index_copy_(1, pos, v)
             kv = self._keys[layer], self._values[layer]  # [Hkv, C, D] each
             if kernel is not None:
                 attn = attend_static_kernel(model, q, *kv, pos, window, kernel)
