@@ -356,82 +356,91 @@ def _attention_partial(
     end_coded = tl.maximum(pos - RECENT, 0)  # the codes are tokens [first_coded, end_coded)
     first_coded = tl.maximum(pos - keep, SINKS)
     filled = tl.minimum(end_coded, slots)  # slots written so far
-    dot_dtype = q_ptr.dtype.element_ty
-    q = _queries(q_ptr, head, rows, dims, G, D)  # [GP, DP] float32, model basis
-    if NIBBLES:
-        q_even = _rotated_half(q, rot_ptr, dims, lanes, 0, DP, PRECISION)  # [GP, DP/2]
-        q_odd = _rotated_half(q, rot_ptr, dims, lanes, 1, DP, PRECISION)
-        table = tl.load(centroids_ptr + tl.arange(0, 16)[None, :] + tl.zeros([BLOCK, 1], tl.int32))
-        shift = tl.zeros([GP], tl.float32)  # q·μ_K: what centering took off each code's score
-        if CENTER:
-            mean_even = tl.load(mean_rot_ptr + head * DP + 2 * lanes)
-            mean_odd = tl.load(mean_rot_ptr + head * DP + 2 * lanes + 1)
-            shift = tl.sum(q_even * mean_even[None, :], 1) + tl.sum(q_odd * mean_odd[None, :], 1)
-            shift *= scale
-        q_even = q_even.to(dot_dtype)
-        q_odd = q_odd.to(dot_dtype)
-        acc_even = tl.zeros([GP, DP // 2], tl.float32)
-        acc_odd = tl.zeros([GP, DP // 2], tl.float32)
-    else:
-        q_rot = tl.dot(q, tl.load(rot_ptr + dims[:, None] * DP + dims[None, :]),
-                       input_precision=PRECISION)  # fmt: skip
-        shift = tl.zeros([GP], tl.float32)
-        if CENTER:
-            shift = tl.sum(q_rot * tl.load(mean_rot_ptr + head * DP + dims)[None, :], 1) * scale
-        q_rot = q_rot.to(dot_dtype)
-        acc = tl.zeros([GP, DP], tl.float32)
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
     row_stride = 2 * HKV * BPV
     split_first = split * BLOCKS_PER_SPLIT * BLOCK
     blocks = tl.minimum(tl.maximum(filled - split_first + BLOCK - 1, 0) // BLOCK, BLOCKS_PER_SPLIT)
-    for b in tl.range(0, blocks, num_stages=STAGES):  # not unrolled: deep stores compile fast
-        slot = split_first + b * BLOCK + tl.arange(0, BLOCK)
-        token = slot  # the slot's latest token
-        if WRAPS:
-            token = slot + slots * ((end_coded - 1 - slot) // slots)
-        present = (slot < filled) & (token >= first_coded) & (token < end_coded)
-        key_starts = slot * row_stride + head * BPV
-        value_starts = key_starts + HKV * BPV
-        key_norms = tl.load(norms_ptr + key_starts // 4, mask=present, other=0.0)  # [B]
-        value_norms = tl.load(norms_ptr + value_starts // 4, mask=present, other=0.0)
-        if NIBBLES:
-            even, odd = _nibble_centroids(codes_ptr, key_starts, present, lanes, table,
-                                          dot_dtype, LOOKUP)  # fmt: skip  # [B, DP/2] each
-            s = tl.dot(q_even, tl.trans(even), input_precision="ieee")
-            s += tl.dot(q_odd, tl.trans(odd), input_precision="ieee")
-        else:
-            index = _indices(codes_ptr, key_starts, present, dims, BITS, BPV)  # [B, DP]
-            keys = tl.load(centroids_ptr + index).to(dot_dtype)
-            s = tl.dot(q_rot, tl.trans(keys), input_precision="ieee")
-        s = s * (key_norms * scale)[None, :] + shift[:, None]  # [GP, B]
-        m_i, l_i, p, alpha = block_update(m_i, l_i, soft_capped(s, softcap, SOFTCAP), present)
-        weights = (p * value_norms[None, :]).to(dot_dtype)
-        if NIBBLES:
-            even_values, odd_values = _nibble_centroids(
-                codes_ptr, value_starts, present, lanes, table, dot_dtype, LOOKUP
-            )
-            acc_even = acc_even * alpha[:, None] + tl.dot(weights, even_values,
-                                                          input_precision="ieee")  # fmt: skip
-            acc_odd = acc_odd * alpha[:, None] + tl.dot(weights, odd_values,
-                                                        input_precision="ieee")  # fmt: skip
-        else:
-            index = _indices(codes_ptr, value_starts, present, dims, BITS, BPV)
-            values = tl.load(centroids_ptr + index).to(dot_dtype)
-            acc = acc * alpha[:, None] + tl.dot(weights, values, input_precision="ieee")
-    if NIBBLES:  # the state holds the coordinates in order
-        if CENTER:  # Σ p·(ṽ + μ_V) = acc + l·μ_V
-            acc_even += l_i[:, None] * tl.load(mean_rot_ptr + (HKV + head) * DP + 2 * lanes)
-            acc_odd += l_i[:, None] * tl.load(mean_rot_ptr + (HKV + head) * DP + 2 * lanes + 1)
-        stat = (pair * NS + split) * GP + rows
-        tl.store(m_ptr + stat, m_i)
-        tl.store(l_ptr + stat, l_i)
-        tl.store(acc_ptr + stat[:, None] * DP + (2 * lanes)[None, :], acc_even)
-        tl.store(acc_ptr + stat[:, None] * DP + (2 * lanes + 1)[None, :], acc_odd)
+    if blocks == 0:
+        # no coded row in this split (a short context, or a capacity not yet filled): the empty
+        # state, without the queries' rotation (on an H200 the step at a short context ~6% faster)
+        store_split(m_ptr, l_ptr, acc_ptr, pair * NS + split, rows, dims,
+                    tl.full([GP], float("-inf"), tl.float32), tl.zeros([GP], tl.float32),
+                    tl.zeros([GP, DP], tl.float32), DP)  # fmt: skip
     else:
-        if CENTER:
-            acc += l_i[:, None] * tl.load(mean_rot_ptr + (HKV + head) * DP + dims)[None, :]
-        store_split(m_ptr, l_ptr, acc_ptr, pair * NS + split, rows, dims, m_i, l_i, acc, DP)
+        dot_dtype = q_ptr.dtype.element_ty
+        q = _queries(q_ptr, head, rows, dims, G, D)  # [GP, DP] float32, model basis
+        if NIBBLES:
+            q_even = _rotated_half(q, rot_ptr, dims, lanes, 0, DP, PRECISION)  # [GP, DP/2]
+            q_odd = _rotated_half(q, rot_ptr, dims, lanes, 1, DP, PRECISION)
+            sixteen = tl.arange(0, 16)[None, :] + tl.zeros([BLOCK, 1], tl.int32)  # [BLOCK, 16]
+            table = tl.load(centroids_ptr + sixteen)
+            shift = tl.zeros([GP], tl.float32)  # q·μ_K: what centering took off each code's score
+            if CENTER:
+                mean_even = tl.load(mean_rot_ptr + head * DP + 2 * lanes)
+                mean_odd = tl.load(mean_rot_ptr + head * DP + 2 * lanes + 1)
+                shift = tl.sum(q_even * mean_even[None, :], 1)
+                shift += tl.sum(q_odd * mean_odd[None, :], 1)
+                shift *= scale
+            q_even = q_even.to(dot_dtype)
+            q_odd = q_odd.to(dot_dtype)
+            acc_even = tl.zeros([GP, DP // 2], tl.float32)
+            acc_odd = tl.zeros([GP, DP // 2], tl.float32)
+        else:
+            q_rot = tl.dot(q, tl.load(rot_ptr + dims[:, None] * DP + dims[None, :]),
+                           input_precision=PRECISION)  # fmt: skip
+            shift = tl.zeros([GP], tl.float32)
+            if CENTER:
+                shift = tl.sum(q_rot * tl.load(mean_rot_ptr + head * DP + dims)[None, :], 1) * scale
+            q_rot = q_rot.to(dot_dtype)
+            acc = tl.zeros([GP, DP], tl.float32)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        for b in tl.range(0, blocks, num_stages=STAGES):  # not unrolled: deep stores compile fast
+            slot = split_first + b * BLOCK + tl.arange(0, BLOCK)
+            token = slot  # the slot's latest token
+            if WRAPS:
+                token = slot + slots * ((end_coded - 1 - slot) // slots)
+            present = (slot < filled) & (token >= first_coded) & (token < end_coded)
+            key_starts = slot * row_stride + head * BPV
+            value_starts = key_starts + HKV * BPV
+            key_norms = tl.load(norms_ptr + key_starts // 4, mask=present, other=0.0)  # [B]
+            value_norms = tl.load(norms_ptr + value_starts // 4, mask=present, other=0.0)
+            if NIBBLES:
+                even, odd = _nibble_centroids(codes_ptr, key_starts, present, lanes, table,
+                                              dot_dtype, LOOKUP)  # fmt: skip  # [B, DP/2] each
+                s = tl.dot(q_even, tl.trans(even), input_precision="ieee")
+                s += tl.dot(q_odd, tl.trans(odd), input_precision="ieee")
+            else:
+                index = _indices(codes_ptr, key_starts, present, dims, BITS, BPV)  # [B, DP]
+                keys = tl.load(centroids_ptr + index).to(dot_dtype)
+                s = tl.dot(q_rot, tl.trans(keys), input_precision="ieee")
+            s = s * (key_norms * scale)[None, :] + shift[:, None]  # [GP, B]
+            m_i, l_i, p, alpha = block_update(m_i, l_i, soft_capped(s, softcap, SOFTCAP), present)
+            weights = (p * value_norms[None, :]).to(dot_dtype)
+            if NIBBLES:
+                even_values, odd_values = _nibble_centroids(
+                    codes_ptr, value_starts, present, lanes, table, dot_dtype, LOOKUP
+                )
+                acc_even = acc_even * alpha[:, None] + tl.dot(weights, even_values,
+                                                              input_precision="ieee")  # fmt: skip
+                acc_odd = acc_odd * alpha[:, None] + tl.dot(weights, odd_values,
+                                                            input_precision="ieee")  # fmt: skip
+            else:
+                index = _indices(codes_ptr, value_starts, present, dims, BITS, BPV)
+                values = tl.load(centroids_ptr + index).to(dot_dtype)
+                acc = acc * alpha[:, None] + tl.dot(weights, values, input_precision="ieee")
+        if NIBBLES:  # the state holds the coordinates in order
+            if CENTER:  # Σ p·(ṽ + μ_V) = acc + l·μ_V
+                acc_even += l_i[:, None] * tl.load(mean_rot_ptr + (HKV + head) * DP + 2 * lanes)
+                acc_odd += l_i[:, None] * tl.load(mean_rot_ptr + (HKV + head) * DP + 2 * lanes + 1)
+            stat = (pair * NS + split) * GP + rows
+            tl.store(m_ptr + stat, m_i)
+            tl.store(l_ptr + stat, l_i)
+            tl.store(acc_ptr + stat[:, None] * DP + (2 * lanes)[None, :], acc_even)
+            tl.store(acc_ptr + stat[:, None] * DP + (2 * lanes + 1)[None, :], acc_odd)
+        else:
+            if CENTER:
+                acc += l_i[:, None] * tl.load(mean_rot_ptr + (HKV + head) * DP + dims)[None, :]
+            store_split(m_ptr, l_ptr, acc_ptr, pair * NS + split, rows, dims, m_i, l_i, acc, DP)
 
 
 @triton.jit
