@@ -111,3 +111,5 @@ def test_the_one_launch_forms_run_only_on_cuda() -> None:
     assert elementwise_kernels(x) is None  # a CPU tensor keeps torch's ops
     if torch.cuda.is_available():
         assert elementwise_kernels(x.cuda()) is not None
+        # float64, the precision reference, keeps torch's ops (the kernels compute in float32)
+        assert elementwise_kernels(x.cuda().double()) is None

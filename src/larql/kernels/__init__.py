@@ -55,10 +55,16 @@ def _triton_installed() -> bool:
 
 
 def elementwise_kernels(x: torch.Tensor) -> ModuleType | None:
-    """The one-launch RoPE, SiLU · up and 16-bit RMS norm (`larql.kernels.elementwise`) for a
-    tensor on CUDA with Triton installed, outside torch.compile (which fuses these itself); None
-    elsewhere, where torch's ops run."""
-    if x.device.type != "cuda" or not _triton_installed() or torch.compiler.is_compiling():
+    """The one-launch RoPE, SiLU · up, 16-bit RMS norm and K/V row store
+    (`larql.kernels.elementwise`) for a tensor on CUDA with Triton installed, outside
+    torch.compile (which fuses these itself), in 32 bits or fewer (they compute in float32;
+    float64 is the precision reference and keeps torch's ops); None elsewhere."""
+    if (
+        x.device.type != "cuda"
+        or x.dtype == torch.float64
+        or not _triton_installed()
+        or torch.compiler.is_compiling()
+    ):
         return None
     from larql.kernels import elementwise
 
