@@ -520,12 +520,13 @@ def test_centroid_lookup_in_ptx_gives_the_gathers_attention(
                 q, k_new, v_new, store, position, run_tables, dim**-0.5, 0.0, workspace, lever_set
             )
         )
-        splits = kernels.splits(slots)  # the launch's state: [Hkv, splits, GP(, D')] at the front
+        splits = kernels.splits(slots)  # the launch's states: [Hkv, splits + 1, GP(, D')] in front
         used, group = splits * n // slots, heads // kv_heads  # full splits, real query rows
-        l_sum = workspace.l_sum.flatten()[: workspace.l_sum[:, :splits].numel()]
-        l_sum = l_sum.view(kv_heads, splits, -1)[:, :used, :group]
-        acc = workspace.acc.flatten()[: workspace.acc[:, :splits].numel()]
-        acc = acc.view(kv_heads, splits, -1, dim)[:, :used, :group]
+        states_per_head = kernels.state_slots(splits)
+        l_sum = workspace.l_sum.flatten()[: workspace.l_sum[:, :states_per_head].numel()]
+        l_sum = l_sum.view(kv_heads, states_per_head, -1)[:, :used, :group]
+        acc = workspace.acc.flatten()[: workspace.acc[:, :states_per_head].numel()]
+        acc = acc.view(kv_heads, states_per_head, -1, dim)[:, :used, :group]
         states.append(torch.cat([acc.flatten(), l_sum.flatten()]))
     assert relative_error(states[0], states[1]) <= 1e-4  # measured 2e-5
     assert relative_error(outputs[0], outputs[1]) <= 4e-3

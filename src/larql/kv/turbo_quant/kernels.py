@@ -88,9 +88,11 @@ _MIN_DOT = 16  # tl.dot needs every dimension ≥ 16
 # the softmax then runs over 8 rows, not 16 (a 4-query group: one layer at depth 32,000 on an
 # H200 35.1 → 33.0 µs; docs/PERFORMANCE.md)
 _MIN_QUERY_ROWS = 8 if tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 6) else 16
-# Exact rows the combine launch holds at once: 160 int8 recent rows in one [256, D'] block
-# spilled registers and cost ~130 µs a layer on an H200 (docs/PERFORMANCE.md)
-EXACT_CHUNK = 64
+# Exact rows the exact rows' program holds at once: 160 int8 recent rows in one [256, D'] block
+# spilled registers and cost ~130 µs a layer on an H200 (docs/PERFORMANCE.md). The program runs
+# in the partial launch and sets its registers with the splits' (the larger branch wins): chunks
+# of 16 keep the launch at 128 registers a thread, 4 programs an SM (chunks of 32: 216)
+EXACT_CHUNK = 16
 LOOKUP_PACK = 8  # packed bytes one `centroid_lookup` instance decodes
 CONSTRAINTS = tl.constexpr(",".join(["=r"] * LOOKUP_PACK + ["r"] * (LOOKUP_PACK // 4)))
 PACK = tl.constexpr(LOOKUP_PACK)
@@ -188,13 +190,12 @@ class Levers:
 
     def constants(self) -> dict[str, int | bool]:
         exact_rows = self.sinks + (ring_slots(self.recent) if self.recent else 0)
-        padded = 0 if exact_rows == 0 else max(_MIN_DOT, _next_power_of_two(exact_rows))
         return {
             "SINKS": self.sinks,
             "RECENT": self.recent,
             "RING": ring_slots(self.recent),
-            "EP": padded,
-            "EC": max(1, min(padded, EXACT_CHUNK)),
+            "EP": -(-exact_rows // EXACT_CHUNK) * EXACT_CHUNK,  # whole chunks
+            "EC": EXACT_CHUNK,
             "CENTER": self.center,
             "RING8": self.ring is not None,
         }
@@ -202,13 +203,16 @@ class Levers:
 
 @dataclass(frozen=True)
 class Workspace:
-    """The splits' partial softmax state, reused by every layer's launches (they run in stream
-    order; a launch uses the first `splits(slots)`): m, l [B·Hkv, MAX_SPLITS, GP],
-    acc [B·Hkv, MAX_SPLITS, GP, D'] float32 for launches of up to B sessions."""
+    """The launches' scratch, reused by every layer (they run in stream order): the rotated
+    queries [B, Hq, D'] and the partial softmax states m, l [B·Hkv, MAX_SPLITS + 1, GP],
+    acc [B·Hkv, MAX_SPLITS + 1, GP, D'] float32 for launches of up to B sessions. A launch of NS
+    splits uses the first NS + 1 states of each (session, K/V head) — the splits', then the
+    exact rows' — packed at the front (`state_slots`)."""
 
     m: torch.Tensor
     l_sum: torch.Tensor
     acc: torch.Tensor
+    queries: torch.Tensor
 
     @staticmethod
     def of(
@@ -217,9 +221,16 @@ class Workspace:
         group = heads // kv_heads  # (EXACT_CHUNK: the most exact rows a combine holds at once)
         gp = _group_rows(group, _combine_rows(group, tables.rotated_dim, EXACT_CHUNK))
         f32 = {"dtype": torch.float32, "device": device}
-        m = torch.empty((sessions * kv_heads, MAX_SPLITS, gp), **f32)
-        acc = torch.empty((sessions * kv_heads, MAX_SPLITS, gp, tables.rotated_dim), **f32)
-        return Workspace(m=m, l_sum=torch.empty_like(m), acc=acc)
+        m = torch.empty((sessions * kv_heads, MAX_SPLITS + 1, gp), **f32)
+        acc = torch.empty((sessions * kv_heads, MAX_SPLITS + 1, gp, tables.rotated_dim), **f32)
+        queries = torch.empty((sessions, heads, tables.rotated_dim), **f32)
+        return Workspace(m=m, l_sum=torch.empty_like(m), acc=acc, queries=queries)
+
+
+def state_slots(n_splits: int) -> int:
+    """States a launch of `n_splits` splits keeps per (session, K/V head): one per split, and
+    the exact rows' after them."""
+    return n_splits + 1
 
 
 @triton.jit
@@ -278,12 +289,30 @@ def _nibble_centroids(codes_ptr, starts, present, lanes, table, DOT: tl.constexp
 
 
 @triton.jit
-def _rotated_half(
-    q, rot_ptr, dims, lanes, PARITY: tl.constexpr, DP: tl.constexpr, PRECISION: tl.constexpr
+def _rotate_queries(
+    q_ptr,  # [B, Hq, D] model dtype
+    rot_ptr,  # [DP, DP] float32
+    out_ptr,  # [B, Hq, DP] float32: q·R
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    HKV: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for a float32 model, else "tf32"
 ):
-    """q [GP, DP] float32 → its rotated coordinates 2j + PARITY: [GP, DP/2] float32."""
-    columns = tl.load(rot_ptr + dims[:, None] * DP + (2 * lanes + PARITY)[None, :])  # [DP, DP/2]
-    return tl.dot(q, columns, input_precision=PRECISION)
+    """The queries in the rotated basis, once per layer for every split of the partial launch:
+    each of its programs rotating its own copy put a [GP, D'] · [D', D'] product and the
+    rotation's load before its first block (on an H200 one layer at depth 32,000 32.9 → 30.1 µs
+    with this launch, 4,096 rows 15.6 → 14.5)."""
+    head = tl.program_id(0)
+    session = tl.program_id(1)
+    rows = tl.arange(0, GP)
+    dims = tl.arange(0, DP)
+    q = _queries(q_ptr + session * (HKV * G * D), head, rows, dims, G, D)  # [GP, DP]
+    rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
+    rotated = tl.dot(q, rotation, input_precision=PRECISION)
+    at = (session * HKV * G + head * G + rows)[:, None] * DP + dims[None, :]
+    tl.store(out_ptr + at, rotated, mask=(rows < G)[:, None])
 
 
 @triton.jit
@@ -298,23 +327,71 @@ def _session_store(codes_ptr, norms_ptr, state, pos_ptr, session):
 
 
 @triton.jit
+def _exact_state(
+    q_ptr, k_new_ptr, v_new_ptr, exact_ptr, ring_ptr, ring_scale_ptr, m_ptr, l_ptr, acc_ptr,
+    stat, pos, keep, head, scale, softcap,
+    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, HKV: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr, RECENT: tl.constexpr, RING: tl.constexpr,
+    EP: tl.constexpr, EC: tl.constexpr, RING8: tl.constexpr,
+):  # fmt: skip
+    """The softmax state of K/V head `head`'s R query rows over the exact rows — the new token's,
+    the sinks and the recent rows, in the model's basis — stored at state `stat` (their
+    weighted values are added after the splits' are rotated back, R·R = I)."""
+    rows = tl.arange(0, R)
+    dims = tl.arange(0, DP)
+    within = dims < D
+    q = _queries(q_ptr, head, rows, dims, G, D)  # [R, DP]
+    k_new = tl.load(k_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
+    v_new = tl.load(v_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
+    m_i = soft_capped(tl.sum(q * k_new[None, :], axis=1) * scale, softcap, SOFTCAP)  # [R]
+    l_i = tl.full([R], 1.0, tl.float32)  # the new row's weight, exp(m_i − m_i)
+    acc = tl.zeros([R, DP], tl.float32) + v_new[None, :]
+    for c in tl.static_range(EP // EC):
+        e = c * EC + tl.arange(0, EC)
+        scores = _exact_scores(
+            q, exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, scale,
+            softcap, SOFTCAP, HKV, D, SINKS, RECENT, RING, RING8, R,
+        )  # fmt: skip  # [R, EC], −inf where absent
+        values, _ = _exact_chunk(
+            exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, 1, HKV, D,
+            SINKS, RECENT, RING, RING8,
+        )  # fmt: skip  # [EC, DP]
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: the new row is always seen
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])  # 0 where absent
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _product(p, values, R)
+        m_i = m_new
+    at = stat + rows
+    tl.store(m_ptr + at, m_i)
+    tl.store(l_ptr + at, l_i)
+    tl.store(acc_ptr + at[:, None] * DP + dims[None, :], acc)
+
+
+@triton.jit
 def _attention_partial(
-    q_ptr,  # [Hq, D] model dtype
-    rot_ptr,  # [DP, DP] float32
+    q_ptr,  # [B, Hq, D] model dtype
+    q_rot_ptr,  # [B, Hq, DP] float32: q·R (`_rotate_queries`)
+    k_new_ptr,  # [B, Hkv, D] the new token's exact key
+    v_new_ptr,  # [B, Hkv, D]
     codes_ptr,  # uint8 [slots, row_bytes], the store
     norms_ptr,  # float32 view of the same bytes
+    exact_ptr,  # [E, 2, Hkv, D] 16-bit: sinks, then the ring of recent rows (RING8: sinks only)
+    ring_ptr,  # RING8: int8 [RING, 2, Hkv, D], the ring of recent rows
+    ring_scale_ptr,  # RING8: float16 [RING, 2, Hkv], their scales
     centroids_ptr,  # [2^BITS] float32
     mean_rot_ptr,  # [2, HKV, DP] float32: the layer's mean K and V rows, rotated
     meta_ptr,  # [B, META] int64: each session's offsets from the pointers above, its slots
     pos_ptr,  # [B] int64: each session's new token's position
-    m_ptr,  # [B·Hkv, NS, GP] float32
+    m_ptr,  # [B·Hkv, NS + 1, GP] float32 (at the workspace's front)
     l_ptr,
-    acc_ptr,  # [B·Hkv, NS, GP, DP] float32
+    acc_ptr,  # [B·Hkv, NS + 1, GP, DP] float32
     keep,  # rows before its own a query sees
     scale,
     softcap,
     G: tl.constexpr,
     GP: tl.constexpr,
+    R: tl.constexpr,  # the exact rows' program's query rows (`_combine_rows`)
     D: tl.constexpr,
     DP: tl.constexpr,
     HKV: tl.constexpr,
@@ -327,31 +404,50 @@ def _attention_partial(
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
     RECENT: tl.constexpr,
+    RING: tl.constexpr,  # ring_slots(RECENT)
+    EP: tl.constexpr,
+    EC: tl.constexpr,  # exact rows per chunk
     CENTER: tl.constexpr,
+    RING8: tl.constexpr,  # the recent rows at int8 with a float16 scale per head vector
     WRAPS: tl.constexpr,  # a sliding layer's ring of slots (a full layer's slot t is token t)
     NIBBLES: tl.constexpr,  # 4-bit codes and D' ≥ 32: read as bytes, split even / odd
-    PRECISION: tl.constexpr,  # of the float32 products: "ieee" for a float32 model, else "tf32"
     LOOKUP: tl.constexpr = "",  # NIBBLES: `centroid_lookup`'s PTX ("": tl.gather)
 ):
-    """The split's state over its coded rows. The row norms scale the scores and the weights
-    (not the [B, D'] decoded rows); the products run in the query's dtype (16-bit: the tensor
-    cores; float32: "ieee"). 4-bit codes are read as whole bytes and split into the even and
-    odd coordinates (two products over D'/2 each) with the codebook looked up in registers
-    (`tl.gather`): on an H200 that took one layer's partial launch at depth 32,000 from 202 to
-    57 µs. In a 16-bit model on CUDA the lookup is byte permutes in PTX (`centroid_lookup`):
-    no warp shuffles, and Triton then moves the packed bytes, not the decoded rows, into the
-    matrix units' layout — the loop's instructions 1,868 → 1,075, the launch 36.7 → 25.9 µs.
-    Other widths read one byte per coordinate."""
+    """Programs 0 … NS − 1 of a (K/V head, session): a split's state over its coded rows; program
+    NS: the exact rows' state (`_exact_state`), beside the splits rather than after them in the
+    combine launch (on an H200 one layer at depth 32,000 −4.8 µs).
+
+    A split scales the scores and the weights by the row norms (not the [B, D'] decoded rows);
+    the products run in the query's dtype (16-bit: the tensor cores; float32: "ieee"). 4-bit codes
+    are read as whole bytes and split into the even and odd coordinates (two products over D'/2
+    each) with the codebook looked up in registers (`tl.gather`): on an H200 that took one
+    layer's partial launch at depth 32,000 from 202 to 57 µs. In a 16-bit model on CUDA the
+    lookup is byte permutes in PTX (`centroid_lookup`): no warp shuffles, and Triton then moves
+    the packed bytes, not the decoded rows, into the matrix units' layout — the loop's
+    instructions 1,868 → 1,075, the launch 36.7 → 25.9 µs. Other widths read one byte per
+    coordinate. The codes are read unmasked from in-bounds slots (any byte decodes to a finite
+    centroid, and an absent row weighs 0): the block's masks were an eighth of its
+    instructions."""
     head = tl.program_id(0)
     split = tl.program_id(1)
     session = tl.program_id(2)
     pair = session * HKV + head  # the workspace's (session, K/V head)
+    first_state = pair * (NS + 1)  # its states: the NS splits', then the exact rows'
     state = meta_ptr + session * META
     codes_ptr, norms_ptr, slots, pos = _session_store(codes_ptr, norms_ptr, state, pos_ptr, session)
-    mean_rot_ptr += tl.load(state + AT_MEAN_ROTATED)
-    q_ptr += session * (HKV * G * D)
     rows = tl.arange(0, GP)
     dims = tl.arange(0, DP)
+    if split == NS:
+        _exact_state(
+            q_ptr + session * (HKV * G * D), k_new_ptr + session * (HKV * D),
+            v_new_ptr + session * (HKV * D), exact_ptr + tl.load(state + AT_EXACT),
+            ring_ptr + tl.load(state + AT_RING), ring_scale_ptr + tl.load(state + AT_RING_SCALES),
+            m_ptr, l_ptr, acc_ptr, (first_state + NS) * GP, pos, keep, head, scale, softcap,
+            G, R, D, DP, HKV, SOFTCAP, SINKS, RECENT, RING, EP, EC, RING8,
+        )  # fmt: skip
+        return
+    mean_rot_ptr += tl.load(state + AT_MEAN_ROTATED)
+    q_rot_ptr += (session * HKV * G + head * G) * DP
     lanes = tl.arange(0, DP // 2)
     end_coded = tl.maximum(pos - RECENT, 0)  # the codes are tokens [first_coded, end_coded)
     first_coded = tl.maximum(pos - keep, SINKS)
@@ -359,18 +455,20 @@ def _attention_partial(
     row_stride = 2 * HKV * BPV
     split_first = split * BLOCKS_PER_SPLIT * BLOCK
     blocks = tl.minimum(tl.maximum(filled - split_first + BLOCK - 1, 0) // BLOCK, BLOCKS_PER_SPLIT)
+    real = (rows < G)[:, None]
     if blocks == 0:
         # no coded row in this split (a short context, or a capacity not yet filled): the empty
-        # state, without the queries' rotation (on an H200 the step at a short context ~6% faster)
-        store_split(m_ptr, l_ptr, acc_ptr, pair * NS + split, rows, dims,
+        # state, without loading the queries (on an H200 the step at a short context ~6% faster)
+        store_split(m_ptr, l_ptr, acc_ptr, first_state + split, rows, dims,
                     tl.full([GP], float("-inf"), tl.float32), tl.zeros([GP], tl.float32),
                     tl.zeros([GP, DP], tl.float32), DP)  # fmt: skip
     else:
         dot_dtype = q_ptr.dtype.element_ty
-        q = _queries(q_ptr, head, rows, dims, G, D)  # [GP, DP] float32, model basis
         if NIBBLES:
-            q_even = _rotated_half(q, rot_ptr, dims, lanes, 0, DP, PRECISION)  # [GP, DP/2]
-            q_odd = _rotated_half(q, rot_ptr, dims, lanes, 1, DP, PRECISION)
+            q_even = tl.load(q_rot_ptr + rows[:, None] * DP + (2 * lanes)[None, :], mask=real,
+                             other=0.0)  # fmt: skip  # [GP, DP/2]
+            q_odd = tl.load(q_rot_ptr + rows[:, None] * DP + (2 * lanes + 1)[None, :], mask=real,
+                            other=0.0)  # fmt: skip
             sixteen = tl.arange(0, 16)[None, :] + tl.zeros([BLOCK, 1], tl.int32)  # [BLOCK, 16]
             table = tl.load(centroids_ptr + sixteen)
             shift = tl.zeros([GP], tl.float32)  # q·μ_K: what centering took off each code's score
@@ -385,8 +483,7 @@ def _attention_partial(
             acc_even = tl.zeros([GP, DP // 2], tl.float32)
             acc_odd = tl.zeros([GP, DP // 2], tl.float32)
         else:
-            q_rot = tl.dot(q, tl.load(rot_ptr + dims[:, None] * DP + dims[None, :]),
-                           input_precision=PRECISION)  # fmt: skip
+            q_rot = tl.load(q_rot_ptr + rows[:, None] * DP + dims[None, :], mask=real, other=0.0)
             shift = tl.zeros([GP], tl.float32)
             if CENTER:
                 shift = tl.sum(q_rot * tl.load(mean_rot_ptr + head * DP + dims)[None, :], 1) * scale
@@ -400,17 +497,18 @@ def _attention_partial(
             if WRAPS:
                 token = slot + slots * ((end_coded - 1 - slot) // slots)
             present = (slot < filled) & (token >= first_coded) & (token < end_coded)
-            key_starts = slot * row_stride + head * BPV
+            key_starts = tl.minimum(slot, slots - 1) * row_stride + head * BPV  # in bounds
             value_starts = key_starts + HKV * BPV
+            read = slot >= 0  # every code byte is read (see above); the norms only where present
             key_norms = tl.load(norms_ptr + key_starts // 4, mask=present, other=0.0)  # [B]
             value_norms = tl.load(norms_ptr + value_starts // 4, mask=present, other=0.0)
             if NIBBLES:
-                even, odd = _nibble_centroids(codes_ptr, key_starts, present, lanes, table,
+                even, odd = _nibble_centroids(codes_ptr, key_starts, read, lanes, table,
                                               dot_dtype, LOOKUP)  # fmt: skip  # [B, DP/2] each
                 s = tl.dot(q_even, tl.trans(even), input_precision="ieee")
                 s += tl.dot(q_odd, tl.trans(odd), input_precision="ieee")
             else:
-                index = _indices(codes_ptr, key_starts, present, dims, BITS, BPV)  # [B, DP]
+                index = _indices(codes_ptr, key_starts, read, dims, BITS, BPV)  # [B, DP]
                 keys = tl.load(centroids_ptr + index).to(dot_dtype)
                 s = tl.dot(q_rot, tl.trans(keys), input_precision="ieee")
             s = s * (key_norms * scale)[None, :] + shift[:, None]  # [GP, B]
@@ -418,21 +516,21 @@ def _attention_partial(
             weights = (p * value_norms[None, :]).to(dot_dtype)
             if NIBBLES:
                 even_values, odd_values = _nibble_centroids(
-                    codes_ptr, value_starts, present, lanes, table, dot_dtype, LOOKUP
+                    codes_ptr, value_starts, read, lanes, table, dot_dtype, LOOKUP
                 )
                 acc_even = acc_even * alpha[:, None] + tl.dot(weights, even_values,
                                                               input_precision="ieee")  # fmt: skip
                 acc_odd = acc_odd * alpha[:, None] + tl.dot(weights, odd_values,
                                                             input_precision="ieee")  # fmt: skip
             else:
-                index = _indices(codes_ptr, value_starts, present, dims, BITS, BPV)
+                index = _indices(codes_ptr, value_starts, read, dims, BITS, BPV)
                 values = tl.load(centroids_ptr + index).to(dot_dtype)
                 acc = acc * alpha[:, None] + tl.dot(weights, values, input_precision="ieee")
         if NIBBLES:  # the state holds the coordinates in order
             if CENTER:  # Σ p·(ṽ + μ_V) = acc + l·μ_V
                 acc_even += l_i[:, None] * tl.load(mean_rot_ptr + (HKV + head) * DP + 2 * lanes)
                 acc_odd += l_i[:, None] * tl.load(mean_rot_ptr + (HKV + head) * DP + 2 * lanes + 1)
-            stat = (pair * NS + split) * GP + rows
+            stat = (first_state + split) * GP + rows
             tl.store(m_ptr + stat, m_i)
             tl.store(l_ptr + stat, l_i)
             tl.store(acc_ptr + stat[:, None] * DP + (2 * lanes)[None, :], acc_even)
@@ -440,7 +538,7 @@ def _attention_partial(
         else:
             if CENTER:
                 acc += l_i[:, None] * tl.load(mean_rot_ptr + (HKV + head) * DP + dims)[None, :]
-            store_split(m_ptr, l_ptr, acc_ptr, pair * NS + split, rows, dims, m_i, l_i, acc, DP)
+            store_split(m_ptr, l_ptr, acc_ptr, first_state + split, rows, dims, m_i, l_i, acc, DP)
 
 
 @triton.jit
@@ -498,7 +596,6 @@ def _spread(flag, like):
 
 @triton.jit
 def _attention_combine(
-    q_ptr,  # [Hq, D]
     rot_ptr,  # [DP, DP] float32
     boundaries_ptr,  # [2^BITS − 1] float32
     centroids_ptr,  # [2^BITS] float32
@@ -512,13 +609,10 @@ def _attention_combine(
     mean_ptr,  # [2, Hkv, D] float32
     meta_ptr,  # [B, META] int64: each session's offsets from the pointers above, its slots
     pos_ptr,  # [B] int64
-    m_ptr,
+    m_ptr,  # the partial launch's states: [B·Hkv, NS + 1, GP(, DP)] float32
     l_ptr,
     acc_ptr,
     out_ptr,  # [B, Hq, D] model dtype
-    keep,
-    scale,
-    softcap,
     G: tl.constexpr,
     GP: tl.constexpr,
     R: tl.constexpr,  # the query rows held: G rounded up to a power of two, or GP (`_combine_rows`)
@@ -528,12 +622,10 @@ def _attention_combine(
     NS: tl.constexpr,
     BPV: tl.constexpr,
     BITS: tl.constexpr,
-    SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
     RECENT: tl.constexpr,
     RING: tl.constexpr,  # ring_slots(RECENT)
     EP: tl.constexpr,
-    EC: tl.constexpr,  # exact rows per chunk
     CENTER: tl.constexpr,
     NORM_FIX: tl.constexpr,
     RING8: tl.constexpr,  # the recent rows at int8 with a float16 scale per head vector
@@ -548,7 +640,6 @@ def _attention_combine(
     ring_ptr += tl.load(state + AT_RING)
     ring_scale_ptr += tl.load(state + AT_RING_SCALES)
     mean_ptr += tl.load(state + AT_MEAN)
-    q_ptr += session * (HKV * G * D)
     out_ptr += session * (HKV * G * D)
     k_new_ptr += session * (HKV * D)
     v_new_ptr += session * (HKV * D)
@@ -556,45 +647,21 @@ def _attention_combine(
     dims = tl.arange(0, DP)
     within = dims < D
     rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
-    k_new = tl.load(k_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
-    v_new = tl.load(v_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
     exact_stride = 2 * HKV * D  # elements per token in the exact rows
     if role == 0:
-        # The splits' state is in the rotated basis; the exact rows (new, sinks, recent) are
-        # attended as they are, their weighted values added after the rotation back (R·R = I).
-        q = _queries(q_ptr, head, rows, dims, G, D)  # [R, DP]
-        s_new = soft_capped(tl.sum(q * k_new[None, :], axis=1) * scale, softcap, SOFTCAP)  # [R]
-        # the exact sink and recent rows, in chunks of EC: their scores' maximum first, then
-        # their weights and weighted values (the keys read twice keep registers to one chunk)
-        top = s_new
-        for c in tl.static_range(EP // EC):
-            e = c * EC + tl.arange(0, EC)
-            s_exact = _exact_scores(
-                q, exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, scale,
-                softcap, SOFTCAP, HKV, D, SINKS, RECENT, RING, RING8, R,
-            )  # fmt: skip  # [R, EC], −inf where absent
-            top = tl.maximum(top, tl.max(s_exact, axis=1))
-        top = splits_max(m_ptr, pair, rows, top, NS, GP)
-        weight = tl.exp(s_new - top)
-        total = weight
-        plain = weight[:, None] * v_new[None, :]  # [R, DP], not rotated
-        for c in tl.static_range(EP // EC):
-            e = c * EC + tl.arange(0, EC)
-            s_exact = _exact_scores(
-                q, exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, scale,
-                softcap, SOFTCAP, HKV, D, SINKS, RECENT, RING, RING8, R,
-            )  # fmt: skip
-            p = tl.exp(s_exact - top[:, None])  # 0 where absent
-            values, _ = _exact_chunk(
-                exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, 1, HKV, D,
-                SINKS, RECENT, RING, RING8,
-            )  # fmt: skip
-            total += tl.sum(p, axis=1)
-            plain += _product(p, values, R)
-        rotated = tl.zeros([R, DP], tl.float32)
+        # The splits' states are in the rotated basis, the exact rows' (state NS) in the model's:
+        # its weighted values are added after the rotation back (R·R = I).
+        first = pair * (NS + 1) * GP  # this head's states
+        top = splits_max(m_ptr + first, 0, rows, tl.full([R], float("-inf"), tl.float32),
+                         NS + 1, GP)  # fmt: skip  # finite: the exact rows hold the new one
         total, rotated = merge_splits(
-            m_ptr, l_ptr, acc_ptr, pair, rows, dims, top, total, rotated, NS, DP, GP
-        )
+            m_ptr + first, l_ptr + first, acc_ptr + first * DP, 0, rows, dims, top,
+            tl.zeros([R], tl.float32), tl.zeros([R, DP], tl.float32), NS, DP, GP,
+        )  # fmt: skip
+        exact = first + NS * GP + rows
+        weight = tl.exp(tl.load(m_ptr + exact) - top)
+        total += weight * tl.load(l_ptr + exact)
+        plain = weight[:, None] * tl.load(acc_ptr + exact[:, None] * DP + dims[None, :])
         # float32 products here: tf32 measured slower (10.1 → 14.0 µs at depth 32,000, H200)
         out = _product(rotated, rotation, R) + plain  # back: ·R
         out = out / total[:, None]
@@ -603,6 +670,8 @@ def _attention_combine(
         tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     else:
+        k_new = tl.load(k_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
+        v_new = tl.load(v_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
         # the row that leaves the exact ones: the oldest recent row, or the new row itself
         if RECENT == 0:
             token = pos
@@ -1002,11 +1071,23 @@ def batched_attention(
     n_splits = batch_splits(max_slots, batch * kv_heads) if n_splits is None else n_splits
     per_split = _next_power_of_two(max(1, -(-max_slots // (BLOCK_N * n_splits))))
     norms = operands.codes.view(torch.float32)
-    _attention_partial[(kv_heads, n_splits, batch)](
+    k_new, v_new = k_new.contiguous(), v_new.contiguous()
+    _rotate_queries[(kv_heads, batch)](
+        q, tables.rotation, workspace.queries, G=group, GP=gp, D=dim, DP=dp, HKV=kv_heads,
+        PRECISION=precision(q.dtype),
+    )  # fmt: skip
+    exact_keys = ("SINKS", "RECENT", "RING", "EP", "CENTER", "RING8")
+    exact_rows = {key: constants[key] for key in exact_keys}
+    _attention_partial[(kv_heads, n_splits + 1, batch)](
         q,
-        tables.rotation,
+        workspace.queries,
+        k_new,
+        v_new,
         operands.codes,
         norms,
+        operands.exact,
+        operands.ring,
+        operands.ring_scales,
         tables.centroids,
         operands.mean_rotated,
         meta,
@@ -1019,27 +1100,25 @@ def batched_attention(
         softcap,
         **shape,
         **common,
+        **exact_rows,
+        R=combine_rows,
+        EC=constants["EC"],
         BLOCKS_PER_SPLIT=per_split,
         NS=n_splits,
         BLOCK=BLOCK_N,
         STAGES=STAGES,
         NIBBLES=tables.bits == 4 and dp >= 2 * _MIN_DOT,
-        PRECISION=precision(q.dtype),
-        SINKS=levers.sinks,
-        RECENT=levers.recent,
-        CENTER=levers.center,
         WRAPS=levers.keep != FULL_LAYER_KEEP,
         LOOKUP=tables.lookups.get(q.dtype, ""),
         num_warps=PARTIAL_WARPS,
     )
     out = torch.empty((batch, heads, dim), dtype=q.dtype, device=q.device)
     _attention_combine[(kv_heads, 2, batch)](
-        q,
         tables.rotation,
         tables.boundaries,
         tables.centroids,
-        k_new.contiguous(),
-        v_new.contiguous(),
+        k_new,
+        v_new,
         operands.codes,
         norms,
         operands.exact,
@@ -1052,16 +1131,18 @@ def batched_attention(
         workspace.l_sum,
         workspace.acc,
         out,
-        levers.keep,
-        scale,
-        softcap,
-        **shape,
-        **common,
-        **constants,
+        G=group,
+        GP=gp,
+        D=dim,
+        DP=dp,
+        HKV=kv_heads,
+        BPV=tables.bytes_per_vector,
+        BITS=tables.bits,
+        **exact_rows,
         R=combine_rows,
         NORM_FIX=tables.norm_correction,
         NS=n_splits,
-        # 8 warps: at Triton's default 4 this program spills registers and took 55 µs on an
+        # 8 warps: at Triton's default 4 this program spilled registers and took 55 µs on an
         # H200 instead of 6.5 (docs/PERFORMANCE.md)
         num_warps=COMBINE_WARPS,
     )
