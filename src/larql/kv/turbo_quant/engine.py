@@ -17,7 +17,8 @@ noise, meet zeros) and the rotated-back output is cut to D.
 
 On CUDA (where Triton runs) the step takes `KernelPath` instead: the codes in fixed slots,
 attention read straight from them with the rotations inside the kernel and the new row encoded by
-the same launch — 2 launches per layer for what the torch path does in ~35 — and the whole step
+the launch that merges the attention — 3 launches per layer for what the torch path does in ~35 —
+and the whole step
 captured in a CUDA graph (`graph=0`: the same step run eagerly), with the same levers (exact
 sink and recent rows, centering, norm correction) and the same bytes. `attention=sdpa`, separate
 `k_bits` / `v_bits` or another codec keep the torch path there; the tests hold the two equal.
@@ -318,7 +319,7 @@ class TurboQuantEngine(KvEngine):
         inputs: torch.Tensor | None,
     ) -> torch.Tensor:
         """rows: [B, H] → [B, H]: projections and FFN once for all rows. Kernel-path engines:
-        `BatchedKernelStep` (each layer's attention and encoding in two launches for every
+        `BatchedKernelStep` (each layer's attention and encoding in three launches for every
         session; on CUDA a captured graph per batch size). Torch-path ones: each row attending
         over its own engine's stored rows; each engine then stores its new row."""
         paths = [e._fast for e in engines if isinstance(e, TurboQuantEngine)]

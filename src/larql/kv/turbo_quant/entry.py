@@ -8,7 +8,7 @@ from larql.specs import Param, at_least, one_of
 
 ATTENTION_DOC = (
     "on CUDA, attend straight from the packed codes and encode through larql's Triton kernels "
-    "(auto, triton: 2 launches per layer) or decode the rows with torch and use SDPA (sdpa)"
+    "(auto, triton: 3 launches per layer) or decode the rows with torch and use SDPA (sdpa)"
 )
 
 GRAPH_DOC = (
@@ -79,6 +79,6 @@ ENTRY = EngineEntry(
     ),
     fixed={"tq4": {"bits": 4}, "tq3": {"bits": 3}, "tq2": {"bits": 2}},
     batching="yes: with turbo-quant sessions of the same parameters and path; on CUDA the "
-    "kernel path runs every session's attention in each layer's two launches and replays one "
+    "kernel path runs every session's attention in each layer's three launches and replays one "
     "captured graph per batch size",
 )

@@ -1,5 +1,5 @@
 """turbo-quant's decode step where the Triton kernels run (CUDA): the packed codes in fixed
-slots, the exact rows (sinks and the newest) in a fixed ring, two launches per layer for
+slots, the exact rows (sinks and the newest) in a fixed ring, three launches per layer for
 attention and encoding, the whole step captured in a CUDA graph.
 
 The layout is the torch path's (`QuantisedLayer`): token t < sinks exact; the `recent` tokens

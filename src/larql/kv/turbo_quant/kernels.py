@@ -1,20 +1,25 @@
-"""turbo-quant's decode step on CUDA in two launches per layer: attention straight from the
-packed codes, and the new row encoded into the store by the launch that merges the attention.
+"""turbo-quant's decode step on CUDA in three launches per layer: the queries rotated, attention
+straight from the packed codes beside the exact rows', and the new row encoded into the store by
+the launch that merges the attention.
 
 The torch path decodes every stored row into a temporary ([n, D'] per head, ~10 launches), rotates
 q and the new row, attends, rotates back and encodes the new row (~25 more launches: norm,
 rotation, bucketize, bit packing, norm bytes). On a GPU at batch 1 those launches are the cost, not
 the bytes. Here:
 
-- `_attention_partial`: one program per (K/V head, split of the stored rows). It rotates the
-  group's queries (q·R), unpacks each row's indices from the bit stream, looks up the centroids,
-  scales the scores and weights by the rows' norms and runs the online softmax in the rotated
-  basis (where q·x = (q·R)·(x·R) since R is orthogonal and symmetric): products in the
-  query's dtype, the softmax state in float32.
-- `_attention_combine`: two programs per K/V head, run at once. The first adds the exact rows
-  (the layer's sink and newest rows, kept at 16 bits, and the new row) to the attention,
-  merges the splits and rotates the output back (·R), → [Hq, D] in the model's dtype. The
-  second encodes the row that leaves the exact ones — the oldest recent row, or the new row
+- `_rotate_queries`: one program per K/V head, its group's queries rotated (q·R) once for every
+  split below.
+- `_attention_partial`: one program per (K/V head, split of the stored rows), and one more for
+  the exact rows. A split unpacks each row's indices from the bit stream, looks up the
+  centroids, scales the scores and weights by the rows' norms and runs the online softmax in the
+  rotated basis (where q·x = (q·R)·(x·R) since R is orthogonal and symmetric): products in
+  the query's dtype, the softmax state in float32. The exact rows' program attends the layer's
+  sink and newest rows (kept at 16 bits or int8) and the new row in the model's basis, beside
+  the splits (in the combine launch they held up the merge: on an H200 one layer at depth
+  32,000 went from 33.1 to 25.2 µs with this and the launch above).
+- `_attention_combine`: two programs per K/V head, run at once. The first merges the splits'
+  states, rotates them back (·R) and adds the exact rows' state, → [Hq, D] in the model's
+  dtype. The second encodes the row that leaves the exact ones — the oldest recent row, or the new row
   itself when none are kept — (minus the layer's mean row with centering; norm, x/‖x‖·R,
   bucketize against the codebook boundaries, LSB-first bit packing, the float32 norm — with
   norm correction ‖x‖/‖ũ‖ — in front: `TurboQuantCodec.encode`'s bytes) into the store, and
@@ -23,7 +28,7 @@ the bytes. Here:
   H200 the combine went from 11.3 to 8.9 µs a layer at depth 32,000).
 - `_encode`: the same encoding for many vectors at once (a prompt's K/V), one program each.
 
-Both step launches serve B sessions at once (`batched_attention`; `attention` is B = 1 over one
+The step's launches serve B sessions at once (`batched_attention`; `attention` is B = 1 over one
 session's own tensors): a program per (K/V head, split or role, session), session b's state
 reached from the launch's base pointers (`Operands`) by the offsets in row b of its `meta`, with
 its own position and store size. One captured graph then serves any set of sessions — their
