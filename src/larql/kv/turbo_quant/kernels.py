@@ -19,8 +19,8 @@ the bytes. Here:
   32,000 went from 33.1 to 25.2 µs with this and the launch above).
 - `_attention_combine`: two programs per K/V head, run at once. The first merges the splits'
   states, rotates them back (·R) and adds the exact rows' state, → [Hq, D] in the model's
-  dtype. The second encodes the row that leaves the exact ones — the oldest recent row, or the new row
-  itself when none are kept — (minus the layer's mean row with centering; norm, x/‖x‖·R,
+  dtype. The second encodes the row that leaves the exact ones — the oldest recent row, or the
+  new row itself when none are kept — (minus the layer's mean row with centering; norm, x/‖x‖·R,
   bucketize against the codebook boundaries, LSB-first bit packing, the float32 norm — with
   norm correction ‖x‖/‖ũ‖ — in front: `TurboQuantCodec.encode`'s bytes) into the store, and
   writes the new row among the exact ones: into a ring slot whose row is already coded (the
@@ -223,7 +223,7 @@ class Workspace:
     def of(
         heads: int, kv_heads: int, tables: CodecTables, device: torch.device, sessions: int = 1
     ) -> Workspace:
-        group = heads // kv_heads  # (EXACT_CHUNK: the most exact rows a combine holds at once)
+        group = heads // kv_heads  # (EXACT_CHUNK: the most exact rows its program holds at once)
         gp = _group_rows(group, _combine_rows(group, tables.rotated_dim, EXACT_CHUNK))
         f32 = {"dtype": torch.float32, "device": device}
         m = torch.empty((sessions * kv_heads, MAX_SPLITS + 1, gp), **f32)
@@ -907,11 +907,12 @@ def batch_splits(slots: int, pairs: int) -> int:
 
 
 def precision(dtype: torch.dtype) -> str:
-    """The partial launch's query rotation (q·R, float32 operands): "ieee" for a float32 model;
-    "tf32" (the tensor cores) for a 16-bit one, whose queries tf32 holds exactly (bf16 and fp16
-    keep at most 10 mantissa bits; the rotation's entries, all ±1/√D', round alike: a common
-    scale within 2⁻¹¹) and whose rotated queries are rounded to 16 bits right after.
-    On an H200 that took the launch at depth 32,000 from 58.1 to 49.6 µs."""
+    """The precision of the query rotation (`_rotate_queries`: q·R, float32 operands): "ieee"
+    for a float32 model; "tf32" (the tensor cores) for a 16-bit one, whose queries tf32 holds
+    exactly (bf16 and fp16 keep at most 10 mantissa bits; the rotation's entries, all ±1/√D',
+    round alike: a common scale within 2⁻¹¹) and whose rotated queries are rounded to 16 bits
+    before their products. On an H200 that took the launch at depth 32,000 from 58.1 to 49.6 µs
+    (when each split rotated its own copy)."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
