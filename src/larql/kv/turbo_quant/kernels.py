@@ -374,85 +374,18 @@ def _exact_state(
 
 
 @triton.jit
-def _attention_partial(
-    q_ptr,  # [B, Hq, D] model dtype
-    q_rot_ptr,  # [B, Hq, DP] float32: q·R (`_rotate_queries`)
-    k_new_ptr,  # [B, Hkv, D] the new token's exact key
-    v_new_ptr,  # [B, Hkv, D]
-    codes_ptr,  # uint8 [slots, row_bytes], the store
-    norms_ptr,  # float32 view of the same bytes
-    exact_ptr,  # [E, 2, Hkv, D] 16-bit: sinks, then the ring of recent rows (RING8: sinks only)
-    ring_ptr,  # RING8: int8 [RING, 2, Hkv, D], the ring of recent rows
-    ring_scale_ptr,  # RING8: float16 [RING, 2, Hkv], their scales
-    centroids_ptr,  # [2^BITS] float32
-    mean_rot_ptr,  # [2, HKV, DP] float32: the layer's mean K and V rows, rotated
-    meta_ptr,  # [B, META] int64: each session's offsets from the pointers above, its slots
-    pos_ptr,  # [B] int64: each session's new token's position
-    m_ptr,  # [B·Hkv, NS + 1, GP] float32 (at the workspace's front)
-    l_ptr,
-    acc_ptr,  # [B·Hkv, NS + 1, GP, DP] float32
-    keep,  # rows before its own a query sees
-    scale,
-    softcap,
-    G: tl.constexpr,
-    GP: tl.constexpr,
-    R: tl.constexpr,  # the exact rows' program's query rows (`_combine_rows`)
-    D: tl.constexpr,
-    DP: tl.constexpr,
-    HKV: tl.constexpr,
-    BLOCKS_PER_SPLIT: tl.constexpr,
-    NS: tl.constexpr,
-    BPV: tl.constexpr,
-    BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    STAGES: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    SINKS: tl.constexpr,
-    RECENT: tl.constexpr,
-    RING: tl.constexpr,  # ring_slots(RECENT)
-    EP: tl.constexpr,
-    EC: tl.constexpr,  # exact rows per chunk
-    CENTER: tl.constexpr,
-    RING8: tl.constexpr,  # the recent rows at int8 with a float16 scale per head vector
-    WRAPS: tl.constexpr,  # a sliding layer's ring of slots (a full layer's slot t is token t)
-    NIBBLES: tl.constexpr,  # 4-bit codes and D' ≥ 32: read as bytes, split even / odd
-    LOOKUP: tl.constexpr = "",  # NIBBLES: `centroid_lookup`'s PTX ("": tl.gather)
-):
-    """Programs 0 … NS − 1 of a (K/V head, session): a split's state over its coded rows; program
-    NS: the exact rows' state (`_exact_state`), beside the splits rather than after them in the
-    combine launch (on an H200 one layer at depth 32,000 −4.8 µs).
-
-    A split scales the scores and the weights by the row norms (not the [B, D'] decoded rows);
-    the products run in the query's dtype (16-bit: the tensor cores; float32: "ieee"). 4-bit codes
-    are read as whole bytes and split into the even and odd coordinates (two products over D'/2
-    each) with the codebook looked up in registers (`tl.gather`): on an H200 that took one
-    layer's partial launch at depth 32,000 from 202 to 57 µs. In a 16-bit model on CUDA the
-    lookup is byte permutes in PTX (`centroid_lookup`): no warp shuffles, and Triton then moves
-    the packed bytes, not the decoded rows, into the matrix units' layout — the loop's
-    instructions 1,868 → 1,075, the launch 36.7 → 25.9 µs. Other widths read one byte per
-    coordinate. The codes are read unmasked from in-bounds slots (any byte decodes to a finite
-    centroid, and an absent row weighs 0): the block's masks were an eighth of its
-    instructions."""
-    head = tl.program_id(0)
-    split = tl.program_id(1)
-    session = tl.program_id(2)
-    pair = session * HKV + head  # the workspace's (session, K/V head)
-    first_state = pair * (NS + 1)  # its states: the NS splits', then the exact rows'
-    state = meta_ptr + session * META
-    codes_ptr, norms_ptr, slots, pos = _session_store(codes_ptr, norms_ptr, state, pos_ptr, session)
+def _split_state(
+    q_ptr, q_rot_ptr, codes_ptr, norms_ptr, centroids_ptr, mean_rot_ptr, m_ptr, l_ptr, acc_ptr,
+    stat_slot, split, head, slots, pos, keep, scale, softcap,
+    G: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr, HKV: tl.constexpr,
+    BLOCKS_PER_SPLIT: tl.constexpr, BPV: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+    STAGES: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, RECENT: tl.constexpr,
+    CENTER: tl.constexpr, WRAPS: tl.constexpr, NIBBLES: tl.constexpr, LOOKUP: tl.constexpr,
+):  # fmt: skip
+    """Split `split`'s softmax state over its coded rows of K/V head `head` (q_rot_ptr: its
+    group's rotated queries; mean_rot_ptr: the session's), stored at state `stat_slot`."""
     rows = tl.arange(0, GP)
     dims = tl.arange(0, DP)
-    if split == NS:
-        _exact_state(
-            q_ptr + session * (HKV * G * D), k_new_ptr + session * (HKV * D),
-            v_new_ptr + session * (HKV * D), exact_ptr + tl.load(state + AT_EXACT),
-            ring_ptr + tl.load(state + AT_RING), ring_scale_ptr + tl.load(state + AT_RING_SCALES),
-            m_ptr, l_ptr, acc_ptr, (first_state + NS) * GP, pos, keep, head, scale, softcap,
-            G, R, D, DP, HKV, SOFTCAP, SINKS, RECENT, RING, EP, EC, RING8,
-        )  # fmt: skip
-        return
-    mean_rot_ptr += tl.load(state + AT_MEAN_ROTATED)
-    q_rot_ptr += (session * HKV * G + head * G) * DP
     lanes = tl.arange(0, DP // 2)
     end_coded = tl.maximum(pos - RECENT, 0)  # the codes are tokens [first_coded, end_coded)
     first_coded = tl.maximum(pos - keep, SINKS)
@@ -464,7 +397,7 @@ def _attention_partial(
     if blocks == 0:
         # no coded row in this split (a short context, or a capacity not yet filled): the empty
         # state, without loading the queries (on an H200 the step at a short context ~6% faster)
-        store_split(m_ptr, l_ptr, acc_ptr, first_state + split, rows, dims,
+        store_split(m_ptr, l_ptr, acc_ptr, stat_slot, rows, dims,
                     tl.full([GP], float("-inf"), tl.float32), tl.zeros([GP], tl.float32),
                     tl.zeros([GP, DP], tl.float32), DP)  # fmt: skip
     else:
@@ -535,7 +468,7 @@ def _attention_partial(
             if CENTER:  # Σ p·(ṽ + μ_V) = acc + l·μ_V
                 acc_even += l_i[:, None] * tl.load(mean_rot_ptr + (HKV + head) * DP + 2 * lanes)
                 acc_odd += l_i[:, None] * tl.load(mean_rot_ptr + (HKV + head) * DP + 2 * lanes + 1)
-            stat = (first_state + split) * GP + rows
+            stat = stat_slot * GP + rows
             tl.store(m_ptr + stat, m_i)
             tl.store(l_ptr + stat, l_i)
             tl.store(acc_ptr + stat[:, None] * DP + (2 * lanes)[None, :], acc_even)
@@ -543,7 +476,92 @@ def _attention_partial(
         else:
             if CENTER:
                 acc += l_i[:, None] * tl.load(mean_rot_ptr + (HKV + head) * DP + dims)[None, :]
-            store_split(m_ptr, l_ptr, acc_ptr, first_state + split, rows, dims, m_i, l_i, acc, DP)
+            store_split(m_ptr, l_ptr, acc_ptr, stat_slot, rows, dims, m_i, l_i, acc, DP)
+
+
+@triton.jit
+def _attention_partial(
+    q_ptr,  # [B, Hq, D] model dtype
+    q_rot_ptr,  # [B, Hq, DP] float32: q·R (`_rotate_queries`)
+    k_new_ptr,  # [B, Hkv, D] the new token's exact key
+    v_new_ptr,  # [B, Hkv, D]
+    codes_ptr,  # uint8 [slots, row_bytes], the store
+    norms_ptr,  # float32 view of the same bytes
+    exact_ptr,  # [E, 2, Hkv, D] 16-bit: sinks, then the ring of recent rows (RING8: sinks only)
+    ring_ptr,  # RING8: int8 [RING, 2, Hkv, D], the ring of recent rows
+    ring_scale_ptr,  # RING8: float16 [RING, 2, Hkv], their scales
+    centroids_ptr,  # [2^BITS] float32
+    mean_rot_ptr,  # [2, HKV, DP] float32: the layer's mean K and V rows, rotated
+    meta_ptr,  # [B, META] int64: each session's offsets from the pointers above, its slots
+    pos_ptr,  # [B] int64: each session's new token's position
+    m_ptr,  # [B·Hkv, NS + 1, GP] float32 (at the workspace's front)
+    l_ptr,
+    acc_ptr,  # [B·Hkv, NS + 1, GP, DP] float32
+    keep,  # rows before its own a query sees
+    scale,
+    softcap,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    R: tl.constexpr,  # the exact rows' program's query rows (`_combine_rows`)
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    HKV: tl.constexpr,
+    BLOCKS_PER_SPLIT: tl.constexpr,
+    NS: tl.constexpr,
+    BPV: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
+    RECENT: tl.constexpr,
+    RING: tl.constexpr,  # ring_slots(RECENT)
+    EP: tl.constexpr,
+    EC: tl.constexpr,  # exact rows per chunk
+    CENTER: tl.constexpr,
+    RING8: tl.constexpr,  # the recent rows at int8 with a float16 scale per head vector
+    WRAPS: tl.constexpr,  # a sliding layer's ring of slots (a full layer's slot t is token t)
+    NIBBLES: tl.constexpr,  # 4-bit codes and D' ≥ 32: read as bytes, split even / odd
+    LOOKUP: tl.constexpr = "",  # NIBBLES: `centroid_lookup`'s PTX ("": tl.gather)
+):
+    """Programs 0 … NS − 1 of a (K/V head, session): a split's state over its coded rows; program
+    NS: the exact rows' state (`_exact_state`), beside the splits rather than after them in the
+    combine launch (on an H200 one layer at depth 32,000 −4.8 µs).
+
+    A split scales the scores and the weights by the row norms (not the [B, D'] decoded rows);
+    the products run in the query's dtype (16-bit: the tensor cores; float32: "ieee"). 4-bit codes
+    are read as whole bytes and split into the even and odd coordinates (two products over D'/2
+    each) with the codebook looked up in registers (`tl.gather`): on an H200 that took one
+    layer's partial launch at depth 32,000 from 202 to 57 µs. In a 16-bit model on CUDA the
+    lookup is byte permutes in PTX (`centroid_lookup`): no warp shuffles, and Triton then moves
+    the packed bytes, not the decoded rows, into the matrix units' layout — the loop's
+    instructions 1,868 → 1,075, the launch 36.7 → 25.9 µs. Other widths read one byte per
+    coordinate. The codes are read unmasked from in-bounds slots (any byte decodes to a finite
+    centroid, and an absent row weighs 0): the block's masks were an eighth of its
+    instructions."""
+    head = tl.program_id(0)
+    split = tl.program_id(1)
+    session = tl.program_id(2)
+    pair = session * HKV + head  # the workspace's (session, K/V head)
+    first_state = pair * (NS + 1)  # its states: the NS splits', then the exact rows'
+    state = meta_ptr + session * META
+    codes_ptr, norms_ptr, slots, pos = _session_store(codes_ptr, norms_ptr, state, pos_ptr, session)
+    if split == NS:
+        _exact_state(
+            q_ptr + session * (HKV * G * D), k_new_ptr + session * (HKV * D),
+            v_new_ptr + session * (HKV * D), exact_ptr + tl.load(state + AT_EXACT),
+            ring_ptr + tl.load(state + AT_RING), ring_scale_ptr + tl.load(state + AT_RING_SCALES),
+            m_ptr, l_ptr, acc_ptr, (first_state + NS) * GP, pos, keep, head, scale, softcap,
+            G, R, D, DP, HKV, SOFTCAP, SINKS, RECENT, RING, EP, EC, RING8,
+        )  # fmt: skip
+    else:
+        _split_state(
+            q_ptr, q_rot_ptr + (session * HKV * G + head * G) * DP, codes_ptr, norms_ptr,
+            centroids_ptr, mean_rot_ptr + tl.load(state + AT_MEAN_ROTATED), m_ptr, l_ptr,
+            acc_ptr, first_state + split, split, head, slots, pos, keep, scale, softcap,
+            G, GP, DP, HKV, BLOCKS_PER_SPLIT, BPV, BITS, BLOCK, STAGES, SOFTCAP, SINKS, RECENT,
+            CENTER, WRAPS, NIBBLES, LOOKUP,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -600,6 +618,105 @@ def _spread(flag, like):
 
 
 @triton.jit
+def _merged_output(
+    rotation, m_ptr, l_ptr, acc_ptr, out_ptr, pair, head, rows, dims, within,
+    G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    NS: tl.constexpr,
+):  # fmt: skip
+    """The attention of (session, K/V head) `pair` from its NS + 1 states → out_ptr [G, D]
+    (this session's, model dtype). The splits' states are in the rotated basis, the exact rows'
+    (state NS) in the model's: its weighted values are added after the rotation back
+    (R·R = I)."""
+    first = pair * (NS + 1) * GP  # this head's states
+    top = splits_max(m_ptr + first, 0, rows, tl.full([R], float("-inf"), tl.float32),
+                     NS + 1, GP)  # fmt: skip  # finite: the exact rows hold the new one
+    total, rotated = merge_splits(
+        m_ptr + first, l_ptr + first, acc_ptr + first * DP, 0, rows, dims, top,
+        tl.zeros([R], tl.float32), tl.zeros([R, DP], tl.float32), NS, DP, GP,
+    )  # fmt: skip
+    exact = first + NS * GP + rows
+    weight = tl.exp(tl.load(m_ptr + exact) - top)
+    total += weight * tl.load(l_ptr + exact)
+    plain = weight[:, None] * tl.load(acc_ptr + exact[:, None] * DP + dims[None, :])
+    # float32 products here: tf32 measured slower (10.1 → 14.0 µs at depth 32,000, H200)
+    out = _product(rotated, rotation, R) + plain  # back: ·R
+    out = out / total[:, None]
+    offsets = (head * G + rows)[:, None] * D + dims[None, :]
+    mask = (rows < G)[:, None] & within[None, :]
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rows_moved(
+    rotation, boundaries_ptr, centroids_ptr, k_new_ptr, v_new_ptr, codes_ptr, norms_ptr,
+    exact_ptr, ring_ptr, ring_scale_ptr, mean_ptr, slots, pos, head, dims, within,
+    D: tl.constexpr, DP: tl.constexpr, HKV: tl.constexpr, BPV: tl.constexpr,
+    BITS: tl.constexpr, SINKS: tl.constexpr, RECENT: tl.constexpr, RING: tl.constexpr,
+    EP: tl.constexpr, CENTER: tl.constexpr, NORM_FIX: tl.constexpr, RING8: tl.constexpr,
+):  # fmt: skip
+    """K/V head `head`'s rows moving between the parts of a session's state: the row that
+    leaves the exact ones (the oldest recent row, or the new row itself when none are kept)
+    encoded into its slot, and the new row written among the exact ones."""
+    exact_stride = 2 * HKV * D  # elements per token in the exact rows
+    k_new = tl.load(k_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
+    v_new = tl.load(v_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
+    # the row that leaves the exact ones: the oldest recent row, or the new row itself
+    if RECENT == 0:
+        token = pos
+        key, value = k_new, v_new
+    else:
+        token = pos - RECENT
+        leaving = within & _spread(token >= 0, dims)
+        if RING8:
+            slot_out = tl.maximum(token, 0) % RING
+            source = ring_ptr + slot_out * exact_stride + head * D
+            k_out_scale = tl.load(ring_scale_ptr + slot_out * 2 * HKV + head).to(tl.float32)
+            v_out_scale = tl.load(ring_scale_ptr + slot_out * 2 * HKV + HKV + head)
+            key = tl.load(source + dims, mask=leaving, other=0).to(tl.float32) * k_out_scale
+            value = tl.load(source + HKV * D + dims, mask=leaving, other=0).to(tl.float32)
+            value *= v_out_scale.to(tl.float32)
+        else:
+            source = exact_ptr + (SINKS + tl.maximum(token, 0) % RING) * exact_stride + head * D
+            key = tl.load(source + dims, mask=leaving, other=0.0).to(tl.float32)
+            value = tl.load(source + HKV * D + dims, mask=leaving, other=0.0).to(tl.float32)
+    if CENTER:
+        key -= tl.load(mean_ptr + head * D + dims, mask=within, other=0.0)
+        value -= tl.load(mean_ptr + (HKV + head) * D + dims, mask=within, other=0.0)
+    write = (token >= SINKS) & (token >= 0)  # a scalar
+    key_start = (tl.maximum(token, 0) % slots) * (2 * HKV * BPV) + head * BPV
+    k_norm, k_words = _encoded(key, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS,
+                               NORM_FIX)  # fmt: skip
+    v_norm, v_words = _encoded(value, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS,
+                               NORM_FIX)  # fmt: skip
+    _store_encoded(codes_ptr, norms_ptr, key_start, k_norm, k_words, write, DP, BITS)
+    _store_encoded(codes_ptr, norms_ptr, key_start + HKV * BPV, v_norm, v_words, write, DP, BITS)
+    # the new row among the exact ones: a sink, or the ring slot of a row already coded
+    if EP > 0:
+        if RING8:  # a sink at 16 bits, else into the ring at int8
+            sink = within & _spread(pos < SINKS, dims)
+            sink_slot = tl.where(pos < SINKS, pos, 0)
+            target = exact_ptr + sink_slot * exact_stride + head * D + dims
+            tl.store(target, k_new.to(exact_ptr.dtype.element_ty), mask=sink)
+            tl.store(target + HKV * D, v_new.to(exact_ptr.dtype.element_ty), mask=sink)
+            into_ring = pos >= SINKS
+            slot_in = pos % RING
+            target = ring_ptr + slot_in * exact_stride + head * D + dims
+            kept = within & _spread(into_ring, dims)
+            k_codes, k_scale16 = _int8_row(k_new, within)
+            v_codes, v_scale16 = _int8_row(v_new, within)
+            tl.store(target, k_codes, mask=kept)
+            tl.store(target + HKV * D, v_codes, mask=kept)
+            tl.store(ring_scale_ptr + slot_in * 2 * HKV + head, k_scale16, mask=into_ring)
+            tl.store(ring_scale_ptr + slot_in * 2 * HKV + HKV + head, v_scale16, mask=into_ring)
+        else:
+            into = tl.where(pos < SINKS, pos, SINKS + pos % RING)
+            kept = within & _spread((pos < SINKS) | (RECENT > 0), dims)
+            target = exact_ptr + into * exact_stride + head * D + dims
+            tl.store(target, k_new.to(exact_ptr.dtype.element_ty), mask=kept)
+            tl.store(target + HKV * D, v_new.to(exact_ptr.dtype.element_ty), mask=kept)
+
+
+@triton.jit
 def _attention_combine(
     rot_ptr,  # [DP, DP] float32
     boundaries_ptr,  # [2^BITS − 1] float32
@@ -652,88 +769,15 @@ def _attention_combine(
     dims = tl.arange(0, DP)
     within = dims < D
     rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
-    exact_stride = 2 * HKV * D  # elements per token in the exact rows
     if role == 0:
-        # The splits' states are in the rotated basis, the exact rows' (state NS) in the model's:
-        # its weighted values are added after the rotation back (R·R = I).
-        first = pair * (NS + 1) * GP  # this head's states
-        top = splits_max(m_ptr + first, 0, rows, tl.full([R], float("-inf"), tl.float32),
-                         NS + 1, GP)  # fmt: skip  # finite: the exact rows hold the new one
-        total, rotated = merge_splits(
-            m_ptr + first, l_ptr + first, acc_ptr + first * DP, 0, rows, dims, top,
-            tl.zeros([R], tl.float32), tl.zeros([R, DP], tl.float32), NS, DP, GP,
-        )  # fmt: skip
-        exact = first + NS * GP + rows
-        weight = tl.exp(tl.load(m_ptr + exact) - top)
-        total += weight * tl.load(l_ptr + exact)
-        plain = weight[:, None] * tl.load(acc_ptr + exact[:, None] * DP + dims[None, :])
-        # float32 products here: tf32 measured slower (10.1 → 14.0 µs at depth 32,000, H200)
-        out = _product(rotated, rotation, R) + plain  # back: ·R
-        out = out / total[:, None]
-        offsets = (head * G + rows)[:, None] * D + dims[None, :]
-        mask = (rows < G)[:, None] & within[None, :]
-        tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
-
+        _merged_output(rotation, m_ptr, l_ptr, acc_ptr, out_ptr, pair, head, rows, dims, within,
+                       G, GP, R, D, DP, NS)  # fmt: skip
     else:
-        k_new = tl.load(k_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
-        v_new = tl.load(v_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
-        # the row that leaves the exact ones: the oldest recent row, or the new row itself
-        if RECENT == 0:
-            token = pos
-            key, value = k_new, v_new
-        else:
-            token = pos - RECENT
-            leaving = within & _spread(token >= 0, dims)
-            if RING8:
-                slot_out = tl.maximum(token, 0) % RING
-                source = ring_ptr + slot_out * exact_stride + head * D
-                k_out_scale = tl.load(ring_scale_ptr + slot_out * 2 * HKV + head).to(tl.float32)
-                v_out_scale = tl.load(ring_scale_ptr + slot_out * 2 * HKV + HKV + head)
-                key = tl.load(source + dims, mask=leaving, other=0).to(tl.float32) * k_out_scale
-                value = tl.load(source + HKV * D + dims, mask=leaving, other=0).to(tl.float32)
-                value *= v_out_scale.to(tl.float32)
-            else:
-                source = exact_ptr + (SINKS + tl.maximum(token, 0) % RING) * exact_stride + head * D
-                key = tl.load(source + dims, mask=leaving, other=0.0).to(tl.float32)
-                value = tl.load(source + HKV * D + dims, mask=leaving, other=0.0).to(tl.float32)
-        if CENTER:
-            key -= tl.load(mean_ptr + head * D + dims, mask=within, other=0.0)
-            value -= tl.load(mean_ptr + (HKV + head) * D + dims, mask=within, other=0.0)
-        write = (token >= SINKS) & (token >= 0)  # a scalar
-        key_start = (tl.maximum(token, 0) % slots) * (2 * HKV * BPV) + head * BPV
-        k_norm, k_words = _encoded(key, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS,
-                                   NORM_FIX)  # fmt: skip
-        v_norm, v_words = _encoded(value, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS,
-                                   NORM_FIX)  # fmt: skip
-        _store_encoded(codes_ptr, norms_ptr, key_start, k_norm, k_words, write, DP, BITS)
-        _store_encoded(
-            codes_ptr, norms_ptr, key_start + HKV * BPV, v_norm, v_words, write, DP, BITS
-        )
-
-        # the new row among the exact ones: a sink, or the ring slot of a row already coded
-        if EP > 0:
-            if RING8:  # a sink at 16 bits, else into the ring at int8
-                sink = within & _spread(pos < SINKS, dims)
-                sink_slot = tl.where(pos < SINKS, pos, 0)
-                target = exact_ptr + sink_slot * exact_stride + head * D + dims
-                tl.store(target, k_new.to(exact_ptr.dtype.element_ty), mask=sink)
-                tl.store(target + HKV * D, v_new.to(exact_ptr.dtype.element_ty), mask=sink)
-                into_ring = pos >= SINKS
-                slot_in = pos % RING
-                target = ring_ptr + slot_in * exact_stride + head * D + dims
-                kept = within & _spread(into_ring, dims)
-                k_codes, k_scale16 = _int8_row(k_new, within)
-                v_codes, v_scale16 = _int8_row(v_new, within)
-                tl.store(target, k_codes, mask=kept)
-                tl.store(target + HKV * D, v_codes, mask=kept)
-                tl.store(ring_scale_ptr + slot_in * 2 * HKV + head, k_scale16, mask=into_ring)
-                tl.store(ring_scale_ptr + slot_in * 2 * HKV + HKV + head, v_scale16, mask=into_ring)
-            else:
-                into = tl.where(pos < SINKS, pos, SINKS + pos % RING)
-                kept = within & _spread((pos < SINKS) | (RECENT > 0), dims)
-                target = exact_ptr + into * exact_stride + head * D + dims
-                tl.store(target, k_new.to(exact_ptr.dtype.element_ty), mask=kept)
-                tl.store(target + HKV * D, v_new.to(exact_ptr.dtype.element_ty), mask=kept)
+        _rows_moved(
+            rotation, boundaries_ptr, centroids_ptr, k_new_ptr, v_new_ptr, codes_ptr, norms_ptr,
+            exact_ptr, ring_ptr, ring_scale_ptr, mean_ptr, slots, pos, head, dims, within,
+            D, DP, HKV, BPV, BITS, SINKS, RECENT, RING, EP, CENTER, NORM_FIX, RING8,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -1082,6 +1126,7 @@ def batched_attention(
         q, tables.rotation, workspace.queries, G=group, GP=gp, D=dim, DP=dp, HKV=kv_heads,
         PRECISION=precision(q.dtype),
     )  # fmt: skip
+    out = torch.empty((batch, heads, dim), dtype=q.dtype, device=q.device)
     exact_keys = ("SINKS", "RECENT", "RING", "EP", "CENTER", "RING8")
     exact_rows = {key: constants[key] for key in exact_keys}
     _attention_partial[(kv_heads, n_splits + 1, batch)](
@@ -1118,7 +1163,6 @@ def batched_attention(
         LOOKUP=tables.lookups.get(q.dtype, ""),
         num_warps=PARTIAL_WARPS,
     )
-    out = torch.empty((batch, heads, dim), dtype=q.dtype, device=q.device)
     _attention_combine[(kv_heads, 2, batch)](
         tables.rotation,
         tables.boundaries,
