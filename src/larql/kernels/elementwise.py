@@ -51,7 +51,7 @@ def _rope_kernel(
 
 
 # A row is a few dozen values: one warp holds a head of up to 64 (on an H200 the launch 1.32 →
-# 1.16 µs against torch's default of 4 warps)
+# 1.16 µs against Triton's default of 4 warps)
 _ONE_WARP_DIM = 64
 
 
