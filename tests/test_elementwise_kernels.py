@@ -113,3 +113,18 @@ def test_the_one_launch_forms_run_only_on_cuda() -> None:
         assert elementwise_kernels(x.cuda()) is not None
         # float64, the precision reference, keeps torch's ops (the kernels compute in float32)
         assert elementwise_kernels(x.cuda().double()) is None
+
+
+def test_dependent_launches_only_where_their_ptx_runs(monkeypatch: pytest.MonkeyPatch):
+    """The decode step's kernels wait on the previous launch with `griddepcontrol`, PTX of
+    compute capability 9.0 and later: never on a CPU tensor or under Triton's interpreter (which
+    runs no PTX, and these tests' CPU runs use it), always on such a device."""
+    dependent_launch = kernel_module("larql.kernels.dependent_launch")
+    off = {"PDL": False, "launch_pdl": False}
+    assert dependent_launch.options(torch.device("cpu")) == off
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        capable = torch.cuda.get_device_capability() >= (9, 0)
+        assert dependent_launch.options(cuda) == {"PDL": capable, "launch_pdl": capable}
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dependent_launch.options(torch.device("cuda")) == off

@@ -2,7 +2,8 @@
 for the static-cache fast path of `standard`, and `online_softmax`, the device functions every
 attention kernel shares (turbo-quant's, which reads its codec's bytes, lives beside the codec in
 `larql.kv.turbo_quant.kernels`); `elementwise`, RoPE, SiLU · up and a 16-bit RMS norm in one
-launch each.
+launch each; `dependent_launch`, how all of them are launched on compute capability 9.0 and
+later (each scheduled while the previous launch finishes, waiting for its writes).
 
 Triton comes with torch's CUDA builds; a CPU install may have none, and nothing imports these
 modules unless `triton_available` says they run. Each kernel has a torch path it replaces

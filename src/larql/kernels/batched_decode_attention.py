@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 
 from larql.kernels.decode_attention import combine_kernel, layout, partial_constants
+from larql.kernels.dependent_launch import options as dependent_options
+from larql.kernels.dependent_launch import wait_for_previous
 from larql.kernels.online_softmax import block_update, soft_capped, store_split
 
 
@@ -41,7 +43,9 @@ def _write_kernel(
     B,
     D: tl.constexpr,
     DP: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `dependent_launch.options`
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     dims = tl.arange(0, DP)
@@ -81,7 +85,9 @@ def _partial_kernel(
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for float32 operands (not tf32); ignored for 16-bit ones
+    PDL: tl.constexpr = False,  # launched with `dependent_launch.options`
 ):
+    wait_for_previous(PDL)
     pair = tl.program_id(0)  # session · HKV + K/V head
     split = tl.program_id(1)
     row = pair // HKV
@@ -152,7 +158,8 @@ def batched_decode_attention(
     acc = torch.empty((batch * kv_heads, splits, gp, dp), **f32)
     out = torch.empty((batch, heads * dim), dtype=q.dtype, device=q.device)
     where = (anchor, key_offsets, value_offsets, positions, capacities)
-    _write_kernel[(batch, kv_heads)](k_new, v_new, *where, batch, D=dim, DP=dp)
+    _write_kernel[(batch, kv_heads)](k_new, v_new, *where, batch, D=dim, DP=dp,
+                                      **dependent_options(q.device))  # fmt: skip
     _partial_kernel[(batch * kv_heads, splits)](
         q.contiguous(),
         *where,
@@ -165,11 +172,12 @@ def batched_decode_attention(
         softcap,
         HKV=kv_heads,
         **partial_constants(heads, kv_heads, dim, max_capacity, window, softcap, q.dtype),
+        **dependent_options(q.device),
     )
     # one program per (session, K/V head) = one "head" of a [B·Hkv] decode: out [B, Hq·D] is
     # [B·Hq, D] with query head b·Hq + h·G + r — the one-session merge, unchanged
     combine_kernel[(batch * kv_heads,)](
         m, l_sum, acc, out, G=group, GP=gp, GR=1 << (group - 1).bit_length(), D=dim, DP=dp,
-        NS=splits,
+        NS=splits, **dependent_options(q.device),
     )  # fmt: skip
     return out

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from larql.kernels.dependent_launch import options as dependent_options
+from larql.kernels.dependent_launch import wait_for_previous
 from larql.kernels.online_softmax import (
     block_update,
     merge_splits,
@@ -62,7 +64,9 @@ def _partial_kernel(
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for float32 operands (not tf32); ignored for 16-bit ones
+    PDL: tl.constexpr = False,  # launched with `dependent_launch.options`
 ):
+    wait_for_previous(PDL)
     head = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, GP)
@@ -108,7 +112,9 @@ def combine_kernel(
     D: tl.constexpr,
     DP: tl.constexpr,
     NS: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `dependent_launch.options`
 ):
+    wait_for_previous(PDL)
     head = tl.program_id(0)
     rows = tl.arange(0, GR)
     dims = tl.arange(0, DP)
@@ -191,10 +197,12 @@ def _launch(
         softcap,
         capacity,
         **partial_constants(heads, kv_heads, dim, capacity, window, softcap, q.dtype),
+        **dependent_options(q.device),
     )
     combine_kernel[(kv_heads,)](
-        m, l_sum, acc, out, G=group, GP=gp, GR=_next_power_of_two(group), D=dim, DP=dp, NS=splits
-    )
+        m, l_sum, acc, out, G=group, GP=gp, GR=_next_power_of_two(group), D=dim, DP=dp, NS=splits,
+        **dependent_options(q.device),
+    )  # fmt: skip
     return out.view(heads, 1, dim)
 
 

@@ -17,6 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from larql.kernels.dependent_launch import options as dependent_options
+from larql.kernels.dependent_launch import wait_for_previous
+
 
 @triton.jit
 def _rope_kernel(
@@ -30,7 +33,9 @@ def _rope_kernel(
     D: tl.constexpr,
     R: tl.constexpr,
     DP: tl.constexpr,  # D rounded up to a power of two
+    PDL: tl.constexpr = False,  # launched with `dependent_launch.options`
 ):
+    wait_for_previous(PDL)
     pid = tl.program_id(0)
     head = pid // rows
     row = pid % rows
@@ -68,6 +73,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     _rope_kernel[(heads * rows,)](
         x, cos.contiguous(), sin.contiguous(), out, rows, x.stride(0), x.stride(1),
         D=dim, R=rotary_dim, DP=padded, num_warps=1 if padded <= _ONE_WARP_DIM else 4,
+        **dependent_options(x.device),
     )  # fmt: skip
     return out
 
@@ -84,7 +90,9 @@ def _silu_mul_kernel(
     stride_gate,
     stride_up,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `dependent_launch.options`
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     present = cols < width
@@ -108,7 +116,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if out.numel() == 0:
         return out
     grid = (rows, triton.cdiv(width, _SILU_BLOCK))
-    _silu_mul_kernel[grid](gate, up, out, width, gate.stride(0), up.stride(0), BLOCK=_SILU_BLOCK)
+    _silu_mul_kernel[grid](gate, up, out, width, gate.stride(0), up.stride(0), BLOCK=_SILU_BLOCK,
+                           **dependent_options(gate.device))  # fmt: skip
     return out
 
 
@@ -121,7 +130,9 @@ def _rms_norm_kernel(
     stride_row,
     eps,
     BLOCK: tl.constexpr,  # W rounded up to a power of two
+    PDL: tl.constexpr = False,  # launched with `dependent_launch.options`
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     present = cols < width
@@ -144,8 +155,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if out.numel() == 0:
         return out
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, weight, out, width, rows.stride(0), eps, BLOCK=triton.next_power_of_2(width)
-    )
+        rows, weight, out, width, rows.stride(0), eps, BLOCK=triton.next_power_of_2(width),
+        **dependent_options(x.device),
+    )  # fmt: skip
     return out
 
 
@@ -161,7 +173,9 @@ def _store_row_kernel(
     stride_v,
     D: tl.constexpr,
     DP: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `dependent_launch.options`
 ):
+    wait_for_previous(PDL)
     head = tl.program_id(0)
     dims = tl.arange(0, DP)
     present = dims < D
@@ -184,5 +198,5 @@ def store_row(
         v = v.contiguous()
     _store_row_kernel[(heads,)](
         k, v, keys, values, pos, capacity, k.stride(0), v.stride(0),
-        D=dim, DP=triton.next_power_of_2(dim),
+        D=dim, DP=triton.next_power_of_2(dim), **dependent_options(keys.device),
     )  # fmt: skip

@@ -61,6 +61,8 @@ import torch
 import triton
 import triton.language as tl
 
+from larql.kernels.dependent_launch import options as dependent_options
+from larql.kernels.dependent_launch import wait_for_previous
 from larql.kernels.online_softmax import (
     block_update,
     merge_splits,
@@ -304,11 +306,13 @@ def _rotate_queries(
     DP: tl.constexpr,
     HKV: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for a float32 model, else "tf32"
+    PDL: tl.constexpr = False,  # launched with `dependent_launch.options`
 ):
     """The queries in the rotated basis, once per layer for every split of the partial launch:
     each of its programs rotating its own copy put a [GP, D'] · [D', D'] product and the
     rotation's load before its first block (on an H200 one layer at depth 32,000 32.9 → 30.1 µs
     with this launch, 4,096 rows 15.6 → 14.5)."""
+    wait_for_previous(PDL)
     head = tl.program_id(0)
     session = tl.program_id(1)
     rows = tl.arange(0, GP)
@@ -523,6 +527,7 @@ def _attention_partial(
     WRAPS: tl.constexpr,  # a sliding layer's ring of slots (a full layer's slot t is token t)
     NIBBLES: tl.constexpr,  # 4-bit codes and D' ≥ 32: read as bytes, split even / odd
     LOOKUP: tl.constexpr = "",  # NIBBLES: `centroid_lookup`'s PTX ("": tl.gather)
+    PDL: tl.constexpr = False,  # launched with `dependent_launch.options`
 ):
     """Programs 0 … NS − 1 of a (K/V head, session): a split's state over its coded rows; program
     NS: the exact rows' state (`_exact_state`), beside the splits rather than after them in the
@@ -539,6 +544,7 @@ def _attention_partial(
     coordinate. The codes are read unmasked from in-bounds slots (any byte decodes to a finite
     centroid, and an absent row weighs 0): the block's masks were an eighth of its
     instructions."""
+    wait_for_previous(PDL)
     head = tl.program_id(0)
     split = tl.program_id(1)
     session = tl.program_id(2)
@@ -751,7 +757,9 @@ def _attention_combine(
     CENTER: tl.constexpr,
     NORM_FIX: tl.constexpr,
     RING8: tl.constexpr,  # the recent rows at int8 with a float16 scale per head vector
+    PDL: tl.constexpr = False,  # launched with `dependent_launch.options`
 ):
+    wait_for_previous(PDL)
     head = tl.program_id(0)
     role = tl.program_id(1)  # 0: the attention; 1: the rows moving between the parts
     session = tl.program_id(2)
@@ -1124,7 +1132,7 @@ def batched_attention(
     k_new, v_new = k_new.contiguous(), v_new.contiguous()
     _rotate_queries[(kv_heads, batch)](
         q, tables.rotation, workspace.queries, G=group, GP=gp, D=dim, DP=dp, HKV=kv_heads,
-        PRECISION=precision(q.dtype),
+        PRECISION=precision(q.dtype), **dependent_options(q.device),
     )  # fmt: skip
     out = torch.empty((batch, heads, dim), dtype=q.dtype, device=q.device)
     exact_keys = ("SINKS", "RECENT", "RING", "EP", "CENTER", "RING8")
@@ -1162,6 +1170,7 @@ def batched_attention(
         WRAPS=levers.keep != FULL_LAYER_KEEP,
         LOOKUP=tables.lookups.get(q.dtype, ""),
         num_warps=PARTIAL_WARPS,
+        **dependent_options(q.device),
     )
     _attention_combine[(kv_heads, 2, batch)](
         tables.rotation,
@@ -1195,6 +1204,7 @@ def batched_attention(
         # 8 warps: at Triton's default 4 this program spilled registers and took 55 µs on an
         # H200 instead of 6.5 (docs/PERFORMANCE.md)
         num_warps=COMBINE_WARPS,
+        **dependent_options(q.device),
     )
     return out
 
