@@ -26,6 +26,7 @@ from larql.inference.fused import activation_bits, attention_kernels, fused_kern
 from larql.inference.linear import kernel_rows, linear
 from larql.inference.norm import LOW_PRECISION, rms_norm
 from larql.inference.rope import RopeTable, apply_rope
+from larql.inference.row_products import normed_linear, residual_linear
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kernels import DecodeAttention
 from larql.models.model import Model
@@ -178,8 +179,7 @@ def project_qkv_with_rope(
             k.view(s, kv_heads, dim).transpose(0, 1),
             v.view(s, kv_heads, dim).transpose(0, 1),
         )
-    x = rms_norm(h, lw.attn_norm, cfg.norm_eps)
-    qkv = linear(x, lw.wqkv, lw.bqkv, blocks)  # [S, q_dim + 2·kv_dim]
+    qkv = normed_linear(h, lw.attn_norm, cfg.norm_eps, lw.wqkv, lw.bqkv, blocks)  # [S, q+2·kv]
     if plain:
         # q and k rotate together: one set of RoPE kernels for both
         qk = qkv[:, : q_dim + kv_dim].view(s, heads + kv_heads, -1)
@@ -208,8 +208,8 @@ def project_q_with_rope(
 ) -> torch.Tensor:
     """`project_q` with the rows' RoPE cos/sin [S, rotary_dim] given."""
     cfg, lw = model.config, model.weights.layers[layer]
-    x = rms_norm(h, lw.attn_norm, cfg.norm_eps)
-    q = linear(x, lw.wqkv, lw.bqkv, lw.blocks.get("wqkv"))  # [S, q_dim]: its only rows
+    blocks = lw.blocks.get("wqkv")
+    q = normed_linear(h, lw.attn_norm, cfg.norm_eps, lw.wqkv, lw.bqkv, blocks)  # [S, q_dim]
     q = q.view(h.shape[0], cfg.num_heads, cfg.head_dim_of(layer))
     if lw.q_norm is not None:
         q = rms_norm(q, lw.q_norm, cfg.norm_eps)
@@ -442,9 +442,9 @@ def attention_output(model: Model, layer: int, h: torch.Tensor, attn: torch.Tens
         return kernels.residual_gemv(
             h.contiguous(), attn, *kernel_rows(blocks, kernels), lw.bo, activation_bits(blocks)
         )
-    out = linear(attn, lw.wo, lw.bo, blocks)
-    if lw.post_attn_norm is not None:
-        out = rms_norm(out, lw.post_attn_norm, model.config.norm_eps)
+    if lw.post_attn_norm is None:
+        return residual_linear(h, attn, lw.wo, lw.bo, blocks)
+    out = rms_norm(linear(attn, lw.wo, lw.bo, blocks), lw.post_attn_norm, model.config.norm_eps)
     return h + out
 
 
@@ -557,9 +557,8 @@ def batched_layer_step(
 
 def final_logits(model: Model, h: torch.Tensor) -> torch.Tensor:
     """Pre-final-norm hidden h: [S, H] → logits [S, V] (final norm, LM head, soft-cap)."""
-    w = model.weights
-    x = rms_norm(h, w.final_norm, model.config.norm_eps)
-    logits = linear(x, w.lm_head, blocks=w.lm_head_blocks)
+    w, eps = model.weights, model.config.norm_eps
+    logits = normed_linear(h, w.final_norm, eps, w.lm_head, blocks=w.lm_head_blocks)  # [S, V]
     cap = model.config.arch.final_softcap
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap

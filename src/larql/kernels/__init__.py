@@ -2,7 +2,8 @@
 for the static-cache fast path of `standard`, and `online_softmax`, the device functions every
 attention kernel shares (turbo-quant's, which reads its codec's bytes, lives beside the codec in
 `larql.kv.turbo_quant.kernels`); `elementwise`, RoPE, SiLU · up and a 16-bit RMS norm in one
-launch each; `dependent_launch`, how all of them are launched on compute capability 9.0 and
+launch each; `gemv`, a decode row's products with the norm, SiLU · up or residual add beside
+them folded in; `dependent_launch`, how all of them are launched on compute capability 9.0 and
 later (each scheduled while the previous launch finishes, waiting for its writes).
 
 Triton comes with torch's CUDA builds; a CPU install may have none, and nothing imports these
@@ -70,3 +71,27 @@ def elementwise_kernels(x: torch.Tensor) -> ModuleType | None:
     from larql.kernels import elementwise
 
     return elementwise
+
+
+_GEMV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def gemv_kernels(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
+    """The one-row products with their neighbours folded in (`larql.kernels.gemv`) for one row
+    x: [1, K] on CUDA against a contiguous weight [N, K] of its dtype (32 bits or fewer), with
+    Triton installed, outside torch.compile (which fuses the small launches itself); None
+    elsewhere, where the caller runs torch's operators."""
+    if (
+        x.device.type != "cuda"
+        or x.dim() != 2
+        or x.shape[0] != 1
+        or x.dtype not in _GEMV_DTYPES
+        or weight.dtype != x.dtype
+        or not weight.is_contiguous()
+        or not _triton_installed()
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    from larql.kernels import gemv
+
+    return gemv

@@ -18,6 +18,8 @@ from larql.inference.ffn.experts import expert_glu, experts_forward
 from larql.inference.fused import activation_bits, fused_kernels
 from larql.inference.linear import kernel_rows, linear
 from larql.inference.norm import rms_norm
+from larql.inference.row_products import gated_residual_linear, normed_linear
+from larql.kernels import gemv_kernels
 from larql.models.blocks import BlockRows
 from larql.models.model import Model
 
@@ -37,8 +39,9 @@ class FfnBackend(ABC):
     def fused_block(
         self, layer: int, h: torch.Tensor, norm: torch.Tensor, eps: float
     ) -> torch.Tensor | None:
-        """h + FFN(rms_norm(h)) [S, H] in one compiled call where this backend has one for h,
-        else None (the caller then norms, calls `forward` and adds)."""
+        """h + FFN(rms_norm(h)) [S, H] where this backend has a fused form for h — one call
+        of the CPU extension, or two launches for a decode row on CUDA — else None (the
+        caller then norms, calls `forward` and adds)."""
         return None
 
     def parallel_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor:
@@ -98,12 +101,26 @@ class DenseFfn(FfnBackend):
         blocks = self.silu_blocks(layer)
         kernels = fused_kernels(h) if blocks is not None else None
         if blocks is None or kernels is None:
-            return None
+            return self._row_products(layer, h, norm, eps)
         gate_up, down = blocks
         return kernels.residual_ffn(
             h.contiguous(), norm, eps, *kernel_rows(gate_up, kernels), *kernel_rows(down, kernels),
             activation_bits(gate_up),
         )  # fmt: skip  # [1, H]
+
+    def _row_products(
+        self, layer: int, h: torch.Tensor, norm: torch.Tensor, eps: float
+    ) -> torch.Tensor | None:
+        """`fused_block` as two launches for a decode row on CUDA (`larql.kernels.gemv`): the
+        norm folded into the gate/up product, SiLU · up and the residual add into the down
+        product. None where those kernels do not run, or the MLP is not a gated SiLU one."""
+        lw = self._layers[layer]
+        if lw.experts is not None or self._activation != "silu" or lw.w_gate_up is None:
+            return None
+        if lw.w_down is None or gemv_kernels(h, lw.w_gate_up) is None:
+            return None
+        gate_up = normed_linear(h, norm, eps, lw.w_gate_up)  # [1, 2F]
+        return gated_residual_linear(h, gate_up, lw.w_down)  # [1, H]
 
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         lw = self._layers[layer]

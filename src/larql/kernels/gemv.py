@@ -1,0 +1,182 @@
+"""A decode step's one-row products (GEMVs) on CUDA, each with the small launch before or after
+it folded in: the RMS norm before the QKV and gate/up products (and the LM head), SiLU(gate) · up
+before the down product, the residual add after the output and down products.
+
+In a graph-replayed decode step on an H200 each of those small launches costs ~1.5–2 µs however
+little it computes, and a layer had seven of them beside its four products. Folded in, a layer
+launches four products, RoPE, the K/V row write and its attention. The product itself is a plain
+GEMV: each program reduces `BN` whole output rows, `BK` columns at a time, in float32, and the
+weight is read once. Where a row fits one tile, a program reads its weights before it waits for
+the previous launch (`dependent_launch`): no launch writes a weight, and the read then overlaps
+the end of the launch before.
+
+The roundings are torch's, in the same order, so each result equals the unfused operators' up to
+the order of the product's sum: the normalised row rounded to the dtype before × weight (as
+`larql.inference.norm.rms_norm`), SiLU(gate) rounded before × up, the product rounded (after its
+bias) before the residual is added.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from larql.kernels.dependent_launch import options as dependent_options
+from larql.kernels.dependent_launch import wait_for_previous
+
+PLAIN, NORMED, GATED = 0, 1, 2  # what the kernel does to its input row before the product
+_WIDEST_TILE = 2048  # columns of the weight a program reads at once (`_shape`)
+
+
+@triton.jit
+def _input_chunk(
+    x_ptr,
+    norm_ptr,
+    cols,
+    present,
+    scale,
+    K: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+):
+    """Columns `cols` of the product's input row, in float32 (rounded as torch rounds them)."""
+    if PROLOGUE == 2:  # x holds gate then up: [2·K]
+        gate = tl.load(x_ptr + cols, mask=present, other=0.0)
+        g = gate.to(tl.float32)
+        activated = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # rounded, as torch's SiLU
+        up = tl.load(x_ptr + K + cols, mask=present, other=0.0).to(tl.float32)
+        return (activated.to(tl.float32) * up).to(gate.dtype).to(tl.float32)
+    x = tl.load(x_ptr + cols, mask=present, other=0.0)
+    if PROLOGUE == 1:
+        normalised = (x.to(tl.float32) * scale).to(x.dtype)  # rounded, as torch's norm
+        weight = tl.load(norm_ptr + cols, mask=present, other=0.0).to(tl.float32)
+        return (normalised.to(tl.float32) * weight).to(x.dtype).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _norm_scale(x_ptr, eps, K: tl.constexpr, BK: tl.constexpr, PROLOGUE: tl.constexpr):
+    """1 / RMS of the input row for NORMED (statistics in float32), else 1."""
+    scale = 1.0
+    if PROLOGUE == 1:
+        squares = tl.zeros([BK], dtype=tl.float32)
+        for start in tl.range(0, K, BK):
+            cols = start + tl.arange(0, BK)
+            x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+            squares += x * x
+        scale = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    return scale
+
+
+@triton.jit
+def _gemv_kernel(
+    w_ptr,  # [N, K] contiguous
+    x_ptr,  # [K] the input row; [2·K] gate then up for GATED
+    norm_ptr,  # [K] the norm's weight (NORMED)
+    bias_ptr,  # [N] (HAS_BIAS)
+    residual_ptr,  # [N] (HAS_RESIDUAL)
+    y_ptr,  # [N]
+    n,  # N
+    eps,
+    K: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `dependent_launch.options`
+):
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN]
+    inside = rows < n
+    if K <= BK:
+        # The program's whole [BN, K] slice of the weight in one tile. No launch writes a
+        # weight, so it is read before waiting for the previous launch: the read overlaps that
+        # launch's end.
+        cols = tl.arange(0, BK)  # [BK]
+        present = cols < K
+        mask = inside[:, None] & present[None, :]
+        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)  # [BN, BK]
+        wait_for_previous(PDL)
+        scale = _norm_scale(x_ptr, eps, K, BK, PROLOGUE)
+        x = _input_chunk(x_ptr, norm_ptr, cols, present, scale, K, PROLOGUE)  # [BK]
+        y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)  # [BN]
+    else:
+        wait_for_previous(PDL)
+        scale = _norm_scale(x_ptr, eps, K, BK, PROLOGUE)
+        acc = tl.zeros([BN, BK], dtype=tl.float32)
+        for start in tl.range(0, K, BK):
+            cols = start + tl.arange(0, BK)  # [BK]
+            present = cols < K
+            x = _input_chunk(x_ptr, norm_ptr, cols, present, scale, K, PROLOGUE)  # [BK]
+            mask = inside[:, None] & present[None, :]
+            w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, axis=1)  # [BN]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=inside, other=0.0).to(tl.float32)
+    y = y.to(y_ptr.dtype.element_ty)  # rounded, as torch's product
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + rows, mask=inside, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + residual).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows, y, mask=inside)
+
+
+def _shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    """(BN, BK, warps) for a [N, K] product: four rows a program, up to 2,048 columns a tile
+    (a row of up to 2,048 is one tile, read before the wait), eight warps. Timed on an H200
+    against the best of 1–8 rows, 1,024–8,192 columns and 4 or 8 warps for each of the 1B
+    shape's products (docs/PERFORMANCE.md), it is within 7% of each and 2% of their sum."""
+    return 4, min(_WIDEST_TILE, triton.next_power_of_2(in_features)), 8
+
+
+def _launch(
+    weight: torch.Tensor,
+    x: torch.Tensor,
+    prologue: int,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    out_features, in_features = weight.shape
+    out = torch.empty((1, out_features), dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = _shape(out_features, in_features)
+    grid = (triton.cdiv(out_features, block_n),)
+    _gemv_kernel[grid](
+        weight, x, norm if norm is not None else x, bias if bias is not None else out,
+        residual if residual is not None else out, out, out_features, eps,
+        K=in_features, BN=block_n, BK=block_k, PROLOGUE=prologue, HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, num_warps=warps, **dependent_options(x.device),
+    )  # fmt: skip
+    return out
+
+
+def _row(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def normed_gemv(
+    h: torch.Tensor,
+    norm: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """rms_norm(h) · weightᵀ (+ bias) in one launch. h: [1, K]; norm: [K]; weight: [N, K]
+    contiguous → [1, N]."""
+    return _launch(weight, _row(h), NORMED, norm=norm, eps=eps, bias=bias)
+
+
+def residual_gemv(
+    h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """h + x · weightᵀ (+ bias) in one launch. h: [1, N]; x: [1, K]; weight: [N, K] → [1, N]."""
+    return _launch(weight, _row(x), PLAIN, bias=bias, residual=_row(h))
+
+
+def gated_residual_gemv(
+    h: torch.Tensor, gate_up: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """h + (SiLU(gate) · up) · weightᵀ in one launch, gate and up the halves of gate_up.
+    h: [1, N]; gate_up: [1, 2·K]; weight: [N, K] → [1, N]."""
+    return _launch(weight, _row(gate_up), GATED, residual=_row(h))
