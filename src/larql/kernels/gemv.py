@@ -84,10 +84,12 @@ def _gemv_kernel(
     PROLOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    WIDE: tl.constexpr,  # N · K ≥ 2³¹: the weight's offsets in 64 bits
     PDL: tl.constexpr = False,  # launched with `dependent_launch.options`
 ):
     rows = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN]
     inside = rows < n
+    starts = rows.to(tl.int64) * K if WIDE else rows * K  # [BN] each row's first weight
     if K <= BK:
         # The program's whole [BN, K] slice of the weight in one tile. No launch writes a
         # weight, so it is read before waiting for the previous launch: the read overlaps that
@@ -95,7 +97,7 @@ def _gemv_kernel(
         cols = tl.arange(0, BK)  # [BK]
         present = cols < K
         mask = inside[:, None] & present[None, :]
-        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)  # [BN, BK]
+        w = tl.load(w_ptr + starts[:, None] + cols[None, :], mask=mask, other=0.0)  # [BN, BK]
         wait_for_previous(PDL)
         scale = _norm_scale(x_ptr, eps, K, BK, PROLOGUE)
         x = _input_chunk(x_ptr, norm_ptr, cols, present, scale, K, PROLOGUE)  # [BK]
@@ -109,7 +111,7 @@ def _gemv_kernel(
             present = cols < K
             x = _input_chunk(x_ptr, norm_ptr, cols, present, scale, K, PROLOGUE)  # [BK]
             mask = inside[:, None] & present[None, :]
-            w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)
+            w = tl.load(w_ptr + starts[:, None] + cols[None, :], mask=mask, other=0.0)
             acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)  # [BN]
     if HAS_BIAS:
@@ -146,7 +148,8 @@ def _launch(
         weight, x, norm if norm is not None else x, bias if bias is not None else out,
         residual if residual is not None else out, out, out_features, eps,
         K=in_features, BN=block_n, BK=block_k, PROLOGUE=prologue, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, num_warps=warps, **dependent_options(x.device),
+        HAS_RESIDUAL=residual is not None, WIDE=weight.numel() >= 2**31, num_warps=warps,
+        **dependent_options(x.device),
     )  # fmt: skip
     return out
 
