@@ -3,8 +3,9 @@ for the static-cache fast path of `standard`, and `online_softmax`, the device f
 attention kernel shares (turbo-quant's, which reads its codec's bytes, lives beside the codec in
 `larql.kv.turbo_quant.kernels`); `elementwise`, RoPE, SiLU · up and a 16-bit RMS norm in one
 launch each; `gemv`, a decode row's products with the norm, SiLU · up or residual add beside
-them folded in; `dependent_launch`, how all of them are launched on compute capability 9.0 and
-later (each scheduled while the previous launch finishes, waiting for its writes).
+them folded in; `argmax`, the greedy pick of a few rows of logits; `dependent_launch`, how all
+of them are launched on compute capability 9.0 and later (each scheduled while the previous
+launch finishes, waiting for its writes).
 
 Triton comes with torch's CUDA builds; a CPU install may have none, and nothing imports these
 modules unless `triton_available` says they run. Each kernel has a torch path it replaces
@@ -95,3 +96,21 @@ def gemv_kernels(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
     from larql.kernels import gemv
 
     return gemv
+
+
+def argmax_kernel(logits: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Each row's argmax in two short launches (`larql.kernels.argmax`) for float logits
+    [B, V] (V ≥ 1, 32 bits or fewer) on CUDA with Triton installed, outside torch.compile;
+    None elsewhere, where torch's (or numpy's) argmax runs."""
+    if (
+        logits.device.type != "cuda"
+        or logits.dim() != 2
+        or logits.shape[1] == 0
+        or logits.dtype not in _GEMV_DTYPES
+        or not _triton_installed()
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    from larql.kernels.argmax import argmax_rows
+
+    return argmax_rows

@@ -23,6 +23,7 @@ from larql.inference.ffn import FfnBackend
 from larql.inference.generation import next_token_logits
 from larql.inference.linear import reads_blocks
 from larql.inference.memory import MemoryBreakdown
+from larql.inference.sampling import greedy_token
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 
@@ -231,7 +232,7 @@ def _run_once(
         engine = kind.build(model, profiling=settings.profile)
         sync(device)
         t0 = time.perf_counter()
-        token = int(torch.argmax(next_token_logits(model, engine.prefill(model, ffn, prompt_ids))))
+        token = int(greedy_token(next_token_logits(model, engine.prefill(model, ffn, prompt_ids))))
         sample.prefill_ms.append((time.perf_counter() - t0) * 1000)
         run_whole = []
         timer = StepTimer(device)
@@ -242,7 +243,7 @@ def _run_once(
             timer.start()
             hidden = engine.decode_step(model, ffn, token)
             timer.split()
-            picked = torch.argmax(next_token_logits(model, hidden))
+            picked = greedy_token(next_token_logits(model, hidden))
             timer.end()
             token = int(picked)
             took = timer.stop()

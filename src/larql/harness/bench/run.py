@@ -20,6 +20,7 @@ from larql.harness.contexts import context_ids
 from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import next_token_logits
+from larql.inference.sampling import greedy_token
 from larql.kv.catalog import CATALOG
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
@@ -119,7 +120,7 @@ def warm_up(model: Model, ffn: FfnBackend, kind: EngineSpec, prompt_ids: list[in
             engine = kind.build(model)
             hidden = engine.prefill(model, ffn, prompt_ids[:WARM_UP_TOKENS])
             for _ in range(2):
-                token = int(torch.argmax(next_token_logits(model, hidden)))
+                token = int(greedy_token(next_token_logits(model, hidden)))
                 hidden = engine.decode_step(model, ffn, token)
         except EngineError:
             pass  # the row itself reports the engine's error
