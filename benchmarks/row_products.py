@@ -1,13 +1,14 @@
 """A decode row's products on a GPU: `larql.kernels.gemv`'s folded launches (the norm before,
-SiLU · up before, the residual add after) against cuBLAS's `F.linear` alone and against the
-unfused torch sequence, at a Llama-3.2-1B layer's matrices (and its LM head) by default. Each
+RoPE after the QKV product, SiLU · up before, the residual add after) against cuBLAS's
+`F.linear` alone and against the unfused sequence (for RoPE: the folded norm and product, then
+the RoPE launch), at a Llama-3.2-1B layer's matrices (and its LM head) by default. Each
 shape's weight is copied until the copies outgrow the L2 cache, the copies are called in turn
 inside a captured CUDA graph, and the time a call is reported with the bandwidth it makes;
 `--sweep` also times the launch's block shapes (rows a program, columns a tile, warps) so the
 default is chosen by measurement.
 
     python benchmarks/row_products.py [--hidden 2048] [--intermediate 8192] [--vocab 128256]
-        [--sweep]
+        [--qkv 3072] [--kv 512] [--head-dim 64] [--sweep]
 """
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ def graph_time_us(fn: Callable[[], None], replays: int = 20) -> float:
 
 def calls(
     kind: str, weights: list[torch.Tensor], row: torch.Tensor, gate_up: torch.Tensor,
-    norm: torch.Tensor, residual: torch.Tensor,
+    norm: torch.Tensor, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, int, int],
 ) -> dict[str, Callable[[], None]]:  # fmt: skip
-    """The three ways to compute `kind` ("normed", "residual", "gated") over every copy."""
+    """The three ways to compute `kind` ("normed", "rope" — normed, then RoPE over the first
+    heads —, "residual", "gated") over every copy."""
     gate, up = gate_up.chunk(2, dim=-1)
+    cos, sin, rotated_heads, head_dim = rope
 
     def cublas() -> None:
         for w in weights:
@@ -60,6 +63,10 @@ def calls(
         for w in weights:
             if kind == "normed":
                 F.linear(elementwise.rms_norm(row, norm, 1e-5), w)
+            elif kind == "rope":
+                qkv = gemv.normed_gemv(row, norm, 1e-5, w)  # the launch RoPE was beside
+                qk = qkv[:, : rotated_heads * head_dim].view(rotated_heads, 1, head_dim)
+                elementwise.rope(qk, cos, sin)
             elif kind == "residual":
                 residual + F.linear(row, w)
             else:
@@ -69,6 +76,8 @@ def calls(
         for w in weights:
             if kind == "normed":
                 gemv.normed_gemv(row, norm, 1e-5, w)
+            elif kind == "rope":
+                gemv.normed_gemv_rope(row, norm, 1e-5, w, None, cos, sin, rotated_heads, head_dim)
             elif kind == "residual":
                 gemv.residual_gemv(residual, row, w)
             else:
@@ -83,6 +92,8 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--qkv", type=int, default=3072, help="rows of the fused QKV product")
+    parser.add_argument("--kv", type=int, default=512, help="K (and V) rows of the QKV product")
+    parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--sweep", action="store_true", help="also time other block shapes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -90,6 +101,7 @@ def main() -> None:
     h, f = args.hidden, args.intermediate
     products = {  # name: (N, K, what is folded in)
         "qkv": (args.qkv, h, "normed"),
+        "qkv_rope": (args.qkv, h, "rope"),
         "output": (h, h, "residual"),
         "gate_up": (2 * f, h, "normed"),
         "down": (h, f, "gated"),
@@ -97,6 +109,11 @@ def main() -> None:
     }
     generator = torch.Generator(device="cuda").manual_seed(0)
     default_shape = gemv._shape
+    rotated_heads = (args.qkv - args.kv) // args.head_dim  # q and k
+    angles = torch.rand(1, args.head_dim // 2, device="cuda") * 6.28
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(torch.bfloat16)
+    sin = torch.cat((-angles.sin(), angles.sin()), dim=-1).to(torch.bfloat16)
+    rope = (cos, sin, rotated_heads, args.head_dim)
     print("| product [N x K] | cuBLAS us | unfused us | folded us | folded TB/s | shape |")
     print("|---|---|---|---|---|---|")
     for name, (n, k, kind) in products.items():
@@ -107,14 +124,14 @@ def main() -> None:
         gate_up = torch.randn(1, 2 * k, generator=generator, **kw)
         norm = 1 + torch.rand(k, generator=generator, **kw)
         residual = torch.randn(1, n, generator=generator, **kw)
-        ways = calls(kind, weights, row, gate_up, norm, residual)
+        ways = calls(kind, weights, row, gate_up, norm, residual, rope)
         us = {way: graph_time_us(fn) / copies for way, fn in ways.items()}
         tb_s = n * k * 2 / (us["folded"] * 1e-6) / 1e12
         print(
             f"| {name} [{n} x {k}] | {us['cublas']:.2f} | {us['unfused']:.2f} | "
             f"{us['folded']:.2f} | {tb_s:.2f} | {default_shape(n, k)} |"
         )
-        if args.sweep:
+        if args.sweep and kind != "rope":  # its rows come in pairs: the shape of `normed`
             timed = []
             shapes = itertools.product([1, 2, 4, 8], [512, 1024, 2048, 4096, 8192], [4, 8])
             for rows, cols, warps in shapes:

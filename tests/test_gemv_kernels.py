@@ -15,8 +15,10 @@ import larql.inference.row_products as row_products
 from helpers import kernel_module, teacher_forced
 from larql.inference.layer import final_logits
 from larql.inference.norm import rms_norm
+from larql.inference.rope import RopeTable, apply_rope
 from larql.kernels import gemv_kernels
 from larql.models import load_model
+from larql.models.rope import RopeSpec
 from tiny_models import TinyModel, build_tiny_model, random_ids
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,6 +108,48 @@ def test_gated_product_equals_silu_times_up_then_linear_then_add(
     assert not torch.allclose(got.cpu(), plain, **_tolerance(dtype))
 
 
+def _rope_inputs(heads: int, dim: int, position: int, dtype: torch.dtype):
+    table = RopeTable(RopeSpec(base=10000.0, rotary_dim=dim), dtype, torch.device(DEVICE))
+    return table.slice(position, 1)  # cos, sin: [1, dim]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("k", "blocks"), [(64, None), (100, None), (576, (4, 64, 4))])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_normed_product_with_rope_equals_norm_linear_then_rope(
+    gemv_with, dtype, k, blocks, with_bias
+) -> None:
+    """Five heads of 16 (three rotated, as q and k; two not, as v), a position far enough that
+    every pair turns."""
+    gemv = gemv_with(blocks)
+    heads, dim, rotated = 5, 16, 3
+    t = _inputs(heads * dim, k, dtype, seed=k)
+    bias = t["bias"] if with_bias else None
+    cos, sin = _rope_inputs(heads, dim, position=37, dtype=dtype)
+    assert gemv.rope_fits(dim, dim, heads * dim)
+    got = gemv.normed_gemv_rope(t["h"], t["norm"], 1e-5, t["weight"], bias, cos, sin, rotated, dim)
+    cpu_bias = bias.cpu() if bias is not None else None
+    product = F.linear(_torch_norm(t["h"], t["norm"]), t["weight"].cpu(), cpu_bias)  # [1, N]
+    heads_first = product.view(heads, 1, dim)  # [heads, S, D], as the layer rotates them
+    expected = torch.cat(
+        (apply_rope(heads_first[:rotated], cos.cpu(), sin.cpu()), heads_first[rotated:])
+    )
+    assert got.shape == (1, heads * dim) and got.dtype == dtype
+    torch.testing.assert_close(got.cpu().view(heads, 1, dim), expected, **_tolerance(dtype))
+    # the rotation is really applied to the first heads only
+    assert not torch.allclose(
+        got.cpu()[:, : rotated * dim], product[:, : rotated * dim], **_tolerance(dtype)
+    )
+
+
+def test_rope_is_folded_only_where_a_program_holds_whole_pairs(gemv_with) -> None:
+    gemv = gemv_with(None)
+    assert gemv.rope_fits(64, 64, 3072)
+    assert not gemv.rope_fits(64, 32, 3072)  # partial rotary: the separate RoPE launch
+    assert not gemv.rope_fits(6, 6, 36)  # a program's rows do not divide a head
+    assert not gemv.rope_fits(64, 64, 3000)  # not whole heads
+
+
 def test_the_folded_products_run_only_on_one_cuda_row() -> None:
     weight, row = torch.zeros(4, 3), torch.zeros(1, 3)
     assert gemv_kernels(row, weight) is None  # a CPU row keeps torch's operators
@@ -145,6 +189,8 @@ def test_decode_steps_through_the_folded_products_match_transformers(
         normed_gemv = counted("normed_gemv")
         residual_gemv = counted("residual_gemv")
         gated_residual_gemv = counted("gated_residual_gemv")
+        normed_gemv_rope = counted("normed_gemv_rope")
+        rope_fits = staticmethod(gemv.rope_fits)
 
     def kernels_for(x: torch.Tensor, weight: torch.Tensor):
         one_row = x.dim() == 2 and x.shape[0] == 1 and weight.is_contiguous()
@@ -157,10 +203,11 @@ def test_decode_steps_through_the_folded_products_match_transformers(
     model = load_model(str(tiny.directory), dtype=torch.float32, device=DEVICE)
     ours = teacher_forced(model, "standard", ids, prompt).cpu()
     layers = model.config.num_layers
-    # per decode step and layer: QKV and gate/up, output, down (the LM head takes the logged
-    # rows together here); on CUDA the step is captured once in a graph and replayed
+    # per decode step and layer: QKV with RoPE, gate/up, output, down (the LM head takes the
+    # logged rows together here); on CUDA the step is captured once in a graph and replayed
     steps = len(ids) - prompt if DEVICE == "cpu" else 1
-    assert calls["normed_gemv"] >= steps * 2 * layers
+    assert calls["normed_gemv_rope"] >= steps * layers
+    assert calls["normed_gemv"] >= steps * layers
     assert calls["residual_gemv"] >= steps * layers
     assert calls["gated_residual_gemv"] >= steps * layers
     assert (ours - theirs[prompt - 1 :]).abs().max().item() < 1e-4 * theirs.abs().max().item()

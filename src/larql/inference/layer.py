@@ -26,7 +26,7 @@ from larql.inference.fused import activation_bits, attention_kernels, fused_kern
 from larql.inference.linear import kernel_rows, linear
 from larql.inference.norm import LOW_PRECISION, rms_norm
 from larql.inference.rope import RopeTable, apply_rope
-from larql.inference.row_products import normed_linear, residual_linear
+from larql.inference.row_products import normed_linear, normed_linear_rope, residual_linear
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kernels import DecodeAttention
 from larql.models.model import Model
@@ -174,6 +174,22 @@ def project_qkv_with_rope(
             cos.contiguous(), sin.contiguous(), heads + kv_heads, dim, activation_bits(blocks),
         )  # fmt: skip  # [S, q_dim + 2·kv_dim]
         q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
+        return (
+            q.view(s, heads, dim).transpose(0, 1),
+            k.view(s, kv_heads, dim).transpose(0, 1),
+            v.view(s, kv_heads, dim).transpose(0, 1),
+        )
+    if (
+        plain
+        and (
+            rotated := normed_linear_rope(
+                h, lw.attn_norm, cfg.norm_eps, lw.wqkv, lw.bqkv, cos, sin, heads + kv_heads, dim
+            )
+        )
+        is not None
+    ):
+        # a decode row on CUDA: norm, product and q and k's RoPE in one launch
+        q, k, v = rotated.split([q_dim, kv_dim, kv_dim], dim=-1)  # [1, ·] each
         return (
             q.view(s, heads, dim).transpose(0, 1),
             k.view(s, kv_heads, dim).transpose(0, 1),

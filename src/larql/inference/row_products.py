@@ -1,7 +1,8 @@
-"""A layer's products with the step before or after them: the norm before a product, the residual
-add after one, SiLU(gate) · up before the down product. For a decode row on CUDA each is one
-launch (`larql.kernels.gemv`); everywhere else they are the operators themselves (`rms_norm`,
-`linear`, `silu_mul`, `+`), which stay the reference the kernels are tested against."""
+"""A layer's products with the step before or after them: the norm before a product (and RoPE
+after the QKV product), the residual add after one, SiLU(gate) · up before the down product. For
+a decode row on CUDA each is one launch (`larql.kernels.gemv`); everywhere else they are the
+operators themselves (`rms_norm`, `linear`, `apply_rope`, `silu_mul`, `+`), which stay the
+reference the kernels are tested against."""
 
 from __future__ import annotations
 
@@ -25,6 +26,26 @@ def normed_linear(
     if (kernels := gemv_kernels(h, weight)) is not None:
         return kernels.normed_gemv(h, norm, eps, weight, bias)
     return linear(rms_norm(h, norm, eps), weight, bias, blocks)
+
+
+def normed_linear_rope(
+    h: torch.Tensor,
+    norm: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotated_heads: int,
+    head_dim: int,
+) -> torch.Tensor | None:
+    """linear(rms_norm(h, norm, eps), weight, bias) with the first `rotated_heads` heads of
+    head_dim rotated (`apply_rope`, cos and sin [1, rotary_dim]), in one launch where the
+    kernels run it (h [1, K] → [1, N]); None elsewhere (the caller runs the product and RoPE)."""
+    kernels = gemv_kernels(h, weight)
+    if kernels is None or not kernels.rope_fits(head_dim, cos.shape[-1], weight.shape[0]):
+        return None
+    return kernels.normed_gemv_rope(h, norm, eps, weight, bias, cos, sin, rotated_heads, head_dim)
 
 
 def residual_linear(

@@ -1,19 +1,21 @@
 """A decode step's one-row products (GEMVs) on CUDA, each with the small launch before or after
-it folded in: the RMS norm before the QKV and gate/up products (and the LM head), SiLU(gate) · up
-before the down product, the residual add after the output and down products.
+it folded in: the RMS norm before the QKV and gate/up products (and the LM head), RoPE after the
+QKV product, SiLU(gate) · up before the down product, the residual add after the output and down
+products.
 
 In a graph-replayed decode step on an H200 each of those small launches costs ~1.5–2 µs however
-little it computes, and a layer had seven of them beside its four products. Folded in, a layer
-launches four products, RoPE, the K/V row write and its attention. The product itself is a plain
-GEMV: each program reduces `BN` whole output rows, `BK` columns at a time, in float32, and the
-weight is read once. Where a row fits one tile, a program reads its weights before it waits for
-the previous launch (`dependent_launch`): no launch writes a weight, and the read then overlaps
-the end of the launch before.
+little it computes, and a layer had eight of them beside its four products. Folded in, a layer
+launches four products, the K/V row write and its attention. The product itself is a plain GEMV:
+each program reduces `BN` whole output rows, `BK` columns at a time, in float32, and the weight is
+read once. Each program reads its first tile of the weight (a row of up to `BK`: all of it)
+before it waits for the previous launch (`dependent_launch`): no launch writes a weight, and the
+read then overlaps the end of the launch before.
 
 The roundings are torch's, in the same order, so each result equals the unfused operators' up to
 the order of the product's sum: the normalised row rounded to the dtype before × weight (as
 `larql.inference.norm.rms_norm`), SiLU(gate) rounded before × up, the product rounded (after its
-bias) before the residual is added.
+bias) before the residual is added, and RoPE's x·cos rounded before the multiply-add (as
+`larql.inference.rope.apply_rope`).
 """
 
 from __future__ import annotations
@@ -90,30 +92,25 @@ def _gemv_kernel(
     rows = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN]
     inside = rows < n
     starts = rows.to(tl.int64) * K if WIDE else rows * K  # [BN] each row's first weight
-    if K <= BK:
-        # The program's whole [BN, K] slice of the weight in one tile. No launch writes a
-        # weight, so it is read before waiting for the previous launch: the read overlaps that
-        # launch's end.
-        cols = tl.arange(0, BK)  # [BK]
+    # The program's first [BN, BK] tile of the weight (a row of up to BK is all of it). No
+    # launch writes a weight, so it is read before waiting for the previous launch: the read
+    # overlaps that launch's end.
+    cols = tl.arange(0, BK)  # [BK]
+    present = cols < K
+    mask = inside[:, None] & present[None, :]
+    first = tl.load(w_ptr + starts[:, None] + cols[None, :], mask=mask, other=0.0)  # [BN, BK]
+    wait_for_previous(PDL)
+    scale = _norm_scale(x_ptr, eps, K, BK, PROLOGUE)
+    x = _input_chunk(x_ptr, norm_ptr, cols, present, scale, K, PROLOGUE)  # [BK]
+    acc = first.to(tl.float32) * x[None, :]  # [BN, BK]
+    for start in tl.range(BK, K, BK):  # the rest of a row wider than a tile
+        cols = start + tl.arange(0, BK)  # [BK]
         present = cols < K
-        mask = inside[:, None] & present[None, :]
-        w = tl.load(w_ptr + starts[:, None] + cols[None, :], mask=mask, other=0.0)  # [BN, BK]
-        wait_for_previous(PDL)
-        scale = _norm_scale(x_ptr, eps, K, BK, PROLOGUE)
         x = _input_chunk(x_ptr, norm_ptr, cols, present, scale, K, PROLOGUE)  # [BK]
-        y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)  # [BN]
-    else:
-        wait_for_previous(PDL)
-        scale = _norm_scale(x_ptr, eps, K, BK, PROLOGUE)
-        acc = tl.zeros([BN, BK], dtype=tl.float32)
-        for start in tl.range(0, K, BK):
-            cols = start + tl.arange(0, BK)  # [BK]
-            present = cols < K
-            x = _input_chunk(x_ptr, norm_ptr, cols, present, scale, K, PROLOGUE)  # [BK]
-            mask = inside[:, None] & present[None, :]
-            w = tl.load(w_ptr + starts[:, None] + cols[None, :], mask=mask, other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
-        y = tl.sum(acc, axis=1)  # [BN]
+        mask = inside[:, None] & present[None, :]
+        w = tl.load(w_ptr + starts[:, None] + cols[None, :], mask=mask, other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)  # [BN]
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=inside, other=0.0).to(tl.float32)
     y = y.to(y_ptr.dtype.element_ty)  # rounded, as torch's product
@@ -121,6 +118,72 @@ def _gemv_kernel(
         residual = tl.load(residual_ptr + rows, mask=inside, other=0.0).to(tl.float32)
         y = (y.to(tl.float32) + residual).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rows, y, mask=inside)
+
+
+@triton.jit
+def _normed_gemv_rope_kernel(
+    w_ptr,  # [N, K] contiguous, N a whole number of heads of D
+    x_ptr,  # [K] the input row
+    norm_ptr,  # [K] the norm's weight
+    bias_ptr,  # [N] (HAS_BIAS)
+    cos_ptr,  # [D] the row's cos, [cos θ, cos θ]
+    sin_ptr,  # [D] the row's signed sin, [−sin θ, sin θ]
+    y_ptr,  # [N]
+    rotated_heads,  # the first heads of the output are rotated (q and k), the rest not (v)
+    eps,
+    K: tl.constexpr,
+    D: tl.constexpr,  # head dim, all of it rotated
+    PAIRS: tl.constexpr,  # rotation pairs a program computes (2·PAIRS output rows)
+    BK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WIDE: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """`_gemv_kernel` with the norm before and RoPE after: each program's rows are PAIRS
+    consecutive dims of a head's first half and their partners in its second half, so the
+    rotation of each pair (x₁·cos − x₂·sin, x₂·cos + x₁·sin) needs no other program's result."""
+    half: tl.constexpr = D // 2
+    pid = tl.program_id(0)
+    head = pid // (half // PAIRS)
+    first = head * D + (pid % (half // PAIRS)) * PAIRS  # the program's first row
+    dims = (first - head * D) + tl.arange(0, PAIRS)  # [PAIRS] dims of the first half
+    rows = first + tl.arange(0, PAIRS)[:, None] + half * tl.arange(0, 2)[None, :]  # [PAIRS, 2]
+    starts = rows.to(tl.int64) * K if WIDE else rows * K
+    cols = tl.arange(0, BK)  # [BK]
+    present = cols < K
+    # the first tile read before the wait, as in `_gemv_kernel`
+    first = tl.load(
+        w_ptr + starts[:, :, None] + cols[None, None, :], mask=present[None, None, :], other=0.0
+    )  # [PAIRS, 2, BK]
+    wait_for_previous(PDL)
+    scale = _norm_scale(x_ptr, eps, K, BK, 1)
+    x = _input_chunk(x_ptr, norm_ptr, cols, present, scale, K, 1)  # [BK]
+    acc = first.to(tl.float32) * x[None, None, :]  # [PAIRS, 2, BK]
+    for start in tl.range(BK, K, BK):
+        cols = start + tl.arange(0, BK)
+        present = cols < K
+        x = _input_chunk(x_ptr, norm_ptr, cols, present, scale, K, 1)
+        offsets = starts[:, :, None] + cols[None, None, :]
+        w = tl.load(w_ptr + offsets, mask=present[None, None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, None, :]
+    y = tl.sum(acc, axis=2)  # [PAIRS, 2]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows).to(tl.float32)
+    dtype = y_ptr.dtype.element_ty
+    y = y.to(dtype)  # rounded, as torch's product
+    low, high = tl.split(y)  # [PAIRS] each: a dim of the first half, its partner
+    cos_low = tl.load(cos_ptr + dims).to(tl.float32)
+    cos_high = tl.load(cos_ptr + half + dims).to(tl.float32)
+    sin_low = tl.load(sin_ptr + dims).to(tl.float32)
+    sin_high = tl.load(sin_ptr + half + dims).to(tl.float32)
+    # x·cos rounded before the multiply-add, as `apply_rope` and the RoPE launch compute it
+    low_cos = (low.to(tl.float32) * cos_low).to(dtype).to(tl.float32)
+    high_cos = (high.to(tl.float32) * cos_high).to(dtype).to(tl.float32)
+    rotated = tl.join(
+        (low_cos + high.to(tl.float32) * sin_low).to(dtype),
+        (high_cos + low.to(tl.float32) * sin_high).to(dtype),
+    )  # [PAIRS, 2]
+    tl.store(y_ptr + rows, tl.where(head < rotated_heads, rotated, y))
 
 
 def _shape(out_features: int, in_features: int) -> tuple[int, int, int]:
@@ -183,3 +246,38 @@ def gated_residual_gemv(
     """h + (SiLU(gate) · up) · weightᵀ in one launch, gate and up the halves of gate_up.
     h: [1, N]; gate_up: [1, 2·K]; weight: [N, K] → [1, N]."""
     return _launch(weight, _row(gate_up), GATED, residual=_row(h))
+
+
+def rope_fits(head_dim: int, rotary_dim: int, out_features: int) -> bool:
+    """Whether `normed_gemv_rope` computes a product of `out_features` rows in heads of
+    `head_dim`, rotated over `rotary_dim` dims: the whole head rotated, and a program's rows
+    (`_shape`'s BN: half of them in each half of a head) dividing it."""
+    rows = _shape(out_features, 1)[0]
+    return rotary_dim == head_dim and head_dim % rows == 0 and out_features % head_dim == 0
+
+
+def normed_gemv_rope(
+    h: torch.Tensor,
+    norm: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotated_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """rms_norm(h) · weightᵀ (+ bias), the first `rotated_heads` heads of the result rotated
+    (as `apply_rope` rotates each head's halves), in one launch. h: [1, K]; norm: [K]; weight:
+    [N, K] contiguous, N a multiple of head_dim (`rope_fits`); cos, sin: [1, head_dim] of the
+    `RopeTable` → [1, N]."""
+    out_features, in_features = weight.shape
+    out = torch.empty((1, out_features), dtype=h.dtype, device=h.device)
+    block_n, block_k, warps = _shape(out_features, in_features)
+    _normed_gemv_rope_kernel[(out_features // block_n,)](
+        weight, _row(h), norm, bias if bias is not None else out, _row(cos), _row(sin), out,
+        rotated_heads, eps, K=in_features, D=head_dim, PAIRS=block_n // 2, BK=block_k,
+        HAS_BIAS=bias is not None, WIDE=weight.numel() >= 2**31, num_warps=warps,
+        **dependent_options(h.device),
+    )  # fmt: skip
+    return out
