@@ -79,6 +79,7 @@ class StaticCache:
         # "auto"/"triton": larql's decode kernel where Triton runs (else SDPA); "sdpa"
         self.attention = attention
         self._keys: list[torch.Tensor] | None = None  # per layer [Hkv, capacity, D]
+        self._capacity = 0  # rows each buffer holds (read every batched step, for every session)
         self._values: list[torch.Tensor] | None = None
         self._inputs: StepInputs | None = None
         self._graph = CapturedStep()
@@ -87,7 +88,7 @@ class StaticCache:
 
     @property
     def capacity(self) -> int:
-        return 0 if self._keys is None else self._keys[0].shape[1]
+        return self._capacity
 
     def describe(self) -> str:
         attention = "triton" if self._kernel is not None else "sdpa"
@@ -198,6 +199,7 @@ class StaticCache:
             n = old_k[0].shape[1]
             for new, old in zip(self._keys + self._values, old_k + old_v, strict=True):
                 new[:, :n] = old
+        self._capacity = capacity
         reserve_rope(model, capacity)
         self._offsets = None
         self._inputs = StepInputs(model.device)
