@@ -1,7 +1,8 @@
 """A decode row's products on a GPU: `larql.kernels.gemv`'s folded launches (the norm before,
 RoPE after the QKV product, SiLU · up before, the residual add after) against cuBLAS's
 `F.linear` alone and against the unfused sequence (for RoPE: the folded norm and product, then
-the RoPE launch), at a Llama-3.2-1B layer's matrices (and its LM head) by default. Each
+the RoPE launch), at a Llama-3.2-1B layer's matrices (and its LM head) by default, and the
+greedy pick over the LM head's logits (torch's argmax against `larql.kernels.argmax`). Each
 shape's weight is copied until the copies outgrow the L2 cache, the copies are called in turn
 inside a captured CUDA graph, and the time a call is reported with the bandwidth it makes;
 `--sweep` also times the launch's block shapes (rows a program, columns a tile, warps) so the
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 import triton
 
 from larql.kernels import elementwise, gemv
+from larql.kernels.argmax import argmax_rows
 
 L2_COPIES_BYTES = 128 * 2**20  # more than an H200's 50 MB of L2
 
@@ -108,6 +110,10 @@ def main() -> None:
         "lm_head": (args.vocab, h, "normed"),
     }
     generator = torch.Generator(device="cuda").manual_seed(0)
+    logits = [torch.randn(1, args.vocab, generator=generator, device="cuda").bfloat16()] * 16
+    torch_pick = graph_time_us(lambda: [torch.argmax(row[0]) for row in logits]) / 16
+    kernel_pick = graph_time_us(lambda: [argmax_rows(row) for row in logits]) / 16
+    print(f"pick [1 x {args.vocab}] bf16: torch {torch_pick:.2f} us, kernel {kernel_pick:.2f} us")
     default_shape = gemv._shape
     rotated_heads = (args.qkv - args.kv) // args.head_dim  # q and k
     angles = torch.rand(1, args.head_dim // 2, device="cuda") * 6.28
