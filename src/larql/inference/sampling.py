@@ -42,8 +42,8 @@ _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits: [B, V] → each row's argmax, [B] int64 on the logits' device, not waited for
     (the first of equal maxima, as torch's). On CUDA two short launches
-    (`larql.kernels.argmax`): torch's one reduction over a 128,256-wide row took ~16 µs of a
-    ~1 ms decode step on an H200."""
+    (`larql.kernels.argmax`): torch's one reduction over a 128,256-wide row took 26 µs of a
+    ~1 ms decode step on an H200 (these 2.2)."""
     if (kernel := argmax_kernel(logits)) is not None:
         return kernel(logits)
     return logits.argmax(-1)
