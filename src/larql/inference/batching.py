@@ -42,13 +42,19 @@ def batch_groups(engines: Sequence[Engine]) -> list[list[int]]:
 
 
 def decode_batch(
-    engines: Sequence[Engine], model: Model, ffn: FfnBackend, token_ids: Sequence[int]
+    engines: Sequence[Engine],
+    model: Model,
+    ffn: FfnBackend,
+    token_ids: Sequence[int] | torch.Tensor,
 ) -> torch.Tensor:
     """Append token_ids[i] to engines[i] at its next position, all in one step → each engine's
-    hidden [B, H] (row i as `engines[i].decode_step` would return it)."""
+    hidden [B, H] (row i as `engines[i].decode_step` would return it). token_ids may be a
+    [B] int64 tensor on the model's device (the picks of a step not yet read: nothing waits
+    for them); then even one engine takes the batched step."""
     if len(engines) != len(token_ids) or not engines:
         raise InvariantViolation("decode_batch needs one token per engine, and at least one")
-    if len(engines) == 1:
+    on_device = isinstance(token_ids, torch.Tensor)
+    if len(engines) == 1 and not on_device:
         return engines[0].decode_step(model, ffn, token_ids[0])
     if len({id(engine) for engine in engines}) != len(engines):
         raise InvariantViolation("an engine appears twice in one batch")
@@ -57,7 +63,8 @@ def decode_batch(
         raise InvariantViolation("these engines do not batch together (batch_key differs)")
     for engine in engines:
         engine._require_prefill()
-    rows, inputs = embed_rows(model, token_tensor(model, list(token_ids)))  # [B, H], …
+    ids = token_ids if on_device else token_tensor(model, list(token_ids))  # [B]
+    rows, inputs = embed_rows(model, ids)  # [B, H], …
     hidden = type(engines[0])._step_batch(engines, model, ffn, rows, inputs)
     for engine in engines:
         engine.position += 1

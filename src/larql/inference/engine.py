@@ -219,6 +219,15 @@ class Engine(ABC):
         (positions are advanced by the caller)."""
         raise BackendUnavailable(f"{cls.name} cannot decode in a batch")
 
+    def withdraws_steps(self) -> bool:
+        """Whether `withdraw_step` can take this engine's last decode step back exactly."""
+        return False
+
+    def withdraw_step(self) -> None:
+        """Take the last decode step back: it was launched before the step that ended the
+        session had been read (`larql.inference.lookahead`). Only where `withdraws_steps`."""
+        raise BackendUnavailable(f"{self.name} cannot take a decode step back")
+
     @property
     def prefilled(self) -> bool:
         """Whether a prompt (or its first chunk) is in."""

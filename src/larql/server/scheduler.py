@@ -44,6 +44,7 @@ from larql.inference.generation import (
 )
 from larql.inference.linear import rows_per_pass
 from larql.inference.logprobs import TokenLogprob, prompt_logprobs, token_logprob
+from larql.inference.lookahead import Lookahead, goes_ahead
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.sampling import Sampler, SamplingParams
 from larql.kv.catalog import parse_engine
@@ -214,8 +215,16 @@ MEMORY_EVERY_TOKENS = 16
 
 class Scheduler:
     def __init__(
-        self, model: Model, ffn: FfnBackend, limits: SchedulerLimits, metrics: ServerMetrics
+        self,
+        model: Model,
+        ffn: FfnBackend,
+        limits: SchedulerLimits,
+        metrics: ServerMetrics,
+        step_ahead: bool | None = None,
     ) -> None:
+        """`step_ahead`: batched greedy decode steps are queued before the step before them is
+        read (`larql.inference.lookahead`); None: where the model is on CUDA (on the CPU the
+        host does the computing, so there is nothing to overlap)."""
         self.model = model
         self.ffn = ffn
         self.limits = limits
@@ -229,6 +238,9 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()  # the loop has ended
         self._rows_per_pass = rows_per_pass(model)
+        self._step_ahead = model.device.type == "cuda" if step_ahead is None else step_ahead
+        self._ahead = Lookahead()
+        self._ahead_sessions: dict[int, Session] = {}  # id(generation) → its session
         metrics.watch_engine_memory(self.memory_by_engine)
 
     # ------------------------------------------------------------------ called from the event loop
@@ -317,12 +329,22 @@ class Scheduler:
                     break
                 batch = self._pick()
             with _turn_events():
-                if len(batch) == 1:
-                    self._advance(batch[0])
-                else:
-                    self._advance_together(batch)
+                self._turn(batch)
         self._shut_down()
         self._stopped.set()
+
+    def _turn(self, batch: list[Session]) -> None:
+        """One step for the picked sessions: a step ahead where it goes ahead, else (after the
+        step queued ahead is delivered) alone or together."""
+        if self._goes_ahead(batch):
+            self._advance_ahead(batch)
+            return
+        self._drain_ahead()
+        batch = [s for s in batch if not s.ended]
+        if len(batch) == 1:
+            self._advance(batch[0])
+        elif batch:
+            self._advance_together(batch)
 
     def _pick(self) -> list[Session]:
         """The next step's sessions (lock held). With nothing decoding, new prompts go in whole:
@@ -456,13 +478,7 @@ class Scheduler:
                 tokens = list(step_together(generations))
         except Exception as e:
             log.exception("batched step failed")
-            for session in batch:
-                if isinstance(e, LarqlError):
-                    session.emit(error_event(e))
-                else:
-                    message = f"internal error in a batched step: {type(e).__name__}: {e}"
-                    session.emit(ErrorEvent(500, message, "server_error"))
-                self._retire(session, "error")
+            self._fail_batch(batch, e)
             return
         now = time.perf_counter()
         for session, token, rode in zip(batch, tokens, riding, strict=True):
@@ -474,6 +490,68 @@ class Scheduler:
                 self.metrics.time_per_output_token.observe(now - session.last_token_at)
             session.last_token_at = now
             self._deliver(session, token)
+
+    def _goes_ahead(self, batch: list[Session]) -> bool:
+        """Whether this turn's step is queued a step ahead: step-ahead is on, and the batch
+        is two or more decoding greedy sessions that `goes_ahead` (no prompt riding)."""
+        if not self._step_ahead or len(batch) < 2:
+            return False
+        if any(s.cancelled or s.generation is None or not s.generation.started for s in batch):
+            return False
+        return goes_ahead([s.generation for s in batch if s.generation is not None])
+
+    def _advance_ahead(self, batch: list[Session]) -> None:
+        """Queue this batch's step, then deliver the tokens of the step queued before (which
+        may hold other sessions too). A failure ends every session in either step."""
+        now = time.perf_counter()
+        for session in [s for s in batch if now >= s.deadline]:
+            session.emit(self._timeout_event())
+            self._retire(session, "timeout")
+        batch = [s for s in batch if not s.ended]
+        generations = [s.generation for s in batch if s.generation is not None]
+        self._ahead_sessions.update((id(g), s) for g, s in zip(generations, batch, strict=True))
+        try:
+            read = self._ahead.advance(generations)
+        except Exception as e:
+            log.exception("batched step failed")
+            failed = {id(s): s for s in [*batch, *self._ahead_sessions.values()]}
+            self._ahead, self._ahead_sessions = Lookahead(), {}
+            self._fail_batch(list(failed.values()), e)
+            return
+        self._deliver_read(read)
+
+    def _drain_ahead(self) -> None:
+        """Deliver the step queued ahead, if any, before the sessions step any other way."""
+        if self._ahead.in_flight:
+            self._deliver_read(self._ahead.drain())
+
+    def _deliver_read(self, read: list[tuple[GenerationSession, int]]) -> None:
+        """Deliver the tokens a step-ahead read gave; a session the delivery ends (a stop
+        string) has its next queued step taken back."""
+        sessions = self._ahead_sessions
+        now = time.perf_counter()
+        for generation, token in read:
+            session = sessions.get(id(generation))
+            if session is None or session.ended or session.generation is not generation:
+                continue  # ended while its step was queued (cancelled, timed out)
+            self.metrics.time_per_output_token.observe(now - session.last_token_at)
+            session.last_token_at = now
+            self._deliver(session, token)
+            if generation.finished:
+                self._ahead.withdraw(generation)
+        self._ahead_sessions = {id(g): sessions[id(g)] for g in self._ahead.in_flight}
+
+    def _fail_batch(self, batch: list[Session], error: Exception) -> None:
+        """A shared step failed: every session in it ends with the error."""
+        for session in batch:
+            if session.ended:
+                continue
+            if isinstance(error, LarqlError):
+                session.emit(error_event(error))
+            else:
+                message = f"internal error in a batched step: {type(error).__name__}: {error}"
+                session.emit(ErrorEvent(500, message, "server_error"))
+            self._retire(session, "error")
 
     def _admit(self) -> None:
         """Between two steps: free cancelled sessions, drop timed-out queued ones, then fill free

@@ -19,6 +19,7 @@ from larql.inference.batching import batch_groups
 from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import GenerationSession, step_together
+from larql.inference.lookahead import Lookahead, goes_ahead
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 
@@ -29,6 +30,7 @@ class BatchRow:
     depth: int
     batch: int
     batched: bool | None = None  # the sessions took each step in one forward pass
+    ahead: bool | None = None  # each step was queued before the one before it was read
     tok_s: float | None = None  # aggregate: batch × steps / time
     ms_per_token: float | None = None  # per stream: one step's time
     memory_per_session: int | None = None  # bytes an engine holds after the steps
@@ -40,8 +42,9 @@ class BatchRow:
 
 def _one_run(
     model: Model, ffn: FfnBackend, kind: EngineSpec, ids: list[int], batch: int, s: BenchSettings
-) -> tuple[float, bool, int]:
-    """→ (seconds for the timed steps, whether they batched, memory per session)."""
+) -> tuple[float, bool, bool, int]:
+    """→ (seconds for the timed steps, whether they batched, whether they went a step ahead,
+    memory per session)."""
     steps = s.warmup + s.new_tokens
     sessions = [
         GenerationSession(kind.build(model), model, ffn, ids, steps + 1, stop_ids=frozenset())
@@ -51,9 +54,13 @@ def _one_run(
         session.prefill()
     groups = [[sessions[i] for i in group] for group in batch_groups([x.engine for x in sessions])]
 
+    ahead = {i: Lookahead() for i, group in enumerate(groups) if _goes_ahead(group)}
+
     def step() -> None:
-        for group in groups:
-            if len(group) > 1:
+        for i, group in enumerate(groups):
+            if i in ahead:
+                ahead[i].advance(group)
+            elif len(group) > 1:
                 step_together(group)
             else:
                 group[0].step()
@@ -64,9 +71,18 @@ def _one_run(
     t0 = time.perf_counter()
     for _ in range(s.new_tokens):
         step()
+    for lookahead in ahead.values():
+        lookahead.drain()
     sync(model.device)
     elapsed = time.perf_counter() - t0
-    return elapsed, len(groups) == 1 and batch > 1, sessions[0].engine.memory().total
+    batched = len(groups) == 1 and batch > 1
+    return elapsed, batched, bool(ahead), sessions[0].engine.memory().total
+
+
+def _goes_ahead(group: list[GenerationSession]) -> bool:
+    """Batched steps go a step ahead on CUDA, as the server steps them there (on the CPU the
+    host is the one computing: nothing to overlap)."""
+    return len(group) > 1 and group[0].model.device.type == "cuda" and goes_ahead(group)
 
 
 def bench_batches(
@@ -87,7 +103,7 @@ def bench_batches(
                 if row.error is not None:
                     continue
                 try:
-                    elapsed, row.batched, row.memory_per_session = _one_run(
+                    elapsed, row.batched, row.ahead, row.memory_per_session = _one_run(
                         model, ffn, kind, ids, batch, settings
                     )
                 except EngineError as e:

@@ -91,7 +91,8 @@ def batch_table(report: BenchReport) -> Table:
     table = Table(
         title="batched decode: B sessions of one engine at once",
         caption="aggregate = B tokens per step; ×B=1 = aggregate over the same engine's one "
-        "session; batched = one forward pass per step (else the sessions step in turn)",
+        "session; batched = one forward pass per step (else the sessions step in turn), "
+        "ahead = each step queued before the one before it was read",
         caption_justify="left",
     )
     columns = ["engine", "context", "B", "batched", "aggregate tok/s", "× B=1",
@@ -106,7 +107,8 @@ def batch_table(report: BenchReport) -> Table:
         base = single.get((row.spec, row.depth))
         ratio = f"{row.tok_s / base:.2f}" if base and row.tok_s else "—"
         table.add_row(
-            row.spec, str(row.depth), str(row.batch), "yes" if row.batched else "no",
+            row.spec, str(row.depth), str(row.batch),
+            ("yes, ahead" if row.ahead else "yes") if row.batched else "no",
             shown(row.tok_s, ".1f"), ratio, shown(row.ms_per_token, ".2f"),
             _mib(row.memory_per_session),
         )  # fmt: skip

@@ -115,6 +115,17 @@ class StandardEngine(KvEngine):
             return None
         return (type(self), self.window)
 
+    def withdraws_steps(self) -> bool:
+        """The static cache holds every position's row in place and reads none past the
+        position, so moving the position back undoes a step."""
+        return self.fast_path is not None
+
+    def withdraw_step(self) -> None:
+        if self.fast_path is None:
+            super().withdraw_step()
+        self._require_prefill()
+        self.position -= 1
+
     def prompt_batch_key(self, model: Model) -> Hashable | None:
         """A fresh eager engine's prompt may ride in the eager engines' steps."""
         if self._static(model) or self.sinks:

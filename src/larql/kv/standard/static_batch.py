@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from larql.inference.ffn import FfnBackend
+from larql.inference.host_copy import ints_to_device
 from larql.inference.layer import (
     attend_static,
     attention_output,
@@ -57,6 +58,7 @@ class _BucketStep:
     graph: CapturedStep = field(default_factory=CapturedStep)
     # the sessions' buffer offsets (each cache's own list) and capacities `meta` holds now
     layout: list[tuple[list[int], int]] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # the positions `meta` holds now
 
 
 class BatchedStaticStep:
@@ -124,7 +126,9 @@ class BatchedStaticStep:
         """The rows' positions, capacities and buffer offsets into `inputs.meta`. The same
         sessions as the bucket's last step, none of whose buffers moved, change only their
         positions: one row copied instead of the whole table (which, built from Python lists,
-        cost more host time than the step's launches for 64 sessions)."""
+        cost more host time than the step's launches for 64 sessions), or, where each moved
+        one on, one row incremented on the device. No copy waits for the device, so this
+        step may be queued while the one before runs."""
         layout = [(cache.buffer_offsets(self.anchor), cache.capacity) for cache in caches]
         same = len(layout) == len(inputs.layout) and all(
             offsets is before and capacity == capacity_before
@@ -132,16 +136,23 @@ class BatchedStaticStep:
                 layout, inputs.layout, strict=True
             )
         )
+        count = len(caches)
         if same:
-            inputs.meta[0, : len(caches)].copy_(torch.tensor(positions, dtype=torch.long))
+            before = inputs.positions
+            if all(now == then + 1 for now, then in zip(positions, before, strict=True)):
+                inputs.meta[0, :count] += 1
+            else:
+                inputs.meta[0, :count].copy_(ints_to_device(positions, inputs.meta.device))
+            inputs.positions = list(positions)
             return
         meta = [
             [position, capacity, *offsets]
             for (offsets, capacity), position in zip(layout, positions, strict=True)
         ]
-        meta += [self._pad_meta] * (inputs.rows.shape[0] - len(caches))
-        inputs.meta.copy_(torch.tensor(meta, dtype=torch.long).T)
-        inputs.layout = layout
+        meta += [self._pad_meta] * (inputs.rows.shape[0] - count)
+        table = [value for column in zip(*meta, strict=True) for value in column]
+        inputs.meta.copy_(ints_to_device(table, inputs.meta.device).view(inputs.meta.shape))
+        inputs.layout, inputs.positions = layout, list(positions)
 
     def _inputs(self, model: Model, size: int, capacity: int) -> _BucketStep:
         key = (size, capacity)

@@ -1,0 +1,159 @@
+"""Batched greedy decode a step ahead (`larql.inference.lookahead`): each session's tokens, its
+finish and its engine's position are those of stepping it alone, also where a stop token, a
+caller's stop or a budget ends a session whose next step is already queued (that step is taken
+back). Real default model; `standard`'s static path (eager on the CPU, and through the batched
+attention kernel in Triton's interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import kernel_module, model_for_kernels
+from larql.inference.errors import BackendUnavailable
+from larql.inference.ffn import DenseFfn
+from larql.inference.generation import GenerationSession
+from larql.inference.lookahead import Lookahead, goes_ahead
+from larql.inference.sampling import Sampler, SamplingParams
+from larql.kv.standard import StandardEngine
+from larql.models import Model
+
+PROMPTS = ["The capital of France is", "Alice put the red ball in the box, and Bob", "One two"]
+
+
+def _sessions(
+    model: Model, budgets: list[int], stop_ids: frozenset[int] = frozenset()
+) -> list[GenerationSession]:
+    ffn = DenseFfn(model)
+    sessions = []
+    for prompt, budget in zip(PROMPTS, budgets, strict=True):
+        engine = StandardEngine(static=True)
+        ids = model.tokenizer.encode(prompt)
+        sessions.append(GenerationSession(engine, model, ffn, ids, budget, stop_ids=stop_ids))
+    for session in sessions:
+        session.prefill()
+    return sessions
+
+
+def _alone(model: Model, budgets: list[int], stop_ids: frozenset[int] = frozenset()):
+    sessions = _sessions(model, budgets, stop_ids)
+    for session in sessions:
+        while not session.finished:
+            session.step()
+    return sessions
+
+
+def _ahead(sessions: list[GenerationSession]) -> list[tuple[GenerationSession, int]]:
+    lookahead = Lookahead()
+    read = []
+    while any(not s.finished for s in sessions):
+        read += lookahead.advance(sessions)
+    return read + lookahead.drain()
+
+
+def _same_as_alone(ahead: list[GenerationSession], alone: list[GenerationSession]) -> None:
+    for a, b in zip(ahead, alone, strict=True):
+        assert a.tokens == b.tokens
+        assert a.finish_reason == b.finish_reason
+        assert a.engine.position == b.engine.position
+
+
+@pytest.mark.slow
+def test_sessions_a_step_ahead_get_their_tokens_alone(smollm2: Model) -> None:
+    budgets = [7, 4, 9]  # each ends at its own step; no step is launched past a budget
+    alone = _alone(smollm2, budgets)
+    sessions = _sessions(smollm2, budgets)
+    read = _ahead(sessions)
+    _same_as_alone(sessions, alone)
+    assert len({tuple(s.tokens) for s in sessions}) == len(PROMPTS)
+    assert [token for session, token in read if session is sessions[0]] == sessions[0].tokens[1:]
+    for a, b in zip(sessions, alone, strict=True):
+        assert a.logits is not None and b.logits is not None
+        assert torch.allclose(a.logits, b.logits, atol=1e-3, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_stop_token_takes_back_the_step_queued_after_it(smollm2: Model) -> None:
+    """A token the first session picks a few steps in (and no session picks before) is made a
+    stop: its next step was queued before the stop was read, and is taken back (its engine
+    ends where it ends alone)."""
+    free = _alone(smollm2, [10, 10, 10])
+    others = set(free[1].tokens) | set(free[2].tokens)
+    tokens = free[0].tokens
+    at = next(i for i in range(2, 9) if tokens[i] not in others and tokens[i] not in tokens[:i])
+    stop = frozenset({tokens[at]})
+    alone = _alone(smollm2, [10, 10, 10], stop)
+    assert alone[0].finish_reason == "stop" and len(alone[0].tokens) == at + 1
+    assert alone[1].finish_reason == "length"
+    sessions = _sessions(smollm2, [10, 10, 10], stop)
+    _ahead(sessions)
+    _same_as_alone(sessions, alone)
+
+
+@pytest.mark.slow
+def test_a_session_the_caller_stops_loses_its_queued_step(smollm2: Model) -> None:
+    alone = _sessions(smollm2, [10, 10, 10])
+    for session in alone:
+        for _ in range(3):
+            session.step()
+    alone[1].stop()
+    sessions = _sessions(smollm2, [10, 10, 10])
+    lookahead = Lookahead()
+    for _ in range(4):  # three steps read, the fourth queued
+        lookahead.advance(sessions)
+    sessions[1].stop()
+    lookahead.withdraw(sessions[1])
+    assert sessions[1] not in lookahead.in_flight
+    lookahead.drain()
+    assert sessions[1].tokens == alone[1].tokens
+    assert sessions[1].engine.position == alone[1].engine.position
+    assert sessions[0].tokens[:4] == alone[0].tokens and len(sessions[0].tokens) == 5
+
+
+@pytest.mark.slow
+def test_sessions_may_leave_and_rejoin_a_step_ahead(smollm2: Model) -> None:
+    """Groups that change between steps: a session left out is read from the queued step, one
+    rejoining takes its last token from the host."""
+    alone = _alone(smollm2, [6, 6, 6])
+    sessions = _sessions(smollm2, [6, 6, 6])
+    lookahead = Lookahead()
+    lookahead.advance(sessions)
+    lookahead.advance(sessions[:2])
+    lookahead.advance([sessions[2], sessions[0]])
+    while any(not s.finished for s in sessions):
+        lookahead.advance(sessions)
+    lookahead.drain()
+    _same_as_alone(sessions, alone)
+
+
+@pytest.mark.slow
+def test_through_the_batched_attention_kernel(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel path reads positions from a device table the step ahead moves on in place."""
+    kernel_module("larql.kernels.batched_decode_attention")
+    model = model_for_kernels(smollm2, monkeypatch, interpreted_layers=2)
+    alone = _alone(model, [5, 3, 5])
+    sessions = _sessions(model, [5, 3, 5])
+    _ahead(sessions)
+    _same_as_alone(sessions, alone)
+
+
+def test_only_greedy_sessions_of_engines_that_take_steps_back_go_ahead(smollm2: Model) -> None:
+    ffn = DenseFfn(smollm2)
+    ids = smollm2.tokenizer.encode(PROMPTS[0])
+
+    def session(engine: StandardEngine, sampler: Sampler | None = None) -> GenerationSession:
+        made = GenerationSession(engine, smollm2, ffn, ids, 4, sampler=sampler)
+        made.prefill()
+        return made
+
+    static = [session(StandardEngine(static=True)) for _ in range(2)]
+    assert goes_ahead(static)
+    eager = [session(StandardEngine()) for _ in range(2)]
+    assert not eager[0].engine.withdraws_steps() and not goes_ahead(eager)
+    with pytest.raises(BackendUnavailable):
+        eager[0].engine.withdraw_step()
+    sampled = session(StandardEngine(static=True), Sampler(SamplingParams(temperature=0.8)))
+    assert not goes_ahead([static[0], sampled])
+    assert not goes_ahead([])
