@@ -25,7 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-from larql.kernels.decode_attention import combine_kernel, layout, partial_constants
+from larql.kernels.decode_attention import (
+    BATCH_MAX_SPLITS,
+    combine_kernel,
+    layout,
+    partial_constants,
+)
 from larql.kernels.dependent_launch import options as dependent_options
 from larql.kernels.dependent_launch import wait_for_previous
 from larql.kernels.online_softmax import block_update, soft_capped, store_split
@@ -150,7 +155,7 @@ def batched_decode_attention(
     ≤ `max_capacity`, which fixes the launch's shape. → [B, Hq·D] in q's dtype."""
     heads, batch, dim = q.shape
     kv_heads = k_new.shape[0]
-    group, gp, dp, _, splits = layout(heads, kv_heads, dim, max_capacity)
+    group, gp, dp, _, splits = layout(heads, kv_heads, dim, max_capacity, BATCH_MAX_SPLITS)
     k_new, v_new = k_new.contiguous(), v_new.contiguous()
     f32 = {"dtype": torch.float32, "device": q.device}
     m = torch.empty((batch * kv_heads, splits, gp), **f32)
@@ -171,7 +176,9 @@ def batched_decode_attention(
         window,
         softcap,
         HKV=kv_heads,
-        **partial_constants(heads, kv_heads, dim, max_capacity, window, softcap, q.dtype),
+        **partial_constants(
+            heads, kv_heads, dim, max_capacity, window, softcap, q.dtype, BATCH_MAX_SPLITS
+        ),
         **dependent_options(q.device),
     )
     # one program per (session, K/V head) = one "head" of a [B·Hkv] decode: out [B, Hq·D] is
