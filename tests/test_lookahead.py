@@ -9,12 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+import larql.kv.standard.static as static_module
 from helpers import kernel_module, model_for_kernels
 from larql.inference.errors import BackendUnavailable
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import GenerationSession
 from larql.inference.lookahead import Lookahead, goes_ahead
 from larql.inference.sampling import Sampler, SamplingParams
+from larql.kv.captured_step import next_power_of_two
 from larql.kv.standard import StandardEngine
 from larql.models import Model
 
@@ -130,13 +132,18 @@ def test_sessions_may_leave_and_rejoin_a_step_ahead(smollm2: Model) -> None:
 def test_through_the_batched_attention_kernel(
     smollm2: Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The kernel path reads positions from a device table the step ahead moves on in place."""
+    """The kernel path reads positions from a device table the step ahead moves on in place;
+    caches first allocated just above their prompts grow while steps are queued."""
     kernel_module("larql.kernels.batched_decode_attention")
     model = model_for_kernels(smollm2, monkeypatch, interpreted_layers=2)
+    monkeypatch.setattr(static_module, "initial_capacity", lambda n: next_power_of_two(n + 1))
     alone = _alone(model, [5, 3, 5])
     sessions = _sessions(model, [5, 3, 5])
+    capacities = [s.engine.fast_path.capacity for s in sessions if s.engine.fast_path]
     _ahead(sessions)
     _same_as_alone(sessions, alone)
+    grown = [s.engine.fast_path.capacity for s in sessions if s.engine.fast_path]
+    assert any(after > before for after, before in zip(grown, capacities, strict=True))
 
 
 def test_only_greedy_sessions_of_engines_that_take_steps_back_go_ahead(smollm2: Model) -> None:

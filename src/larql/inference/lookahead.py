@@ -37,12 +37,15 @@ class _Launched:
     host: torch.Tensor  # [B] int64 on the host: the picks, once `done`
     done: torch.cuda.Event | None  # recorded after the copy to `host` (None off CUDA)
     withdrawn: set[int] = field(default_factory=set)  # rows taken back: not to be accepted
+    rows: dict[int, int] = field(init=False)  # id(session) → its row
+
+    def __post_init__(self) -> None:
+        self.rows = {id(s): i for i, s in enumerate(self.sessions)}
 
     def row_of(self, session: GenerationSession) -> int | None:
-        for i, s in enumerate(self.sessions):
-            if s is session:
-                return None if i in self.withdrawn else i
-        return None
+        """The session's row, None where it has none or it was taken back."""
+        row = self.rows.get(id(session))
+        return None if row is None or row in self.withdrawn else row
 
 
 def goes_ahead(sessions: Sequence[GenerationSession]) -> bool:
