@@ -43,7 +43,7 @@ ENTRY = EngineEntry(
     "with sinks=S; SmolLM2, window 256: mean KL 1.24 alone, 0.175 with 4 sinks)",
     factory=lambda p, model: _standard(p),
     batching="yes: with standard sessions of the same window and path (not with sinks); on "
-    "CUDA the graph path replays one captured graph per batch size",
+    "CUDA the graph path replays one captured graph per batch size, greedy batches a step ahead",
 )
 
 
