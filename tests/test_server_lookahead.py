@@ -19,6 +19,7 @@ from larql.models import Model
 from larql.server.metrics import ServerMetrics
 from larql.server.scheduler import (
     DoneEvent,
+    ErrorEvent,
     Event,
     Scheduler,
     SchedulerLimits,
@@ -107,3 +108,83 @@ def test_streams_a_step_ahead_get_the_events_of_synchronous_steps(
     assert isinstance(stopped, DoneEvent) and stopped.finish_reason == "stop"
     assert stop not in _text(ahead[1]) and len(stopped.token_ids) < 12
     assert [len(x[-1].token_ids) for x in (ahead[0], ahead[2])] == [10, 6]  # type: ignore[union-attr]
+
+
+def _scheduler(model: Model, sessions: int) -> Scheduler:
+    limits = SchedulerLimits(max_sessions=sessions)
+    return Scheduler(model, DenseFfn(model), limits, ServerMetrics(), step_ahead=True)
+
+
+async def _events(session) -> list[Event]:
+    out: list[Event] = []
+    while not out or isinstance(out[-1], TokenEvent):
+        out.append(await asyncio.wait_for(session.events.get(), BOUND_S))
+    return out
+
+
+@pytest.mark.slow
+def test_a_stream_cancelled_with_its_step_queued_leaves_the_others_whole(smollm2: Model) -> None:
+    requests = [_request(smollm2, PROMPTS[0], 8), _request(smollm2, PROMPTS[1], 8)]
+    expected = [e[-1] for e in _serve(smollm2, requests, step_ahead=False)]
+
+    async def scenario() -> tuple[list[list[Event]], Scheduler]:
+        s = _scheduler(smollm2, 3)
+        loop = asyncio.get_running_loop()
+        long = _request(smollm2, PROMPTS[2], 200, ignore_eos=True)
+        doomed = s.submit(long, StandardEngine(static=True), loop)
+        sessions = [s.submit(r, StandardEngine(static=True), loop) for r in requests]
+        for _ in range(3):  # it is decoding, a step ahead with the others
+            await asyncio.wait_for(doomed.events.get(), BOUND_S)
+        s.cancel(doomed)
+        results = await asyncio.gather(*(_events(x) for x in sessions))
+        for _ in range(BOUND_S * 20):
+            if s.counts() == (0, 0):
+                break
+            await asyncio.sleep(0.05)
+        s.close()
+        return list(results), s
+
+    results, s = asyncio.run(scenario())
+    for events, done in zip(results, expected, strict=True):
+        assert isinstance(events[-1], DoneEvent) and isinstance(done, DoneEvent)
+        assert events[-1].token_ids == done.token_ids
+    assert s.counts() == (0, 0)
+    ended = s.metrics.registry.get_sample_value("larql_sessions_total", {"outcome": "cancelled"})
+    assert ended == 1
+
+
+@pytest.mark.slow
+def test_a_failed_step_ahead_ends_its_streams_and_the_server_serves_on(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from larql.kv.standard.static_batch import BatchedStaticStep
+
+    step = BatchedStaticStep.step
+    calls = {"n": 0}
+
+    def fails_once(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("the device fell over")
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(BatchedStaticStep, "step", fails_once)
+
+    async def scenario() -> tuple[list[list[Event]], list[Event]]:
+        s = _scheduler(smollm2, 2)
+        loop = asyncio.get_running_loop()
+        first = [
+            s.submit(_request(smollm2, p, 8), StandardEngine(static=True), loop)
+            for p in PROMPTS[:2]
+        ]
+        failed = await asyncio.gather(*(_events(x) for x in first))
+        later = s.submit(_request(smollm2, PROMPTS[2], 5), StandardEngine(static=True), loop)
+        served = await _events(later)
+        s.close()
+        return list(failed), served
+
+    failed, served = asyncio.run(scenario())
+    for events in failed:
+        assert isinstance(events[-1], ErrorEvent) and events[-1].status == 500
+        assert "the device fell over" in events[-1].message
+    assert isinstance(served[-1], DoneEvent) and len(served[-1].token_ids) == 5
