@@ -188,3 +188,39 @@ def test_a_failed_step_ahead_ends_its_streams_and_the_server_serves_on(
         assert isinstance(events[-1], ErrorEvent) and events[-1].status == 500
         assert "the device fell over" in events[-1].message
     assert isinstance(served[-1], DoneEvent) and len(served[-1].token_ids) == 5
+
+
+@pytest.mark.slow
+def test_a_step_ahead_that_fails_when_read_ends_its_streams_only(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The long stream's last step ahead is read when it steps alone (the short one done): that
+    read fails, the long stream gets the error, the finished one keeps its tokens, and the
+    server serves the next request."""
+    drain = Lookahead.drain
+    calls = {"n": 0}
+
+    def fails_once(self):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("the copy back failed")
+        return drain(self)
+
+    monkeypatch.setattr(Lookahead, "drain", fails_once)
+
+    async def scenario() -> tuple[list[Event], list[Event], list[Event]]:
+        s = _scheduler(smollm2, 2)
+        loop = asyncio.get_running_loop()
+        short = s.submit(_request(smollm2, PROMPTS[0], 3), StandardEngine(static=True), loop)
+        long = s.submit(_request(smollm2, PROMPTS[1], 12), StandardEngine(static=True), loop)
+        done, failed = await asyncio.gather(_events(short), _events(long))
+        later = s.submit(_request(smollm2, PROMPTS[2], 4), StandardEngine(static=True), loop)
+        served = await _events(later)
+        s.close()
+        return done, failed, served
+
+    done, failed, served = asyncio.run(scenario())
+    assert calls["n"] >= 1
+    assert isinstance(done[-1], DoneEvent) and len(done[-1].token_ids) == 3
+    assert isinstance(failed[-1], ErrorEvent) and "the copy back failed" in failed[-1].message
+    assert isinstance(served[-1], DoneEvent) and len(served[-1].token_ids) == 4

@@ -513,17 +513,28 @@ class Scheduler:
         try:
             read = self._ahead.advance(generations)
         except Exception as e:
-            log.exception("batched step failed")
-            failed = {id(s): s for s in [*batch, *self._ahead_sessions.values()]}
-            self._ahead, self._ahead_sessions = Lookahead(), {}
-            self._fail_batch(list(failed.values()), e)
+            self._ahead_failed(batch, e)
             return
         self._deliver_read(read)
 
     def _drain_ahead(self) -> None:
         """Deliver the step queued ahead, if any, before the sessions step any other way."""
-        if self._ahead.in_flight:
-            self._deliver_read(self._ahead.drain())
+        if not self._ahead.in_flight:
+            return
+        try:
+            read = self._ahead.drain()
+        except Exception as e:
+            self._ahead_failed([], e)
+            return
+        self._deliver_read(read)
+
+    def _ahead_failed(self, batch: list[Session], error: Exception) -> None:
+        """A step queued ahead failed (to launch, or on the device): it ends every session in
+        `batch` and every one with a step queued, and the next step starts afresh."""
+        log.exception("batched step failed")
+        failed = {id(s): s for s in [*batch, *self._ahead_sessions.values()]}
+        self._ahead, self._ahead_sessions = Lookahead(), {}
+        self._fail_batch(list(failed.values()), error)
 
     def _deliver_read(self, read: list[tuple[GenerationSession, int]]) -> None:
         """Deliver the tokens a step-ahead read gave; a session the delivery ends (a stop
