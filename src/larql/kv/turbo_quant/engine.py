@@ -17,10 +17,12 @@ noise, meet zeros) and the rotated-back output is cut to D.
 
 On CUDA (where Triton runs) the step takes `KernelPath` instead: the codes in fixed slots,
 attention read straight from them with the rotations inside the kernel and the new row encoded by
-the launch that merges the attention — 3 launches per layer for what the torch path does in ~35 —
-and the whole step
-captured in a CUDA graph (`graph=0`: the same step run eagerly), with the same levers (exact
-sink and recent rows, centering, norm correction) and the same bytes. `attention=sdpa`, separate
+the launch that merges the attention — 3 launches per layer for what the torch path does in ~35,
+2 where the queries' rotation and the partial attention run as one CUDA C++ launch
+(`cuda_partial`: 4-bit codes, heads of 64, bfloat16, full-attention layers; `attention=triton`
+keeps the Triton launches) — and the whole step captured in a CUDA graph (`graph=0`: the same
+step run eagerly), with the same levers (exact sink and recent rows, centering, norm
+correction) and the same bytes. `attention=sdpa`, separate
 `k_bits` / `v_bits` or another codec keep the torch path there; the tests hold the two equal.
 
 Each K and V row is encoded per head (per head_dim chunk) by a `RowCodec`, by default
@@ -93,7 +95,9 @@ class TurboQuantEngine(KvEngine):
         self.recent, self.sinks, self.recent_bits = recent, sinks, recent_bits
         self.norm_correction, self.center = norm_correction, center
         self.rotated_attention = rotated_attention  # False: decode every row (the reference)
-        self.attention = attention  # auto/triton: the Triton kernels where they run; sdpa: torch
+        # auto: the kernels where they run, with the CUDA C++ partial launch where it covers a
+        # layer; triton: the Triton launches alone; sdpa: the torch path
+        self.attention = attention
         self.use_graph = use_graph  # with the kernels on CUDA: capture the step in a CUDA graph
         self._codec_factory = codec_factory
         self._layout: KvLayout | None = None  # the first layer's (the kernel path's: every layer's)
@@ -304,7 +308,8 @@ class TurboQuantEngine(KvEngine):
         """Engines of one configuration and path batch: the torch-path ones together, the
         kernel-path ones together (graph or eager)."""
         if self._fast is not None:
-            return (type(self), "kernels", self.config(), self._fast.use_graph)
+            fast = self._fast
+            return (type(self), "kernels", self.config(), fast.use_graph, fast.partial_in_cuda)
         if self._layers is None:
             return None
         return (type(self), self.config(), self.rotated_attention, self._codec_factory is None)
@@ -358,7 +363,10 @@ class TurboQuantEngine(KvEngine):
         assert self._layout is not None
         if not KernelPath.supports(kernels, self._layout, keeps):
             return None
-        return KernelPath(kernels, self._layout, model, keeps, self.use_graph, self._profiler)
+        return KernelPath(
+            kernels, self._layout, model, keeps, self.use_graph, self._profiler,
+            use_cuda_partial=self.attention == "auto",
+        )  # fmt: skip
 
     def _kv_layout(self, head_dim: int) -> KvLayout:
         def codec(bits: int) -> RowCodec:
@@ -372,7 +380,8 @@ class TurboQuantEngine(KvEngine):
     def _path(self) -> str:
         if self._fast is not None:
             graph = ", cuda-graph step" if self._fast.captured else ""
-            return f"triton kernels{graph}"
+            cuda = " with the CUDA C++ partial launch" if self._fast.partial_in_cuda else ""
+            return f"triton kernels{cuda}{graph}"
         return "rotated-basis attention" if self.rotated_attention else "decoded attention"
 
     def _rotation(self, device: torch.device, layer: int) -> torch.Tensor | None:

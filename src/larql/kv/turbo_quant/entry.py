@@ -7,8 +7,9 @@ from larql.kv.turbo_quant.engine import TurboQuantEngine
 from larql.specs import Param, at_least, one_of
 
 ATTENTION_DOC = (
-    "on CUDA, attend straight from the packed codes and encode through larql's Triton kernels "
-    "(auto, triton: 3 launches per layer) or decode the rows with torch and use SDPA (sdpa)"
+    "on CUDA, attend straight from the packed codes and encode through larql's kernels (auto: "
+    "2 launches per layer, the partial attention in CUDA C++ where it covers the layer, else "
+    "Triton; triton: the 3 Triton launches) or decode the rows with torch and use SDPA (sdpa)"
 )
 
 GRAPH_DOC = (

@@ -58,9 +58,11 @@ class BatchedKernelStep:
         self.anchor = torch.zeros(_ANCHOR_BYTES, dtype=torch.uint8, device=model.device)
         self.operands = self._kernels.Operands.anchored(self.anchor, exact_dtype(model.dtype))
         # the rows past the real ones: a state of one slot per layer, always at position 0
+        self.use_cuda_partial = template.partial_in_cuda
         self._pad = KernelPath(
-            self._kernels, template.kv_layout, model, template.keeps, False, EngineProfiler(False)
-        )
+            self._kernels, template.kv_layout, model, template.keeps, False, EngineProfiler(False),
+            self.use_cuda_partial,
+        )  # fmt: skip
         self._pad.start(model, 0)
         self._pad_meta = self._pad.batch_meta(self.operands)  # [L, META]
         self._buckets: dict[tuple[int, int], _BucketStep] = {}
@@ -149,6 +151,7 @@ class BatchedKernelStep:
                 softcap,
                 inputs.workspace,
                 self._pad.levers[layer],
+                use_cuda_partial=self.use_cuda_partial,
             )  # [Bb, Hq, D]; every session's state now holds its new row
             h = attention_output(model, layer, h, attn.reshape(h.shape[0], cfg.q_dim))
             h = ffn_block(model, layer, h, ffn)

@@ -133,7 +133,10 @@ class KernelPath:
         keeps: list[int | None],
         use_graph: bool,
         profiler: EngineProfiler,
+        use_cuda_partial: bool = True,
     ) -> None:
+        """`use_cuda_partial`: full-attention layers take the CUDA C++ partial launch where it
+        covers them and builds here (False: the Triton launches everywhere)."""
         codec = layout.k_codec
         assert isinstance(codec, TurboQuantCodec)
         self._kernels = kernels
@@ -165,6 +168,7 @@ class KernelPath:
         self._profiler = profiler
         self._capacity = 0
         self.position = 0  # the next token's
+        self.partial_in_cuda = use_cuda_partial and self._partial_in_cuda(model)
 
     @staticmethod
     def supports(kernels: ModuleType, layout: KvLayout, keeps: list[int | None]) -> bool:
@@ -186,6 +190,20 @@ class KernelPath:
     @property
     def use_graph(self) -> bool:
         return self._use_graph
+
+    def _partial_in_cuda(self, model: Model) -> bool:
+        """Whether a full-attention layer's step runs the CUDA C++ partial launch
+        (`cuda_partial`, compiled here at first use) rather than the Triton rotation and
+        partial launches."""
+        full = [lv for lv in self.levers if lv.keep == self._kernels.FULL_LAYER_KEEP]
+        if not full:
+            return False
+        cfg = model.config
+        kernel = self._kernels.cuda_partial_kernel(
+            model.device, model.dtype, full[0].exact.dtype, cfg.num_heads, cfg.num_kv_heads,
+            self._tables, full[0], cfg.arch.attn_softcap or 0.0, self._workspace.m.shape[-1],
+        )  # fmt: skip
+        return kernel is not None
 
     @property
     def capacity(self) -> int:
@@ -345,6 +363,7 @@ class KernelPath:
                     self._workspace,
                     self.levers[layer],
                     self._metas[layer],
+                    use_cuda_partial=self.partial_in_cuda,
                 )  # [Hq, 1, D]; the state now holds the new row
                 h = attention_output(model, layer, h, attn.reshape(1, cfg.q_dim))
             with stage("ffn", device):

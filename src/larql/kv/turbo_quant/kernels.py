@@ -70,6 +70,7 @@ from larql.kernels.online_softmax import (
     splits_max,
     store_split,
 )
+from larql.kv.turbo_quant import cuda_partial
 from larql.kv.turbo_quant.codebook import codebook
 from larql.kv.turbo_quant.codec import NORM_BYTES, TurboQuantCodec
 from larql.kv.turbo_quant.layout import ring_slots
@@ -1048,13 +1049,15 @@ def attention(
     workspace: Workspace | None = None,
     levers: Levers | None = None,
     meta: torch.Tensor | None = None,
+    use_cuda_partial: bool = True,
 ) -> torch.Tensor:
     """One decode step of one layer. q: [Hq, 1, D] attends over the coded rows in `codes`
     (uint8 [slots, row_bytes], contiguous; token t in slot t mod slots), the exact rows of
     `levers` and the exact new row k_new, v_new: [Hkv, 1, D]; then the row leaving the exact
     ones (without levers: the new row) is encoded into its slot and the new row kept exact.
     position: [1] int64 on the device; meta: `single_meta(codes)` kept on the device (a
-    captured step reads it; None: made here). → [Hq, 1, D] in q's dtype."""
+    captured step reads it; None: made here); `use_cuda_partial`: as `batched_attention` takes it.
+    → [Hq, 1, D] in q's dtype."""
     heads, _, dim = q.shape
     kv_heads = k_new.shape[0]
     if levers is None:
@@ -1075,6 +1078,7 @@ def attention(
         softcap,
         workspace,
         levers,
+        use_cuda_partial=use_cuda_partial,
     )
     return out.view(heads, 1, dim)
 
@@ -1099,14 +1103,17 @@ def batched_attention(
     workspace: Workspace | None = None,
     levers: Levers | None = None,
     n_splits: int | None = None,
+    use_cuda_partial: bool = True,
 ) -> torch.Tensor:
     """One decode step of one layer for B sessions: `attention` for each, session b's state
     reached from `operands` by the offsets in meta[b] (and its store's slots there, each
     ≤ max_slots, which fixes the launch's shape), its position positions[b]. q: [B, Hq, D],
     k_new, v_new: [B, Hkv, D]; `levers`: the layer's (their tensors are not read here — the
     operands are — but their counts and flags are every session's); `n_splits`: programs per
-    (session, K/V head), a power of two ≤ MAX_SPLITS (None: `splits(max_slots)`).
-    → [B, Hq, D]."""
+    (session, K/V head), a power of two ≤ MAX_SPLITS (None: `splits(max_slots)`);
+    `use_cuda_partial`: the queries' rotation and the partial launch in one CUDA C++ launch where it
+    covers the layer and builds here (`cuda_partial_kernel`), else (and with False) the Triton
+    launches. → [B, Hq, D]."""
     batch, heads, dim = q.shape
     kv_heads = k_new.shape[1]
     group = heads // kv_heads
@@ -1126,52 +1133,30 @@ def batched_attention(
     q = q.contiguous()
     row_bytes = 2 * kv_heads * tables.bytes_per_vector
     assert launch_indices_fit(max_slots, row_bytes), "a store past 2 GiB needs 64-bit indices"
-    n_splits = batch_splits(max_slots, batch * kv_heads) if n_splits is None else n_splits
-    per_split = _next_power_of_two(max(1, -(-max_slots // (BLOCK_N * n_splits))))
     norms = operands.codes.view(torch.float32)
     k_new, v_new = k_new.contiguous(), v_new.contiguous()
-    _rotate_queries[(kv_heads, batch)](
-        q, tables.rotation, workspace.queries, G=group, GP=gp, D=dim, DP=dp, HKV=kv_heads,
-        PRECISION=precision(q.dtype), **dependent_options(q.device),
-    )  # fmt: skip
-    out = torch.empty((batch, heads, dim), dtype=q.dtype, device=q.device)
     exact_keys = ("SINKS", "RECENT", "RING", "EP", "CENTER", "RING8")
     exact_rows = {key: constants[key] for key in exact_keys}
-    _attention_partial[(kv_heads, n_splits + 1, batch)](
-        q,
-        workspace.queries,
-        k_new,
-        v_new,
-        operands.codes,
-        norms,
-        operands.exact,
-        operands.ring,
-        operands.ring_scales,
-        tables.centroids,
-        operands.mean_rotated,
-        meta,
-        positions,
-        workspace.m,
-        workspace.l_sum,
-        workspace.acc,
-        levers.keep,
-        scale,
-        softcap,
-        **shape,
-        **common,
-        **exact_rows,
-        R=combine_rows,
-        EC=constants["EC"],
-        BLOCKS_PER_SPLIT=per_split,
-        NS=n_splits,
-        BLOCK=BLOCK_N,
-        STAGES=STAGES,
-        NIBBLES=tables.bits == 4 and dp >= 2 * _MIN_DOT,
-        WRAPS=levers.keep != FULL_LAYER_KEEP,
-        LOOKUP=tables.lookups.get(q.dtype, ""),
-        num_warps=PARTIAL_WARPS,
-        **dependent_options(q.device),
-    )
+    compiled = None
+    if use_cuda_partial:
+        compiled = cuda_partial_kernel(
+            q.device, q.dtype, operands.exact.dtype, heads, kv_heads, tables, levers, softcap, gp
+        )
+    if compiled is not None:  # the rotation and partial launches in one, in CUDA C++
+        if n_splits is None:
+            n_splits = cuda_partial.splits(max_slots, batch * kv_heads)
+        cuda_partial.launch(
+            compiled, q, tables.rotation, k_new, v_new, operands.codes, operands.exact,
+            tables.centroids, operands.mean_rotated, meta, positions, workspace.m,
+            workspace.l_sum, workspace.acc, n_splits, levers.keep, scale,
+        )  # fmt: skip
+    else:
+        n_splits = batch_splits(max_slots, batch * kv_heads) if n_splits is None else n_splits
+        _partial_launches(
+            q, k_new, v_new, operands, norms, meta, positions, max_slots, tables, scale, softcap,
+            workspace, levers, n_splits, shape, common, exact_rows, combine_rows, constants,
+        )  # fmt: skip
+    out = torch.empty((batch, heads, dim), dtype=q.dtype, device=q.device)
     _attention_combine[(kv_heads, 2, batch)](
         tables.rotation,
         tables.boundaries,
@@ -1207,6 +1192,108 @@ def batched_attention(
         **dependent_options(q.device),
     )
     return out
+
+
+def cuda_partial_kernel(
+    device: torch.device,
+    dtype: torch.dtype,
+    exact_dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    tables: CodecTables,
+    levers: Levers,
+    softcap: float,
+    state_rows: int,
+) -> object | None:
+    """The CUDA C++ partial launch for a layer's step (queries of `dtype`, exact rows of
+    `exact_dtype`, `state_rows` query rows a workspace state), where it covers the case and can
+    be built here (`cuda_partial`), else None: the Triton launches run."""
+    if device.type != "cuda" or interpreted():
+        return None
+    group = heads // kv_heads
+    covered = (
+        tables.bits == 4
+        and tables.dim == tables.rotated_dim == cuda_partial.HEAD_DIM
+        and dtype == exact_dtype == torch.bfloat16
+        and softcap == 0.0
+        and levers.ring is None
+        and levers.keep == FULL_LAYER_KEEP
+        and group <= cuda_partial.MAX_GROUP
+    )
+    if not covered:
+        return None
+    config = cuda_partial.Config(
+        kv_heads, group, levers.sinks, levers.recent, ring_slots(levers.recent), levers.center,
+        state_rows,
+    )  # fmt: skip
+    return cuda_partial.kernel(config, device)
+
+
+def _partial_launches(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    operands: Operands,
+    norms: torch.Tensor,
+    meta: torch.Tensor,
+    positions: torch.Tensor,
+    max_slots: int,
+    tables: CodecTables,
+    scale: float,
+    softcap: float,
+    workspace: Workspace,
+    levers: Levers,
+    n_splits: int,
+    shape: dict[str, int],
+    common: dict[str, int | bool],
+    exact_rows: dict[str, int | bool],
+    combine_rows: int,
+    constants: dict[str, int | bool],
+) -> None:
+    """The Triton rotation and partial launches: the split and exact-rows states into the
+    workspace."""
+    batch, kv_heads = k_new.shape[0], k_new.shape[1]
+    dim, dp, group, gp = shape["D"], shape["DP"], shape["G"], shape["GP"]
+    per_split = _next_power_of_two(max(1, -(-max_slots // (BLOCK_N * n_splits))))
+    _rotate_queries[(kv_heads, batch)](
+        q, tables.rotation, workspace.queries, G=group, GP=gp, D=dim, DP=dp, HKV=kv_heads,
+        PRECISION=precision(q.dtype), **dependent_options(q.device),
+    )  # fmt: skip
+    _attention_partial[(kv_heads, n_splits + 1, batch)](
+        q,
+        workspace.queries,
+        k_new,
+        v_new,
+        operands.codes,
+        norms,
+        operands.exact,
+        operands.ring,
+        operands.ring_scales,
+        tables.centroids,
+        operands.mean_rotated,
+        meta,
+        positions,
+        workspace.m,
+        workspace.l_sum,
+        workspace.acc,
+        levers.keep,
+        scale,
+        softcap,
+        **shape,
+        **common,
+        **exact_rows,
+        R=combine_rows,
+        EC=constants["EC"],
+        BLOCKS_PER_SPLIT=per_split,
+        NS=n_splits,
+        BLOCK=BLOCK_N,
+        STAGES=STAGES,
+        NIBBLES=tables.bits == 4 and dp >= 2 * _MIN_DOT,
+        WRAPS=levers.keep != FULL_LAYER_KEEP,
+        LOOKUP=tables.lookups.get(q.dtype, ""),
+        num_warps=PARTIAL_WARPS,
+        **dependent_options(q.device),
+    )
 
 
 def encode(x: torch.Tensor, tables: CodecTables, mean: torch.Tensor | None = None) -> torch.Tensor:
