@@ -351,7 +351,7 @@ def test_a_step_takes_what_fills_its_last_pass_of_rows(
     prompt tokens wait to fill them three quarters, at most `prefill_chunk` tokens; on the
     float matrices, `prefill_chunk`."""
     per_pass = rows_per_pass(smollm2_default)
-    assert per_pass == (16 if load_block_kernels().amx() else 8)
+    assert per_pass == (16 if load_block_kernels().tiled() else 8)
     assert rows_per_pass(smollm2) is None
     limits = SchedulerLimits(prefill_chunk=32)
     blocks = Scheduler(smollm2_default, DenseFfn(smollm2_default), limits, ServerMetrics())

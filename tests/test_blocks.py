@@ -447,14 +447,15 @@ def test_the_commands_ffn_router_hands_on_the_compiled_mlp(auto_smollm2: Model) 
     ],
 )
 @pytest.mark.parametrize("outputs", [96, 112])  # 6 tiles of 16 rows (taken in pairs), 7
-def test_tiled_products_on_amx(qtype: GGMLQuantizationType, outputs: int) -> None:
-    """On a CPU with AMX: a block matrix tiled for the tile unit gives, for int16 inputs, the
-    float product within the inputs' rounding (as the untiled one does), each row of a batch
-    bit for bit its product alone, and refuses float or int8 inputs by name — for an even
-    count of 16-row tiles and an odd one (the last tile then taken alone)."""
+def test_tiled_products(qtype: GGMLQuantizationType, outputs: int) -> None:
+    """On a CPU with AVX-512 VNNI (the products on AMX tiles where it has them, else with VNNI):
+    a block matrix tiled for them gives, for int16 inputs, the float product within the inputs'
+    rounding (as the untiled one does), each row of a batch bit for bit its product alone, and
+    refuses float or int8 inputs by name — for an even count of 16-row tiles and an odd one
+    (AMX then takes the last tile alone), and for batches of more than one pass of inputs."""
     kernels = load_block_kernels()
-    if kernels is None or not kernels.amx():
-        pytest.skip("needs the CPU kernels built with AMX, on a CPU that has it")
+    if kernels is None or not kernels.tiled():
+        pytest.skip("needs the CPU kernels built with AVX-512 VNNI, on a CPU that has it")
     width = 256 if qtype == GGMLQuantizationType.Q4_K else 96
     if qtype == GGMLQuantizationType.Q4_K:
         raw = _random_q4_k(outputs, width, 5)
@@ -465,7 +466,7 @@ def test_tiled_products_on_amx(qtype: GGMLQuantizationType, outputs: int) -> Non
     code = FORMAT_CODES[rows.format]
     tiled = kernels.tile_rows(rows.data, code)
     assert tiled.shape == rows.data.shape and not torch.equal(tiled, rows.data)
-    x = torch.randn(11, width, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(19, width, generator=torch.Generator().manual_seed(4))  # 16 + 3 inputs
     reference = x.double() @ rows.dequantize().double().T
     many = kernels.block_gemm(x, tiled, code + 16, 16)
     untiled = kernels.block_gemm(x, rows.data, code, 16)

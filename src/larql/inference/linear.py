@@ -30,33 +30,36 @@ from larql.models.model import Model
 _SPLIT_DTYPES = (torch.float32, torch.float64)
 # rows up to which the block product beats BLAS on the float matrix: with the AVX2 products
 # (SmolLM2's gate/up on a 2-core machine: 0.29 against 0.42 ms at 8 rows, 0.53 / 0.66 at 16,
-# 1.35 / 1.04 at 32) and on AMX tiles (a whole prefill of the default model on a 2-core Xeon:
-# 24 tokens 22.5 against 61 ms, 64: 51 / 94, 128: 111 / 143, 256: 240 / 263)
+# 1.35 / 1.04 at 32) and in the tiled products — on AMX tiles (a whole prefill of the default
+# model on a 2-core Xeon: 24 tokens 22.5 against 61 ms, 64: 51 / 94, 128: 111 / 143, 256: 240
+# / 263) and with AVX-512 VNNI (SmolLM2's gate/up on the 2-core Zen 4: 0.20 against 0.62 ms at
+# 16 rows, 0.73 / 1.98 at 64, 3.02 / 6.80 at 256)
 BLOCK_ROWS = 16
-AMX_BLOCK_ROWS = 256
+TILED_BLOCK_ROWS = 256
 
 
 @cache
 def block_rows() -> int:
     """Rows up to which a product (and the compiled layer) reads the GGUF blocks rather than
-    the float matrix: `AMX_BLOCK_ROWS` where the products run on AMX tiles, else
-    `BLOCK_ROWS`."""
+    the float matrix: `TILED_BLOCK_ROWS` where the tiled products run (AVX-512 VNNI or AMX),
+    else `BLOCK_ROWS`."""
     kernels = load_block_kernels()
-    return AMX_BLOCK_ROWS if kernels is not None and kernels.amx() else BLOCK_ROWS
+    return TILED_BLOCK_ROWS if kernels is not None and kernels.tiled() else BLOCK_ROWS
 
 
 _TILED_CODE = 16  # the extension's format code of a tiled matrix: 16 + its format's
 
 
 def kernel_rows(blocks: BlockRows, kernels: ModuleType) -> tuple[torch.Tensor, int]:
-    """The extension's (rows, format) arguments for `blocks`. On a CPU with AMX a block matrix
-    of int16 products (whole tiles of 16 rows) is rearranged into the tiles' order at its first
-    product, in place (`BlockRows.tiled`: the same bytes, so no second copy), and is then read
-    tiled with the tiled format code by every product, one row or many."""
+    """The extension's (rows, format) arguments for `blocks`. On a CPU with AVX-512 VNNI (AMX
+    too, or not) a block matrix of int16 products (whole tiles of 16 rows) is rearranged into
+    the tiles' order at its first product, in place (`BlockRows.tiled`: the same bytes, so no
+    second copy), and is then read tiled with the tiled format code by every product, one row
+    or many."""
     code = FORMAT_CODES[blocks.format]
     if blocks.tiled:
         return blocks.data, code + _TILED_CODE
-    if blocks.activation == "int16" and blocks.out_features % 16 == 0 and kernels.amx():
+    if blocks.activation == "int16" and blocks.out_features % 16 == 0 and kernels.tiled():
         blocks.data, blocks.tiled = kernels.tile_rows(blocks.data, code), True
         return blocks.data, code + _TILED_CODE
     return blocks.data, code
@@ -75,14 +78,15 @@ def reads_blocks(model: Model) -> bool:
 
 def rows_per_pass(model: Model) -> int | None:
     """Input rows the block products take in one pass over a weight matrix, where `model`'s
-    products read its blocks: 16 on AMX tiles, 8 in the AVX2 products' input tiles. A product
+    products read its blocks: 16 in the tiled products (AVX-512 VNNI or AMX), 8 in the AVX2
+    products' input tiles. A product
     of one row more than a whole number of passes costs a whole pass more (on the default
     model, 8 decode rows and 8 prompt rows took 14.1 ms, one row more 19.7). None: the
     products cost by the row."""
     kernels = load_block_kernels() if reads_blocks(model) else None
     if kernels is None:
         return None
-    return 16 if kernels.amx() else 8
+    return 16 if kernels.tiled() else 8
 
 
 def linear(

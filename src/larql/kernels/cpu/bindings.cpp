@@ -12,6 +12,7 @@ torch::Tensor block_gemm(torch::Tensor x, torch::Tensor rows, int64_t format,
                          int64_t activation_bits);
 std::string simd();
 torch::Tensor tile_rows(torch::Tensor rows, int64_t format);
+bool tiled();
 bool amx();
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                double scale);
@@ -24,8 +25,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_gemv", &larql::block_gemv, "one-token product with GGUF block rows", no_gil);
   m.def("block_gemm", &larql::block_gemm, "M-row product with GGUF block rows", no_gil);
   m.def("simd", &larql::simd, "the instruction set this build uses");
-  m.def("tile_rows", &larql::tile_rows, "4-bit block rows tiled for the AMX products");
-  m.def("amx", &larql::amx, "whether tiled blocks' products run here");
+  m.def("tile_rows", &larql::tile_rows, "block rows tiled for the AVX-512 VNNI / AMX products");
+  m.def("tiled", &larql::tiled, "whether tiled blocks' products run here");
+  m.def("amx", &larql::amx, "whether they run on AMX tiles");
   m.def("decode_qkv", &larql::decode_qkv, "rms_norm → fused QKV product → RoPE, one row", no_gil);
   m.def("residual_gemv", &larql::residual_gemv, "h + W · x, one row", no_gil);
   m.def("decode_attention", &larql::decode_attention, "one query's attention over K/V rows",

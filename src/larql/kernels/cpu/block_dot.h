@@ -53,20 +53,21 @@ class Scratch {
   size_t capacity_ = 0;
 };
 
-// Every format also comes tiled for the AMX products (`amx_gemm.h`): kTiled + the format.
+// Every format also comes tiled for the AVX-512 VNNI / AMX products (`tiled_blocks.h`):
+// kTiled + the format.
 enum class Format : int {
   Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K32 = 3,
   Q8_0_TILED = 16, Q4_0_TILED = 17, Q4_1_TILED = 18, Q4_K32_TILED = 19,
 };
 constexpr int kTiled = 16;
 
-inline bool is_tiled(Format f) { return static_cast<int>(f) >= kTiled; }
+constexpr bool is_tiled(Format f) { return static_cast<int>(f) >= kTiled; }
 
-inline Format base_of(Format f) {
+constexpr Format base_of(Format f) {
   return is_tiled(f) ? static_cast<Format>(static_cast<int>(f) - kTiled) : f;
 }
 
-inline int64_t block_bytes(Format f) {
+constexpr int64_t block_bytes(Format f) {
   switch (base_of(f)) {
     case Format::Q8_0: return 34;
     case Format::Q4_0: return 18;
@@ -555,7 +556,10 @@ inline void rows_dot_int16_tile(Format f, const uint8_t* row, int64_t blocks, co
 
 }  // namespace larql
 
-#include "amx_gemm.h"  // the int16 products on AMX tiles (uses the definitions above)
+#include "tiled_blocks.h"  // tiled matrices' layout and inputs (uses the definitions above)
+#include "amx_gemm.h"      // their products on AMX tiles
+#include "vnni_gemm.h"     // … or with AVX-512 VNNI
+#include "tiled_gemm.h"    // … whichever runs here
 
 namespace larql {
 
@@ -564,9 +568,9 @@ template <typename Code>
 void gemm_codes(Format f, const uint8_t* rows, int64_t row_bytes, int64_t n, const float* x,
                 int64_t m_rows, int64_t k, float* out) {
   const int64_t blocks = k / kBlock;
-  if (is_tiled(f)) {  // (gemm_with allows it for int16 inputs on an AMX build only)
-#if LARQL_AMX
-    if constexpr (sizeof(Code) == 2) return amx_gemm(base_of(f), rows, n, blocks, x, m_rows, out);
+  if (is_tiled(f)) {  // (gemm_with allows it for int16 inputs on a tiled build only)
+#if LARQL_TILED
+    if constexpr (sizeof(Code) == 2) return tiled_gemm(base_of(f), rows, n, blocks, x, m_rows, out);
 #endif
     return;
   }
@@ -631,12 +635,12 @@ inline void gemm_float(Format f, const uint8_t* rows, int64_t row_bytes, int64_t
   });
 }
 
-// Whether these weights can be multiplied with these inputs: tiled ones only with int16 inputs
-// where this build has the AMX products and this process may use them.
+// Whether these weights can be multiplied with these inputs: tiled ones only with int16 inputs,
+// where this build has the tiled products (AVX-512 VNNI, and AMX where it runs).
 inline bool product_supported(Activation a, Format f) {
   if (!is_tiled(f)) return true;
-#if LARQL_AMX
-  return a == Activation::Int16 && amx_usable();
+#if LARQL_TILED
+  return a == Activation::Int16;
 #else
   (void)a;
   return false;
@@ -647,7 +651,7 @@ inline bool product_supported(Activation a, Format f) {
 inline void gemm_with(Activation a, Format f, const uint8_t* rows, int64_t row_bytes, int64_t n,
                       const float* x, int64_t m_rows, int64_t k, float* out) {
   if (!product_supported(a, f)) {
-    throw std::invalid_argument("tiled blocks take int16 inputs on a CPU with AMX only");
+    throw std::invalid_argument("tiled blocks take int16 inputs on a CPU with AVX-512 VNNI only");
   }
   switch (a) {
     case Activation::Int8: return gemm_codes<int8_t>(f, rows, row_bytes, n, x, m_rows, k, out);
@@ -660,7 +664,7 @@ inline void gemm_with(Activation a, Format f, const uint8_t* rows, int64_t row_b
 inline void gemv_with(Activation a, Format f, const uint8_t* rows, int64_t row_bytes, int64_t n,
                       const float* x, int64_t k, float* out) {
   if (!product_supported(a, f)) {
-    throw std::invalid_argument("tiled blocks take int16 inputs on a CPU with AMX only");
+    throw std::invalid_argument("tiled blocks take int16 inputs on a CPU with AVX-512 VNNI only");
   }
   switch (a) {
     case Activation::Int8: return gemv_codes<int8_t>(f, rows, row_bytes, n, x, k, out);

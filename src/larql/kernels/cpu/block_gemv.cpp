@@ -4,6 +4,7 @@
 // and it doubles a file's compile time
 #include <torch/types.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "block_dot.h"
@@ -13,7 +14,7 @@ namespace larql {
 Format checked_format(int64_t format) {
   TORCH_CHECK((format >= 0 && format <= 3) || (format >= kTiled && format <= kTiled + 3),
               "format must be 0 (Q8_0), 1 (Q4_0), 2 (Q4_1) or 3 (Q4_K in blocks of 32), or 16 + "
-              "one of them tiled for AMX");
+              "one of them tiled (AVX-512 VNNI / AMX products)");
   return static_cast<Format>(format);
 }
 
@@ -61,7 +62,7 @@ torch::Tensor block_gemm(torch::Tensor x, torch::Tensor rows, int64_t format,
 }
 
 // rows: uint8 [N, row_bytes] of blocks (N a multiple of 16) → the same bytes tiled for
-// the AMX products (amx_gemm.h), to be used with format + 16.
+// the tiled products (tiled_blocks.h), to be used with format + 16.
 torch::Tensor tile_rows(torch::Tensor rows, int64_t format) {
   const Format f = checked_format(format);
   TORCH_CHECK(!is_tiled(f), "these blocks are tiled already");
@@ -69,31 +70,42 @@ torch::Tensor tile_rows(torch::Tensor rows, int64_t format) {
               "rows must be contiguous uint8 [N, row_bytes]");
   TORCH_CHECK(rows.size(0) % 16 == 0, "tiles hold 16 rows: N must be a multiple of 16");
   torch::Tensor out = torch::empty_like(rows);
-#if LARQL_AMX
+#if LARQL_TILED
   larql::tile_rows(f, rows.data_ptr<uint8_t>(), rows.size(1), rows.size(0), out.data_ptr<uint8_t>());
 #else
-  TORCH_CHECK(false, "this build has no AMX products");
+  TORCH_CHECK(false, "this build has no tiled products (they need AVX-512 VNNI)");
 #endif
   return out;
 }
 
-// Whether the products of tiled blocks run here: an AMX build in a process allowed the tiles.
+// Whether matrices are to be tiled for the tiled products here: a build with AVX-512 VNNI,
+// unless LARQL_NO_TILES=1 keeps the untiled products (for A/B measurements).
+bool tiled() {
+  const char* off = std::getenv("LARQL_NO_TILES");
+  return LARQL_TILED && !(off != nullptr && off[0] == '1');
+}
+
+// Whether they run on AMX tiles: an AMX build in a process allowed the tiles.
 bool amx() {
-#if LARQL_AMX
-  return amx_usable();
+#if LARQL_TILED
+  return tiles_on_amx();
 #else
   return false;
 #endif
 }
 
-// "avx2" or "scalar": the instructions this build uses. (16-wide AVX-512 measured slower on
-// the project's Zen 4 cores, which split it in two: 12.2 against 9.4 ms for SmolLM2's layers.)
+// "avx2", "avx2+vnni" or "scalar": the instructions of the untiled products; then, in a build
+// that has them, what the tiled ones run on. (The untiled products stay 8 wide: 16-wide AVX-512
+// measured slower there on the project's Zen 4 cores, which split it in two: 12.2 against 9.4 ms
+// for SmolLM2's layers. The tiled ones are 16 wide: 16 weight rows in a vector's lanes.)
 std::string simd() {
 #if LARQL_AVX2 && LARQL_VNNI
-  return "avx2+vnni";
+  std::string untiled = "avx2+vnni";
 #else
-  return LARQL_AVX2 ? "avx2" : "scalar";
+  std::string untiled = LARQL_AVX2 ? "avx2" : "scalar";
 #endif
+  if (!LARQL_TILED) return untiled;
+  return untiled + (LARQL_AMX ? ", tiles on amx or avx512-vnni" : ", tiles on avx512-vnni");
 }
 
 }  // namespace larql

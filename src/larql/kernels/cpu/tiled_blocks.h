@@ -1,0 +1,213 @@
+// Block matrices tiled for int16-input products 16 weight rows at a time, where the CPU has
+// AVX-512 with VNNI: on Intel's AMX tiles (`amx_gemm.h`) where it also has AMX-INT8 and the
+// kernel lets this process use the tile registers, else with AVX-512 VNNI's byte dot products
+// (`vnni_gemm.h`), 16 rows in the 16 lanes of a vector.
+//
+// The weights are held tiled (`tile_rows`, once, when a model's blocks are first used): per 16
+// rows and block of 32, the rows' code bytes word by word, then their scales — the same bytes as
+// the 16 rows' blocks, read in order. Word r of a Q4 block's 16 code bytes carries elements
+// 4r..4r+3 in its low nibbles and 16+4r..19+4r in its high ones (a Q8_0 block's 32 bytes are 8
+// such words, elements 4r..4r+3 each); the tiled layout keeps word r of the 16 rows together, 64
+// bytes, which is both the AMX unit's second operand and one AVX-512 vector of 16 lanes.
+//
+// The integer sums are the ones the AVX2 path computes, exactly: an int16 code q is split as
+// q = 256·hi + lo (hi signed, lo unsigned bytes) and Σ w q = 256·Σ w·hi + Σ w·lo, each a sum of
+// byte products (the nibbles are unsigned bytes, Q8_0's signed ones):
+//   C_hi[m, o] = Σ_k hi[m, k] · w[o, k],   C_lo[m, o] = Σ_k lo[m, k] · w[o, k]
+// Per block the whole integer sum is scaled (not the AVX2 path's 8 partial sums) by the same
+// float operations on both units (`scaled_sums`), the same for every input whatever else
+// shares the product: a row's result does not depend on its batch or on which unit ran it, and
+// a tiled matrix takes this path for one row or many.
+#pragma once  // included by block_dot.h, after the definitions it uses
+
+#include <cstdint>
+#include <cstdlib>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && defined(__F16C__)
+#include <immintrin.h>
+#define LARQL_TILED 1
+#else
+#define LARQL_TILED 0
+#endif
+
+namespace larql {
+
+#if LARQL_TILED
+constexpr int kTileOutputs = 16;  // weight rows per tile
+constexpr int kTileInputs = 16;   // inputs per group, at most
+constexpr int kAhead = 4;         // blocks of weights prefetched ahead
+
+// Below this many input elements a product's rounding runs on the calling thread: waking the
+// other threads costs more.
+constexpr int64_t kParallelRounding = 1 << 12;
+
+// Up to 16 inputs' int16 codes split into bytes, block-major: [blocks][rows][32] high and low
+// bytes, and per block and input its scale, Σ x, Σ q and Σ hi. `rows`: the count rounded up to
+// 1, 2, 4, 8 or 16 (the AMX kernel's instances), the rows past it zero.
+struct TiledInputs {
+  int count = 0;
+  int rows = 0;
+  const int8_t* high = nullptr;
+  const uint8_t* low = nullptr;
+  const float* scales = nullptr;
+  const float* sums = nullptr;
+  const int32_t* code_sums = nullptr;
+  const int32_t* high_sums = nullptr;
+
+  static int rows_for(int n) {
+    int rows = 1;
+    while (rows < n) rows *= 2;
+    return rows;
+  }
+};
+
+// The storage of one TiledInputs, kept by the thread from product to product.
+class TiledInputBuffers {
+ public:
+  // x: [n, k] float rows (n ≤ 16) → their int16 codes as `quantize_input` rounds them, split
+  // into bytes; valid until the next fill.
+  TiledInputs fill(const float* x, int n, int64_t k) {
+    const int64_t blocks = k / kBlock;
+    const int rows = TiledInputs::rows_for(n);
+    int8_t* high = high_.take(blocks * rows * kBlock);
+    uint8_t* low = low_.take(blocks * rows * kBlock);
+    float* scales = scales_.take(blocks * rows);
+    float* sums = sums_.take(blocks * rows);
+    int32_t* code_sums = code_sums_.take(blocks * rows);
+    int32_t* high_sums = high_sums_.take(blocks * rows);
+    // blocks begin..end of every row (a thread's blocks share no cache line with another's)
+    const auto round_blocks = [&](int64_t begin, int64_t end) {
+      BlockCodes block;
+      for (int64_t b = begin; b < end; ++b) {
+        for (int64_t m = 0; m < rows; ++m) {
+          const int64_t at = b * rows + m;
+          if (m >= n) {  // a padding row: zero codes and scales
+            std::memset(high + at * kBlock, 0, kBlock);
+            std::memset(low + at * kBlock, 0, kBlock);
+            scales[at] = sums[at] = 0.0f;
+            code_sums[at] = high_sums[at] = 0;
+            continue;
+          }
+          quantize_block(x + m * k + b * kBlock, 32767.0f, block);
+          // q = 256 · high + low, |q| ≤ 32767; read as the 8-code stores wrote them (a
+          // wider load would wait for both stores to reach the cache)
+          __m256i high_total = _mm256_setzero_si256();
+          for (int part = 0; part < 4; ++part) {
+            const __m256i q =
+                _mm256_load_si256(reinterpret_cast<const __m256i*>(block.codes + 8 * part));
+            const __m256i hi = _mm256_srai_epi32(q, 8);
+            high_total = _mm256_add_epi32(high_total, hi);
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(high + at * kBlock + 8 * part),
+                             _mm256_cvtepi32_epi8(hi));
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(low + at * kBlock + 8 * part),
+                             _mm256_cvtepi32_epi8(q));
+          }
+          scales[at] = block.scale;
+          sums[at] = block.sum;
+          code_sums[at] = block.code_sum;
+          high_sums[at] = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(high_total));
+        }
+      }
+    };
+    if (static_cast<int64_t>(n) * k < kParallelRounding) {
+      round_blocks(0, blocks);
+    } else {
+      at::parallel_for(0, blocks, 4, round_blocks);  // (each row's codes alike either way)
+    }
+    return TiledInputs{n, rows, high, low, scales, sums, code_sums, high_sums};
+  }
+
+ private:
+  Scratch<int8_t> high_;
+  Scratch<uint8_t> low_;
+  Scratch<float> scales_, sums_;
+  Scratch<int32_t> code_sums_, high_sums_;
+};
+
+// The bytes of one tile (16 rows) and block in the tiled layout: the 16 rows' code words
+// first — 64 bytes per word, word r (bytes 4r..4r+3) of each row's code bytes, rows in order —
+// then the rows' scales d and offsets m, fp16 (Q8_0, Q4_0: d alone; Q4_1) or float32
+// (Q4_K32): 16 × block_bytes.
+constexpr int64_t tile_block_bytes(Format base) { return kTileOutputs * block_bytes(base); }
+
+// The code words of a block: 8 for Q8_0 (32 bytes), 4 for the 4-bit formats (16 bytes); the
+// tiled block holds them first, 64 bytes per word (16 rows).
+constexpr int code_words(Format base) { return base == Format::Q8_0 ? 8 : 4; }
+
+// rows [n, row_bytes] in GGUF blocks → the same matrix tiled into out (n a multiple of 16):
+// tile-major, then block-major.
+inline void tile_rows(Format base, const uint8_t* rows, int64_t row_bytes, int64_t n,
+                      uint8_t* out) {
+  const int64_t stride = block_bytes(base);
+  const int64_t blocks = row_bytes / stride;
+  const int64_t per = tile_block_bytes(base);
+  const int scale_bytes = base == Format::Q4_K32 ? 4 : 2;
+  const int scales = base == Format::Q4_0 || base == Format::Q8_0 ? 1 : 2;
+  const int words = code_words(base);
+  for (int64_t t = 0; t < n / kTileOutputs; ++t) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* target = out + (t * blocks + b) * per;
+      for (int o = 0; o < kTileOutputs; ++o) {
+        const uint8_t* block = rows + (t * kTileOutputs + o) * row_bytes + b * stride;
+        const uint8_t* codes = block_codes(base, block);
+        for (int r = 0; r < words; ++r) std::memcpy(target + 64 * r + 4 * o, codes + 4 * r, 4);
+        for (int s = 0; s < scales; ++s) {
+          std::memcpy(target + 64 * words + (s * kTileOutputs + o) * scale_bytes,
+                      block + s * scale_bytes, scale_bytes);
+        }
+      }
+    }
+  }
+}
+
+// Prefetches the lines of the tiled block kAhead blocks after `block`.
+template <Format F>
+inline void prefetch_ahead(const uint8_t* block) {
+  constexpr int64_t per = tile_block_bytes(F);
+  for (int64_t line = 0; line < per; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(block + kAhead * per + line), _MM_HINT_T0);
+  }
+}
+
+// The 16 weight rows' scales d and offsets m of one tiled block (`scales`: after its codes).
+struct TileScales {
+  __m512 d;
+  __m512 offset;
+};
+
+template <Format F>
+inline TileScales tile_scales(const uint8_t* scales) {
+  TileScales s{_mm512_setzero_ps(), _mm512_setzero_ps()};
+  if constexpr (F == Format::Q4_K32) {
+    s.d = _mm512_loadu_ps(scales);
+    s.offset = _mm512_loadu_ps(scales + 64);
+  } else {
+    s.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+    if constexpr (F == Format::Q4_1) {
+      s.offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
+    }
+  }
+  return s;
+}
+
+// acc + input `at`'s block sums C_hi, C_lo (16 weight rows) scaled by the rows' scales and the
+// input's; + m · X for the formats with offsets. Both units' products end here.
+template <Format F>
+inline __m512 scaled_sums(__m512 acc, __m512i c_high, __m512i c_low, const TileScales& s,
+                          const TiledInputs& in, int64_t at) {
+  __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(c_high, 8), c_low);
+  if constexpr (F == Format::Q4_0) {  // weight = d · (q − 8)
+    sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * in.code_sums[at]));
+  }
+  const __m512 scale = _mm512_mul_ps(s.d, _mm512_set1_ps(in.scales[at]));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc);
+  if constexpr (F == Format::Q4_1 || F == Format::Q4_K32) {  // + m · X
+    acc = _mm512_fmadd_ps(s.offset, _mm512_set1_ps(in.sums[at]), acc);
+  }
+  return acc;
+}
+#endif
+
+}  // namespace larql

@@ -1,0 +1,55 @@
+// The tiled int16-input block products (`tiled_blocks.h`) for M inputs: on the AMX tiles where
+// they run (`amx_gemm.h`), else with AVX-512 VNNI (`vnni_gemm.h`); the same bits either way.
+#pragma once  // included by block_dot.h, after the kernels
+
+namespace larql {
+
+#if LARQL_TILED
+// Whether this process multiplies tiled blocks on the AMX tiles (else with VNNI).
+inline bool tiles_on_amx() {
+#if LARQL_AMX
+  return amx_usable();
+#else
+  return false;
+#endif
+}
+
+// out: [M, n] for float32 inputs x [M, blocks · 32], rounded to int16 codes, and n weight rows
+// held tiled (`tile_rows`), the tiles over torch's threads: on AMX two tiles at a time (the unit
+// works on one while the other's sums are scaled), with VNNI one.
+inline void tiled_gemm(Format base, const uint8_t* tiled, int64_t n, int64_t blocks,
+                       const float* x, int64_t m_rows, float* out) {
+  thread_local std::vector<TiledInputBuffers> buffers;
+  const int64_t k = blocks * kBlock;
+  const size_t group_count = static_cast<size_t>((m_rows + kTileInputs - 1) / kTileInputs);
+  if (buffers.size() < group_count) buffers.resize(group_count);
+  std::vector<TiledInputs> groups(group_count);
+  for (size_t g = 0; g < group_count; ++g) {
+    const int64_t m0 = static_cast<int64_t>(g) * kTileInputs;
+    const int count = static_cast<int>(std::min<int64_t>(kTileInputs, m_rows - m0));
+    groups[g] = buffers[g].fill(x + m0 * k, count, k);
+  }
+  const int64_t tile_bytes = blocks * tile_block_bytes(base);
+  const int64_t tiles = n / kTileOutputs;
+  const bool amx = tiles_on_amx();
+  const int64_t step = amx ? 2 : 1;  // tiles a task takes
+  at::parallel_for(0, (tiles + step - 1) / step, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t t = step * p;
+      const uint8_t* tile = tiled + t * tile_bytes;
+      for (size_t g = 0; g < groups.size(); ++g) {
+        float* target = out + g * kTileInputs * n + t * kTileOutputs;
+#if LARQL_AMX
+        if (amx) {
+          amx_tile_group(base, tile, tile_bytes, blocks, t + 1 < tiles, groups[g], target, n);
+          continue;
+        }
+#endif
+        vnni_tile_group(base, tile, blocks, groups[g], target, n);
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace larql
