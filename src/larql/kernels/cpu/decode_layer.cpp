@@ -73,11 +73,15 @@ void rms_norm(const float* x, const float* weight, int64_t n, double eps, float*
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * scale * weight[i];
 }
 
-// fn(m) for every row m < m_rows: over the threads where there are several rows (each row's
-// arithmetic is the same either way), on the calling thread for one.
+// fn(m) for every row m < m_rows: over the threads where there are many rows (each row's
+// arithmetic is the same either way), on the calling thread for a decode step's few: a norm or
+// an activation of 8 rows costs less than a parallel region's start and wait (docs/
+// PERFORMANCE.md, the tiled products on Zen 4).
+constexpr int64_t kParallelRows = 32;
+
 template <typename Fn>
 void each_row(int64_t m_rows, const Fn& fn) {
-  if (m_rows < 2) {
+  if (m_rows < kParallelRows) {
     for (int64_t m = 0; m < m_rows; ++m) fn(m);
     return;
   }

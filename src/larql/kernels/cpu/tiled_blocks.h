@@ -67,8 +67,9 @@ struct TiledInputs {
 class TiledInputBuffers {
  public:
   // x: [n, k] float rows (n ≤ 16) → their int16 codes as `quantize_input` rounds them, split
-  // into bytes; valid until the next fill.
-  TiledInputs fill(const float* x, int n, int64_t k) {
+  // into bytes (over the threads where `parallel` and they are many); valid until the next
+  // fill.
+  TiledInputs fill(const float* x, int n, int64_t k, bool parallel = true) {
     const int64_t blocks = k / kBlock;
     const int rows = TiledInputs::rows_for(n);
     int8_t* high = high_.take(blocks * rows * kBlock);
@@ -111,7 +112,7 @@ class TiledInputBuffers {
         }
       }
     };
-    if (static_cast<int64_t>(n) * k < kParallelRounding) {
+    if (!parallel || static_cast<int64_t>(n) * k < kParallelRounding) {
       round_blocks(0, blocks);
     } else {
       at::parallel_for(0, blocks, 4, round_blocks);  // (each row's codes alike either way)

@@ -14,26 +14,45 @@ inline bool tiles_on_amx() {
 #endif
 }
 
-// out: [M, n] for float32 inputs x [M, blocks · 32], rounded to int16 codes, and n weight rows
-// held tiled (`tile_rows`), the tiles over torch's threads: on AMX two tiles at a time (the unit
-// works on one while the other's sums are scaled), with VNNI one.
-inline void tiled_gemm(Format base, const uint8_t* tiled, int64_t n, int64_t blocks,
-                       const float* x, int64_t m_rows, float* out) {
-  thread_local std::vector<TiledInputBuffers> buffers;
-  const int64_t k = blocks * kBlock;
+// Inputs up to which each thread of a product rounds them all itself, into its own buffers: a
+// decode step's few rows cost a thread less to round than a parallel region of their own costs
+// both threads to wait on (docs/PERFORMANCE.md, the tiled products on Zen 4); a prompt's many
+// rows are rounded once, over the threads.
+constexpr int64_t kOwnRounding = 1 << 15;
+
+// The inputs x [M, k] rounded into `buffers`, a group of up to kTileInputs rows each.
+inline std::vector<TiledInputs> tiled_inputs(std::vector<TiledInputBuffers>& buffers,
+                                             const float* x, int64_t m_rows, int64_t k,
+                                             bool parallel) {
   const size_t group_count = static_cast<size_t>((m_rows + kTileInputs - 1) / kTileInputs);
   if (buffers.size() < group_count) buffers.resize(group_count);
   std::vector<TiledInputs> groups(group_count);
   for (size_t g = 0; g < group_count; ++g) {
     const int64_t m0 = static_cast<int64_t>(g) * kTileInputs;
     const int count = static_cast<int>(std::min<int64_t>(kTileInputs, m_rows - m0));
-    groups[g] = buffers[g].fill(x + m0 * k, count, k);
+    groups[g] = buffers[g].fill(x + m0 * k, count, k, parallel);
   }
+  return groups;
+}
+
+// out: [M, n] for float32 inputs x [M, blocks · 32], rounded to int16 codes, and n weight rows
+// held tiled (`tile_rows`), the tiles over torch's threads: on AMX two tiles at a time (the unit
+// works on one while the other's sums are scaled), with VNNI one.
+inline void tiled_gemm(Format base, const uint8_t* tiled, int64_t n, int64_t blocks,
+                       const float* x, int64_t m_rows, float* out) {
+  const int64_t k = blocks * kBlock;
+  const bool own = m_rows * k <= kOwnRounding;
+  thread_local std::vector<TiledInputBuffers> shared_buffers;
+  std::vector<TiledInputs> shared;
+  if (!own) shared = tiled_inputs(shared_buffers, x, m_rows, k, true);
   const int64_t tile_bytes = blocks * tile_block_bytes(base);
   const int64_t tiles = n / kTileOutputs;
   const bool amx = tiles_on_amx();
   const int64_t step = amx ? 2 : 1;  // tiles a task takes
   at::parallel_for(0, (tiles + step - 1) / step, 2, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<TiledInputBuffers> own_buffers;
+    const std::vector<TiledInputs> groups =
+        own ? tiled_inputs(own_buffers, x, m_rows, k, false) : shared;
     for (int64_t p = begin; p < end; ++p) {
       const int64_t t = step * p;
       const uint8_t* tile = tiled + t * tile_bytes;
