@@ -49,6 +49,7 @@ def test_the_shared_memory_lets_two_ctas_share_an_sm() -> None:
     assert 64 * 1024 < cuda_partial.shared_bytes() <= 113 * 1024
 
 
+@needs_cuda
 def test_the_triton_launches_run_where_the_cuda_launch_does_not_cover(kernels) -> None:
     """float32 queries, a soft cap, a sliding layer, 3-bit codes: the Triton launches."""
     tables = kernels.CodecTables.of(TurboQuantCodec(64, 4), DEVICE)
