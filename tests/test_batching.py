@@ -23,7 +23,7 @@ from larql.inference.generation import (
     generate,
     step_together,
 )
-from larql.inference.linear import block_rows, rows_per_pass
+from larql.inference.linear import model_block_rows, rows_per_pass
 from larql.kernels.cpu.build import load as load_block_kernels
 from larql.kv import parse_engine
 from larql.kv.standard.engine import StandardEngine
@@ -281,11 +281,11 @@ def _fresh(model: Model, prompt: str, spec: str = "standard", **kw) -> Generatio
 def test_prompts_ride_in_decode_steps_bit_for_bit(smollm2_default: Model) -> None:
     """Two streams decode while a short prompt goes in whole and a longer one in chunks, all
     in the same steps: every session's logits are the ones it gets alone, bit for bit on the
-    compiled layer (a prompt of at most `block_rows()` rows is prefilled by it alone too)."""
+    compiled layer (a prompt of at most `model_block_rows` rows is prefilled by it alone too)."""
     model = smollm2_default
     long_text = "In the beginning the universe was created, which made a lot of people angry"
     texts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], long_text]
-    assert len(model.tokenizer.encode(long_text)) <= block_rows()
+    assert len(model.tokenizer.encode(long_text)) <= model_block_rows(model)
 
     def alone(text: str) -> list[torch.Tensor]:
         session, logits = _fresh(model, text), []

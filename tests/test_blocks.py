@@ -22,7 +22,14 @@ from larql.harness.contexts import context_ids
 from larql.inference.ffn import DenseFfn
 from larql.inference.ffn.policy import build_ffn
 from larql.inference.generation import next_token_logits
-from larql.inference.linear import block_rows, linear, reads_blocks
+from larql.inference.linear import (
+    BLOCK_ROWS,
+    TILED_BLOCK_ROWS,
+    block_rows,
+    linear,
+    model_block_rows,
+    reads_blocks,
+)
 from larql.inference.rope import apply_rope
 from larql.kernels.cpu.build import load as load_block_kernels
 from larql.kv import parse_engine
@@ -315,10 +322,10 @@ def test_fused_decode_step_matches_the_operator_path(
     logits = []
     for fused in (True, False):
         if not fused:  # the torch operators, still over the blocks' products
-            monkeypatch.setattr(layer_module, "fused_kernels", lambda h: None)
+            monkeypatch.setattr(layer_module, "fused_kernels", lambda h, blocks=None: None)
             monkeypatch.setattr(layer_module, "attention_kernels", lambda q, k, v: None)
-            monkeypatch.setattr(fused_layer_module, "fused_kernels", lambda h: None)
-            monkeypatch.setattr(ffn_backend_module, "fused_kernels", lambda h: None)
+            monkeypatch.setattr(fused_layer_module, "fused_kernels", lambda h, blocks=None: None)
+            monkeypatch.setattr(ffn_backend_module, "fused_kernels", lambda h, blocks=None: None)
         ffn, engine = DenseFfn(blocks_smollm2), parse_engine("standard").build(blocks_smollm2)
         with torch.inference_mode():
             engine.prefill(blocks_smollm2, ffn, ids)
@@ -343,11 +350,11 @@ def test_the_compiled_decode_layer_is_the_layer_step(
     spec: str, prompt: int, weights: str, blocks_smollm2: Model, auto_smollm2: Model,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    """Decode rows, and a prompt of up to `block_rows()` rows, through the compiled layer give
+    """Decode rows, and a prompt of up to `model_block_rows` rows, through the compiled layer give
     the operators' logits."""
     _kernels_or_skip()
     model = blocks_smollm2 if weights == "blocks-float" else auto_smollm2
-    ids = context_ids(model, prompt or block_rows() + 8, default_text())
+    ids = context_ids(model, prompt or model_block_rows(model) + 8, default_text())
     compiled_calls = []
     real_layers = fused_layer_module.fused_layers_rows
 
@@ -371,8 +378,8 @@ def test_the_compiled_decode_layer_is_the_layer_step(
             engine.prefill(model, ffn, ids)
             steps = [engine.decode_step(model, ffn, t) for t in (42, 7, 1999, 5, 300, 11)]
         logits.append(torch.stack([next_token_logits(model, s) for s in steps]))
-    # every decode step (and a prompt of up to block_rows()) ran all its layers in one call
-    assert len(compiled_calls) == 6 + (len(ids) <= block_rows()) and all(compiled_calls)
+    # every decode step (and a prompt of up to model_block_rows) ran all its layers in one call
+    assert len(compiled_calls) == 6 + (len(ids) <= model_block_rows(model)) and all(compiled_calls)
     assert torch.allclose(logits[0], logits[1], rtol=1e-5, atol=1e-4)
 
 
@@ -435,6 +442,16 @@ def test_the_commands_ffn_router_hands_on_the_compiled_mlp(auto_smollm2: Model) 
     h = torch.randn(1, auto_smollm2.config.hidden_size)
     norm, eps = auto_smollm2.weights.layers[3].ffn_norm, auto_smollm2.config.norm_eps
     assert torch.equal(router.fused_block(3, h, norm, eps), dense.fused_block(3, h, norm, eps))
+
+
+def test_prompts_take_the_blocks_only_where_their_products_beat_blas() -> None:
+    """Up to 256 rows go through the block products where they are tiled (int16 inputs on a
+    CPU with AVX-512 VNNI), up to 16 otherwise: the untiled ones, and int8 or float inputs,
+    lose to BLAS on the float matrix past that."""
+    kernels = load_block_kernels()
+    tiled = kernels is not None and kernels.tiled()
+    assert block_rows("int16") == (TILED_BLOCK_ROWS if tiled else BLOCK_ROWS)
+    assert block_rows("int8") == block_rows("float") == BLOCK_ROWS
 
 
 @pytest.mark.parametrize(

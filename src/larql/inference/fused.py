@@ -1,9 +1,9 @@
 """The compiled decode-step pieces (`larql.kernels.cpu`) where a few float32 rows on the CPU
-(a decode step, a batched one, a prompt: up to `block_rows()`) run through them: fused QKV +
-RoPE, output projection + residual and the whole gated MLP + residual for matrices the model
-holds in GGUF blocks, and one query's attention over float32 K/V rows (any model). `layer.py`
-asks here first and otherwise runs the torch operators, which stay the reference the pieces
-are tested against."""
+(a decode step, a batched one, a prompt: up to `block_rows(activation)`) run through them:
+fused QKV + RoPE, output projection + residual and the whole gated MLP + residual for matrices
+the model holds in GGUF blocks, and one query's attention over float32 K/V rows (any model).
+`layer.py` asks here first and otherwise runs the torch operators, which stay the reference the
+pieces are tested against."""
 
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ from larql.kernels.cpu.build import load as load_block_kernels
 from larql.models.blocks import ACTIVATION_BITS, BlockRows
 
 
-def fused_kernels(h: torch.Tensor) -> ModuleType | None:
-    """The extension when the residual h: [S, H] is at most `block_rows()` float32 rows on the
-    CPU, else None."""
-    if h.shape[0] > block_rows() or h.dtype != torch.float32 or h.device.type != "cpu":
+def fused_kernels(h: torch.Tensor, blocks: BlockRows | None = None) -> ModuleType | None:
+    """The extension when the residual h: [S, H] is float32 rows on the CPU, no more than the
+    block products of `blocks` take (`block_rows`; one row where no blocks are given), else
+    None."""
+    limit = 1 if blocks is None else block_rows(blocks.activation)
+    if h.shape[0] > limit or h.dtype != torch.float32 or h.device.type != "cpu":
         return None
     if h.requires_grad or torch.compiler.is_compiling():
         return None

@@ -10,7 +10,7 @@ computes with the same pieces (tested against it); everything else takes `layer_
 operators.
 
 `fused_layers_rows` takes the rows of one session or of several at once (a decode step, a
-batched one, a prompt of up to `block_rows()` rows, or a decode step that carries a new
+batched one, a prompt of up to `model_block_rows(model)` rows, or a decode step that carries a new
 prompt's chunk): each matrix is read once for all rows, each row writes into and attends over
 its own session's store (a prompt's rows causally), and a row's arithmetic is exactly the
 one-row call's (a session's tokens do not depend on who shares its step, and a prompt's rows
@@ -34,7 +34,7 @@ import torch
 from larql.inference.ffn.backend import FfnBackend
 from larql.inference.fused import activation_bits, fused_kernels
 from larql.inference.layer import effective_window, rope_table
-from larql.inference.linear import block_rows, kernel_rows
+from larql.inference.linear import kernel_rows, model_block_rows
 from larql.models.model import Model
 
 
@@ -265,7 +265,7 @@ def fused_layer_step(
     """h: [S, H] of one session at positions `start`.. (a decode step, a short prompt or a
     chunk of one) → the residuals after the whole layer [S, H], its K/V rows committed to
     `kv`; None where the compiled layer does not apply (nothing is changed), or for more rows
-    than `block_rows()` (a longer prompt's products are faster on the float matrices)."""
-    if h.shape[0] > block_rows():
+    than `model_block_rows(model)` (a longer prompt's products are faster on the float matrices)."""
+    if h.shape[0] > model_block_rows(model):
         return None
     return fused_layer_rows(model, layer, h, [start], [h.shape[0]], [kv], ffn, window)

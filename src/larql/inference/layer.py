@@ -167,7 +167,7 @@ def project_qkv_with_rope(
     plain = lw.q_norm is None and lw.k_norm is None
     heads, kv_heads, dim = cfg.num_heads, cfg.kv_heads_of(layer), cfg.head_dim_of(layer)
     q_dim, kv_dim = cfg.q_dim_of(layer), cfg.kv_dim_of(layer)
-    if plain and blocks is not None and (kernels := fused_kernels(h)) is not None:
+    if plain and blocks is not None and (kernels := fused_kernels(h, blocks)) is not None:
         # a few rows: norm, product and RoPE of q and k in one compiled call
         qkv = kernels.decode_qkv(
             h.contiguous(), lw.attn_norm, cfg.norm_eps, *kernel_rows(blocks, kernels), lw.bqkv,
@@ -452,7 +452,7 @@ def attention_output(model: Model, layer: int, h: torch.Tensor, attn: torch.Tens
     """Output projection (+ post-attention norm) added to the residual: [S, H]."""
     lw = model.weights.layers[layer]
     blocks = lw.blocks.get("wo")
-    kernels = fused_kernels(h) if lw.post_attn_norm is None and blocks is not None else None
+    kernels = fused_kernels(h, blocks) if lw.post_attn_norm is None and blocks is not None else None
     if kernels is not None:
         attn = attn.contiguous()
         return kernels.residual_gemv(

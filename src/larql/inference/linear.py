@@ -10,9 +10,9 @@ already fast there.
 A matrix the model also holds in its GGUF blocks (`BlockRows`: Q8_0 / Q4_0 / Q4_1, Q4_K
 repacked) is read from those instead, on the CPU, by the compiled block product
 (`larql.kernels.cpu`): a Q4_1 row is 0.16× the bytes of its float32 one. So are products of a
-few rows (up to `block_rows()`: a batched decode step, a prompt), each weight read once for
-all of them and each row computed exactly as alone; past that, BLAS on the float matrix is
-faster. Without the built extension, torch's float product runs as before.
+few rows (up to `block_rows(activation)`: a batched decode step, a prompt), each weight read
+once for all of them and each row computed exactly as alone; past that, BLAS on the float
+matrix is faster. Without the built extension, torch's float product runs as before.
 """
 
 from __future__ import annotations
@@ -30,21 +30,33 @@ from larql.models.model import Model
 _SPLIT_DTYPES = (torch.float32, torch.float64)
 # rows up to which the block product beats BLAS on the float matrix: with the AVX2 products
 # (SmolLM2's gate/up on a 2-core machine: 0.29 against 0.42 ms at 8 rows, 0.53 / 0.66 at 16,
-# 1.35 / 1.04 at 32) and in the tiled products — on AMX tiles (a whole prefill of the default
-# model on a 2-core Xeon: 24 tokens 22.5 against 61 ms, 64: 51 / 94, 128: 111 / 143, 256: 240
-# / 263) and with AVX-512 VNNI (SmolLM2's gate/up on the 2-core Zen 4: 0.20 against 0.62 ms at
-# 16 rows, 0.73 / 1.98 at 64, 3.02 / 6.80 at 256)
+# 1.35 / 1.04 at 32) and in the tiled products of int16 inputs — on AMX tiles (a whole prefill
+# of the default model on a 2-core Xeon: 24 tokens 22.5 against 61 ms, 64: 51 / 94, 128: 111 /
+# 143, 256: 240 / 263) and with AVX-512 VNNI (SmolLM2's gate/up on the 2-core Zen 4: 0.20
+# against 0.62 ms at 16 rows, 0.73 / 1.98 at 64, 3.02 / 6.80 at 256; its untiled int8 products
+# there 1.86 against 0.60 at 16 rows)
 BLOCK_ROWS = 16
 TILED_BLOCK_ROWS = 256
 
 
 @cache
-def block_rows() -> int:
-    """Rows up to which a product (and the compiled layer) reads the GGUF blocks rather than
-    the float matrix: `TILED_BLOCK_ROWS` where the tiled products run (AVX-512 VNNI or AMX),
-    else `BLOCK_ROWS`."""
+def _tiled() -> bool:
     kernels = load_block_kernels()
-    return TILED_BLOCK_ROWS if kernels is not None and kernels.tiled() else BLOCK_ROWS
+    return kernels is not None and kernels.tiled()
+
+
+def block_rows(activation: str) -> int:
+    """Rows up to which a product of blocks that take `activation` inputs (and the compiled
+    layer over them) reads the GGUF blocks rather than the float matrix: `TILED_BLOCK_ROWS`
+    for int16 inputs where the tiled products run (AVX-512 VNNI or AMX), else `BLOCK_ROWS`."""
+    return TILED_BLOCK_ROWS if activation == "int16" and _tiled() else BLOCK_ROWS
+
+
+def model_block_rows(model: Model) -> int:
+    """`block_rows` for the inputs `model`'s block matrices take (`BLOCK_ROWS` without any)."""
+    layer_blocks = model.weights.layers[0].blocks if model.weights.layers else {}
+    first = next(iter(layer_blocks.values()), None)
+    return BLOCK_ROWS if first is None else block_rows(first.activation)
 
 
 _TILED_CODE = 16  # the extension's format code of a tiled matrix: 16 + its format's
@@ -97,7 +109,8 @@ def linear(
 ) -> torch.Tensor:
     """x: [S, in] @ weight[out, in]ᵀ (+ bias) → [S, out]; `blocks`: the same matrix in GGUF
     blocks, which a one-row product on the CPU reads instead."""
-    if torch.compiler.is_compiling() or x.device.type != "cpu" or x.shape[0] > block_rows():
+    limit = BLOCK_ROWS if blocks is None else block_rows(blocks.activation)
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or x.shape[0] > limit:
         # decided before asking for the thread count, which torch.compile cannot trace: a
         # compiled step must not break its graph here (a compiler fuses the product itself)
         return F.linear(x, weight, bias)

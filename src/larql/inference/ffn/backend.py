@@ -99,7 +99,7 @@ class DenseFfn(FfnBackend):
         self, layer: int, h: torch.Tensor, norm: torch.Tensor, eps: float
     ) -> torch.Tensor | None:
         blocks = self.silu_blocks(layer)
-        kernels = fused_kernels(h) if blocks is not None else None
+        kernels = fused_kernels(h, blocks[0]) if blocks is not None else None
         if blocks is None or kernels is None:
             return self._row_products(layer, h, norm, eps)
         gate_up, down = blocks

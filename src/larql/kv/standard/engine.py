@@ -35,7 +35,7 @@ from larql.inference.layer import (
     layer_step,
     project_qkv,
 )
-from larql.inference.linear import block_rows
+from larql.inference.linear import model_block_rows
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.buffers import KvBuffer, commit_step, step_slots
@@ -249,7 +249,9 @@ class StandardEngine(KvEngine):
     ) -> torch.Tensor:
         """Rows h [S, H] at positions start.. (per-layer inputs [S, L, P] or None) → [S, H]."""
         assert self._layers is not None
-        if h.shape[0] <= block_rows():  # every layer in one compiled call, where they all take it
+        if h.shape[0] <= model_block_rows(
+            model
+        ):  # every layer in one compiled call, if they take it
             stores = [[buffer] for buffer in self._layers]
             fused = _fused_step(model, ffn, h, [self], [start], [h.shape[0]], stores, self.window)
             if fused is not None:
