@@ -155,6 +155,27 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// e^x for 8 lanes: 2^n · e^r with n = round(x · log2 e), r = x − n · ln 2 (ln 2 split in two for
+// precision) and e^r by its degree-7 series in Horner form (Cephes' expf coefficients, within
+// 2 ulp of std::exp over the clamped range).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i scale = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);  // 2^n
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
 // Σ_i q_i x_i over one block: q as 32 int8 (Q8_0) or 16 bytes of nibbles (Q4), x float [32].
 inline __m256 codes_times_x(__m128i first16, __m128i last16, bool is_signed, const float* x) {
   const __m128i parts[4] = {first16, _mm_srli_si128(first16, 8), last16, _mm_srli_si128(last16, 8)};
