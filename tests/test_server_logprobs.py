@@ -153,7 +153,11 @@ def test_sampled_tokens_are_scored_before_temperature(url: str, smollm2: Model) 
     generated = out["larql"]["token_ids"]
     served = out["choices"][0]["logprobs"]["token_logprobs"]
     expected = reference(smollm2, ids + generated, len(ids))[len(ids) - 1 :]
-    assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) <= EXACT
+    # at temperature 1.7 a token can be improbable (ln p ≈ −17 here): the float32 rounding of
+    # logits that far down is relative to their size; scores after temperature would be off by
+    # whole nats
+    for a, b in zip(served, expected, strict=True):
+        assert abs(a - b) <= EXACT * max(1.0, abs(b)), (a, b)
 
 
 def test_a_stop_token_is_scored_at_the_end_of_the_text(url: str, smollm2: Model) -> None:
