@@ -316,6 +316,47 @@ def test_prompts_ride_in_decode_steps_bit_for_bit(smollm2_default: Model) -> Non
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
 
 
+def test_a_sessions_kv_is_allocated_once_for_its_tokens(smollm2_default: Model) -> None:
+    """A session tells its engine how many tokens it will hold (`expect_tokens`): standard's
+    K/V storage is allocated at the prefill for all of them and never moves in the steps,
+    batched or alone, and every logit is what an engine told nothing gives (whose storage
+    grows on the way)."""
+    model, steps = smollm2_default, 40
+
+    def run(hinted: bool, together: bool) -> tuple[list[torch.Tensor], set[int]]:
+        sessions = []
+        for prompt in PROMPTS[:2]:
+            session = _fresh(model, prompt)
+            session.budget = steps
+            session.engine.expect_tokens(len(session.prompt_ids) + steps if hinted else 0)
+            session.prefill()
+            sessions.append(session)
+        first = sessions[0].engine
+        assert isinstance(first, StandardEngine) and first._layers is not None
+        capacities, logits = set(), [sessions[0].logits]
+        while not sessions[0].finished:
+            if together:
+                step_together(sessions)
+            else:
+                for session in sessions:
+                    session.step()
+            capacities.add(first._layers[7]._k.capacity)
+            logits.append(sessions[0].logits)
+        return logits, capacities
+
+    want, grown = run(hinted=False, together=False)
+    assert len(grown) > 1
+    for together in (False, True):
+        got, capacities = run(hinted=True, together=together)
+        assert len(capacities) == 1  # allocated once
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    ids = model.tokenizer.encode(PROMPTS[0])  # a session hints its own prompt and budget
+    engine = parse_engine("standard").build(model)
+    GenerationSession(engine, model, DenseFfn(model), ids, 100, stop_ids=frozenset()).prefill()
+    assert isinstance(engine, StandardEngine) and engine._layers is not None
+    assert engine._layers[0]._k.capacity == len(ids) + 100
+
+
 def test_which_prompts_may_ride_and_what_is_refused(smollm2: Model) -> None:
     model, ffn = smollm2, DenseFfn(smollm2)
     fresh = _fresh(model, PROMPTS[1])

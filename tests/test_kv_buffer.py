@@ -150,3 +150,32 @@ def test_a_sessions_layers_take_a_chunk_of_rows_at_once() -> None:
     assert len(capacities) > 1  # grown on the way
     for slotted, plain in zip(layers, appended, strict=True):
         assert torch.equal(slotted.keys, plain.keys) and torch.equal(slotted.values, plain.values)
+
+
+def test_expected_rows_are_allocated_at_once() -> None:
+    """`expect(n)`: the first allocation makes room for n rows, so appends and step rows up to
+    n never move the storage (a short generation's K/V is allocated once); past n it grows as
+    before, keeping every row. A buffer that keeps a window ignores the hint."""
+    hinted, plain = KvBuffer(), KvBuffer()
+    hinted.expect(70)
+    for buffer in (hinted, plain):
+        buffer.append(rows(0, 6), -rows(0, 6))
+    storage = hinted._k._data
+    assert hinted._k.capacity == 70 and plain._k.capacity < 70
+    plain_capacities = {plain._k.capacity}
+    for step in range(64):
+        for buffer in (hinted, plain):
+            keys, values, first, row = step_slots([buffer])  # type: ignore[misc]
+            keys[0][row], values[0][row] = float(6 + step), -float(6 + step)
+            commit_step([buffer])
+        assert hinted._k._data is storage  # 70 rows: never moved
+        plain_capacities.add(plain._k.capacity)
+    assert len(plain_capacities) > 1  # without the hint the same rows moved on the way
+    hinted.append(rows(70, 3), -rows(70, 3))  # past the hint: grows, keeps every row
+    assert hinted._k._data is not storage
+    assert hinted.keys[0, :, 0].tolist() == [float(i) for i in range(73)]
+    assert torch.equal(hinted.keys[:, :70], plain.keys) and torch.equal(hinted.values, -hinted.keys)
+    windowed = KvBuffer(keep=8)
+    windowed.expect(1000)
+    windowed.append(rows(0, 3), -rows(0, 3))
+    assert windowed._k.capacity < 100

@@ -121,6 +121,12 @@ class Engine(ABC):
 
     # ------------------------------------------------------------------ the protocol
 
+    def expect_tokens(self, total: int) -> None:
+        """A generation will hold up to `total` tokens (prompt and new ones): an engine whose
+        state grows with them may allocate it once instead of growing it as they come. A hint
+        only: holding more still works; by default nothing changes."""
+        return None
+
     def prefill(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
         """Run the prompt; return the last position's pre-final-norm hidden [1, H]."""
         return self.prefill_all(model, ffn, token_ids)[-1:]

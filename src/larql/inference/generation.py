@@ -25,6 +25,11 @@ from larql.models.blocks import ACTIVATION_BITS
 from larql.models.model import Model
 
 FinishReason = Literal["stop", "length"]
+# New tokens a session tells its engine to expect room for at once (`Engine.expect_tokens`): a
+# short generation's state is allocated once instead of growing every few steps (on the default
+# model, growing eight sessions' 30 layers of K/V cost ~0.3 ms a batched step on average); a
+# long one's grows from there as before.
+EXPECTED_AHEAD = 512
 # on_token(token_id) may return True to stop early (a client went away, a stop string matched).
 TokenCallback = Callable[[int], bool | None]
 
@@ -171,6 +176,7 @@ class GenerationSession:
         # `max_positions` caps prompt + generated tokens
         held = engine.position if resume_hidden is not None else 0
         self.budget = min(max_new_tokens, max(limit - held - len(self.prompt_ids), 0))
+        engine.expect_tokens(held + len(self.prompt_ids) + min(self.budget, EXPECTED_AHEAD))
         self.resume_hidden = resume_hidden
         self.last_hidden: torch.Tensor | None = None  # the prompt's last output row [1, H]
         self.tokens: list[int] = []

@@ -22,6 +22,11 @@ class KvBuffer:
     def __len__(self) -> int:
         return len(self._k)
 
+    def expect(self, rows: int) -> None:
+        """Up to `rows` rows are coming: allocate room for them at once (`GrowableRows.expect`)."""
+        self._k.expect(rows)
+        self._v.expect(rows)
+
     @property
     def keys(self) -> torch.Tensor:
         """[Hkv, n, D] view of the live rows."""
@@ -100,31 +105,20 @@ def _aligned_slots(
     buffers: Sequence[object], rows: int = 1
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int] | str | None:
     """`step_slots`' answer without growing: "full" where the buffers hold their rows at the
-    same places with less than `rows` rows of room after them."""
-    head = buffers[0]
-    if type(head) is not KvBuffer or head._k._data is None:
+    same places with less than `rows` rows of room after them. (Every step of every session
+    asks this of every layer: comprehensions, not a loop of statements.)"""
+    if not all(type(b) is KvBuffer and b.keep is None for b in buffers):
         return None
-    start, end = head._k._start, head._k._end
-    keys, values = [], []
-    full = False
-    for buffer in buffers:
-        if type(buffer) is not KvBuffer or buffer.keep is not None:
-            return None
-        k_rows, v_rows = buffer._k, buffer._v
-        k_data, v_data = k_rows._data, v_rows._data
-        if (
-            k_data is None
-            or v_data is None
-            or k_rows._start != start
-            or k_rows._end != end
-            or v_rows._start != start
-            or v_rows._end != end
-        ):
-            return None
-        full = full or end + rows > k_data.shape[0] or end + rows > v_data.shape[0]
-        keys.append(k_data)
-        values.append(v_data)
-    return "full" if full else (keys, values, start, end)
+    stores = [b._k for b in buffers] + [b._v for b in buffers]  # type: ignore[attr-defined]
+    head = stores[0]
+    start, end = head._start, head._end
+    if not all(r._start == start and r._end == end and r.capacity for r in stores):
+        return None
+    if end + rows > min(r.capacity for r in stores):
+        return "full"
+    data = [r._data for r in stores]
+    half = len(buffers)
+    return data[:half], data[half:], start, end
 
 
 def commit_step(buffers: Sequence[KvBuffer], rows: int = 1) -> None:

@@ -7,7 +7,9 @@ live rows are compacted to the front if that frees at least a slack's worth of r
 tensor grows geometrically (×1.25, at least 16 rows of slack); a store left far larger than its
 live rows (after a long prefill followed by a window clip) is shrunk once. So no step copies the
 whole store, and the copies that do happen are paid for by the appends before them. `nbytes()`
-is what is allocated — what the process actually holds.
+is what is allocated — what the process actually holds. An owner that knows how many rows a
+store will hold (`expect`: a generation's prompt and token budget) has them allocated at once,
+so a short generation never grows its store step by step.
 """
 
 from __future__ import annotations
@@ -30,11 +32,20 @@ class GrowableRows:
             raise ValueError(f"keep must be ≥ 0, got {keep}")
         self.keep = keep
         self._data: torch.Tensor | None = None  # [capacity, *row_shape]
+        self.capacity = 0  # rows allocated: _data's first dimension
         self._start = 0  # first live row
         self._end = 0  # one past the last live row
+        self._expected = 0  # rows the owner expects to hold at most (`expect`)
 
     def __len__(self) -> int:
         return self._end - self._start
+
+    def expect(self, rows: int) -> None:
+        """The owner expects to hold up to `rows` rows: the next allocation (the first, or a
+        growth short of them) makes room for them all, not just for the slack after the live
+        rows. A store with `keep` holds at most that many, and ignores this."""
+        if self.keep is None:
+            self._expected = max(rows, 0)
 
     def __getstate__(self) -> dict[str, object]:
         """A snapshot keeps the live rows only, not the spare capacity."""
@@ -46,7 +57,8 @@ class GrowableRows:
         assert rows is None or isinstance(rows, torch.Tensor)
         self.keep = state["keep"]  # type: ignore[assignment]
         self._data, self._start = rows, 0
-        self._end = 0 if rows is None else rows.shape[0]
+        self._end = self.capacity = 0 if rows is None else rows.shape[0]
+        self._expected = 0
 
     @property
     def rows(self) -> torch.Tensor:
@@ -72,7 +84,7 @@ class GrowableRows:
         write rows there itself and then `commit(s)`. Before the first append the storage is
         made like `like` ([n, *row_shape]: its row shape, dtype and device); None without it."""
         data = self._data
-        if data is not None and self._end + s <= data.shape[0]:  # room already: most steps
+        if data is not None and self._end + s <= self.capacity:  # room already: most steps
             return data, self._start, self._end
         if data is None and like is None:
             return None
@@ -82,7 +94,7 @@ class GrowableRows:
 
     def commit(self, s: int) -> None:
         """Count s rows written at the back (after `reserve_back`) as live."""
-        assert self._data is not None and self._end + s <= self._data.shape[0]
+        assert self._data is not None and self._end + s <= self.capacity
         self._end += s
 
     def clip(self) -> None:
@@ -96,7 +108,7 @@ class GrowableRows:
         self._start += n
         assert self._data is not None
         target = len(self) + _slack(len(self))
-        if self._data.shape[0] > 2 * target:
+        if self.capacity > 2 * target:
             self._reallocate(target, self._data)
 
     def pop_front(self, n: int) -> torch.Tensor:
@@ -130,10 +142,11 @@ class GrowableRows:
 
     def _reserve(self, s: int, like: torch.Tensor) -> None:
         if self._data is None:
-            self._data = like.new_empty(s + _slack(s), *like.shape[1:])
+            self._data = like.new_empty(max(s + _slack(s), self._expected), *like.shape[1:])
+            self.capacity = self._data.shape[0]
             self._start = self._end = 0
             return
-        capacity = self._data.shape[0]
+        capacity = self.capacity
         if self._end + s <= capacity:
             return
         live = len(self)
@@ -141,7 +154,8 @@ class GrowableRows:
             self._compact()
         else:
             needed = live + s
-            self._reallocate(max(needed + _slack(needed), int(capacity * _GROWTH)), like)
+            grown = max(needed + _slack(needed), int(capacity * _GROWTH), self._expected)
+            self._reallocate(grown, like)
 
     def _compact(self) -> None:
         assert self._data is not None
@@ -153,5 +167,6 @@ class GrowableRows:
         live_rows = self.rows
         live = len(self)
         self._data = like.new_empty(capacity, *like.shape[1:])
+        self.capacity = capacity
         self._data[:live] = live_rows
         self._start, self._end = 0, live

@@ -51,6 +51,7 @@ class StandardEngine(KvEngine):
     on the CPU). Prefilling from hidden rows always takes the eager path."""
 
     name = "standard"
+    _snapshot_exclude = KvEngine._snapshot_exclude | {"_clipping", "_expected"}
 
     def __init__(
         self,
@@ -68,6 +69,9 @@ class StandardEngine(KvEngine):
         self.window, self.sinks = window, sinks
         self.graph, self.compile, self.attention, self.static = graph, compile, attention, static
         self._layers: list[KvBuffer | SinkKvBuffer] | None = None  # the eager path's K/V
+        self._expected = 0  # tokens a generation expects to hold (`expect_tokens`)
+        # (_layers, the ones among them that keep a window of rows): what `_clip` clips
+        self._clipping: tuple[list, list] | None = None
         self.fast_path: StaticCache | None = None  # the static path, where it runs
 
     def describe(self) -> str:
@@ -134,7 +138,7 @@ class StandardEngine(KvEngine):
 
     def _begin_in_batch(self, model: Model) -> None:
         self.fast_path = None
-        self._layers = [self._new_buffer(model, i) for i in range(model.config.num_layers)]
+        self._layers = self._new_layers(model)
 
     @classmethod
     def _step_batch(
@@ -176,12 +180,10 @@ class StandardEngine(KvEngine):
         positions = [start + j for start, n in zip(starts, counts, strict=True) for j in range(n)]
         window = batch[0].window
         layers = range(model.config.num_layers)
-        stores = [[e._layers[layer] for e in batch] for layer in layers]  # type: ignore[index]
-        h = _fused_step(model, ffn, rows, batch, starts, counts, stores, window)
+        h = _fused_step(model, ffn, rows, batch, starts, counts, window)
         if h is not None:  # every layer in one compiled call
-            for buffers in stores:
-                for buffer in buffers:
-                    buffer.clip()
+            for engine in batch:
+                engine._clip()
             return h
         shared = [SharedKv(model.config) for _ in batch]  # each session's, for sharing layers
         h = rows
@@ -221,7 +223,7 @@ class StandardEngine(KvEngine):
     ) -> torch.Tensor:
         """rows: [S, H] → every prompt row's hidden [S, H] (boundary frames read inside it)."""
         self.fast_path = None
-        self._layers = [self._new_buffer(model, i) for i in range(model.config.num_layers)]
+        self._layers = self._new_layers(model)
         return self._run(model, ffn, rows, 0, inputs)
 
     def _step_token(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
@@ -252,11 +254,9 @@ class StandardEngine(KvEngine):
         if h.shape[0] <= model_block_rows(
             model
         ):  # every layer in one compiled call, if they take it
-            stores = [[buffer] for buffer in self._layers]
-            fused = _fused_step(model, ffn, h, [self], [start], [h.shape[0]], stores, self.window)
+            fused = _fused_step(model, ffn, h, [self], [start], [h.shape[0]], self.window)
             if fused is not None:
-                for buffer in self._layers:
-                    buffer.clip()
+                self._clip()
                 return fused
         shared = SharedKv(model.config)  # a K/V-sharing layer's buffer stays empty
         for layer, buffer in enumerate(self._layers):
@@ -279,12 +279,33 @@ class StandardEngine(KvEngine):
             buffer.clip()
         return h
 
+    def expect_tokens(self, total: int) -> None:
+        self._expected = total
+        for buffer in self._layers or []:
+            if isinstance(buffer, KvBuffer):
+                buffer.expect(total)
+
+    def _clip(self) -> None:
+        """Drop the rows no later query sees, on the layers that keep a window (every session
+        of a batch asks at every step: the layers that do are found once per set of layers)."""
+        layers = self._layers or []
+        if self._clipping is None or self._clipping[0] is not layers:
+            windowed = [b for b in layers if not isinstance(b, KvBuffer) or b.keep is not None]
+            self._clipping = (layers, windowed)
+        for buffer in self._clipping[1]:
+            buffer.clip()
+
+    def _new_layers(self, model: Model) -> list[KvBuffer | SinkKvBuffer]:
+        return [self._new_buffer(model, i) for i in range(model.config.num_layers)]
+
     def _new_buffer(self, model: Model, layer: int) -> KvBuffer | SinkKvBuffer:
         """Sinks go on the layers the engine's window bounds; a layer with its own sliding
         window keeps that window alone (its architecture never lets it see farther)."""
         if self.sinks and self.window and model.config.layers[layer].sliding_window is None:
             return SinkKvBuffer(self.sinks, self.window)
-        return KvBuffer(keep=kept_rows(effective_window(model, layer, self.window)))
+        buffer = KvBuffer(keep=kept_rows(effective_window(model, layer, self.window)))
+        buffer.expect(self._expected)
+        return buffer
 
 
 def _fused_step(
@@ -294,14 +315,13 @@ def _fused_step(
     batch: Sequence[StandardEngine],
     starts: list[int],
     counts: Sequence[int],
-    stores: list[list[KvBuffer | SinkKvBuffer]],
     window: int | None,
 ) -> torch.Tensor | None:
     """Every layer of a batched step in one compiled call (`fused_layers_rows`), or None. An
     unwindowed engine whose layers keep every row at the same places reserves its rows in all
     its layers at once (`step_slots`), not layer by layer; in a step where new prompts ride,
     the decoding sessions still do, and only the new ones reserve layer by layer."""
-    layers = range(len(stores))
+    layers = range(model.config.num_layers)
     if window is None:
         slots = [
             step_slots(engine._layers, n)  # type: ignore[arg-type]
@@ -318,9 +338,7 @@ def _fused_step(
         else:
             reserved = None
         if reserved is not None:
-            h = fused_layers_rows(
-                model, layers, rows, starts, counts, stores, ffn, window, reserved
-            )
+            h = fused_layers_rows(model, layers, rows, starts, counts, [], ffn, window, reserved)
             if h is not None:
                 for engine, n, slot in zip(batch, counts, slots, strict=True):
                     if slot is not None:
@@ -329,6 +347,7 @@ def _fused_step(
                         for buffer in engine._layers:  # type: ignore[union-attr]
                             buffer.commit_rows(n)
             return h
+    stores = [[e._layers[layer] for e in batch] for layer in layers]  # type: ignore[index]
     return fused_layers_rows(model, layers, rows, starts, counts, stores, ffn, window)
 
 
