@@ -165,7 +165,7 @@ def test_expected_rows_are_allocated_at_once() -> None:
     plain_capacities = {plain._k.capacity}
     for step in range(64):
         for buffer in (hinted, plain):
-            keys, values, first, row = step_slots([buffer])  # type: ignore[misc]
+            keys, values, _, row = step_slots([buffer])  # type: ignore[misc]
             keys[0][row], values[0][row] = float(6 + step), -float(6 + step)
             commit_step([buffer])
         assert hinted._k._data is storage  # 70 rows: never moved

@@ -168,3 +168,31 @@ def test_stop_tokens_are_not_text(smollm2: Model) -> None:
     eos = min(tok.stop_ids)
     assert text.feed(tok.encode(" Paris", add_special_tokens=False)[0]) == " Paris"
     assert text.feed(eos) == "" and text.flush() == ""
+
+
+def test_an_unstreamed_requests_pieces_arrive_with_its_end(smollm2: Model) -> None:
+    """A streamed request gets each piece of text as its token comes; an unstreamed one gets
+    the same pieces, in order, only when its generation ends (its coroutine is not woken for
+    every token of every stream)."""
+
+    async def scenario() -> tuple[list[Event], list[Event], list[int]]:
+        s = scheduler(smollm2, max_sessions=2)
+        loop = asyncio.get_running_loop()
+        streamed = s.submit(request(smollm2, 8, ignore_eos=True), standard(smollm2), loop)
+        held = s.submit(
+            request(smollm2, 8, ignore_eos=True, streamed=False), standard(smollm2), loop
+        )
+        queued_before_end: list[int] = []
+        while not held.ended:
+            await asyncio.sleep(0.001)
+            if not held.ended:
+                queued_before_end.append(held.events.qsize())
+        results = await asyncio.gather(events_of(streamed), events_of(held))
+        s.close()
+        return *results, queued_before_end
+
+    streamed, held, queued_before_end = asyncio.run(scenario())
+    assert queued_before_end and max(queued_before_end) == 0  # nothing handed over early
+    assert isinstance(streamed[-1], DoneEvent) and isinstance(held[-1], DoneEvent)
+    assert [e.text for e in held[:-1]] == [e.text for e in streamed[:-1]]  # type: ignore[union-attr]
+    assert len(held) > 2 and held[-1].token_ids == streamed[-1].token_ids

@@ -193,6 +193,7 @@ def _session_request(
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         echo=echo,
+        streamed=bool(body.stream),
     )
     return request, engine
 

@@ -69,6 +69,7 @@ class SessionRequest:
     ignore_eos: bool = False
     logprobs: int | None = None  # alternatives per token; None: no log-probabilities
     echo: bool = False  # the prompt goes first (scored too with logprobs); may generate nothing
+    streamed: bool = True  # its tokens go out as they come (else all at once, with its end)
 
     @property
     def scores_prompt(self) -> bool:
@@ -164,9 +165,24 @@ class Session:
         self.cancelled = False
         self.ended = False
         self.prefill_chunk: int | None = None  # this turn's prompt tokens (None: all of it)
+        self.held: list[TokenEvent] = []  # an unstreamed request's pieces, until its end
         self._loop = loop
 
     def emit(self, event: Event) -> None:
+        """Hand `event` to the request's coroutine. An unstreamed request's text pieces wait
+        here for its end: its answer is one body, and waking the event loop for every token
+        of every such stream takes a core from the step beside it (on a 2-core CPU, eight
+        unstreamed streams' steps took ~1 ms longer)."""
+        if isinstance(event, TokenEvent) and not self.request.streamed:
+            self.held.append(event)
+            return
+        if self.held:
+            held, self.held = self.held, []
+            for piece in held:
+                self._hand_over(piece)
+        self._hand_over(event)
+
+    def _hand_over(self, event: Event) -> None:
         collected = getattr(_turn, "events", None)
         if collected is not None:  # the scheduler's turn: handed over when the turn ends
             collected.append((self, event))
