@@ -63,6 +63,39 @@ struct TiledInputs {
   }
 };
 
+// One input's block xb [32] → its int16 codes split into bytes at `at` (q = 256 · high + low,
+// |q| ≤ 32767), its scale, float sum, Σ q and Σ high: the codes, scale and sum that
+// `quantize_block` gives (the same max, the same scale and rounding, the float sum in its
+// order), in 512-bit vectors.
+inline void round_block(const float* xb, int64_t at, int8_t* high, uint8_t* low, float* scales,
+                        float* sums, int32_t* code_sums, int32_t* high_sums) {
+  const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+  const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float d = top / 32767.0f;
+  const __m512 inverse = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inverse));
+  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inverse));
+  const __m512i hi0 = _mm512_srai_epi32(q0, 8), hi1 = _mm512_srai_epi32(q1, 8);
+  __m128i* high_out = reinterpret_cast<__m128i*>(high + at * kBlock);
+  __m128i* low_out = reinterpret_cast<__m128i*>(low + at * kBlock);
+  _mm_storeu_si128(high_out, _mm512_cvtepi32_epi8(hi0));
+  _mm_storeu_si128(high_out + 1, _mm512_cvtepi32_epi8(hi1));
+  _mm_storeu_si128(low_out, _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(low_out + 1, _mm512_cvtepi32_epi8(q1));
+  // the float sum as quantize_block adds it: its four 8-lane parts in order, then across lanes
+  const auto upper = [](__m512 v) {  // lanes 8..15 (AVX-512F alone)
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  };
+  const __m256 sum = _mm256_add_ps(
+      _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(v0), upper(v0)),
+                    _mm512_castps512_ps256(v1)),
+      upper(v1));
+  scales[at] = d;
+  sums[at] = horizontal_sum(sum);
+  code_sums[at] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  high_sums[at] = _mm512_reduce_add_epi32(_mm512_add_epi32(hi0, hi1));
+}
+
 // The storage of one TiledInputs, kept by the thread from product to product.
 class TiledInputBuffers {
  public:
@@ -80,7 +113,6 @@ class TiledInputBuffers {
     int32_t* high_sums = high_sums_.take(blocks * rows);
     // blocks begin..end of every row (a thread's blocks share no cache line with another's)
     const auto round_blocks = [&](int64_t begin, int64_t end) {
-      BlockCodes block;
       for (int64_t b = begin; b < end; ++b) {
         for (int64_t m = 0; m < rows; ++m) {
           const int64_t at = b * rows + m;
@@ -91,24 +123,8 @@ class TiledInputBuffers {
             code_sums[at] = high_sums[at] = 0;
             continue;
           }
-          quantize_block(x + m * k + b * kBlock, 32767.0f, block);
-          // q = 256 · high + low, |q| ≤ 32767; read as the 8-code stores wrote them (a
-          // wider load would wait for both stores to reach the cache)
-          __m256i high_total = _mm256_setzero_si256();
-          for (int part = 0; part < 4; ++part) {
-            const __m256i q =
-                _mm256_load_si256(reinterpret_cast<const __m256i*>(block.codes + 8 * part));
-            const __m256i hi = _mm256_srai_epi32(q, 8);
-            high_total = _mm256_add_epi32(high_total, hi);
-            _mm_storel_epi64(reinterpret_cast<__m128i*>(high + at * kBlock + 8 * part),
-                             _mm256_cvtepi32_epi8(hi));
-            _mm_storel_epi64(reinterpret_cast<__m128i*>(low + at * kBlock + 8 * part),
-                             _mm256_cvtepi32_epi8(q));
-          }
-          scales[at] = block.scale;
-          sums[at] = block.sum;
-          code_sums[at] = block.code_sum;
-          high_sums[at] = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(high_total));
+          round_block(x + m * k + b * kBlock, at, high, low, scales, sums, code_sums,
+                      high_sums);
         }
       }
     };
