@@ -495,3 +495,31 @@ def test_tiled_products(qtype: GGMLQuantizationType, outputs: int) -> None:
     for bits in (0, 8):
         with pytest.raises(ValueError, match="tiled blocks take int16 inputs"):
             kernels.block_gemm(x, tiled, code + 16, bits)
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
+def test_the_tiled_mlp_gates_inside_its_product(qtype: GGMLQuantizationType) -> None:
+    """With tiled blocks the MLP's SiLU · up runs inside the gate/up product, a pair of tiles
+    at a time: the result is the composition of the tiled products (torch's SiLU between them,
+    within its rounding), and each row of a batch is its row alone, bit for bit — one row, a
+    decode step's 8, a prompt's 40."""
+    kernels = load_block_kernels()
+    if kernels is None or not kernels.tiled():
+        pytest.skip("needs the CPU kernels built with AVX-512 VNNI, on a CPU that has it")
+    code = FORMAT_CODES[GGUF_FORMATS[qtype]] + 16  # tiled
+    width, hidden = 128, 320  # gate and up 20 tiles each
+    gate_up = kernels.tile_rows(_random_rows(qtype, 2 * hidden, width, 12).data, code - 16)
+    down = kernels.tile_rows(_random_rows(qtype, width, hidden, 13).data, code - 16)
+    g = torch.Generator().manual_seed(9)
+    h, norm = torch.randn(40, width, generator=g), torch.rand(width, generator=g) + 0.5
+    x = F.rms_norm(h, (width,), norm, 1e-5)
+    gate, up = kernels.block_gemm(x, gate_up, code, 16).chunk(2, dim=-1)
+    want = h + kernels.block_gemm(F.silu(gate) * up, down, code, 16)
+    got = kernels.residual_ffn(h, norm, 1e-5, gate_up, code, down, code, 16)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    for rows in (8, 1):
+        batch = kernels.residual_ffn(h[:rows], norm, 1e-5, gate_up, code, down, code, 16)
+        assert torch.equal(batch, got[:rows])
+    for m in range(3):
+        one = kernels.residual_ffn(h[m : m + 1], norm, 1e-5, gate_up, code, down, code, 16)
+        assert torch.equal(one, got[m : m + 1])

@@ -35,6 +35,41 @@ inline std::vector<TiledInputs> tiled_inputs(std::vector<TiledInputBuffers>& buf
   return groups;
 }
 
+// The product of a matrix stacked from two halves of n / 2 rows each (a gated MLP's [gate; up])
+// taken a pair of tiles at a time, with VNNI: tile t of the first half and tile t of the second,
+// each thread its own pairs; for every input their 32 outputs side by side, [M, 32] (tile t's
+// 16 then its partner's), go to `epilogue(t, outputs)` on the thread that computed them — so
+// what combines the halves runs inside the product, over the threads, not after it on one. Each
+// tile's outputs are `tiled_gemm`'s. Needs n a multiple of 32.
+template <typename Epilogue>
+inline void tiled_gemm_halves(Format base, const uint8_t* tiled, int64_t n, int64_t blocks,
+                              const float* x, int64_t m_rows, const Epilogue& epilogue) {
+  const int64_t k = blocks * kBlock;
+  const bool own = m_rows * k <= kOwnRounding;
+  thread_local std::vector<TiledInputBuffers> shared_buffers;
+  std::vector<TiledInputs> shared;
+  if (!own) shared = tiled_inputs(shared_buffers, x, m_rows, k, true);
+  const int64_t tile_bytes = blocks * tile_block_bytes(base);
+  const int64_t pairs = n / (2 * kTileOutputs);
+  constexpr int64_t kPair = 2 * kTileOutputs;  // outputs of a pair, per input
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<TiledInputBuffers> own_buffers;
+    thread_local Scratch<float> pair_outputs;
+    const std::vector<TiledInputs> groups =
+        own ? tiled_inputs(own_buffers, x, m_rows, k, false) : shared;
+    float* outputs = pair_outputs.take(m_rows * kPair);
+    for (int64_t t = begin; t < end; ++t) {
+      for (size_t g = 0; g < groups.size(); ++g) {
+        float* target = outputs + g * kTileInputs * kPair;
+        vnni_tile_group(base, tiled + t * tile_bytes, blocks, groups[g], target, kPair);
+        vnni_tile_group(base, tiled + (t + pairs) * tile_bytes, blocks, groups[g],
+                        target + kTileOutputs, kPair);
+      }
+      epilogue(t, static_cast<const float*>(outputs));
+    }
+  });
+}
+
 // out: [M, n] for float32 inputs x [M, blocks · 32], rounded to int16 codes, and n weight rows
 // held tiled (`tile_rows`), the tiles over torch's threads: on AMX two tiles at a time (the unit
 // works on one while the other's sums are scaled), with VNNI one.
