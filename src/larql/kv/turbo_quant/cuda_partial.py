@@ -36,9 +36,9 @@ MAX_SPLITS = 64  # the workspace's states a (session, K/V head), less the exact 
 
 
 def shared_bytes() -> int:
-    """The table, then the rotated queries, shifts and the warps' states (float32)."""
+    """The table, then the queries as loaded and rotated, shifts and the warps' states."""
     d, gp, w = HEAD_DIM, STATE_ROWS, WARPS
-    return TABLE_BYTES + 4 * (gp * d + gp + 2 * w * gp + w * gp * d)
+    return TABLE_BYTES + 4 * (gp * d // 2 + gp * d + gp + 2 * w * gp + w * gp * d)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@
 #define AT_SLOTS 6
 #define LUT_BYTES (256 * 256)
 #define EXACT_ROWS (SINKS + (RECENT > 0 ? RING : 0))
+// exact rows a warp loads at once: all of its rows, up to 8
+#define EXACT_BATCH (EXACT_ROWS > 8 * W ? 8 : EXACT_ROWS > 0 ? (EXACT_ROWS + W - 1) / W : 1)
 #define STR2(x) #x
 #define STR(x) STR2(x)
 #define LUT_BASE_STR STR(LUT_BASE)
@@ -87,6 +89,7 @@ __device__ __forceinline__ u32 lut_word(u32 w, int j, u32 lane4) {
 // Shared memory after the table: the rotated queries, centering's shifts, the warps' states
 // (the rotation matrix is staged where the warps' values go: it is read before them).
 struct Scratch {
+  u32* q_raw;    // [GP][D / 2] the queries as loaded (bfloat16 pairs)
   float* q;      // [GP][D]
   float* shift;  // [GP] q·μ_K · scale
   float* m;      // [W][GP] log2 domain
@@ -96,7 +99,8 @@ struct Scratch {
 
 __device__ __forceinline__ Scratch scratch() {
   Scratch s;
-  s.q = (float*)(smem + LUT_BYTES);
+  s.q_raw = (u32*)(smem + LUT_BYTES);
+  s.q = (float*)(s.q_raw + GP * D / 2);
   s.shift = s.q + GP * D;
   s.m = s.shift + GP;
   s.l = s.m + W * GP;
@@ -225,11 +229,14 @@ __device__ __forceinline__ void consume(State& st, const Group& g, int left, u32
 }
 
 // The CTA's W warp states (in `sc`) merged into state `state_index` (SR rows): m in the
-// natural-log domain plus `shift`, acc plus l·mean (mean: null for none). Rows >= G are
-// written as `pad_m`, `pad_l`, 0.
+// natural-log domain plus `shift` (null for none), acc plus l·mean with MEAN (`mean_d`: the
+// mean's coordinate threadIdx.x % D, which every item of a thread has). Rows >= G are written
+// as `pad_m`, `pad_l`, 0.
+template <bool MEAN>
 __device__ __forceinline__ void merge_warps(const Scratch& sc, int state_index, const float* shift,
-                                            const float* mean, float pad_m, float pad_l,
+                                            float mean_d, float pad_m, float pad_l,
                                             float* m_out, float* l_out, float* acc_out) {
+  static_assert((W * 32) % D == 0, "a thread's items share one coordinate");
   for (int idx = threadIdx.x; idx < SR * D; idx += W * 32) {
     const int g = idx / D, d = idx % D;
     float top = -INFINITY, total = 0.f, out = 0.f;
@@ -247,7 +254,7 @@ __device__ __forceinline__ void merge_warps(const Scratch& sc, int state_index, 
     }
     float m = top * 0.69314718055994530942f;  // natural log
     if (g < G && shift != nullptr) m += shift[g];
-    if (g < G && mean != nullptr) out += total * mean[d];
+    if (MEAN && g < G) out += total * mean_d;
     if (g >= G) {
       m = pad_m;
       total = pad_l;
@@ -279,28 +286,49 @@ __device__ void split_state(const u16* q, const float* rotation, const unsigned 
   const int full = max(last - first, 0) / GROUP;
   Group ga, gb;
   if (full > 0) load_group<false>(ga, p, 0, c, t);
-  // the rotation staged in shared memory (where the warps' values go later), the table filled
-  for (int i = tid; i < D * D / 4; i += W * 32) ((float4*)sc.acc)[i] = ((const float4*)rotation)[i];
-  for (int byte = tid; byte < 256; byte += W * 32) {
-    const u32 v = pack_bf16(centroids[byte & 15], centroids[byte >> 4]);
+  // Every other load of the set-up is issued before any is waited for: one after another,
+  // each would cost a memory latency (~4 µs of a CTA's ~14 at depth 32,000 on an H200).
+  static_assert(W * 32 == 256, "a thread per table byte");
+  static_assert(D * D % (4 * W * 32) == 0 && G * D / 2 <= W * 32, "the loads' shares");
+  constexpr int ROT = D * D / (4 * W * 32);  // float4s of the rotation a thread
+  float4 rot[ROT];
+#pragma unroll
+  for (int i = 0; i < ROT; ++i) rot[i] = __ldg((const float4*)rotation + tid + i * W * 32);
+  const u32 q_word = tid < G * D / 2 ? __ldg((const u32*)q + tid) : 0u;
+  const float c_lo = __ldg(centroids + (tid & 15)), c_hi = __ldg(centroids + (tid >> 4));
+  float mean_k0 = 0.f, mean_k1 = 0.f, mean_v = 0.f;
+  if (CENTER) {
+    mean_k0 = __ldg(mean_rotated + head * D + lane);
+    mean_k1 = __ldg(mean_rotated + head * D + lane + 32);
+    mean_v = __ldg(mean_rotated + (HKV + head) * D + tid % D);
+  }
+  // the table (byte tid), the rotation staged where the warps' values go later, the queries
+  {
+    const u32 v = pack_bf16(c_lo, c_hi);
     const uint4 four = make_uint4(v, v, v, v);
 #pragma unroll
-    for (int l4 = 0; l4 < 8; ++l4) *(uint4*)(smem + byte * 256 + 16 * l4) = four;
+    for (int l4 = 0; l4 < 8; ++l4) *(uint4*)(smem + tid * 256 + 16 * l4) = four;
   }
+#pragma unroll
+  for (int i = 0; i < ROT; ++i) ((float4*)sc.acc)[tid + i * W * 32] = rot[i];
+  if (tid < G * D / 2) sc.q_raw[tid] = q_word;
   __syncthreads();
   for (int idx = tid; idx < GP * D; idx += W * 32) {  // q·R, float32
     const int g = idx / D, d = idx % D;
     float r = 0.f;
     if (g < G) {
 #pragma unroll 16
-      for (int k = 0; k < D; ++k) r += bf16(q[g * D + k]) * sc.acc[k * D + d];
+      for (int k = 0; k < D; k += 2) {
+        const u32 pair = sc.q_raw[(g * D + k) / 2];
+        r += bf16_low(pair) * sc.acc[k * D + d];
+        r += bf16_high(pair) * sc.acc[(k + 1) * D + d];
+      }
     }
     sc.q[idx] = r;
   }
   __syncthreads();
   if (CENTER && warp < G) {  // q·μ_K, a constant over the coded rows' scores
-    float s = sc.q[warp * D + lane] * mean_rotated[head * D + lane] +
-              sc.q[warp * D + lane + 32] * mean_rotated[head * D + lane + 32];
+    float s = sc.q[warp * D + lane] * mean_k0 + sc.q[warp * D + lane + 32] * mean_k1;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (lane == 0) sc.shift[warp] = s * scale;
@@ -361,9 +389,8 @@ __device__ void split_state(const u16* q, const float* rotation, const unsigned 
     sc.acc[(warp * GP + g1) * D + dim + 1] = st.acc[jm][3];
   }
   __syncthreads();
-  merge_warps(sc, state_index, CENTER ? sc.shift : nullptr,
-              CENTER ? mean_rotated + (HKV + head) * D : nullptr, -INFINITY, 0.f, m_out, l_out,
-              acc_out);
+  merge_warps<CENTER>(sc, state_index, CENTER ? sc.shift : nullptr, mean_v, -INFINITY, 0.f,
+                      m_out, l_out, acc_out);
 }
 
 // One exact row (key word kw, value word vw: this lane's two coordinates) into a warp's state.
@@ -404,19 +431,32 @@ __device__ void exact_state(const u16* q, const u16* k_new, const u16* v_new, co
     exact_row(*(const u32*)(k_new + head * D + 2 * lane), *(const u32*)(v_new + head * D + 2 * lane),
               q0, q1, scale_log2, m, l, a0, a1);
   }
+  // a warp's rows loaded EXACT_BATCH at a time before any is attended: each row's load would
+  // otherwise wait a memory latency after the previous row's softmax
   const int stride = 2 * HKV * D;  // elements a token in the exact rows
-  for (int e = warp; e < EXACT_ROWS; e += W) {
-    bool present;
-    if (e < SINKS) {
-      present = e < pos;
-    } else {  // ring slot r holds tokens r, r + RING, …: its latest before the position
-      const int r = e - SINKS;
-      const int latest = r <= pos - 1 ? r + RING * ((pos - 1 - r) / RING) : -1;
-      present = r <= pos - 1 && latest >= pos - RECENT && latest >= SINKS && latest >= pos - keep;
+  for (int first = warp; first < EXACT_ROWS; first += EXACT_BATCH * W) {
+    u32 kw[EXACT_BATCH], vw[EXACT_BATCH];
+    bool present[EXACT_BATCH];
+#pragma unroll
+    for (int i = 0; i < EXACT_BATCH; ++i) {
+      const int e = first + i * W;
+      if (e >= EXACT_ROWS) {
+        present[i] = false;
+      } else if (e < SINKS) {
+        present[i] = e < pos;
+      } else {  // ring slot r holds tokens r, r + RING, …: its latest before the position
+        const int r = e - SINKS;
+        const int latest = r <= pos - 1 ? r + RING * ((pos - 1 - r) / RING) : -1;
+        present[i] =
+            r <= pos - 1 && latest >= pos - RECENT && latest >= SINKS && latest >= pos - keep;
+      }
+      const u16* row = exact + (present[i] ? e : 0) * stride + head * D + 2 * lane;
+      kw[i] = present[i] ? *(const u32*)row : 0u;
+      vw[i] = present[i] ? *(const u32*)(row + HKV * D) : 0u;
     }
-    if (present) {
-      const u16* row = exact + e * stride + head * D + 2 * lane;
-      exact_row(*(const u32*)row, *(const u32*)(row + HKV * D), q0, q1, scale_log2, m, l, a0, a1);
+#pragma unroll
+    for (int i = 0; i < EXACT_BATCH; ++i) {
+      if (present[i]) exact_row(kw[i], vw[i], q0, q1, scale_log2, m, l, a0, a1);
     }
   }
 #pragma unroll
@@ -430,7 +470,7 @@ __device__ void exact_state(const u16* q, const u16* k_new, const u16* v_new, co
   }
   __syncthreads();
   // rows past the group: a finite state of weight 1 and no value (as a zero query would give)
-  merge_warps(sc, state_index, nullptr, nullptr, 0.f, 1.f, m_out, l_out, acc_out);
+  merge_warps<false>(sc, state_index, nullptr, 0.f, 0.f, 1.f, m_out, l_out, acc_out);
 }
 
 extern "C" __global__ void __launch_bounds__(W * 32, 2)
