@@ -35,6 +35,30 @@ inline std::vector<TiledInputs> tiled_inputs(std::vector<TiledInputBuffers>& buf
   return groups;
 }
 
+// A product's inputs x [M, k], rounded where its threads take them: by each thread for itself
+// up to kOwnRounding, else once, over the threads, before the product.
+class ProductInputs {
+ public:
+  ProductInputs(const float* x, int64_t m_rows, int64_t k)
+      : x_(x), m_rows_(m_rows), k_(k), own_(m_rows * k <= kOwnRounding) {
+    thread_local std::vector<TiledInputBuffers> shared_buffers;
+    if (!own_) shared_ = tiled_inputs(shared_buffers, x, m_rows, k, true);
+  }
+
+  // The groups the calling thread multiplies (inside the product's parallel region).
+  std::vector<TiledInputs> groups() const {
+    if (!own_) return shared_;
+    thread_local std::vector<TiledInputBuffers> own_buffers;
+    return tiled_inputs(own_buffers, x_, m_rows_, k_, false);
+  }
+
+ private:
+  const float* x_;
+  int64_t m_rows_, k_;
+  bool own_;
+  std::vector<TiledInputs> shared_;
+};
+
 // The product of a matrix stacked from two halves of n / 2 rows each (a gated MLP's [gate; up])
 // taken a pair of tiles at a time, with VNNI: tile t of the first half and tile t of the second,
 // each thread its own pairs; for every input their 32 outputs side by side, [M, 32] (tile t's
@@ -44,19 +68,13 @@ inline std::vector<TiledInputs> tiled_inputs(std::vector<TiledInputBuffers>& buf
 template <typename Epilogue>
 inline void tiled_gemm_halves(Format base, const uint8_t* tiled, int64_t n, int64_t blocks,
                               const float* x, int64_t m_rows, const Epilogue& epilogue) {
-  const int64_t k = blocks * kBlock;
-  const bool own = m_rows * k <= kOwnRounding;
-  thread_local std::vector<TiledInputBuffers> shared_buffers;
-  std::vector<TiledInputs> shared;
-  if (!own) shared = tiled_inputs(shared_buffers, x, m_rows, k, true);
+  const ProductInputs inputs(x, m_rows, blocks * kBlock);
   const int64_t tile_bytes = blocks * tile_block_bytes(base);
   const int64_t pairs = n / (2 * kTileOutputs);
   constexpr int64_t kPair = 2 * kTileOutputs;  // outputs of a pair, per input
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<TiledInputBuffers> own_buffers;
     thread_local Scratch<float> pair_outputs;
-    const std::vector<TiledInputs> groups =
-        own ? tiled_inputs(own_buffers, x, m_rows, k, false) : shared;
+    const std::vector<TiledInputs> groups = inputs.groups();
     float* outputs = pair_outputs.take(m_rows * kPair);
     for (int64_t t = begin; t < end; ++t) {
       for (size_t g = 0; g < groups.size(); ++g) {
@@ -75,19 +93,13 @@ inline void tiled_gemm_halves(Format base, const uint8_t* tiled, int64_t n, int6
 // works on one while the other's sums are scaled), with VNNI one.
 inline void tiled_gemm(Format base, const uint8_t* tiled, int64_t n, int64_t blocks,
                        const float* x, int64_t m_rows, float* out) {
-  const int64_t k = blocks * kBlock;
-  const bool own = m_rows * k <= kOwnRounding;
-  thread_local std::vector<TiledInputBuffers> shared_buffers;
-  std::vector<TiledInputs> shared;
-  if (!own) shared = tiled_inputs(shared_buffers, x, m_rows, k, true);
+  const ProductInputs inputs(x, m_rows, blocks * kBlock);
   const int64_t tile_bytes = blocks * tile_block_bytes(base);
   const int64_t tiles = n / kTileOutputs;
   const bool amx = tiles_on_amx();
   const int64_t step = amx ? 2 : 1;  // tiles a task takes
   at::parallel_for(0, (tiles + step - 1) / step, 2, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<TiledInputBuffers> own_buffers;
-    const std::vector<TiledInputs> groups =
-        own ? tiled_inputs(own_buffers, x, m_rows, k, false) : shared;
+    const std::vector<TiledInputs> groups = inputs.groups();
     for (int64_t p = begin; p < end; ++p) {
       const int64_t t = step * p;
       const uint8_t* tile = tiled + t * tile_bytes;
