@@ -67,6 +67,7 @@ def main() -> None:
     from larql.kv.turbo_quant import kernels
     from larql.kv.turbo_quant.codec import TurboQuantCodec
     from larql.kv.turbo_quant.layout import ring_slots
+    from larql.kv.turbo_quant.planes import from_rows
 
     hq, hkv, d = args.heads, args.kv_heads, args.dim
     scale = d**-0.5
@@ -86,7 +87,8 @@ def main() -> None:
         pos = torch.tensor([depth], device="cuda")
         index = torch.arange(capacity, device="cuda")
         vectors = torch.stack((keys, values)).permute(2, 0, 1, 3).reshape(-1, d)  # token-major
-        codes = kernels.encode(vectors, tables).view(capacity, -1)  # [C, row_bytes]
+        rows = kernels.encode(vectors, tables).view(capacity, -1)  # [C, row_bytes]
+        codes = from_rows(rows, tables.bytes_per_vector)  # the store, by plane
 
         def sdpa(q=q, keys=keys, values=values, pos=pos, index=index):
             mask = (index <= pos).view(1, -1)
@@ -170,12 +172,16 @@ def time_sessions(kernels, tables, args, depth: int) -> None:
     with the registers and shared memory of the partial launch's compiled kernel."""
     from triton.testing import do_bench_cudagraph
 
+    from larql.kv.turbo_quant.planes import from_rows
+
     hq, hkv, d, b = args.heads, args.kv_heads, args.dim, args.sessions
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     capacity = 1 << (depth - 1).bit_length()
     keys, values = torch.randn(2, hkv, capacity, d, **kw)
     vectors = torch.stack((keys, values)).permute(2, 0, 1, 3).reshape(-1, d)
-    one = kernels.encode(vectors, tables).view(capacity, -1)  # [C, row_bytes]
+    one = from_rows(
+        kernels.encode(vectors, tables).view(capacity, -1), tables.bytes_per_vector
+    )  # [C, row_bytes], by plane
     del keys, values, vectors
     anchor = torch.zeros(16, dtype=torch.uint8, device="cuda")
     operands = kernels.Operands.anchored(anchor, torch.bfloat16)

@@ -169,6 +169,7 @@ def timed(model, sources: list[Path]) -> None:
 
     step_at_depth(model, keep)
     graphs = {}
+    distinct = len({p.name for p in sources}) == len(sources)  # else labelled by path
     for path in sources:
         kernel = compiled(path.read_text())
         for args in saved:
@@ -179,7 +180,7 @@ def timed(model, sources: list[Path]) -> None:
             for _ in range(4):
                 for args in saved:
                     launch_with(kernel, args, args[10])
-        graphs[path.name] = graph
+        graphs[path.name if distinct else str(path)] = graph
     times: dict[str, list[float]] = {name: [] for name in graphs}
     for _ in range(4):  # the versions in turn
         for name, graph in graphs.items():

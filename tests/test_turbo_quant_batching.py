@@ -16,7 +16,7 @@ from larql.inference.batching import batch_groups
 from larql.inference.ffn import DenseFfn
 from larql.kv import parse_engine
 from larql.kv.captured_step import next_power_of_two
-from larql.kv.turbo_quant import TurboQuantEngine
+from larql.kv.turbo_quant import TurboQuantEngine, planes
 from larql.kv.turbo_quant.codec import TurboQuantCodec
 from larql.kv.turbo_quant.layout import ring_slots
 from larql.models import Model
@@ -68,7 +68,8 @@ def _session(kernels, tables, codec, kv_heads: int, slots: int, seed: int):
     generator = torch.Generator().manual_seed(seed)
     dim = codec.dim
     vectors = torch.randn(slots * 2 * kv_heads, dim, generator=generator)
-    codes = codec.encode(vectors).view(slots, -1).to(DEVICE)
+    codes = planes.from_rows(codec.encode(vectors).view(slots, -1).to(DEVICE),
+                             codec.bytes_per_vector)  # fmt: skip
     exact = torch.randn(2 + ring_slots(3), 2, kv_heads, dim, generator=generator)
     mean = torch.randn(2, kv_heads, dim, generator=generator) * 0.1
     levers = kernels.Levers(

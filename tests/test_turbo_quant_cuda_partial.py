@@ -11,7 +11,7 @@ import torch
 
 from helpers import greedy_streams, kernel_module, relative_error
 from larql.kv import parse_engine
-from larql.kv.turbo_quant import cuda_partial
+from larql.kv.turbo_quant import cuda_partial, planes
 from larql.kv.turbo_quant.codec import TurboQuantCodec
 from larql.kv.turbo_quant.layout import ring_slots
 from larql.models import load_model
@@ -73,7 +73,8 @@ def _layer_state(kernels, tables, codec, kv_heads, slots, sinks, recent, center,
     generator = torch.Generator().manual_seed(seed)
     dim = codec.dim
     vectors = torch.randn(slots * 2 * kv_heads, dim, generator=generator)
-    codes = kernels.encode(vectors.to(DEVICE), tables).view(slots, -1)
+    codes = planes.from_rows(kernels.encode(vectors.to(DEVICE), tables).view(slots, -1),
+                             tables.bytes_per_vector)  # fmt: skip
     rows = sinks + (ring_slots(recent) if recent else 0)
     exact = torch.randn(max(1, rows), 2, kv_heads, dim, generator=generator)
     mean = torch.randn(2, kv_heads, dim, generator=generator) * (0.3 if center else 0.0)

@@ -18,7 +18,7 @@ from larql.inference.engine import KvEngine
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import generate
 from larql.kv import captured_step, parse_engine
-from larql.kv.turbo_quant import TurboQuantEngine
+from larql.kv.turbo_quant import TurboQuantEngine, planes
 from larql.kv.turbo_quant.codec import TurboQuantCodec, split_norms
 from larql.kv.turbo_quant.kernel_path import KernelPath
 from larql.kv.turbo_quant.layout import ring_slots, token_vectors
@@ -90,13 +90,20 @@ def slots_holding(
     codec, kv_heads: int, history: torch.Tensor, tokens: range, slots: int
 ) -> torch.Tensor:
     """A store of `slots` slots with the encoded `history` [len(tokens)·2·Hkv, D] of `tokens`,
-    token t in slot t mod slots (the other slots hold noise nobody may read)."""
+    token t in slot t mod slots, laid out by plane (the other slots hold noise nobody may read)."""
     row_bytes = 2 * kv_heads * codec.bytes_per_vector
     rows = codec.encode(history).view(len(tokens), row_bytes)
     store = torch.randint(0, 256, (slots, row_bytes), dtype=torch.uint8)
     store = store.to(DEVICE)
-    store[torch.tensor([t % slots for t in tokens], dtype=torch.long, device=DEVICE)] = rows
+    held = torch.tensor([t % slots for t in tokens], dtype=torch.long, device=DEVICE)
+    planes.write_rows(store, held, rows.to(DEVICE), codec.bytes_per_vector)
     return store
+
+
+def rows_in(store: torch.Tensor, codec, slots: list[int]) -> torch.Tensor:
+    """The tokens in `store`'s `slots`, in the codec's row format: uint8 [n, row_bytes]."""
+    at = torch.tensor(slots, dtype=torch.long, device=store.device)
+    return planes.read_rows(store, at, codec.bytes_per_vector)
 
 
 @pytest.mark.parametrize(
@@ -124,7 +131,7 @@ def test_attention_equals_float64_over_the_stored_rows_and_stores_the_new_one(
     tokens = range(max(0, n - slots), n)
     history = draw(generator, len(tokens) * 2 * kv_heads, dim)  # [K heads, V heads] per token
     store = slots_holding(codec, kv_heads, history, tokens, slots)
-    stored = store[torch.tensor([t % slots for t in tokens], dtype=torch.long, device=DEVICE)]
+    stored = rows_in(store, codec, [t % slots for t in tokens])
     position = torch.tensor([n], device=DEVICE)
     tables = kernels.CodecTables.of(codec, DEVICE)
 
@@ -135,7 +142,7 @@ def test_attention_equals_float64_over_the_stored_rows_and_stores_the_new_one(
     )
     assert out.shape == (heads, 1, dim)
     assert relative_error(out, expected) <= 2e-6
-    written = store[n % slots].view(2 * kv_heads, -1)
+    written = rows_in(store, codec, [n % slots])[0].view(2 * kv_heads, -1)
     assert_codec_bytes(codec, written, token_vectors(k_new, v_new))
 
 
@@ -183,7 +190,9 @@ def test_int8_ring_rows_are_the_torch_codecs_bytes(kernels, n: int) -> None:
     store = torch.zeros((16, 2 * kv_heads * codec.bytes_per_vector), dtype=torch.uint8)
     store = store.to(DEVICE)
     for t in coded:
-        store[t] = codec.encode(token_vectors(*held[t].unsqueeze(2).unbind(0))).view(-1)
+        row = codec.encode(token_vectors(*held[t].unsqueeze(2).unbind(0))).view(1, -1)
+        planes.write_rows(store, torch.tensor([t], device=DEVICE), row.to(DEVICE),
+                          codec.bytes_per_vector)  # fmt: skip
 
     out = kernels.attention(
         q, k_new, v_new, store, torch.tensor([n], device=DEVICE), tables, dim**-0.5, 0.0,
@@ -191,7 +200,8 @@ def test_int8_ring_rows_are_the_torch_codecs_bytes(kernels, n: int) -> None:
     )  # fmt: skip
 
     decoded = [
-        codec.decode(store[t].view(2 * kv_heads, -1), torch.float32).view(2, kv_heads, dim)
+        codec.decode(rows_in(store, codec, [t]).view(2 * kv_heads, -1), torch.float32)
+        .view(2, kv_heads, dim)
         if t in coded else held[t]
         for t in range(n)
     ]  # fmt: skip
@@ -210,7 +220,7 @@ def test_int8_ring_rows_are_the_torch_codecs_bytes(kernels, n: int) -> None:
         assert torch.equal(levers.exact[n], torch.stack((k_new, v_new)).squeeze(2).half())
     leaving = n - recent
     if leaving >= sinks:  # encoded from its int8 copy
-        assert_codec_bytes(codec, store[leaving].view(2 * kv_heads, -1),
+        assert_codec_bytes(codec, rows_in(store, codec, [leaving]).view(2 * kv_heads, -1),
                            token_vectors(*held[leaving].unsqueeze(2).unbind(0)))  # fmt: skip
 
 

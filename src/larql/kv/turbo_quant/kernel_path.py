@@ -4,10 +4,11 @@ attention and encoding, the whole step captured in a CUDA graph.
 
 The layout is the torch path's (`QuantisedLayer`): token t < sinks exact; the `recent` tokens
 before the query exact; the tokens between coded (minus the prompt's mean row with centering).
-Each layer's codes live in a `CodeSlots` buffer, uint8 [slots, row_bytes], token t in slot
-t mod slots: on a full-attention layer slots is the capacity (≥ every position; it doubles when
-the position reaches it, and the graph is captured again), on a sliding layer the coded rows a
-later query can still see (a ring; smaller while the capacity is). The exact rows live in
+Each layer's codes live in a `CodeSlots` buffer, uint8 [slots, row_bytes] laid out by plane
+(`planes`: each head's codes, then the norms, token by token), token t in slot t mod slots: on
+a full-attention layer slots is the capacity (≥ every position; it doubles when the position
+reaches it, and the graph is captured again), on a sliding layer the coded rows a later query
+can still see (a ring; smaller while the capacity is). The exact rows live in
 `Levers.exact`, [sinks + recent + 1, 2, Hkv, D] at 16 bits: sink t in slot t, recent token t in
 slot sinks + t mod (recent + 1) — one slot spare, so a step writes its new row where the row
 that left the ring a step before was (`ring_slots`); with `recent_bits=8` the recent rows live
@@ -45,6 +46,7 @@ from larql.kv.captured_step import (
     initial_capacity,
     reserve_rope,
 )
+from larql.kv.turbo_quant import planes
 from larql.kv.turbo_quant.codec import TurboQuantCodec
 from larql.kv.turbo_quant.layout import ring_slots, token_vectors
 from larql.kv.turbo_quant.recent import int8_decode, int8_encode
@@ -56,14 +58,17 @@ if TYPE_CHECKING:  # the kernels import Triton: only where they run
 
 
 class CodeSlots:
-    """One layer's encoded rows: uint8 [slots, row_bytes], token t in slot t mod slots.
-    `keep`: the coded rows a sliding layer retains (None: every row)."""
+    """One layer's encoded rows: uint8 [slots, row_bytes] by plane (`planes`), token t in
+    slot t mod slots. `keep`: the coded rows a sliding layer retains (None: every row)."""
 
-    def __init__(self, keep: int | None, row_bytes: int, device: torch.device) -> None:
+    def __init__(
+        self, keep: int | None, bytes_per_vector: int, kv_heads: int, device: torch.device
+    ) -> None:
         self.keep = keep
-        self.row_bytes = row_bytes
+        self.bytes_per_vector = bytes_per_vector
+        self.row_bytes = 2 * kv_heads * bytes_per_vector
         self.device = device
-        self.data = torch.zeros((0, row_bytes), dtype=torch.uint8, device=device)
+        self.data = torch.zeros((0, self.row_bytes), dtype=torch.uint8, device=device)
 
     @property
     def slots(self) -> int:
@@ -79,21 +84,28 @@ class CodeSlots:
         if slots == self.slots:
             return
         data = torch.zeros((slots, self.row_bytes), dtype=torch.uint8, device=self.device)
-        data[: self.slots] = self.data
+        held = self.slots  # every plane's first `held` slots move
+        planes.code_planes(data, self.bytes_per_vector)[:, :held] = planes.code_planes(
+            self.data, self.bytes_per_vector
+        )
+        planes.norm_planes(data, self.bytes_per_vector)[:, :held] = planes.norm_planes(
+            self.data, self.bytes_per_vector
+        )
         self.data = data
 
     def write(self, rows: torch.Tensor, first: int) -> None:
-        """rows: [S, row_bytes], tokens first … first + S − 1 → the last `slots` of them, each
-        in its slot."""
+        """rows: [S, row_bytes] in the codec's row format, tokens first … first + S − 1 → the
+        last `slots` of them, each in its slot."""
         s = rows.shape[0]
         kept = min(s, self.slots)
         tokens = torch.arange(first + s - kept, first + s, device=self.device)
-        self.data.index_copy_(0, tokens % self.slots, rows[s - kept :])
+        planes.write_rows(self.data, tokens % self.slots, rows[s - kept :], self.bytes_per_vector)
 
     def tokens(self, first: int, end: int) -> torch.Tensor:
-        """The rows of tokens first … end − 1, oldest first: uint8 [end − first, row_bytes]."""
+        """The rows of tokens first … end − 1, oldest first, in the codec's row format: uint8
+        [end − first, row_bytes]."""
         tokens = torch.arange(first, end, device=self.device)
-        return self.data.index_select(0, tokens % max(self.slots, 1))
+        return planes.read_rows(self.data, tokens % max(self.slots, 1), self.bytes_per_vector)
 
 
 @dataclass(frozen=True)
@@ -148,10 +160,14 @@ class KernelPath:
         self._workspace = kernels.Workspace.of(
             cfg.num_heads, cfg.num_kv_heads, self._tables, model.device
         )
-        row_bytes = 2 * cfg.num_kv_heads * codec.bytes_per_vector
         self.layouts = [layer_layout(layout, keep) for keep in keeps]
         self.layers = [
-            CodeSlots(None if keep is None else keep - where.recent, row_bytes, model.device)
+            CodeSlots(
+                None if keep is None else keep - where.recent,
+                codec.bytes_per_vector,
+                cfg.num_kv_heads,
+                model.device,
+            )
             for keep, where in zip(keeps, self.layouts, strict=True)
         ]
         exact = exact_dtype(model.dtype)

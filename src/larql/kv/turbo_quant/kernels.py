@@ -41,9 +41,10 @@ hold x − μ: a code row's score gets q·μ_K added (a constant over the codes)
 weighted values get μ_V times their weight.
 
 The store is a fixed-capacity uint8 [slots, row_bytes] buffer per layer (the engine's
-`CodeSlots`): token t lives in slot t mod slots, a stored token is [K head 0 … K head Hkv−1,
-V head 0 … V head Hkv−1], each vector [norm f32][packed indices]. The step reads its position
-from a device tensor: the min(position, slots) filled slots are the history, slot
+`CodeSlots`): token t lives in slot t mod slots, a stored token is 2·Hkv vectors [K head 0 …
+K head Hkv−1, V head 0 … V head Hkv−1], each a float32 norm and its packed indices, laid out by
+plane (`planes`): codes [2·Hkv, slots, payload], then norms [2·Hkv, slots]. The step reads its
+position from a device tensor: the min(position, slots) filled slots are the history, slot
 position mod slots receives the new row. Every shape and address is fixed, so the step can be
 captured in a CUDA graph. A layer with slots ≥ every position holds all rows; a sliding layer
 with slots = window − 1 is a ring of the rows a later query can still see.
@@ -253,25 +254,26 @@ def _queries(q_ptr, head, rows, dims, G: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _indices(codes_ptr, starts, present, dims, BITS: tl.constexpr, BPV: tl.constexpr):
-    """The quantiser indices of the vectors beginning at byte offsets `starts` [B], one byte
-    load per coordinate → [B, DP] int32 in the rotated basis (0 where not `present`)."""
+    """The quantiser indices of the vectors whose packed indices begin at byte offsets
+    `starts` [B], one byte load per coordinate → [B, DP] int32 in the rotated basis (0 where
+    not `present`)."""
     bit = dims * BITS
-    byte = NORM + bit // 8  # [DP]
+    byte = bit // 8  # [DP]
     where = starts[:, None] + byte[None, :]  # [B, DP]
     low = tl.load(codes_ptr + where, mask=present[:, None], other=0).to(tl.int32)
     if 8 % BITS != 0:  # a 3-bit index may straddle two bytes
-        spill = present[:, None] & ((byte + 1) < BPV)[None, :]
+        spill = present[:, None] & ((byte + 1) < BPV - NORM)[None, :]
         low |= tl.load(codes_ptr + where + 1, mask=spill, other=0).to(tl.int32) << 8
     return (low >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
 
 
 @triton.jit
 def _nibbles(codes_ptr, starts, present, lanes):
-    """4-bit indices of the vectors beginning at byte offsets `starts` [B], each packed byte
-    loaded once → (even, odd) [B, DP/2] int32: byte j holds coordinate 2j in its low nibble
-    and 2j + 1 in its high one (0 where not `present`)."""
+    """4-bit indices of the vectors whose packed indices begin at byte offsets `starts` [B],
+    each packed byte loaded once → (even, odd) [B, DP/2] int32: byte j holds coordinate 2j in
+    its low nibble and 2j + 1 in its high one (0 where not `present`)."""
     packed = tl.load(
-        codes_ptr + starts[:, None] + NORM + lanes[None, :], mask=present[:, None], other=0
+        codes_ptr + starts[:, None] + lanes[None, :], mask=present[:, None], other=0
     ).to(tl.int32)
     return packed & 15, packed >> 4
 
@@ -279,14 +281,15 @@ def _nibbles(codes_ptr, starts, present, lanes):
 @triton.jit
 def _nibble_centroids(codes_ptr, starts, present, lanes, table, DOT: tl.constexpr,
                       LOOKUP: tl.constexpr):  # fmt: skip
-    """The centroids of 4-bit indices of the vectors beginning at byte offsets `starts` [B]:
-    (even, odd) [B, DP/2] in DOT's dtype, coordinates 2j and 2j + 1 (0 where not `present`).
+    """The centroids of 4-bit indices of the vectors whose packed indices begin at byte offsets
+    `starts` [B]: (even, odd) [B, DP/2] in DOT's dtype, coordinates 2j and 2j + 1 (0 where not
+    `present`).
     With LOOKUP (`centroid_lookup`'s PTX) each packed byte is decoded in registers by byte
     permutes against the table held as immediates; else the indices are split and looked
     up in `table` ([B, 16] float32) with `tl.gather`."""
     if LOOKUP != "":
         packed = tl.load(
-            codes_ptr + starts[:, None] + NORM + lanes[None, :], mask=present[:, None], other=0
+            codes_ptr + starts[:, None] + lanes[None, :], mask=present[:, None], other=0
         )  # [B, DP/2] uint8
         even, odd = tl.inline_asm_elementwise(
             LOOKUP, CONSTRAINTS, [packed], dtype=(tl.int16, tl.int16), is_pure=True, pack=PACK
@@ -395,7 +398,9 @@ def _split_state(
     end_coded = tl.maximum(pos - RECENT, 0)  # the codes are tokens [first_coded, end_coded)
     first_coded = tl.maximum(pos - keep, SINKS)
     filled = tl.minimum(end_coded, slots)  # slots written so far
-    row_stride = 2 * HKV * BPV
+    payload: tl.constexpr = BPV - NORM  # code bytes a vector
+    key_plane = head * slots  # the key's plane's first slot (`planes`), the value's HKV later
+    norms_at = 2 * HKV * slots * (payload // 4)  # the norms' first, in float32s
     split_first = split * BLOCKS_PER_SPLIT * BLOCK
     blocks = tl.minimum(tl.maximum(filled - split_first + BLOCK - 1, 0) // BLOCK, BLOCKS_PER_SPLIT)
     real = (rows < G)[:, None]
@@ -440,11 +445,13 @@ def _split_state(
             if WRAPS:
                 token = slot + slots * ((end_coded - 1 - slot) // slots)
             present = (slot < filled) & (token >= first_coded) & (token < end_coded)
-            key_starts = tl.minimum(slot, slots - 1) * row_stride + head * BPV  # in bounds
-            value_starts = key_starts + HKV * BPV
+            vector = key_plane + tl.minimum(slot, slots - 1)  # in bounds
+            key_starts = vector * payload
+            value_starts = key_starts + HKV * slots * payload
             read = slot >= 0  # every code byte is read (see above); the norms only where present
-            key_norms = tl.load(norms_ptr + key_starts // 4, mask=present, other=0.0)  # [B]
-            value_norms = tl.load(norms_ptr + value_starts // 4, mask=present, other=0.0)
+            key_norms = tl.load(norms_ptr + norms_at + vector, mask=present, other=0.0)  # [B]
+            value_norms = tl.load(norms_ptr + norms_at + HKV * slots + vector, mask=present,
+                                  other=0.0)  # fmt: skip
             if NIBBLES:
                 even, odd = _nibble_centroids(codes_ptr, key_starts, read, lanes, table,
                                               dot_dtype, LOOKUP)  # fmt: skip  # [B, DP/2] each
@@ -490,7 +497,7 @@ def _attention_partial(
     q_rot_ptr,  # [B, Hq, DP] float32: q·R (`_rotate_queries`)
     k_new_ptr,  # [B, Hkv, D] the new token's exact key
     v_new_ptr,  # [B, Hkv, D]
-    codes_ptr,  # uint8 [slots, row_bytes], the store
+    codes_ptr,  # uint8 [slots, row_bytes], the store (by plane: `planes`)
     norms_ptr,  # float32 view of the same bytes
     exact_ptr,  # [E, 2, Hkv, D] 16-bit: sinks, then the ring of recent rows (RING8: sinks only)
     ring_ptr,  # RING8: int8 [RING, 2, Hkv, D], the ring of recent rows
@@ -605,16 +612,17 @@ def _encoded(
 
 @triton.jit
 def _store_encoded(
-    codes_ptr, norms_ptr, start, norm, words, write, DP: tl.constexpr, BITS: tl.constexpr
-):
-    """A vector's bytes at byte offset `start` (a multiple of 4), where `write`:
-    [norm f32][packed indices]."""
+    codes_ptr, norms_ptr, start, norm_at, norm, words, write, DP: tl.constexpr,
+    BITS: tl.constexpr,
+):  # fmt: skip
+    """A vector, where `write`: its packed indices from byte offset `start`, its norm at
+    float32 `norm_at`."""
     group = tl.arange(0, DP // 8)
     writes = _spread(write, group)  # [DP / 8]
     for k in tl.static_range(BITS):
         byte = (words >> (8 * k)) & 0xFF
-        tl.store(codes_ptr + start + NORM + group * BITS + k, byte.to(tl.uint8), mask=writes)
-    tl.store(norms_ptr + start // 4 + group * 0, norm + group * 0.0, mask=writes & (group == 0))
+        tl.store(codes_ptr + start + group * BITS + k, byte.to(tl.uint8), mask=writes)
+    tl.store(norms_ptr + norm_at + group * 0, norm + group * 0.0, mask=writes & (group == 0))
 
 
 @triton.jit
@@ -690,13 +698,18 @@ def _rows_moved(
         key -= tl.load(mean_ptr + head * D + dims, mask=within, other=0.0)
         value -= tl.load(mean_ptr + (HKV + head) * D + dims, mask=within, other=0.0)
     write = (token >= SINKS) & (token >= 0)  # a scalar
-    key_start = (tl.maximum(token, 0) % slots) * (2 * HKV * BPV) + head * BPV
+    payload: tl.constexpr = BPV - NORM
+    k_at = head * slots + tl.maximum(token, 0) % slots  # the key's vector in the planes
+    v_at = k_at + HKV * slots  # (`planes`)
+    norms_at = 2 * HKV * slots * (payload // 4)
     k_norm, k_words = _encoded(key, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS,
                                NORM_FIX)  # fmt: skip
     v_norm, v_words = _encoded(value, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS,
                                NORM_FIX)  # fmt: skip
-    _store_encoded(codes_ptr, norms_ptr, key_start, k_norm, k_words, write, DP, BITS)
-    _store_encoded(codes_ptr, norms_ptr, key_start + HKV * BPV, v_norm, v_words, write, DP, BITS)
+    _store_encoded(codes_ptr, norms_ptr, k_at * payload, norms_at + k_at, k_norm, k_words,
+                   write, DP, BITS)  # fmt: skip
+    _store_encoded(codes_ptr, norms_ptr, v_at * payload, norms_at + v_at, v_norm, v_words,
+                   write, DP, BITS)  # fmt: skip
     # the new row among the exact ones: a sink, or the ring slot of a row already coded
     if EP > 0:
         if RING8:  # a sink at 16 bits, else into the ring at int8
@@ -730,7 +743,7 @@ def _attention_combine(
     centroids_ptr,  # [2^BITS] float32
     k_new_ptr,  # [Hkv, D] the new token's exact key
     v_new_ptr,  # [Hkv, D]
-    codes_ptr,  # uint8 [slots, row_bytes], the store: the row leaving the exact ones goes here
+    codes_ptr,  # uint8 [slots, row_bytes], the store (by plane): the leaving row goes here
     norms_ptr,  # float32 view of the same bytes
     exact_ptr,  # [E, 2, Hkv, D] 16-bit: sinks, then the ring of recent rows (RING8: sinks only)
     ring_ptr,  # RING8: int8 [RING, 2, Hkv, D], the ring of recent rows
@@ -869,7 +882,7 @@ def _encode(
     boundaries_ptr,  # [2^BITS − 1] float32
     centroids_ptr,  # [2^BITS] float32
     mean_ptr,  # [M, D] float32: vector i is centered on mean row i mod M
-    codes_ptr,  # uint8 [N · BPV]
+    codes_ptr,  # uint8 [N · BPV]: the codec's row format (vector by vector)
     norms_ptr,  # float32 view of the same bytes
     M: tl.constexpr,
     D: tl.constexpr,
@@ -886,7 +899,8 @@ def _encode(
         x -= tl.load(mean_ptr + (vector % M) * D + dims, mask=dims < D, other=0.0)
     rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
     norm, words = _encoded(x, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS, NORM_FIX)
-    _store_encoded(codes_ptr, norms_ptr, vector * BPV, norm, words, vector >= 0, DP, BITS)
+    _store_encoded(codes_ptr, norms_ptr, vector * BPV + NORM, vector * BPV // 4, norm, words,
+                   vector >= 0, DP, BITS)  # fmt: skip
 
 
 def centroid_lookup(centroids: torch.Tensor, dtype: torch.dtype, pack: int = LOOKUP_PACK) -> str:
@@ -1052,7 +1066,7 @@ def attention(
     use_cuda_partial: bool = True,
 ) -> torch.Tensor:
     """One decode step of one layer. q: [Hq, 1, D] attends over the coded rows in `codes`
-    (uint8 [slots, row_bytes], contiguous; token t in slot t mod slots), the exact rows of
+    (uint8 [slots, row_bytes] by plane, contiguous; token t in slot t mod slots), the exact rows of
     `levers` and the exact new row k_new, v_new: [Hkv, 1, D]; then the row leaving the exact
     ones (without levers: the new row) is encoded into its slot and the new row kept exact.
     position: [1] int64 on the device; meta: `single_meta(codes)` kept on the device (a

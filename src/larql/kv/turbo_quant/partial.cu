@@ -21,7 +21,8 @@
 //
 // The states land where the Triton combine launch reads them: state (pair * (ns + 1) + split)
 // of SR query rows, pair = session * HKV + head. Session b's store, exact rows and means are
-// reached from the base pointers by the offsets in row b of `meta`.
+// reached from the base pointers by the offsets in row b of `meta`. A store is laid out by
+// plane (`planes.py`): each K/V head's codes, token by token, then every head's norms.
 //
 // Compile-time: HKV, G (query heads per K/V head, <= 8), SR (query rows a workspace state
 // holds, >= G), SINKS, RECENT, RING (the ring's slots), CENTER, LUT_BASE (the dynamic shared memory's address in the shared window, an
@@ -30,8 +31,7 @@
 #define W 8
 #define CH 2             // 16-row chunks a load group
 #define GROUP (16 * CH)  // rows a warp loads at once
-#define BPV 36           // bytes a vector: float32 norm, 32 bytes of codes
-#define ROW_BYTES (2 * HKV * BPV)
+#define PAY 32           // code bytes a vector (its float32 norm apart)
 #define GP 8  // query rows a warp's state holds (the products' 8 columns)
 #define META 7
 #define AT_CODES 0
@@ -114,10 +114,11 @@ struct Group {   // one warp's loads for GROUP rows (CH chunks of 16), per lane
   u32 vw[CH][4];  // [chunk][rows 2t, 2t+1, 2t+8, 2t+9] word c of the value codes
 };
 
-struct Pointers {              // a lane's first bytes of a group, advanced GROUP rows a group
-  const unsigned char* kw;     // key codes: row c, word t
-  const unsigned char* norms;  // row c's key norm (its value norm HKV * BPV further)
-  const unsigned char* vw;     // value codes: row 2t, word c
+struct Pointers {           // a lane's first bytes of a group, advanced GROUP rows a group
+  const unsigned char* kw;  // key codes: row c, word t
+  const float* norms;       // row c's key norm (its value norm `value_norms` further)
+  const unsigned char* vw;  // value codes: row 2t, word c
+  int value_norms;          // HKV * slots
 };
 
 // TAIL: rows at or past `left` (rows left from the group's first) read nothing, weigh nothing
@@ -129,25 +130,25 @@ __device__ __forceinline__ void load_group(Group& g, const Pointers& p, int left
     for (int i = 0; i < 2; ++i) {
       const int rows = 16 * ch + 8 * i;  // from the lane's first row
       const bool present = !TAIL || rows + c < left;
-      g.kw[ch][2 * i] = present ? __ldg((const u32*)(p.kw + rows * ROW_BYTES)) : 0u;
-      g.kw[ch][2 * i + 1] = present ? __ldg((const u32*)(p.kw + rows * ROW_BYTES + 16)) : 0u;
-      g.kn[ch][i] = present ? __ldg((const float*)(p.norms + rows * ROW_BYTES)) : 0.f;
+      g.kw[ch][2 * i] = present ? __ldg((const u32*)(p.kw + rows * PAY)) : 0u;
+      g.kw[ch][2 * i + 1] = present ? __ldg((const u32*)(p.kw + rows * PAY + 16)) : 0u;
+      g.kn[ch][i] = present ? __ldg(p.norms + rows) : 0.f;
       g.vn[ch][i] =
-          present ? __ldg((const float*)(p.norms + rows * ROW_BYTES + HKV * BPV)) : 0.f;
+          present ? __ldg(p.norms + rows + p.value_norms) : 0.f;
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int rows = 16 * ch + (i & 1) + 8 * (i >> 1);
       const bool present = !TAIL || rows + 2 * t < left;
-      g.vw[ch][i] = present ? __ldg((const u32*)(p.vw + rows * ROW_BYTES)) : 0u;
+      g.vw[ch][i] = present ? __ldg((const u32*)(p.vw + rows * PAY)) : 0u;
     }
   }
 }
 
 __device__ __forceinline__ void advance(Pointers& p) {
-  p.kw += GROUP * ROW_BYTES;
-  p.norms += GROUP * ROW_BYTES;
-  p.vw += GROUP * ROW_BYTES;
+  p.kw += GROUP * PAY;
+  p.norms += GROUP;
+  p.vw += GROUP * PAY;
 }
 
 struct State {      // a warp's softmax state, per lane: queries 2t, 2t + 1 (log2 domain)
@@ -269,7 +270,7 @@ __device__ __forceinline__ void merge_warps(const Scratch& sc, int state_index, 
 
 __device__ void split_state(const u16* q, const float* rotation, const unsigned char* codes,
                             const float* centroids, const float* mean_rotated, int head, int split,
-                            int rpw, int lo, int hi, float scale, float scale_log2,
+                            int rpw, int lo, int hi, int slots, float scale, float scale_log2,
                             int state_index, float* m_out, float* l_out, float* acc_out) {
   const Scratch sc = scratch();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -277,11 +278,14 @@ __device__ void split_state(const u16* q, const float* rotation, const unsigned 
   const int first = lo + (split * W + warp) * rpw;
   const int last = min(first + rpw, hi);
   Pointers p;
-  const unsigned char* hk = codes + head * BPV;
-  const unsigned char* hv = codes + (HKV + head) * BPV;
-  p.kw = hk + ((size_t)max(first, 0) + c) * ROW_BYTES + 4 + 4 * t;
-  p.norms = hk + ((size_t)max(first, 0) + c) * ROW_BYTES;
-  p.vw = hv + ((size_t)max(first, 0) + 2 * t) * ROW_BYTES + 4 + 4 * c;
+  // the store by plane: head h's key codes [slots][PAY] from byte h * slots * PAY, its value
+  // codes HKV planes further, then every plane's norms (float32 [2 * HKV][slots])
+  const size_t key_row = (size_t)head * slots + max(first, 0);  // the warp's first row's
+  const size_t value_row = key_row + (size_t)HKV * slots;
+  p.kw = codes + (key_row + c) * PAY + 4 * t;
+  p.vw = codes + (value_row + 2 * t) * PAY + 4 * c;
+  p.norms = (const float*)(codes + (size_t)2 * HKV * slots * PAY) + key_row + c;
+  p.value_norms = HKV * slots;
   const int full = max(last - first, 0) / GROUP;
   Group ga, gb;
   if (full > 0) load_group<false>(ga, p, 0, c, t);
@@ -520,6 +524,6 @@ turbo_quant_partial(const u16* __restrict__ q,  // [B, HKV * G, D] bfloat16
   // the rows shared out evenly: whole load groups a warp, whatever the store's capacity
   const int rpw = (hi - lo + ns * W * GROUP - 1) / (ns * W * GROUP) * GROUP;
   split_state(q_session, rotation, codes_base + row[AT_CODES], centroids,
-              mean_rotated_base + row[AT_MEAN_ROTATED], head, split, rpw, lo, hi,
+              mean_rotated_base + row[AT_MEAN_ROTATED], head, split, rpw, lo, hi, slots,
               (float)scale, scale_log2, state_index, m_out, l_out, acc_out);
 }
