@@ -268,6 +268,14 @@ def _indices(codes_ptr, starts, present, dims, BITS: tl.constexpr, BPV: tl.const
 
 
 @triton.jit
+def _norms_at(slots, HKV: tl.constexpr, BPV: tl.constexpr):
+    """Where a store of `slots` slots laid out by plane (`planes`) keeps its norms: plane 0's
+    first, in float32s (every plane's codes come first; plane p's slot s is vector p·slots + s
+    of both)."""
+    return 2 * HKV * slots * ((BPV - NORM) // 4)
+
+
+@triton.jit
 def _nibbles(codes_ptr, starts, present, lanes):
     """4-bit indices of the vectors whose packed indices begin at byte offsets `starts` [B],
     each packed byte loaded once → (even, odd) [B, DP/2] int32: byte j holds coordinate 2j in
@@ -399,8 +407,8 @@ def _split_state(
     first_coded = tl.maximum(pos - keep, SINKS)
     filled = tl.minimum(end_coded, slots)  # slots written so far
     payload: tl.constexpr = BPV - NORM  # code bytes a vector
-    key_plane = head * slots  # the key's plane's first slot (`planes`), the value's HKV later
-    norms_at = 2 * HKV * slots * (payload // 4)  # the norms' first, in float32s
+    key_plane = head * slots  # the key's plane's first vector (`planes`), the value's HKV later
+    norms_at = _norms_at(slots, HKV, BPV)
     split_first = split * BLOCKS_PER_SPLIT * BLOCK
     blocks = tl.minimum(tl.maximum(filled - split_first + BLOCK - 1, 0) // BLOCK, BLOCKS_PER_SPLIT)
     real = (rows < G)[:, None]
@@ -701,7 +709,7 @@ def _rows_moved(
     payload: tl.constexpr = BPV - NORM
     k_at = head * slots + tl.maximum(token, 0) % slots  # the key's vector in the planes
     v_at = k_at + HKV * slots  # (`planes`)
-    norms_at = 2 * HKV * slots * (payload // 4)
+    norms_at = _norms_at(slots, HKV, BPV)
     k_norm, k_words = _encoded(key, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS,
                                NORM_FIX)  # fmt: skip
     v_norm, v_words = _encoded(value, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS,

@@ -133,8 +133,7 @@ __device__ __forceinline__ void load_group(Group& g, const Pointers& p, int left
       g.kw[ch][2 * i] = present ? __ldg((const u32*)(p.kw + rows * PAY)) : 0u;
       g.kw[ch][2 * i + 1] = present ? __ldg((const u32*)(p.kw + rows * PAY + 16)) : 0u;
       g.kn[ch][i] = present ? __ldg(p.norms + rows) : 0.f;
-      g.vn[ch][i] =
-          present ? __ldg(p.norms + rows + p.value_norms) : 0.f;
+      g.vn[ch][i] = present ? __ldg(p.norms + rows + p.value_norms) : 0.f;
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
