@@ -27,7 +27,7 @@ from larql.inference.linear import model_block_rows, rows_per_pass
 from larql.kernels.cpu.build import load as load_block_kernels
 from larql.kv import parse_engine
 from larql.kv.standard.engine import StandardEngine
-from larql.models import Model
+from larql.models import Model, load_model
 from larql.models.blocks import FORMAT_CODES, GGUF_FORMATS, BlockRows
 from larql.server.metrics import ServerMetrics
 from larql.server.scheduler import DoneEvent, Scheduler, SchedulerLimits, SessionRequest
@@ -78,6 +78,20 @@ def test_batched_steps_are_bit_identical_on_the_default_model(
         assert a.logits is not None and b.logits is not None
         assert torch.equal(a.logits, b.logits)
     assert len({tuple(s.tokens) for s in batched}) == len(PROMPTS)  # different streams
+
+
+@pytest.mark.slow
+def test_batched_steps_with_int8_inputs_are_bit_identical() -> None:
+    """`--weights blocks-int8` (llama.cpp's int8 inputs; tiled products where the CPU has
+    AVX-512 VNNI): a batched step is each session's step alone, bit for bit, too."""
+    if load_block_kernels() is None:
+        pytest.skip("the CPU block kernels are not built")
+    model = load_model("smollm2-135m", weights="blocks-int8")
+    alone, batched = _alone_and_batched(model, "standard", 10)
+    for a, b in zip(alone, batched, strict=True):
+        assert a.tokens == b.tokens
+        assert a.logits is not None and b.logits is not None
+        assert torch.equal(a.logits, b.logits)
 
 
 @pytest.mark.parametrize("spec", ["standard", "standard:window=6"])

@@ -445,13 +445,13 @@ def test_the_commands_ffn_router_hands_on_the_compiled_mlp(auto_smollm2: Model) 
 
 
 def test_prompts_take_the_blocks_only_where_their_products_beat_blas() -> None:
-    """Up to 256 rows go through the block products where they are tiled (int16 inputs on a
-    CPU with AVX-512 VNNI), up to 16 otherwise: the untiled ones, and int8 or float inputs,
-    lose to BLAS on the float matrix past that."""
+    """Up to 256 rows go through the block products where they are tiled (int16 or int8 inputs
+    on a CPU with AVX-512 VNNI), up to 16 otherwise: the untiled ones, and float inputs, lose
+    to BLAS on the float matrix past that."""
     kernels = load_block_kernels()
     tiled = kernels is not None and kernels.tiled()
-    assert block_rows("int16") == (TILED_BLOCK_ROWS if tiled else BLOCK_ROWS)
-    assert block_rows("int8") == block_rows("float") == BLOCK_ROWS
+    assert block_rows("int16") == block_rows("int8") == (TILED_BLOCK_ROWS if tiled else BLOCK_ROWS)
+    assert block_rows("float") == BLOCK_ROWS
 
 
 @pytest.mark.parametrize(
@@ -464,12 +464,14 @@ def test_prompts_take_the_blocks_only_where_their_products_beat_blas() -> None:
     ],
 )
 @pytest.mark.parametrize("outputs", [96, 112])  # 6 tiles of 16 rows (taken in pairs), 7
-def test_tiled_products(qtype: GGMLQuantizationType, outputs: int) -> None:
-    """On a CPU with AVX-512 VNNI (the products on AMX tiles where it has them, else with VNNI):
-    a block matrix tiled for them gives, for int16 inputs, the float product within the inputs'
-    rounding (as the untiled one does), each row of a batch bit for bit its product alone, and
-    refuses float or int8 inputs by name — for an even count of 16-row tiles and an odd one
-    (AMX then takes the last tile alone), and for batches of more than one pass of inputs."""
+@pytest.mark.parametrize("bits", [16, 8])
+def test_tiled_products(qtype: GGMLQuantizationType, outputs: int, bits: int) -> None:
+    """On a CPU with AVX-512 VNNI (int16 products on AMX tiles where it has them, else with
+    VNNI; int8 ones with VNNI): a block matrix tiled for them gives, for int16 or int8 inputs,
+    the untiled product's result up to the order of its float sums (the same codes), so the
+    float product within the inputs' rounding; each row of a batch bit for bit its product
+    alone; and it refuses float inputs by name — for an even count of 16-row tiles and an odd
+    one (AMX then takes the last tile alone), and for batches of more than one pass of inputs."""
     kernels = load_block_kernels()
     if kernels is None or not kernels.tiled():
         pytest.skip("needs the CPU kernels built with AVX-512 VNNI, on a CPU that has it")
@@ -485,24 +487,28 @@ def test_tiled_products(qtype: GGMLQuantizationType, outputs: int) -> None:
     assert tiled.shape == rows.data.shape and not torch.equal(tiled, rows.data)
     x = torch.randn(19, width, generator=torch.Generator().manual_seed(4))  # 16 + 3 inputs
     reference = x.double() @ rows.dequantize().double().T
-    many = kernels.block_gemm(x, tiled, code + 16, 16)
-    untiled = kernels.block_gemm(x, rows.data, code, 16)
-    assert (many.double() - reference).abs().max() < 1e-3 * reference.abs().max()
+    many = kernels.block_gemm(x, tiled, code + 16, bits)
+    untiled = kernels.block_gemm(x, rows.data, code, bits)
+    rounding = 1e-3 if bits == 16 else 3e-2  # int8 codes: a step of max|x_b| / 127
+    assert (many.double() - reference).abs().max() < rounding * reference.abs().max()
     assert torch.allclose(many, untiled, rtol=1e-5, atol=1e-4)
+    if bits == 8:  # the int8 codes, not the int16 ones
+        wide = kernels.block_gemm(x, tiled, code + 16, 16)
+        assert (many - wide).abs().max() > 1e-3 * reference.abs().max()
     for m in range(x.shape[0]):
-        one = kernels.block_gemv(x[m].contiguous(), tiled, code + 16, 16)
+        one = kernels.block_gemv(x[m].contiguous(), tiled, code + 16, bits)
         assert torch.equal(many[m], one), m
-    for bits in (0, 8):
-        with pytest.raises(ValueError, match="tiled blocks take int16 inputs"):
-            kernels.block_gemm(x, tiled, code + 16, bits)
+    with pytest.raises(ValueError, match="tiled blocks take int8 or int16 inputs"):
+        kernels.block_gemm(x, tiled, code + 16, 0)
 
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
-def test_the_tiled_mlp_gates_inside_its_product(qtype: GGMLQuantizationType) -> None:
+@pytest.mark.parametrize("bits", [16, 8])
+def test_the_tiled_mlp_gates_inside_its_product(qtype: GGMLQuantizationType, bits: int) -> None:
     """With tiled blocks the MLP's SiLU · up runs inside the gate/up product, a pair of tiles
     at a time: the result is the composition of the tiled products (torch's SiLU between them,
     within its rounding), and each row of a batch is its row alone, bit for bit — one row, a
-    decode step's 8, a prompt's 40."""
+    decode step's 8, a prompt's 40 — for int16 and int8 inputs."""
     kernels = load_block_kernels()
     if kernels is None or not kernels.tiled():
         pytest.skip("needs the CPU kernels built with AVX-512 VNNI, on a CPU that has it")
@@ -513,13 +519,13 @@ def test_the_tiled_mlp_gates_inside_its_product(qtype: GGMLQuantizationType) -> 
     g = torch.Generator().manual_seed(9)
     h, norm = torch.randn(40, width, generator=g), torch.rand(width, generator=g) + 0.5
     x = F.rms_norm(h, (width,), norm, 1e-5)
-    gate, up = kernels.block_gemm(x, gate_up, code, 16).chunk(2, dim=-1)
-    want = h + kernels.block_gemm(F.silu(gate) * up, down, code, 16)
-    got = kernels.residual_ffn(h, norm, 1e-5, gate_up, code, down, code, 16)
+    gate, up = kernels.block_gemm(x, gate_up, code, bits).chunk(2, dim=-1)
+    want = h + kernels.block_gemm(F.silu(gate) * up, down, code, bits)
+    got = kernels.residual_ffn(h, norm, 1e-5, gate_up, code, down, code, bits)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     for rows in (8, 1):
-        batch = kernels.residual_ffn(h[:rows], norm, 1e-5, gate_up, code, down, code, 16)
+        batch = kernels.residual_ffn(h[:rows], norm, 1e-5, gate_up, code, down, code, bits)
         assert torch.equal(batch, got[:rows])
     for m in range(3):
-        one = kernels.residual_ffn(h[m : m + 1], norm, 1e-5, gate_up, code, down, code, 16)
+        one = kernels.residual_ffn(h[m : m + 1], norm, 1e-5, gate_up, code, down, code, bits)
         assert torch.equal(one, got[m : m + 1])

@@ -33,10 +33,11 @@ _SPLIT_DTYPES = (torch.float32, torch.float64)
 # 1.35 / 1.04 at 32) and in the tiled products of int16 inputs — on AMX tiles (a whole prefill
 # of the default model on a 2-core Xeon: 24 tokens 22.5 against 61 ms, 64: 51 / 94, 128: 111 /
 # 143, 256: 240 / 263) and with AVX-512 VNNI (SmolLM2's gate/up on the 2-core Zen 4: 0.20
-# against 0.62 ms at 16 rows, 0.73 / 1.98 at 64, 3.02 / 6.80 at 256; its untiled int8 products
-# there 1.86 against 0.60 at 16 rows)
+# against 0.62 ms at 16 rows, 0.73 / 1.98 at 64, 3.02 / 6.80 at 256). int8 inputs take the
+# same tiles with half the byte products, so the same limit holds for them.
 BLOCK_ROWS = 16
 TILED_BLOCK_ROWS = 256
+_TILED_ACTIVATIONS = ("int8", "int16")  # the inputs the tiled products take
 
 
 @cache
@@ -48,8 +49,8 @@ def _tiled() -> bool:
 def block_rows(activation: str) -> int:
     """Rows up to which a product of blocks that take `activation` inputs (and the compiled
     layer over them) reads the GGUF blocks rather than the float matrix: `TILED_BLOCK_ROWS`
-    for int16 inputs where the tiled products run (AVX-512 VNNI or AMX), else `BLOCK_ROWS`."""
-    return TILED_BLOCK_ROWS if activation == "int16" and _tiled() else BLOCK_ROWS
+    for integer inputs where the tiled products run (AVX-512 VNNI or AMX), else `BLOCK_ROWS`."""
+    return TILED_BLOCK_ROWS if activation in _TILED_ACTIVATIONS and _tiled() else BLOCK_ROWS
 
 
 def model_block_rows(model: Model) -> int:
@@ -64,14 +65,15 @@ _TILED_CODE = 16  # the extension's format code of a tiled matrix: 16 + its form
 
 def kernel_rows(blocks: BlockRows, kernels: ModuleType) -> tuple[torch.Tensor, int]:
     """The extension's (rows, format) arguments for `blocks`. On a CPU with AVX-512 VNNI (AMX
-    too, or not) a block matrix of int16 products (whole tiles of 16 rows) is rearranged into
-    the tiles' order at its first product, in place (`BlockRows.tiled`: the same bytes, so no
-    second copy), and is then read tiled with the tiled format code by every product, one row
-    or many."""
+    too, or not) a block matrix of integer-input products (whole tiles of 16 rows) is
+    rearranged into the tiles' order at its first product, in place (`BlockRows.tiled`: the
+    same bytes, so no second copy), and is then read tiled with the tiled format code by every
+    product, one row or many."""
     code = FORMAT_CODES[blocks.format]
     if blocks.tiled:
         return blocks.data, code + _TILED_CODE
-    if blocks.activation == "int16" and blocks.out_features % 16 == 0 and kernels.tiled():
+    tileable = blocks.activation in _TILED_ACTIVATIONS and blocks.out_features % 16 == 0
+    if tileable and kernels.tiled():
         blocks.data, blocks.tiled = kernels.tile_rows(blocks.data, code), True
         return blocks.data, code + _TILED_CODE
     return blocks.data, code

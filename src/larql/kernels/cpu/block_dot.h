@@ -589,9 +589,10 @@ template <typename Code>
 void gemm_codes(Format f, const uint8_t* rows, int64_t row_bytes, int64_t n, const float* x,
                 int64_t m_rows, int64_t k, float* out) {
   const int64_t blocks = k / kBlock;
-  if (is_tiled(f)) {  // (gemm_with allows it for int16 inputs on a tiled build only)
+  if (is_tiled(f)) {  // (gemm_with allows it for integer inputs on a tiled build only)
 #if LARQL_TILED
-    if constexpr (sizeof(Code) == 2) return tiled_gemm(base_of(f), rows, n, blocks, x, m_rows, out);
+    const bool narrow = sizeof(Code) == 1;
+    return tiled_gemm(base_of(f), rows, n, blocks, x, m_rows, narrow, out);
 #endif
     return;
   }
@@ -656,12 +657,12 @@ inline void gemm_float(Format f, const uint8_t* rows, int64_t row_bytes, int64_t
   });
 }
 
-// Whether these weights can be multiplied with these inputs: tiled ones only with int16 inputs,
-// where this build has the tiled products (AVX-512 VNNI, and AMX where it runs).
+// Whether these weights can be multiplied with these inputs: tiled ones only with int16 or int8
+// inputs, where this build has the tiled products (AVX-512 VNNI, and AMX where it runs).
 inline bool product_supported(Activation a, Format f) {
   if (!is_tiled(f)) return true;
 #if LARQL_TILED
-  return a == Activation::Int16;
+  return a != Activation::Float;
 #else
   (void)a;
   return false;
@@ -672,7 +673,7 @@ inline bool product_supported(Activation a, Format f) {
 inline void gemm_with(Activation a, Format f, const uint8_t* rows, int64_t row_bytes, int64_t n,
                       const float* x, int64_t m_rows, int64_t k, float* out) {
   if (!product_supported(a, f)) {
-    throw std::invalid_argument("tiled blocks take int16 inputs on a CPU with AVX-512 VNNI only");
+    throw std::invalid_argument("tiled blocks take int8 or int16 inputs on a CPU with AVX-512 VNNI only");
   }
   switch (a) {
     case Activation::Int8: return gemm_codes<int8_t>(f, rows, row_bytes, n, x, m_rows, k, out);
@@ -685,7 +686,7 @@ inline void gemm_with(Activation a, Format f, const uint8_t* rows, int64_t row_b
 inline void gemv_with(Activation a, Format f, const uint8_t* rows, int64_t row_bytes, int64_t n,
                       const float* x, int64_t k, float* out) {
   if (!product_supported(a, f)) {
-    throw std::invalid_argument("tiled blocks take int16 inputs on a CPU with AVX-512 VNNI only");
+    throw std::invalid_argument("tiled blocks take int8 or int16 inputs on a CPU with AVX-512 VNNI only");
   }
   switch (a) {
     case Activation::Int8: return gemv_codes<int8_t>(f, rows, row_bytes, n, x, k, out);

@@ -190,13 +190,13 @@ void add_product_rows(Activation a, const float* h, int64_t m_rows, const BlockM
 }
 
 // Whether the gated product of [gate; up] takes the SiLU in its tiles' pairs
-// (`tiled_gemm_halves`): int16 inputs on VNNI-tiled blocks (AMX keeps its paired tiles), each
-// half whole tiles. The same per-element arithmetic either way (silu_times works 8 lanes at a
+// (`tiled_gemm_halves`): integer inputs on VNNI-tiled blocks (AMX keeps its paired tiles for
+// int16 ones), each half whole tiles. The same per-element arithmetic either way (silu_times works 8 lanes at a
 // time from a row's start, and a tile's 16 outputs start on a multiple of 8).
 bool gated_in_product(Activation a, const BlockMatrix& gate_up) {
 #if LARQL_TILED
-  return a == Activation::Int16 && is_tiled(gate_up.format) && !tiles_on_amx() &&
-         gate_up.rows % (2 * kTileOutputs) == 0;
+  const bool on_vnni = a == Activation::Int8 || (a == Activation::Int16 && !tiles_on_amx());
+  return on_vnni && is_tiled(gate_up.format) && gate_up.rows % (2 * kTileOutputs) == 0;
 #else
   (void)a;
   (void)gate_up;
@@ -216,7 +216,7 @@ void ffn_rows(Activation a, const float* h, int64_t m_rows, const float* norm, d
   if (gated_in_product(a, gate_up)) {  // silu(gate) ⊙ up over the threads, inside the product
 #if LARQL_TILED
     tiled_gemm_halves(base_of(gate_up.format), gate_up.data, gate_up.rows, width / kBlock, x,
-                      m_rows, [&](int64_t t, const float* pair) {
+                      m_rows, a == Activation::Int8, [&](int64_t t, const float* pair) {
                         for (int64_t m = 0; m < m_rows; ++m) {
                           const float* row = pair + m * 2 * kTileOutputs;
                           silu_times(row, row + kTileOutputs, kTileOutputs,

@@ -14,6 +14,8 @@
 // q = 256·hi + lo (hi signed, lo unsigned bytes) and Σ w q = 256·Σ w·hi + Σ w·lo, each a sum of
 // byte products (the nibbles are unsigned bytes, Q8_0's signed ones):
 //   C_hi[m, o] = Σ_k hi[m, k] · w[o, k],   C_lo[m, o] = Σ_k lo[m, k] · w[o, k]
+// int8 inputs ("narrow": llama.cpp's arithmetic, `--weights blocks-int8`) are their codes in the
+// high bytes and no low ones: C_hi alone is the block's integer sum, half the byte products.
 // Per block the whole integer sum is scaled (not the AVX2 path's 8 partial sums) by the same
 // float operations on both units (`scaled_sums`), the same for every input whatever else
 // shares the product: a row's result does not depend on its batch or on which unit ran it, and
@@ -45,10 +47,12 @@ constexpr int64_t kParallelRounding = 1 << 12;
 
 // Up to 16 inputs' int16 codes split into bytes, block-major: [blocks][rows][32] high and low
 // bytes, and per block and input its scale, Σ x, Σ q and Σ hi. `rows`: the count rounded up to
-// 1, 2, 4, 8 or 16 (the AMX kernel's instances), the rows past it zero.
+// 1, 2, 4, 8 or 16 (the AMX kernel's instances), the rows past it zero. `narrow`: int8 codes,
+// in `high` (Σ hi = Σ q), and no low bytes.
 struct TiledInputs {
   int count = 0;
   int rows = 0;
+  bool narrow = false;
   const int8_t* high = nullptr;
   const uint8_t* low = nullptr;
   const float* scales = nullptr;
@@ -64,24 +68,28 @@ struct TiledInputs {
 };
 
 // One input's block xb [32] → its int16 codes split into bytes at `at` (q = 256 · high + low,
-// |q| ≤ 32767), its scale, float sum, Σ q and Σ high: the codes, scale and sum that
-// `quantize_block` gives (the same max, the same scale and rounding, the float sum in its
-// order), in 512-bit vectors.
+// |q| ≤ 32767) — `Narrow`: its int8 codes (|q| ≤ 127) in `high`, no low bytes — its scale,
+// float sum, Σ q and Σ high: the codes, scale and sum that `quantize_block` gives (the same
+// max, the same scale and rounding, the float sum in its order), in 512-bit vectors.
+template <bool Narrow>
 inline void round_block(const float* xb, int64_t at, int8_t* high, uint8_t* low, float* scales,
                         float* sums, int32_t* code_sums, int32_t* high_sums) {
   const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
   const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-  const float d = top / 32767.0f;
+  const float d = top / (Narrow ? 127.0f : 32767.0f);
   const __m512 inverse = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
   const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inverse));
   const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inverse));
-  const __m512i hi0 = _mm512_srai_epi32(q0, 8), hi1 = _mm512_srai_epi32(q1, 8);
+  const __m512i hi0 = Narrow ? q0 : _mm512_srai_epi32(q0, 8);
+  const __m512i hi1 = Narrow ? q1 : _mm512_srai_epi32(q1, 8);
   __m128i* high_out = reinterpret_cast<__m128i*>(high + at * kBlock);
-  __m128i* low_out = reinterpret_cast<__m128i*>(low + at * kBlock);
   _mm_storeu_si128(high_out, _mm512_cvtepi32_epi8(hi0));
   _mm_storeu_si128(high_out + 1, _mm512_cvtepi32_epi8(hi1));
-  _mm_storeu_si128(low_out, _mm512_cvtepi32_epi8(q0));
-  _mm_storeu_si128(low_out + 1, _mm512_cvtepi32_epi8(q1));
+  if constexpr (!Narrow) {
+    __m128i* low_out = reinterpret_cast<__m128i*>(low + at * kBlock);
+    _mm_storeu_si128(low_out, _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(low_out + 1, _mm512_cvtepi32_epi8(q1));
+  }
   // the float sum as quantize_block adds it: its four 8-lane parts in order, then across lanes
   const auto upper = [](__m512 v) {  // lanes 8..15 (AVX-512F alone)
     return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
@@ -100,13 +108,13 @@ inline void round_block(const float* xb, int64_t at, int8_t* high, uint8_t* low,
 class TiledInputBuffers {
  public:
   // x: [n, k] float rows (n ≤ 16) → their int16 codes as `quantize_input` rounds them, split
-  // into bytes (over the threads where `parallel` and they are many); valid until the next
-  // fill.
-  TiledInputs fill(const float* x, int n, int64_t k, bool parallel = true) {
+  // into bytes (`narrow`: their int8 codes), over the threads where `parallel` and they are
+  // many; valid until the next fill.
+  TiledInputs fill(const float* x, int n, int64_t k, bool parallel, bool narrow) {
     const int64_t blocks = k / kBlock;
     const int rows = TiledInputs::rows_for(n);
     int8_t* high = high_.take(blocks * rows * kBlock);
-    uint8_t* low = low_.take(blocks * rows * kBlock);
+    uint8_t* low = narrow ? nullptr : low_.take(blocks * rows * kBlock);
     float* scales = scales_.take(blocks * rows);
     float* sums = sums_.take(blocks * rows);
     int32_t* code_sums = code_sums_.take(blocks * rows);
@@ -118,13 +126,17 @@ class TiledInputBuffers {
           const int64_t at = b * rows + m;
           if (m >= n) {  // a padding row: zero codes and scales
             std::memset(high + at * kBlock, 0, kBlock);
-            std::memset(low + at * kBlock, 0, kBlock);
+            if (!narrow) std::memset(low + at * kBlock, 0, kBlock);
             scales[at] = sums[at] = 0.0f;
             code_sums[at] = high_sums[at] = 0;
             continue;
           }
-          round_block(x + m * k + b * kBlock, at, high, low, scales, sums, code_sums,
-                      high_sums);
+          const float* xb = x + m * k + b * kBlock;
+          if (narrow) {
+            round_block<true>(xb, at, high, low, scales, sums, code_sums, high_sums);
+          } else {
+            round_block<false>(xb, at, high, low, scales, sums, code_sums, high_sums);
+          }
         }
       }
     };
@@ -133,7 +145,7 @@ class TiledInputBuffers {
     } else {
       at::parallel_for(0, blocks, 4, round_blocks);  // (each row's codes alike either way)
     }
-    return TiledInputs{n, rows, high, low, scales, sums, code_sums, high_sums};
+    return TiledInputs{n, rows, narrow, high, low, scales, sums, code_sums, high_sums};
   }
 
  private:
@@ -209,12 +221,13 @@ inline TileScales tile_scales(const uint8_t* scales) {
   return s;
 }
 
-// acc + input `at`'s block sums C_hi, C_lo (16 weight rows) scaled by the rows' scales and the
-// input's; + m · X for the formats with offsets. Both units' products end here.
-template <Format F>
+// acc + input `at`'s block sums C_hi, C_lo (16 weight rows; `Narrow`: C_hi alone) scaled by
+// the rows' scales and the input's; + m · X for the formats with offsets. Both units' products
+// end here.
+template <Format F, bool Narrow = false>
 inline __m512 scaled_sums(__m512 acc, __m512i c_high, __m512i c_low, const TileScales& s,
                           const TiledInputs& in, int64_t at) {
-  __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(c_high, 8), c_low);
+  __m512i sum = Narrow ? c_high : _mm512_add_epi32(_mm512_slli_epi32(c_high, 8), c_low);
   if constexpr (F == Format::Q4_0) {  // weight = d · (q − 8)
     sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * in.code_sums[at]));
   }

@@ -20,17 +20,18 @@ inline bool tiles_on_amx() {
 // rows are rounded once, over the threads.
 constexpr int64_t kOwnRounding = 1 << 15;
 
-// The inputs x [M, k] rounded into `buffers`, a group of up to kTileInputs rows each.
+// The inputs x [M, k] rounded into `buffers` (`narrow`: to int8 codes), a group of up to
+// kTileInputs rows each.
 inline std::vector<TiledInputs> tiled_inputs(std::vector<TiledInputBuffers>& buffers,
                                              const float* x, int64_t m_rows, int64_t k,
-                                             bool parallel) {
+                                             bool parallel, bool narrow) {
   const size_t group_count = static_cast<size_t>((m_rows + kTileInputs - 1) / kTileInputs);
   if (buffers.size() < group_count) buffers.resize(group_count);
   std::vector<TiledInputs> groups(group_count);
   for (size_t g = 0; g < group_count; ++g) {
     const int64_t m0 = static_cast<int64_t>(g) * kTileInputs;
     const int count = static_cast<int>(std::min<int64_t>(kTileInputs, m_rows - m0));
-    groups[g] = buffers[g].fill(x + m0 * k, count, k, parallel);
+    groups[g] = buffers[g].fill(x + m0 * k, count, k, parallel, narrow);
   }
   return groups;
 }
@@ -39,23 +40,23 @@ inline std::vector<TiledInputs> tiled_inputs(std::vector<TiledInputBuffers>& buf
 // up to kOwnRounding, else once, over the threads, before the product.
 class ProductInputs {
  public:
-  ProductInputs(const float* x, int64_t m_rows, int64_t k)
-      : x_(x), m_rows_(m_rows), k_(k), own_(m_rows * k <= kOwnRounding) {
+  ProductInputs(const float* x, int64_t m_rows, int64_t k, bool narrow)
+      : x_(x), m_rows_(m_rows), k_(k), own_(m_rows * k <= kOwnRounding), narrow_(narrow) {
     thread_local std::vector<TiledInputBuffers> shared_buffers;
-    if (!own_) shared_ = tiled_inputs(shared_buffers, x, m_rows, k, true);
+    if (!own_) shared_ = tiled_inputs(shared_buffers, x, m_rows, k, true, narrow);
   }
 
   // The groups the calling thread multiplies (inside the product's parallel region).
   std::vector<TiledInputs> groups() const {
     if (!own_) return shared_;
     thread_local std::vector<TiledInputBuffers> own_buffers;
-    return tiled_inputs(own_buffers, x_, m_rows_, k_, false);
+    return tiled_inputs(own_buffers, x_, m_rows_, k_, false, narrow_);
   }
 
  private:
   const float* x_;
   int64_t m_rows_, k_;
-  bool own_;
+  bool own_, narrow_;
   std::vector<TiledInputs> shared_;
 };
 
@@ -64,11 +65,12 @@ class ProductInputs {
 // each thread its own pairs; for every input their 32 outputs side by side, [M, 32] (tile t's
 // 16 then its partner's), go to `epilogue(t, outputs)` on the thread that computed them — so
 // what combines the halves runs inside the product, over the threads, not after it on one. Each
-// tile's outputs are `tiled_gemm`'s. Needs n a multiple of 32.
+// tile's outputs are `tiled_gemm`'s. Needs n a multiple of 32. `narrow`: int8 inputs.
 template <typename Epilogue>
 inline void tiled_gemm_halves(Format base, const uint8_t* tiled, int64_t n, int64_t blocks,
-                              const float* x, int64_t m_rows, const Epilogue& epilogue) {
-  const ProductInputs inputs(x, m_rows, blocks * kBlock);
+                              const float* x, int64_t m_rows, bool narrow,
+                              const Epilogue& epilogue) {
+  const ProductInputs inputs(x, m_rows, blocks * kBlock, narrow);
   const int64_t tile_bytes = blocks * tile_block_bytes(base);
   const int64_t pairs = n / (2 * kTileOutputs);
   constexpr int64_t kPair = 2 * kTileOutputs;  // outputs of a pair, per input
@@ -88,15 +90,16 @@ inline void tiled_gemm_halves(Format base, const uint8_t* tiled, int64_t n, int6
   });
 }
 
-// out: [M, n] for float32 inputs x [M, blocks · 32], rounded to int16 codes, and n weight rows
-// held tiled (`tile_rows`), the tiles over torch's threads: on AMX two tiles at a time (the unit
-// works on one while the other's sums are scaled), with VNNI one.
+// out: [M, n] for float32 inputs x [M, blocks · 32], rounded to int16 codes (`narrow`: int8
+// codes), and n weight rows held tiled (`tile_rows`), the tiles over torch's threads: on AMX two
+// tiles at a time (the unit works on one while the other's sums are scaled), with VNNI one
+// (int8 inputs always).
 inline void tiled_gemm(Format base, const uint8_t* tiled, int64_t n, int64_t blocks,
-                       const float* x, int64_t m_rows, float* out) {
-  const ProductInputs inputs(x, m_rows, blocks * kBlock);
+                       const float* x, int64_t m_rows, bool narrow, float* out) {
+  const ProductInputs inputs(x, m_rows, blocks * kBlock, narrow);
   const int64_t tile_bytes = blocks * tile_block_bytes(base);
   const int64_t tiles = n / kTileOutputs;
-  const bool amx = tiles_on_amx();
+  const bool amx = !narrow && tiles_on_amx();
   const int64_t step = amx ? 2 : 1;  // tiles a task takes
   at::parallel_for(0, (tiles + step - 1) / step, 2, [&](int64_t begin, int64_t end) {
     const std::vector<TiledInputs> groups = inputs.groups();

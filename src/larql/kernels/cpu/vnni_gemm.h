@@ -7,7 +7,9 @@
 //   Q8_0: C_hi += (w + 128) · hi, then − 128 · Σ hi   (w signed: made unsigned, exactly)
 //         C_lo += lo · w
 // The same integer sums as the AMX unit's, scaled by the same float operations
-// (`scaled_sums`): a tiled matrix gives the same bits on either unit.
+// (`scaled_sums`): a tiled matrix gives the same bits on either unit. int8 inputs (`Narrow`:
+// their codes in the high bytes) take the C_hi products alone, 8 VPDPBUSD per block and input;
+// they run here on every CPU with tiles, AMX ones too.
 //
 // Per block and input the 16 rows cost 16 VPDPBUSD (8 for each of hi and lo over the block's
 // 32 elements); the weights' nibbles are spread once per block for every input of the call, and
@@ -24,7 +26,7 @@ constexpr int kVnniInputs = 8;  // inputs a pass over a tile keeps in registers
 
 // Inputs m0 .. m0 + M − 1 of `in` over one tile of 16 weight rows, every block (`tile`: its
 // first block) → out[m · out_stride + o] for those inputs (out: input m0's first output).
-template <Format F, int M>
+template <Format F, int M, bool Narrow>
 inline void vnni_tile(const uint8_t* tile, int64_t blocks, const TiledInputs& in, int m0,
                       float* out, int64_t out_stride) {
   constexpr int words = code_words(F);
@@ -69,14 +71,16 @@ inline void vnni_tile(const uint8_t* tile, int64_t blocks, const TiledInputs& in
         for (int i = 0; i < K; ++i) {
           const int64_t row = (first + m0 + i) * kBlock;
           const int32_t* high = reinterpret_cast<const int32_t*>(in.high + row);
-          const int32_t* low = reinterpret_cast<const int32_t*>(in.low + row);
-          const __m512i hi = _mm512_set1_epi32(high[j]), lo = _mm512_set1_epi32(low[j]);
+          const __m512i hi = _mm512_set1_epi32(high[j]);
           if constexpr (F == Format::Q8_0) {
             c_high[i] = _mm512_dpbusd_epi32(c_high[i], w_unsigned[j], hi);
           } else {
             c_high[i] = _mm512_dpbusd_epi32(c_high[i], w[j], hi);
           }
-          c_low[i] = _mm512_dpbusd_epi32(c_low[i], lo, w[j]);
+          if constexpr (!Narrow) {
+            const int32_t* low = reinterpret_cast<const int32_t*>(in.low + row);
+            c_low[i] = _mm512_dpbusd_epi32(c_low[i], _mm512_set1_epi32(low[j]), w[j]);
+          }
         }
       }
 #pragma GCC unroll 4
@@ -86,7 +90,7 @@ inline void vnni_tile(const uint8_t* tile, int64_t blocks, const TiledInputs& in
           const __m512i correction = _mm512_set1_epi32(128 * in.high_sums[first + m]);
           c_high[i] = _mm512_sub_epi32(c_high[i], correction);
         }
-        acc[m] = scaled_sums<F>(acc[m], c_high[i], c_low[i], s, in, first + m);
+        acc[m] = scaled_sums<F, Narrow>(acc[m], c_high[i], c_low[i], s, in, first + m);
       }
     }
   }
@@ -94,19 +98,26 @@ inline void vnni_tile(const uint8_t* tile, int64_t blocks, const TiledInputs& in
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * out_stride, acc[m]);
 }
 
+template <Format F, bool Narrow>
+inline void vnni_tile_counted(const uint8_t* tile, int64_t blocks, const TiledInputs& in, int m0,
+                              int count, float* out, int64_t out_stride) {
+  switch (count) {
+    case 1: return vnni_tile<F, 1, Narrow>(tile, blocks, in, m0, out, out_stride);
+    case 2: return vnni_tile<F, 2, Narrow>(tile, blocks, in, m0, out, out_stride);
+    case 3: return vnni_tile<F, 3, Narrow>(tile, blocks, in, m0, out, out_stride);
+    case 4: return vnni_tile<F, 4, Narrow>(tile, blocks, in, m0, out, out_stride);
+    case 5: return vnni_tile<F, 5, Narrow>(tile, blocks, in, m0, out, out_stride);
+    case 6: return vnni_tile<F, 6, Narrow>(tile, blocks, in, m0, out, out_stride);
+    case 7: return vnni_tile<F, 7, Narrow>(tile, blocks, in, m0, out, out_stride);
+    default: return vnni_tile<F, 8, Narrow>(tile, blocks, in, m0, out, out_stride);
+  }
+}
+
 template <Format F>
 inline void vnni_tile_inputs(const uint8_t* tile, int64_t blocks, const TiledInputs& in, int m0,
                              int count, float* out, int64_t out_stride) {
-  switch (count) {
-    case 1: return vnni_tile<F, 1>(tile, blocks, in, m0, out, out_stride);
-    case 2: return vnni_tile<F, 2>(tile, blocks, in, m0, out, out_stride);
-    case 3: return vnni_tile<F, 3>(tile, blocks, in, m0, out, out_stride);
-    case 4: return vnni_tile<F, 4>(tile, blocks, in, m0, out, out_stride);
-    case 5: return vnni_tile<F, 5>(tile, blocks, in, m0, out, out_stride);
-    case 6: return vnni_tile<F, 6>(tile, blocks, in, m0, out, out_stride);
-    case 7: return vnni_tile<F, 7>(tile, blocks, in, m0, out, out_stride);
-    default: return vnni_tile<F, 8>(tile, blocks, in, m0, out, out_stride);
-  }
+  if (in.narrow) return vnni_tile_counted<F, true>(tile, blocks, in, m0, count, out, out_stride);
+  vnni_tile_counted<F, false>(tile, blocks, in, m0, count, out, out_stride);
 }
 
 // One group of inputs over one tile of a tiled matrix of format `base`, kVnniInputs at a time
