@@ -127,15 +127,12 @@ def test_integer_block_product_is_the_product_with_x_rounded(
         x[:32] = 0  # an all-zero block: scale 0, codes 0
     got = kernels.block_gemv(x, rows.data, FORMAT_CODES[rows.format], bits).double()
     weights, rounded = rows.dequantize().double(), _rounded(x, bits).double()
-    coded = weights  # the part of each weight that multiplies the rounded x
-    if qtype == GGMLQuantizationType.Q4_1:  # its offset m multiplies the exact block sums of x
-        m = rows.data.view(200, -1, 20)[..., 2:4].contiguous().view(torch.float16).double()
-        coded = weights - m[..., 0].repeat_interleave(32, dim=1)  # [200, width]
-    want = coded @ rounded + (weights - coded) @ x.double()  # [200]
+    # every format's weights, Q4_1's offsets too, multiply the rounded x (its block sums too)
+    want = weights @ rounded  # [200]
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     assert not torch.allclose(want, weights @ x.double(), rtol=1e-9, atol=0)  # x was rounded
     # and it stays within the rounding's bound of the float product: |Δx_i| ≤ d_b / 2
-    bound = coded.abs() @ (x.double() - rounded).abs()
+    bound = weights.abs() @ (x.double() - rounded).abs()
     assert ((got - weights @ x.double()).abs() <= bound * 1.001 + 1e-4).all()
 
 
@@ -420,12 +417,8 @@ def test_q4_k_block_products(bits: int) -> None:
     product = kernels.block_gemv(x, gate_up.data, code, bits).double()
     if bits == 0:  # the float product with the dequantised weights
         want = gate_up.dequantize().double() @ x.double()
-    else:  # the product with x rounded, the offsets times x's exact block sums
-        rounded = _rounded(x, bits).double()
-        weights = gate_up.dequantize().double()
-        offsets = gate_up.data.view(2 * hidden, -1, 24)[..., 4:8].contiguous().view(torch.float32)
-        coded = weights - offsets[..., 0].double().repeat_interleave(32, dim=1)
-        want = coded @ rounded + (weights - coded) @ x.double()
+    else:  # the product with x rounded (the offsets times its rounded block sums too)
+        want = gate_up.dequantize().double() @ _rounded(x, bits).double()
     assert torch.allclose(product, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     gate, up = kernels.block_gemv(x, gate_up.data, code, bits).chunk(2)
     want = h + kernels.block_gemv(F.silu(gate) * up, down.data, code, bits)

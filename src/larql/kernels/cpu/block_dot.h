@@ -276,9 +276,13 @@ inline void gemv(Format f, const uint8_t* rows, int64_t row_bytes, int64_t n, co
 // (to nearest, ties to even); then
 //   Q8_0: d · d_b · Σ w_i q_i
 //   Q4_0: d · d_b · (Σ w_i q_i − 8 Σ q_i)
-//   Q4_1, Q4_K32: d · d_b · Σ w_i q_i + m · X_b   (X_b = Σ x_i, exact)
+//   Q4_1, Q4_K32: d · d_b · Σ w_i q_i + m · X_b   (X_b = d_b · Σ q_i: the rounded block's sum)
 // with the integer sums exact: a product is the float product of the dequantised weights with
-// the rounded x, whose error is at most d_b / 2 per element.
+// the rounded x, whose error is at most d_b / 2 per element. (X_b is the rounded x's sum, as
+// llama.cpp's Q8_1 keeps it, not the exact Σ x_i. With the exact sum a row's error would be
+// the rounding errors weighted by the unsigned codes, Σ d w_i (d_b q_i − x_i) with d w_i in
+// [0, 15 d], instead of by the weights d w_i + m, which straddle 0: on SmolLM2's Q4_1
+// matrices about twice the error, four times the KL — docs/FIDELITY.md.)
 enum class Activation : int { Float = 0, Int8 = 8, Int16 = 16 };
 
 template <typename Code>
@@ -286,11 +290,11 @@ struct QuantizedInput {
   std::vector<Code> codes;         // [K]
   std::vector<float> scales;       // [K/32] d_b
   std::vector<int32_t> code_sums;  // [K/32] Σ q_i
-  std::vector<float> sums;         // [K/32] X_b
+  std::vector<float> sums;         // [K/32] X_b = d_b Σ q_i
 };
 
 // One block of 32 rounded to integer codes with L levels (127 or 32767): the codes as int32, the
-// block's scale d_b, Σ q_i and X_b = Σ x_i.
+// block's scale d_b, Σ q_i and the rounded block's sum X_b = d_b Σ q_i.
 struct BlockCodes {
   alignas(64) int32_t codes[kBlock];
   float scale;
@@ -300,14 +304,12 @@ struct BlockCodes {
 
 inline void quantize_block(const float* xb, float levels, BlockCodes& out) {
 #if LARQL_AVX2
-  // the same codes as the loop below (the conversion rounds half to even, as nearbyint does);
-  // the block's float sum in another order
+  // the same codes as the loop below (the conversion rounds half to even, as nearbyint does)
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 v[4], top = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+  __m256 v[4], top = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
     v[i] = _mm256_loadu_ps(xb + 8 * i);
     top = _mm256_max_ps(top, _mm256_and_ps(v[i], magnitude));
-    sum = _mm256_add_ps(sum, v[i]);
   }
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -325,13 +327,9 @@ inline void quantize_block(const float* xb, float levels, BlockCodes& out) {
   out.scale = d;
   out.code_sum =
       lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
-  out.sum = horizontal_sum(sum);
 #else
-  float amax = 0.0f, sum = 0.0f;
-  for (int i = 0; i < kBlock; ++i) {
-    amax = std::max(amax, std::fabs(xb[i]));
-    sum += xb[i];
-  }
+  float amax = 0.0f;
+  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
   const float d = amax / levels;
   const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
   int32_t code_sum = 0;
@@ -341,8 +339,8 @@ inline void quantize_block(const float* xb, float levels, BlockCodes& out) {
   }
   out.scale = d;
   out.code_sum = code_sum;
-  out.sum = sum;
 #endif
+  out.sum = d * static_cast<float>(out.code_sum);  // exact Σ q (|Σ q| < 2^24), one rounding
 }
 
 template <typename Code>

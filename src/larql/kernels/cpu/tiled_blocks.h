@@ -46,7 +46,7 @@ constexpr int kAhead = 4;         // blocks of weights prefetched ahead
 constexpr int64_t kParallelRounding = 1 << 12;
 
 // Up to 16 inputs' int16 codes split into bytes, block-major: [blocks][rows][32] high and low
-// bytes, and per block and input its scale, Σ x, Σ q and Σ hi. `rows`: the count rounded up to
+// bytes, and per block and input its scale, rounded sum d · Σ q, Σ q and Σ hi. `rows`: the count rounded up to
 // 1, 2, 4, 8 or 16 (the AMX kernel's instances), the rows past it zero. `narrow`: int8 codes,
 // in `high` (Σ hi = Σ q), and no low bytes.
 struct TiledInputs {
@@ -69,8 +69,8 @@ struct TiledInputs {
 
 // One input's block xb [32] → its int16 codes split into bytes at `at` (q = 256 · high + low,
 // |q| ≤ 32767) — `Narrow`: its int8 codes (|q| ≤ 127) in `high`, no low bytes — its scale,
-// float sum, Σ q and Σ high: the codes, scale and sum that `quantize_block` gives (the same
-// max, the same scale and rounding, the float sum in its order), in 512-bit vectors.
+// rounded sum d · Σ q, Σ q and Σ high: the codes, scale and sum that `quantize_block` gives
+// (the same max, the same scale and rounding), in 512-bit vectors.
 template <bool Narrow>
 inline void round_block(const float* xb, int64_t at, int8_t* high, uint8_t* low, float* scales,
                         float* sums, int32_t* code_sums, int32_t* high_sums) {
@@ -90,17 +90,10 @@ inline void round_block(const float* xb, int64_t at, int8_t* high, uint8_t* low,
     _mm_storeu_si128(low_out, _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128(low_out + 1, _mm512_cvtepi32_epi8(q1));
   }
-  // the float sum as quantize_block adds it: its four 8-lane parts in order, then across lanes
-  const auto upper = [](__m512 v) {  // lanes 8..15 (AVX-512F alone)
-    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  };
-  const __m256 sum = _mm256_add_ps(
-      _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(v0), upper(v0)),
-                    _mm512_castps512_ps256(v1)),
-      upper(v1));
+  const int32_t code_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   scales[at] = d;
-  sums[at] = horizontal_sum(sum);
-  code_sums[at] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  sums[at] = d * static_cast<float>(code_sum);
+  code_sums[at] = code_sum;
   high_sums[at] = _mm512_reduce_add_epi32(_mm512_add_epi32(hi0, hi1));
 }
 
@@ -233,7 +226,7 @@ inline __m512 scaled_sums(__m512 acc, __m512i c_high, __m512i c_low, const TileS
   }
   const __m512 scale = _mm512_mul_ps(s.d, _mm512_set1_ps(in.scales[at]));
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc);
-  if constexpr (F == Format::Q4_1 || F == Format::Q4_K32) {  // + m · X
+  if constexpr (F == Format::Q4_1 || F == Format::Q4_K32) {  // + m · X (X = d_x · Σ q)
     acc = _mm512_fmadd_ps(s.offset, _mm512_set1_ps(in.sums[at]), acc);
   }
   return acc;
