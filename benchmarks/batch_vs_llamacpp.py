@@ -14,7 +14,8 @@ llama-cpp-python lives in a venv of its own (see `cpu_vs_llamacpp.py`):
 
     python3 -m venv ../llama-venv && ../llama-venv/bin/pip install llama-cpp-python==0.3.36
     .venv/bin/python benchmarks/batch_vs_llamacpp.py [--batch 1,8] [--rounds 3]
-        [--prompt-tokens 8] [--new-tokens 48] [--threads 2] [--llama-python PATH] [--json]
+        [--prompt-tokens 8] [--new-tokens 48] [--threads 2] [--weights auto]
+        [--llama-python PATH] [--json]
 
 Without that venv the script says how to make it and exits 0.
 """
@@ -96,7 +97,7 @@ def larql_round(args: argparse.Namespace, prompt_tokens: int) -> dict[int, float
         [str(larql), "bench", "--model", args.model, "--engine", "standard",
          "--batch", args.batch, "--context", str(prompt_tokens), "-n", str(args.new_tokens),
          "--warmup", str(args.warmup), "--repeats", "1", "--threads", str(args.threads),
-         "--output", "json"],
+         "--weights", args.weights, "--output", "json"],
         capture_output=True,
         text=True,
         check=True,
@@ -108,6 +109,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", default="1,8", help="streams per step, comma-separated")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--weights", default="auto", help="larql's --weights (blocks-int8: llama.cpp's int8 inputs)"
+    )
     add_peer_arguments(parser, prompt_tokens=8, new_tokens=48)
     args = parser.parse_args()
 
@@ -129,6 +133,7 @@ def main() -> None:
         "model": args.model,
         "gguf": gguf.name,
         "threads": args.threads,
+        "weights": args.weights,
         "prompt_tokens": len(ids),
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
@@ -139,7 +144,8 @@ def main() -> None:
         print(json.dumps(report, indent=2))
         return
     print(f"{gguf.name}, {len(ids)}-token prompts, {args.new_tokens} greedy tokens a stream, "
-          f"{args.threads} threads, median of {args.rounds} interleaved rounds")  # fmt: skip
+          f"{args.threads} threads, larql --weights {args.weights}, "
+          f"median of {args.rounds} interleaved rounds")  # fmt: skip
     print("| streams | llama.cpp tok/s | × its one stream | larql tok/s | × its one stream "
           "| larql × llama.cpp |")  # fmt: skip
     print("|---|---|---|---|---|---|")

@@ -13,6 +13,7 @@ from the float path's is reported (— when none does).
 
     .venv/bin/python benchmarks/weights_fidelity.py [--modes blocks-float,blocks-int8,q8_0]
         [--prompt-len 32] [--positions 512] [--greedy 64] [--text FILE]
+        [--head-activation int8]
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from larql.data import default_text
 from larql.inference.ffn import DenseFfn
-from larql.inference.generation import next_token_logits, teacher_forced_logits
+from larql.inference.generation import next_token_logits, teacher_forced_hidden
 from larql.kv import parse_engine
 from larql.models import Model, load_model
 
@@ -63,6 +64,11 @@ def main() -> None:
     parser.add_argument("--greedy", type=int, default=64, help="greedy steps compared")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--text", type=Path, help="a text file (default: the shipped text)")
+    parser.add_argument(
+        "--head-activation",
+        choices=("int8", "int16", "float"),
+        help="the block modes' LM-head inputs instead of their own (what the head alone adds)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print("$ " + shlex.join([Path(sys.executable).name, *sys.argv]))
@@ -70,11 +76,17 @@ def main() -> None:
     def run(weights: str) -> tuple[torch.Tensor, list[int], list[int]]:
         """→ teacher-forced logits [N, V], their targets [N], greedy tokens [--greedy]."""
         model = load_model(args.model, weights=weights)
+        head = model.weights.lm_head_blocks
+        if args.head_activation and head is not None:
+            head.activation = args.head_activation
         text = args.text.read_text() if args.text else default_text()
         ids = model.tokenizer.encode(text)[: args.prompt_len + args.positions]
         engine = parse_engine("standard").build(model)
         with torch.inference_mode():
-            logits = teacher_forced_logits(engine, model, DenseFfn(model), ids, args.prompt_len)
+            # each position's head product alone, as a decode step takes it (a product of many
+            # rows may take another path: the float matrix past `linear.block_rows`)
+            hidden = teacher_forced_hidden(engine, model, DenseFfn(model), ids, args.prompt_len)
+            logits = torch.stack([next_token_logits(model, row) for row in hidden])  # [N + 1, V]
             tokens = greedy(model, ids[: args.prompt_len], args.greedy)
         return logits[:-1], ids[args.prompt_len :], tokens  # row i predicts target i
 
