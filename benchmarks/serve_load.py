@@ -3,7 +3,8 @@
 throughput; failures) and the server's RSS before and after a fixed number of requests.
 
     .venv/bin/python benchmarks/serve_load.py [--concurrency 4] [--duration 30] [--max-tokens 32]
-        [--prompt-words 48] [--engine standard] [--threads 2] [--rounds 3] [--rss-requests 200]
+        [--prompt-words 48] [--engine standard] [--weights auto] [--threads 2] [--rounds 3]
+        [--rss-requests 200]
         [--rss-max-tokens 8]
         [--url URL --server-pid PID] [--json PATH]
 
@@ -176,7 +177,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
         str(larql), "serve", "--port", "0", "--threads", str(args.threads),
         "--max-sessions", str(args.concurrency), "--max-queue", str(args.concurrency),
         "--max-new-tokens", str(max(args.max_tokens, args.rss_max_tokens, 1)),
-        "--engine", args.engine,
+        "--engine", args.engine, "--weights", args.weights,
     ]  # fmt: skip
     env = {**os.environ, "LARQL_KV_ENGINE": ""}
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
@@ -227,6 +228,7 @@ async def benchmark(args: argparse.Namespace, url: str, pid: int | None) -> dict
     report: dict[str, Any] = {
         "url": url,
         "engine": args.engine,
+        "weights": args.weights,
         "concurrency": n,
         "max_tokens": args.max_tokens,
         "rss_max_tokens": args.rss_max_tokens,
@@ -263,8 +265,9 @@ def _ratio(numerator: float, denominator: float) -> float | None:
 
 def print_report(r: dict[str, Any]) -> None:
     print(
-        f"larql serve load — {r['url']}  engine {r['engine']}, {r['concurrency']} streams, "
-        f"{r['max_tokens']} tokens/request, prompts of {r['prompt_words']} words"
+        f"larql serve load — {r['url']}  engine {r['engine']}, weights {r.get('weights', 'auto')}, "
+        f"{r['concurrency']} streams, {r['max_tokens']} tokens/request, "
+        f"prompts of {r['prompt_words']} words"
     )
     header = f"{'phase':<10}{'ok':>5}{'fail':>5}{'req/s':>8}{'out tok/s':>10}"
     for metric in ("ttft", "tpot", "itl", "e2el"):
@@ -313,6 +316,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt-words", type=int, default=48)
     parser.add_argument("--engine", default="standard")
+    parser.add_argument("--weights", default="auto", help="the server's --weights")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--single-requests", type=int, default=10)
