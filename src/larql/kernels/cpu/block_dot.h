@@ -671,7 +671,8 @@ inline bool product_supported(Activation a, Format f) {
 inline void gemm_with(Activation a, Format f, const uint8_t* rows, int64_t row_bytes, int64_t n,
                       const float* x, int64_t m_rows, int64_t k, float* out) {
   if (!product_supported(a, f)) {
-    throw std::invalid_argument("tiled blocks take int8 or int16 inputs on a CPU with AVX-512 VNNI only");
+    throw std::invalid_argument(
+        "tiled blocks take int8 or int16 inputs on a CPU with AVX-512 VNNI only");
   }
   switch (a) {
     case Activation::Int8: return gemm_codes<int8_t>(f, rows, row_bytes, n, x, m_rows, k, out);
@@ -684,7 +685,8 @@ inline void gemm_with(Activation a, Format f, const uint8_t* rows, int64_t row_b
 inline void gemv_with(Activation a, Format f, const uint8_t* rows, int64_t row_bytes, int64_t n,
                       const float* x, int64_t k, float* out) {
   if (!product_supported(a, f)) {
-    throw std::invalid_argument("tiled blocks take int8 or int16 inputs on a CPU with AVX-512 VNNI only");
+    throw std::invalid_argument(
+        "tiled blocks take int8 or int16 inputs on a CPU with AVX-512 VNNI only");
   }
   switch (a) {
     case Activation::Int8: return gemv_codes<int8_t>(f, rows, row_bytes, n, x, k, out);

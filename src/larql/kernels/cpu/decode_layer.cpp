@@ -191,8 +191,8 @@ void add_product_rows(Activation a, const float* h, int64_t m_rows, const BlockM
 
 // Whether the gated product of [gate; up] takes the SiLU in its tiles' pairs
 // (`tiled_gemm_halves`): integer inputs on VNNI-tiled blocks (AMX keeps its paired tiles for
-// int16 ones), each half whole tiles. The same per-element arithmetic either way (silu_times works 8 lanes at a
-// time from a row's start, and a tile's 16 outputs start on a multiple of 8).
+// int16 ones), each half whole tiles. The same per-element arithmetic either way (silu_times
+// works 8 lanes at a time from a row's start, and a tile's 16 outputs start on a multiple of 8).
 bool gated_in_product(Activation a, const BlockMatrix& gate_up) {
 #if LARQL_TILED
   const bool on_vnni = a == Activation::Int8 || (a == Activation::Int16 && !tiles_on_amx());

@@ -46,9 +46,9 @@ constexpr int kAhead = 4;         // blocks of weights prefetched ahead
 constexpr int64_t kParallelRounding = 1 << 12;
 
 // Up to 16 inputs' int16 codes split into bytes, block-major: [blocks][rows][32] high and low
-// bytes, and per block and input its scale, rounded sum d · Σ q, Σ q and Σ hi. `rows`: the count rounded up to
-// 1, 2, 4, 8 or 16 (the AMX kernel's instances), the rows past it zero. `narrow`: int8 codes,
-// in `high` (Σ hi = Σ q), and no low bytes.
+// bytes, and per block and input its scale, rounded sum d · Σ q, Σ q and Σ hi. `rows`: the
+// count rounded up to 1, 2, 4, 8 or 16 (the AMX kernel's instances), the rows past it zero.
+// `narrow`: int8 codes, in `high` (Σ hi = Σ q), and no low bytes.
 struct TiledInputs {
   int count = 0;
   int rows = 0;
