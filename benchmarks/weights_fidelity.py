@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--text", type=Path, help="a text file (default: the shipped text)")
     parser.add_argument(
         "--head-activation",
-        choices=("int8", "int16", "float"),
+        choices=("int8", "int16"),
         help="the block modes' LM-head inputs instead of their own (what the head alone adds)",
     )
     args = parser.parse_args()
