@@ -283,3 +283,54 @@ def test_top_prints_the_next_token_table(cli, smollm2_default: Model) -> None:
     table = cli("run", "The capital of France is", "-n", "1", "--top", "2")
     assert table.exit_code == 0 and "next token after the prompt" in table.stdout
     assert "' Paris'" in table.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "path", "message"),
+    [
+        (["bench", "-n", "1"], "--output-file", "missing/x.json", "no directory"),
+        (["bench", "-n", "1"], "--output-file", ".", "is a directory"),
+        (["bench", "-n", "1"], "--plot", "x.foo", "no plot format 'foo'; accepted: "),
+        (["accuracy", "--quick"], "--plot", "missing/x.png", "no directory"),
+        (["accuracy", "--suite", "longctx", "--quick"], "--output-file", "missing/x", "no dir"),
+    ],
+)
+def test_an_output_that_cannot_be_written_is_refused_before_the_run(
+    cli, tmp_path: Path, command: list[str], option: str, path: str, message: str
+) -> None:
+    """The check comes before the model loads: a long run does not end in a traceback at a
+    path it cannot write."""
+    result = cli(*command, option, str(tmp_path / path), "-m", "no-such-model")
+    assert result.exit_code == 2, result.output
+    assert f"{option} {tmp_path / path}" in result.stderr and message in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_plot_without_fidelity_is_refused_before_the_run(cli, tmp_path: Path) -> None:
+    plot = str(tmp_path / "x.png")
+    result = cli("accuracy", "--no-fidelity", "--plot", plot, "-m", "no-such-model")
+    assert result.exit_code == 2
+    assert "leave out --no-fidelity" in result.stderr
+
+
+def test_a_state_directory_that_cannot_be_written_is_refused(cli, tmp_path: Path) -> None:
+    file = tmp_path / "a-file"
+    file.write_text("")
+    result = cli("run", "Hello", "-n", "1", "--save-state", str(file))
+    assert result.exit_code == 2
+    assert f"--save-state {file} is a file" in result.stderr
+    # under a file: the check passes no writable directory, and nothing is generated
+    result = cli("run", "Hello", "-n", "1", "--save-state", str(file / "state"))
+    assert result.exit_code == 2
+    assert "is not a writable directory" in result.stderr
+
+
+def test_layer_ranges_are_checked_alike(cli) -> None:
+    for args, message in (
+        (["walk", "Hello", "--layers", "3-1"], "--layers must be A-B with 0 ≤ A ≤ B, got '3-1'"),
+        (["walk", "Hello", "--layers", "0-99"], "outside the model's layers 0-29"),
+        (["walk", "Hello", "--layers", "x"], "--layers must be A-B (e.g. 0-15), got 'x'"),
+    ):
+        result = cli(*args)
+        assert result.exit_code == 2, result.output
+        assert message in result.stderr

@@ -21,6 +21,7 @@ from larql.inference.snapshots import (
     SnapshotMismatch,
     SnapshotNotFound,
     SnapshotUnsupported,
+    SnapshotUnwritable,
 )
 from larql.kv import parse_engine
 from larql.kv.resolve import ENV_VAR
@@ -138,6 +139,9 @@ def test_missing_or_corrupt_state_is_a_typed_error(smollm2: Model, tmp_path: Pat
     (tmp_path / "manifest.json").write_text("{")
     with pytest.raises(SnapshotCorrupt):
         restore_engine(tmp_path, smollm2)
+    blocked = tmp_path / "manifest.json" / "state"  # under a file: no directory can be made
+    with pytest.raises(SnapshotUnwritable, match=f"cannot write the state into {blocked}"):
+        engine.snapshot(blocked, smollm2, ids)
 
 
 def run_cli(monkeypatch: pytest.MonkeyPatch, *args: str):

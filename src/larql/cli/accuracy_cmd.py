@@ -13,6 +13,7 @@ from larql.cli.common import InvalidInput, open_model, stderr, stdout, user_erro
 from larql.cli.ffn_options import MoeShardsOption, moe_shards_spec
 from larql.cli.longctx_cmd import SUITES, SuiteGrid
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
+from larql.cli.outputs import check_output_file, check_plot_file, write_text, writing
 
 # The long-context suites: the reference, one engine per way of keeping less (a window with
 # sinks, eviction once, eviction as decode goes, quantisation); the exact engines score like
@@ -146,6 +147,10 @@ def accuracy(
         raise InvalidInput(f"--prompt-tokens must be ≥ 1, got {prompt_tokens}")
     if suite not in SUITES:
         raise InvalidInput(f"--suite must be one of {', '.join(SUITES)}, got {suite!r}")
+    if plot is not None and suite == "prompts" and no_fidelity:
+        raise InvalidInput("--plot draws the fidelity results: leave out --no-fidelity")
+    check_output_file(output_file, "--output-file")
+    check_plot_file(plot)
     if suite != "prompts":
         from larql.cli.longctx_cmd import run_suite
 
@@ -184,11 +189,10 @@ def accuracy(
     if report.fidelity:
         stdout.print(fidelity_table(report.fidelity, report.meta["fidelity_text"]))
     if output_file is not None:
-        output_file.write_text(json.dumps(report.as_dict(), indent=2))
+        write_text(output_file, json.dumps(report.as_dict(), indent=2), "--output-file")
     if plot is not None:
-        if not report.fidelity:
-            raise InvalidInput("--plot draws the fidelity results: leave out --no-fidelity")
         from larql.harness.accuracy.report import save_frontier_plot
 
         label = report.meta["fidelity_text"]
-        save_frontier_plot(report.fidelity, plot, f"{lm.name}: KL vs bytes ({label})")
+        with writing(plot, "--plot"):
+            save_frontier_plot(report.fidelity, plot, f"{lm.name}: KL vs bytes ({label})")

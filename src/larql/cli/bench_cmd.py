@@ -18,6 +18,7 @@ from larql.cli.ffn_options import (
     ffn_policy_spec,
 )
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption, WeightsOption
+from larql.cli.outputs import check_output_file, check_plot_file, write_text, writing
 
 
 def parse_int_list(value: str | None, option: str, minimum: int) -> list[int]:
@@ -120,6 +121,8 @@ def bench(
     batch_sizes = parse_int_list(batch, "--batch", 1)
     ffn_spec = ffn_policy_spec(ffn_policy, ffn, moe_shards=moe_shards)
     check_policy(ffn_spec)
+    check_output_file(output_file, "--output-file")
+    check_plot_file(plot)
     lm = open_model(model, dtype, device, threads, weights)
     total = (1 if prompt is not None else len(depth_list) or 1) * (len(kinds) + (1 if vs_hf else 0))
     with Progress(console=stderr, transient=True) as bar:
@@ -148,9 +151,10 @@ def bench(
         )
     data = report.as_dict()
     if output_file is not None:
-        output_file.write_text(json.dumps(data, indent=2))
+        write_text(output_file, json.dumps(data, indent=2), "--output-file")
     if plot is not None:
-        save_plot(report, plot)
+        with writing(plot, "--plot"):
+            save_plot(report, plot)
     if output == "json":
         print(json.dumps(data, indent=2))
         return

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from rich.progress import Progress
 
 from larql.cli.common import InvalidInput, stderr, stdout
+from larql.cli.outputs import write_text, writing
 
 if TYPE_CHECKING:  # the CLI answers --help without importing torch
     from larql.models.model import Model
@@ -120,9 +121,10 @@ def _longctx(model, ffn, kinds, grid: SuiteGrid, output_file, plot) -> None:
                 stdout.print(table)
             if output_file is not None:
                 report = longctx_report(cells, model.name, grid.seed, digest)
-                output_file.write_text(json.dumps(report, indent=2))
+                write_text(output_file, json.dumps(report, indent=2), "--output-file")
     if plot is not None:
-        save_longctx_plot(cells, plot, f"{model.name}: long-context score (hash {digest})")
+        with writing(plot, "--plot"):
+            save_longctx_plot(cells, plot, f"{model.name}: long-context score (hash {digest})")
 
 
 def _ppl_position(model, ffn, kinds, grid: SuiteGrid, text, output_file, plot) -> None:
@@ -142,6 +144,8 @@ def _ppl_position(model, ffn, kinds, grid: SuiteGrid, text, output_file, plot) -
                                progress=lambda s: bar.update(task, description=s))  # fmt: skip
     stdout.print(position_table(curves, label))
     if output_file is not None:
-        output_file.write_text(json.dumps(position_report(curves, model.name, label), indent=2))
+        report = position_report(curves, model.name, label)
+        write_text(output_file, json.dumps(report, indent=2), "--output-file")
     if plot is not None:
-        save_position_plot(curves, plot, f"{model.name}: log-perplexity by position ({label})")
+        with writing(plot, "--plot"):
+            save_position_plot(curves, plot, f"{model.name}: log-perplexity by position ({label})")

@@ -1,11 +1,14 @@
 """The options every model-loading command declares the same way: `-m/--model`, `--device`,
-`--dtype`, `--weights`, `--threads`. Only typer here: `larql --help` must not import torch."""
+`--dtype`, `--weights`, `--threads`, and the layer ranges (`--layers A-B`) of walk and serve.
+Only typer here: `larql --help` must not import torch."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
 import typer
+
+from larql.errors import InvalidInput
 
 ModelOption = Annotated[
     str | None,
@@ -32,3 +35,16 @@ WeightsOption = Annotated[
 ThreadsOption = Annotated[
     int | None, typer.Option("--threads", help="Torch CPU threads (default: torch's).")
 ]
+
+
+def parse_layer_range(text: str, option: str = "--layers") -> tuple[int, int]:
+    """`A-B` (inclusive, A ≤ B) or a single one `A` → (A, B)."""
+    first, dash, last = text.strip().partition("-")
+    try:
+        start = int(first)
+        end = int(last) if dash else start
+    except ValueError:
+        raise InvalidInput(f"{option} must be A-B (e.g. 0-15), got {text!r}") from None
+    if start < 0 or end < start:
+        raise InvalidInput(f"{option} must be A-B with 0 ≤ A ≤ B, got {text!r}")
+    return start, end

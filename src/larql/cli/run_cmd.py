@@ -20,7 +20,12 @@ from larql.cli.ffn_options import (
     ffn_policy_spec,
 )
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
-from larql.cli.state_options import LoadStateOption, SaveStateOption, describe_state
+from larql.cli.state_options import (
+    LoadStateOption,
+    SaveStateOption,
+    check_state_directory,
+    describe_state,
+)
 
 OUTPUTS = ("text", "json")
 
@@ -95,6 +100,7 @@ def run(
     if top < 0:
         raise InvalidInput(f"--top must be ≥ 0, got {top}")
     SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # checks early
+    check_state_directory(save_state)
     ffn_spec = ffn_policy_spec(
         ffn_policy, ffn, timeout=ffn_timeout_secs, moe_shards=moe_shards, dispatch=ffn_dispatch
     )

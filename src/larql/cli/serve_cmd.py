@@ -7,7 +7,14 @@ from typing import Annotated
 import typer
 
 from larql.cli.common import InvalidInput, open_model, stderr, user_errors
-from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption, WeightsOption
+from larql.cli.options import (
+    DeviceOption,
+    DtypeOption,
+    ModelOption,
+    ThreadsOption,
+    WeightsOption,
+    parse_layer_range,
+)
 
 
 @user_errors
@@ -67,8 +74,8 @@ def serve(
     if not 0 <= port <= 65535:
         raise InvalidInput(f"--port must be in 0..65535, got {port}")
     if ffn_only:
-        layer_range = parse_layers(layers) if layers is not None else None
-        expert_range = parse_layers(experts, "--experts") if experts is not None else None
+        layer_range = parse_layer_range(layers) if layers is not None else None
+        expert_range = parse_layer_range(experts, "--experts") if experts is not None else None
         lm = open_model(model, dtype, device, threads, weights)
         from larql.server.ffn_shard import run_ffn_shard
 
@@ -108,19 +115,6 @@ def serve(
         )
 
     serve_forever(create_app(lm, settings), host, port, announce)
-
-
-def parse_layers(text: str, option: str = "--layers") -> tuple[int, int]:
-    """`A-B` (inclusive, A ≤ B) or a single one `A` → (A, B)."""
-    first, dash, last = text.strip().partition("-")
-    try:
-        start = int(first)
-        end = int(last) if dash else start
-    except ValueError:
-        raise InvalidInput(f"{option} must be A-B (e.g. 0-15), got {text!r}") from None
-    if start < 0 or end < start:
-        raise InvalidInput(f"{option} must be A-B with 0 ≤ A ≤ B, got {text!r}")
-    return start, end
 
 
 def check_limits(

@@ -6,10 +6,13 @@ new prompt's tokens continue it as decode steps (`larql.generate`'s `save_state`
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+from larql.errors import InvalidInput
 
 if TYPE_CHECKING:
     from larql.inference.snapshots import SavedState
@@ -28,6 +31,20 @@ LoadStateOption = Annotated[
         help="Start from the state saved in DIR; the prompt (may be empty) continues it.",
     ),
 ]
+
+
+def check_state_directory(path: Path | None) -> None:
+    """Refuse a `--save-state` path that is a file, or under no writable directory (it is
+    created with its missing parents, once the prompt is in)."""
+    if path is None:
+        return
+    if path.exists() and not path.is_dir():
+        raise InvalidInput(f"--save-state {path} is a file; name a directory")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise InvalidInput(f"--save-state {path}: {existing} is not a writable directory")
 
 
 def describe_state(verb: str, state: SavedState) -> str:

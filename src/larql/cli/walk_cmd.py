@@ -11,21 +11,23 @@ from rich.table import Table
 
 from larql.cli.common import InvalidInput, open_model, read_prompt, stderr, stdout, user_errors
 from larql.cli.ffn_options import FfnPolicyOption, FfnUrlOption, check_policy, ffn_policy_spec
-from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
+from larql.cli.options import (
+    DeviceOption,
+    DtypeOption,
+    ModelOption,
+    WeightsOption,
+    parse_layer_range,
+)
 
 OUTPUTS = ("table", "json")
 
 
-def parse_layers(value: str | None, num_layers: int) -> range:
-    """`A-B` (inclusive) or `A` → a range of layers the model has."""
+def walk_layers(value: str | None, num_layers: int) -> range:
+    """`--layers A-B` (inclusive) or `A` → a range of layers the model has (default: all)."""
     if value is None:
         return range(num_layers)
-    start, dash, end = value.partition("-")
-    try:
-        first, last = int(start), int(end) if dash else int(start)
-    except ValueError:
-        raise InvalidInput(f"--layers must be A-B or A, got {value!r}") from None
-    if not 0 <= first <= last < num_layers:
+    first, last = parse_layer_range(value)
+    if last >= num_layers:
         raise InvalidInput(f"--layers {value} is outside the model's layers 0-{num_layers - 1}")
     return range(first, last + 1)
 
@@ -112,7 +114,7 @@ def walk(
     lm = open_model(model, dtype, device, weights=weights)
     ids = lm.tokenizer.encode(text)
     check_context(lm, len(ids))
-    shown = parse_layers(layers, lm.config.num_layers)
+    shown = walk_layers(layers, lm.config.num_layers)
     router = build_ffn(lm, spec)
     try:
         if predict:

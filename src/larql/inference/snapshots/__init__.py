@@ -7,6 +7,7 @@ from larql.inference.snapshots.errors import (
     SnapshotMismatch,
     SnapshotNotFound,
     SnapshotUnsupported,
+    SnapshotUnwritable,
 )
 from larql.inference.snapshots.state import SavedState, fork_state, load_state, save_state
 from larql.inference.snapshots.store import (
@@ -24,6 +25,7 @@ __all__ = [
     "SnapshotMismatch",
     "SnapshotNotFound",
     "SnapshotUnsupported",
+    "SnapshotUnwritable",
     "fork_state",
     "load_state",
     "model_fingerprint",

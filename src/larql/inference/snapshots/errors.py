@@ -21,6 +21,10 @@ class SnapshotNotFound(SnapshotError):
     pass
 
 
+class SnapshotUnwritable(SnapshotError):
+    """The directory a state was to be written to cannot be created or written."""
+
+
 class SnapshotCorrupt(SnapshotError):
     """A manifest or tensor file that does not read back as a larql state."""
 

@@ -13,7 +13,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from larql.inference.snapshots.errors import SnapshotCorrupt, SnapshotNotFound
+from larql.inference.snapshots.errors import SnapshotCorrupt, SnapshotNotFound, SnapshotUnwritable
 from larql.models.model import Model
 
 FORMAT = "larql-engine-state/1"
@@ -59,9 +59,13 @@ def write_snapshot(
 ) -> int:
     """Write the state into directory `path` (created) → bytes written."""
     directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / TENSORS), metadata={"format": FORMAT})
-    (directory / MANIFEST).write_text(json.dumps(asdict(manifest)))
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(directory / TENSORS), metadata={"format": FORMAT})
+        (directory / MANIFEST).write_text(json.dumps(asdict(manifest)))
+    except (OSError, SafetensorError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise SnapshotUnwritable(f"cannot write the state into {directory}: {reason}") from None
     return sum(f.stat().st_size for f in (directory / TENSORS, directory / MANIFEST))
 
 
