@@ -272,9 +272,12 @@ def test_fused_pieces_with_integer_input_are_the_integer_products(
     ("rows", "heads", "kv_heads", "dim"),
     [
         (1, 9, 3, 64),
-        (63, 9, 3, 64),  # groups of 3: a pair of heads, then one, held in registers
+        (63, 9, 3, 64),  # groups of 3: all three in one pass (AVX-512), else a pair and one
         (130, 9, 3, 64),
         (700, 9, 3, 64),
+        (700, 6, 1, 64),  # a group of 6: two passes of three (or three pairs)
+        (130, 12, 3, 64),  # groups of 4: three and one (or two pairs)
+        (130, 3, 3, 64),  # no grouping: one head a pass
         (130, 8, 2, 128),  # the 128-wide heads one at a time
         (130, 6, 2, 48),  # another width: the generic loops
     ],

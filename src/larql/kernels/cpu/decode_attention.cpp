@@ -59,6 +59,20 @@ inline void add_scaled(float* acc, const float* row, float w, int64_t n) {
 }
 
 #if LARQL_AVX2
+// Rows a pass over one K/V head's rows asks for ahead of the one it reads: a head's 4 or 8
+// lines of each row sit a whole row of every head apart, a stride the hardware prefetchers
+// follow late (on Zen 4, 30 layers at a 6,000-token context: 14.6–14.9 → ~13.0 ms on two
+// threads, 32 → 24 ms on one; docs/PERFORMANCE.md).
+constexpr int64_t kAheadRows = 16;
+
+// The lines of row `row` of K/V head `head` (8V floats) on their way to L1, where row < end.
+template <int V>
+inline void prefetch_row(const Rows& rows, int64_t head, int64_t row, int64_t end) {
+  if (row >= end) return;
+  const char* at = reinterpret_cast<const char*>(rows.at(head, row));
+  for (int line = 0; line < 32 * V; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
+}
+
 // acc[hh][0 : 8V] += Σ_t w[hh][t] · row_t for H heads sharing the value rows row_t (V vectors of
 // 8 floats each), the H · V accumulators held in registers over the whole walk: each is the
 // same chain of multiply-adds in t order as `add_scaled` per token, without storing and
@@ -72,6 +86,7 @@ void accumulate_rows(float* const* acc, const float* const* w, const Rows& rows,
   }
   for (int64_t t = 0; t < n; ++t) {
     const float* row = rows.at(head, first + t);
+    prefetch_row<V>(rows, head, first + t + kAheadRows, first + n);
     for (int hh = 0; hh < H; ++hh) {
       const __m256 weight = _mm256_set1_ps(w[hh][t]);
       for (int i = 0; i < V; ++i) {
@@ -95,6 +110,7 @@ void score_rows(const float* const* q, const Rows& rows, int64_t head, int64_t f
   }
   for (int64_t t = 0; t < n; ++t) {
     const float* row = rows.at(head, first + t);
+    prefetch_row<V>(rows, head, first + t + kAheadRows, first + n);
     __m256 acc[H];
     for (int hh = 0; hh < H; ++hh) acc[hh] = _mm256_setzero_ps();
     for (int i = 0; i < V; ++i) {
@@ -105,6 +121,15 @@ void score_rows(const float* const* q, const Rows& rows, int64_t head, int64_t f
   }
 }
 
+// Query heads a pass over a K/V head's rows takes at width 64: three where AVX-512 gives 32
+// vector registers (the three heads' 24 query vectors and their sums stay in registers), so a
+// group of three (SmolLM2's) reads its rows once, not twice; two with AVX2's 16.
+#if defined(__AVX512VL__)
+constexpr int64_t kHeadsAPass = 3;
+#else
+constexpr int64_t kHeadsAPass = 2;
+#endif
+
 // The scores of one K/V head's `group` query heads against its rows (widths 64 and 128) →
 // false where another width takes `dot`.
 bool score_group(const float* qs, float* scores, int64_t per_chunk, const Rows& k, int64_t g,
@@ -112,11 +137,17 @@ bool score_group(const float* qs, float* scores, int64_t per_chunk, const Rows& 
   if (dim != 64 && dim != 128) return false;
   for (int64_t j = 0; j < group;) {
     const int64_t h = g * group + j;
-    const float* q[2] = {qs + h * dim, qs + (h + 1) * dim};
-    float* out[2] = {scores + h * per_chunk, scores + (h + 1) * per_chunk};
+    // the next heads of the group; where fewer are left, the spare entries repeat the last
+    const int64_t last = group - 1 - j;
+    const int64_t h1 = h + std::min<int64_t>(1, last), h2 = h + std::min<int64_t>(2, last);
+    const float* q[3] = {qs + h * dim, qs + h1 * dim, qs + h2 * dim};
+    float* out[3] = {scores + h * per_chunk, scores + h1 * per_chunk, scores + h2 * per_chunk};
     if (dim == 128) {
       score_rows<16, 1>(q, k, g, first, n, scale, out);
       j += 1;
+    } else if (kHeadsAPass == 3 && j + 2 < group) {
+      score_rows<8, 3>(q, k, g, first, n, scale, out);
+      j += 3;
     } else if (j + 1 < group) {
       score_rows<8, 2>(q, k, g, first, n, scale, out);
       j += 2;
@@ -128,18 +159,25 @@ bool score_group(const float* qs, float* scores, int64_t per_chunk, const Rows& 
   return true;
 }
 
-// The weighted value rows of one K/V head's `group` query heads (head widths 64 and 128, two
-// or one heads at a time: 16 accumulators) → false where another width takes `add_scaled`.
+// The weighted value rows of one K/V head's `group` query heads (head widths 64 and 128; three,
+// two or one heads at a time at width 64, as `score_group`) → false where another width takes
+// `add_scaled`.
 bool accumulate_group(float* acc, const float* scores, int64_t per_chunk, const Rows& v,
                       int64_t g, int64_t group, int64_t dim, int64_t first, int64_t n) {
   if (dim != 64 && dim != 128) return false;
   for (int64_t j = 0; j < group;) {
     const int64_t h = g * group + j;
-    float* sums[2] = {acc + h * dim, acc + (h + 1) * dim};
-    const float* weights[2] = {scores + h * per_chunk, scores + (h + 1) * per_chunk};
+    const int64_t last = group - 1 - j;  // as in score_group
+    const int64_t h1 = h + std::min<int64_t>(1, last), h2 = h + std::min<int64_t>(2, last);
+    float* sums[3] = {acc + h * dim, acc + h1 * dim, acc + h2 * dim};
+    const float* weights[3] = {scores + h * per_chunk, scores + h1 * per_chunk,
+                               scores + h2 * per_chunk};
     if (dim == 128) {
       accumulate_rows<16, 1>(sums, weights, v, g, first, n);
       j += 1;
+    } else if (kHeadsAPass == 3 && j + 2 < group) {
+      accumulate_rows<8, 3>(sums, weights, v, g, first, n);
+      j += 3;
     } else if (j + 1 < group) {
       accumulate_rows<8, 2>(sums, weights, v, g, first, n);
       j += 2;
