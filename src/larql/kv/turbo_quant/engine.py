@@ -374,7 +374,10 @@ class TurboQuantEngine(KvEngine):
                 return self._codec_factory(head_dim)
             return TurboQuantCodec(head_dim, bits, self.norm_correction)
 
-        k_codec, v_codec = codec(self.k_bits), codec(self.v_bits)
+        k_codec = codec(self.k_bits)
+        # one codec for both where they agree: the store then encodes and decodes K and V rows
+        # in one call each (a decode step's leaving row cost two calls' torch overhead)
+        v_codec = k_codec if self.v_bits == self.k_bits else codec(self.v_bits)
         return KvLayout(k_codec, v_codec, self.sinks, self.recent, self.center, self.recent_bits)
 
     def _path(self) -> str:

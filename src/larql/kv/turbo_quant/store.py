@@ -92,9 +92,13 @@ class QuantisedLayer:
         x = rows.to(torch.promote_types(rows.dtype, torch.float32))  # float64 stays float64
         if self.mean is not None:
             x = x - self.mean
-        k = self.layout.k_codec.encode(x[:, 0].reshape(s * self.kv_heads, -1))
-        v = self.layout.v_codec.encode(x[:, 1].reshape(s * self.kv_heads, -1))
-        self.codes.append(torch.cat((k.view(s, -1), v.view(s, -1)), dim=1))  # [S, row_bytes]
+        if self.layout.k_codec is self.layout.v_codec:  # K then V heads, one call: [S, row_bytes]
+            coded = self.layout.k_codec.encode(x.reshape(s * 2 * self.kv_heads, -1)).view(s, -1)
+        else:
+            k = self.layout.k_codec.encode(x[:, 0].reshape(s * self.kv_heads, -1))
+            v = self.layout.v_codec.encode(x[:, 1].reshape(s * self.kv_heads, -1))
+            coded = torch.cat((k.view(s, -1), v.view(s, -1)), dim=1)
+        self.codes.append(coded)
         self.codes.clip()
 
     # ------------------------------------------------------------------ reading
@@ -130,26 +134,35 @@ class QuantisedLayer:
     def _decoded(
         self, dtype: torch.dtype, rotation: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        codes = self.codes.rows  # [n, row_bytes]
+        codes = self.codes.rows  # [n, row_bytes]: K heads' vectors, then V heads'
         n = codes.shape[0]
-        wide = torch.promote_types(dtype, torch.float32)
-        k_bytes = self.kv_heads * self.layout.k_codec.bytes_per_vector
-        halves = []
-        for codec, data, which in (
-            (self.layout.k_codec, codes[:, :k_bytes], 0),
-            (self.layout.v_codec, codes[:, k_bytes:], 1),
-        ):
-            vectors = data.reshape(n * self.kv_heads, codec.bytes_per_vector)
-            if rotation is not None:
-                x = codec.decode_rotated(vectors, torch.float32)  # type: ignore[attr-defined]
-            else:
-                x = codec.decode(vectors, wide)
-            x = x.view(n, self.kv_heads, -1).transpose(0, 1)  # [Hkv, n, D or D']
-            if self.mean is not None:
-                mean = self.mean[which].unsqueeze(1)  # [Hkv, 1, D]
-                x = x + (rotate(mean, rotation) if rotation is not None else mean)
-            halves.append(x.to(dtype))
-        return halves[0], halves[1]
+        k_codec, v_codec = self.layout.k_codec, self.layout.v_codec
+        if k_codec is v_codec:  # both halves in one call
+            x = self._decode(k_codec, codes.reshape(n * 2 * self.kv_heads, -1), dtype, rotation)
+            x = x.view(n, 2, self.kv_heads, -1).permute(1, 2, 0, 3)  # [2, Hkv, n, D or D']
+            halves = [x[0], x[1]]
+        else:
+            k_bytes = self.kv_heads * k_codec.bytes_per_vector
+            halves = [
+                self._decode(codec, data.reshape(n * self.kv_heads, -1), dtype, rotation)
+                .view(n, self.kv_heads, -1)
+                .transpose(0, 1)  # [Hkv, n, D or D']
+                for codec, data in ((k_codec, codes[:, :k_bytes]), (v_codec, codes[:, k_bytes:]))
+            ]
+        if self.mean is not None:
+            mean = self.mean.unsqueeze(2)  # [2, Hkv, 1, D]
+            shift = rotate(mean, rotation) if rotation is not None else mean
+            halves = [halves[0] + shift[0], halves[1] + shift[1]]
+        return halves[0].to(dtype), halves[1].to(dtype)
+
+    @staticmethod
+    def _decode(
+        codec: RowCodec, vectors: torch.Tensor, dtype: torch.dtype, rotation: torch.Tensor | None
+    ) -> torch.Tensor:
+        """uint8 [N, bytes_per_vector] → [N, D] decoded, or [N, D'] still rotated (float32)."""
+        if rotation is not None:
+            return codec.decode_rotated(vectors, torch.float32)  # type: ignore[attr-defined]
+        return codec.decode(vectors, torch.promote_types(dtype, torch.float32))
 
     def _device(self) -> torch.device:
         for store in (self.codes, self.recent, self.sinks):
