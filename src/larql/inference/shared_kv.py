@@ -35,6 +35,10 @@ class SharedKv:
         if layer in self._sources:
             self._held[layer] = (keys, values, allowed)
 
+    def is_source(self, layer: int) -> bool:
+        """Whether a later layer attends over what `layer` attends over (it must `keep` it)."""
+        return layer in self._sources
+
     def of(self, layer: int) -> Attended:
         """What the source of sharing layer `layer` attended over in this step."""
         source = self._config.kv_source_of(layer)

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <tuple>
 
 #include "decode_layer.h"
 
@@ -16,6 +17,9 @@ bool tiled();
 bool amx();
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                double scale);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> coded_attention(
+    torch::Tensor q, torch::Tensor codes, int64_t kv_heads, torch::Tensor centroids,
+    torch::Tensor shift, double scale);
 }  // namespace larql
 
 // The compute calls release the GIL: they touch no Python object, and a server's event loop
@@ -32,6 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("residual_gemv", &larql::residual_gemv, "h + W · x, one row", no_gil);
   m.def("decode_attention", &larql::decode_attention, "one query's attention over K/V rows",
         no_gil);
+  m.def("coded_attention", &larql::coded_attention,
+        "one query's softmax state over turbo-quant's 4-bit coded rows, in place", no_gil);
   m.def("decode_layers_batch", &larql::decode_layers_batch,
         "whole decode layers for M rows of one or more sessions, each weight read once", no_gil);
   m.def("residual_ffn", &larql::residual_ffn, "h + the gated SiLU MLP of rms_norm(h), one row",

@@ -15,6 +15,10 @@ decoding every row costs. A head width that the codec pads to a power of two D' 
 way: q and the new row are zero-padded (so the padded coordinates, which hold only quantisation
 noise, meet zeros) and the rotated-back output is cut to D.
 
+On the CPU, a float32 model's full-attention layers with 4-bit codes attend over the codes in
+place (`coded_cpu`: the extension scores and weighs the coded rows without decoding them into a
+copy; the exact rows are merged in torch), the same attention within float32 rounding.
+
 On CUDA (where Triton runs) the step takes `KernelPath` instead: the codes in fixed slots,
 attention read straight from them with the rotations inside the kernel and the new row encoded by
 the launch that merges the attention — 3 launches per layer for what the torch path does in ~35,
@@ -57,6 +61,7 @@ from larql.inference.layer import (
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
+from larql.kv.turbo_quant.coded_cpu import attend_coded, coded_kernels
 from larql.kv.turbo_quant.kernel_batch import BatchedKernelStep
 from larql.kv.turbo_quant.kernel_path import KernelPath
 from larql.kv.turbo_quant.rotation import rotation_matrix
@@ -238,9 +243,7 @@ class TurboQuantEngine(KvEngine):
                 attn = self._attend_in_basis(model, layer, q, keys, values, rotation)
             else:
                 q, k, v = project_qkv(model, layer, h, self.position)  # [Hq|Hkv, 1, D]
-                keys, values = self._history_with_row(model, layer, k, v, rotation)
-                shared.keep(layer, keys, values)
-                attn = self._attend_in_basis(model, layer, q, keys, values, rotation)
+                attn = self._attend_and_share(model, layer, q, k, v, rotation, shared)
                 with stage("state_append", device):
                     store.append(k, v)
             with stage("attention", device):
@@ -249,7 +252,7 @@ class TurboQuantEngine(KvEngine):
                 h = ffn_block(model, layer, h, ffn, inputs)
         return h
 
-    def _attend_over_history(
+    def _attend_and_share(
         self,
         model: Model,
         layer: int,
@@ -257,11 +260,19 @@ class TurboQuantEngine(KvEngine):
         k: torch.Tensor,
         v: torch.Tensor,
         rotation: torch.Tensor | None,
+        shared: SharedKv,
     ) -> torch.Tensor:
-        """The decode query q [Hq, 1, D] at `self.position` over the layer's stored rows and the
-        new row k, v [Hkv, 1, D] (stored by the caller after the step): in the codec's rotated
-        basis where `rotation` is given, else over the decoded rows → [1, q_dim]."""
+        """The decode query q [Hq, 1, D] over the layer's stored rows and the new row k, v
+        [Hkv, 1, D] → [1, q_dim]: over the codes in place on the CPU where `coded_cpu` applies,
+        else over the history made whole (kept in `shared` for the layers that share it)."""
+        assert self._layers is not None
+        store = self._layers[layer]
+        kernels = coded_kernels(model, layer, store, rotation, shared)
+        if kernels is not None and rotation is not None:
+            with self._profiler.stage("attention", model.device):
+                return attend_coded(kernels, model, layer, store, q, k, v, rotation)
         keys, values = self._history_with_row(model, layer, k, v, rotation)
+        shared.keep(layer, keys, values)
         return self._attend_in_basis(model, layer, q, keys, values, rotation)
 
     def _history_with_row(
@@ -425,8 +436,6 @@ def _attend_and_keep(
     engine = batch[i]
     if k is None or v is None:
         keys, values, _ = shared[i].of(layer)
-    else:
-        new.append((k, v))
-        keys, values = engine._history_with_row(model, layer, k, v, rotation)
-        shared[i].keep(layer, keys, values)
-    return engine._attend_in_basis(model, layer, q, keys, values, rotation)  # [1, q_dim]
+        return engine._attend_in_basis(model, layer, q, keys, values, rotation)  # [1, q_dim]
+    new.append((k, v))
+    return engine._attend_and_share(model, layer, q, k, v, rotation, shared[i])

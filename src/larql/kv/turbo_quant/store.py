@@ -123,6 +123,21 @@ class QuantisedLayer:
         values = torch.cat([p[1] for p in parts], dim=1)
         return keys, values
 
+    def exact_keys_values(
+        self, dtype: torch.dtype, rotation: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact rows alone (the sinks, then the recent rows) → keys, values [Hkv, E, D']
+        as `keys_values` gives them."""
+        parts = [self._exact(store.rows, dtype, rotation)
+                 for store in (self.sinks, self.recent) if len(store)]  # fmt: skip
+        if not parts:
+            width = self.layout.k_codec.dim if rotation is None else rotation.shape[0]
+            empty = torch.zeros((self.kv_heads, 0, width), dtype=dtype, device=self._device())
+            return empty, empty
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat((parts[0][0], parts[1][0]), 1), torch.cat((parts[0][1], parts[1][1]), 1)
+
     def _exact(
         self, rows: torch.Tensor, dtype: torch.dtype, rotation: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
