@@ -135,3 +135,23 @@ def test_the_torch_path_keeps_what_the_kernel_does_not_cover(smollm2: Model, smo
         rotation = engine._rotation(model.device, 0)
         shared = engine_module.SharedKv(model.config)
         assert coded_kernels(model, 0, engine._layers[0], rotation, shared) is None
+
+
+def test_attention_sdpa_keeps_the_path_that_decodes(smollm2: Model, monkeypatch) -> None:
+    """`attention=sdpa` is the torch reference: it decodes the rows even where the kernel runs."""
+    calls: list[int] = []
+    original = engine_module.attend_coded
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "attend_coded", counted)
+    ids = context_ids(smollm2, 60, default_text())
+    for spec, expected in (("turbo-quant:attention=sdpa", 0), ("turbo-quant", 30)):
+        calls.clear()
+        session = GenerationSession(parse_engine(spec).build(smollm2), smollm2,
+                                    DenseFfn(smollm2), ids, 4, stop_ids=frozenset())  # fmt: skip
+        session.prefill()
+        session.step()
+        assert len(calls) == expected

@@ -263,11 +263,16 @@ class TurboQuantEngine(KvEngine):
         shared: SharedKv,
     ) -> torch.Tensor:
         """The decode query q [Hq, 1, D] over the layer's stored rows and the new row k, v
-        [Hkv, 1, D] → [1, q_dim]: over the codes in place on the CPU where `coded_cpu` applies,
-        else over the history made whole (kept in `shared` for the layers that share it)."""
+        [Hkv, 1, D] → [1, q_dim]: over the codes in place on the CPU where `coded_cpu` applies
+        (not with `attention=sdpa`), else over the history made whole (kept in `shared` for the
+        layers that share it)."""
         assert self._layers is not None
         store = self._layers[layer]
-        kernels = coded_kernels(model, layer, store, rotation, shared)
+        kernels = (
+            None
+            if self.attention == "sdpa"
+            else coded_kernels(model, layer, store, rotation, shared)
+        )
         if kernels is not None and rotation is not None:
             with self._profiler.stage("attention", model.device):
                 return attend_coded(kernels, model, layer, store, q, k, v, rotation)

@@ -9,7 +9,9 @@ from larql.specs import Param, at_least, one_of
 ATTENTION_DOC = (
     "on CUDA, attend straight from the packed codes and encode through larql's kernels (auto: "
     "2 launches per layer, the partial attention in CUDA C++ where it covers the layer, else "
-    "Triton; triton: the 3 Triton launches) or decode the rows with torch and use SDPA (sdpa)"
+    "Triton; triton: the 3 Triton launches); on the CPU (auto or triton) a float32 model's "
+    "4-bit codes are attended in place by larql's C++ kernel; sdpa: decode the rows with torch "
+    "and attend over them, everywhere"
 )
 
 GRAPH_DOC = (
