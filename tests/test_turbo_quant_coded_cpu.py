@@ -16,62 +16,111 @@ from larql.inference.linear import load_block_kernels
 from larql.kv import parse_engine
 from larql.kv.turbo_quant.codebook import codebook
 from larql.kv.turbo_quant.codec import TurboQuantCodec
-from larql.kv.turbo_quant.coded_cpu import coded_kernels
+from larql.kv.turbo_quant.coded_cpu import coded_kernels, encode_rows
+from larql.kv.turbo_quant.rotation import rotation_matrix
 from larql.models import Model
 
 
 @pytest.fixture(scope="module")
 def kernels():
     built = load_block_kernels()
-    if built is None or not hasattr(built, "coded_attention"):
+    if built is None or not hasattr(built, "coded_encode"):
         pytest.skip("the CPU kernels are not built")
     return built
 
 
 @pytest.mark.parametrize(
-    ("rows", "heads", "kv_heads", "width"),
+    ("rows", "heads", "kv_heads", "width", "centered"),
     [
-        (1, 9, 3, 64),
-        (37, 9, 3, 64),  # SmolLM2's heads: the 512-bit loop where AVX-512 runs
-        (300, 4, 2, 128),
-        (50, 8, 1, 64),  # a group of 8: the most the 512-bit loop takes
-        (40, 6, 2, 32),  # another width: the scalar loop everywhere
+        (1, 9, 3, 64, True),
+        (37, 9, 3, 64, False),  # SmolLM2's heads: the 512-bit loop where AVX-512 runs
+        (700, 9, 3, 64, True),  # chunks of rows over the threads
+        (300, 4, 2, 128, True),
+        (50, 8, 1, 64, False),  # a group of 8: the most the 512-bit loop takes
+        (40, 6, 2, 32, True),  # another width: the scalar loop everywhere
+        (0, 9, 3, 64, True),  # no coded rows yet: the exact rows alone
     ],
 )
-def test_coded_state_is_the_softmax_over_the_decoded_rows(
-    kernels, rows: int, heads: int, kv_heads: int, width: int
+def test_coded_attention_is_the_softmax_over_the_decoded_and_exact_rows(
+    kernels, rows: int, heads: int, kv_heads: int, width: int, centered: bool
 ) -> None:
     g = torch.Generator().manual_seed(rows)
     codec = TurboQuantCodec(width, 4, norm_correction=True)
     size = codec.bytes_per_vector
+    mean = torch.randn(2, kv_heads, width, generator=g) if centered else None
     k, v = (torch.randn(rows * kv_heads, width, generator=g) * 3 for _ in range(2))
     codes = torch.cat(
-        (codec.encode(k).view(rows, -1), codec.encode(v).view(rows, -1)), dim=1
+        (codec.encode(k).view(rows, kv_heads * size), codec.encode(v).view(rows, kv_heads * size)),
+        dim=1,
     )  # [rows, K heads' vectors ; V heads']
+    exact = [torch.randn(5, 2, kv_heads, width, generator=g).half(),
+             torch.randn(1, 2, kv_heads, width, generator=g)]  # fmt: skip
     q = torch.randn(heads, width, generator=g)
-    shift = torch.randn(heads, generator=g)
     scale = 0.125
-    m, l_sum, acc = kernels.coded_attention(
-        q, codes, kv_heads, codebook(width, 4).centroids, shift, scale
+    rotation = rotation_matrix(width, torch.float32, "cpu")
+    no_mean = torch.empty(0) if mean is None else mean
+    out = kernels.coded_attention(
+        q, rotation, codes, kv_heads, codebook(width, 4).centroids, no_mean, exact, scale
     )
     group = heads // kv_heads
-    keys = codec.decode_rotated(codes[:, : kv_heads * size].reshape(-1, size), torch.float64)
-    values = codec.decode_rotated(codes[:, kv_heads * size :].reshape(-1, size), torch.float64)
-    keys = keys.view(rows, kv_heads, width).transpose(0, 1).repeat_interleave(group, 0)
-    values = values.view(rows, kv_heads, width).transpose(0, 1).repeat_interleave(group, 0)
-    scores = scale * torch.einsum("hd,htd->ht", q.double(), keys) + shift.double().unsqueeze(1)
-    want_m = scores.amax(-1)
-    weights = torch.exp(scores - want_m.unsqueeze(1))
-    torch.testing.assert_close(m.double(), want_m, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(l_sum.double(), weights.sum(-1), rtol=1e-5, atol=1e-5)
-    want_acc = torch.einsum("ht,htd->hd", weights, values)
-    torch.testing.assert_close(acc.double(), want_acc, rtol=1e-4, atol=1e-5)
+    halves = (codes[:, : kv_heads * size], codes[:, kv_heads * size :])
+    keys, values = (
+        codec.decode(half.reshape(-1, size), torch.float64).view(rows, kv_heads, width)
+        if rows
+        else torch.zeros(0, kv_heads, width, dtype=torch.float64)
+        for half in halves
+    )
+    if mean is not None:
+        keys, values = keys + mean[0].double(), values + mean[1].double()
+    exact_rows = torch.cat([part.double() for part in exact])  # [E, 2, Hkv, D]
+    keys = torch.cat((keys, exact_rows[:, 0])).transpose(0, 1).repeat_interleave(group, 0)
+    values = torch.cat((values, exact_rows[:, 1])).transpose(0, 1).repeat_interleave(group, 0)
+    weights = torch.softmax(scale * torch.einsum("hd,htd->ht", q.double(), keys), dim=-1)
+    want = torch.einsum("ht,htd->hd", weights, values)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=2e-5)
 
 
 def test_coded_attention_refuses_rows_of_another_shape(kernels) -> None:
     codes = torch.zeros(4, 100, dtype=torch.uint8)
+    rotation, exact = torch.eye(64), [torch.zeros(1, 2, 3, 64)]
     with pytest.raises(RuntimeError, match="a key and a value vector per K/V head"):
-        kernels.coded_attention(torch.zeros(9, 64), codes, 3, torch.zeros(16), torch.zeros(9), 1.0)
+        kernels.coded_attention(
+            torch.zeros(9, 64), rotation, codes, 3, torch.zeros(16), torch.empty(0), exact, 1.0
+        )
+    with pytest.raises(RuntimeError, match=r"exact rows must be \[E, 2, Hkv, D\]"):
+        no_codes = torch.zeros(0, 216, dtype=torch.uint8)
+        kernels.coded_attention(
+            torch.zeros(9, 64), rotation, no_codes, 3, torch.zeros(16), torch.empty(0),
+            [torch.zeros(1, 3, 64)], 1.0,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(("width", "dim"), [(64, 64), (128, 128), (64, 48)])
+def test_compiled_encoding_is_the_codecs(kernels, width: int, dim: int) -> None:
+    """The extension's codes are the torch codec's bytes, but for a coordinate that float
+    rounding puts on the other side of a cell boundary; the norms agree to rounding."""
+    g = torch.Generator().manual_seed(width + dim)
+    rows = torch.randn(400, 2, 3, dim, generator=g) * 2 + 0.5  # [S, 2, Hkv, D]
+    rows[7] = 0.0  # a zero vector: index 8 (the cell at 0) everywhere, norm 0
+    mean = rows.mean(0)
+    codec = TurboQuantCodec(dim, 4, norm_correction=True)
+    want = codec.encode((rows - mean).reshape(-1, dim)).view(400, -1)
+    for x in (rows, rows.half().float()):
+        got = encode_rows(codec, x.half() if x is not rows else x, mean)
+        reference = want if x is rows else codec.encode((x - mean).reshape(-1, dim)).view(400, -1)
+        assert got.shape == reference.shape and got.dtype == torch.uint8
+        size = codec.bytes_per_vector
+        got_v, want_v = got.view(-1, size), reference.view(-1, size)
+        norms_got, norms_want = (
+            got_v[:, :4].contiguous().view(torch.float32),
+            want_v[:, :4].contiguous().view(torch.float32),
+        )
+        torch.testing.assert_close(norms_got, norms_want, rtol=2e-6, atol=0)
+        indices_got = codec.decode_indices(got_v[:, 4:]).int()
+        indices_want = codec.decode_indices(want_v[:, 4:]).int()
+        differ = indices_got != indices_want
+        assert differ.float().mean() < 1e-4  # a few boundary cases at most
+        assert ((indices_got - indices_want).abs()[differ] == 1).all()
 
 
 SPECS = ["turbo-quant", "turbo-quant:center=0,sinks=0,recent=0"]

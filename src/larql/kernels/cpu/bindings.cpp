@@ -3,6 +3,7 @@
 
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "decode_layer.h"
 
@@ -17,9 +18,12 @@ bool tiled();
 bool amx();
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                double scale);
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> coded_attention(
-    torch::Tensor q, torch::Tensor codes, int64_t kv_heads, torch::Tensor centroids,
-    torch::Tensor shift, double scale);
+torch::Tensor coded_attention(torch::Tensor q, torch::Tensor rotation, torch::Tensor codes,
+                              int64_t kv_heads, torch::Tensor centroids, torch::Tensor mean,
+                              std::vector<torch::Tensor> exact, double scale);
+torch::Tensor coded_encode(torch::Tensor rows, torch::Tensor mean, torch::Tensor rotation,
+                           torch::Tensor boundaries, torch::Tensor centroids,
+                           bool norm_correction);
 }  // namespace larql
 
 // The compute calls release the GIL: they touch no Python object, and a server's event loop
@@ -37,7 +41,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &larql::decode_attention, "one query's attention over K/V rows",
         no_gil);
   m.def("coded_attention", &larql::coded_attention,
-        "one query's softmax state over turbo-quant's 4-bit coded rows, in place", no_gil);
+        "one query's attention over turbo-quant's 4-bit coded rows (in place) and exact rows",
+        no_gil);
+  m.def("coded_encode", &larql::coded_encode, "K/V rows → turbo-quant's 4-bit coded rows",
+        no_gil);
   m.def("decode_layers_batch", &larql::decode_layers_batch,
         "whole decode layers for M rows of one or more sessions, each weight read once", no_gil);
   m.def("residual_ffn", &larql::residual_ffn, "h + the gated SiLU MLP of rms_norm(h), one row",

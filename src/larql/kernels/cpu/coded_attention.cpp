@@ -1,16 +1,21 @@
-// One decode query's attention over turbo-quant's 4-bit coded rows, read in place (no decoded
-// copy of the history). A coded row of one token holds, per K/V head, its key vector then (after
-// every head's key) its value vector, each `[norm: float32][D' / 2 bytes of 4-bit indices]`
-// (index j in byte j / 2, the first of a pair in the low nibble). A vector decodes to
-// norm · c[index] in the codec's rotated basis, c the codebook's 16 centroids; with centering,
-// plus the layer's rotated mean row μ. So for query q (already rotated) and head h of K/V head g:
+// One decode query's attention over a turbo-quant layer: its 4-bit coded rows read in place (no
+// decoded copy of the history) and its exact rows (sinks, recent rows, the new row). A coded row
+// of one token holds, per K/V head, its key vector then (after every head's key) its value
+// vector, each `[norm: float32][D' / 2 bytes of 4-bit indices]` (index j in byte j / 2, the
+// first of a pair in the low nibble). A vector decodes to norm · c[index] · R in the model's
+// basis, c the codebook's 16 centroids, R the codec's symmetric orthogonal rotation [D', D'];
+// with centering, plus the layer's mean row μ. For query q and the rotated query q̃ = q · R:
 //
-//   s_t = scale · (norm_k,t · q·c[k_t] + q·μ_K)          (the mean's part: `shift`[h])
-//   m = max_t s_t,  l = Σ_t e^{s_t − m},  acc = Σ_t e^{s_t − m} · norm_v,t · c[v_t]
+//   coded rows:  s_t = scale · (norm_k,t · q̃·c[k_t] + q·μ_K)
+//                m = max_t s_t,  l = Σ_t e^{s_t − m},
+//                acc = (Σ_t e^{s_t − m} · norm_v,t · c[v_t]) · R + l · μ_V
+//   exact rows:  s_e = scale · q·k_e  (in the model's basis: q̃·k̃ = q·k, R orthogonal)
+//   out = (e^{m − M} · acc + Σ_e e^{s_e − M} v_e) / (e^{m − M} · l + Σ_e e^{s_e − M}),
+//   M = max(m, max_e s_e)
 //
-// → (m, l, acc) per query head, the state the caller merges with the exact rows' (and adds
-// l · μ_V to acc). A K/V head's query heads are taken together (each row decoded once for
-// them), the K/V heads over torch's threads.
+// The coded rows' scores and weighted values stay in the rotated basis (their sum is rotated
+// back once); a K/V head's query heads are taken together (each row decoded once for them), the
+// K/V heads over torch's threads.
 //
 // the tensor API alone: torch/extension.h (pybind11, the C++ frontend) is bindings.cpp's
 #include <torch/types.h>
@@ -24,6 +29,7 @@
 #include <vector>
 
 #include "block_dot.h"
+#include "decode_attention.h"
 
 namespace larql {
 
@@ -31,20 +37,11 @@ namespace {
 
 constexpr int64_t kNormBytes = 4;
 
+constexpr int64_t kChunkRows = 256;  // fewest coded rows worth a chunk of their own
+
 // scores [group, n] ← e^{s − m_j} per row j, m_j its maximum → m, l [group] (l_j: its sum).
 void exponentiate(float* scores, int64_t group, int64_t n, float* m, float* l) {
-  for (int64_t j = 0; j < group; ++j) {
-    float* s = scores + j * n;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
-    float total = 0.0f;
-    for (int64_t t = 0; t < n; ++t) {
-      s[t] = std::exp(s[t] - top);
-      total += s[t];
-    }
-    m[j] = top;
-    l[j] = total;
-  }
+  for (int64_t j = 0; j < group; ++j) std::tie(m[j], l[j]) = larql::exponentiate(scores + j * n, n);
 }
 
 // The scores, weights and values of one K/V head's `group` query heads (q: their rotated
@@ -159,55 +156,175 @@ void attend_coded_head_512(const float* q, int64_t group, const uint8_t* codes, 
 
 }  // namespace
 
-// q: float32 [Hq, D'] rotated queries; codes: uint8 [n, row_bytes] (row_bytes = 2 · Hkv ·
-// (4 + D' / 2)); centroids: float32 [16]; shift: float32 [Hq] (scale · q·μ_K, or zeros)
-// → (m [Hq], l [Hq], acc [Hq, D']) as the header says.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> coded_attention(
-    torch::Tensor q, torch::Tensor codes, int64_t kv_heads, torch::Tensor centroids,
-    torch::Tensor shift, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 2 && q.is_contiguous(),
-              "q must be contiguous float32 [Hq, D']");
+namespace {
+
+// One K/V head's exact rows (each [2, Hkv, D] of `rows`, token order free) and its query heads'
+// coded state → their outputs: out [group, D] (see the header). m, l, acc: the coded rows' state
+// (acc already in the model's basis, μ_V included); l = 0 where there are none.
+void merge_exact(const float* q, int64_t group, int64_t dim, const std::vector<torch::Tensor>& rows,
+                 int64_t kv_heads, int64_t g, float scale, const float* m, const float* l,
+                 const float* acc, float* out) {
+  std::vector<float> scores;
+  std::vector<const float*> values;
+  for (const torch::Tensor& part : rows) {
+    const float* data = part.data_ptr<float>();
+    for (int64_t e = 0; e < part.size(0); ++e) {
+      const float* row = data + e * 2 * kv_heads * dim;
+      values.push_back(row + (kv_heads + g) * dim);
+    }
+  }
+  const int64_t exact = static_cast<int64_t>(values.size());
+  scores.resize(group * exact);
+  for (int64_t j = 0; j < group; ++j) {
+    const float* query = q + j * dim;
+    float top = l[j] > 0.0f ? m[j] : -std::numeric_limits<float>::infinity();
+    int64_t e = 0;
+    for (const torch::Tensor& part : rows) {
+      const float* data = part.data_ptr<float>();
+      for (int64_t r = 0; r < part.size(0); ++r, ++e) {
+        const float* key = data + (r * 2 * kv_heads + g) * dim;
+        float dot = 0.0f;
+        for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
+        scores[j * exact + e] = scale * dot;
+        top = std::max(top, scale * dot);
+      }
+    }
+    const float coded = l[j] > 0.0f ? std::exp(m[j] - top) : 0.0f;
+    float total = coded * l[j];
+    float* o = out + j * dim;
+    for (int64_t d = 0; d < dim; ++d) o[d] = coded * acc[j * dim + d];
+    for (int64_t e2 = 0; e2 < exact; ++e2) {
+      const float w = std::exp(scores[j * exact + e2] - top);
+      total += w;
+      const float* v = values[e2];
+      for (int64_t d = 0; d < dim; ++d) o[d] += w * v[d];
+    }
+    for (int64_t d = 0; d < dim; ++d) o[d] /= total;
+  }
+}
+
+}  // namespace
+
+// q: float32 [Hq, D] in the model's basis; rotation: float32 [D', D'] (D ≤ D'); codes: uint8
+// [n, row_bytes] (row_bytes = 2 · Hkv · (4 + D' / 2); n may be 0); centroids: float32 [16]; mean:
+// float32 [2, Hkv, D] (μ_K, μ_V) or an empty tensor (no centering); exact: [E_i, 2, Hkv, D] rows
+// (float32 or float16; K then V per token; at least one row in all) → out float32 [Hq, D].
+torch::Tensor coded_attention(torch::Tensor q, torch::Tensor rotation, torch::Tensor codes,
+                              int64_t kv_heads, torch::Tensor centroids, torch::Tensor mean,
+                              std::vector<torch::Tensor> exact, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 2, "q must be float32 [Hq, D]");
+  q = q.contiguous();
+  const int64_t heads = q.size(0), dim = q.size(1), n = codes.size(0);
+  TORCH_CHECK(rotation.dtype() == torch::kFloat32 && rotation.dim() == 2 &&
+                  rotation.size(0) == rotation.size(1) && rotation.size(0) >= dim &&
+                  rotation.is_contiguous(),
+              "rotation must be contiguous float32 [D', D'] with D' ≥ D");
+  const int64_t width = rotation.size(0);
   TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous(),
               "codes must be contiguous uint8 [n, row_bytes]");
   TORCH_CHECK(centroids.dtype() == torch::kFloat32 && centroids.numel() == 16,
               "centroids must be float32 [16] (4-bit codes)");
-  const int64_t heads = q.size(0), width = q.size(1), n = codes.size(0);
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of K/V heads");
   TORCH_CHECK(width % 2 == 0, "the rotated width must be even");
   const int64_t vector_bytes = kNormBytes + width / 2;
   TORCH_CHECK(codes.size(1) == 2 * kv_heads * vector_bytes,
               "codes' rows must hold a key and a value vector per K/V head");
-  TORCH_CHECK(shift.dtype() == torch::kFloat32 && shift.numel() == heads,
-              "shift must be float32 [Hq]");
-  TORCH_CHECK(n > 0, "no coded rows to attend to");
+  const bool centered = mean.numel() > 0;
+  if (centered) {
+    TORCH_CHECK(mean.dtype() == torch::kFloat32 && mean.numel() == 2 * kv_heads * dim,
+                "mean must be float32 [2, Hkv, D]");
+    mean = mean.contiguous();
+  }
+  int64_t exact_rows = 0;
+  for (torch::Tensor& part : exact) {
+    TORCH_CHECK(part.dim() == 4 && part.size(1) == 2 && part.size(2) == kv_heads &&
+                    part.size(3) == dim,
+                "exact rows must be [E, 2, Hkv, D]");
+    part = part.to(torch::kFloat32).contiguous();
+    exact_rows += part.size(0);
+  }
+  TORCH_CHECK(exact_rows > 0, "at least one exact row (the new one) is attended");
   const int64_t group = heads / kv_heads;
-  torch::Tensor m = torch::empty({heads}, q.options());
-  torch::Tensor l = torch::empty({heads}, q.options());
-  torch::Tensor acc = torch::empty({heads, width}, q.options());
+  torch::Tensor out = torch::empty({heads, dim}, q.options());
   const float* qs = q.data_ptr<float>();
+  const float* r = rotation.data_ptr<float>();
+  const float* mu = centered ? mean.data_ptr<float>() : nullptr;
+  const float fscale = static_cast<float>(scale);
+  // q̃ = [q, 0] · R per query head, and shift = scale · q·μ_K (the model's basis)
+  std::vector<float> rotated(heads * width, 0.0f), shift(heads, 0.0f);
+  for (int64_t h = 0; h < heads && n > 0; ++h) {
+    float* qr = rotated.data() + h * width;
+    for (int64_t i = 0; i < dim; ++i) {
+      const float x = qs[h * dim + i];
+      for (int64_t c = 0; c < width; ++c) qr[c] += x * r[i * width + c];
+    }
+    if (centered) {
+      const float* mean_k = mu + (h / group) * dim;
+      float dot = 0.0f;
+      for (int64_t d = 0; d < dim; ++d) dot += qs[h * dim + d] * mean_k[d];
+      shift[h] = fscale * dot;
+    }
+  }
+  // the coded rows in chunks × K/V heads, over the threads: each chunk's (m, l, acc̃)
+  const int64_t chunks =
+      n == 0 ? 0 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kChunkRows));
+  const int64_t per_chunk = chunks ? (n + chunks - 1) / chunks : 0;
+  std::vector<float> maxima(chunks * heads), sums(chunks * heads), partial(chunks * heads * width);
   const uint8_t* data = codes.data_ptr<uint8_t>();
-  at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t h = g * group;
+  const float* table = centroids.data_ptr<float>();
+  const int64_t row_bytes = codes.size(1);
+  at::parallel_for(0, chunks * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t c = unit / kv_heads, g = unit % kv_heads, h = g * group;
+      const int64_t first = c * per_chunk, rows = std::min(n, first + per_chunk) - first;
+      const uint8_t* chunk = data + first * row_bytes;
       const int64_t key_at = g * vector_bytes, value_at = (kv_heads + g) * vector_bytes;
-      const float* table = centroids.data_ptr<float>();
-      const float* head_shift = shift.data_ptr<float>() + h;
-      float* head_m = m.data_ptr<float>() + h;
-      float* head_l = l.data_ptr<float>() + h;
-      float* head_acc = acc.data_ptr<float>() + h * width;
+      float* m = maxima.data() + c * heads + h;
+      float* l = sums.data() + c * heads + h;
+      float* acc = partial.data() + (c * heads + h) * width;
 #if LARQL_CODED_512
       if (group <= kMaxGroup && (width == 64 || width == 128)) {
         (width == 64 ? attend_coded_head_512<4> : attend_coded_head_512<8>)(
-            qs + h * width, group, data, n, codes.size(1), key_at, value_at, table, head_shift,
-            static_cast<float>(scale), head_m, head_l, head_acc);
+            rotated.data() + h * width, group, chunk, rows, row_bytes, key_at, value_at, table,
+            shift.data() + h, fscale, m, l, acc);
         continue;
       }
 #endif
-      attend_coded_head(qs + h * width, group, width, data, n, codes.size(1), key_at, value_at,
-                        table, head_shift, static_cast<float>(scale), head_m, head_l, head_acc);
+      attend_coded_head(rotated.data() + h * width, group, width, chunk, rows, row_bytes, key_at,
+                        value_at, table, shift.data() + h, fscale, m, l, acc);
     }
   });
-  return {m, l, acc};
+  // per query head: the chunks combined, acc̃ · R + l · μ_V, then merged with the exact rows
+  at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc_rotated(width), acc(group * dim), m(group), l(group);
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t j = 0; j < group; ++j) {
+        const int64_t h = g * group + j;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < chunks; ++c) top = std::max(top, maxima[c * heads + h]);
+        float total = 0.0f;
+        std::fill(acc_rotated.begin(), acc_rotated.end(), 0.0f);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float weight = std::exp(maxima[c * heads + h] - top);
+          total += weight * sums[c * heads + h];
+          const float* part = partial.data() + (c * heads + h) * width;
+          for (int64_t i = 0; i < width; ++i) acc_rotated[i] += weight * part[i];
+        }
+        m[j] = top;
+        l[j] = total;  // 0 without coded rows
+        float* back = acc.data() + j * dim;
+        const float* mean_v = centered ? mu + (kv_heads + g) * dim : nullptr;
+        for (int64_t d = 0; d < dim; ++d) back[d] = centered ? total * mean_v[d] : 0.0f;
+        for (int64_t i = 0; i < width && chunks; ++i) {
+          const float x = acc_rotated[i];
+          for (int64_t d = 0; d < dim; ++d) back[d] += x * r[i * width + d];
+        }
+      }
+      merge_exact(qs + g * group * dim, group, dim, exact, kv_heads, g, fscale, m.data(), l.data(),
+                  acc.data(), out.data_ptr<float>() + g * group * dim);
+    }
+  });
+  return out;
 }
 
 }  // namespace larql

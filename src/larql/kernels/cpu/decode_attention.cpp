@@ -190,6 +190,13 @@ bool accumulate_group(float* acc, const float* scores, int64_t per_chunk, const 
 }
 #endif
 
+void check_cache(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 3 && t.stride(2) == 1, name,
+              " must be float32 [Hkv, T, D] with unit stride over D");
+}
+
+}  // namespace
+
 // s[0:n] ← e^{s − m} with m = max s → (m, Σ e^{s − m}): 8 scores at a time where AVX2 runs
 // (`exp8`, within 2 ulp of std::exp; a long context's softmax spent as long in scalar std::exp
 // as in reading its rows), std::exp for the rest.
@@ -222,13 +229,6 @@ std::pair<float, float> exponentiate(float* s, int64_t n) {
   }
   return {m, l};
 }
-
-void check_cache(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 3 && t.stride(2) == 1, name,
-              " must be float32 [Hkv, T, D] with unit stride over D");
-}
-
-}  // namespace
 
 void attend_one_query(const float* qs, int64_t heads, int64_t dim, const Rows& k, const Rows& v,
                       int64_t kv_heads, int64_t rows, float softmax_scale, float* o,

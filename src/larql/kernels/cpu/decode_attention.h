@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 namespace larql {
 
@@ -14,6 +15,9 @@ struct Rows {
     return data + head * head_stride + row * row_stride;
   }
 };
+
+// s[0:n] ← e^{s − m} with m = max s → (m, Σ e^{s − m}); vectorised where AVX2 runs.
+std::pair<float, float> exponentiate(float* s, int64_t n);
 
 // q: [heads · dim]; `rows` key and value rows of kv_heads heads (heads a multiple of them)
 // → out: [heads · dim] = softmax(scale · q·k) · v per query head. The rows are split into

@@ -15,9 +15,10 @@ decoding every row costs. A head width that the codec pads to a power of two D' 
 way: q and the new row are zero-padded (so the padded coordinates, which hold only quantisation
 noise, meet zeros) and the rotated-back output is cut to D.
 
-On the CPU, a float32 model's full-attention layers with 4-bit codes attend over the codes in
-place (`coded_cpu`: the extension scores and weighs the coded rows without decoding them into a
-copy; the exact rows are merged in torch), the same attention within float32 rounding.
+On the CPU, a float32 model's 4-bit codes are encoded by the compiled extension, and its
+full-attention layers attend over the codes in place (`coded_cpu`: one call per layer scores and
+weighs the coded rows without decoding them into a copy and merges the exact rows), the same
+attention within float32 rounding.
 
 On CUDA (where Triton runs) the step takes `KernelPath` instead: the codes in fixed slots,
 attention read straight from them with the rotations inside the kernel and the new row encoded by
@@ -61,7 +62,7 @@ from larql.inference.layer import (
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
-from larql.kv.turbo_quant.coded_cpu import attend_coded, coded_kernels
+from larql.kv.turbo_quant.coded_cpu import attend_coded, coded_kernels, compiled_codes
 from larql.kv.turbo_quant.kernel_batch import BatchedKernelStep
 from larql.kv.turbo_quant.kernel_path import KernelPath
 from larql.kv.turbo_quant.rotation import rotation_matrix
@@ -191,9 +192,10 @@ class TurboQuantEngine(KvEngine):
         self._layers = None
         if self._fast is None:
             self._layers = [
-                QuantisedLayer(self._layouts[layer], keep, cfg.kv_heads_of(layer), model.dtype)
+                QuantisedLayer(self._layouts[layer], keep, cfg.kv_heads_of(layer), model.dtype,
+                               compiled=self._compiled(model, self._layouts[layer]))
                 for layer, keep in enumerate(keeps)
-            ]
+            ]  # fmt: skip
         if self._fast is not None:
             self._fast.start(model, rows.shape[0])
         h = rows  # [S, H]
@@ -268,11 +270,7 @@ class TurboQuantEngine(KvEngine):
         layers that share it)."""
         assert self._layers is not None
         store = self._layers[layer]
-        kernels = (
-            None
-            if self.attention == "sdpa"
-            else coded_kernels(model, layer, store, rotation, shared)
-        )
+        kernels = coded_kernels(model, layer, store, rotation, shared)
         if kernels is not None and rotation is not None:
             with self._profiler.stage("attention", model.device):
                 return attend_coded(kernels, model, layer, store, q, k, v, rotation)
@@ -383,6 +381,13 @@ class TurboQuantEngine(KvEngine):
             kernels, self._layout, model, keeps, self.use_graph, self._profiler,
             use_cuda_partial=self.attention == "auto",
         )  # fmt: skip
+
+    def _compiled(self, model: Model, layout: KvLayout) -> bool:
+        """Whether a layer of this layout is encoded and attended by the CPU extension: for the
+        rotated-basis attention with the default codec, not the torch reference (`sdpa`)."""
+        if self.attention == "sdpa" or not self.rotated_attention or self._codec_factory:
+            return False
+        return compiled_codes(model, layout.k_codec, layout.v_codec)
 
     def _kv_layout(self, head_dim: int) -> KvLayout:
         def codec(bits: int) -> RowCodec:

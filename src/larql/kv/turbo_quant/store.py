@@ -12,7 +12,7 @@ q·(k − μ) differs from q·k by the same constant for every key, so only the 
 changes; μ is added back when the codes are read. On a sliding layer a query sees only the
 last `keep` rows: the layer keeps no sinks, at most `keep` recent rows, and the codes before
 them up to `keep` in all, so the rows it holds are always the contiguous positions before the
-next token's.
+next token's. A `compiled` layer (`coded_cpu.compiled_codes`) is encoded by the CPU extension.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.kv.rows import GrowableRows
 from larql.kv.turbo_quant.codec import RowCodec
+from larql.kv.turbo_quant.coded_cpu import encode_rows
 from larql.kv.turbo_quant.recent import RecentRows
 
 
@@ -45,11 +46,19 @@ def exact_dtype(model_dtype: torch.dtype) -> torch.dtype:
 
 
 class QuantisedLayer:
+    compiled = False  # what a state saved before the compiled encoding restores with
+
     def __init__(
-        self, layout: KvLayout, keep: int | None, kv_heads: int, dtype: torch.dtype
+        self,
+        layout: KvLayout,
+        keep: int | None,
+        kv_heads: int,
+        dtype: torch.dtype,
+        compiled: bool = False,
     ) -> None:
         self.layout = layout
         self.kv_heads = kv_heads
+        self.compiled = compiled  # encoded (and attended) by the CPU extension
         self.exact = exact_dtype(dtype)
         self.sinks = GrowableRows()  # [n, 2, Hkv, D] exact
         self.sink_room = layout.sinks if keep is None else 0
@@ -60,6 +69,12 @@ class QuantisedLayer:
 
     def __len__(self) -> int:
         return len(self.sinks) + len(self.codes) + len(self.recent)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's code row: its K heads' vectors, then its V heads'."""
+        k, v = self.layout.k_codec, self.layout.v_codec
+        return self.kv_heads * (k.bytes_per_vector + v.bytes_per_vector)
 
     def memory(self) -> MemoryBreakdown:
         stores = [self.sinks, self.codes, *self.recent.storages()]
@@ -89,6 +104,10 @@ class QuantisedLayer:
     def _encode(self, rows: torch.Tensor) -> None:
         """rows: [S, 2, Hkv, D] → one code row per token, [K heads ; V heads]."""
         s = rows.shape[0]
+        if self.compiled:
+            self.codes.append(encode_rows(self.layout.k_codec, rows, self.mean))  # type: ignore[arg-type]
+            self.codes.clip()
+            return
         x = rows.to(torch.promote_types(rows.dtype, torch.float32))  # float64 stays float64
         if self.mean is not None:
             x = x - self.mean

@@ -1,0 +1,111 @@
+// turbo-quant's 4-bit encoding of K/V rows, the codec's arithmetic in one pass per vector:
+//
+//   x = row − μ (centering; μ = 0 without), zero-padded to D'
+//   norm = ‖x‖,  u = x / norm (0 where norm ≤ 1e-12),  ũ = u · R
+//   index_j = #{boundaries ≤ ũ_j}  (the Lloyd–Max cell of ũ_j)
+//   with norm correction: norm ← norm / ‖c[index]‖ (where that is > 1e-12)
+//
+// stored as `[norm: float32][D' / 2 bytes]`, index j in byte j / 2, the first of a pair in the
+// low nibble; a token's row is its K heads' vectors, then its V heads'. The float sums run in
+// another order than torch's, so a coordinate within rounding of a boundary can take the
+// neighbouring cell; everything else is the torch codec's bytes.
+#include <torch/types.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace larql {
+
+namespace {
+
+constexpr float kZeroNorm = 1e-12f;
+
+// One vector x [dim] (already centred) → its coded bytes at `out`.
+void encode_vector(const float* x, int64_t dim, int64_t width, const float* rotation,
+                   const float* boundaries, const float* centroids, bool norm_correction,
+                   float* unit, float* rotated, uint8_t* out) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < dim; ++i) sum += x[i] * x[i];
+  float norm = std::sqrt(sum);
+  for (int64_t i = 0; i < width; ++i) {
+    unit[i] = i < dim && norm > kZeroNorm ? x[i] / norm : 0.0f;
+  }
+  std::fill(rotated, rotated + width, 0.0f);
+  for (int64_t i = 0; i < dim; ++i) {
+    const float u = unit[i];
+    const float* row = rotation + i * width;
+    for (int64_t c = 0; c < width; ++c) rotated[c] += u * row[c];
+  }
+  float quantised = 0.0f;
+  uint8_t* payload = out + sizeof(float);
+  for (int64_t c = 0; c < width; c += 2) {
+    int index[2];
+    for (int k = 0; k < 2; ++k) {
+      int cell = 0;
+      while (cell < 15 && boundaries[cell] <= rotated[c + k]) ++cell;
+      index[k] = cell;
+      quantised += centroids[cell] * centroids[cell];
+    }
+    payload[c / 2] = static_cast<uint8_t>(index[0] | (index[1] << 4));
+  }
+  if (norm_correction) {
+    const float length = std::sqrt(quantised);
+    norm = norm / (length > kZeroNorm ? length : 1.0f);
+  }
+  std::memcpy(out, &norm, sizeof(float));
+}
+
+}  // namespace
+
+// rows: float32 or float16 [S, 2, Hkv, D]; mean: float32 [2, Hkv, D] or an empty tensor;
+// rotation: float32 [D', D'] (D ≤ D', D' even); boundaries: float32 [15]; centroids: float32
+// [16] → uint8 [S, 2 · Hkv · (4 + D' / 2)].
+torch::Tensor coded_encode(torch::Tensor rows, torch::Tensor mean, torch::Tensor rotation,
+                           torch::Tensor boundaries, torch::Tensor centroids,
+                           bool norm_correction) {
+  TORCH_CHECK(rows.dim() == 4 && rows.size(1) == 2, "rows must be [S, 2, Hkv, D]");
+  TORCH_CHECK(rows.scalar_type() == torch::kFloat32 || rows.scalar_type() == torch::kFloat16,
+              "rows must be float32 or float16");
+  const int64_t count = rows.size(0), kv_heads = rows.size(2), dim = rows.size(3);
+  TORCH_CHECK(rotation.dtype() == torch::kFloat32 && rotation.dim() == 2 &&
+                  rotation.size(0) == rotation.size(1) && rotation.size(0) >= dim &&
+                  rotation.size(0) % 2 == 0 && rotation.is_contiguous(),
+              "rotation must be contiguous float32 [D', D'], D' even and ≥ D");
+  TORCH_CHECK(boundaries.dtype() == torch::kFloat32 && boundaries.numel() == 15 &&
+                  centroids.dtype() == torch::kFloat32 && centroids.numel() == 16,
+              "a 4-bit codebook: float32 boundaries [15] and centroids [16]");
+  const bool centered = mean.numel() > 0;
+  if (centered) {
+    TORCH_CHECK(mean.dtype() == torch::kFloat32 && mean.numel() == 2 * kv_heads * dim,
+                "mean must be float32 [2, Hkv, D]");
+    mean = mean.contiguous();
+  }
+  const int64_t width = rotation.size(0);
+  const int64_t vector_bytes = static_cast<int64_t>(sizeof(float)) + width / 2;
+  const int64_t vectors = 2 * kv_heads;  // per token
+  torch::Tensor x = rows.to(torch::kFloat32).contiguous();
+  torch::Tensor out = torch::empty({count, vectors * vector_bytes}, torch::kUInt8);
+  const float* data = x.data_ptr<float>();
+  const float* mu = centered ? mean.data_ptr<float>() : nullptr;
+  const float* r = rotation.data_ptr<float>();
+  const float* bounds = boundaries.contiguous().data_ptr<float>();
+  const float* table = centroids.contiguous().data_ptr<float>();
+  uint8_t* coded = out.data_ptr<uint8_t>();
+  at::parallel_for(0, count * vectors, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> centred(dim), unit(width), rotated(width);
+    for (int64_t v = begin; v < end; ++v) {
+      const float* row = data + v * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        centred[d] = centered ? row[d] - mu[(v % vectors) * dim + d] : row[d];
+      }
+      encode_vector(centred.data(), dim, width, r, bounds, table, norm_correction, unit.data(),
+                    rotated.data(), coded + v * vector_bytes);
+    }
+  });
+  return out;
+}
+
+}  // namespace larql
