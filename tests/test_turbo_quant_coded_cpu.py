@@ -1,4 +1,4 @@
-"""turbo-quant's CPU attention over the stored 4-bit codes in place (`kv/turbo_quant/coded_cpu`):
+"""turbo-quant's CPU attention over the stored codes in place (`kv/turbo_quant/coded_cpu`):
 the extension's coded-rows state against a softmax over the codec's decoded rows, and the
 engine's step on the real model against the torch path that decodes the whole history."""
 
@@ -29,6 +29,7 @@ def kernels():
     return built
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize(
     ("rows", "heads", "kv_heads", "width", "centered"),
     [
@@ -42,10 +43,10 @@ def kernels():
     ],
 )
 def test_coded_attention_is_the_softmax_over_the_decoded_and_exact_rows(
-    kernels, rows: int, heads: int, kv_heads: int, width: int, centered: bool
+    kernels, rows: int, heads: int, kv_heads: int, width: int, centered: bool, bits: int
 ) -> None:
     g = torch.Generator().manual_seed(rows)
-    codec = TurboQuantCodec(width, 4, norm_correction=True)
+    codec = TurboQuantCodec(width, bits, norm_correction=True)
     size = codec.bytes_per_vector
     mean = torch.randn(2, kv_heads, width, generator=g) if centered else None
     k, v = (torch.randn(rows * kv_heads, width, generator=g) * 3 for _ in range(2))
@@ -60,7 +61,7 @@ def test_coded_attention_is_the_softmax_over_the_decoded_and_exact_rows(
     rotation = rotation_matrix(width, torch.float32, "cpu")
     no_mean = torch.empty(0) if mean is None else mean
     out = kernels.coded_attention(
-        q, rotation, codes, kv_heads, codebook(width, 4).centroids, no_mean, exact, scale
+        q, rotation, codes, kv_heads, codebook(width, bits).centroids, no_mean, exact, scale
     )
     group = heads // kv_heads
     halves = (codes[:, : kv_heads * size], codes[:, kv_heads * size :])
@@ -95,15 +96,16 @@ def test_coded_attention_refuses_rows_of_another_shape(kernels) -> None:
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize(("width", "dim"), [(64, 64), (128, 128), (64, 48)])
-def test_compiled_encoding_is_the_codecs(kernels, width: int, dim: int) -> None:
+def test_compiled_encoding_is_the_codecs(kernels, width: int, dim: int, bits: int) -> None:
     """The extension's codes are the torch codec's bytes, but for a coordinate that float
     rounding puts on the other side of a cell boundary; the norms agree to rounding."""
     g = torch.Generator().manual_seed(width + dim)
     rows = torch.randn(400, 2, 3, dim, generator=g) * 2 + 0.5  # [S, 2, Hkv, D]
     rows[7] = 0.0  # a zero vector: index 8 (the cell at 0) everywhere, norm 0
     mean = rows.mean(0)
-    codec = TurboQuantCodec(dim, 4, norm_correction=True)
+    codec = TurboQuantCodec(dim, bits, norm_correction=True)
     want = codec.encode((rows - mean).reshape(-1, dim)).view(400, -1)
     for x in (rows, rows.half().float()):
         got = encode_rows(codec, x.half() if x is not rows else x, mean)
@@ -123,7 +125,8 @@ def test_compiled_encoding_is_the_codecs(kernels, width: int, dim: int) -> None:
         assert ((indices_got - indices_want).abs()[differ] == 1).all()
 
 
-SPECS = ["turbo-quant", "turbo-quant:center=0,sinks=0,recent=0"]
+SPECS = ["turbo-quant", "turbo-quant:center=0,sinks=0,recent=0", "turbo-quant:bits=3",
+         "turbo-quant:bits=2"]  # fmt: skip
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -178,7 +181,7 @@ def test_batched_steps_over_codes_equal_each_session_alone(kernels, smollm2: Mod
 
 def test_the_torch_path_keeps_what_the_kernel_does_not_cover(smollm2: Model, smollm2_f64) -> None:
     ids = context_ids(smollm2, 60, default_text())
-    for model, spec in ((smollm2, "turbo-quant:bits=3"), (smollm2_f64, "turbo-quant")):
+    for model, spec in ((smollm2, "turbo-quant:k_bits=4,v_bits=2"), (smollm2_f64, "turbo-quant")):
         engine = parse_engine(spec).build(model)
         engine.prefill(model, DenseFfn(model), ids)
         rotation = engine._rotation(model.device, 0)

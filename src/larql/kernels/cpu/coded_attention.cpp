@@ -1,9 +1,10 @@
-// One decode query's attention over a turbo-quant layer: its 4-bit coded rows read in place (no
-// decoded copy of the history) and its exact rows (sinks, recent rows, the new row). A coded row
-// of one token holds, per K/V head, its key vector then (after every head's key) its value
-// vector, each `[norm: float32][D' / 2 bytes of 4-bit indices]` (index j in byte j / 2, the
-// first of a pair in the low nibble). A vector decodes to norm · c[index] · R in the model's
-// basis, c the codebook's 16 centroids, R the codec's symmetric orthogonal rotation [D', D'];
+// One decode query's attention over a turbo-quant layer: its coded rows (2, 3 or 4 bits an
+// index) read in place (no decoded copy of the history) and its exact rows (sinks, recent rows,
+// the new row). A coded row of one token holds, per K/V head, its key vector then (after every
+// head's key) its value vector, each `[norm: float32][D' · bits / 8 bytes of indices]` (index j
+// at bits j · bits.. of one LSB-first bit stream: at 4 bits byte j / 2, the first of a pair in
+// the low nibble). A vector decodes to norm · c[index] · R in the model's basis, c the
+// codebook's 2^bits centroids, R the codec's symmetric orthogonal rotation [D', D'];
 // with centering, plus the layer's mean row μ. For query q and the rotated query q̃ = q · R:
 //
 //   coded rows:  s_t = scale · (norm_k,t · q̃·c[k_t] + q·μ_K)
@@ -44,24 +45,28 @@ void exponentiate(float* scores, int64_t group, int64_t n, float* m, float* l) {
   for (int64_t j = 0; j < group; ++j) std::tie(m[j], l[j]) = larql::exponentiate(scores + j * n, n);
 }
 
+// Index j of a vector's packed indices (`bits` each, one LSB-first bit stream).
+inline int index_at(const uint8_t* bytes, int64_t j, int bits) {
+  const int64_t bit = j * bits;
+  const int64_t byte = bit / 8;
+  const int shift = static_cast<int>(bit % 8);
+  int word = bytes[byte];
+  if (shift + bits > 8) word |= bytes[byte + 1] << 8;  // an index across two bytes (3 bits)
+  return (word >> shift) & ((1 << bits) - 1);
+}
+
 // The scores, weights and values of one K/V head's `group` query heads (q: their rotated
 // queries [group, width]) over n coded rows → m, l [group] and acc [group, width].
-void attend_coded_head(const float* q, int64_t group, int64_t width, const uint8_t* codes,
-                       int64_t n, int64_t row_bytes, int64_t key_at, int64_t value_at,
-                       const float* centroids, const float* shift, float scale, float* m,
-                       float* l, float* acc) {
-  const int64_t payload = width / 2;
+void attend_coded_head(const float* q, int64_t group, int64_t width, int bits,
+                       const uint8_t* codes, int64_t n, int64_t row_bytes, int64_t key_at,
+                       int64_t value_at, const float* centroids, const float* shift, float scale,
+                       float* m, float* l, float* acc) {
   std::vector<float> scores(group * n);
   std::vector<float> decoded(width);
-  float table[16];
-  std::memcpy(table, centroids, sizeof(table));
   // one vector → decoded[j] = c[index j]; → its norm
   const auto decode = [&](const uint8_t* vector) {
     const uint8_t* bytes = vector + kNormBytes;
-    for (int64_t b = 0; b < payload; ++b) {
-      decoded[2 * b] = table[bytes[b] & 15];
-      decoded[2 * b + 1] = table[bytes[b] >> 4];
-    }
+    for (int64_t j = 0; j < width; ++j) decoded[j] = centroids[index_at(bytes, j, bits)];
     float norm;
     std::memcpy(&norm, vector, sizeof(float));
     return norm;
@@ -69,9 +74,7 @@ void attend_coded_head(const float* q, int64_t group, int64_t width, const uint8
   for (int64_t t = 0; t < n; ++t) {
     const float norm = decode(codes + t * row_bytes + key_at);
     for (int64_t j = 0; j < group; ++j) {
-      float dot = 0.0f;
-      for (int64_t d = 0; d < width; ++d) dot += q[j * width + d] * decoded[d];
-      scores[j * n + t] = scale * (norm * dot) + shift[j];
+      scores[j * n + t] = scale * (norm * dot(q + j * width, decoded.data(), width)) + shift[j];
     }
   }
   exponentiate(scores.data(), group, n, m, l);
@@ -79,9 +82,7 @@ void attend_coded_head(const float* q, int64_t group, int64_t width, const uint8
   for (int64_t t = 0; t < n; ++t) {
     const float norm = decode(codes + t * row_bytes + value_at);
     for (int64_t j = 0; j < group; ++j) {
-      const float w = scores[j * n + t] * norm;
-      float* out = acc + j * width;
-      for (int64_t d = 0; d < width; ++d) out[d] += w * decoded[d];
+      add_scaled(acc + j * width, decoded.data(), scores[j * n + t] * norm, width);
     }
   }
 }
@@ -90,40 +91,68 @@ void attend_coded_head(const float* q, int64_t group, int64_t width, const uint8
 #define LARQL_CODED_512 1
 constexpr int64_t kMaxGroup = 8;  // query heads a K/V head, for the vectorised loop
 
-// 16 indices from 8 payload bytes (two a byte, the low nibble first) → their 16 centroids.
+// 16 indices of `Bits` bits (2 · Bits payload bytes from `bytes`) → their 16 centroids, by a
+// permute of the table (the 2^Bits centroids in its first lanes).
+template <int Bits>
 inline __m512 decode16(const uint8_t* bytes, __m512 table) {
-  const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
-  const __m128i nibble = _mm_set1_epi8(0x0f);
-  const __m128i low = _mm_and_si128(packed, nibble);
-  const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
-  const __m512i index = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high));
+  __m512i index;
+  if constexpr (Bits == 4) {  // two a byte, the low nibble first
+    const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
+    const __m128i nibble = _mm_set1_epi8(0x0f);
+    const __m128i low = _mm_and_si128(packed, nibble);
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+    index = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high));
+  } else if constexpr (Bits == 2) {  // 32 bits: index i at bits 2i
+    int32_t word;
+    std::memcpy(&word, bytes, sizeof(word));
+    const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                             28, 30);
+    index = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(word), shifts),
+                             _mm512_set1_epi32(3));
+  } else {  // 48 bits: index i at bits 3i, in bytes 3i / 8 and the next (16-bit lanes)
+    uint32_t low;  // the 6 bytes as two loads joined in a register (a 6-byte copy through
+    uint16_t high;  // memory stalls the 8-byte load that follows it)
+    std::memcpy(&low, bytes, sizeof(low));
+    std::memcpy(&high, bytes + 4, sizeof(high));
+    const int64_t word = static_cast<int64_t>(low) | static_cast<int64_t>(high) << 32;
+    const __m256i source = _mm256_broadcastsi128_si256(_mm_cvtsi64_si128(word));
+    const __m256i pairs = _mm256_shuffle_epi8(
+        source, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 1, 2, 1, 2, 1, 2, 2, 3, 2, 3, 3, 4, 3, 4, 3, 4,
+                                 4, 5, 4, 5, 4, 5, 5, 6, 5, 6));
+    const __m256i shifts = _mm256_setr_epi16(0, 3, 6, 1, 4, 7, 2, 5, 0, 3, 6, 1, 4, 7, 2, 5);
+    const __m256i lanes = _mm256_and_si256(_mm256_srlv_epi16(pairs, shifts), _mm256_set1_epi16(7));
+    index = _mm512_cvtepu16_epi32(lanes);
+  }
   return _mm512_permutexvar_ps(index, table);
 }
 
 // One coded vector (16 · V wide) → its centroids in `decoded`; → its norm.
-template <int V>
+template <int V, int Bits>
 inline float decode_vector(const uint8_t* vector, __m512 table, __m512 (&decoded)[V]) {
   float norm;
   std::memcpy(&norm, vector, sizeof(float));
-  for (int i = 0; i < V; ++i) decoded[i] = decode16(vector + kNormBytes + 8 * i, table);
+  const uint8_t* payload = vector + kNormBytes;
+  for (int i = 0; i < V; ++i) decoded[i] = decode16<Bits>(payload + 2 * Bits * i, table);
   return norm;
 }
 
 // `attend_coded_head` for width 16 · V and at most kMaxGroup query heads: a vector's 16
-// centroids at a time by a permute of the 16-entry table, the scores' dot products and the
-// weighted values in 512-bit lanes. The same sums in another order.
-template <int V>
+// centroids at a time by a permute of the table, the scores' dot products and the weighted
+// values in 512-bit lanes. The same sums in another order.
+template <int V, int Bits>
 void attend_coded_head_512(const float* q, int64_t group, const uint8_t* codes, int64_t n,
                            int64_t row_bytes, int64_t key_at, int64_t value_at,
                            const float* centroids, const float* shift, float scale, float* m,
                            float* l, float* acc) {
   constexpr int64_t width = 16 * V;
-  const __m512 table = _mm512_loadu_ps(centroids);
+  float padded[16] = {};
+  std::memcpy(padded, centroids, sizeof(float) << Bits);
+  const __m512 table = _mm512_loadu_ps(padded);
   std::vector<float> scores(group * n);
   for (int64_t t = 0; t < n; ++t) {
     const uint8_t* vector = codes + t * row_bytes + key_at;
     __m512 decoded[V];
-    const float norm = decode_vector<V>(vector, table, decoded);
+    const float norm = decode_vector<V, Bits>(vector, table, decoded);
     for (int64_t j = 0; j < group; ++j) {
       __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q + j * width), decoded[0]);
       for (int i = 1; i < V; ++i) {
@@ -140,7 +169,7 @@ void attend_coded_head_512(const float* q, int64_t group, const uint8_t* codes, 
   for (int64_t t = 0; t < n; ++t) {
     const uint8_t* vector = codes + t * row_bytes + value_at;
     __m512 decoded[V];
-    const float norm = decode_vector<V>(vector, table, decoded);
+    const float norm = decode_vector<V, Bits>(vector, table, decoded);
     for (int64_t j = 0; j < group; ++j) {
       const __m512 w = _mm512_set1_ps(scores[j * n + t] * norm);
       for (int i = 0; i < V; ++i) sums[j][i] = _mm512_fmadd_ps(w, decoded[i], sums[j][i]);
@@ -148,6 +177,21 @@ void attend_coded_head_512(const float* q, int64_t group, const uint8_t* codes, 
   }
   for (int64_t j = 0; j < group; ++j) {
     for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc + j * width + 16 * i, sums[j][i]);
+  }
+}
+
+using CodedHead = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, int64_t,
+                           int64_t, const float*, const float*, float, float*, float*, float*);
+
+// The 512-bit loop for this width and these bits, or null (the scalar loop runs).
+CodedHead coded_head_512(int64_t width, int bits, int64_t group) {
+  if (group > kMaxGroup || (width != 64 && width != 128)) return nullptr;
+  const bool wide = width == 128;
+  switch (bits) {
+    case 2: return wide ? attend_coded_head_512<8, 2> : attend_coded_head_512<4, 2>;
+    case 3: return wide ? attend_coded_head_512<8, 3> : attend_coded_head_512<4, 3>;
+    case 4: return wide ? attend_coded_head_512<8, 4> : attend_coded_head_512<4, 4>;
+    default: return nullptr;
   }
 }
 #else
@@ -174,41 +218,36 @@ void merge_exact(const float* q, int64_t group, int64_t dim, const std::vector<t
     }
   }
   const int64_t exact = static_cast<int64_t>(values.size());
-  scores.resize(group * exact);
+  scores.resize(exact);
   for (int64_t j = 0; j < group; ++j) {
     const float* query = q + j * dim;
-    float top = l[j] > 0.0f ? m[j] : -std::numeric_limits<float>::infinity();
     int64_t e = 0;
     for (const torch::Tensor& part : rows) {
       const float* data = part.data_ptr<float>();
       for (int64_t r = 0; r < part.size(0); ++r, ++e) {
-        const float* key = data + (r * 2 * kv_heads + g) * dim;
-        float dot = 0.0f;
-        for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
-        scores[j * exact + e] = scale * dot;
-        top = std::max(top, scale * dot);
+        scores[e] = scale * dot(query, data + (r * 2 * kv_heads + g) * dim, dim);
       }
     }
-    const float coded = l[j] > 0.0f ? std::exp(m[j] - top) : 0.0f;
-    float total = coded * l[j];
+    const auto [top_exact, sum_exact] = larql::exponentiate(scores.data(), exact);  // e^{s_e − m_e}
+    const bool coded_rows = l[j] > 0.0f;
+    const float top = coded_rows ? std::max(m[j], top_exact) : top_exact;
+    const float coded = coded_rows ? std::exp(m[j] - top) : 0.0f;
+    const float fresh = std::exp(top_exact - top);
     float* o = out + j * dim;
     for (int64_t d = 0; d < dim; ++d) o[d] = coded * acc[j * dim + d];
-    for (int64_t e2 = 0; e2 < exact; ++e2) {
-      const float w = std::exp(scores[j * exact + e2] - top);
-      total += w;
-      const float* v = values[e2];
-      for (int64_t d = 0; d < dim; ++d) o[d] += w * v[d];
-    }
-    for (int64_t d = 0; d < dim; ++d) o[d] /= total;
+    for (int64_t r = 0; r < exact; ++r) add_scaled(o, values[r], fresh * scores[r], dim);
+    const float inverse = 1.0f / (coded * l[j] + fresh * sum_exact);
+    for (int64_t d = 0; d < dim; ++d) o[d] *= inverse;
   }
 }
 
 }  // namespace
 
 // q: float32 [Hq, D] in the model's basis; rotation: float32 [D', D'] (D ≤ D'); codes: uint8
-// [n, row_bytes] (row_bytes = 2 · Hkv · (4 + D' / 2); n may be 0); centroids: float32 [16]; mean:
-// float32 [2, Hkv, D] (μ_K, μ_V) or an empty tensor (no centering); exact: [E_i, 2, Hkv, D] rows
-// (float32 or float16; K then V per token; at least one row in all) → out float32 [Hq, D].
+// [n, row_bytes] (row_bytes = 2 · Hkv · (4 + D' · bits / 8); n may be 0); centroids: float32
+// [2^bits] (their count gives the bits); mean: float32 [2, Hkv, D] (μ_K, μ_V) or an empty tensor
+// (no centering); exact: [E_i, 2, Hkv, D] rows (float32 or float16; K then V per token; at least
+// one row in all) → out float32 [Hq, D].
 torch::Tensor coded_attention(torch::Tensor q, torch::Tensor rotation, torch::Tensor codes,
                               int64_t kv_heads, torch::Tensor centroids, torch::Tensor mean,
                               std::vector<torch::Tensor> exact, double scale) {
@@ -222,11 +261,13 @@ torch::Tensor coded_attention(torch::Tensor q, torch::Tensor rotation, torch::Te
   const int64_t width = rotation.size(0);
   TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous(),
               "codes must be contiguous uint8 [n, row_bytes]");
-  TORCH_CHECK(centroids.dtype() == torch::kFloat32 && centroids.numel() == 16,
-              "centroids must be float32 [16] (4-bit codes)");
+  const int64_t levels = centroids.numel();
+  TORCH_CHECK(centroids.dtype() == torch::kFloat32 && (levels == 4 || levels == 8 || levels == 16),
+              "centroids must be float32 [2^bits], bits 2, 3 or 4");
+  const int bits = levels == 4 ? 2 : (levels == 8 ? 3 : 4);
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of K/V heads");
-  TORCH_CHECK(width % 2 == 0, "the rotated width must be even");
-  const int64_t vector_bytes = kNormBytes + width / 2;
+  TORCH_CHECK(width % 8 == 0, "the rotated width must be a multiple of 8");
+  const int64_t vector_bytes = kNormBytes + width * bits / 8;
   TORCH_CHECK(codes.size(1) == 2 * kv_heads * vector_bytes,
               "codes' rows must hold a key and a value vector per K/V head");
   const bool centered = mean.numel() > 0;
@@ -259,10 +300,7 @@ torch::Tensor coded_attention(torch::Tensor q, torch::Tensor rotation, torch::Te
       for (int64_t c = 0; c < width; ++c) qr[c] += x * r[i * width + c];
     }
     if (centered) {
-      const float* mean_k = mu + (h / group) * dim;
-      float dot = 0.0f;
-      for (int64_t d = 0; d < dim; ++d) dot += qs[h * dim + d] * mean_k[d];
-      shift[h] = fscale * dot;
+      shift[h] = fscale * dot(qs + h * dim, mu + (h / group) * dim, dim);
     }
   }
   // the coded rows in chunks × K/V heads, over the threads: each chunk's (m, l, acc̃)
@@ -283,19 +321,20 @@ torch::Tensor coded_attention(torch::Tensor q, torch::Tensor rotation, torch::Te
       float* l = sums.data() + c * heads + h;
       float* acc = partial.data() + (c * heads + h) * width;
 #if LARQL_CODED_512
-      if (group <= kMaxGroup && (width == 64 || width == 128)) {
-        (width == 64 ? attend_coded_head_512<4> : attend_coded_head_512<8>)(
-            rotated.data() + h * width, group, chunk, rows, row_bytes, key_at, value_at, table,
-            shift.data() + h, fscale, m, l, acc);
+      if (const CodedHead head = coded_head_512(width, bits, group)) {
+        head(rotated.data() + h * width, group, chunk, rows, row_bytes, key_at, value_at, table,
+             shift.data() + h, fscale, m, l, acc);
         continue;
       }
 #endif
-      attend_coded_head(rotated.data() + h * width, group, width, chunk, rows, row_bytes, key_at,
-                        value_at, table, shift.data() + h, fscale, m, l, acc);
+      attend_coded_head(rotated.data() + h * width, group, width, bits, chunk, rows, row_bytes,
+                        key_at, value_at, table, shift.data() + h, fscale, m, l, acc);
     }
   });
   // per query head: the chunks combined, acc̃ · R + l · μ_V, then merged with the exact rows
-  at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // (a few µs a head: over the threads only where the exact rows are many)
+  const int64_t merge_grain = exact_rows >= kChunkRows ? 1 : kv_heads;
+  at::parallel_for(0, kv_heads, merge_grain, [&](int64_t begin, int64_t end) {
     std::vector<float> acc_rotated(width), acc(group * dim), m(group), l(group);
     for (int64_t g = begin; g < end; ++g) {
       for (int64_t j = 0; j < group; ++j) {

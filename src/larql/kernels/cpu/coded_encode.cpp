@@ -1,12 +1,14 @@
-// turbo-quant's 4-bit encoding of K/V rows, the codec's arithmetic in one pass per vector:
+// turbo-quant's encoding of K/V rows (2, 3 or 4 bits an index), the codec's arithmetic in one
+// pass per vector:
 //
 //   x = row − μ (centering; μ = 0 without), zero-padded to D'
 //   norm = ‖x‖,  u = x / norm (0 where norm ≤ 1e-12),  ũ = u · R
 //   index_j = #{boundaries ≤ ũ_j}  (the Lloyd–Max cell of ũ_j)
 //   with norm correction: norm ← norm / ‖c[index]‖ (where that is > 1e-12)
 //
-// stored as `[norm: float32][D' / 2 bytes]`, index j in byte j / 2, the first of a pair in the
-// low nibble; a token's row is its K heads' vectors, then its V heads'. The float sums run in
+// stored as `[norm: float32][D' · bits / 8 bytes]`, index j at bits j · bits.. of one LSB-first
+// bit stream (at 4 bits byte j / 2, the first of a pair in the low nibble); a token's row is its
+// K heads' vectors, then its V heads'. The float sums run in
 // another order than torch's, so a coordinate within rounding of a boundary can take the
 // neighbouring cell; everything else is the torch codec's bytes.
 #include <torch/types.h>
@@ -23,8 +25,8 @@ namespace {
 
 constexpr float kZeroNorm = 1e-12f;
 
-// One vector x [dim] (already centred) → its coded bytes at `out`.
-void encode_vector(const float* x, int64_t dim, int64_t width, const float* rotation,
+// One vector x [dim] (already centred) → its coded bytes at `out` (`levels` = 2^bits cells).
+void encode_vector(const float* x, int64_t dim, int64_t width, int bits, const float* rotation,
                    const float* boundaries, const float* centroids, bool norm_correction,
                    float* unit, float* rotated, uint8_t* out) {
   float sum = 0.0f;
@@ -39,17 +41,18 @@ void encode_vector(const float* x, int64_t dim, int64_t width, const float* rota
     const float* row = rotation + i * width;
     for (int64_t c = 0; c < width; ++c) rotated[c] += u * row[c];
   }
+  const int inner = (1 << bits) - 1;  // boundaries
   float quantised = 0.0f;
   uint8_t* payload = out + sizeof(float);
-  for (int64_t c = 0; c < width; c += 2) {
-    int index[2];
-    for (int k = 0; k < 2; ++k) {
-      int cell = 0;
-      while (cell < 15 && boundaries[cell] <= rotated[c + k]) ++cell;
-      index[k] = cell;
-      quantised += centroids[cell] * centroids[cell];
-    }
-    payload[c / 2] = static_cast<uint8_t>(index[0] | (index[1] << 4));
+  std::memset(payload, 0, width * bits / 8);
+  for (int64_t c = 0; c < width; ++c) {
+    int cell = 0;
+    while (cell < inner && boundaries[cell] <= rotated[c]) ++cell;
+    quantised += centroids[cell] * centroids[cell];
+    const int64_t bit = c * bits;
+    const int word = cell << (bit % 8);  // at most 11 bits: two bytes
+    payload[bit / 8] |= static_cast<uint8_t>(word);
+    if ((bit % 8) + bits > 8) payload[bit / 8 + 1] |= static_cast<uint8_t>(word >> 8);
   }
   if (norm_correction) {
     const float length = std::sqrt(quantised);
@@ -61,8 +64,8 @@ void encode_vector(const float* x, int64_t dim, int64_t width, const float* rota
 }  // namespace
 
 // rows: float32 or float16 [S, 2, Hkv, D]; mean: float32 [2, Hkv, D] or an empty tensor;
-// rotation: float32 [D', D'] (D ≤ D', D' even); boundaries: float32 [15]; centroids: float32
-// [16] → uint8 [S, 2 · Hkv · (4 + D' / 2)].
+// rotation: float32 [D', D'] (D ≤ D', D' a multiple of 8); boundaries: float32 [2^bits − 1];
+// centroids: float32 [2^bits] (bits 2, 3 or 4) → uint8 [S, 2 · Hkv · (4 + D' · bits / 8)].
 torch::Tensor coded_encode(torch::Tensor rows, torch::Tensor mean, torch::Tensor rotation,
                            torch::Tensor boundaries, torch::Tensor centroids,
                            bool norm_correction) {
@@ -72,11 +75,13 @@ torch::Tensor coded_encode(torch::Tensor rows, torch::Tensor mean, torch::Tensor
   const int64_t count = rows.size(0), kv_heads = rows.size(2), dim = rows.size(3);
   TORCH_CHECK(rotation.dtype() == torch::kFloat32 && rotation.dim() == 2 &&
                   rotation.size(0) == rotation.size(1) && rotation.size(0) >= dim &&
-                  rotation.size(0) % 2 == 0 && rotation.is_contiguous(),
-              "rotation must be contiguous float32 [D', D'], D' even and ≥ D");
-  TORCH_CHECK(boundaries.dtype() == torch::kFloat32 && boundaries.numel() == 15 &&
-                  centroids.dtype() == torch::kFloat32 && centroids.numel() == 16,
-              "a 4-bit codebook: float32 boundaries [15] and centroids [16]");
+                  rotation.size(0) % 8 == 0 && rotation.is_contiguous(),
+              "rotation must be contiguous float32 [D', D'], D' a multiple of 8 and ≥ D");
+  const int64_t levels = centroids.numel();
+  TORCH_CHECK(centroids.dtype() == torch::kFloat32 && (levels == 4 || levels == 8 || levels == 16)
+                  && boundaries.dtype() == torch::kFloat32 && boundaries.numel() == levels - 1,
+              "a codebook of 2, 3 or 4 bits: float32 centroids [2^bits], boundaries [2^bits − 1]");
+  const int bits = levels == 4 ? 2 : (levels == 8 ? 3 : 4);
   const bool centered = mean.numel() > 0;
   if (centered) {
     TORCH_CHECK(mean.dtype() == torch::kFloat32 && mean.numel() == 2 * kv_heads * dim,
@@ -84,7 +89,7 @@ torch::Tensor coded_encode(torch::Tensor rows, torch::Tensor mean, torch::Tensor
     mean = mean.contiguous();
   }
   const int64_t width = rotation.size(0);
-  const int64_t vector_bytes = static_cast<int64_t>(sizeof(float)) + width / 2;
+  const int64_t vector_bytes = static_cast<int64_t>(sizeof(float)) + width * bits / 8;
   const int64_t vectors = 2 * kv_heads;  // per token
   torch::Tensor x = rows.to(torch::kFloat32).contiguous();
   torch::Tensor out = torch::empty({count, vectors * vector_bytes}, torch::kUInt8);
@@ -101,8 +106,8 @@ torch::Tensor coded_encode(torch::Tensor rows, torch::Tensor mean, torch::Tensor
       for (int64_t d = 0; d < dim; ++d) {
         centred[d] = centered ? row[d] - mu[(v % vectors) * dim + d] : row[d];
       }
-      encode_vector(centred.data(), dim, width, r, bounds, table, norm_correction, unit.data(),
-                    rotated.data(), coded + v * vector_bytes);
+      encode_vector(centred.data(), dim, width, bits, r, bounds, table, norm_correction,
+                    unit.data(), rotated.data(), coded + v * vector_bytes);
     }
   });
   return out;

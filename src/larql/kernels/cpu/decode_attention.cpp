@@ -28,36 +28,6 @@ namespace {
 
 constexpr int64_t kChunkRows = 64;  // fewest rows worth a chunk of their own
 
-inline float dot(const float* a, const float* b, int64_t n) {
-#if LARQL_AVX2
-  if (n % 8 == 0) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i += 8) {
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    }
-    return horizontal_sum(acc);
-  }
-#endif
-  float sum = 0.0f;
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-// acc[0:n] += w · row[0:n]
-inline void add_scaled(float* acc, const float* row, float w, int64_t n) {
-#if LARQL_AVX2
-  if (n % 8 == 0) {
-    const __m256 weight = _mm256_set1_ps(w);
-    for (int64_t i = 0; i < n; i += 8) {
-      _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + i),
-                                                _mm256_loadu_ps(acc + i)));
-    }
-    return;
-  }
-#endif
-  for (int64_t i = 0; i < n; ++i) acc[i] += w * row[i];
-}
-
 #if LARQL_AVX2
 // Rows a pass over one K/V head's rows asks for ahead of the one it reads: a head's 4 or 8
 // lines of each row sit a whole row of every head apart, a stride the hardware prefetchers

@@ -1,5 +1,5 @@
-"""turbo-quant's decode step on the CPU through the compiled extension: 4-bit rows encoded by
-`coded_encode` and attended in place by `coded_attention`.
+"""turbo-quant's decode step on the CPU through the compiled extension: rows encoded by
+`coded_encode` and attended in place by `coded_attention` (2, 3 or 4 bits an index).
 
 The torch path decodes every stored row back to floats each step (centroids × norm, plus the
 mean with centering) and concatenates them with the exact rows: ~4 copies of the history a layer
@@ -12,8 +12,8 @@ codec's arithmetic (a coordinate within float rounding of a cell boundary may ta
 neighbouring cell).
 
 Used where it applies: a float32 model on the CPU with the extension built, the rotated-basis
-attention (not `attention=sdpa`, the torch reference), 4-bit `TurboQuantCodec` codes of one
-codec for K and V (`compiled_codes`); the attention also needs a full-attention layer without
+attention (not `attention=sdpa`, the torch reference), `TurboQuantCodec` codes of one codec
+for K and V (`compiled_codes`); the attention also needs a full-attention layer without
 soft caps or attention sinks whose K/V no other layer shares (`coded_kernels`). Everything else
 keeps the torch path.
 """
@@ -47,7 +47,9 @@ def compiled_codes(model: Model, k_codec: RowCodec, v_codec: RowCodec) -> bool:
     (the engine asks only for its rotated-basis attention, not for `attention=sdpa`)."""
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return False
-    if not isinstance(k_codec, TurboQuantCodec) or k_codec.bits != 4 or v_codec is not k_codec:
+    if not isinstance(k_codec, TurboQuantCodec) or v_codec is not k_codec:
+        return False
+    if k_codec.rotated_dim % 8:  # whole bytes per 8 indices at every width (2, 3 or 4 bits)
         return False
     return _kernels() is not None
 
@@ -80,7 +82,7 @@ def encode_rows(
         s = rows.shape[0]
         x = rows.float() if mean is None else rows.float() - mean
         return codec.encode(x.reshape(-1, rows.shape[-1])).view(s, -1)
-    book = codebook(codec.rotated_dim, 4)
+    book = codebook(codec.rotated_dim, codec.bits)
     rotation = rotation_matrix(codec.rotated_dim, torch.float32, rows.device)
     return kernels.coded_encode(
         rows, _or_empty(mean), rotation, book.boundaries, book.centroids, codec.norm_correction
@@ -108,9 +110,10 @@ def attend_coded(
         codes = store.codes.rows  # [n, row_bytes]
     else:
         codes = torch.empty(0, store.row_bytes, dtype=torch.uint8)
+    centroids = codebook(codec.rotated_dim, codec.bits).centroids
     out = kernels.coded_attention(
-        q[:, 0], rotation, codes, store.kv_heads, codebook(codec.rotated_dim, 4).centroids,
-        _or_empty(store.mean), rows, cfg.attn_scale,
+        q[:, 0], rotation, codes, store.kv_heads, centroids, _or_empty(store.mean), rows,
+        cfg.attn_scale,
     )  # fmt: skip  # [Hq, D]
     return out.view(1, cfg.q_dim_of(layer))
 

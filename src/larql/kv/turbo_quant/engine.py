@@ -15,10 +15,10 @@ decoding every row costs. A head width that the codec pads to a power of two D' 
 way: q and the new row are zero-padded (so the padded coordinates, which hold only quantisation
 noise, meet zeros) and the rotated-back output is cut to D.
 
-On the CPU, a float32 model's 4-bit codes are encoded by the compiled extension, and its
-full-attention layers attend over the codes in place (`coded_cpu`: one call per layer scores and
-weighs the coded rows without decoding them into a copy and merges the exact rows), the same
-attention within float32 rounding.
+On the CPU, a float32 model's codes (one codec for K and V) are encoded by the compiled
+extension, and its full-attention layers attend over the codes in place (`coded_cpu`: one call
+per layer scores and weighs the coded rows without decoding them into a copy and merges the
+exact rows), the same attention within float32 rounding.
 
 On CUDA (where Triton runs) the step takes `KernelPath` instead: the codes in fixed slots,
 attention read straight from them with the rotations inside the kernel and the new row encoded by
