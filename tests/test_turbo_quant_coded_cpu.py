@@ -16,7 +16,8 @@ from larql.inference.linear import load_block_kernels
 from larql.kv import parse_engine
 from larql.kv.turbo_quant.codebook import codebook
 from larql.kv.turbo_quant.codec import TurboQuantCodec
-from larql.kv.turbo_quant.coded_cpu import coded_kernels, encode_rows
+from larql.kv.turbo_quant.coded_cpu import coded_kernels
+from larql.kv.turbo_quant.compiled_codec import encode_rows
 from larql.kv.turbo_quant.rotation import rotation_matrix
 from larql.models import Model
 

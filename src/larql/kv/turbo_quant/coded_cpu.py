@@ -1,5 +1,5 @@
-"""turbo-quant's decode step on the CPU through the compiled extension: rows encoded by
-`coded_encode` and attended in place by `coded_attention` (2, 3 or 4 bits an index).
+"""turbo-quant's decode attention on the CPU through the compiled extension: the codes (2, 3 or
+4 bits an index; encoded by `compiled_codec`) attended in place by `coded_attention`.
 
 The torch path decodes every stored row back to floats each step (centroids × norm, plus the
 mean with centering) and concatenates them with the exact rows: ~4 copies of the history a layer
@@ -7,51 +7,29 @@ and step, and some 30 small torch operators per layer whose dispatch costs more 
 arithmetic at a short context. Here one call per layer attends: the extension reads the codes as
 stored, scores the exact rows (sinks, recent rows, the new row) in the model's basis and merges
 the two softmax states (the formulas are in `coded_attention.cpp`), the same attention as the
-torch path's up to float rounding. A leaving row is encoded by one call too, with the torch
-codec's arithmetic (a coordinate within float rounding of a cell boundary may take the
-neighbouring cell).
+torch path's up to float rounding. A leaving row is encoded by one call too
+(`compiled_codec.encode_rows`).
 
 Used where it applies: a float32 model on the CPU with the extension built, the rotated-basis
 attention (not `attention=sdpa`, the torch reference), `TurboQuantCodec` codes of one codec
-for K and V (`compiled_codes`); the attention also needs a full-attention layer without
-soft caps or attention sinks whose K/V no other layer shares (`coded_kernels`). Everything else
-keeps the torch path.
+for K and V (`compiled_codec.compiled_codes`); the attention also needs a full-attention layer
+without soft caps or attention sinks whose K/V no other layer shares (`coded_kernels`).
+Everything else keeps the torch path.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import torch
 
 from larql.inference.layer import effective_window
-from larql.inference.linear import load_block_kernels
 from larql.inference.shared_kv import SharedKv
 from larql.kv.turbo_quant.codebook import codebook
-from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
-from larql.kv.turbo_quant.rotation import rotation_matrix
+from larql.kv.turbo_quant.codec import TurboQuantCodec
+from larql.kv.turbo_quant.compiled_codec import compiled_kernels, or_empty
+from larql.kv.turbo_quant.store import QuantisedLayer
 from larql.models.model import Model
-
-if TYPE_CHECKING:
-    from larql.kv.turbo_quant.store import QuantisedLayer
-
-
-def _kernels() -> ModuleType | None:
-    kernels = load_block_kernels()
-    return kernels if kernels is not None and hasattr(kernels, "coded_encode") else None
-
-
-def compiled_codes(model: Model, k_codec: RowCodec, v_codec: RowCodec) -> bool:
-    """Whether a layer of `model` with these codecs is encoded and attended by the extension
-    (the engine asks only for its rotated-basis attention, not for `attention=sdpa`)."""
-    if model.device.type != "cpu" or model.dtype != torch.float32:
-        return False
-    if not isinstance(k_codec, TurboQuantCodec) or v_codec is not k_codec:
-        return False
-    if k_codec.rotated_dim % 8:  # whole bytes per 8 indices at every width (2, 3 or 4 bits)
-        return False
-    return _kernels() is not None
 
 
 def coded_kernels(
@@ -68,25 +46,7 @@ def coded_kernels(
         return None
     if effective_window(model, layer, None) is not None:
         return None
-    return _kernels()
-
-
-def encode_rows(
-    codec: TurboQuantCodec, rows: torch.Tensor, mean: torch.Tensor | None
-) -> torch.Tensor:
-    """rows [S, 2, Hkv, D] (float32 or float16) minus `mean` [2, Hkv, D] → one code row per
-    token, uint8 [S, row_bytes] ([K heads ; V heads]); the torch codec where the extension is
-    not built."""
-    kernels = _kernels()
-    if kernels is None:
-        s = rows.shape[0]
-        x = rows.float() if mean is None else rows.float() - mean
-        return codec.encode(x.reshape(-1, rows.shape[-1])).view(s, -1)
-    book = codebook(codec.rotated_dim, codec.bits)
-    rotation = rotation_matrix(codec.rotated_dim, torch.float32, rows.device)
-    return kernels.coded_encode(
-        rows, _or_empty(mean), rotation, book.boundaries, book.centroids, codec.norm_correction
-    )
+    return compiled_kernels()
 
 
 def attend_coded(
@@ -112,14 +72,7 @@ def attend_coded(
         codes = torch.empty(0, store.row_bytes, dtype=torch.uint8)
     centroids = codebook(codec.rotated_dim, codec.bits).centroids
     out = kernels.coded_attention(
-        q[:, 0], rotation, codes, store.kv_heads, centroids, _or_empty(store.mean), rows,
+        q[:, 0], rotation, codes, store.kv_heads, centroids, or_empty(store.mean), rows,
         cfg.attn_scale,
     )  # fmt: skip  # [Hq, D]
     return out.view(1, cfg.q_dim_of(layer))
-
-
-_EMPTY = torch.empty(0)
-
-
-def _or_empty(mean: torch.Tensor | None) -> torch.Tensor:
-    return _EMPTY if mean is None else mean

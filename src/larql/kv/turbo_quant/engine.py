@@ -62,7 +62,8 @@ from larql.inference.layer import (
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
-from larql.kv.turbo_quant.coded_cpu import attend_coded, coded_kernels, compiled_codes
+from larql.kv.turbo_quant.coded_cpu import attend_coded, coded_kernels
+from larql.kv.turbo_quant.compiled_codec import compiled_codes
 from larql.kv.turbo_quant.kernel_batch import BatchedKernelStep
 from larql.kv.turbo_quant.kernel_path import KernelPath
 from larql.kv.turbo_quant.rotation import rotation_matrix

@@ -12,7 +12,7 @@ q·(k − μ) differs from q·k by the same constant for every key, so only the 
 changes; μ is added back when the codes are read. On a sliding layer a query sees only the
 last `keep` rows: the layer keeps no sinks, at most `keep` recent rows, and the codes before
 them up to `keep` in all, so the rows it holds are always the contiguous positions before the
-next token's. A `compiled` layer (`coded_cpu.compiled_codes`) is encoded by the CPU extension.
+next token's. A `compiled` layer (`compiled_codec.compiled_codes`) is encoded by the CPU extension.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.kv.rows import GrowableRows
 from larql.kv.turbo_quant.codec import RowCodec
-from larql.kv.turbo_quant.coded_cpu import encode_rows
+from larql.kv.turbo_quant.compiled_codec import encode_rows
 from larql.kv.turbo_quant.recent import RecentRows
 
 

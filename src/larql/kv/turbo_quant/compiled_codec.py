@@ -1,0 +1,62 @@
+"""turbo-quant's rows encoded on the CPU by the compiled extension (`coded_encode`), and whether a
+layer's codes are: a float32 model on the CPU with the extension built, and `TurboQuantCodec`
+codes of one codec for K and V (2, 3 or 4 bits, a rotated width of whole bytes). The arithmetic
+is the torch codec's in another order of float sums, so a coordinate within rounding of a cell
+boundary may take the neighbouring cell; everything else is the codec's bytes.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from larql.inference.linear import load_block_kernels
+from larql.kv.turbo_quant.codebook import codebook
+from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
+from larql.kv.turbo_quant.rotation import rotation_matrix
+from larql.models.model import Model
+
+
+def compiled_kernels() -> ModuleType | None:
+    """The built extension where it has turbo-quant's calls, else None."""
+    kernels = load_block_kernels()
+    return kernels if kernels is not None and hasattr(kernels, "coded_encode") else None
+
+
+def compiled_codes(model: Model, k_codec: RowCodec, v_codec: RowCodec) -> bool:
+    """Whether a layer of `model` with these codecs is encoded and attended by the extension
+    (the engine asks only for its rotated-basis attention, not for `attention=sdpa`)."""
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return False
+    if not isinstance(k_codec, TurboQuantCodec) or v_codec is not k_codec:
+        return False
+    if k_codec.rotated_dim % 8:  # whole bytes per 8 indices at every width (2, 3 or 4 bits)
+        return False
+    return compiled_kernels() is not None
+
+
+def encode_rows(
+    codec: TurboQuantCodec, rows: torch.Tensor, mean: torch.Tensor | None
+) -> torch.Tensor:
+    """rows [S, 2, Hkv, D] (float32 or float16) minus `mean` [2, Hkv, D] → one code row per
+    token, uint8 [S, row_bytes] ([K heads ; V heads]); the torch codec where the extension is
+    not built."""
+    kernels = compiled_kernels()
+    if kernels is None:
+        s = rows.shape[0]
+        x = rows.float() if mean is None else rows.float() - mean
+        return codec.encode(x.reshape(-1, rows.shape[-1])).view(s, -1)
+    book = codebook(codec.rotated_dim, codec.bits)
+    rotation = rotation_matrix(codec.rotated_dim, torch.float32, rows.device)
+    return kernels.coded_encode(
+        rows, or_empty(mean), rotation, book.boundaries, book.centroids, codec.norm_correction
+    )
+
+
+_EMPTY = torch.empty(0)
+
+
+def or_empty(mean: torch.Tensor | None) -> torch.Tensor:
+    """The mean rows, or the empty tensor that tells the extension there are none."""
+    return _EMPTY if mean is None else mean
