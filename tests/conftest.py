@@ -31,6 +31,17 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="session")
+def cpu_kernels():
+    """The CPU extension `make setup` builds, or a skip where it was not built here."""
+    from larql.inference.linear import load_block_kernels
+
+    built = load_block_kernels()
+    if built is None or not hasattr(built, "grouped_attention"):
+        pytest.skip("the CPU kernels are not built")
+    return built
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> Model:
     """Float weights: the engines' exactness relations compare one-row decode products with
     many-row prefill ones, which only the float path computes alike (the block path has its

@@ -1,18 +1,19 @@
 """turbo-quant's CPU attention over the stored codes in place (`kv/turbo_quant/coded_cpu`):
-the extension's coded-rows state against a softmax over the codec's decoded rows, and the
-engine's step on the real model against the torch path that decodes the whole history."""
+the extension's attention against a softmax over the codec's decoded rows and the exact rows,
+and the engine's step on the real model (kv-quant's too) against the torch path that decodes
+the whole history."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import larql.kv.kv_quant.engine as kv_engine_module
 import larql.kv.turbo_quant.engine as engine_module
 from larql.data import default_text
 from larql.harness.contexts import context_ids
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import GenerationSession, step_together
-from larql.inference.linear import load_block_kernels
 from larql.kv import parse_engine
 from larql.kv.turbo_quant.codebook import codebook
 from larql.kv.turbo_quant.codec import TurboQuantCodec
@@ -20,14 +21,6 @@ from larql.kv.turbo_quant.coded_cpu import coded_kernels
 from larql.kv.turbo_quant.compiled_codec import encode_rows
 from larql.kv.turbo_quant.rotation import rotation_matrix
 from larql.models import Model
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    built = load_block_kernels()
-    if built is None or not hasattr(built, "coded_encode"):
-        pytest.skip("the CPU kernels are not built")
-    return built
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -44,7 +37,7 @@ def kernels():
     ],
 )
 def test_coded_attention_is_the_softmax_over_the_decoded_and_exact_rows(
-    kernels, rows: int, heads: int, kv_heads: int, width: int, centered: bool, bits: int
+    cpu_kernels, rows: int, heads: int, kv_heads: int, width: int, centered: bool, bits: int
 ) -> None:
     g = torch.Generator().manual_seed(rows)
     codec = TurboQuantCodec(width, bits, norm_correction=True)
@@ -61,7 +54,7 @@ def test_coded_attention_is_the_softmax_over_the_decoded_and_exact_rows(
     scale = 0.125
     rotation = rotation_matrix(width, torch.float32, "cpu")
     no_mean = torch.empty(0) if mean is None else mean
-    out = kernels.coded_attention(
+    out = cpu_kernels.coded_attention(
         q, rotation, codes, kv_heads, codebook(width, bits).centroids, no_mean, exact, scale
     )
     group = heads // kv_heads
@@ -82,16 +75,16 @@ def test_coded_attention_is_the_softmax_over_the_decoded_and_exact_rows(
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=2e-5)
 
 
-def test_coded_attention_refuses_rows_of_another_shape(kernels) -> None:
+def test_coded_attention_refuses_rows_of_another_shape(cpu_kernels) -> None:
     codes = torch.zeros(4, 100, dtype=torch.uint8)
     rotation, exact = torch.eye(64), [torch.zeros(1, 2, 3, 64)]
     with pytest.raises(RuntimeError, match="a key and a value vector per K/V head"):
-        kernels.coded_attention(
+        cpu_kernels.coded_attention(
             torch.zeros(9, 64), rotation, codes, 3, torch.zeros(16), torch.empty(0), exact, 1.0
         )
     with pytest.raises(RuntimeError, match=r"exact rows must be \[E, 2, Hkv, D\]"):
         no_codes = torch.zeros(0, 216, dtype=torch.uint8)
-        kernels.coded_attention(
+        cpu_kernels.coded_attention(
             torch.zeros(9, 64), rotation, no_codes, 3, torch.zeros(16), torch.empty(0),
             [torch.zeros(1, 3, 64)], 1.0,
         )  # fmt: skip
@@ -99,7 +92,7 @@ def test_coded_attention_refuses_rows_of_another_shape(kernels) -> None:
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize(("width", "dim"), [(64, 64), (128, 128), (64, 48)])
-def test_compiled_encoding_is_the_codecs(kernels, width: int, dim: int, bits: int) -> None:
+def test_compiled_encoding_is_the_codecs(cpu_kernels, width: int, dim: int, bits: int) -> None:
     """The extension's codes are the torch codec's bytes, but for a coordinate that float
     rounding puts on the other side of a cell boundary; the norms agree to rounding."""
     g = torch.Generator().manual_seed(width + dim)
@@ -126,32 +119,39 @@ def test_compiled_encoding_is_the_codecs(kernels, width: int, dim: int, bits: in
         assert ((indices_got - indices_want).abs()[differ] == 1).all()
 
 
-SPECS = ["turbo-quant", "turbo-quant:center=0,sinks=0,recent=0", "turbo-quant:bits=3",
-         "turbo-quant:bits=2"]  # fmt: skip
+SPECS = [
+    "turbo-quant",
+    "turbo-quant:center=0,sinks=0,recent=0",
+    "turbo-quant:bits=3",
+    "turbo-quant:bits=2",
+    # kv-quant's integer codes (`kv/kv_quant/compiled`): the same step through its own call
+    "kv-quant",
+    "kv-quant:bits=8,group=64,rotate=1",
+    "kv-quant:bits=2,group=64,rotate=1,recent=64,recent_bits=8,sinks=4",
+]
 
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_the_step_over_codes_is_the_step_over_the_decoded_history(
-    kernels, spec: str, smollm2: Model, monkeypatch
+    cpu_kernels, spec: str, smollm2: Model, monkeypatch
 ) -> None:
     """Every layer's attention output of three decode steps after a 200-token prompt, both
     ways on the same state: within float32 rounding of each other."""
     ids = context_ids(smollm2, 200, default_text())
-    original = engine_module.TurboQuantEngine._attend_and_share
+    engine = parse_engine(spec).build(smollm2)
+    in_place = engine._attend_in_place
     gaps: list[float] = []
 
-    def both(self, model, layer, q, k, v, rotation, shared):
-        store = self._layers[layer]
-        assert engine_module.coded_kernels(model, layer, store, rotation, shared) is not None
-        got = original(self, model, layer, q, k, v, rotation, shared)
-        keys, values = self._history_with_row(model, layer, k, v, rotation)
-        want = self._attend_in_basis(model, layer, q, keys, values, rotation)
+    def both(model, layer, q, k, v, rotation, shared):
+        got = in_place(model, layer, q, k, v, rotation, shared)
+        assert got is not None
+        keys, values = engine._history_with_row(model, layer, k, v, rotation)
+        want = engine._attend_in_basis(model, layer, q, keys, values, rotation)
         gaps.append(((got - want).abs().max() / want.abs().max()).item())
         return want
 
-    monkeypatch.setattr(engine_module.TurboQuantEngine, "_attend_and_share", both)
-    session = GenerationSession(parse_engine(spec).build(smollm2), smollm2, DenseFfn(smollm2),
-                                ids, 8, stop_ids=frozenset())  # fmt: skip
+    monkeypatch.setattr(engine, "_attend_in_place", both)
+    session = GenerationSession(engine, smollm2, DenseFfn(smollm2), ids, 8, stop_ids=frozenset())
     session.prefill()
     for _ in range(3):
         session.step()
@@ -159,12 +159,15 @@ def test_the_step_over_codes_is_the_step_over_the_decoded_history(
     assert max(gaps) < 2e-5
 
 
-def test_batched_steps_over_codes_equal_each_session_alone(kernels, smollm2: Model) -> None:
+@pytest.mark.parametrize("spec", ["turbo-quant", "kv-quant"])
+def test_batched_steps_over_codes_equal_each_session_alone(
+    cpu_kernels, spec: str, smollm2: Model
+) -> None:
     prompts = [context_ids(smollm2, n, default_text()) for n in (40, 90)]
     ffn = DenseFfn(smollm2)
 
     def sessions():
-        made = [GenerationSession(parse_engine("turbo-quant").build(smollm2), smollm2, ffn, p,
+        made = [GenerationSession(parse_engine(spec).build(smollm2), smollm2, ffn, p,
                                   8, stop_ids=frozenset()) for p in prompts]  # fmt: skip
         for s in made:
             s.prefill()
@@ -190,18 +193,27 @@ def test_the_torch_path_keeps_what_the_kernel_does_not_cover(smollm2: Model, smo
         assert coded_kernels(model, 0, engine._layers[0], rotation, shared) is None
 
 
-def test_attention_sdpa_keeps_the_path_that_decodes(smollm2: Model, monkeypatch) -> None:
-    """`attention=sdpa` is the torch reference: it decodes the rows even where the kernel runs."""
+@pytest.mark.parametrize(
+    ("module", "call", "torch_path", "in_place"),
+    [
+        # `attention=sdpa` is the torch reference: it decodes the rows where the kernel runs
+        (engine_module, "attend_coded", "turbo-quant:attention=sdpa", "turbo-quant"),
+        (kv_engine_module, "attend_grouped", "kv-quant:format=fp8", "kv-quant"),  # no fp8 kernel
+    ],
+)
+def test_what_keeps_the_path_that_decodes(
+    smollm2: Model, monkeypatch, module, call: str, torch_path: str, in_place: str
+) -> None:
     calls: list[int] = []
-    original = engine_module.attend_coded
+    original = getattr(module, call)
 
     def counted(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "attend_coded", counted)
+    monkeypatch.setattr(module, call, counted)
     ids = context_ids(smollm2, 60, default_text())
-    for spec, expected in (("turbo-quant:attention=sdpa", 0), ("turbo-quant", 30)):
+    for spec, expected in ((torch_path, 0), (in_place, smollm2.config.num_layers)):
         calls.clear()
         session = GenerationSession(parse_engine(spec).build(smollm2), smollm2,
                                     DenseFfn(smollm2), ids, 4, stop_ids=frozenset())  # fmt: skip

@@ -21,6 +21,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
 torch::Tensor coded_attention(torch::Tensor q, torch::Tensor rotation, torch::Tensor codes,
                               int64_t kv_heads, torch::Tensor centroids, torch::Tensor mean,
                               std::vector<torch::Tensor> exact, double scale);
+torch::Tensor grouped_attention(torch::Tensor q, torch::Tensor rotation, torch::Tensor codes,
+                                int64_t kv_heads, int64_t bits, int64_t group, int64_t width,
+                                std::vector<torch::Tensor> exact, double scale);
 torch::Tensor coded_encode(torch::Tensor rows, torch::Tensor mean, torch::Tensor rotation,
                            torch::Tensor boundaries, torch::Tensor centroids,
                            bool norm_correction);
@@ -43,6 +46,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("coded_attention", &larql::coded_attention,
         "one query's attention over turbo-quant's 4-bit coded rows (in place) and exact rows",
         no_gil);
+  m.def("grouped_attention", &larql::grouped_attention,
+        "one query's attention over kv-quant's integer codes (in place) and exact rows", no_gil);
   m.def("coded_encode", &larql::coded_encode, "K/V rows → turbo-quant's 4-bit coded rows",
         no_gil);
   m.def("decode_layers_batch", &larql::decode_layers_batch,

@@ -22,9 +22,11 @@
 #include <torch/types.h>
 
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -91,12 +93,13 @@ void attend_coded_head(const float* q, int64_t group, int64_t width, int bits,
 #define LARQL_CODED_512 1
 constexpr int64_t kMaxGroup = 8;  // query heads a K/V head, for the vectorised loop
 
-// 16 indices of `Bits` bits (2 · Bits payload bytes from `bytes`) → their 16 centroids, by a
-// permute of the table (the 2^Bits centroids in its first lanes).
+// 16 indices of `Bits` bits (2 · Bits bytes of the bit stream from `bytes`) → 16 int32 lanes.
 template <int Bits>
-inline __m512 decode16(const uint8_t* bytes, __m512 table) {
+inline __m512i indices16(const uint8_t* bytes) {
   __m512i index;
-  if constexpr (Bits == 4) {  // two a byte, the low nibble first
+  if constexpr (Bits == 8) {
+    index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  } else if constexpr (Bits == 4) {  // two a byte, the low nibble first
     const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
     const __m128i nibble = _mm_set1_epi8(0x0f);
     const __m128i low = _mm_and_si128(packed, nibble);
@@ -123,7 +126,14 @@ inline __m512 decode16(const uint8_t* bytes, __m512 table) {
     const __m256i lanes = _mm256_and_si256(_mm256_srlv_epi16(pairs, shifts), _mm256_set1_epi16(7));
     index = _mm512_cvtepu16_epi32(lanes);
   }
-  return _mm512_permutexvar_ps(index, table);
+  return index;
+}
+
+// 16 indices → their 16 centroids, by a permute of the table (the 2^Bits centroids in its first
+// lanes).
+template <int Bits>
+inline __m512 decode16(const uint8_t* bytes, __m512 table) {
+  return _mm512_permutexvar_ps(indices16<Bits>(bytes), table);
 }
 
 // One coded vector (16 · V wide) → its centroids in `decoded`; → its norm.
@@ -243,6 +253,182 @@ void merge_exact(const float* q, int64_t group, int64_t dim, const std::vector<t
 
 }  // namespace
 
+namespace {
+
+// A codec's part of the attention: the coded state (m, l, acc̃ [group, width]) of rows
+// first.. first + rows − 1 for K/V head g's query heads, from their queries in the codes' basis
+// (`queries` [group, width]) and shifts (scale · q·μ_K, or zeros).
+using ChunkState = std::function<void(const float* queries, const float* shift, int64_t g,
+                                      int64_t first, int64_t rows, float* m, float* l,
+                                      float* acc)>;
+
+void check_exact(std::vector<torch::Tensor>& exact, int64_t kv_heads, int64_t dim) {
+  int64_t rows = 0;
+  for (torch::Tensor& part : exact) {
+    TORCH_CHECK(part.dim() == 4 && part.size(1) == 2 && part.size(2) == kv_heads &&
+                    part.size(3) == dim,
+                "exact rows must be [E, 2, Hkv, D]");
+    part = part.to(torch::kFloat32).contiguous();
+    rows += part.size(0);
+  }
+  TORCH_CHECK(rows > 0, "at least one exact row (the new one) is attended");
+}
+
+// The attention both codecs share (the header's formulas): the queries into the codes' basis of
+// `width` floats — [q, 0] · R, R [Rn, Rn] with D ≤ Rn ≤ width (the rest zeros), or [q, 0]
+// where `rotation` is empty — the coded rows in chunks × K/V heads over the threads
+// (`state`), the chunks combined and rotated back, and the exact rows merged.
+torch::Tensor attend_quantised(torch::Tensor q, const torch::Tensor& rotation, int64_t width,
+                               int64_t n, int64_t kv_heads, torch::Tensor mean,
+                               std::vector<torch::Tensor>& exact, double scale,
+                               const ChunkState& state) {
+  const int64_t heads = q.size(0), dim = q.size(1), group = heads / kv_heads;
+  const bool rotated = rotation.numel() > 0;
+  const int64_t turned = rotated ? rotation.size(0) : 0;  // the rotation's width
+  const bool centered = mean.numel() > 0;
+  if (centered) {
+    TORCH_CHECK(mean.dtype() == torch::kFloat32 && mean.numel() == 2 * kv_heads * dim,
+                "mean must be float32 [2, Hkv, D]");
+    mean = mean.contiguous();
+  }
+  check_exact(exact, kv_heads, dim);
+  int64_t exact_rows = 0;
+  for (const torch::Tensor& part : exact) exact_rows += part.size(0);
+  torch::Tensor out = torch::empty({heads, dim}, q.options());
+  const float* qs = q.data_ptr<float>();
+  const float* r = rotated ? rotation.data_ptr<float>() : nullptr;
+  const float* mu = centered ? mean.data_ptr<float>() : nullptr;
+  const float fscale = static_cast<float>(scale);
+  // q̃ per query head, and shift = scale · q·μ_K (the model's basis)
+  std::vector<float> queries(heads * width, 0.0f), shift(heads, 0.0f);
+  for (int64_t h = 0; h < heads && n > 0; ++h) {
+    float* qr = queries.data() + h * width;
+    for (int64_t i = 0; i < dim; ++i) {
+      const float x = qs[h * dim + i];
+      if (!rotated) {
+        qr[i] = x;
+        continue;
+      }
+      for (int64_t c = 0; c < turned; ++c) qr[c] += x * r[i * turned + c];
+    }
+    if (centered) shift[h] = fscale * dot(qs + h * dim, mu + (h / group) * dim, dim);
+  }
+  // the coded rows in chunks × K/V heads, over the threads: each chunk's (m, l, acc̃)
+  const int64_t chunks =
+      n == 0 ? 0 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kChunkRows));
+  const int64_t per_chunk = chunks ? (n + chunks - 1) / chunks : 0;
+  std::vector<float> maxima(chunks * heads), sums(chunks * heads), partial(chunks * heads * width);
+  at::parallel_for(0, chunks * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t c = unit / kv_heads, g = unit % kv_heads, h = g * group;
+      const int64_t first = c * per_chunk, rows = std::min(n, first + per_chunk) - first;
+      state(queries.data() + h * width, shift.data() + h, g, first, rows,
+            maxima.data() + c * heads + h, sums.data() + c * heads + h,
+            partial.data() + (c * heads + h) * width);
+    }
+  });
+  // per query head: the chunks combined, acc̃ back in the model's basis + l · μ_V, then merged
+  // with the exact rows (a few µs a head: over the threads only where the exact rows are many)
+  const int64_t merge_grain = exact_rows >= kChunkRows ? 1 : kv_heads;
+  at::parallel_for(0, kv_heads, merge_grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc_coded(width), acc(group * dim), m(group), l(group);
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t j = 0; j < group; ++j) {
+        const int64_t h = g * group + j;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < chunks; ++c) top = std::max(top, maxima[c * heads + h]);
+        float total = 0.0f;
+        std::fill(acc_coded.begin(), acc_coded.end(), 0.0f);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float weight = std::exp(maxima[c * heads + h] - top);
+          total += weight * sums[c * heads + h];
+          add_scaled(acc_coded.data(), partial.data() + (c * heads + h) * width, weight, width);
+        }
+        m[j] = top;
+        l[j] = total;  // 0 without coded rows
+        float* back = acc.data() + j * dim;
+        const float* mean_v = centered ? mu + (kv_heads + g) * dim : nullptr;
+        for (int64_t d = 0; d < dim; ++d) {
+          back[d] = (centered ? total * mean_v[d] : 0.0f) + (rotated ? 0.0f : acc_coded[d]);
+        }
+        for (int64_t i = 0; i < turned && chunks; ++i) {
+          const float x = acc_coded[i];
+          for (int64_t d = 0; d < dim; ++d) back[d] += x * r[i * turned + d];
+        }
+      }
+      merge_exact(qs + g * group * dim, group, dim, exact, kv_heads, g, fscale, m.data(), l.data(),
+                  acc.data(), out.data_ptr<float>() + g * group * dim);
+    }
+  });
+  return out;
+}
+
+// One vector of kv-quant's codes ([scales: G float16][zero points: G float16][indices of `bits`
+// bits]) → decoded [G · group]: per group, index · scale + zero point.
+void decode_grouped(const uint8_t* vector, int bits, int64_t group, int64_t groups,
+                    float* decoded) {
+  const uint8_t* codes = vector + 4 * groups;
+  for (int64_t j = 0; j < groups; ++j) {
+    uint16_t scale_bits, zero_bits;
+    std::memcpy(&scale_bits, vector + 2 * j, sizeof(uint16_t));
+    std::memcpy(&zero_bits, vector + 2 * (groups + j), sizeof(uint16_t));
+    const float s = c10::detail::fp16_ieee_to_fp32_value(scale_bits);
+    const float z = c10::detail::fp16_ieee_to_fp32_value(zero_bits);
+    float* out = decoded + j * group;
+    int64_t i = 0;
+#if LARQL_CODED_512
+    if (group % 16 == 0) {
+      const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
+      for (; i < group; i += 16) {
+        const uint8_t* at = codes + (j * group + i) * bits / 8;
+        const __m512i index = bits == 8   ? indices16<8>(at)
+                              : bits == 4 ? indices16<4>(at)
+                                          : indices16<2>(at);
+        _mm512_storeu_ps(out + i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(index), vs, vz));
+      }
+    }
+#endif
+    for (; i < group; ++i) {
+      out[i] = static_cast<float>(index_at(codes, j * group + i, bits)) * s + z;
+    }
+  }
+}
+
+// kv-quant's chunk state: each row's key and value vectors decoded into a buffer, the scores'
+// dot products and the weighted values over it.
+void attend_grouped_head(const float* q, const float* shift, int64_t group, int64_t width,
+                         int bits, int64_t code_group, const uint8_t* codes, int64_t n,
+                         int64_t row_bytes, int64_t key_at, int64_t value_at, float scale,
+                         float* m, float* l, float* acc) {
+  const int64_t groups = width / code_group;
+  std::vector<float> scores(group * n), decoded(width);
+  for (int64_t t = 0; t < n; ++t) {
+    decode_grouped(codes + t * row_bytes + key_at, bits, code_group, groups, decoded.data());
+    for (int64_t j = 0; j < group; ++j) {
+      scores[j * n + t] = scale * dot(q + j * width, decoded.data(), width) + shift[j];
+    }
+  }
+  exponentiate(scores.data(), group, n, m, l);
+  std::fill(acc, acc + group * width, 0.0f);
+  for (int64_t t = 0; t < n; ++t) {
+    decode_grouped(codes + t * row_bytes + value_at, bits, code_group, groups, decoded.data());
+    for (int64_t j = 0; j < group; ++j) {
+      add_scaled(acc + j * width, decoded.data(), scores[j * n + t], width);
+    }
+  }
+}
+
+void check_queries_and_codes(const torch::Tensor& q, const torch::Tensor& codes,
+                             int64_t kv_heads) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 2, "q must be float32 [Hq, D]");
+  TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous(),
+              "codes must be contiguous uint8 [n, row_bytes]");
+  TORCH_CHECK(kv_heads > 0 && q.size(0) % kv_heads == 0,
+              "query heads must be a multiple of K/V heads");
+}
+
+}  // namespace
+
 // q: float32 [Hq, D] in the model's basis; rotation: float32 [D', D'] (D ≤ D'); codes: uint8
 // [n, row_bytes] (row_bytes = 2 · Hkv · (4 + D' · bits / 8); n may be 0); centroids: float32
 // [2^bits] (their count gives the bits); mean: float32 [2, Hkv, D] (μ_K, μ_V) or an empty tensor
@@ -251,119 +437,77 @@ void merge_exact(const float* q, int64_t group, int64_t dim, const std::vector<t
 torch::Tensor coded_attention(torch::Tensor q, torch::Tensor rotation, torch::Tensor codes,
                               int64_t kv_heads, torch::Tensor centroids, torch::Tensor mean,
                               std::vector<torch::Tensor> exact, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 2, "q must be float32 [Hq, D]");
+  check_queries_and_codes(q, codes, kv_heads);
   q = q.contiguous();
-  const int64_t heads = q.size(0), dim = q.size(1), n = codes.size(0);
   TORCH_CHECK(rotation.dtype() == torch::kFloat32 && rotation.dim() == 2 &&
-                  rotation.size(0) == rotation.size(1) && rotation.size(0) >= dim &&
+                  rotation.size(0) == rotation.size(1) && rotation.size(0) >= q.size(1) &&
                   rotation.is_contiguous(),
               "rotation must be contiguous float32 [D', D'] with D' ≥ D");
   const int64_t width = rotation.size(0);
-  TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous(),
-              "codes must be contiguous uint8 [n, row_bytes]");
   const int64_t levels = centroids.numel();
   TORCH_CHECK(centroids.dtype() == torch::kFloat32 && (levels == 4 || levels == 8 || levels == 16),
               "centroids must be float32 [2^bits], bits 2, 3 or 4");
   const int bits = levels == 4 ? 2 : (levels == 8 ? 3 : 4);
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of K/V heads");
   TORCH_CHECK(width % 8 == 0, "the rotated width must be a multiple of 8");
   const int64_t vector_bytes = kNormBytes + width * bits / 8;
   TORCH_CHECK(codes.size(1) == 2 * kv_heads * vector_bytes,
               "codes' rows must hold a key and a value vector per K/V head");
-  const bool centered = mean.numel() > 0;
-  if (centered) {
-    TORCH_CHECK(mean.dtype() == torch::kFloat32 && mean.numel() == 2 * kv_heads * dim,
-                "mean must be float32 [2, Hkv, D]");
-    mean = mean.contiguous();
-  }
-  int64_t exact_rows = 0;
-  for (torch::Tensor& part : exact) {
-    TORCH_CHECK(part.dim() == 4 && part.size(1) == 2 && part.size(2) == kv_heads &&
-                    part.size(3) == dim,
-                "exact rows must be [E, 2, Hkv, D]");
-    part = part.to(torch::kFloat32).contiguous();
-    exact_rows += part.size(0);
-  }
-  TORCH_CHECK(exact_rows > 0, "at least one exact row (the new one) is attended");
-  const int64_t group = heads / kv_heads;
-  torch::Tensor out = torch::empty({heads, dim}, q.options());
-  const float* qs = q.data_ptr<float>();
-  const float* r = rotation.data_ptr<float>();
-  const float* mu = centered ? mean.data_ptr<float>() : nullptr;
-  const float fscale = static_cast<float>(scale);
-  // q̃ = [q, 0] · R per query head, and shift = scale · q·μ_K (the model's basis)
-  std::vector<float> rotated(heads * width, 0.0f), shift(heads, 0.0f);
-  for (int64_t h = 0; h < heads && n > 0; ++h) {
-    float* qr = rotated.data() + h * width;
-    for (int64_t i = 0; i < dim; ++i) {
-      const float x = qs[h * dim + i];
-      for (int64_t c = 0; c < width; ++c) qr[c] += x * r[i * width + c];
-    }
-    if (centered) {
-      shift[h] = fscale * dot(qs + h * dim, mu + (h / group) * dim, dim);
-    }
-  }
-  // the coded rows in chunks × K/V heads, over the threads: each chunk's (m, l, acc̃)
-  const int64_t chunks =
-      n == 0 ? 0 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kChunkRows));
-  const int64_t per_chunk = chunks ? (n + chunks - 1) / chunks : 0;
-  std::vector<float> maxima(chunks * heads), sums(chunks * heads), partial(chunks * heads * width);
+  const int64_t group = q.size(0) / kv_heads, row_bytes = codes.size(1);
   const uint8_t* data = codes.data_ptr<uint8_t>();
   const float* table = centroids.data_ptr<float>();
-  const int64_t row_bytes = codes.size(1);
-  at::parallel_for(0, chunks * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t c = unit / kv_heads, g = unit % kv_heads, h = g * group;
-      const int64_t first = c * per_chunk, rows = std::min(n, first + per_chunk) - first;
-      const uint8_t* chunk = data + first * row_bytes;
-      const int64_t key_at = g * vector_bytes, value_at = (kv_heads + g) * vector_bytes;
-      float* m = maxima.data() + c * heads + h;
-      float* l = sums.data() + c * heads + h;
-      float* acc = partial.data() + (c * heads + h) * width;
+  const float fscale = static_cast<float>(scale);
+  const ChunkState state = [&](const float* queries, const float* shift, int64_t g,
+                               int64_t first, int64_t rows, float* m, float* l, float* acc) {
+    const uint8_t* chunk = data + first * row_bytes;
+    const int64_t key_at = g * vector_bytes, value_at = (kv_heads + g) * vector_bytes;
 #if LARQL_CODED_512
-      if (const CodedHead head = coded_head_512(width, bits, group)) {
-        head(rotated.data() + h * width, group, chunk, rows, row_bytes, key_at, value_at, table,
-             shift.data() + h, fscale, m, l, acc);
-        continue;
-      }
+    if (const CodedHead head = coded_head_512(width, bits, group)) {
+      head(queries, group, chunk, rows, row_bytes, key_at, value_at, table, shift, fscale, m, l,
+           acc);
+      return;
+    }
 #endif
-      attend_coded_head(rotated.data() + h * width, group, width, bits, chunk, rows, row_bytes,
-                        key_at, value_at, table, shift.data() + h, fscale, m, l, acc);
-    }
-  });
-  // per query head: the chunks combined, acc̃ · R + l · μ_V, then merged with the exact rows
-  // (a few µs a head: over the threads only where the exact rows are many)
-  const int64_t merge_grain = exact_rows >= kChunkRows ? 1 : kv_heads;
-  at::parallel_for(0, kv_heads, merge_grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc_rotated(width), acc(group * dim), m(group), l(group);
-    for (int64_t g = begin; g < end; ++g) {
-      for (int64_t j = 0; j < group; ++j) {
-        const int64_t h = g * group + j;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < chunks; ++c) top = std::max(top, maxima[c * heads + h]);
-        float total = 0.0f;
-        std::fill(acc_rotated.begin(), acc_rotated.end(), 0.0f);
-        for (int64_t c = 0; c < chunks; ++c) {
-          const float weight = std::exp(maxima[c * heads + h] - top);
-          total += weight * sums[c * heads + h];
-          const float* part = partial.data() + (c * heads + h) * width;
-          for (int64_t i = 0; i < width; ++i) acc_rotated[i] += weight * part[i];
-        }
-        m[j] = top;
-        l[j] = total;  // 0 without coded rows
-        float* back = acc.data() + j * dim;
-        const float* mean_v = centered ? mu + (kv_heads + g) * dim : nullptr;
-        for (int64_t d = 0; d < dim; ++d) back[d] = centered ? total * mean_v[d] : 0.0f;
-        for (int64_t i = 0; i < width && chunks; ++i) {
-          const float x = acc_rotated[i];
-          for (int64_t d = 0; d < dim; ++d) back[d] += x * r[i * width + d];
-        }
-      }
-      merge_exact(qs + g * group * dim, group, dim, exact, kv_heads, g, fscale, m.data(), l.data(),
-                  acc.data(), out.data_ptr<float>() + g * group * dim);
-    }
-  });
-  return out;
+    attend_coded_head(queries, group, width, bits, chunk, rows, row_bytes, key_at, value_at,
+                      table, shift, fscale, m, l, acc);
+  };
+  return attend_quantised(q, rotation, width, codes.size(0), kv_heads, mean, exact, scale, state);
+}
+
+// kv-quant's codes (`IntCodec`): q: float32 [Hq, D]; rotation: float32 [Rn, Rn] (D ≤ Rn, the
+// Walsh–Hadamard rotation the rows were coded after) or an empty tensor; codes: uint8 [n,
+// row_bytes], each vector [scales: G float16][zero points: G float16][G · group indices of
+// `bits` ∈ {2, 4, 8} bits], width = G · group ≥ Rn (or D) → out float32 [Hq, D].
+torch::Tensor grouped_attention(torch::Tensor q, torch::Tensor rotation, torch::Tensor codes,
+                                int64_t kv_heads, int64_t bits, int64_t group, int64_t width,
+                                std::vector<torch::Tensor> exact, double scale) {
+  check_queries_and_codes(q, codes, kv_heads);
+  q = q.contiguous();
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
+  TORCH_CHECK(group > 0 && width % group == 0 && width * bits % 8 == 0 && width % 8 == 0,
+              "width must be whole groups, a multiple of 8");
+  const bool rotated = rotation.numel() > 0;
+  if (rotated) {
+    TORCH_CHECK(rotation.dtype() == torch::kFloat32 && rotation.dim() == 2 &&
+                    rotation.size(0) == rotation.size(1) && rotation.size(0) >= q.size(1) &&
+                    rotation.size(0) <= width && rotation.is_contiguous(),
+                "rotation must be contiguous float32 [Rn, Rn] with D ≤ Rn ≤ width");
+  }
+  TORCH_CHECK(width >= q.size(1), "width must hold the head");
+  const int64_t vector_bytes = 4 * (width / group) + width * bits / 8;
+  TORCH_CHECK(codes.size(1) == 2 * kv_heads * vector_bytes,
+              "codes' rows must hold a key and a value vector per K/V head");
+  const int64_t heads_per = q.size(0) / kv_heads, row_bytes = codes.size(1);
+  const uint8_t* data = codes.data_ptr<uint8_t>();
+  const float fscale = static_cast<float>(scale);
+  const int code_bits = static_cast<int>(bits);
+  const ChunkState state = [&](const float* queries, const float* shift, int64_t g,
+                               int64_t first, int64_t rows, float* m, float* l, float* acc) {
+    attend_grouped_head(queries, shift, heads_per, width, code_bits, group,
+                        data + first * row_bytes, rows, row_bytes, g * vector_bytes,
+                        (kv_heads + g) * vector_bytes, fscale, m, l, acc);
+  };
+  return attend_quantised(q, rotation, width, codes.size(0), kv_heads, torch::empty({0}), exact,
+                          scale, state);
 }
 
 }  // namespace larql

@@ -3,13 +3,19 @@ groups of int8 / int4 / int2 (a scale and a zero point each) or fp8 e4m3 (a scal
 optionally after a Walsh–Hadamard rotation, optionally with the newest rows (KIVI's residual)
 and the first rows kept exact. The state policy is turbo-quant's torch path (the same store of
 sinks, codes and recent rows, the same decoded attention); only the codec differs, so the two
-are compared at equal bytes on equal terms."""
+are compared at equal bytes on equal terms. On the CPU a float32 model's integer codes are
+attended in place by the compiled extension (`compiled`), as turbo-quant's are."""
 
 from __future__ import annotations
 
+import torch
+
+from larql.inference.shared_kv import SharedKv
 from larql.kv.kv_quant.codecs import Fp8Codec, IntCodec
+from larql.kv.kv_quant.compiled import attend_grouped, grouped_kernels
 from larql.kv.turbo_quant.codec import RowCodec
 from larql.kv.turbo_quant.engine import TurboQuantEngine, exact_rows_label
+from larql.models.model import Model
 
 
 class KvQuantEngine(TurboQuantEngine):
@@ -60,3 +66,22 @@ class KvQuantEngine(TurboQuantEngine):
         if self.recent and self.recent_bits != 16:
             parts.append(f"recent_bits={self.recent_bits}")
         return ",".join(parts)
+
+    def _attend_in_place(
+        self,
+        model: Model,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotation: torch.Tensor | None,
+        shared: SharedKv,
+    ) -> torch.Tensor | None:
+        """The attention over the integer codes in the CPU extension (`compiled`), or None."""
+        assert self._layers is not None
+        store = self._layers[layer]
+        kernels = grouped_kernels(model, layer, store, shared)
+        if kernels is None:
+            return None
+        with self._profiler.stage("attention", model.device):
+            return attend_grouped(kernels, model, layer, store, q, k, v)

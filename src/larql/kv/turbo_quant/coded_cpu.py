@@ -32,19 +32,25 @@ from larql.kv.turbo_quant.store import QuantisedLayer
 from larql.models.model import Model
 
 
+def attends_in_place(model: Model, layer: int, shared: SharedKv) -> bool:
+    """Whether a layer's decode attention can run over its stored codes in the extension: a
+    float32 model on the CPU, a full-attention layer without soft caps or attention sinks, whose
+    K/V no other layer shares."""
+    if model.device.type != "cpu" or model.dtype != torch.float32 or shared.is_source(layer):
+        return False
+    if model.config.arch.attn_softcap is not None:
+        return False
+    if model.weights.layers[layer].attn_sinks is not None:
+        return False
+    return effective_window(model, layer, None) is None
+
+
 def coded_kernels(
     model: Model, layer: int, store: QuantisedLayer, rotation: torch.Tensor | None,
     shared: SharedKv,
 ) -> ModuleType | None:  # fmt: skip
     """The extension where this layer's step attends over its codes in place, else None."""
-    if rotation is None or not store.compiled or shared.is_source(layer):
-        return None
-    if (
-        model.config.arch.attn_softcap is not None
-        or model.weights.layers[layer].attn_sinks is not None
-    ):
-        return None
-    if effective_window(model, layer, None) is not None:
+    if rotation is None or not store.compiled or not attends_in_place(model, layer, shared):
         return None
     return compiled_kernels()
 
@@ -63,16 +69,23 @@ def attend_coded(
     [Hkv, 1, D] (stored by the caller after the step) → [1, q_dim]."""
     cfg = model.config
     codec: TurboQuantCodec = store.layout.k_codec  # type: ignore[assignment]
-    exact = [part for part in (store.sinks, store.recent) if len(part)]
-    rows = [part.rows for part in exact]  # each [E, 2, Hkv, D] float16 / float32
-    rows.append(torch.stack((k[:, 0], v[:, 0])).unsqueeze(0))  # the new row [1, 2, Hkv, D]
-    if len(store.codes):
-        codes = store.codes.rows  # [n, row_bytes]
-    else:
-        codes = torch.empty(0, store.row_bytes, dtype=torch.uint8)
+    rows, codes = rows_in_place(store, k, v)
     centroids = codebook(codec.rotated_dim, codec.bits).centroids
     out = kernels.coded_attention(
         q[:, 0], rotation, codes, store.kv_heads, centroids, or_empty(store.mean), rows,
         cfg.attn_scale,
     )  # fmt: skip  # [Hq, D]
     return out.view(1, cfg.q_dim_of(layer))
+
+
+def rows_in_place(
+    store: QuantisedLayer, k: torch.Tensor, v: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """What the extension's attention reads of a layer, as stored: its exact rows (sinks,
+    recent rows, then the new row k, v [Hkv, 1, D]), each [E, 2, Hkv, D] float16 / float32, and
+    its coded rows uint8 [n, row_bytes] (n may be 0)."""
+    rows = [part.rows for part in (store.sinks, store.recent) if len(part)]
+    rows.append(torch.stack((k[:, 0], v[:, 0])).unsqueeze(0))  # the new row [1, 2, Hkv, D]
+    if len(store.codes):
+        return rows, store.codes.rows
+    return rows, torch.empty(0, store.row_bytes, dtype=torch.uint8)

@@ -269,15 +269,32 @@ class TurboQuantEngine(KvEngine):
         [Hkv, 1, D] → [1, q_dim]: over the codes in place on the CPU where `coded_cpu` applies
         (not with `attention=sdpa`), else over the history made whole (kept in `shared` for the
         layers that share it)."""
-        assert self._layers is not None
-        store = self._layers[layer]
-        kernels = coded_kernels(model, layer, store, rotation, shared)
-        if kernels is not None and rotation is not None:
-            with self._profiler.stage("attention", model.device):
-                return attend_coded(kernels, model, layer, store, q, k, v, rotation)
+        in_place = self._attend_in_place(model, layer, q, k, v, rotation, shared)
+        if in_place is not None:
+            return in_place
         keys, values = self._history_with_row(model, layer, k, v, rotation)
         shared.keep(layer, keys, values)
         return self._attend_in_basis(model, layer, q, keys, values, rotation)
+
+    def _attend_in_place(
+        self,
+        model: Model,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotation: torch.Tensor | None,
+        shared: SharedKv,
+    ) -> torch.Tensor | None:
+        """`_attend_and_share`'s attention over the stored codes in the CPU extension (`coded_cpu`)
+        → [1, q_dim], or None where it does not apply."""
+        assert self._layers is not None
+        store = self._layers[layer]
+        kernels = coded_kernels(model, layer, store, rotation, shared)
+        if kernels is None or rotation is None:
+            return None
+        with self._profiler.stage("attention", model.device):
+            return attend_coded(kernels, model, layer, store, q, k, v, rotation)
 
     def _history_with_row(
         self,

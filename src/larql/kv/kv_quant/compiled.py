@@ -1,0 +1,67 @@
+"""kv-quant's decode attention on the CPU over its integer codes in place (the extension's
+`grouped_attention`): each stored row's key and value vectors decoded group by group (index ·
+scale + zero point) inside the call, scored and weighed without a decoded copy of the history,
+and merged with the exact rows (sinks, recent rows, the new one). With `rotate`, the query is
+rotated into the codes' Walsh–Hadamard basis and the sum rotated back once, as turbo-quant's
+step does. The same attention as the torch path's (which decodes every row each step) up to
+float rounding.
+
+Used where it applies: a float32 model on the CPU with the extension built, `IntCodec` codes of
+one codec for K and V whose groups fill whole bytes, on a layer where `attends_in_place` holds;
+fp8 codes and everything else keep the torch path.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from larql.inference.linear import load_block_kernels
+from larql.inference.shared_kv import SharedKv
+from larql.kv.kv_quant.codecs import IntCodec
+from larql.kv.turbo_quant.coded_cpu import attends_in_place, rows_in_place
+from larql.kv.turbo_quant.rotation import rotation_matrix
+from larql.kv.turbo_quant.store import QuantisedLayer
+from larql.models.model import Model
+
+
+def grouped_kernels(
+    model: Model, layer: int, store: QuantisedLayer, shared: SharedKv
+) -> ModuleType | None:
+    """The extension where this layer's step attends over its integer codes in place."""
+    codec, v_codec = store.layout.k_codec, store.layout.v_codec
+    # one configuration for K and V (a restored state holds two equal codec objects)
+    if not isinstance(codec, IntCodec) or not isinstance(v_codec, IntCodec):
+        return None
+    if vars(codec) != vars(v_codec):
+        return None
+    if codec.padded_dim % 8 or not attends_in_place(model, layer, shared):
+        return None
+    kernels = load_block_kernels()
+    return kernels if kernels is not None and hasattr(kernels, "grouped_attention") else None
+
+
+def attend_grouped(
+    kernels: ModuleType,
+    model: Model,
+    layer: int,
+    store: QuantisedLayer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
+    """The decode query q [Hq, 1, D] over the layer's stored rows and the new row k, v
+    [Hkv, 1, D] (stored by the caller after the step) → [1, q_dim]."""
+    cfg = model.config
+    codec: IntCodec = store.layout.k_codec  # type: ignore[assignment]
+    rows, codes = rows_in_place(store, k, v)
+    rotation = rotation_matrix(codec.coded_dim, torch.float32, q.device) if codec.rotate else _NONE
+    out = kernels.grouped_attention(
+        q[:, 0], rotation, codes, store.kv_heads, codec.bits, codec.group, codec.padded_dim,
+        rows, cfg.attn_scale,
+    )  # fmt: skip  # [Hq, D]
+    return out.view(1, cfg.q_dim_of(layer))
+
+
+_NONE = torch.empty(0)

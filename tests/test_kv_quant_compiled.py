@@ -1,0 +1,72 @@
+"""kv-quant's CPU attention over its integer codes in place (`kv/kv_quant/compiled`): the
+extension's attention against a float64 softmax over the codec's decoded rows and the exact rows,
+and which codes take it (the engine's step against the torch path, and batched against alone,
+are in test_turbo_quant_coded_cpu.py with turbo-quant's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from larql.kv.kv_quant.codecs import IntCodec
+from larql.kv.turbo_quant.rotation import rotation_matrix
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize(
+    ("rows", "heads", "kv_heads", "dim", "group", "rotate"),
+    [
+        (37, 9, 3, 64, 32, False),  # SmolLM2's heads, the catalog's groups
+        (700, 9, 3, 64, 64, True),  # chunks of rows over the threads; rotated rows
+        (50, 4, 2, 48, 16, True),  # a head the rotation pads (48 → 64)
+        (40, 6, 2, 40, 8, False),  # groups of 8: the scalar decoding
+        (0, 9, 3, 64, 32, False),  # no coded rows yet: the exact rows alone
+    ],
+)
+def test_grouped_attention_is_the_softmax_over_the_decoded_and_exact_rows(
+    cpu_kernels, rows: int, heads: int, kv_heads: int, dim: int, group: int, rotate: bool, bits: int
+) -> None:
+    g = torch.Generator().manual_seed(rows + bits)
+    codec = IntCodec(dim, bits, group, rotate)
+    size = codec.bytes_per_vector
+    k, v = (torch.randn(rows * kv_heads, dim, generator=g) * 3 for _ in range(2))
+    halves = [codec.encode(x).view(rows, kv_heads * size) if rows else
+              torch.zeros(0, kv_heads * size, dtype=torch.uint8) for x in (k, v)]  # fmt: skip
+    codes = torch.cat(halves, dim=1)  # [rows, K heads' vectors ; V heads']
+    exact = [torch.randn(5, 2, kv_heads, dim, generator=g).half(),
+             torch.randn(1, 2, kv_heads, dim, generator=g)]  # fmt: skip
+    q = torch.randn(heads, dim, generator=g)
+    scale = 0.125
+    rotation = rotation_matrix(codec.coded_dim, torch.float32, "cpu") if rotate else torch.empty(0)
+    out = cpu_kernels.grouped_attention(
+        q, rotation, codes, kv_heads, bits, codec.group, codec.padded_dim, exact, scale
+    )
+    group_heads = heads // kv_heads
+    halves = (codes[:, : kv_heads * size], codes[:, kv_heads * size :])
+    keys, values = (
+        codec.decode(half.reshape(-1, size), torch.float64).view(rows, kv_heads, dim)
+        if rows
+        else torch.zeros(0, kv_heads, dim, dtype=torch.float64)
+        for half in halves
+    )
+    exact_rows = torch.cat([part.double() for part in exact])  # [E, 2, Hkv, D]
+    keys = torch.cat((keys, exact_rows[:, 0])).transpose(0, 1).repeat_interleave(group_heads, 0)
+    values = torch.cat((values, exact_rows[:, 1])).transpose(0, 1)
+    values = values.repeat_interleave(group_heads, 0)
+    weights = torch.softmax(scale * torch.einsum("hd,htd->ht", q.double(), keys), dim=-1)
+    want = torch.einsum("ht,htd->hd", weights, values)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=2e-5)
+
+
+def test_grouped_attention_refuses_codes_of_another_shape(cpu_kernels) -> None:
+    exact = [torch.zeros(1, 2, 3, 64)]
+    with pytest.raises(RuntimeError, match="a key and a value vector per K/V head"):
+        cpu_kernels.grouped_attention(
+            torch.zeros(9, 64), torch.empty(0), torch.zeros(4, 100, dtype=torch.uint8), 3, 4, 32,
+            64, exact, 1.0,
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="bits must be 2, 4 or 8"):
+        cpu_kernels.grouped_attention(
+            torch.zeros(9, 64), torch.empty(0), torch.zeros(4, 100, dtype=torch.uint8), 3, 3, 32,
+            64, exact, 1.0,
+        )  # fmt: skip
