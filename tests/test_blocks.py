@@ -4,6 +4,7 @@ block product against the float product, and the default model's greedy tokens t
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ from larql.inference.linear import (
 )
 from larql.inference.rope import apply_rope
 from larql.kernels.cpu.build import load as load_block_kernels
+from larql.kernels.cpu.build import remove_other_builds
 from larql.kv import parse_engine
 from larql.models import Model, load_model
 from larql.models.blocks import FORMAT_CODES, GGUF_FORMATS, BlockRows
@@ -90,6 +92,18 @@ def test_the_kernels_build_where_a_compiler_is(blocks_smollm2: Model, float_smol
         pytest.skip("no C++ compiler: torch's float products are the path")
     assert load_block_kernels() is not None, "run `make setup` (python -m larql.kernels.cpu.build)"
     assert reads_blocks(blocks_smollm2) and not reads_blocks(float_smollm2)
+
+
+def test_a_build_removes_the_builds_beside_it(tmp_path: Path) -> None:
+    """`make setup` after a source change leaves one build, not one per change."""
+    kept, old = tmp_path / "new-key", tmp_path / "old-key"
+    for folder in (kept, old):
+        folder.mkdir()
+        (folder / "larql_block_gemv.so").write_bytes(b"built")
+    stray = tmp_path / "notes.txt"
+    stray.write_text("not a build")
+    assert remove_other_builds(kept) == [old]
+    assert (kept / "larql_block_gemv.so").exists() and not old.exists() and stray.exists()
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)

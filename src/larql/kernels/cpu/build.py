@@ -3,8 +3,9 @@
 
 `make setup` builds it (`python -m larql.kernels.cpu.build`) into a folder of the venv keyed
 by the source, torch's version and this CPU's instruction-set flags, with `-O3 -march=native`:
-the machine that runs it is the one that built it. At run time `load()` imports that build or
-returns None — it never compiles — and the callers fall back to torch's float products.
+the machine that runs it is the one that built it; a build removes the older ones beside it.
+At run time `load()` imports that build or returns None — it never compiles — and the callers
+fall back to torch's float products.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 import sys
 from functools import cache
 from pathlib import Path
@@ -48,14 +50,15 @@ def build_dir() -> Path:
 
 
 def build(verbose: bool = False) -> ModuleType:
-    """Compile the extension into `build_dir()` (needs a C++ compiler and ninja)."""
+    """Compile the extension into `build_dir()` (needs a C++ compiler and ninja), then remove
+    the builds of other sources, torch versions or CPUs beside it (`load` never reads them)."""
     from torch.utils.cpp_extension import load as compile_and_load
 
     where = build_dir()
     where.mkdir(parents=True, exist_ok=True)
     # the `ninja` package's binary sits beside this interpreter, not always on PATH
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    return compile_and_load(
+    module = compile_and_load(
         name=NAME,
         sources=[str(path) for path in SOURCES],
         extra_cflags=FLAGS,
@@ -63,6 +66,16 @@ def build(verbose: bool = False) -> ModuleType:
         build_directory=str(where),
         verbose=verbose,
     )
+    remove_other_builds(where)
+    return module
+
+
+def remove_other_builds(kept: Path) -> list[Path]:
+    """Delete the build folders beside `kept` (each ~2 MB, one per source change) → them."""
+    others = [path for path in kept.parent.iterdir() if path.is_dir() and path != kept]
+    for path in others:
+        shutil.rmtree(path, ignore_errors=True)
+    return others
 
 
 @cache
