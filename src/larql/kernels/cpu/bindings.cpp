@@ -36,7 +36,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_gemv", &larql::block_gemv, "one-token product with GGUF block rows", no_gil);
   m.def("block_gemm", &larql::block_gemm, "M-row product with GGUF block rows", no_gil);
   m.def("simd", &larql::simd, "the instruction set this build uses");
-  m.def("tile_rows", &larql::tile_rows, "block rows tiled for the AVX-512 VNNI / AMX products");
+  // (the cast picks the tensor call: tiled_blocks.h, which decode_layer.h brings, has another)
+  m.def("tile_rows", static_cast<torch::Tensor (*)(torch::Tensor, int64_t)>(&larql::tile_rows),
+        "block rows tiled for the AVX-512 VNNI / AMX products");
   m.def("tiled", &larql::tiled, "whether tiled blocks' products run here");
   m.def("amx", &larql::amx, "whether they run on AMX tiles");
   m.def("decode_qkv", &larql::decode_qkv, "rms_norm → fused QKV product → RoPE, one row", no_gil);
@@ -52,6 +54,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil);
   m.def("decode_layers_batch", &larql::decode_layers_batch,
         "whole decode layers for M rows of one or more sessions, each weight read once", no_gil);
+  m.def("decode_layers_coded", &larql::decode_layers_coded,
+        "turbo-quant's decode layers for M rows of one or more sessions, codes read in place",
+        no_gil);
   m.def("residual_ffn", &larql::residual_ffn, "h + the gated SiLU MLP of rms_norm(h), one row",
         no_gil);
 }

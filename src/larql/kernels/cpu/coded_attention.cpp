@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "block_dot.h"
+#include "coded_attention.h"
 #include "decode_attention.h"
 
 namespace larql {
@@ -210,34 +211,48 @@ CodedHead coded_head_512(int64_t width, int bits, int64_t group) {
 
 }  // namespace
 
-namespace {
-
-// One K/V head's exact rows (each [2, Hkv, D] of `rows`, token order free) and its query heads'
-// coded state → their outputs: out [group, D] (see the header). m, l, acc: the coded rows' state
-// (acc already in the model's basis, μ_V included); l = 0 where there are none.
-void merge_exact(const float* q, int64_t group, int64_t dim, const std::vector<torch::Tensor>& rows,
-                 int64_t kv_heads, int64_t g, float scale, const float* m, const float* l,
-                 const float* acc, float* out) {
-  std::vector<float> scores;
-  std::vector<const float*> values;
-  for (const torch::Tensor& part : rows) {
-    const float* data = part.data_ptr<float>();
-    for (int64_t e = 0; e < part.size(0); ++e) {
-      const float* row = data + e * 2 * kv_heads * dim;
-      values.push_back(row + (kv_heads + g) * dim);
+void ExactRows::load(int64_t e, int64_t vector, int64_t vectors, int64_t dim,
+                     float* out) const {
+  const int64_t at = (e * vectors + vector) * dim;
+  switch (kind) {
+    case Float32:
+      std::memcpy(out, static_cast<const float*>(data) + at, dim * sizeof(float));
+      return;
+    case Float16: {
+      const c10::Half* row = static_cast<const c10::Half*>(data) + at;
+      for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(row[d]);
+      return;
+    }
+    case Int8: {
+      const int8_t* row = static_cast<const int8_t*>(data) + at;
+      const float s = static_cast<float>(scales[e * vectors + vector]);
+      for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(row[d]) * s;
+      return;
     }
   }
-  const int64_t exact = static_cast<int64_t>(values.size());
-  scores.resize(exact);
+}
+
+namespace {
+
+// One K/V head's exact rows and its query heads' coded state → their outputs: out [group, D]
+// (see the header). m, l, acc: the coded rows' state (acc already in the model's basis, μ_V
+// included); l = 0 where there are none.
+void merge_exact(const float* q, int64_t group, int64_t dim, const std::vector<ExactRows>& rows,
+                 int64_t kv_heads, int64_t g, float scale, const float* m, const float* l,
+                 const float* acc, float* out) {
+  int64_t exact = 0;
+  for (const ExactRows& part : rows) exact += part.rows;
+  std::vector<float> keys(exact * dim), values(exact * dim), scores(exact);
+  int64_t e = 0;
+  for (const ExactRows& part : rows) {
+    for (int64_t r = 0; r < part.rows; ++r, ++e) {
+      part.load(r, g, 2 * kv_heads, dim, keys.data() + e * dim);
+      part.load(r, kv_heads + g, 2 * kv_heads, dim, values.data() + e * dim);
+    }
+  }
   for (int64_t j = 0; j < group; ++j) {
     const float* query = q + j * dim;
-    int64_t e = 0;
-    for (const torch::Tensor& part : rows) {
-      const float* data = part.data_ptr<float>();
-      for (int64_t r = 0; r < part.size(0); ++r, ++e) {
-        scores[e] = scale * dot(query, data + (r * 2 * kv_heads + g) * dim, dim);
-      }
-    }
+    for (int64_t r = 0; r < exact; ++r) scores[r] = scale * dot(query, keys.data() + r * dim, dim);
     const auto [top_exact, sum_exact] = larql::exponentiate(scores.data(), exact);  // e^{s_e − m_e}
     const bool coded_rows = l[j] > 0.0f;
     const float top = coded_rows ? std::max(m[j], top_exact) : top_exact;
@@ -245,15 +260,13 @@ void merge_exact(const float* q, int64_t group, int64_t dim, const std::vector<t
     const float fresh = std::exp(top_exact - top);
     float* o = out + j * dim;
     for (int64_t d = 0; d < dim; ++d) o[d] = coded * acc[j * dim + d];
-    for (int64_t r = 0; r < exact; ++r) add_scaled(o, values[r], fresh * scores[r], dim);
+    for (int64_t r = 0; r < exact; ++r) {
+      add_scaled(o, values.data() + r * dim, fresh * scores[r], dim);
+    }
     const float inverse = 1.0f / (coded * l[j] + fresh * sum_exact);
     for (int64_t d = 0; d < dim; ++d) o[d] *= inverse;
   }
 }
-
-}  // namespace
-
-namespace {
 
 // A codec's part of the attention: the coded state (m, l, acc̃ [group, width]) of rows
 // first.. first + rows − 1 for K/V head g's query heads, from their queries in the codes' basis
@@ -262,43 +275,41 @@ using ChunkState = std::function<void(const float* queries, const float* shift, 
                                       int64_t first, int64_t rows, float* m, float* l,
                                       float* acc)>;
 
-void check_exact(std::vector<torch::Tensor>& exact, int64_t kv_heads, int64_t dim) {
+// Exact row tensors [E, 2, Hkv, D] (float32 or float16) as the attention reads them; `kept`
+// holds the contiguous copies they point into.
+std::vector<ExactRows> exact_rows(const std::vector<torch::Tensor>& exact, int64_t kv_heads,
+                                  int64_t dim, std::vector<torch::Tensor>& kept) {
+  std::vector<ExactRows> parts;
   int64_t rows = 0;
-  for (torch::Tensor& part : exact) {
-    TORCH_CHECK(part.dim() == 4 && part.size(1) == 2 && part.size(2) == kv_heads &&
-                    part.size(3) == dim,
+  for (const torch::Tensor& tensor : exact) {
+    TORCH_CHECK(tensor.dim() == 4 && tensor.size(1) == 2 && tensor.size(2) == kv_heads &&
+                    tensor.size(3) == dim,
                 "exact rows must be [E, 2, Hkv, D]");
-    part = part.to(torch::kFloat32).contiguous();
+    const bool half = tensor.scalar_type() == torch::kFloat16;
+    const torch::Tensor part = half ? tensor.contiguous() : tensor.to(torch::kFloat32).contiguous();
+    kept.push_back(part);
+    parts.push_back(ExactRows{part.data_ptr(), part.size(0),
+                              half ? ExactRows::Float16 : ExactRows::Float32});
     rows += part.size(0);
   }
   TORCH_CHECK(rows > 0, "at least one exact row (the new one) is attended");
+  return parts;
 }
 
-// The attention both codecs share (the header's formulas): the queries into the codes' basis of
-// `width` floats — [q, 0] · R, R [Rn, Rn] with D ≤ Rn ≤ width (the rest zeros), or [q, 0]
-// where `rotation` is empty — the coded rows in chunks × K/V heads over the threads
-// (`state`), the chunks combined and rotated back, and the exact rows merged.
-torch::Tensor attend_quantised(torch::Tensor q, const torch::Tensor& rotation, int64_t width,
-                               int64_t n, int64_t kv_heads, torch::Tensor mean,
-                               std::vector<torch::Tensor>& exact, double scale,
-                               const ChunkState& state) {
-  const int64_t heads = q.size(0), dim = q.size(1), group = heads / kv_heads;
-  const bool rotated = rotation.numel() > 0;
-  const int64_t turned = rotated ? rotation.size(0) : 0;  // the rotation's width
-  const bool centered = mean.numel() > 0;
-  if (centered) {
-    TORCH_CHECK(mean.dtype() == torch::kFloat32 && mean.numel() == 2 * kv_heads * dim,
-                "mean must be float32 [2, Hkv, D]");
-    mean = mean.contiguous();
-  }
-  check_exact(exact, kv_heads, dim);
+// The attention both codecs share (the header's formulas): the queries qs [heads, dim] into
+// the codes' basis of `width` floats — [q, 0] · R, R [turned, turned] with dim ≤ turned ≤ width
+// (the rest zeros), or [q, 0] where r is null — the coded rows in chunks × K/V heads over the
+// threads (`state`; the chunks set by `threads`), the chunks combined and rotated back, and the
+// exact rows merged → out [heads, dim].
+void attend_quantised(const float* qs, int64_t heads, int64_t dim, const float* r, int64_t turned,
+                      int64_t width, int64_t n, int64_t kv_heads, const float* mu,
+                      const std::vector<ExactRows>& exact, float fscale, int64_t threads,
+                      const ChunkState& state, float* out) {
+  const int64_t group = heads / kv_heads;
+  const bool rotated = r != nullptr;
+  const bool centered = mu != nullptr;
   int64_t exact_rows = 0;
-  for (const torch::Tensor& part : exact) exact_rows += part.size(0);
-  torch::Tensor out = torch::empty({heads, dim}, q.options());
-  const float* qs = q.data_ptr<float>();
-  const float* r = rotated ? rotation.data_ptr<float>() : nullptr;
-  const float* mu = centered ? mean.data_ptr<float>() : nullptr;
-  const float fscale = static_cast<float>(scale);
+  for (const ExactRows& part : exact) exact_rows += part.rows;
   // q̃ per query head, and shift = scale · q·μ_K (the model's basis)
   std::vector<float> queries(heads * width, 0.0f), shift(heads, 0.0f);
   for (int64_t h = 0; h < heads && n > 0; ++h) {
@@ -315,7 +326,7 @@ torch::Tensor attend_quantised(torch::Tensor q, const torch::Tensor& rotation, i
   }
   // the coded rows in chunks × K/V heads, over the threads: each chunk's (m, l, acc̃)
   const int64_t chunks =
-      n == 0 ? 0 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kChunkRows));
+      n == 0 ? 0 : std::max<int64_t>(1, std::min<int64_t>(threads, n / kChunkRows));
   const int64_t per_chunk = chunks ? (n + chunks - 1) / chunks : 0;
   std::vector<float> maxima(chunks * heads), sums(chunks * heads), partial(chunks * heads * width);
   at::parallel_for(0, chunks * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -357,10 +368,9 @@ torch::Tensor attend_quantised(torch::Tensor q, const torch::Tensor& rotation, i
         }
       }
       merge_exact(qs + g * group * dim, group, dim, exact, kv_heads, g, fscale, m.data(), l.data(),
-                  acc.data(), out.data_ptr<float>() + g * group * dim);
+                  acc.data(), out + g * group * dim);
     }
   });
-  return out;
 }
 
 // One vector of kv-quant's codes ([scales: G float16][zero points: G float16][indices of `bits`
@@ -418,6 +428,14 @@ void attend_grouped_head(const float* q, const float* shift, int64_t group, int6
   }
 }
 
+// mean: float32 [2, Hkv, D] (μ_K, μ_V), contiguous, or an empty tensor (no centering).
+torch::Tensor checked_mean(const torch::Tensor& mean, int64_t kv_heads, int64_t dim) {
+  if (mean.numel() == 0) return mean;
+  TORCH_CHECK(mean.dtype() == torch::kFloat32 && mean.numel() == 2 * kv_heads * dim,
+              "mean must be float32 [2, Hkv, D]");
+  return mean.contiguous();
+}
+
 void check_queries_and_codes(const torch::Tensor& q, const torch::Tensor& codes,
                              int64_t kv_heads) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 2, "q must be float32 [Hq, D]");
@@ -428,6 +446,31 @@ void check_queries_and_codes(const torch::Tensor& q, const torch::Tensor& codes,
 }
 
 }  // namespace
+
+void attend_turbo(const float* q, int64_t heads, int64_t dim, const float* rotation,
+                  int64_t width, const uint8_t* codes, int64_t n, int64_t kv_heads,
+                  const Codebook& book, const float* mean, const std::vector<ExactRows>& exact,
+                  float scale, int64_t threads, float* out) {
+  const int bits = book.bits;
+  const int64_t vector_bytes = coded_vector_bytes(width, bits);
+  const int64_t group = heads / kv_heads, row_bytes = 2 * kv_heads * vector_bytes;
+  const ChunkState state = [&](const float* queries, const float* shift, int64_t g,
+                               int64_t first, int64_t rows, float* m, float* l, float* acc) {
+    const uint8_t* chunk = codes + first * row_bytes;
+    const int64_t key_at = g * vector_bytes, value_at = (kv_heads + g) * vector_bytes;
+#if LARQL_CODED_512
+    if (const CodedHead head = coded_head_512(width, bits, group)) {
+      head(queries, group, chunk, rows, row_bytes, key_at, value_at, book.centroids, shift,
+           scale, m, l, acc);
+      return;
+    }
+#endif
+    attend_coded_head(queries, group, width, bits, chunk, rows, row_bytes, key_at, value_at,
+                      book.centroids, shift, scale, m, l, acc);
+  };
+  attend_quantised(q, heads, dim, rotation, width, width, n, kv_heads, mean, exact, scale, threads,
+                   state, out);
+}
 
 // q: float32 [Hq, D] in the model's basis; rotation: float32 [D', D'] (D ≤ D'); codes: uint8
 // [n, row_bytes] (row_bytes = 2 · Hkv · (4 + D' · bits / 8); n may be 0); centroids: float32
@@ -449,28 +492,19 @@ torch::Tensor coded_attention(torch::Tensor q, torch::Tensor rotation, torch::Te
               "centroids must be float32 [2^bits], bits 2, 3 or 4");
   const int bits = levels == 4 ? 2 : (levels == 8 ? 3 : 4);
   TORCH_CHECK(width % 8 == 0, "the rotated width must be a multiple of 8");
-  const int64_t vector_bytes = kNormBytes + width * bits / 8;
-  TORCH_CHECK(codes.size(1) == 2 * kv_heads * vector_bytes,
+  TORCH_CHECK(codes.size(1) == 2 * kv_heads * coded_vector_bytes(width, bits),
               "codes' rows must hold a key and a value vector per K/V head");
-  const int64_t group = q.size(0) / kv_heads, row_bytes = codes.size(1);
-  const uint8_t* data = codes.data_ptr<uint8_t>();
-  const float* table = centroids.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  const ChunkState state = [&](const float* queries, const float* shift, int64_t g,
-                               int64_t first, int64_t rows, float* m, float* l, float* acc) {
-    const uint8_t* chunk = data + first * row_bytes;
-    const int64_t key_at = g * vector_bytes, value_at = (kv_heads + g) * vector_bytes;
-#if LARQL_CODED_512
-    if (const CodedHead head = coded_head_512(width, bits, group)) {
-      head(queries, group, chunk, rows, row_bytes, key_at, value_at, table, shift, fscale, m, l,
-           acc);
-      return;
-    }
-#endif
-    attend_coded_head(queries, group, width, bits, chunk, rows, row_bytes, key_at, value_at,
-                      table, shift, fscale, m, l, acc);
-  };
-  return attend_quantised(q, rotation, width, codes.size(0), kv_heads, mean, exact, scale, state);
+  const torch::Tensor mu = checked_mean(mean, kv_heads, q.size(1));
+  std::vector<torch::Tensor> kept;
+  const std::vector<ExactRows> parts = exact_rows(exact, kv_heads, q.size(1), kept);
+  const torch::Tensor table = centroids.contiguous();
+  const Codebook book{table.data_ptr<float>(), nullptr, bits, false};
+  torch::Tensor out = torch::empty({q.size(0), q.size(1)}, q.options());
+  attend_turbo(q.data_ptr<float>(), q.size(0), q.size(1), rotation.data_ptr<float>(), width,
+               codes.data_ptr<uint8_t>(), codes.size(0), kv_heads, book,
+               mu.numel() ? mu.data_ptr<float>() : nullptr, parts, static_cast<float>(scale),
+               at::get_num_threads(), out.data_ptr<float>());
+  return out;
 }
 
 // kv-quant's codes (`IntCodec`): q: float32 [Hq, D]; rotation: float32 [Rn, Rn] (D ≤ Rn, the
@@ -506,8 +540,14 @@ torch::Tensor grouped_attention(torch::Tensor q, torch::Tensor rotation, torch::
                         data + first * row_bytes, rows, row_bytes, g * vector_bytes,
                         (kv_heads + g) * vector_bytes, fscale, m, l, acc);
   };
-  return attend_quantised(q, rotation, width, codes.size(0), kv_heads, torch::empty({0}), exact,
-                          scale, state);
+  std::vector<torch::Tensor> kept;
+  const std::vector<ExactRows> parts = exact_rows(exact, kv_heads, q.size(1), kept);
+  torch::Tensor out = torch::empty({q.size(0), q.size(1)}, q.options());
+  attend_quantised(q.data_ptr<float>(), q.size(0), q.size(1),
+                   rotated ? rotation.data_ptr<float>() : nullptr,
+                   rotated ? rotation.size(0) : 0, width, codes.size(0), kv_heads, nullptr, parts,
+                   fscale, at::get_num_threads(), state, out.data_ptr<float>());
+  return out;
 }
 
 }  // namespace larql

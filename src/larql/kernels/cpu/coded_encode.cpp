@@ -19,6 +19,8 @@
 #include <cstring>
 #include <vector>
 
+#include "coded_attention.h"
+
 namespace larql {
 
 namespace {
@@ -62,6 +64,23 @@ void encode_vector(const float* x, int64_t dim, int64_t width, int bits, const f
 }
 
 }  // namespace
+
+void encode_token(const float* kv, int64_t kv_heads, int64_t dim, const float* mean,
+                  const float* rotation, int64_t width, const Codebook& book, uint8_t* out) {
+  thread_local std::vector<float> centred, unit, rotated;
+  centred.resize(dim);
+  unit.resize(width);
+  rotated.resize(width);
+  const int64_t vector_bytes = coded_vector_bytes(width, book.bits);
+  for (int64_t v = 0; v < 2 * kv_heads; ++v) {
+    for (int64_t d = 0; d < dim; ++d) {
+      centred[d] = mean != nullptr ? kv[v * dim + d] - mean[v * dim + d] : kv[v * dim + d];
+    }
+    encode_vector(centred.data(), dim, width, book.bits, rotation, book.boundaries,
+                  book.centroids, book.norm_correction, unit.data(), rotated.data(),
+                  out + v * vector_bytes);
+  }
+}
 
 // rows: float32 or float16 [S, 2, Hkv, D]; mean: float32 [2, Hkv, D] or an empty tensor;
 // rotation: float32 [D', D'] (D ≤ D', D' a multiple of 8); boundaries: float32 [2^bits − 1];

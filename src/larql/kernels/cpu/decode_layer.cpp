@@ -106,14 +106,6 @@ void silu_times(const float* gate, const float* up, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
-// A block matrix as the products take it.
-struct BlockMatrix {
-  const uint8_t* data;
-  int64_t rows;
-  int64_t row_bytes;
-  Format format;
-};
-
 BlockMatrix checked_matrix(const torch::Tensor& rows, int64_t format, int64_t width) {
   const Format f = checked_format(format);
   check_rows(rows, f, width);
@@ -140,10 +132,7 @@ void rotate_heads(float* x, const float* cos, const float* sin, int64_t rotary, 
   }
 }
 
-// A plain layer's four block matrices, their shapes checked against the layer's widths.
-struct LayerMatrices {
-  BlockMatrix qkv, o, gate_up, down;
-};
+}  // namespace
 
 LayerMatrices checked_layer(const torch::Tensor& qkv, const torch::Tensor& wo,
                             const torch::Tensor& gate_up, const torch::Tensor& down,
@@ -159,6 +148,8 @@ LayerMatrices checked_layer(const torch::Tensor& qkv, const torch::Tensor& wo,
   TORCH_CHECK(w_down.rows == width, "W_down's rows are not the residual's width");
   return LayerMatrices{w_qkv, w_o, w_gate_up, w_down};
 }
+
+namespace {
 
 // qkv: [M, W_qkv rows] = RoPE(W_qkv · rms_norm(h_m) (+ bias)) per row m, on the first
 // rope_heads heads, with row m's cos / sin (cos, sin: [M, rotary]).
@@ -234,28 +225,6 @@ void ffn_rows(Activation a, const float* h, int64_t m_rows, const float* norm, d
   add_product_rows(a, h, m_rows, down, inner, hidden, nullptr, out);
 }
 
-// Rows 0..M split into `parts` contiguous runs of about equal attention work (the keys a row's
-// query reads, plus a fixed share for the row itself) → the runs' bounds [parts + 1]: a batch's
-// sessions differ in length, and a new prompt's short rows follow the decode rows, so equal
-// row counts would leave one thread most of the work.
-std::vector<int64_t> balanced_runs(const std::vector<int64_t>& firsts,
-                                   const std::vector<int64_t>& slots, int64_t parts) {
-  constexpr int64_t kRowShare = 16;  // a row's own cost, in keys
-  const int64_t rows = static_cast<int64_t>(slots.size());
-  int64_t total = 0;
-  for (int64_t m = 0; m < rows; ++m) total += slots[m] - firsts[m] + 1 + kRowShare;
-  std::vector<int64_t> bounds(parts + 1, rows);
-  bounds[0] = 0;
-  int64_t done = 0, part = 1;
-  for (int64_t m = 0; m < rows && part < parts; ++m) {
-    const int64_t work = slots[m] - firsts[m] + 1 + kRowShare;
-    // row m goes to the run where the middle of its work falls
-    while (part < parts && (2 * done + work) * parts >= 2 * part * total) bounds[part++] = m;
-    done += work;
-  }
-  return bounds;
-}
-
 // Rows of a [width] or [M, width] float32 input: (M, width).
 std::pair<int64_t, int64_t> rows_of(const torch::Tensor& h) {
   TORCH_CHECK(h.dim() == 1 || h.dim() == 2, "expected [width] or [M, width] rows");
@@ -276,6 +245,67 @@ int64_t check_rope(const torch::Tensor& cos, const torch::Tensor& sin, int64_t m
 }
 
 }  // namespace
+
+std::vector<int64_t> balanced_runs(const std::vector<int64_t>& keys, int64_t parts) {
+  constexpr int64_t kRowShare = 16;  // a row's own cost, in keys
+  const int64_t rows = static_cast<int64_t>(keys.size());
+  int64_t total = 0;
+  for (int64_t m = 0; m < rows; ++m) total += keys[m] + kRowShare;
+  std::vector<int64_t> bounds(parts + 1, rows);
+  bounds[0] = 0;
+  int64_t done = 0, part = 1;
+  for (int64_t m = 0; m < rows && part < parts; ++m) {
+    const int64_t work = keys[m] + kRowShare;
+    // row m goes to the run where the middle of its work falls
+    while (part < parts && (2 * done + work) * parts >= 2 * part * total) bounds[part++] = m;
+    done += work;
+  }
+  return bounds;
+}
+
+void attend_sessions(int64_t m_rows, const std::vector<int64_t>& keys, int64_t threads,
+                     const std::function<void(int64_t)>& attend_row) {
+  if (m_rows >= threads) {  // whole sessions per thread, in runs of about equal work
+    const std::vector<int64_t> bounds = balanced_runs(keys, threads);
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t part = begin; part < end; ++part) {
+        for (int64_t m = bounds[part]; m < bounds[part + 1]; ++m) attend_row(m);
+      }
+    });
+  } else {
+    for (int64_t m = 0; m < m_rows; ++m) attend_row(m);  // each session's rows over the threads
+  }
+}
+
+torch::Tensor layer_around(const torch::Tensor& h, const torch::Tensor& norms, double eps,
+                           const LayerMatrices& w, const c10::optional<torch::Tensor>& qkv_bias,
+                           const c10::optional<torch::Tensor>& o_bias, const torch::Tensor& cos,
+                           const torch::Tensor& sin, int64_t heads, int64_t kv_heads,
+                           int64_t head_dim, int64_t activation_bits, const AttendRows& attend) {
+  check_row(h, "h");
+  check_row(norms, "norms");
+  const auto [m_rows, width] = rows_of(h);
+  TORCH_CHECK(norms.numel() == 2 * width, "norms must be [2, H]: the attention and FFN norms");
+  const int64_t rotary = check_rope(cos, sin, m_rows, head_dim);
+  const int64_t q_dim = heads * head_dim;
+  const Activation a = checked_activation(activation_bits);
+  const float* norm = norms.data_ptr<float>();
+
+  thread_local Scratch<float> projected_rows, attn_rows, mid_rows;
+  float* projected = projected_rows.take(m_rows * w.qkv.rows);
+  float* attn = attn_rows.take(m_rows * q_dim);
+  float* mid = mid_rows.take(m_rows * width);
+  qkv_rows(a, h.data_ptr<float>(), m_rows, norm, eps, width, w.qkv,
+           optional_data(qkv_bias, "qkv bias"), cos.data_ptr<float>(), sin.data_ptr<float>(),
+           rotary, heads + kv_heads, head_dim, projected);
+  attend(projected, attn);
+  add_product_rows(a, h.data_ptr<float>(), m_rows, w.o, attn, q_dim,
+                   optional_data(o_bias, "o bias"), mid);
+  torch::Tensor out = torch::empty_like(h);
+  ffn_rows(a, mid, m_rows, norm + width, eps, width, w.gate_up, w.down,
+           out.data_ptr<float>());
+  return out;
+}
 
 // h: float32 [M, H] (or [H]); rows: the fused [q; k; v] matrix in blocks, [q_dim + 2·kv_dim]
 // rows; cos, sin: float32 [M, rotary] at each row's position; the first `rope_heads` heads of
@@ -349,9 +379,7 @@ static torch::Tensor decode_layer_batch(torch::Tensor h, torch::Tensor norms, do
                                  std::vector<int64_t> slots, int64_t heads, double scale,
                                  int64_t activation_bits) {
   check_row(h, "h");
-  check_row(norms, "norms");
   const auto [m_rows, width] = rows_of(h);
-  TORCH_CHECK(norms.numel() == 2 * width, "norms must be [2, H]: the attention and FFN norms");
   TORCH_CHECK(static_cast<int64_t>(k_stores.size()) == m_rows &&
                   static_cast<int64_t>(v_stores.size()) == m_rows &&
                   static_cast<int64_t>(firsts.size()) == m_rows &&
@@ -360,6 +388,7 @@ static torch::Tensor decode_layer_batch(torch::Tensor h, torch::Tensor norms, do
   TORCH_CHECK(k_stores[0].dim() == 3, "K/V stores must be [capacity, Hkv, D]");
   const int64_t kv_heads = k_stores[0].size(1), head_dim = k_stores[0].size(2);
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of K/V heads");
+  std::vector<int64_t> keys(m_rows);
   for (int64_t m = 0; m < m_rows; ++m) {
     check_row(k_stores[m], "k_store");
     check_row(v_stores[m], "v_store");
@@ -368,52 +397,29 @@ static torch::Tensor decode_layer_batch(torch::Tensor h, torch::Tensor norms, do
                 "every K/V store must be [capacity, Hkv, D] with the same Hkv and D");
     TORCH_CHECK(0 <= firsts[m] && firsts[m] <= slots[m] && slots[m] < k_stores[m].size(0),
                 "need 0 ≤ first ≤ slot < the storage's capacity");
+    keys[m] = slots[m] - firsts[m] + 1;
   }
-  const int64_t rotary = check_rope(cos, sin, m_rows, head_dim);
   const int64_t q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
   const LayerMatrices w = checked_layer(qkv, wo, gate_up, down, formats, width, q_dim, kv_dim);
-  const Activation a = checked_activation(activation_bits);
-  const float* norm = norms.data_ptr<float>();
-
-  thread_local Scratch<float> projected_rows, attn_rows, mid_rows;
-  float* projected = projected_rows.take(m_rows * w.qkv.rows);
-  float* attn = attn_rows.take(m_rows * q_dim);
-  float* mid = mid_rows.take(m_rows * width);
-  qkv_rows(a, h.data_ptr<float>(), m_rows, norm, eps, width, w.qkv,
-           optional_data(qkv_bias, "qkv bias"), cos.data_ptr<float>(), sin.data_ptr<float>(),
-           rotary, heads + kv_heads, head_dim, projected);
-  for (int64_t m = 0; m < m_rows; ++m) {
-    const float* row = projected + m * w.qkv.rows;
-    std::memcpy(k_stores[m].data_ptr<float>() + slots[m] * kv_dim, row + q_dim,
-                kv_dim * sizeof(float));
-    std::memcpy(v_stores[m].data_ptr<float>() + slots[m] * kv_dim, row + q_dim + kv_dim,
-                kv_dim * sizeof(float));
-  }
   const int64_t threads = at::get_num_threads();
-  const auto attend_rows = [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const float* keys = k_stores[m].data_ptr<float>() + firsts[m] * kv_dim;
-      const float* values = v_stores[m].data_ptr<float>() + firsts[m] * kv_dim;
-      attend_one_query(projected + m * w.qkv.rows, heads, head_dim,
-                       Rows{keys, head_dim, kv_dim}, Rows{values, head_dim, kv_dim}, kv_heads,
-                       slots[m] - firsts[m] + 1, static_cast<float>(scale),
-                       attn + m * q_dim, threads);
+  const auto attend = [&](const float* projected, float* attn) {
+    for (int64_t m = 0; m < m_rows; ++m) {
+      const float* row = projected + m * w.qkv.rows;
+      std::memcpy(k_stores[m].data_ptr<float>() + slots[m] * kv_dim, row + q_dim,
+                  kv_dim * sizeof(float));
+      std::memcpy(v_stores[m].data_ptr<float>() + slots[m] * kv_dim, row + q_dim + kv_dim,
+                  kv_dim * sizeof(float));
     }
-  };
-  if (m_rows >= threads) {  // whole sessions per thread, in runs of about equal work
-    const std::vector<int64_t> bounds = balanced_runs(firsts, slots, threads);
-    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t part = begin; part < end; ++part) attend_rows(bounds[part], bounds[part + 1]);
+    attend_sessions(m_rows, keys, threads, [&](int64_t m) {
+      const float* k = k_stores[m].data_ptr<float>() + firsts[m] * kv_dim;
+      const float* v = v_stores[m].data_ptr<float>() + firsts[m] * kv_dim;
+      attend_one_query(projected + m * w.qkv.rows, heads, head_dim, Rows{k, head_dim, kv_dim},
+                       Rows{v, head_dim, kv_dim}, kv_heads, keys[m], static_cast<float>(scale),
+                       attn + m * q_dim, threads);
     });
-  } else {
-    attend_rows(0, m_rows);  // each session's rows over the threads
-  }
-  add_product_rows(a, h.data_ptr<float>(), m_rows, w.o, attn, q_dim,
-                   optional_data(o_bias, "o bias"), mid);
-  torch::Tensor out = torch::empty_like(h);
-  ffn_rows(a, mid, m_rows, norm + width, eps, width, w.gate_up, w.down,
-           out.data_ptr<float>());
-  return out;
+  };
+  return layer_around(h, norms, eps, w, qkv_bias, o_bias, cos, sin, heads, kv_heads, head_dim,
+                      activation_bits, attend);
 }
 
 // decode_layer_batch through every layer in one call: argument i of each list is layer i's
