@@ -182,6 +182,26 @@ def layers_compile(model: Model, layers: Sequence[int], h: torch.Tensor, ffn: Ff
     return _layer_plans(model, layers, h, ffn) is not None
 
 
+def layer_arguments(
+    model: Model, layers: Sequence[int], h: torch.Tensor, ffn: FfnBackend, positions: list[int]
+) -> tuple[list[object], int] | None:
+    """The compiled layer calls' arguments that come before each row's store (h, the norms,
+    eps, the four matrices, their formats, the biases, each layer's cos / sin at the rows'
+    `positions`) and the products' `activation_bits`, where the compiled layer applies to all
+    of `layers` for the rows h; else None."""
+    plans = _layer_plans(model, layers, h, ffn)
+    if plans is None:
+        return None
+    ropes = [rope_table(model, layer).rows(positions) for layer in layers]  # [R, rotary] each
+    arguments = [
+        h.contiguous(), [p.norms for p in plans], model.config.norm_eps,
+        *([p.matrices[i] for p in plans] for i in range(4)), [p.formats for p in plans],
+        [p.qkv_bias for p in plans], [p.o_bias for p in plans],
+        [cos.contiguous() for cos, _ in ropes], [sin.contiguous() for _, sin in ropes],
+    ]  # fmt: skip
+    return arguments, plans[0].bits
+
+
 def fused_layers_rows(
     model: Model,
     layers: Sequence[int],
@@ -201,12 +221,12 @@ def fused_layers_rows(
     in the stores, per layer, already reserved by the caller, who then counts them (`stores`
     are not touched). None where the compiled layer does not apply to every layer and row
     (nothing is changed)."""
-    plans = _layer_plans(model, layers, h, ffn)
-    if plans is None:
+    positions = [start + j for start, n in zip(starts, counts, strict=True) for j in range(n)]
+    arguments = layer_arguments(model, layers, h, ffn, positions)
+    if arguments is None:
         return None
     kernels = fused_kernels(h[:1])
     assert kernels is not None
-    positions = [start + j for start, n in zip(starts, counts, strict=True) for j in range(n)]
     if reserved is not None:
         if any(keys[0].dtype != torch.float32 for keys, _, _, _ in reserved):
             return None
@@ -221,16 +241,10 @@ def fused_layers_rows(
             if rows is None:
                 return None
             per_layer.append(rows)
-    ropes = [rope_table(model, layer).rows(positions) for layer in layers]  # [R, rotary] each
-    cfg = model.config
-    done = [p for p in plans if p is not None]
+    leading, bits = arguments
     out = kernels.decode_layers_batch(
-        h.contiguous(), [p.norms for p in done], cfg.norm_eps,
-        *([p.matrices[i] for p in done] for i in range(4)), [p.formats for p in done],
-        [p.qkv_bias for p in done], [p.o_bias for p in done],
-        [cos.contiguous() for cos, _ in ropes], [sin.contiguous() for _, sin in ropes],
-        *([rows[i] for rows in per_layer] for i in range(4)), cfg.num_heads, cfg.attn_scale,
-        done[0].bits,
+        *leading, *([rows[i] for rows in per_layer] for i in range(4)), model.config.num_heads,
+        model.config.attn_scale, bits,
     )  # fmt: skip
     if reserved is None:
         for layer_stores in stores:

@@ -63,6 +63,7 @@ from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
 from larql.kv.turbo_quant.coded_cpu import attend_coded, coded_kernels
+from larql.kv.turbo_quant.coded_layers import coded_layers_step
 from larql.kv.turbo_quant.compiled_codec import compiled_codes
 from larql.kv.turbo_quant.kernel_batch import BatchedKernelStep
 from larql.kv.turbo_quant.kernel_path import KernelPath
@@ -236,6 +237,8 @@ class TurboQuantEngine(KvEngine):
         """h: [1, H] at `self.position` (per-layer inputs [1, L, P] or None) → [1, H] after
         every layer; stores the new row."""
         assert self._layers is not None
+        if inputs is None and (fused := coded_layers_step([self], model, ffn, h)) is not None:
+            return fused  # every layer in one compiled call
         stage, device = self._profiler.stage, model.device
         shared = SharedKv(model.config)
         for layer, store in enumerate(self._layers):
@@ -367,6 +370,8 @@ class TurboQuantEngine(KvEngine):
             return step.step(model, ffn, kernel_paths, positions, rows)
         batch = [e for e in engines if isinstance(e, TurboQuantEngine) and e._layers is not None]
         assert len(batch) == len(engines), "batch_key groups only torch-path engines"
+        if inputs is None and (fused := coded_layers_step(batch, model, ffn, rows)) is not None:
+            return fused  # every layer of every session in one compiled call
         positions = [e.position for e in batch]
         shared = [SharedKv(model.config) for _ in batch]  # each session's, for sharing layers
         h = rows

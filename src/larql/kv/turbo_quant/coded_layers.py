@@ -1,0 +1,171 @@
+"""turbo-quant's CPU decode step in one compiled call (`decode_layers_coded`), for one session
+or a batch of them: every layer's QKV, output projection and MLP as `standard`'s compiled step
+runs them (each weight read once for all rows), around the attention over each session's
+codes in place (`coded_cpu`'s arithmetic) and the store's update (the new row kept exact or at
+int8 among the recent rows, the row leaving them coded).
+
+Layer by layer the step costs some 30 small calls a layer (projections, attention, store
+update, MLP) and Python's work around each; in one call it costs what `standard`'s does plus
+the coded attention, so the quantised step is no slower than `standard`'s at a short context.
+
+It applies where every layer's attention runs over its codes in place (`coded_cpu`: a float32
+model on the CPU, full-attention layers, one codec for K and V), the compiled layer takes every
+layer (`fused_layer`: plain layers in GGUF blocks), there are no per-layer inputs, and each
+session's sink rows are all in (the prompt was at least `sinks` tokens). The layers of a
+session hold their rows at the same places (they see the same tokens), so one set of places
+serves them all; where they do not, or anything else differs, the layer-by-layer step runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from larql.inference.ffn import FfnBackend
+from larql.inference.fused_layer import layer_arguments
+from larql.inference.shared_kv import SharedKv
+from larql.kv.rows import GrowableRows
+from larql.kv.turbo_quant.codebook import codebook
+from larql.kv.turbo_quant.codec import TurboQuantCodec
+from larql.kv.turbo_quant.coded_cpu import attends_in_place
+from larql.kv.turbo_quant.compiled_codec import compiled_kernels
+from larql.kv.turbo_quant.rotation import rotation_matrix
+from larql.kv.turbo_quant.store import QuantisedLayer
+from larql.models.model import Model
+
+KEEP_NEW, CODE_OLDEST, CODE_NEW = 0, 1, 2  # what a step does with its new row (the call's modes)
+
+
+@dataclass
+class _Places:
+    """One session's stores as the call reads them: per layer its storages, and the places
+    every layer shares."""
+
+    codes: list[torch.Tensor]  # uint8 [capacity, row_bytes] each
+    recent: list[torch.Tensor]  # [capacity, 2, Hkv, D] float16 or int8 each (or empty)
+    scales: list[torch.Tensor]  # float16 [capacity, 2, Hkv, 1] each (int8 recent rows)
+    sinks: list[torch.Tensor]  # float16 [≥ sinks, 2, Hkv, D] each (with sink rows)
+    means: list[torch.Tensor]  # float32 [2, Hkv, D] each (with centering)
+    places: list[int]  # sinks, codes' first and end, recent's first and end, mode
+    mode: int
+
+
+def coded_layers_step(
+    engines: Sequence[object], model: Model, ffn: FfnBackend, rows: torch.Tensor
+) -> torch.Tensor | None:
+    """rows [B, H]: engine i's decode row at its position → the residuals after every layer
+    [B, H], each engine's stores updated with its row; None where the one call does not apply
+    (nothing is changed). `engines`: turbo-quant engines on the torch path, of one layout."""
+    kernels = compiled_kernels()
+    if kernels is None or not hasattr(kernels, "decode_layers_coded"):
+        return None
+    cfg = model.config
+    stores: list[list[QuantisedLayer]] = [engine._layers for engine in engines]  # type: ignore[attr-defined]
+    if any(layers is None for layers in stores) or not _in_place(model, stores[0]):
+        return None
+    codec = stores[0][0].layout.k_codec
+    assert isinstance(codec, TurboQuantCodec)
+    layers = range(cfg.num_layers)
+    positions = [engine.position for engine in engines]  # type: ignore[attr-defined]
+    arguments = layer_arguments(model, layers, rows, ffn, positions)
+    if arguments is None:
+        return None
+    places = [_session_places(layers_of, codec) for layers_of in stores]
+    if any(p is None for p in places):
+        return None
+    sessions = [p for p in places if p is not None]
+    leading, bits = arguments
+    book = codebook(codec.rotated_dim, codec.bits)
+    per_layer = [
+        [[getattr(s, name)[layer] for s in sessions] if getattr(sessions[0], name) else []
+         for layer in layers]
+        for name in ("codes", "recent", "scales", "sinks", "means")
+    ]  # fmt: skip
+    out = kernels.decode_layers_coded(
+        *leading, *per_layer, [n for s in sessions for n in s.places], cfg.num_heads,
+        cfg.attn_scale, bits, rotation_matrix(codec.rotated_dim, torch.float32, rows.device),
+        book.centroids, book.boundaries, codec.norm_correction,
+    )  # fmt: skip
+    for layers_of, session in zip(stores, sessions, strict=True):
+        _commit(layers_of, session.mode)
+    return out
+
+
+def _in_place(model: Model, layers: list[QuantisedLayer]) -> bool:
+    """Whether every layer's attention runs over its codes in place, one codec for them all."""
+    shared = SharedKv(model.config)
+    codec = layers[0].layout.k_codec
+    return all(
+        store.compiled and store.layout.k_codec is codec and attends_in_place(model, i, shared)
+        for i, store in enumerate(layers)
+    )
+
+
+def _session_places(layers: list[QuantisedLayer], codec: TurboQuantCodec) -> _Places | None:
+    """One session's places, room reserved for what its step writes: None where its sink rows
+    are not all in or its layers hold their rows at different places."""
+    first = layers[0]
+    if len(first.sinks) != first.sink_room or (first.sink_room and first.sinks._start):
+        return None
+    if first.recent_room == 0:
+        mode = CODE_NEW
+    else:
+        mode = CODE_OLDEST if len(first.recent) >= first.recent_room else KEEP_NEW
+    row_bytes = first.row_bytes
+    codes = [_room(s.codes, mode != KEEP_NEW, _empty(row_bytes)) for s in layers]
+    int8 = first.recent.bits == 8
+    like = torch.empty(0, 2, first.kv_heads, codec.dim, dtype=torch.int8 if int8 else first.exact)
+    keep = mode != CODE_NEW
+    recent = [_room(s.recent.codes, keep, like) for s in layers]
+    scales_like = torch.empty(0, 2, first.kv_heads, 1, dtype=torch.float16)
+    scales = [_room(s.recent.scales, keep, scales_like) for s in layers] if int8 else []
+
+    def span(store: QuantisedLayer) -> tuple[int, ...]:
+        scales = store.recent.scales if int8 else store.recent.codes  # each scale beside its row
+        recent = store.recent.codes
+        return (store.codes._start, store.codes._end, recent._start, recent._end,
+                scales._start, scales._end)  # fmt: skip
+
+    spans = {span(s) for s in layers}
+    if len(spans) != 1:
+        return None
+    codes_first, codes_end, recent_first, recent_end, *scale_span = spans.pop()
+    if scale_span != [recent_first, recent_end]:
+        return None
+    sinks = [s.sinks._data for s in layers] if first.sink_room else []
+    means = [s.mean for s in layers] if first.mean is not None else []
+    if any(t is None for t in (*sinks, *means)):
+        return None
+    places = [len(first.sinks), codes_first, codes_end, recent_first, recent_end, mode]
+    return _Places(codes, recent, scales, sinks, means, places, mode)  # type: ignore[arg-type]
+
+
+def _empty(row_bytes: int) -> torch.Tensor:
+    return torch.empty(0, row_bytes, dtype=torch.uint8)
+
+
+def _room(rows: GrowableRows, needed: bool, like: torch.Tensor) -> torch.Tensor:
+    """The rows' storage, with room for one more row where `needed` (made like `like` while
+    empty; an empty tensor where not needed and none is made)."""
+    if needed:
+        reserved = rows.reserve_back(1, like)
+        assert reserved is not None
+        return reserved[0]
+    return like if rows._data is None else rows._data
+
+
+def _commit(layers: list[QuantisedLayer], mode: int) -> None:
+    """Count what the call wrote in each layer's store."""
+    for store in layers:
+        if mode != KEEP_NEW:
+            store.codes.commit(1)
+        if mode != CODE_NEW:
+            store.recent.codes.commit(1)
+            if store.recent.bits == 8:
+                store.recent.scales.commit(1)
+        if mode == CODE_OLDEST:
+            store.recent.codes.drop_front(1)
+            if store.recent.bits == 8:
+                store.recent.scales.drop_front(1)

@@ -1,0 +1,135 @@
+"""turbo-quant's CPU decode step in one compiled call (`kv/turbo_quant/coded_layers`) against
+the same engine stepping layer by layer (`coded_cpu`'s attention and encoding), on the default
+model as `larql run` loads it: the same hidden rows, the same tokens and the same stored bytes,
+alone and in a batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import larql.kv.turbo_quant.engine as engine_module
+from larql.data import default_text
+from larql.harness.contexts import context_ids
+from larql.inference.batching import decode_batch
+from larql.inference.ffn.policy import build_ffn
+from larql.inference.fused_layer import layer_arguments
+from larql.inference.layer import final_logits
+from larql.kv import parse_engine
+from larql.kv.turbo_quant.codebook import codebook
+from larql.kv.turbo_quant.coded_layers import CODE_OLDEST, coded_layers_step
+from larql.kv.turbo_quant.rotation import rotation_matrix
+from larql.models import Model
+
+
+def _state(engine) -> list[list[torch.Tensor]]:
+    """Every layer's stored parts: sinks, codes, recent rows (and their int8 scales)."""
+    parts = []
+    for store in engine._layers:
+        layer = [p.rows for p in (store.sinks, store.codes, store.recent.codes) if len(p)]
+        if store.recent.bits == 8 and len(store.recent):
+            layer.append(store.recent.scales.rows)
+        parts.append(layer)
+    return parts
+
+
+def _run(model: Model, spec: str, prompt: int, steps: int, fused: bool, monkeypatch):
+    """The engine's hidden rows and stored parts after `steps` greedy decode steps; counts the
+    steps the one call took."""
+    calls: list[bool] = []
+
+    def counted(*args):
+        out = coded_layers_step(*args) if fused else None
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(engine_module, "coded_layers_step", counted)
+    ffn = build_ffn(model)
+    engine = parse_engine(spec).build(model)
+    h = engine.prefill(model, ffn, context_ids(model, prompt, default_text()))
+    rows = []
+    for _ in range(steps):
+        token = int(final_logits(model, h[-1:]).argmax())
+        h = engine.decode_step(model, ffn, token)
+        rows.append(h)
+    return torch.cat(rows), _state(engine), sum(calls)
+
+
+@pytest.mark.parametrize(
+    ("spec", "prompt", "in_one_call"),
+    [
+        ("turbo-quant", 60, 6),  # the oldest recent row coded at every step
+        ("turbo-quant:bits=3", 200, 6),  # int8 recent rows, 3-bit codes
+        ("turbo-quant:bits=2", 128, 6),  # the recent rows fill up on the way: both modes
+        ("turbo-quant:center=0,sinks=0,recent=0,norm=0", 30, 6),  # the new row coded at once
+        ("turbo-quant:recent=100", 20, 6),  # no codes yet: the new row joins the recent ones
+        ("turbo-quant:sinks=8", 5, 3),  # the sinks fill layer by layer first
+    ],
+)
+def test_one_call_is_the_layer_by_layer_step(
+    cpu_kernels, smollm2_default: Model, spec: str, prompt: int, in_one_call: int, monkeypatch
+) -> None:
+    rows, state, calls = _run(smollm2_default, spec, prompt, 6, True, monkeypatch)
+    want_rows, want_state, _ = _run(smollm2_default, spec, prompt, 6, False, monkeypatch)
+    assert calls == in_one_call
+    assert torch.equal(rows, want_rows)
+    for got, want in zip(state, want_state, strict=True):
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spec", ["turbo-quant", "turbo-quant:bits=3"])
+def test_a_batch_in_one_call_is_each_session_alone(
+    cpu_kernels, smollm2_default: Model, spec: str
+) -> None:
+    """Sessions of different lengths and store modes, one call a step for all of them."""
+    model, ffn = smollm2_default, build_ffn(smollm2_default)
+    prompts = [context_ids(model, n, default_text()) for n in (20, 90, 400)]
+
+    def started():
+        engines = [parse_engine(spec).build(model) for _ in prompts]
+        firsts = [e.prefill(model, ffn, p)[-1:] for e, p in zip(engines, prompts, strict=True)]
+        return engines, [int(final_logits(model, h).argmax()) for h in firsts]
+
+    alone, tokens = started()
+    want = []
+    for engine, token in zip(alone, tokens, strict=True):
+        rows = []
+        for _ in range(4):
+            h = engine.decode_step(model, ffn, token)
+            token = int(final_logits(model, h).argmax())
+            rows.append(h)
+        want.append(torch.cat(rows))
+    together, tokens = started()
+    got: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for _ in range(4):
+        h = decode_batch(together, model, ffn, tokens)
+        tokens = [int(t) for t in final_logits(model, h).argmax(dim=-1)]
+        for i in range(len(prompts)):
+            got[i].append(h[i : i + 1])
+    for rows, expected in zip(got, want, strict=True):
+        assert torch.equal(torch.cat(rows), expected)
+    for a, b in zip(together, alone, strict=True):
+        for got_layer, want_layer in zip(_state(a), _state(b), strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(got_layer, want_layer, strict=True))
+
+
+def test_the_call_refuses_places_outside_the_storage(cpu_kernels, smollm2_default: Model) -> None:
+    model, ffn = smollm2_default, build_ffn(smollm2_default)
+    engine = parse_engine("turbo-quant").build(model)
+    engine.prefill(model, ffn, context_ids(model, 60, default_text()))
+    store = engine._layers[0]
+    codes = store.codes._data
+    places = [4, 0, codes.shape[0], 0, 1, CODE_OLDEST]  # no room after the codes for one more
+    h = torch.zeros(1, model.config.hidden_size)
+    leading, bits = layer_arguments(model, [0], h, ffn, [60])  # type: ignore[misc]
+    codec = store.layout.k_codec
+    book = codebook(codec.rotated_dim, codec.bits)
+    with pytest.raises(RuntimeError, match="must lie in their storage"):
+        cpu_kernels.decode_layers_coded(
+            *leading, [[codes]], [[store.recent.codes._data]], [[]], [[store.sinks._data]],
+            [[store.mean]], places, model.config.num_heads, model.config.attn_scale, bits,
+            rotation_matrix(codec.rotated_dim, torch.float32, h.device), book.centroids,
+            book.boundaries, True,
+        )  # fmt: skip
