@@ -220,13 +220,29 @@ void ExactRows::load(int64_t e, int64_t vector, int64_t vectors, int64_t dim,
       return;
     case Float16: {
       const c10::Half* row = static_cast<const c10::Half*>(data) + at;
-      for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(row[d]);
+      int64_t d = 0;
+#if LARQL_AVX2
+      for (; d + 8 <= dim; d += 8) {  // the same exact conversions, 8 at a time
+        const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
+        _mm256_storeu_ps(out + d, _mm256_cvtph_ps(halves));
+      }
+#endif
+      for (; d < dim; ++d) out[d] = static_cast<float>(row[d]);
       return;
     }
     case Int8: {
       const int8_t* row = static_cast<const int8_t*>(data) + at;
       const float s = static_cast<float>(scales[e * vectors + vector]);
-      for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(row[d]) * s;
+      int64_t d = 0;
+#if LARQL_AVX2
+      const __m256 scale = _mm256_set1_ps(s);
+      for (; d + 8 <= dim; d += 8) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
+        const __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+        _mm256_storeu_ps(out + d, _mm256_mul_ps(codes, scale));
+      }
+#endif
+      for (; d < dim; ++d) out[d] = static_cast<float>(row[d]) * s;
       return;
     }
   }

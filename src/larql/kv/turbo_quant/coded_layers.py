@@ -148,24 +148,27 @@ def _empty(row_bytes: int) -> torch.Tensor:
 
 def _room(rows: GrowableRows, needed: bool, like: torch.Tensor) -> torch.Tensor:
     """The rows' storage, with room for one more row where `needed` (made like `like` while
-    empty; an empty tensor where not needed and none is made)."""
-    if needed:
-        reserved = rows.reserve_back(1, like)
-        assert reserved is not None
-        return reserved[0]
-    return like if rows._data is None else rows._data
+    empty; `like` itself where not needed and none is made)."""
+    data = rows._data
+    if data is not None and (not needed or rows._end < rows.capacity):  # most steps
+        return data
+    if not needed:
+        return like
+    reserved = rows.reserve_back(1, like)
+    assert reserved is not None
+    return reserved[0]
 
 
 def _commit(layers: list[QuantisedLayer], mode: int) -> None:
-    """Count what the call wrote in each layer's store."""
+    """Count what the call wrote in each layer's store (as `GrowableRows.commit` and
+    `drop_front` would: the rows' ends moved; every step asks it of every layer)."""
+    coded, kept, left = mode != KEEP_NEW, mode != CODE_NEW, mode == CODE_OLDEST
     for store in layers:
-        if mode != KEEP_NEW:
-            store.codes.commit(1)
-        if mode != CODE_NEW:
-            store.recent.codes.commit(1)
-            if store.recent.bits == 8:
-                store.recent.scales.commit(1)
-        if mode == CODE_OLDEST:
-            store.recent.codes.drop_front(1)
-            if store.recent.bits == 8:
-                store.recent.scales.drop_front(1)
+        if coded:
+            store.codes._end += 1
+        if kept:
+            parts = store.recent.storages() if store.recent.bits == 8 else [store.recent.codes]
+            for part in parts:
+                part._end += 1
+                if left:
+                    part.drop_front(1)
