@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from larql.kv.kv_quant.codecs import IntCodec
+from larql.kv.turbo_quant.packing import unpack_indices
 from larql.kv.turbo_quant.rotation import rotation_matrix
 
 
@@ -70,3 +71,33 @@ def test_grouped_attention_refuses_codes_of_another_shape(cpu_kernels) -> None:
             torch.zeros(9, 64), torch.empty(0), torch.zeros(4, 100, dtype=torch.uint8), 3, 3, 32,
             64, exact, 1.0,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize(("dim", "group", "rotate"), [(64, 32, False), (64, 64, True),
+                                                      (48, 16, True), (40, 8, False)])  # fmt: skip
+def test_compiled_encoding_is_the_codecs(
+    cpu_kernels, dim: int, group: int, rotate: bool, bits: int
+) -> None:
+    """Without a rotation the extension writes the torch codec's bytes; with one, its sums run
+    in another order, so a scale may differ in its last float16 bit and a coordinate within
+    rounding of a step may take the neighbouring index."""
+    g = torch.Generator().manual_seed(dim + group + bits)
+    rows = torch.randn(300, 2, 3, dim, generator=g) * 2 + 0.5  # [S, 2, Hkv, D]
+    rows[5] = 0.0  # a constant vector: its scales clamp to the smallest
+    codec = IntCodec(dim, bits, group, rotate)
+    for x in (rows, rows.half()):
+        got = codec.compiled_encode(cpu_kernels, x, None).view(-1, codec.bytes_per_vector)
+        want = codec.encode(x.float().reshape(-1, dim))
+        assert got.shape == want.shape and got.dtype == torch.uint8
+        if not rotate:
+            assert torch.equal(got, want)
+            continue
+        header = 4 * codec.groups
+        scales_got = got[:, :header].contiguous().view(torch.float16).float()
+        scales_want = want[:, :header].contiguous().view(torch.float16).float()
+        torch.testing.assert_close(scales_got, scales_want, rtol=1e-3, atol=1e-7)
+        indices = [unpack_indices(t[:, header:], codec.padded_dim, bits).int() for t in (got, want)]
+        differ = indices[0] != indices[1]
+        assert differ.float().mean() < 1e-3
+        assert ((indices[0] - indices[1]).abs()[differ] == 1).all()

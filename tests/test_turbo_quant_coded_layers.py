@@ -1,7 +1,7 @@
-"""turbo-quant's CPU decode step in one compiled call (`kv/turbo_quant/coded_layers`) against
-the same engine stepping layer by layer (`coded_cpu`'s attention and encoding), on the default
-model as `larql run` loads it: the same hidden rows, the same tokens and the same stored bytes,
-alone and in a batch."""
+"""turbo-quant's and kv-quant's CPU decode step in one compiled call
+(`kv/turbo_quant/coded_layers`) against the same engine stepping layer by layer (the compiled
+attention and encoding a layer at a time), on the default model as `larql run` loads it: the
+same hidden rows, the same tokens and the same stored bytes, alone and in a batch."""
 
 from __future__ import annotations
 
@@ -16,9 +16,7 @@ from larql.inference.ffn.policy import build_ffn
 from larql.inference.fused_layer import layer_arguments
 from larql.inference.layer import final_logits
 from larql.kv import parse_engine
-from larql.kv.turbo_quant.codebook import codebook
 from larql.kv.turbo_quant.coded_layers import CODE_OLDEST, coded_layers_step
-from larql.kv.turbo_quant.rotation import rotation_matrix
 from larql.models import Model
 
 
@@ -64,6 +62,12 @@ def _run(model: Model, spec: str, prompt: int, steps: int, fused: bool, monkeypa
         ("turbo-quant:center=0,sinks=0,recent=0,norm=0", 30, 6),  # the new row coded at once
         ("turbo-quant:recent=100", 20, 6),  # no codes yet: the new row joins the recent ones
         ("turbo-quant:sinks=8", 5, 3),  # the sinks fill layer by layer first
+        ("turbo-quant:attention=sdpa", 60, 0),  # the torch reference stays the torch path
+        # kv-quant's integer codes through the same call
+        ("kv-quant", 60, 6),
+        ("kv-quant:bits=8,group=64,rotate=1", 100, 6),
+        ("kv-quant:bits=2,group=64,rotate=1,recent=64,recent_bits=8,sinks=4", 64, 6),
+        ("kv-quant:format=fp8", 60, 0),  # no compiled fp8 codes
     ],
 )
 def test_one_call_is_the_layer_by_layer_step(
@@ -79,7 +83,7 @@ def test_one_call_is_the_layer_by_layer_step(
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("spec", ["turbo-quant", "turbo-quant:bits=3"])
+@pytest.mark.parametrize("spec", ["turbo-quant", "turbo-quant:bits=3", "kv-quant"])
 def test_a_batch_in_one_call_is_each_session_alone(
     cpu_kernels, smollm2_default: Model, spec: str
 ) -> None:
@@ -125,11 +129,9 @@ def test_the_call_refuses_places_outside_the_storage(cpu_kernels, smollm2_defaul
     h = torch.zeros(1, model.config.hidden_size)
     leading, bits = layer_arguments(model, [0], h, ffn, [60])  # type: ignore[misc]
     codec = store.layout.k_codec
-    book = codebook(codec.rotated_dim, codec.bits)
     with pytest.raises(RuntimeError, match="must lie in their storage"):
         cpu_kernels.decode_layers_coded(
             *leading, [[codes]], [[store.recent.codes._data]], [[]], [[store.sinks._data]],
             [[store.mean]], places, model.config.num_heads, model.config.attn_scale, bits,
-            rotation_matrix(codec.rotated_dim, torch.float32, h.device), book.centroids,
-            book.boundaries, True,
+            *codec.compiled_codes(h.device),
         )  # fmt: skip

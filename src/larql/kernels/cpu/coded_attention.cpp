@@ -523,6 +523,22 @@ torch::Tensor coded_attention(torch::Tensor q, torch::Tensor rotation, torch::Te
   return out;
 }
 
+void attend_grouped_rows(const float* q, int64_t heads, int64_t dim, const float* rotation,
+                         const GroupedCodec& codec, const uint8_t* codes, int64_t n,
+                         int64_t kv_heads, const std::vector<ExactRows>& exact, float scale,
+                         int64_t threads, float* out) {
+  const int64_t vector_bytes = grouped_vector_bytes(codec);
+  const int64_t heads_per = heads / kv_heads, row_bytes = 2 * kv_heads * vector_bytes;
+  const ChunkState state = [&](const float* queries, const float* shift, int64_t g,
+                               int64_t first, int64_t rows, float* m, float* l, float* acc) {
+    attend_grouped_head(queries, shift, heads_per, codec.width, codec.bits, codec.group,
+                        codes + first * row_bytes, rows, row_bytes, g * vector_bytes,
+                        (kv_heads + g) * vector_bytes, scale, m, l, acc);
+  };
+  attend_quantised(q, heads, dim, rotation, rotation ? codec.turned : 0, codec.width, n,
+                   kv_heads, nullptr, exact, scale, threads, state, out);
+}
+
 // kv-quant's codes (`IntCodec`): q: float32 [Hq, D]; rotation: float32 [Rn, Rn] (D ≤ Rn, the
 // Walsh–Hadamard rotation the rows were coded after) or an empty tensor; codes: uint8 [n,
 // row_bytes], each vector [scales: G float16][zero points: G float16][G · group indices of
@@ -543,26 +559,17 @@ torch::Tensor grouped_attention(torch::Tensor q, torch::Tensor rotation, torch::
                 "rotation must be contiguous float32 [Rn, Rn] with D ≤ Rn ≤ width");
   }
   TORCH_CHECK(width >= q.size(1), "width must hold the head");
-  const int64_t vector_bytes = 4 * (width / group) + width * bits / 8;
-  TORCH_CHECK(codes.size(1) == 2 * kv_heads * vector_bytes,
+  const GroupedCodec codec{static_cast<int>(bits), group, width,
+                           rotated ? rotation.size(0) : 0};
+  TORCH_CHECK(codes.size(1) == 2 * kv_heads * grouped_vector_bytes(codec),
               "codes' rows must hold a key and a value vector per K/V head");
-  const int64_t heads_per = q.size(0) / kv_heads, row_bytes = codes.size(1);
-  const uint8_t* data = codes.data_ptr<uint8_t>();
-  const float fscale = static_cast<float>(scale);
-  const int code_bits = static_cast<int>(bits);
-  const ChunkState state = [&](const float* queries, const float* shift, int64_t g,
-                               int64_t first, int64_t rows, float* m, float* l, float* acc) {
-    attend_grouped_head(queries, shift, heads_per, width, code_bits, group,
-                        data + first * row_bytes, rows, row_bytes, g * vector_bytes,
-                        (kv_heads + g) * vector_bytes, fscale, m, l, acc);
-  };
   std::vector<torch::Tensor> kept;
   const std::vector<ExactRows> parts = exact_rows(exact, kv_heads, q.size(1), kept);
   torch::Tensor out = torch::empty({q.size(0), q.size(1)}, q.options());
-  attend_quantised(q.data_ptr<float>(), q.size(0), q.size(1),
-                   rotated ? rotation.data_ptr<float>() : nullptr,
-                   rotated ? rotation.size(0) : 0, width, codes.size(0), kv_heads, nullptr, parts,
-                   fscale, at::get_num_threads(), state, out.data_ptr<float>());
+  attend_grouped_rows(q.data_ptr<float>(), q.size(0), q.size(1),
+                      rotated ? rotation.data_ptr<float>() : nullptr, codec,
+                      codes.data_ptr<uint8_t>(), codes.size(0), kv_heads, parts,
+                      static_cast<float>(scale), at::get_num_threads(), out.data_ptr<float>());
   return out;
 }
 

@@ -43,6 +43,30 @@ void attend_turbo(const float* q, int64_t heads, int64_t dim, const float* rotat
                   const Codebook& book, const float* mean, const std::vector<ExactRows>& exact,
                   float scale, int64_t threads, float* out);
 
+// kv-quant's integer codes: per vector, G = width / group groups, each a float16 scale and a
+// float16 zero point, then width indices of `bits` (2, 4 or 8) bits; a coordinate decodes to
+// index · scale + zero point. `turned`: the Walsh–Hadamard rotation's width (0: none).
+struct GroupedCodec {
+  int bits;
+  int64_t group;
+  int64_t width;
+  int64_t turned;
+};
+
+inline int64_t grouped_vector_bytes(const GroupedCodec& c) {
+  return 4 * (c.width / c.group) + c.width * c.bits / 8;
+}
+
+// attend_turbo for kv-quant's codes (rotation [turned, turned] or null).
+void attend_grouped_rows(const float* q, int64_t heads, int64_t dim, const float* rotation,
+                         const GroupedCodec& codec, const uint8_t* codes, int64_t n,
+                         int64_t kv_heads, const std::vector<ExactRows>& exact, float scale,
+                         int64_t threads, float* out);
+
+// One head vector x [dim] float32 → its kv-quant code (coded_encode.cpp has the formulas).
+void encode_grouped_vector(const float* x, int64_t dim, const float* rotation,
+                           const GroupedCodec& codec, uint8_t* out);
+
 // One token's K/V kv [2, Hkv, D] float32 minus mean ([2, Hkv, D] or null) → its code row at
 // out (2 · Hkv vectors of coded_vector_bytes(width, bits)).
 void encode_token(const float* kv, int64_t kv_heads, int64_t dim, const float* mean,

@@ -14,7 +14,9 @@
 #include <torch/types.h>
 
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -64,6 +66,56 @@ void encode_vector(const float* x, int64_t dim, int64_t width, int bits, const f
 }
 
 }  // namespace
+
+// kv-quant's `IntCodec`, in the torch codec's float32 operations:
+//
+//   z = [x, 0] · R (the first `turned` coordinates; [x, 0] without a rotation), zeros to width
+//   per group of `group`: scale = max(float16((max z − min z) / levels), 1e-8),
+//                         zero = float16(min z), index_i = clamp(round((z_i − zero) / scale))
+//
+// with levels = 2^bits − 1 and round half to even, stored [float16 scales][float16 zero
+// points][indices, LSB first]. As with turbo-quant's codes, the rotation's sums run in another
+// order than torch's, so a coordinate within rounding of a step may take the neighbouring index.
+void encode_grouped_vector(const float* x, int64_t dim, const float* rotation,
+                           const GroupedCodec& codec, uint8_t* out) {
+  thread_local std::vector<float> z;
+  z.assign(codec.width, 0.0f);
+  if (rotation != nullptr) {
+    for (int64_t i = 0; i < dim; ++i) {
+      const float xi = x[i];
+      const float* row = rotation + i * codec.turned;
+      for (int64_t c = 0; c < codec.turned; ++c) z[c] += xi * row[c];
+    }
+  } else {
+    std::copy(x, x + dim, z.begin());
+  }
+  const int64_t groups = codec.width / codec.group;
+  const int levels = (1 << codec.bits) - 1;
+  c10::Half* scales = reinterpret_cast<c10::Half*>(out);
+  c10::Half* zeros = scales + groups;
+  uint8_t* payload = out + 4 * groups;
+  std::memset(payload, 0, codec.width * codec.bits / 8);
+  for (int64_t j = 0; j < groups; ++j) {
+    const float* g = z.data() + j * codec.group;
+    float low = g[0], high = g[0];
+    for (int64_t i = 1; i < codec.group; ++i) {
+      low = std::min(low, g[i]);
+      high = std::max(high, g[i]);
+    }
+    const float scale =
+        std::max(static_cast<float>(c10::Half((high - low) / static_cast<float>(levels))), 1e-8f);
+    const c10::Half zero_half(low);
+    const float zero = static_cast<float>(zero_half);
+    scales[j] = c10::Half(scale);
+    zeros[j] = zero_half;
+    for (int64_t i = 0; i < codec.group; ++i) {
+      const float code = std::nearbyint((g[i] - zero) / scale);
+      const int index = static_cast<int>(std::min<float>(levels, std::max(0.0f, code)));
+      const int64_t bit = (j * codec.group + i) * codec.bits;
+      payload[bit / 8] |= static_cast<uint8_t>(index << (bit % 8));
+    }
+  }
+}
 
 void encode_token(const float* kv, int64_t kv_heads, int64_t dim, const float* mean,
                   const float* rotation, int64_t width, const Codebook& book, uint8_t* out) {
@@ -127,6 +179,51 @@ torch::Tensor coded_encode(torch::Tensor rows, torch::Tensor mean, torch::Tensor
       }
       encode_vector(centred.data(), dim, width, bits, r, bounds, table, norm_correction,
                     unit.data(), rotated.data(), coded + v * vector_bytes);
+    }
+  });
+  return out;
+}
+
+// rows: float32 or float16 [S, 2, Hkv, D]; mean: float32 [2, Hkv, D] or an empty tensor;
+// rotation: float32 [Rn, Rn] (D ≤ Rn ≤ width) or an empty tensor; bits 2, 4 or 8; width whole
+// groups, a multiple of 8 → uint8 [S, 2 · Hkv · (4 · width / group + width · bits / 8)].
+torch::Tensor grouped_encode(torch::Tensor rows, torch::Tensor mean, torch::Tensor rotation,
+                             int64_t bits, int64_t group, int64_t width) {
+  TORCH_CHECK(rows.dim() == 4 && rows.size(1) == 2, "rows must be [S, 2, Hkv, D]");
+  TORCH_CHECK(rows.scalar_type() == torch::kFloat32 || rows.scalar_type() == torch::kFloat16,
+              "rows must be float32 or float16");
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
+  const int64_t count = rows.size(0), kv_heads = rows.size(2), dim = rows.size(3);
+  TORCH_CHECK(group > 0 && width % group == 0 && width % 8 == 0 && width >= dim,
+              "width must be whole groups, a multiple of 8, at least the head");
+  const bool rotated = rotation.numel() > 0;
+  if (rotated) {
+    TORCH_CHECK(rotation.dtype() == torch::kFloat32 && rotation.dim() == 2 &&
+                    rotation.size(0) == rotation.size(1) && rotation.size(0) >= dim &&
+                    rotation.size(0) <= width && rotation.is_contiguous(),
+                "rotation must be contiguous float32 [Rn, Rn] with D ≤ Rn ≤ width");
+  }
+  const bool centered = mean.numel() > 0;
+  if (centered) {
+    TORCH_CHECK(mean.dtype() == torch::kFloat32 && mean.numel() == 2 * kv_heads * dim,
+                "mean must be float32 [2, Hkv, D]");
+    mean = mean.contiguous();
+  }
+  const GroupedCodec codec{static_cast<int>(bits), group, width, rotated ? rotation.size(0) : 0};
+  const int64_t vector_bytes = grouped_vector_bytes(codec), vectors = 2 * kv_heads;
+  torch::Tensor x = rows.to(torch::kFloat32).contiguous();
+  torch::Tensor out = torch::empty({count, vectors * vector_bytes}, torch::kUInt8);
+  const float* data = x.data_ptr<float>();
+  const float* mu = centered ? mean.data_ptr<float>() : nullptr;
+  const float* r = rotated ? rotation.data_ptr<float>() : nullptr;
+  uint8_t* coded = out.data_ptr<uint8_t>();
+  at::parallel_for(0, count * vectors, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> centred(dim);
+    for (int64_t v = begin; v < end; ++v) {
+      for (int64_t d = 0; d < dim; ++d) {
+        centred[d] = data[v * dim + d] - (centered ? mu[(v % vectors) * dim + d] : 0.0f);
+      }
+      encode_grouped_vector(centred.data(), dim, r, codec, coded + v * vector_bytes);
     }
   });
   return out;

@@ -1,7 +1,7 @@
-// turbo-quant's decode step through every layer in one call, for the rows of one or more
-// sessions: decode_layers_batch's layer (decode_layer.cpp: QKV + RoPE, the output projection
-// and the MLP, each weight read once for all rows) around turbo-quant's attention over the
-// layer's store as it is kept, and that store's update:
+// turbo-quant's (and kv-quant's) decode step through every layer in one call, for the rows of
+// one or more sessions: decode_layers_batch's layer (decode_layer.cpp: QKV + RoPE, the output
+// projection and the MLP, each weight read once for all rows) around the attention over each
+// session's store as it is kept, and that store's update:
 //
 //   store   [sinks: exact 16-bit rows] [codes: coded rows] [recent: the newest rows, 16-bit or
 //           int8 with a float16 scale per head vector]
@@ -47,15 +47,20 @@ struct RowStore {
 // The layer's attention and store update for its M rows, each over its own session's store.
 struct CodedLayer {
   const std::vector<RowStore>& stores;
-  int64_t heads, kv_heads, dim, width;
-  const float* rotation;
-  const Codebook& book;
+  int64_t heads, kv_heads, dim;
+  const float* rotation;  // turbo-quant's [width, width]; kv-quant's [turned, turned] or null
+  const Codebook* book;  // turbo-quant's codes, or null
+  const GroupedCodec* grouped;  // kv-quant's codes, or null
   bool int8_recent;
   float scale;
   int64_t threads;
+  int64_t book_width;  // turbo-quant's rotated width
 
   int64_t vectors() const { return 2 * kv_heads; }
-  int64_t row_bytes() const { return vectors() * coded_vector_bytes(width, book.bits); }
+  int64_t vector_bytes() const {
+    return grouped ? grouped_vector_bytes(*grouped) : coded_vector_bytes(book_width, book->bits);
+  }
+  int64_t row_bytes() const { return vectors() * vector_bytes(); }
 
   ExactRows recent_rows(const RowStore& s, int64_t first, int64_t count) const {
     const int64_t at = first * vectors() * dim;
@@ -74,9 +79,26 @@ struct CodedLayer {
       exact.push_back(recent_rows(s, s.recent_first, s.recent_end - s.recent_first));
     }
     exact.push_back(ExactRows{row + heads * dim, 1, ExactRows::Float32});  // the new row
-    attend_turbo(row, heads, dim, rotation, width, s.codes + s.codes_first * row_bytes(),
-                 s.codes_end - s.codes_first, kv_heads, book, s.mean, exact, scale, threads,
-                 out);
+    const uint8_t* codes = s.codes + s.codes_first * row_bytes();
+    const int64_t n = s.codes_end - s.codes_first;
+    if (grouped) {
+      attend_grouped_rows(row, heads, dim, rotation, *grouped, codes, n, kv_heads, exact, scale,
+                          threads, out);
+    } else {
+      attend_turbo(row, heads, dim, rotation, book_width, codes, n, kv_heads, *book, s.mean,
+                   exact, scale, threads, out);
+    }
+  }
+
+  // One token's K/V kv [2, Hkv, D] → its code row at `out`.
+  void encode(const RowStore& s, const float* kv, uint8_t* out) const {
+    if (!grouped) {
+      encode_token(kv, kv_heads, dim, s.mean, rotation, book_width, *book, out);
+      return;
+    }
+    for (int64_t v = 0; v < vectors(); ++v) {  // (kv-quant's layers are not centred)
+      encode_grouped_vector(kv + v * dim, dim, rotation, *grouped, out + v * vector_bytes());
+    }
   }
 
   // The new row kv [2, Hkv, D] into recent slot `slot` at 16 or 8 bits.
@@ -106,7 +128,7 @@ struct CodedLayer {
     const float* kv = row + heads * dim;  // the new row's K heads, then its V heads
     uint8_t* coded = s.codes + s.codes_end * row_bytes();
     if (s.mode == kCodeNew) {
-      encode_token(kv, kv_heads, dim, s.mean, rotation, width, book, coded);
+      encode(s, kv, coded);
       return;
     }
     if (s.mode == kCodeOldest) {
@@ -114,7 +136,7 @@ struct CodedLayer {
       oldest.resize(vectors() * dim);
       const ExactRows leaving = recent_rows(s, s.recent_first, 1);
       for (int64_t v = 0; v < vectors(); ++v) leaving.load(0, v, vectors(), dim, &oldest[v * dim]);
-      encode_token(oldest.data(), kv_heads, dim, s.mean, rotation, width, book, coded);
+      encode(s, oldest.data(), coded);
     }
     keep_recent(s, kv, s.recent_end);
   }
@@ -202,16 +224,18 @@ std::vector<RowStore> row_stores(const std::vector<torch::Tensor>& codes,
 
 }  // namespace
 
-// Every layer of a turbo-quant decode step for M rows, one a session (decode_layers_batch's
+// Every layer of a quantised decode step for M rows, one a session (decode_layers_batch's
 // arguments up to sin, then per layer l and row m): codes[l][m] uint8 [capacity, row_bytes];
 // recent[l][m] [capacity, 2, Hkv, D] float16, or int8 with recent_scales[l][m] float16
 // [capacity, 2, Hkv, 1] (recent_scales[l] empty for float16 rows); sinks[l][m] float16
 // [≥ sinks, 2, Hkv, D] (sinks[l] empty without sink rows); means[l][m] float32 [2, Hkv, D]
 // (means[l] empty without centering); places [M · 6]: per row its sink rows, its codes' first
 // row and end, its recent rows' first and end, and its mode (the header's), the same at every
-// layer. rotation [D', D'], centroids [2^bits], boundaries [2^bits − 1]: the codec's → the
-// residuals after the last layer [M, H]; each row's codes and recent rows written past their
-// ends.
+// layer. The codec: `group` 0 for turbo-quant's (rotation [D', D'], centroids [2^bits],
+// boundaries [2^bits − 1], norm_correction), else kv-quant's integer codes of `bits` in groups
+// of `group` over `width` coordinates (rotation [Rn, Rn] or empty; centroids and boundaries
+// empty) → the residuals after the last layer [M, H]; each row's codes and recent rows written
+// past their ends.
 torch::Tensor decode_layers_coded(torch::Tensor h, Tensors norms, double eps, Tensors qkv,
                                   Tensors wo, Tensors gate_up, Tensors down, PerLayerInts formats,
                                   OptionalTensors qkv_bias, OptionalTensors o_bias, Tensors cos,
@@ -219,6 +243,7 @@ torch::Tensor decode_layers_coded(torch::Tensor h, Tensors norms, double eps, Te
                                   PerLayerTensors recent_scales, PerLayerTensors sinks,
                                   PerLayerTensors means, std::vector<int64_t> places,
                                   int64_t heads, double scale, int64_t activation_bits,
+                                  int64_t bits, int64_t group, int64_t width,
                                   torch::Tensor rotation, torch::Tensor centroids,
                                   torch::Tensor boundaries, bool norm_correction) {
   const size_t layers = norms.size();
@@ -231,28 +256,47 @@ torch::Tensor decode_layers_coded(torch::Tensor h, Tensors norms, double eps, Te
   const int64_t m_rows = h.size(0);
   TORCH_CHECK(static_cast<int64_t>(places.size()) == kPlaces * m_rows, "six places per row");
   TORCH_CHECK(m_rows > 0 && layers > 0 && !codes[0].empty(), "at least one row and layer");
-  TORCH_CHECK(rotation.dtype() == torch::kFloat32 && rotation.dim() == 2 &&
-                  rotation.size(0) == rotation.size(1) && rotation.size(0) % 8 == 0 &&
-                  rotation.is_contiguous(),
-              "rotation must be contiguous float32 [D', D'], D' a multiple of 8");
-  const int64_t levels = centroids.numel();
-  TORCH_CHECK(centroids.dtype() == torch::kFloat32 && (levels == 4 || levels == 8 || levels == 16)
-                  && boundaries.dtype() == torch::kFloat32 && boundaries.numel() == levels - 1,
-              "a codebook of 2, 3 or 4 bits: float32 centroids [2^bits], boundaries [2^bits − 1]");
-  const int bits = levels == 4 ? 2 : (levels == 8 ? 3 : 4);
+  const bool rotated = rotation.numel() > 0;
+  if (rotated) {
+    TORCH_CHECK(rotation.dtype() == torch::kFloat32 && rotation.dim() == 2 &&
+                    rotation.size(0) == rotation.size(1) && rotation.is_contiguous(),
+                "rotation must be contiguous float32 [R, R]");
+  }
   const torch::Tensor table = centroids.contiguous(), cells = boundaries.contiguous();
-  const Codebook book{table.data_ptr<float>(), cells.data_ptr<float>(), bits, norm_correction};
-  const int64_t width = rotation.size(0);
+  Codebook book{};
+  GroupedCodec grouped{};
+  if (group == 0) {  // turbo-quant's codes
+    TORCH_CHECK(bits >= 2 && bits <= 4 && centroids.dtype() == torch::kFloat32 &&
+                    centroids.numel() == (1 << bits) && boundaries.dtype() == torch::kFloat32 &&
+                    boundaries.numel() == (1 << bits) - 1,
+                "a codebook of 2, 3 or 4 bits: float32 centroids [2^bits], boundaries "
+                "[2^bits − 1]");
+    TORCH_CHECK(rotated && rotation.size(0) == width && width % 8 == 0,
+                "turbo-quant's codes need their rotation [D', D'], D' a multiple of 8");
+    book = Codebook{table.data_ptr<float>(), cells.data_ptr<float>(), static_cast<int>(bits),
+                    norm_correction};
+  } else {  // kv-quant's
+    TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "integer codes of 2, 4 or 8 bits");
+    TORCH_CHECK(group > 0 && width % group == 0 && width % 8 == 0,
+                "width must be whole groups, a multiple of 8");
+    TORCH_CHECK(!rotated || rotation.size(0) <= width, "the rotation is wider than the codes");
+    grouped = GroupedCodec{static_cast<int>(bits), group, width, rotated ? rotation.size(0) : 0};
+  }
+  const int64_t vector_bytes =
+      group == 0 ? coded_vector_bytes(width, static_cast<int>(bits))
+                 : grouped_vector_bytes(grouped);
   // the head geometry: 2 · Hkv vectors a code row, (Hq + 2 · Hkv) · D rows of W_qkv
   const bool int8_recent = !recent_scales[0].empty();
   TORCH_CHECK(codes[0][0].dim() == 2, "codes must be [capacity, row_bytes]");
-  const int64_t kv_heads = codes[0][0].size(1) / coded_vector_bytes(width, bits) / 2;
+  const int64_t kv_heads = codes[0][0].size(1) / vector_bytes / 2;
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of K/V heads");
   const int64_t projected = qkv[0].size(0), head_rows = heads + 2 * kv_heads;
   TORCH_CHECK(projected % head_rows == 0, "W_qkv's rows must be (Hq + 2 · Hkv) heads");
   const int64_t dim = projected / head_rows;
-  TORCH_CHECK(dim <= width, "the head is wider than the rotation");
-  const int64_t row_bytes = 2 * kv_heads * coded_vector_bytes(width, bits);
+  TORCH_CHECK(dim <= width && (!rotated || dim <= rotation.size(0)),
+              "the head is wider than the codes or the rotation");
+  TORCH_CHECK(group == 0 || means[0].empty(), "kv-quant's codes are not centred");
+  const int64_t row_bytes = 2 * kv_heads * vector_bytes;
   const int64_t threads = at::get_num_threads();
   std::vector<int64_t> keys(m_rows);
   for (int64_t m = 0; m < m_rows; ++m) {
@@ -266,15 +310,18 @@ torch::Tensor decode_layers_coded(torch::Tensor h, Tensors norms, double eps, Te
                    kv_heads, dim, row_bytes, int8_recent);
     const LayerMatrices w =
         checked_layer(qkv[l], wo[l], gate_up[l], down[l], formats[l], width_h, q_dim, kv_dim);
-    const CodedLayer layer{stores, heads, kv_heads, dim, width, rotation.data_ptr<float>(),
-                           book, int8_recent, static_cast<float>(scale), threads};
-    const auto attend = [&](const float* projected, float* attn) {
+    const CodedLayer layer{stores, heads, kv_heads, dim,
+                           rotated ? rotation.data_ptr<float>() : nullptr,
+                           group == 0 ? &book : nullptr, group == 0 ? nullptr : &grouped,
+                           int8_recent, static_cast<float>(scale), threads, width};
+    const auto attend = [&](const float* projected_rows, float* attn) {
       const int64_t stride = w.qkv.rows;
       attend_sessions(m_rows, keys, threads, [&](int64_t m) {
-        layer.attend(stores[m], projected + m * stride, attn + m * q_dim);
+        layer.attend(stores[m], projected_rows + m * stride, attn + m * q_dim);
       });
-      at::parallel_for(0, m_rows, m_rows >= threads ? 1 : m_rows, [&](int64_t begin, int64_t end) {
-        for (int64_t m = begin; m < end; ++m) layer.update(stores[m], projected + m * stride);
+      const int64_t grain = m_rows >= threads ? 1 : m_rows;  // a few µs a row
+      at::parallel_for(0, m_rows, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t m = begin; m < end; ++m) layer.update(stores[m], projected_rows + m * stride);
       });
     };
     h = layer_around(h, norms[l], eps, w, qkv_bias[l], o_bias[l], cos[l], sin[l], heads,

@@ -41,6 +41,7 @@ torch::Tensor decode_layers_coded(torch::Tensor h, Tensors norms, double eps, Te
                                   PerLayerTensors recent_scales, PerLayerTensors sinks,
                                   PerLayerTensors means, std::vector<int64_t> places,
                                   int64_t heads, double scale, int64_t activation_bits,
+                                  int64_t bits, int64_t group, int64_t width,
                                   torch::Tensor rotation, torch::Tensor centroids,
                                   torch::Tensor boundaries, bool norm_correction);
 

@@ -10,6 +10,8 @@ coordinate over the whole row, as llama.cpp does for a quantised K/V cache. One 
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from larql.kv.turbo_quant.packing import pack_indices, packed_size, unpack_indices
@@ -17,6 +19,7 @@ from larql.kv.turbo_quant.rotation import next_power_of_two, rotation_matrix
 
 FP8_MAX = 448.0  # the largest finite float8 e4m3 value
 _TINY = 1e-8
+_EMPTY = torch.empty(0)  # the extension's "none" for an optional tensor
 
 
 class _GroupedCodec:
@@ -65,6 +68,27 @@ class IntCodec(_GroupedCodec):
         packed = pack_indices(codes.view(g.shape[0], -1), self.bits)
         header = torch.cat((scale, zero), dim=1).squeeze(-1).half()  # [N, 2G]
         return torch.cat((header.view(torch.uint8).view(g.shape[0], -1), packed), dim=1)
+
+    def compiled_encode(
+        self, kernels: ModuleType, rows: torch.Tensor, mean: torch.Tensor | None
+    ) -> torch.Tensor:
+        """rows [S, 2, Hkv, D] (float32 or float16) minus `mean` [2, Hkv, D] → one code row per
+        token, uint8 [S, 2 · Hkv · bytes_per_vector], by the CPU extension (`grouped_encode`)."""
+        return kernels.grouped_encode(
+            rows, _EMPTY if mean is None else mean, self._rotation(rows.device), self.bits,
+            self.group, self.padded_dim,
+        )  # fmt: skip
+
+    def compiled_codes(self, device: torch.device) -> tuple[object, ...]:
+        """The codec as the CPU extension's one-call step takes it (`decode_layers_coded`):
+        bits, group, width, rotation (or none), no codebook, no norm correction."""
+        return (self.bits, self.group, self.padded_dim, self._rotation(device), _EMPTY, _EMPTY,
+                False)  # fmt: skip
+
+    def _rotation(self, device: torch.device) -> torch.Tensor:
+        if not self.rotate:
+            return _EMPTY
+        return rotation_matrix(self.coded_dim, torch.float32, device)
 
     def decode(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """uint8 [N, bytes_per_vector] → [N, dim] in `dtype`."""

@@ -20,10 +20,23 @@ import torch
 from larql.inference.linear import load_block_kernels
 from larql.inference.shared_kv import SharedKv
 from larql.kv.kv_quant.codecs import IntCodec
+from larql.kv.turbo_quant.codec import RowCodec
 from larql.kv.turbo_quant.coded_cpu import attends_in_place, rows_in_place
+from larql.kv.turbo_quant.compiled_codec import compiled_kernels
 from larql.kv.turbo_quant.rotation import rotation_matrix
 from larql.kv.turbo_quant.store import QuantisedLayer
 from larql.models.model import Model
+
+
+def grouped_codes(model: Model, k_codec: RowCodec, v_codec: RowCodec) -> bool:
+    """Whether a layer of `model` with these codecs is encoded by the extension (and so may take
+    the one-call step): a float32 model on the CPU, one `IntCodec` for K and V whose groups fill
+    whole bytes."""
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return False
+    if not isinstance(k_codec, IntCodec) or v_codec is not k_codec or k_codec.padded_dim % 8:
+        return False
+    return compiled_kernels() is not None
 
 
 def grouped_kernels(

@@ -12,9 +12,10 @@ import torch
 
 from larql.inference.shared_kv import SharedKv
 from larql.kv.kv_quant.codecs import Fp8Codec, IntCodec
-from larql.kv.kv_quant.compiled import attend_grouped, grouped_kernels
+from larql.kv.kv_quant.compiled import attend_grouped, grouped_codes, grouped_kernels
 from larql.kv.turbo_quant.codec import RowCodec
 from larql.kv.turbo_quant.engine import TurboQuantEngine, exact_rows_label
+from larql.kv.turbo_quant.store import KvLayout
 from larql.models.model import Model
 
 
@@ -66,6 +67,11 @@ class KvQuantEngine(TurboQuantEngine):
         if self.recent and self.recent_bits != 16:
             parts.append(f"recent_bits={self.recent_bits}")
         return ",".join(parts)
+
+    def _compiled(self, model: Model, layout: KvLayout) -> bool:
+        """Integer codes of one codec are encoded by the CPU extension (and its one-call step
+        takes them where it applies); fp8 keeps the torch codec."""
+        return grouped_codes(model, layout.k_codec, layout.v_codec)
 
     def _attend_in_place(
         self,

@@ -13,6 +13,7 @@ costs the bits of the padded length, and decoding drops them again.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -26,6 +27,7 @@ _ZERO_NORM = 1e-12
 # Bits of packed stream one lookup-table key covers: a whole number of indices per key.
 _KEY_BITS = {2: 8, 3: 12, 4: 8}
 _LOOKUP_TABLES: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+_EMPTY = torch.empty(0)  # the extension's "none" for an optional tensor
 
 
 class RowCodec(Protocol):
@@ -87,6 +89,26 @@ class TurboQuantCodec:
             quantised = torch.linalg.vector_norm(book.dequantise(indices), dim=-1)  # [N]
             norms = norms / torch.where(quantised > _ZERO_NORM, quantised, 1.0)
         return join_norms(norms, pack_indices(indices, self.bits))
+
+    def compiled_encode(
+        self, kernels: ModuleType, rows: torch.Tensor, mean: torch.Tensor | None
+    ) -> torch.Tensor:
+        """rows [S, 2, Hkv, D] (float32 or float16) minus `mean` [2, Hkv, D] → one code row per
+        token, uint8 [S, 2 · Hkv · bytes_per_vector], by the CPU extension (`coded_encode`)."""
+        book = codebook(self.rotated_dim, self.bits)
+        rotation = rotation_matrix(self.rotated_dim, torch.float32, rows.device)
+        return kernels.coded_encode(
+            rows, _EMPTY if mean is None else mean, rotation, book.boundaries, book.centroids,
+            self.norm_correction,
+        )  # fmt: skip
+
+    def compiled_codes(self, device: torch.device) -> tuple[object, ...]:
+        """The codec as the CPU extension's one-call step takes it (`decode_layers_coded`):
+        bits, group (0: a codebook's), width, rotation, centroids, boundaries, norm correction."""
+        book = codebook(self.rotated_dim, self.bits)
+        rotation = rotation_matrix(self.rotated_dim, torch.float32, device)
+        return (self.bits, 0, self.rotated_dim, rotation, book.centroids, book.boundaries,
+                self.norm_correction)  # fmt: skip
 
     def decode(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """uint8 [N, bytes_per_vector] → [N, dim] in `dtype`."""

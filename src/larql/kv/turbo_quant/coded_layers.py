@@ -27,11 +27,9 @@ from larql.inference.ffn import FfnBackend
 from larql.inference.fused_layer import layer_arguments
 from larql.inference.shared_kv import SharedKv
 from larql.kv.rows import GrowableRows
-from larql.kv.turbo_quant.codebook import codebook
-from larql.kv.turbo_quant.codec import TurboQuantCodec
+from larql.kv.turbo_quant.codec import RowCodec
 from larql.kv.turbo_quant.coded_cpu import attends_in_place
 from larql.kv.turbo_quant.compiled_codec import compiled_kernels
-from larql.kv.turbo_quant.rotation import rotation_matrix
 from larql.kv.turbo_quant.store import QuantisedLayer
 from larql.models.model import Model
 
@@ -57,16 +55,16 @@ def coded_layers_step(
 ) -> torch.Tensor | None:
     """rows [B, H]: engine i's decode row at its position → the residuals after every layer
     [B, H], each engine's stores updated with its row; None where the one call does not apply
-    (nothing is changed). `engines`: turbo-quant engines on the torch path, of one layout."""
+    (nothing is changed). `engines`: turbo-quant (or kv-quant) engines on the torch path, of
+    one layout."""
     kernels = compiled_kernels()
-    if kernels is None or not hasattr(kernels, "decode_layers_coded"):
+    if kernels is None:
         return None
     cfg = model.config
     stores: list[list[QuantisedLayer]] = [engine._layers for engine in engines]  # type: ignore[attr-defined]
     if any(layers is None for layers in stores) or not _in_place(model, stores[0]):
         return None
-    codec = stores[0][0].layout.k_codec
-    assert isinstance(codec, TurboQuantCodec)
+    codec = stores[0][0].layout.k_codec  # a TurboQuantCodec or kv-quant's IntCodec
     layers = range(cfg.num_layers)
     positions = [engine.position for engine in engines]  # type: ignore[attr-defined]
     arguments = layer_arguments(model, layers, rows, ffn, positions)
@@ -77,7 +75,6 @@ def coded_layers_step(
         return None
     sessions = [p for p in places if p is not None]
     leading, bits = arguments
-    book = codebook(codec.rotated_dim, codec.bits)
     per_layer = [
         [[getattr(s, name)[layer] for s in sessions] if getattr(sessions[0], name) else []
          for layer in layers]
@@ -85,8 +82,7 @@ def coded_layers_step(
     ]  # fmt: skip
     out = kernels.decode_layers_coded(
         *leading, *per_layer, [n for s in sessions for n in s.places], cfg.num_heads,
-        cfg.attn_scale, bits, rotation_matrix(codec.rotated_dim, torch.float32, rows.device),
-        book.centroids, book.boundaries, codec.norm_correction,
+        cfg.attn_scale, bits, *codec.compiled_codes(rows.device),
     )  # fmt: skip
     for layers_of, session in zip(stores, sessions, strict=True):
         _commit(layers_of, session.mode)
@@ -103,7 +99,7 @@ def _in_place(model: Model, layers: list[QuantisedLayer]) -> bool:
     )
 
 
-def _session_places(layers: list[QuantisedLayer], codec: TurboQuantCodec) -> _Places | None:
+def _session_places(layers: list[QuantisedLayer], codec: RowCodec) -> _Places | None:
     """One session's places, room reserved for what its step writes: None where its sink rows
     are not all in or its layers hold their rows at different places."""
     first = layers[0]
@@ -116,7 +112,8 @@ def _session_places(layers: list[QuantisedLayer], codec: TurboQuantCodec) -> _Pl
     row_bytes = first.row_bytes
     codes = [_room(s.codes, mode != KEEP_NEW, _empty(row_bytes)) for s in layers]
     int8 = first.recent.bits == 8
-    like = torch.empty(0, 2, first.kv_heads, codec.dim, dtype=torch.int8 if int8 else first.exact)
+    dim = codec.dim  # type: ignore[attr-defined]
+    like = torch.empty(0, 2, first.kv_heads, dim, dtype=torch.int8 if int8 else first.exact)
     keep = mode != CODE_NEW
     recent = [_room(s.recent.codes, keep, like) for s in layers]
     scales_like = torch.empty(0, 2, first.kv_heads, 1, dtype=torch.float16)

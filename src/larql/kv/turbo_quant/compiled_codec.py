@@ -1,8 +1,10 @@
-"""turbo-quant's rows encoded on the CPU by the compiled extension (`coded_encode`), and whether a
-layer's codes are: a float32 model on the CPU with the extension built, and `TurboQuantCodec`
-codes of one codec for K and V (2, 3 or 4 bits, a rotated width of whole bytes). The arithmetic
-is the torch codec's in another order of float sums, so a coordinate within rounding of a cell
-boundary may take the neighbouring cell; everything else is the codec's bytes.
+"""Quantised rows encoded on the CPU by the compiled extension (each codec's
+`compiled_encode`: turbo-quant's `coded_encode`, kv-quant's `grouped_encode`), and whether a
+turbo-quant layer's codes are: a float32 model on the CPU with the extension built, and
+`TurboQuantCodec` codes of one codec for K and V (2, 3 or 4 bits, a rotated width of whole
+bytes). The arithmetic is the torch codec's in another order of float sums, so a coordinate
+within rounding of a cell boundary may take the neighbouring cell; everything else is the
+codec's bytes.
 """
 
 from __future__ import annotations
@@ -12,16 +14,15 @@ from types import ModuleType
 import torch
 
 from larql.inference.linear import load_block_kernels
-from larql.kv.turbo_quant.codebook import codebook
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
-from larql.kv.turbo_quant.rotation import rotation_matrix
 from larql.models.model import Model
 
 
 def compiled_kernels() -> ModuleType | None:
-    """The built extension where it has turbo-quant's calls, else None."""
+    """The built extension where it has the quantised engines' calls, else None."""
     kernels = load_block_kernels()
-    return kernels if kernels is not None and hasattr(kernels, "coded_encode") else None
+    newest = ("coded_encode", "grouped_encode", "decode_layers_coded")
+    return kernels if kernels is not None and all(hasattr(kernels, n) for n in newest) else None
 
 
 def compiled_codes(model: Model, k_codec: RowCodec, v_codec: RowCodec) -> bool:
@@ -36,22 +37,16 @@ def compiled_codes(model: Model, k_codec: RowCodec, v_codec: RowCodec) -> bool:
     return compiled_kernels() is not None
 
 
-def encode_rows(
-    codec: TurboQuantCodec, rows: torch.Tensor, mean: torch.Tensor | None
-) -> torch.Tensor:
+def encode_rows(codec: RowCodec, rows: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor:
     """rows [S, 2, Hkv, D] (float32 or float16) minus `mean` [2, Hkv, D] → one code row per
-    token, uint8 [S, row_bytes] ([K heads ; V heads]); the torch codec where the extension is
-    not built."""
+    token, uint8 [S, row_bytes] ([K heads ; V heads]), by the codec's compiled encoding
+    (`compiled_encode`; the torch codec where the extension is not built)."""
     kernels = compiled_kernels()
     if kernels is None:
         s = rows.shape[0]
         x = rows.float() if mean is None else rows.float() - mean
         return codec.encode(x.reshape(-1, rows.shape[-1])).view(s, -1)
-    book = codebook(codec.rotated_dim, codec.bits)
-    rotation = rotation_matrix(codec.rotated_dim, torch.float32, rows.device)
-    return kernels.coded_encode(
-        rows, or_empty(mean), rotation, book.boundaries, book.centroids, codec.norm_correction
-    )
+    return codec.compiled_encode(kernels, rows, mean)  # type: ignore[attr-defined]
 
 
 _EMPTY = torch.empty(0)
