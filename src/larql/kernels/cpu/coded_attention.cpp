@@ -147,23 +147,19 @@ inline float decode_vector(const uint8_t* vector, __m512 table, __m512 (&decoded
   return norm;
 }
 
-// `attend_coded_head` for width 16 · V and at most kMaxGroup query heads: a vector's 16
-// centroids at a time by a permute of the table, the scores' dot products and the weighted
-// values in 512-bit lanes. The same sums in another order.
-template <int V, int Bits>
-void attend_coded_head_512(const float* q, int64_t group, const uint8_t* codes, int64_t n,
-                           int64_t row_bytes, int64_t key_at, int64_t value_at,
-                           const float* centroids, const float* shift, float scale, float* m,
-                           float* l, float* acc) {
+// One K/V head's `group` query heads (at most kMaxGroup; q: their queries [group, 16 · V] in
+// the codes' basis) over n coded rows → m, l [group] and acc [group, 16 · V], in 512-bit lanes:
+// decode(vector, decoded) puts a vector's coordinates in 16 · V lanes and gives the factor its
+// dot products and weights take (turbo-quant's norm; 1 for kv-quant's).
+template <int V, typename Decode>
+void attend_head_512(const float* q, int64_t group, const uint8_t* codes, int64_t n,
+                     int64_t row_bytes, int64_t key_at, int64_t value_at, const float* shift,
+                     float scale, float* m, float* l, float* acc, const Decode& decode) {
   constexpr int64_t width = 16 * V;
-  float padded[16] = {};
-  std::memcpy(padded, centroids, sizeof(float) << Bits);
-  const __m512 table = _mm512_loadu_ps(padded);
   std::vector<float> scores(group * n);
   for (int64_t t = 0; t < n; ++t) {
-    const uint8_t* vector = codes + t * row_bytes + key_at;
     __m512 decoded[V];
-    const float norm = decode_vector<V, Bits>(vector, table, decoded);
+    const float norm = decode(codes + t * row_bytes + key_at, decoded);
     for (int64_t j = 0; j < group; ++j) {
       __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q + j * width), decoded[0]);
       for (int i = 1; i < V; ++i) {
@@ -178,9 +174,8 @@ void attend_coded_head_512(const float* q, int64_t group, const uint8_t* codes, 
     for (int i = 0; i < V; ++i) sums[j][i] = _mm512_setzero_ps();
   }
   for (int64_t t = 0; t < n; ++t) {
-    const uint8_t* vector = codes + t * row_bytes + value_at;
     __m512 decoded[V];
-    const float norm = decode_vector<V, Bits>(vector, table, decoded);
+    const float norm = decode(codes + t * row_bytes + value_at, decoded);
     for (int64_t j = 0; j < group; ++j) {
       const __m512 w = _mm512_set1_ps(scores[j * n + t] * norm);
       for (int i = 0; i < V; ++i) sums[j][i] = _mm512_fmadd_ps(w, decoded[i], sums[j][i]);
@@ -189,6 +184,23 @@ void attend_coded_head_512(const float* q, int64_t group, const uint8_t* codes, 
   for (int64_t j = 0; j < group; ++j) {
     for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc + j * width + 16 * i, sums[j][i]);
   }
+}
+
+// `attend_coded_head` for width 16 · V: a vector's 16 centroids at a time by a permute of the
+// table. The same sums in another order.
+template <int V, int Bits>
+void attend_coded_head_512(const float* q, int64_t group, const uint8_t* codes, int64_t n,
+                           int64_t row_bytes, int64_t key_at, int64_t value_at,
+                           const float* centroids, const float* shift, float scale, float* m,
+                           float* l, float* acc) {
+  float padded[16] = {};
+  std::memcpy(padded, centroids, sizeof(float) << Bits);
+  const __m512 table = _mm512_loadu_ps(padded);
+  const auto decode = [&](const uint8_t* vector, __m512 (&decoded)[V]) {
+    return decode_vector<V, Bits>(vector, table, decoded);
+  };
+  attend_head_512<V>(q, group, codes, n, row_bytes, key_at, value_at, shift, scale, m, l, acc,
+                     decode);
 }
 
 using CodedHead = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, int64_t,
@@ -444,6 +456,48 @@ void attend_grouped_head(const float* q, const float* shift, int64_t group, int6
   }
 }
 
+#if LARQL_CODED_512
+// `attend_grouped_head` for width 16 · V and groups of a multiple of 16 coordinates: a group's
+// 16 indices at a time widened and scaled in one multiply-add (the same decoded values), the
+// dot products and weighted values in 512-bit lanes (their sums in another order).
+template <int V, int Bits>
+void attend_grouped_head_512(const float* q, const float* shift, int64_t group,
+                             int64_t code_group, const uint8_t* codes, int64_t n,
+                             int64_t row_bytes, int64_t key_at, int64_t value_at, float scale,
+                             float* m, float* l, float* acc) {
+  const int64_t groups = 16 * V / code_group, lanes_per_group = code_group / 16;
+  const auto decode = [&](const uint8_t* vector, __m512 (&decoded)[V]) {
+    uint16_t header[2 * V];  // (16 · V / 16 groups at most: the scales, then the zero points)
+    std::memcpy(header, vector, 4 * groups);
+    const uint8_t* indices = vector + 4 * groups;
+    for (int i = 0; i < V; ++i) {
+      const int64_t j = i / lanes_per_group;
+      const __m512 lane = _mm512_cvtepi32_ps(indices16<Bits>(indices + 2 * Bits * i));
+      decoded[i] = _mm512_fmadd_ps(lane, _mm512_set1_ps(half_to_float(header[j])),
+                                   _mm512_set1_ps(half_to_float(header[groups + j])));
+    }
+    return 1.0f;
+  };
+  attend_head_512<V>(q, group, codes, n, row_bytes, key_at, value_at, shift, scale, m, l, acc,
+                     decode);
+}
+
+using GroupedHead = void (*)(const float*, const float*, int64_t, int64_t, const uint8_t*,
+                             int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*);
+
+// The 512-bit loop for these codes, or null (the buffered loop runs).
+GroupedHead grouped_head_512(int64_t width, int bits, int64_t code_group, int64_t group) {
+  if (group > kMaxGroup || (width != 64 && width != 128) || code_group % 16) return nullptr;
+  const bool wide = width == 128;
+  switch (bits) {
+    case 2: return wide ? attend_grouped_head_512<8, 2> : attend_grouped_head_512<4, 2>;
+    case 4: return wide ? attend_grouped_head_512<8, 4> : attend_grouped_head_512<4, 4>;
+    case 8: return wide ? attend_grouped_head_512<8, 8> : attend_grouped_head_512<4, 8>;
+    default: return nullptr;
+  }
+}
+#endif
+
 // mean: float32 [2, Hkv, D] (μ_K, μ_V), contiguous, or an empty tensor (no centering).
 torch::Tensor checked_mean(const torch::Tensor& mean, int64_t kv_heads, int64_t dim) {
   if (mean.numel() == 0) return mean;
@@ -531,9 +585,18 @@ void attend_grouped_rows(const float* q, int64_t heads, int64_t dim, const float
   const int64_t heads_per = heads / kv_heads, row_bytes = 2 * kv_heads * vector_bytes;
   const ChunkState state = [&](const float* queries, const float* shift, int64_t g,
                                int64_t first, int64_t rows, float* m, float* l, float* acc) {
-    attend_grouped_head(queries, shift, heads_per, codec.width, codec.bits, codec.group,
-                        codes + first * row_bytes, rows, row_bytes, g * vector_bytes,
-                        (kv_heads + g) * vector_bytes, scale, m, l, acc);
+    const uint8_t* chunk = codes + first * row_bytes;
+    const int64_t key_at = g * vector_bytes, value_at = (kv_heads + g) * vector_bytes;
+#if LARQL_CODED_512
+    if (const GroupedHead head = grouped_head_512(codec.width, codec.bits, codec.group,
+                                                  heads_per)) {
+      head(queries, shift, heads_per, codec.group, chunk, rows, row_bytes, key_at, value_at,
+           scale, m, l, acc);
+      return;
+    }
+#endif
+    attend_grouped_head(queries, shift, heads_per, codec.width, codec.bits, codec.group, chunk,
+                        rows, row_bytes, key_at, value_at, scale, m, l, acc);
   };
   attend_quantised(q, heads, dim, rotation, rotation ? codec.turned : 0, codec.width, n,
                    kv_heads, nullptr, exact, scale, threads, state, out);
