@@ -42,6 +42,7 @@ namespace {
 constexpr int64_t kNormBytes = 4;
 
 constexpr int64_t kChunkRows = 256;  // fewest coded rows worth a chunk of their own
+constexpr int64_t kMergeRows = 64;  // fewest exact rows worth merging over the threads
 
 // scores [group, n] ← e^{s − m_j} per row j, m_j its maximum → m, l [group] (l_j: its sum).
 void exponentiate(float* scores, int64_t group, int64_t n, float* m, float* l) {
@@ -367,8 +368,9 @@ void attend_quantised(const float* qs, int64_t heads, int64_t dim, const float* 
     }
   });
   // per query head: the chunks combined, acc̃ back in the model's basis + l · μ_V, then merged
-  // with the exact rows (a few µs a head: over the threads only where the exact rows are many)
-  const int64_t merge_grain = exact_rows >= kChunkRows ? 1 : kv_heads;
+  // with the exact rows (a few µs a head: over the threads only where the exact rows are many,
+  // as the 128 or 160 int8 recent rows at 2 and 3 bits are)
+  const int64_t merge_grain = exact_rows >= kMergeRows ? 1 : kv_heads;
   at::parallel_for(0, kv_heads, merge_grain, [&](int64_t begin, int64_t end) {
     std::vector<float> acc_coded(width), acc(group * dim), m(group), l(group);
     for (int64_t g = begin; g < end; ++g) {
