@@ -18,7 +18,9 @@ noise, meet zeros) and the rotated-back output is cut to D.
 On the CPU, a float32 model's codes (one codec for K and V) are encoded by the compiled
 extension, and its full-attention layers attend over the codes in place (`coded_cpu`: one call
 per layer scores and weighs the coded rows without decoding them into a copy and merges the
-exact rows), the same attention within float32 rounding.
+exact rows), the same attention within float32 rounding. Where the compiled layer takes every
+layer (plain layers in GGUF blocks), the whole step — one session's or a batch's — is one call
+(`coded_layers`), the same arithmetic bit for bit.
 
 On CUDA (where Triton runs) the step takes `KernelPath` instead: the codes in fixed slots,
 attention read straight from them with the rotations inside the kernel and the new row encoded by

@@ -10,8 +10,8 @@ ATTENTION_DOC = (
     "on CUDA, attend straight from the packed codes and encode through larql's kernels (auto: "
     "2 launches per layer, the partial attention in CUDA C++ where it covers the layer, else "
     "Triton; triton: the 3 Triton launches); on the CPU (auto or triton) a float32 model's "
-    "codes are encoded and attended in place by larql's C++ kernels; sdpa: decode the "
-    "rows with torch and attend over them, everywhere"
+    "codes are encoded and attended in place by larql's C++ kernels (a plain model's whole "
+    "step in one call); sdpa: decode the rows with torch and attend over them, everywhere"
 )
 
 GRAPH_DOC = (
