@@ -29,20 +29,6 @@ namespace {
 constexpr int64_t kChunkRows = 64;  // fewest rows worth a chunk of their own
 
 #if LARQL_AVX2
-// Rows a pass over one K/V head's rows asks for ahead of the one it reads: a head's 4 or 8
-// lines of each row sit a whole row of every head apart, a stride the hardware prefetchers
-// follow late (on Zen 4, 30 layers at a 6,000-token context: 14.6–14.9 → ~13.0 ms on two
-// threads, 32 → 24 ms on one; docs/PERFORMANCE.md).
-constexpr int64_t kAheadRows = 16;
-
-// The lines of row `row` of K/V head `head` (8V floats) on their way to L1, where row < end.
-template <int V>
-inline void prefetch_row(const Rows& rows, int64_t head, int64_t row, int64_t end) {
-  if (row >= end) return;
-  const char* at = reinterpret_cast<const char*>(rows.at(head, row));
-  for (int line = 0; line < 32 * V; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
-}
-
 // acc[hh][0 : 8V] += Σ_t w[hh][t] · row_t for H heads sharing the value rows row_t (V vectors of
 // 8 floats each), the H · V accumulators held in registers over the whole walk: each is the
 // same chain of multiply-adds in t order as `add_scaled` per token, without storing and
@@ -56,7 +42,6 @@ void accumulate_rows(float* const* acc, const float* const* w, const Rows& rows,
   }
   for (int64_t t = 0; t < n; ++t) {
     const float* row = rows.at(head, first + t);
-    prefetch_row<V>(rows, head, first + t + kAheadRows, first + n);
     for (int hh = 0; hh < H; ++hh) {
       const __m256 weight = _mm256_set1_ps(w[hh][t]);
       for (int i = 0; i < V; ++i) {
@@ -80,7 +65,6 @@ void score_rows(const float* const* q, const Rows& rows, int64_t head, int64_t f
   }
   for (int64_t t = 0; t < n; ++t) {
     const float* row = rows.at(head, first + t);
-    prefetch_row<V>(rows, head, first + t + kAheadRows, first + n);
     __m256 acc[H];
     for (int hh = 0; hh < H; ++hh) acc[hh] = _mm256_setzero_ps();
     for (int i = 0; i < V; ++i) {

@@ -8,6 +8,16 @@
 
 namespace larql {
 
+// Asks for the cache line holding p ahead of its use, as an instruction of its own: GCC 12 at
+// -O1 and above left _mm_prefetch calls in the attention's row loops out of the object code.
+inline void prefetch_line(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
 // a · b over n floats (8 lanes at a time where AVX2 runs and n is a multiple of 8)
 inline float dot(const float* a, const float* b, int64_t n) {
 #if LARQL_AVX2
