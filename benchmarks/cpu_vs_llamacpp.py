@@ -1,17 +1,24 @@
 """larql against llama.cpp on the CPU, the same GGUF, in interleaved rounds of fresh processes.
 
-Each round runs llama.cpp (llama-cpp-python) and then `larql bench` once per `--dtypes` ×
-`--weights` pair, every one in a process of its own, on the same prompt token ids (the shipped
-text's first `--prompt-tokens`, as `larql bench --context` cuts them), greedy, `--threads`
-threads. Prints median decode and prefill tok/s per peer and larql's ratios against llama.cpp.
+Each round runs llama.cpp (llama-cpp-python) once per `--cache-types` entry and then `larql
+bench` once per `--engines` × `--dtypes` × `--weights`, every one in a process of its own, on
+the same prompt token ids (the shipped text's first `--prompt-tokens`, as `larql bench
+--context` cuts them), greedy, `--threads` threads. Prints median decode and prefill tok/s per
+peer and each one's ratios against the first llama.cpp row.
+
+`--cache-types` are llama.cpp's K/V cache types: `f16` (its default, as issue 12's check runs
+it), or `q8_0` / `q4_0` (its quantised K/V cache, which needs and gets flash attention; q4_0
+keeps 4.5 bits a coordinate, turbo-quant's bytes at 4 bits). With `--engines
+"standard;turbo-quant;kv-quant"` and a long prompt, the quantised K/V caches of both are timed
+side by side.
 
 llama-cpp-python is not a dependency of larql: it builds llama.cpp from source (about 15
 minutes on 2 cores), so it lives in a venv of its own, beside the checkout by default:
 
     python3 -m venv ../llama-venv && ../llama-venv/bin/pip install llama-cpp-python==0.3.36
     .venv/bin/python benchmarks/cpu_vs_llamacpp.py [--rounds 3] [--dtypes float32,bfloat16]
-        [--weights auto,float] [--prompt-tokens 256] [--new-tokens 64] [--threads 2]
-        [--llama-python PATH] [--json]
+        [--weights auto,float] [--engines "standard;turbo-quant"] [--cache-types f16,q4_0]
+        [--prompt-tokens 256] [--new-tokens 64] [--threads 2] [--llama-python PATH] [--json]
 
 Without that venv the script says how to make it and exits 0.
 """
@@ -34,14 +41,20 @@ from larql.models.registry import resolve_model_path
 DEFAULT_LLAMA_PYTHON = Path("..") / "llama-venv" / "bin" / "python"
 INSTALL = "python3 -m venv ../llama-venv && ../llama-venv/bin/pip install llama-cpp-python==0.3.36"
 
-# Runs in the llama venv: argv = gguf path, threads, new tokens; the prompt ids on stdin.
+# llama.cpp's K/V cache types by name → its ggml type; a quantised one needs flash attention
+CACHE_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}
+
+# Runs in the llama venv: argv = gguf path, threads, new tokens, cache type (ggml's number;
+# flash attention where it is not f16); the prompt ids on stdin.
 LLAMA_ROUND = r"""
 import json, sys, time
 from llama_cpp import Llama
 path, threads, new_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+cache = int(sys.argv[4])
 ids = json.loads(sys.stdin.read())
+quantised = {} if cache == 1 else {"type_k": cache, "type_v": cache, "flash_attn": True}
 llm = Llama(model_path=path, n_ctx=len(ids) + new_tokens + 16, n_threads=threads,
-            n_threads_batch=threads, n_batch=512, verbose=False)
+            n_threads_batch=threads, n_batch=512, verbose=False, **quantised)
 llm.reset()
 t0 = time.perf_counter()
 llm.eval(ids)
@@ -56,9 +69,19 @@ print(json.dumps({"decode_tok_s": new_tokens / (t3 - t2), "prefill_tok_s": len(i
 """
 
 
-def llama_round(python: Path, gguf: Path, ids: list[int], threads: int, new_tokens: int) -> dict:
+def llama_round(
+    python: Path, gguf: Path, ids: list[int], threads: int, new_tokens: int, cache: str = "f16"
+) -> dict:
     done = subprocess.run(
-        [str(python), "-c", LLAMA_ROUND, str(gguf), str(threads), str(new_tokens)],
+        [
+            str(python),
+            "-c",
+            LLAMA_ROUND,
+            str(gguf),
+            str(threads),
+            str(new_tokens),
+            str(CACHE_TYPES[cache]),
+        ],
         input=json.dumps(ids),
         capture_output=True,
         text=True,
@@ -68,11 +91,17 @@ def llama_round(python: Path, gguf: Path, ids: list[int], threads: int, new_toke
 
 
 def larql_round(
-    model: str, dtype: str, weights: str, prompt_tokens: int, threads: int, new_tokens: int
+    model: str,
+    dtype: str,
+    weights: str,
+    prompt_tokens: int,
+    threads: int,
+    new_tokens: int,
+    engine: str = "standard",
 ) -> dict:
     larql = Path(sys.executable).with_name("larql")
     done = subprocess.run(
-        [str(larql), "bench", "--model", model, "--engine", "standard", "--dtype", dtype,
+        [str(larql), "bench", "--model", model, "--engine", engine, "--dtype", dtype,
          "--weights", weights, "--context", str(prompt_tokens), "-n", str(new_tokens),
          "--repeats", "1",
          "--threads", str(threads), "--output", "json"],
@@ -117,30 +146,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default="float32", help="larql rows, comma-separated")
     parser.add_argument("--weights", default="auto", help="larql rows, comma-separated")
+    parser.add_argument("--engines", default="standard", help="larql rows, ';'-separated specs")
+    parser.add_argument(
+        "--cache-types", default="f16", help=f"llama.cpp rows: {', '.join(CACHE_TYPES)}"
+    )
     add_peer_arguments(parser, prompt_tokens=256, new_tokens=64)
     args = parser.parse_args()
+    caches = args.cache_types.split(",")
+    if unknown := [c for c in caches if c not in CACHE_TYPES]:
+        sys.exit(f"unknown --cache-types {unknown}; accepted: {', '.join(CACHE_TYPES)}")
 
     inputs = peer_inputs(args)
     if inputs is None:
         return
     gguf, ids = inputs
-    variants = [(d, w) for d in args.dtypes.split(",") for w in args.weights.split(",")]
-    peers = ["llama.cpp", *(f"larql {d}, --weights {w}" for d, w in variants)]
-    runs: dict[str, list[dict]] = {peer: [] for peer in peers}
+    variants = [(e, d, w) for e in args.engines.split(";") for d in args.dtypes.split(",")
+                for w in args.weights.split(",")]  # fmt: skip
+    llama_peers = {"llama.cpp" if c == "f16" else f"llama.cpp, K/V cache {c}": c for c in caches}
+    larql_peers = {_larql_label(e, d, w, args.engines): (e, d, w) for e, d, w in variants}
+    runs: dict[str, list[dict]] = {peer: [] for peer in [*llama_peers, *larql_peers]}
     for round_index in range(args.rounds):
-        runs["llama.cpp"].append(
-            llama_round(args.llama_python, gguf, ids, args.threads, args.new_tokens)
-        )
-        for dtype, weights in variants:
-            runs[f"larql {dtype}, --weights {weights}"].append(
-                larql_round(args.model, dtype, weights, len(ids), args.threads, args.new_tokens)
+        for peer, cache in llama_peers.items():
+            runs[peer].append(
+                llama_round(args.llama_python, gguf, ids, args.threads, args.new_tokens, cache)
             )
+        for peer, (engine, dtype, weights) in larql_peers.items():
+            timing = larql_round(
+                args.model, dtype, weights, len(ids), args.threads, args.new_tokens, engine
+            )
+            runs[peer].append(timing)
         print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
     medians = {
         peer: {key: statistics.median(r[key] for r in rows) for key in rows[0]}
         for peer, rows in runs.items()
     }
-    base = medians["llama.cpp"]
+    base = medians[next(iter(llama_peers))]
     report = {
         "model": args.model,
         "gguf": gguf.name,
@@ -163,11 +203,18 @@ def main() -> None:
         return
     print(f"{gguf.name}, {len(ids)}-token prompt, {args.new_tokens} greedy tokens, "
           f"{args.threads} threads, median of {args.rounds} interleaved rounds")  # fmt: skip
-    print("| peer | decode tok/s | prefill tok/s | decode × llama.cpp | prefill × llama.cpp |")
+    print(f"| peer | decode tok/s | prefill tok/s | decode × {next(iter(llama_peers))} | "
+          "prefill × |")  # fmt: skip
     print("|---|---|---|---|---|")
     for peer, m in report["peers"].items():
         print(f"| {peer} | {m['decode_tok_s']:.1f} | {m['prefill_tok_s']:.0f} | "
               f"{m['decode_ratio']:.2f} | {m['prefill_ratio']:.2f} |")  # fmt: skip
+
+
+def _larql_label(engine: str, dtype: str, weights: str, engines: str) -> str:
+    """A larql row's name: its engine where more than `standard` runs, its dtype and weights."""
+    named = f"larql {dtype}, --weights {weights}"
+    return named if engines == "standard" else f"larql {engine}, {dtype}, --weights {weights}"
 
 
 if __name__ == "__main__":
