@@ -7,8 +7,9 @@ the same prompt token ids (the shipped text's first `--prompt-tokens`, as `larql
 peer and each one's ratios against the first llama.cpp row.
 
 `--cache-types` are llama.cpp's K/V cache types: `f16` (its default, as issue 12's check runs
-it), or `q8_0` / `q4_0` (its quantised K/V cache, which needs and gets flash attention; q4_0
-keeps 4.5 bits a coordinate, turbo-quant's bytes at 4 bits). With `--engines
+it), `f16-fa` (the same with flash attention), or `q8_0` / `q4_0` (its quantised K/V cache,
+which needs and gets flash attention; q4_0 keeps 4.5 bits a coordinate, turbo-quant's bytes
+at 4 bits). With `--engines
 "standard;turbo-quant;kv-quant"` and a long prompt, the quantised K/V caches of both are timed
 side by side.
 
@@ -41,18 +42,20 @@ from larql.models.registry import resolve_model_path
 DEFAULT_LLAMA_PYTHON = Path("..") / "llama-venv" / "bin" / "python"
 INSTALL = "python3 -m venv ../llama-venv && ../llama-venv/bin/pip install llama-cpp-python==0.3.36"
 
-# llama.cpp's K/V cache types by name → its ggml type; a quantised one needs flash attention
-CACHE_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}
+# llama.cpp's K/V cache types by name → (its ggml type, flash attention); a quantised one
+# needs flash attention, and `f16-fa` is the default cache with it, to tell the two apart
+CACHE_TYPES = {"f16": (1, False), "f16-fa": (1, True), "q8_0": (8, True), "q4_0": (2, True)}
 
-# Runs in the llama venv: argv = gguf path, threads, new tokens, cache type (ggml's number;
-# flash attention where it is not f16); the prompt ids on stdin.
+# Runs in the llama venv: argv = gguf path, threads, new tokens, cache type (ggml's number),
+# flash attention (0 / 1); the prompt ids on stdin.
 LLAMA_ROUND = r"""
 import json, sys, time
 from llama_cpp import Llama
 path, threads, new_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-cache = int(sys.argv[4])
+cache, flash = int(sys.argv[4]), bool(int(sys.argv[5]))
 ids = json.loads(sys.stdin.read())
-quantised = {} if cache == 1 else {"type_k": cache, "type_v": cache, "flash_attn": True}
+quantised = {"type_k": cache, "type_v": cache} if cache != 1 else {}
+quantised.update({"flash_attn": True} if flash else {})
 llm = Llama(model_path=path, n_ctx=len(ids) + new_tokens + 16, n_threads=threads,
             n_threads_batch=threads, n_batch=512, verbose=False, **quantised)
 llm.reset()
@@ -80,7 +83,8 @@ def llama_round(
             str(gguf),
             str(threads),
             str(new_tokens),
-            str(CACHE_TYPES[cache]),
+            str(CACHE_TYPES[cache][0]),
+            str(int(CACHE_TYPES[cache][1])),
         ],
         input=json.dumps(ids),
         capture_output=True,
