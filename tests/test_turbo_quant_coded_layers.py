@@ -16,6 +16,7 @@ from larql.inference.ffn.policy import build_ffn
 from larql.inference.fused_layer import layer_arguments
 from larql.inference.layer import final_logits
 from larql.kv import parse_engine
+from larql.kv.snapshots import restore_engine
 from larql.kv.turbo_quant.coded_layers import CODE_OLDEST, coded_layers_step
 from larql.models import Model
 
@@ -135,3 +136,31 @@ def test_the_call_refuses_places_outside_the_storage(cpu_kernels, smollm2_defaul
             [[store.mean]], places, model.config.num_heads, model.config.attn_scale, bits,
             *codec.compiled_codes(h.device),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", ["turbo-quant", "kv-quant"])
+def test_a_restored_state_steps_in_one_call_as_the_original(
+    cpu_kernels, smollm2_default: Model, spec: str, tmp_path, monkeypatch
+) -> None:
+    """A restored state holds equal codec objects per layer, not one shared object: it still
+    takes the one call, and steps as the state it was saved from."""
+    calls: list[bool] = []
+
+    def counted(*args):
+        out = coded_layers_step(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(engine_module, "coded_layers_step", counted)
+    model, ffn = smollm2_default, build_ffn(smollm2_default)
+    engine = parse_engine(spec).build(model)
+    hidden = engine.prefill(model, ffn, context_ids(model, 100, default_text()))
+    engine.snapshot(tmp_path / "state", model, [], hidden)
+    restored, _ = restore_engine(tmp_path / "state", model)
+    tokens = [11, 260, 3575]
+    going_on = torch.cat([engine.decode_step(model, ffn, t) for t in tokens])
+    assert calls == [True] * 3
+    calls.clear()
+    again = torch.cat([restored.decode_step(model, ffn, t) for t in tokens])
+    assert calls == [True] * 3
+    assert torch.equal(going_on, again)

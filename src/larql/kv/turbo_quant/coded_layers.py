@@ -90,13 +90,21 @@ def coded_layers_step(
 
 
 def _in_place(model: Model, layers: list[QuantisedLayer]) -> bool:
-    """Whether every layer's attention runs over its codes in place, one codec for them all."""
+    """Whether every layer's attention runs over its codes in place, one codec for them all
+    (a restored state holds equal codec objects, not one)."""
     shared = SharedKv(model.config)
     codec = layers[0].layout.k_codec
     return all(
-        store.compiled and store.layout.k_codec is codec and attends_in_place(model, i, shared)
+        store.compiled
+        and _same_codec(store.layout.k_codec, codec)
+        and _same_codec(store.layout.v_codec, codec)
+        and attends_in_place(model, i, shared)
         for i, store in enumerate(layers)
     )
+
+
+def _same_codec(a: RowCodec, b: RowCodec) -> bool:
+    return a is b or (type(a) is type(b) and vars(a) == vars(b))
 
 
 def _session_places(layers: list[QuantisedLayer], codec: RowCodec) -> _Places | None:
