@@ -183,6 +183,7 @@ def test_the_catalog_says_which_engines_batch() -> None:
     rows = {row["name"]: row for row in catalog_rows()}
     assert rows["standard"]["batching"].startswith("yes")
     assert rows["turbo-quant"]["batching"].startswith("yes")
+    assert rows["markov-rs"]["batching"].startswith("yes")
     assert rows["no-cache"]["batching"] is None  # steps alone
 
 

@@ -212,6 +212,7 @@ def fused_layers_rows(
     ffn: FfnBackend,
     window: int | None,
     reserved: Sequence[StoreRows] | None = None,
+    layer_inputs: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """h: [R, H], the rows of several sessions one after another: session i's counts[i] rows
     at positions starts[i].. (one for a decode step, more for a prompt or a chunk of one) →
@@ -219,8 +220,9 @@ def fused_layers_rows(
     of layers[k]. Each row's K/V is written into its session's store, and each row attends
     over that store up to itself (causal within a prompt's rows). `reserved`: the rows' places
     in the stores, per layer, already reserved by the caller, who then counts them (`stores`
-    are not touched). None where the compiled layer does not apply to every layer and row
-    (nothing is changed)."""
+    are not touched). `layer_inputs` (float32 [len(layers), R, H], or None) gets each layer's
+    input rows. None where the compiled layer does not apply to every layer and row (nothing
+    is changed)."""
     positions = [start + j for start, n in zip(starts, counts, strict=True) for j in range(n)]
     arguments = layer_arguments(model, layers, h, ffn, positions)
     if arguments is None:
@@ -244,7 +246,7 @@ def fused_layers_rows(
     leading, bits = arguments
     out = kernels.decode_layers_batch(
         *leading, *([rows[i] for rows in per_layer] for i in range(4)), model.config.num_heads,
-        model.config.attn_scale, bits,
+        model.config.attn_scale, bits, layer_inputs,
     )  # fmt: skip
     if reserved is None:
         for layer_stores in stores:

@@ -424,7 +424,8 @@ static torch::Tensor decode_layer_batch(torch::Tensor h, torch::Tensor norms, do
 
 // decode_layer_batch through every layer in one call: argument i of each list is layer i's
 // (its weights, its cos / sin rows, and each row's K/V store, first row and slot in it) → the
-// residuals after the last layer [M, H]. The same arithmetic as a call per layer; the GIL stays
+// residuals after the last layer [M, H]; layer_inputs (float32 [layers, M, H], or None) gets
+// each layer's input rows (what an engine that stores pre-layer residuals keeps). The same arithmetic as a call per layer; the GIL stays
 // released for the whole step, so a server's event loop runs beside it without the step
 // waiting for the GIL at each layer, and the step pays Python's per-layer work once.
 torch::Tensor decode_layers_batch(torch::Tensor h, Tensors norms, double eps, Tensors qkv,
@@ -432,14 +433,26 @@ torch::Tensor decode_layers_batch(torch::Tensor h, Tensors norms, double eps, Te
                                   OptionalTensors qkv_bias, OptionalTensors o_bias, Tensors cos,
                                   Tensors sin, PerLayerTensors k_stores, PerLayerTensors v_stores,
                                   PerLayerInts firsts, PerLayerInts slots, int64_t heads,
-                                  double scale, int64_t activation_bits) {
+                                  double scale, int64_t activation_bits,
+                                  c10::optional<torch::Tensor> layer_inputs) {
   const size_t layers = norms.size();
   for (const size_t n : {qkv.size(), wo.size(), gate_up.size(), down.size(), formats.size(),
                          qkv_bias.size(), o_bias.size(), cos.size(), sin.size(), k_stores.size(),
                          v_stores.size(), firsts.size(), slots.size()}) {
     TORCH_CHECK(n == layers, "every per-layer argument needs one entry per layer");
   }
+  float* inputs = nullptr;  // each layer's input rows, where the caller keeps them
+  if (layer_inputs.has_value()) {
+    check_row(h, "h");
+    check_row(*layer_inputs, "layer_inputs");
+    TORCH_CHECK(layer_inputs->numel() == static_cast<int64_t>(layers) * h.numel(),
+                "layer_inputs must be float32 [layers, M, H]");
+    inputs = layer_inputs->data_ptr<float>();
+  }
   for (size_t l = 0; l < layers; ++l) {
+    if (inputs != nullptr) {  // (each layer's output: contiguous float32 like its input)
+      std::memcpy(inputs + l * h.numel(), h.data_ptr<float>(), h.numel() * sizeof(float));
+    }
     h = decode_layer_batch(h, norms[l], eps, qkv[l], wo[l], gate_up[l], down[l], formats[l],
                            qkv_bias[l], o_bias[l], cos[l], sin[l], k_stores[l], v_stores[l],
                            firsts[l], slots[l], heads, scale, activation_bits);

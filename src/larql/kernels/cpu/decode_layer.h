@@ -33,7 +33,8 @@ torch::Tensor decode_layers_batch(torch::Tensor h, Tensors norms, double eps, Te
                                   OptionalTensors qkv_bias, OptionalTensors o_bias, Tensors cos,
                                   Tensors sin, PerLayerTensors k_stores, PerLayerTensors v_stores,
                                   PerLayerInts firsts, PerLayerInts slots, int64_t heads,
-                                  double scale, int64_t activation_bits);
+                                  double scale, int64_t activation_bits,
+                                  c10::optional<torch::Tensor> layer_inputs);
 torch::Tensor decode_layers_coded(torch::Tensor h, Tensors norms, double eps, Tensors qkv,
                                   Tensors wo, Tensors gate_up, Tensors down, PerLayerInts formats,
                                   OptionalTensors qkv_bias, OptionalTensors o_bias, Tensors cos,

@@ -19,16 +19,19 @@ whole history per layer per step.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 import torch
 
-from larql.inference.engine import KvEngine
+from larql.inference.engine import Engine, KvEngine
 from larql.inference.errors import BackendUnavailable
 from larql.inference.ffn import FfnBackend
+from larql.inference.fused_layer import fused_layers_rows, layers_compile
 from larql.inference.layer import attention_block, ffn_block
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import EngineProfiler
 from larql.inference.shared_kv import SharedKv, shares
-from larql.kv.buffers import KvBuffer
+from larql.kv.buffers import KvBuffer, commit_step, step_slots
 from larql.kv.residual.store import ResidualStore
 from larql.models.model import Model
 
@@ -140,6 +143,8 @@ class ResidualStreamEngine(KvEngine):
         self, model: Model, ffn: FfnBackend, row: torch.Tensor, inputs: torch.Tensor | None
     ) -> torch.Tensor:
         """row: [1, H] at the next absolute position → its pre-final-norm hidden [1, H]."""
+        if inputs is None and (fused := _fused_step([self], model, ffn, row)) is not None:
+            return fused  # every layer in one compiled call
         store, prof, h = self.store, self._profiler, row
         position = store.next_position
         device = model.device
@@ -156,6 +161,34 @@ class ResidualStreamEngine(KvEngine):
         if not self.kv_cache:
             store.drop_derivative()
         return h
+
+    # ------------------------------------------------------------------ batched decode
+
+    def batch_key(self) -> Hashable | None:
+        """Engines of one class and configuration batch while they keep K/V (`kv_cache`)."""
+        if self._store is None or not self.kv_cache:
+            return None
+        return (type(self), self.config())
+
+    @classmethod
+    def _step_batch(
+        cls,
+        engines: Sequence[Engine],
+        model: Model,
+        ffn: FfnBackend,
+        rows: torch.Tensor,
+        inputs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """rows: [B, H] → [B, H]: every layer of every session in one compiled call where it
+        applies (the weights read once for all rows), else each session's own step in turn."""
+        batch = [e for e in engines if isinstance(e, ResidualStreamEngine)]
+        assert len(batch) == len(engines), "batch_key groups only residual-stream engines"
+        if inputs is None and (fused := _fused_step(batch, model, ffn, rows)) is not None:
+            return fused
+        return torch.cat([
+            e._step(model, ffn, rows[i : i + 1], None if inputs is None else inputs[i : i + 1])
+            for i, e in enumerate(batch)
+        ])  # fmt: skip
 
     def _derivative_kv(self, model: Model, prof: EngineProfiler) -> list[KvBuffer]:
         """Each layer's K/V of positions [0, next_position), rebuilt if it was dropped."""
@@ -182,3 +215,40 @@ class ResidualStreamEngine(KvEngine):
             with prof.stage("recompute_cold", model.device):
                 for block in lossy:
                     store.replace_kv(model, block)
+
+
+def _fused_step(
+    batch: Sequence[ResidualStreamEngine], model: Model, ffn: FfnBackend, rows: torch.Tensor
+) -> torch.Tensor | None:
+    """rows [B, H]: one decode row per engine → the hidden rows after every layer [B, H], in
+    one compiled call (`fused_layers_rows`): each layer's new K/V row written into the
+    engine's derivative buffers, each layer's input row kept and then stored as the layer's
+    pre-layer residual, as `_step` does layer by layer; None where the call does not apply
+    (nothing changed): derivative K/V not kept, or buffers not holding their rows alike."""
+    layers = range(model.config.num_layers)
+    if any(not e.kv_cache or e.store.kv is None for e in batch):
+        return None
+    if not layers_compile(model, layers, rows, ffn):
+        return None
+    slots = [step_slots(e.store.kv, 1) for e in batch]  # type: ignore[arg-type]
+    if any(slot is None for slot in slots):
+        return None
+    firsts = [slot[2] for slot in slots]  # type: ignore[index]
+    news = [slot[3] for slot in slots]  # type: ignore[index]
+    keys = zip(*(slot[0] for slot in slots), strict=True)  # type: ignore[index]
+    values = zip(*(slot[1] for slot in slots), strict=True)  # type: ignore[index]
+    reserved = [(k, v, firsts, news) for k, v in zip(keys, values, strict=True)]
+    starts = [e.store.next_position for e in batch]
+    inputs = rows.new_empty(len(layers), *rows.shape)  # [L, B, H]: each layer's input rows
+    h = fused_layers_rows(model, layers, rows, starts, [1] * len(batch), [], ffn, None, reserved,
+                          inputs)  # fmt: skip
+    if h is None:
+        return None
+    for i, engine in enumerate(batch):
+        store = engine.store
+        commit_step(store.kv, 1)  # type: ignore[arg-type]
+        for layer in layers:
+            store.push(layer, inputs[layer, i : i + 1])
+        store.advance(1)
+        engine._evict(model, engine._profiler)
+    return h

@@ -12,6 +12,11 @@ from larql.specs import Param, at_least, one_of
 HOT_WINDOW_DOC = (
     "hot residual rows per layer; older rows go to the cold tier (attention stays full)"
 )
+BATCHING = (
+    "yes: with sessions of the same engine and parameters that keep their K/V (kv_cache=1), "
+    "every layer of the step in one call on the CPU's compiled layer (the weights read once for "
+    "all); elsewhere each steps in turn"
+)
 KV_CACHE_DOC = (
     "1: keep every position's K/V beside the residuals (fast; residuals + K/V: more bytes than "
     "standard's cache); 0: recompute all K/V from the residuals every step (the state is the "
@@ -34,6 +39,7 @@ MARKOV_RS = EngineEntry(
     factory=lambda p, model: MarkovResidualEngine(
         window=p["window"], profiling=p["profiling"], model=model, kv_cache=bool(p["kv_cache"])
     ),
+    batching=BATCHING,
 )
 
 MARKOV_RS_CODEC = EngineEntry(
@@ -47,6 +53,7 @@ MARKOV_RS_CODEC = EngineEntry(
     factory=lambda p, model: MarkovResidualCodecEngine(
         window=p["window"], profiling=p["profiling"], model=model
     ),
+    batching=BATCHING,
 )
 
 BOUNDARY_PER_LAYER = EngineEntry(
@@ -63,4 +70,5 @@ BOUNDARY_PER_LAYER = EngineEntry(
     factory=lambda p, model: BoundaryPerLayerEngine(
         window=p["window"], layers=p["layers"], profiling=p["profiling"], model=model
     ),
+    batching=BATCHING,
 )

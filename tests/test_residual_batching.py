@@ -1,0 +1,85 @@
+"""The residual-stream engines' batched step (`kv/residual/engine`): on the default model as
+`larql run` loads it, every layer of every session in one compiled call, each layer's input
+row stored as its pre-layer residual; the same hidden rows as each session alone, and as the
+layer-by-layer step. On float weights (no compiled layer) the sessions step in turn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import larql.kv.residual.engine as residual_engine
+from larql.data import default_text
+from larql.harness.contexts import context_ids
+from larql.inference.batching import batch_groups, decode_batch
+from larql.inference.ffn import DenseFfn
+from larql.inference.ffn.policy import build_ffn
+from larql.inference.layer import final_logits
+from larql.kv import parse_engine
+from larql.models import Model
+
+SPECS = ["markov-rs:window=16", "markov-rs-codec:window=16", "boundary-per-layer:window=16"]
+
+
+def _greedy(engines, model: Model, ffn, prompts, steps: int, batched: bool) -> torch.Tensor:
+    """Every session's hidden rows over `steps` greedy steps, [steps, B, H]."""
+    tokens = [int(final_logits(model, e.prefill(model, ffn, p)[-1:]).argmax())
+              for e, p in zip(engines, prompts, strict=True)]  # fmt: skip
+    out = []
+    for _ in range(steps):
+        if batched:
+            h = decode_batch(engines, model, ffn, tokens)
+        else:
+            h = torch.cat(
+                [e.decode_step(model, ffn, t) for e, t in zip(engines, tokens, strict=True)]
+            )
+        tokens = [int(t) for t in final_logits(model, h).argmax(dim=-1)]
+        out.append(h)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_batch_is_each_session_alone(
+    cpu_kernels, smollm2_default: Model, spec: str, monkeypatch
+) -> None:
+    """Sessions of 20, 40 and 70 tokens, 20 steps: the 16-row window overflows on the way (the
+    codec engines' cold rows then re-derive their K/V)."""
+    model, ffn = smollm2_default, build_ffn(smollm2_default)
+    prompts = [context_ids(model, n, default_text()) for n in (20, 40, 70)]
+    calls: list[int] = []
+    real = residual_engine._fused_step
+
+    def counted(batch, *args):
+        out = real(batch, *args)
+        calls.append(len(batch) if out is not None else 0)
+        return out
+
+    monkeypatch.setattr(residual_engine, "_fused_step", counted)
+    together = [parse_engine(spec).build(model) for _ in prompts]
+    got = _greedy(together, model, ffn, prompts, 20, batched=True)
+    assert batch_groups(together) == [[0, 1, 2]]
+    assert calls == [3] * 20  # one call a step for all three sessions
+    alone = _greedy([parse_engine(spec).build(model) for _ in prompts], model, ffn, prompts, 20,
+                    batched=False)  # fmt: skip
+    assert torch.equal(got, alone)
+    monkeypatch.setattr(residual_engine, "_fused_step", lambda *args: None)
+    by_layer = _greedy([parse_engine(spec).build(model) for _ in prompts], model, ffn, prompts,
+                       20, batched=True)  # fmt: skip
+    assert torch.equal(got, by_layer)
+
+
+def test_without_the_compiled_layer_the_sessions_step_in_turn(smollm2: Model) -> None:
+    model, ffn = smollm2, DenseFfn(smollm2)
+    prompts = [context_ids(model, n, default_text()) for n in (12, 30)]
+    spec = "markov-rs:window=8"
+    got = _greedy([parse_engine(spec).build(model) for _ in prompts], model, ffn, prompts, 6,
+                  batched=True)  # fmt: skip
+    alone = _greedy([parse_engine(spec).build(model) for _ in prompts], model, ffn, prompts, 6,
+                    batched=False)  # fmt: skip
+    assert torch.equal(got, alone)
+
+
+def test_recompute_mode_steps_alone(smollm2_default: Model) -> None:
+    engine = parse_engine("markov-rs:kv_cache=0").build(smollm2_default)
+    engine.prefill(smollm2_default, build_ffn(smollm2_default), [1, 2, 3])
+    assert engine.batch_key() is None
