@@ -14,7 +14,8 @@ from larql.harness.contexts import context_ids
 from larql.inference.batching import batch_groups, decode_batch
 from larql.inference.ffn import DenseFfn
 from larql.inference.ffn.policy import build_ffn
-from larql.inference.layer import final_logits
+from larql.inference.fused_layer import rows_kv
+from larql.inference.layer import final_logits, recompute_kv
 from larql.kv import parse_engine
 from larql.models import Model
 
@@ -83,3 +84,24 @@ def test_recompute_mode_steps_alone(smollm2_default: Model) -> None:
     engine = parse_engine("markov-rs:kv_cache=0").build(smollm2_default)
     engine.prefill(smollm2_default, build_ffn(smollm2_default), [1, 2, 3])
     assert engine.batch_key() is None
+
+
+def test_a_lossy_rows_kv_is_the_float_recompute_within_rounding(
+    cpu_kernels, smollm2_default: Model
+) -> None:
+    """The compiled re-derivation of evicted rows' K/V (block products of int16-rounded
+    inputs) against `recompute_kv` over the float matrices, on the same stored rows."""
+    model, ffn = smollm2_default, build_ffn(smollm2_default)
+    engine = parse_engine("markov-rs-codec:window=8").build(model)
+    engine.prefill(model, ffn, context_ids(model, 30, default_text()))
+    store = engine.store
+    layers = [0, 7, 29]
+    stored = [store.cold[layer].decode()[3:6] for layer in layers]  # [3, H] each, positions 3..5
+    shape = store.kv[0]._k._data.shape
+    storages = [(torch.zeros(shape), torch.zeros(shape), 2) for _ in layers]
+    assert rows_kv(model, ffn, layers, stored, [3] * len(layers), storages)
+    for layer, rows, (keys, values, slot) in zip(layers, stored, storages, strict=True):
+        k, v = recompute_kv(model, layer, rows, 3)  # [Hkv, 3, D]
+        torch.testing.assert_close(keys[slot : slot + 3], k.transpose(0, 1), rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(values[slot : slot + 3], v.transpose(0, 1), rtol=2e-3, atol=2e-3)
+        assert not keys[:slot].any() and not keys[slot + 3 :].any()  # nothing else written

@@ -176,6 +176,36 @@ def _layer_plans(
     return plans  # type: ignore[return-value]
 
 
+def rows_kv(
+    model: Model,
+    ffn: FfnBackend,
+    layers: Sequence[int],
+    rows: Sequence[torch.Tensor],
+    positions: Sequence[int],
+    storages: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
+) -> bool:
+    """The K/V of rows[i] (float32 pre-layer residuals [N_i, H] of layer layers[i] at positions
+    positions[i]..) by the compiled layer's own projection (`rows_kv`: a decode step's
+    arithmetic), written into storages[i] = (K storage, V storage [capacity, Hkv, D], the first
+    row's slot) → whether it ran (False: the compiled layer does not take these layers; nothing
+    written)."""
+    plans = _layer_plans(model, layers, rows[0], ffn)
+    kernels = fused_kernels(rows[0][:1])
+    if plans is None or kernels is None or not hasattr(kernels, "rows_kv"):
+        return False
+    ropes = [rope_table(model, layer).rows(list(range(first, first + r.shape[0])))
+             for layer, r, first in zip(layers, rows, positions, strict=True)]  # fmt: skip
+    kernels.rows_kv(
+        [r.contiguous() for r in rows], [p.norms[0] for p in plans], model.config.norm_eps,
+        [p.matrices[0] for p in plans], [p.formats[0] for p in plans],
+        [p.qkv_bias for p in plans], [cos.contiguous() for cos, _ in ropes],
+        [sin.contiguous() for _, sin in ropes], [k for k, _, _ in storages],
+        [v for _, v, _ in storages], [slot for _, _, slot in storages], model.config.num_heads,
+        plans[0].bits,
+    )  # fmt: skip
+    return True
+
+
 def layers_compile(model: Model, layers: Sequence[int], h: torch.Tensor, ffn: FfnBackend) -> bool:
     """Whether `fused_layers_rows` takes these layers for the rows h (before any store is
     touched: a caller reserving rows itself asks first)."""

@@ -61,6 +61,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers_coded", &larql::decode_layers_coded,
         "turbo-quant's decode layers for M rows of one or more sessions, codes read in place",
         no_gil);
+  m.def("rows_kv", &larql::rows_kv,
+        "stored pre-layer residuals → their K/V, written into the layers' K/V storage", no_gil);
   m.def("residual_ffn", &larql::residual_ffn, "h + the gated SiLU MLP of rms_norm(h), one row",
         no_gil);
 }

@@ -425,9 +425,10 @@ static torch::Tensor decode_layer_batch(torch::Tensor h, torch::Tensor norms, do
 // decode_layer_batch through every layer in one call: argument i of each list is layer i's
 // (its weights, its cos / sin rows, and each row's K/V store, first row and slot in it) → the
 // residuals after the last layer [M, H]; layer_inputs (float32 [layers, M, H], or None) gets
-// each layer's input rows (what an engine that stores pre-layer residuals keeps). The same arithmetic as a call per layer; the GIL stays
-// released for the whole step, so a server's event loop runs beside it without the step
-// waiting for the GIL at each layer, and the step pays Python's per-layer work once.
+// each layer's input rows (what an engine that stores pre-layer residuals keeps). The same
+// arithmetic as a call per layer; the GIL stays released for the whole step, so a server's
+// event loop runs beside it without the step waiting for the GIL at each layer, and the step
+// pays Python's per-layer work once.
 torch::Tensor decode_layers_batch(torch::Tensor h, Tensors norms, double eps, Tensors qkv,
                                   Tensors wo, Tensors gate_up, Tensors down, PerLayerInts formats,
                                   OptionalTensors qkv_bias, OptionalTensors o_bias, Tensors cos,
@@ -458,6 +459,54 @@ torch::Tensor decode_layers_batch(torch::Tensor h, Tensors norms, double eps, Te
                            firsts[l], slots[l], heads, scale, activation_bits);
   }
   return h;
+}
+
+// For each entry l: rows[l] float32 [N_l, H], pre-layer residuals of one layer, at the
+// positions cos[l] / sin[l] ([N_l, rotary]) give → their K (rotated) and V by that layer's
+// rms_norm → W_qkv (blocks) (+ bias) → RoPE, written into k_stores[l] / v_stores[l] (float32
+// [capacity, Hkv, D]) at slots[l]..: a decode step's arithmetic for those rows (the q part is
+// computed and dropped). What an engine that keeps residuals runs to give rows it stored
+// lossily the K/V of their stored values.
+void rows_kv(Tensors rows, Tensors norms, double eps, Tensors qkv, std::vector<int64_t> formats,
+             OptionalTensors qkv_bias, Tensors cos, Tensors sin, Tensors k_stores,
+             Tensors v_stores, std::vector<int64_t> slots, int64_t heads,
+             int64_t activation_bits) {
+  const size_t n = rows.size();
+  for (const size_t size : {norms.size(), qkv.size(), formats.size(), qkv_bias.size(),
+                            cos.size(), sin.size(), k_stores.size(), v_stores.size(),
+                            slots.size()}) {
+    TORCH_CHECK(size == n, "every argument needs one entry per layer's rows");
+  }
+  const Activation a = checked_activation(activation_bits);
+  for (size_t l = 0; l < n; ++l) {
+    check_row(rows[l], "rows");
+    check_row(norms[l], "norm");
+    check_row(k_stores[l], "k_store");
+    check_row(v_stores[l], "v_store");
+    const auto [m_rows, width] = rows_of(rows[l]);
+    TORCH_CHECK(k_stores[l].dim() == 3 && v_stores[l].sizes() == k_stores[l].sizes(),
+                "K/V stores must be [capacity, Hkv, D] alike");
+    const int64_t kv_heads = k_stores[l].size(1), head_dim = k_stores[l].size(2);
+    const int64_t q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
+    TORCH_CHECK(norms[l].numel() == width, "the norm weight's width is not the row's");
+    TORCH_CHECK(0 <= slots[l] && slots[l] + m_rows <= k_stores[l].size(0),
+                "the rows' slots must lie in the storage");
+    const BlockMatrix w = checked_matrix(qkv[l], formats[l], width);
+    TORCH_CHECK(w.rows == q_dim + 2 * kv_dim, "W_qkv's rows are not q_dim + 2 · kv_dim");
+    const int64_t rotary = check_rope(cos[l], sin[l], m_rows, head_dim);
+    thread_local Scratch<float> projected_rows;
+    float* projected = projected_rows.take(m_rows * w.rows);
+    qkv_rows(a, rows[l].data_ptr<float>(), m_rows, norms[l].data_ptr<float>(), eps, width, w,
+             optional_data(qkv_bias[l], "qkv bias"), cos[l].data_ptr<float>(),
+             sin[l].data_ptr<float>(), rotary, heads + kv_heads, head_dim, projected);
+    for (int64_t m = 0; m < m_rows; ++m) {
+      const float* row = projected + m * w.rows;
+      std::memcpy(k_stores[l].data_ptr<float>() + (slots[l] + m) * kv_dim, row + q_dim,
+                  kv_dim * sizeof(float));
+      std::memcpy(v_stores[l].data_ptr<float>() + (slots[l] + m) * kv_dim, row + q_dim + kv_dim,
+                  kv_dim * sizeof(float));
+    }
+  }
 }
 
 }  // namespace larql

@@ -26,13 +26,13 @@ import torch
 from larql.inference.engine import Engine, KvEngine
 from larql.inference.errors import BackendUnavailable
 from larql.inference.ffn import FfnBackend
-from larql.inference.fused_layer import fused_layers_rows, layers_compile
+from larql.inference.fused_layer import fused_layers_rows, layers_compile, rows_kv
 from larql.inference.layer import attention_block, ffn_block
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import EngineProfiler
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.buffers import KvBuffer, commit_step, step_slots
-from larql.kv.residual.store import ResidualStore
+from larql.kv.residual.store import EvictedBlock, ResidualStore
 from larql.models.model import Model
 
 _NOT_PROFILED = EngineProfiler(enabled=False)  # prefill is not part of the decode breakdown
@@ -157,7 +157,7 @@ class ResidualStreamEngine(KvEngine):
             with prof.stage("ffn", device):
                 h = ffn_block(model, layer, h, ffn, inputs)
         store.advance(1)
-        self._evict(model, prof)
+        self._evict(model, prof, ffn)
         if not self.kv_cache:
             store.drop_derivative()
         return h
@@ -204,8 +204,10 @@ class ResidualStreamEngine(KvEngine):
             store.kv = buffers
         return store.kv
 
-    def _evict(self, model: Model, prof: EngineProfiler) -> None:
-        """Move overflowing hot rows to the cold tier; re-derive K/V of lossily stored rows."""
+    def _evict(self, model: Model, prof: EngineProfiler, ffn: FfnBackend | None = None) -> None:
+        """Move overflowing hot rows to the cold tier; re-derive K/V of lossily stored rows. A
+        decode step's (`ffn` given) take the compiled layer's projection where it applies, all
+        layers in one call; a prefill's many rows the float matrices."""
         store = self._store
         assert store is not None
         with prof.stage("state_append", model.device):
@@ -213,8 +215,9 @@ class ResidualStreamEngine(KvEngine):
         lossy = [block for block in blocks if not block.lossless]
         if lossy and store.kv is not None:
             with prof.stage("recompute_cold", model.device):
-                for block in lossy:
-                    store.replace_kv(model, block)
+                if ffn is None or not _rows_kv_compiled(model, ffn, store, lossy):
+                    for block in lossy:
+                        store.replace_kv(model, block)
 
 
 def _fused_step(
@@ -250,5 +253,26 @@ def _fused_step(
         for layer in layers:
             store.push(layer, inputs[layer, i : i + 1])
         store.advance(1)
-        engine._evict(model, engine._profiler)
+        engine._evict(model, engine._profiler, ffn)
     return h
+
+
+def _rows_kv_compiled(
+    model: Model, ffn: FfnBackend, store: ResidualStore, lossy: Sequence[EvictedBlock]
+) -> bool:
+    """`ResidualStore.replace_kv` for every block at once, by the compiled layer (`rows_kv`)
+    where it takes the blocks' layers and their rows are float32 → whether it ran."""
+    assert store.kv is not None
+    if any(block.stored.dtype != torch.float32 for block in lossy):
+        return False
+    storages = []
+    for block in lossy:
+        keys, values = store.kv[block.layer]._k, store.kv[block.layer]._v
+        end = block.first_position + block.stored.shape[0]
+        if keys._data is None or values._start != keys._start or end > len(keys):
+            return False
+        storages.append((keys._data, values._data, keys._start + block.first_position))
+    return rows_kv(
+        model, ffn, [b.layer for b in lossy], [b.stored for b in lossy],
+        [b.first_position for b in lossy], storages,
+    )  # fmt: skip
