@@ -121,6 +121,19 @@ def _aligned_slots(
     return data[:half], data[half:], start, end
 
 
+def step_rows(
+    slots: Sequence[tuple[list[torch.Tensor], list[torch.Tensor], int, int]],
+) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], list[int], list[int]]]:
+    """Several sessions' `step_slots` (one decode row each) → per layer, what the compiled
+    layers take for the step's rows: (each session's K storage, V storage, first live row, the
+    slot its new row goes to)."""
+    firsts = [slot[2] for slot in slots]
+    news = [slot[3] for slot in slots]
+    keys = zip(*(slot[0] for slot in slots), strict=True)
+    values = zip(*(slot[1] for slot in slots), strict=True)
+    return [(k, v, firsts, news) for k, v in zip(keys, values, strict=True)]
+
+
 def commit_step(buffers: Sequence[KvBuffer], rows: int = 1) -> None:
     """Count the rows each buffer's storage got at its end (after `step_slots`)."""
     for buffer in buffers:

@@ -31,7 +31,7 @@ from larql.inference.layer import attention_block, ffn_block
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import EngineProfiler
 from larql.inference.shared_kv import SharedKv, shares
-from larql.kv.buffers import KvBuffer, commit_step, step_slots
+from larql.kv.buffers import KvBuffer, commit_step, step_rows, step_slots
 from larql.kv.residual.store import EvictedBlock, ResidualStore
 from larql.models.model import Model
 
@@ -236,11 +236,7 @@ def _fused_step(
     slots = [step_slots(e.store.kv, 1) for e in batch]  # type: ignore[arg-type]
     if any(slot is None for slot in slots):
         return None
-    firsts = [slot[2] for slot in slots]  # type: ignore[index]
-    news = [slot[3] for slot in slots]  # type: ignore[index]
-    keys = zip(*(slot[0] for slot in slots), strict=True)  # type: ignore[index]
-    values = zip(*(slot[1] for slot in slots), strict=True)  # type: ignore[index]
-    reserved = [(k, v, firsts, news) for k, v in zip(keys, values, strict=True)]
+    reserved = step_rows(slots)  # type: ignore[arg-type]
     starts = [e.store.next_position for e in batch]
     inputs = rows.new_empty(len(layers), *rows.shape)  # [L, B, H]: each layer's input rows
     h = fused_layers_rows(model, layers, rows, starts, [1] * len(batch), [], ffn, None, reserved,

@@ -38,7 +38,7 @@ from larql.inference.layer import (
 from larql.inference.linear import model_block_rows
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
-from larql.kv.buffers import KvBuffer, commit_step, step_slots
+from larql.kv.buffers import KvBuffer, commit_step, step_rows, step_slots
 from larql.kv.standard.sinks import SinkKvBuffer
 from larql.kv.standard.static import StaticCache
 from larql.kv.standard.static_batch import BatchedStaticStep
@@ -328,11 +328,7 @@ def _fused_step(
             for engine, n in zip(batch, counts, strict=True)
         ]
         if all(n == 1 for n in counts) and all(slot is not None for slot in slots):
-            firsts = [slot[2] for slot in slots]  # type: ignore[index]
-            news = [slot[3] for slot in slots]  # type: ignore[index]
-            keys = zip(*(slot[0] for slot in slots), strict=True)  # type: ignore[index]
-            values = zip(*(slot[1] for slot in slots), strict=True)  # type: ignore[index]
-            reserved = [(k, v, firsts, news) for k, v in zip(keys, values, strict=True)]
+            reserved = step_rows(slots)  # type: ignore[arg-type]
         elif layers_compile(model, layers, rows, ffn):  # (new sessions' storage made here)
             reserved = _rows_reserved(model, rows, batch, counts, slots)
         else:
