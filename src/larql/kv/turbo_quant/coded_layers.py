@@ -62,7 +62,9 @@ def coded_layers_step(
         return None
     cfg = model.config
     stores: list[list[QuantisedLayer]] = [engine._layers for engine in engines]  # type: ignore[attr-defined]
-    if any(layers is None for layers in stores) or not _in_place(model, stores[0]):
+    if any(layers is None for layers in stores):
+        return None
+    if not _model_in_place(model) or not all(_one_codec(layers) for layers in stores):
         return None
     codec = stores[0][0].layout.k_codec  # a TurboQuantCodec or kv-quant's IntCodec
     layers = range(cfg.num_layers)
@@ -89,17 +91,27 @@ def coded_layers_step(
     return out
 
 
-def _in_place(model: Model, layers: list[QuantisedLayer]) -> bool:
-    """Whether every layer's attention runs over its codes in place, one codec for them all
-    (a restored state holds equal codec objects, not one)."""
-    shared = SharedKv(model.config)
+def _model_in_place(model: Model) -> bool:
+    """Whether every layer of `model` attends over its codes in place (`attends_in_place`),
+    worked out once per model, device and dtype."""
+    key = ("coded_layers_in_place", model.device, model.dtype)
+    cached = model.runtime.get(key)
+    if cached is None:
+        shared = SharedKv(model.config)
+        cached = all(attends_in_place(model, i, shared) for i in range(model.config.num_layers))
+        model.runtime[key] = cached
+    return bool(cached)
+
+
+def _one_codec(layers: list[QuantisedLayer]) -> bool:
+    """Whether a session's layers are coded by the extension, one codec for K and V and for
+    them all (a restored state holds equal codec objects, not one)."""
     codec = layers[0].layout.k_codec
     return all(
         store.compiled
         and _same_codec(store.layout.k_codec, codec)
         and _same_codec(store.layout.v_codec, codec)
-        and attends_in_place(model, i, shared)
-        for i, store in enumerate(layers)
+        for store in layers
     )
 
 
