@@ -18,7 +18,8 @@ from larql.inference.layer import final_logits
 from larql.kv import parse_engine
 from larql.kv.snapshots import restore_engine
 from larql.kv.turbo_quant.coded_layers import CODE_OLDEST, coded_layers_step
-from larql.models import Model
+from larql.models import Model, load_model
+from tiny_models import build_tiny_model, random_ids
 
 
 def _state(engine) -> list[list[torch.Tensor]]:
@@ -164,3 +165,48 @@ def test_a_restored_state_steps_in_one_call_as_the_original(
     again = torch.cat([restored.decode_step(model, ffn, t) for t in tokens])
     assert calls == [True] * 3
     assert torch.equal(going_on, again)
+
+
+ONE_CALL_SHAPES = {  # head widths of the scalar loop (32) and the 512-bit ones (64, 128)
+    "llama-32": ("llama", dict(hidden_size=128, intermediate_size=256, head_dim=32)),
+    "qwen2-64": ("qwen2", dict(hidden_size=128, intermediate_size=256, head_dim=64,
+                               num_attention_heads=4, num_key_value_heads=2)),  # QKV biases
+    "llama-128": ("llama", dict(hidden_size=256, intermediate_size=256, head_dim=128,
+                                num_attention_heads=2, num_key_value_heads=1)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", list(ONE_CALL_SHAPES))
+def test_one_call_on_other_architectures(cpu_kernels, shape: str, tmp_path, monkeypatch) -> None:
+    """Tiny random models quantised to Q8_0 at load (so the compiled layer takes them): the
+    quantised and residual engines' one call against their layer-by-layer step, bit for bit."""
+    import larql.kv.residual.engine as residual_engine
+
+    arch, dims = ONE_CALL_SHAPES[shape]
+    build_tiny_model(arch, tmp_path, **dims)
+    model = load_model(str(tmp_path), weights="q8_0")
+    ffn = build_ffn(model)
+    for spec in ("turbo-quant:recent=4,sinks=2", "kv-quant:recent=3", "markov-rs-codec:window=4"):
+        runs = []
+        for one_call in (True, False):
+            calls: list[bool] = []
+            for module, name in ((engine_module, "coded_layers_step"),
+                                 (residual_engine, "_fused_step")):  # fmt: skip
+                real = getattr(module, name)
+
+                def counted(*args, real=real, on=one_call, calls=calls):
+                    out = real(*args) if on else None
+                    calls.append(out is not None)
+                    return out
+
+                monkeypatch.setattr(module, name, counted)
+            engine = parse_engine(spec).build(model)
+            h = engine.prefill(model, ffn, random_ids(20))
+            rows = []
+            for _ in range(8):
+                h = engine.decode_step(model, ffn, int(final_logits(model, h[-1:]).argmax()))
+                rows.append(h)
+            monkeypatch.undo()
+            runs.append((torch.cat(rows), sum(calls)))
+        assert runs[0][1] == 8 and runs[1][1] == 0, spec
+        assert torch.equal(runs[0][0], runs[1][0]), spec
