@@ -90,18 +90,58 @@ def test_a_lossy_rows_kv_is_the_float_recompute_within_rounding(
     cpu_kernels, smollm2_default: Model
 ) -> None:
     """The compiled re-derivation of evicted rows' K/V (block products of int16-rounded
-    inputs) against `recompute_kv` over the float matrices, on the same stored rows."""
+    inputs) against `recompute_kv` over the float matrices, on the same stored rows: three
+    rows of three layers, each row written to its own slot of its own storage."""
     model, ffn = smollm2_default, build_ffn(smollm2_default)
     engine = parse_engine("markov-rs-codec:window=8").build(model)
     engine.prefill(model, ffn, context_ids(model, 30, default_text()))
     store = engine.store
     layers = [0, 7, 29]
-    stored = [store.cold[layer].decode()[3:6] for layer in layers]  # [3, H] each, positions 3..5
+    stored = torch.stack([store.cold_rows(layer)[3:6] for layer in layers], dim=1)  # [3, 3, H]
     shape = store.kv[0]._k._data.shape
-    storages = [(torch.zeros(shape), torch.zeros(shape), 2) for _ in layers]
-    assert rows_kv(model, ffn, layers, stored, [3] * len(layers), storages)
-    for layer, rows, (keys, values, slot) in zip(layers, stored, storages, strict=True):
-        k, v = recompute_kv(model, layer, rows, 3)  # [Hkv, 3, D]
-        torch.testing.assert_close(keys[slot : slot + 3], k.transpose(0, 1), rtol=2e-3, atol=2e-3)
-        torch.testing.assert_close(values[slot : slot + 3], v.transpose(0, 1), rtol=2e-3, atol=2e-3)
-        assert not keys[:slot].any() and not keys[slot + 3 :].any()  # nothing else written
+    storages = [[(torch.zeros(shape), torch.zeros(shape), 2 + 5 * row) for _ in layers]
+                for row in range(3)]  # fmt: skip
+    assert rows_kv(model, ffn, layers, stored, [3, 4, 5], storages)
+    for j, layer in enumerate(layers):
+        k, v = recompute_kv(model, layer, stored[:, j].contiguous(), 3)  # [Hkv, 3, D]
+        for row in range(3):
+            keys, values, slot = storages[row][j]
+            torch.testing.assert_close(keys[slot], k[:, row], rtol=2e-3, atol=2e-3)
+            torch.testing.assert_close(values[slot], v[:, row], rtol=2e-3, atol=2e-3)
+            assert not keys[:slot].any() and not keys[slot + 1 :].any()  # nothing else written
+
+
+def test_rows_kv_refuses_stores_that_do_not_match_the_rows(cpu_kernels, smollm2_default) -> None:
+    """A store list of the wrong length or a slot outside its storage is a typed refusal from
+    the compiled call, nothing written."""
+    model, ffn = smollm2_default, build_ffn(smollm2_default)
+    rows = torch.randn(2, 1, model.config.hidden_size)
+    shape = (4, model.config.num_kv_heads, model.config.head_dim)
+    keys, values = torch.zeros(shape), torch.zeros(shape)
+    with pytest.raises(RuntimeError, match="one entry per row and layer"):
+        rows_kv(model, ffn, [0], rows, [0, 1], [[(keys, values, 0)]])
+    with pytest.raises(RuntimeError, match="slot must lie in its storage"):
+        rows_kv(model, ffn, [0], rows, [0, 1], [[(keys, values, 0)], [(keys, values, 4)]])
+    assert not keys.any() and not values.any()
+
+
+def test_rows_kv_of_a_decoded_row_is_the_k_v_its_step_wrote(cpu_kernels, smollm2_default) -> None:
+    """The re-derivation is the decode step's own projection: the lossless hot rows of three
+    decoded positions give back, bit for bit, the K/V their steps wrote (only W_qkv's K and V
+    rows are multiplied; each output row is the same as in the whole product)."""
+    model, ffn = smollm2_default, build_ffn(smollm2_default)
+    engine = parse_engine("markov-rs:window=8").build(model)
+    tokens = [int(final_logits(model, engine.prefill(model, ffn, [1, 2, 3, 4])).argmax())]
+    for _ in range(3):
+        tokens.append(int(final_logits(model, engine.decode_step(model, ffn, tokens[-1])).argmax()))
+    store, layers = engine.store, list(range(model.config.num_layers))
+    rows = store.hot.rows[-3:]  # [3, L, H]: the pre-layer residuals of positions 4..6
+    shape = store.kv[0]._k._data.shape
+    storages = [[(torch.zeros(shape), torch.zeros(shape), row) for _ in layers] for row in range(3)]
+    assert rows_kv(model, ffn, layers, rows, [4, 5, 6], storages)
+    for layer in layers:
+        written = store.kv[layer]
+        for row in range(3):
+            keys, values, _ = storages[row][layer]
+            assert torch.equal(keys[row], written.keys[:, 4 + row])
+            assert torch.equal(values[row], written.values[:, 4 + row])

@@ -211,8 +211,8 @@ def test_appendix_c_position_walk_through(smollm2_f64: Model) -> None:
             assert store.next_position == seen
             assert engine.window_tokens() == 3
             for layer in (0, 13, model.config.num_layers - 1):
-                stored_hot = store.hot[layer].rows
-                stored_cold = store.cold[layer].decode()
+                stored_hot = store.hot_rows(layer)
+                stored_cold = store.cold_rows(layer)
                 assert relative_error(stored_hot, oracle[layer][hot.start : hot.stop]) <= 1e-12
                 assert relative_error(stored_cold, oracle[layer][: cold.stop]) <= 1e-12
                 assert store.kv is not None and len(store.kv[layer]) == seen
@@ -231,12 +231,12 @@ def test_codec_cold_kv_uses_round_tripped_rows_at_true_positions(smollm2_f64: Mo
         store = engine.store
         assert store.cold_positions() == range(0, 4)
         for layer in (0, model.config.num_layers - 1):
-            cold = store.cold[layer].decode()  # [4, H], round-tripped
+            cold = store.cold_rows(layer).contiguous()  # [4, H], round-tripped
             k, v = recompute_kv(model, layer, cold, 0)
             assert store.kv is not None
             assert relative_error(store.kv[layer].keys[:, :4], k) <= 1e-12
             assert relative_error(store.kv[layer].values[:, :4], v) <= 1e-12
-            hot = store.hot[layer].rows
+            hot = store.hot_rows(layer).contiguous()
             k_hot, _ = recompute_kv(model, layer, hot, 4)
             assert relative_error(store.kv[layer].keys[:, 4:], k_hot) <= 1e-9
 
@@ -482,11 +482,12 @@ def test_memory_is_counted_from_the_tensors_held(smollm2: Model) -> None:
                 engine.decode_step(model, ffn, token)
         store = engine.store
         memory = engine.memory()
-        assert memory.hot == sum(r.live_nbytes() for r in store.hot)
+        assert memory.hot == store.hot.live_nbytes()
         assert memory.hot == layers * 4 * hidden * 4  # 4 hot rows of float32 per layer
         assert store.kv is not None
         assert memory.derivative == sum(b.live_nbytes() for b in store.kv)
-        held = sum(s.nbytes() for group in (store.hot, store.cold, store.kv) for s in group)
+        storages = [store.hot, *(tier.codec for tier in store.cold), *store.kv]
+        held = sum(s.nbytes() for s in storages)
         assert memory.total == held == memory.state + memory.reserved
         assert memory.derivative == layers * 2 * len(ids) * kv_dim * 4
         assert engine.window_tokens() == 4 and store.cold_len == len(ids) - 4

@@ -87,8 +87,10 @@ def test_markov_rs_keeps_no_residuals_for_a_sharing_layer(shared: Model) -> None
         for token in (7, 8, 9):
             engine.decode_step(shared, ffn, token)
     store = engine.store
-    assert all(len(store.hot[layer]) == 0 and len(store.cold[layer]) == 0 for layer in SHARING)
-    assert all(len(store.cold[layer]) > 0 for layer in range(4))
+    assert all(store.columns[layer] is None for layer in SHARING)  # no residuals held
+    assert store.layers == [layer for layer in range(store.num_layers) if layer not in SHARING]
+    assert store.hot_len == 4 and store.cold_len > 0
+    assert all(len(store.cold_rows(layer)) == store.cold_len for layer in range(4))
 
 
 def test_a_replayed_window_gives_a_sharing_layer_its_sources_kv(shared: Model) -> None:

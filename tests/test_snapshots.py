@@ -144,6 +144,36 @@ def test_missing_or_corrupt_state_is_a_typed_error(smollm2: Model, tmp_path: Pat
         engine.snapshot(blocked, smollm2, ids)
 
 
+def test_a_residual_store_of_the_per_layer_layout_is_refused(
+    smollm2: Model, tmp_path: Path
+) -> None:
+    """A state whose residual store keeps one hot tier per layer (larql before the tiers held
+    every layer's rows together) is a typed error that says so, not a store that fails later."""
+    ids = smollm2.tokenizer.encode(PROMPT)
+    engine, _ = prefilled("markov-rs-codec:window=4", smollm2, ids)
+    engine.snapshot(tmp_path, smollm2, ids)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+
+    def per_layer(node: object) -> int:
+        """Make every residual store's hot tier a list, as the old layout had it → how many."""
+        if isinstance(node, list):
+            return sum(per_layer(v) for v in node)
+        if not isinstance(node, dict):
+            return 0
+        if str(node.get("__object__", "")).endswith(":ResidualStore"):
+            pairs = node["state"]["__dict__"]
+            for pair in pairs:
+                if pair[0] == "hot":
+                    pair[1] = [pair[1]]
+            return 1
+        return sum(per_layer(v) for v in node.values())
+
+    assert per_layer(manifest) == 1
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SnapshotCorrupt, match="older larql"):
+        restore_engine(tmp_path, smollm2)
+
+
 def run_cli(monkeypatch: pytest.MonkeyPatch, *args: str):
     monkeypatch.delenv(ENV_VAR, raising=False)
     return CliRunner().invoke(app, ["run", *args, "--weights", "float", "--output", "json"])

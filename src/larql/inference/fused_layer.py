@@ -180,28 +180,34 @@ def rows_kv(
     model: Model,
     ffn: FfnBackend,
     layers: Sequence[int],
-    rows: Sequence[torch.Tensor],
+    rows: torch.Tensor,
     positions: Sequence[int],
-    storages: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
+    storages: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor, int]]],
 ) -> bool:
-    """The K/V of rows[i] (float32 pre-layer residuals [N_i, H] of layer layers[i] at positions
-    positions[i]..) by the compiled layer's own projection (`rows_kv`: a decode step's
-    arithmetic), written into storages[i] = (K storage, V storage [capacity, Hkv, D], the first
-    row's slot) → whether it ran (False: the compiled layer does not take these layers; nothing
-    written)."""
-    plans = _layer_plans(model, layers, rows[0], ffn)
-    kernels = fused_kernels(rows[0][:1])
+    """The K/V of stored pre-layer residuals by the compiled layer's own projection (`rows_kv`:
+    a decode step's arithmetic): rows [N, len(layers), H] float32, row n at position
+    positions[n] with its rows of every one of `layers`, each layer's rows projected for all
+    N at once; row n's K/V of layers[j] written into storages[n][j] = (K storage, V storage
+    [capacity, Hkv, D], the slot) → whether it ran (False: the compiled layer does not take
+    these layers; nothing written)."""
+    plans = _layer_plans(model, layers, rows[:1, 0], ffn)
+    kernels = fused_kernels(rows[:1, 0])
     if plans is None or kernels is None or not hasattr(kernels, "rows_kv"):
         return False
-    ropes = [rope_table(model, layer).rows(list(range(first, first + r.shape[0])))
-             for layer, r, first in zip(layers, rows, positions, strict=True)]  # fmt: skip
+    ropes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per rope table: [N, rotary] each
+    cos_sin = []
+    for layer in layers:
+        table = rope_table(model, layer)
+        if id(table) not in ropes:
+            cos, sin = table.rows(list(positions))
+            ropes[id(table)] = cos.contiguous(), sin.contiguous()
+        cos_sin.append(ropes[id(table)])
     kernels.rows_kv(
-        [r.contiguous() for r in rows], [p.norms[0] for p in plans], model.config.norm_eps,
+        rows.contiguous(), [p.norms[0] for p in plans], model.config.norm_eps,
         [p.matrices[0] for p in plans], [p.formats[0] for p in plans],
-        [p.qkv_bias for p in plans], [cos.contiguous() for cos, _ in ropes],
-        [sin.contiguous() for _, sin in ropes], [k for k, _, _ in storages],
-        [v for _, v, _ in storages], [slot for _, _, slot in storages], model.config.num_heads,
-        plans[0].bits,
+        [p.qkv_bias for p in plans], [cos for cos, _ in cos_sin], [sin for _, sin in cos_sin],
+        [k for row in storages for k, _, _ in row], [v for row in storages for _, v, _ in row],
+        [slot for row in storages for _, _, slot in row], model.config.num_heads, plans[0].bits,
     )  # fmt: skip
     return True
 

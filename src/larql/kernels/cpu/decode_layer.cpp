@@ -467,43 +467,68 @@ torch::Tensor decode_layers_batch(torch::Tensor h, Tensors norms, double eps, Te
 // [capacity, Hkv, D]) at slots[l]..: a decode step's arithmetic for those rows (the q part is
 // computed and dropped). What an engine that keeps residuals runs to give rows it stored
 // lossily the K/V of their stored values.
-void rows_kv(Tensors rows, Tensors norms, double eps, Tensors qkv, std::vector<int64_t> formats,
-             OptionalTensors qkv_bias, Tensors cos, Tensors sin, Tensors k_stores,
-             Tensors v_stores, std::vector<int64_t> slots, int64_t heads,
+void rows_kv(torch::Tensor rows, Tensors norms, double eps, Tensors qkv,
+             std::vector<int64_t> formats, OptionalTensors qkv_bias, Tensors cos, Tensors sin,
+             Tensors k_stores, Tensors v_stores, std::vector<int64_t> slots, int64_t heads,
              int64_t activation_bits) {
-  const size_t n = rows.size();
+  check_row(rows, "rows");
+  TORCH_CHECK(rows.dim() == 3, "rows must be [N, layers, width]");
+  const int64_t n_rows = rows.size(0), layers = rows.size(1), width = rows.size(2);
   for (const size_t size : {norms.size(), qkv.size(), formats.size(), qkv_bias.size(),
-                            cos.size(), sin.size(), k_stores.size(), v_stores.size(),
-                            slots.size()}) {
-    TORCH_CHECK(size == n, "every argument needs one entry per layer's rows");
+                            cos.size(), sin.size()}) {
+    TORCH_CHECK(static_cast<int64_t>(size) == layers, "every layer argument needs one entry "
+                "per layer of the rows");
+  }
+  for (const size_t size : {k_stores.size(), v_stores.size(), slots.size()}) {
+    TORCH_CHECK(static_cast<int64_t>(size) == n_rows * layers,
+                "every store argument needs one entry per row and layer");
   }
   const Activation a = checked_activation(activation_bits);
-  for (size_t l = 0; l < n; ++l) {
-    check_row(rows[l], "rows");
+  if (n_rows == 0) return;
+  thread_local Scratch<float> layer_rows, projected_rows;
+  float* h = layer_rows.take(n_rows * width);
+  for (int64_t l = 0; l < layers; ++l) {
     check_row(norms[l], "norm");
-    check_row(k_stores[l], "k_store");
-    check_row(v_stores[l], "v_store");
-    const auto [m_rows, width] = rows_of(rows[l]);
-    TORCH_CHECK(k_stores[l].dim() == 3 && v_stores[l].sizes() == k_stores[l].sizes(),
-                "K/V stores must be [capacity, Hkv, D] alike");
-    const int64_t kv_heads = k_stores[l].size(1), head_dim = k_stores[l].size(2);
-    const int64_t q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
     TORCH_CHECK(norms[l].numel() == width, "the norm weight's width is not the row's");
-    TORCH_CHECK(0 <= slots[l] && slots[l] + m_rows <= k_stores[l].size(0),
-                "the rows' slots must lie in the storage");
+    const torch::Tensor& first = k_stores[l];  // row 0's: every row's must match its shape
+    TORCH_CHECK(first.dim() == 3, "K/V stores must be [capacity, Hkv, D]");
+    const int64_t kv_heads = first.size(1), head_dim = first.size(2);
+    const int64_t q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
+    for (int64_t m = 0; m < n_rows; ++m) {
+      const torch::Tensor& keys = k_stores[m * layers + l];
+      const torch::Tensor& values = v_stores[m * layers + l];
+      check_row(keys, "k_store");
+      check_row(values, "v_store");
+      TORCH_CHECK(keys.dim() == 3 && keys.size(1) == kv_heads && keys.size(2) == head_dim &&
+                      values.sizes() == keys.sizes(),
+                  "a layer's K/V stores must be [capacity, Hkv, D] alike");
+      const int64_t slot = slots[m * layers + l];
+      TORCH_CHECK(0 <= slot && slot < keys.size(0), "a row's slot must lie in its storage");
+    }
     const BlockMatrix w = checked_matrix(qkv[l], formats[l], width);
     TORCH_CHECK(w.rows == q_dim + 2 * kv_dim, "W_qkv's rows are not q_dim + 2 · kv_dim");
-    const int64_t rotary = check_rope(cos[l], sin[l], m_rows, head_dim);
-    thread_local Scratch<float> projected_rows;
-    float* projected = projected_rows.take(m_rows * w.rows);
-    qkv_rows(a, rows[l].data_ptr<float>(), m_rows, norms[l].data_ptr<float>(), eps, width, w,
-             optional_data(qkv_bias[l], "qkv bias"), cos[l].data_ptr<float>(),
-             sin[l].data_ptr<float>(), rotary, heads + kv_heads, head_dim, projected);
-    for (int64_t m = 0; m < m_rows; ++m) {
-      const float* row = projected + m * w.rows;
-      std::memcpy(k_stores[l].data_ptr<float>() + (slots[l] + m) * kv_dim, row + q_dim,
+    const int64_t rotary = check_rope(cos[l], sin[l], n_rows, head_dim);
+    const float* source = rows.data_ptr<float>() + l * width;
+    for (int64_t m = 0; m < n_rows; ++m) {  // the layer's rows: [N, width]
+      std::memcpy(h + m * width, source + m * layers * width, width * sizeof(float));
+    }
+    // Only W_qkv's K and V rows where they start a tile (each output row's products are
+    // its own: the same values as in the whole product), else the whole matrix.
+    constexpr int64_t kRowsPerTile = 16;  // a tiled matrix's rows, tile by tile
+    const int64_t skip = !is_tiled(w.format) || q_dim % kRowsPerTile == 0 ? q_dim : 0;
+    const BlockMatrix kv{w.data + skip * w.row_bytes, w.rows - skip, w.row_bytes, w.format};
+    const float* bias = optional_data(qkv_bias[l], "qkv bias");
+    float* projected = projected_rows.take(n_rows * kv.rows);
+    qkv_rows(a, h, n_rows, norms[l].data_ptr<float>(), eps, width, kv,
+             bias != nullptr ? bias + skip : nullptr, cos[l].data_ptr<float>(),
+             sin[l].data_ptr<float>(), rotary, skip == 0 ? heads + kv_heads : kv_heads,
+             head_dim, projected);
+    for (int64_t m = 0; m < n_rows; ++m) {
+      const float* row = projected + m * kv.rows + (q_dim - skip);  // [K | V]
+      const int64_t slot = slots[m * layers + l];
+      std::memcpy(k_stores[m * layers + l].data_ptr<float>() + slot * kv_dim, row,
                   kv_dim * sizeof(float));
-      std::memcpy(v_stores[l].data_ptr<float>() + (slots[l] + m) * kv_dim, row + q_dim + kv_dim,
+      std::memcpy(v_stores[m * layers + l].data_ptr<float>() + slot * kv_dim, row + kv_dim,
                   kv_dim * sizeof(float));
     }
   }

@@ -35,9 +35,9 @@ torch::Tensor decode_layers_batch(torch::Tensor h, Tensors norms, double eps, Te
                                   PerLayerInts firsts, PerLayerInts slots, int64_t heads,
                                   double scale, int64_t activation_bits,
                                   c10::optional<torch::Tensor> layer_inputs);
-void rows_kv(Tensors rows, Tensors norms, double eps, Tensors qkv, std::vector<int64_t> formats,
-             OptionalTensors qkv_bias, Tensors cos, Tensors sin, Tensors k_stores,
-             Tensors v_stores, std::vector<int64_t> slots, int64_t heads,
+void rows_kv(torch::Tensor rows, Tensors norms, double eps, Tensors qkv,
+             std::vector<int64_t> formats, OptionalTensors qkv_bias, Tensors cos, Tensors sin,
+             Tensors k_stores, Tensors v_stores, std::vector<int64_t> slots, int64_t heads,
              int64_t activation_bits);
 torch::Tensor decode_layers_coded(torch::Tensor h, Tensors norms, double eps, Tensors qkv,
                                   Tensors wo, Tensors gate_up, Tensors down, PerLayerInts formats,

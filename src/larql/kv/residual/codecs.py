@@ -45,11 +45,13 @@ class ColdCodec(Protocol):
     def __len__(self) -> int: ...
 
     def append(self, rows: torch.Tensor) -> torch.Tensor:
-        """Store rows [n, H]; return them as `decode` will give them back, [n, H]."""
+        """Store rows [n, *row_shape] (a position's rows of several layers: [n, layers, H]);
+        return them as `decode` will give them back."""
         ...
 
-    def decode(self) -> torch.Tensor:
-        """Every stored row, oldest first, in the dtype they were given: [len, H]."""
+    def decode(self, column: int | None = None) -> torch.Tensor:
+        """Every stored row, oldest first, in the dtype they were given: [len, *row_shape];
+        with `column`, that column of each row only (one layer's rows: [len, H])."""
         ...
 
     def nbytes(self) -> int: ...
@@ -73,8 +75,9 @@ class IdentityCodec:
         self._rows.append(rows)
         return rows
 
-    def decode(self) -> torch.Tensor:
-        return self._rows.rows
+    def decode(self, column: int | None = None) -> torch.Tensor:
+        rows = self._rows.rows
+        return rows if column is None else rows[:, column]
 
     def nbytes(self) -> int:
         return self._rows.nbytes()
@@ -104,8 +107,9 @@ class Bf16Codec:
         self._payload.append(encoded)
         return bf16_decode(encoded, rows.dtype)
 
-    def decode(self) -> torch.Tensor:
-        return bf16_decode(self._payload.rows, self._dtype)
+    def decode(self, column: int | None = None) -> torch.Tensor:
+        payload = self._payload.rows
+        return bf16_decode(payload if column is None else payload[:, column], self._dtype)
 
     def nbytes(self) -> int:
         return self._payload.nbytes()

@@ -32,7 +32,7 @@ from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import EngineProfiler
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.buffers import KvBuffer, commit_step, step_rows, step_slots
-from larql.kv.residual.store import EvictedBlock, ResidualStore
+from larql.kv.residual.store import EvictedRows, ResidualStore
 from larql.models.model import Model
 
 _NOT_PROFILED = EngineProfiler(enabled=False)  # prefill is not part of the decode breakdown
@@ -62,6 +62,8 @@ def check_preconditions(model: Model, engine: str) -> None:
 class ResidualStreamEngine(KvEngine):
     """Base of markov-rs, markov-rs-codec and boundary-per-layer; subclasses choose codecs."""
 
+    _snapshot_exclude = KvEngine._snapshot_exclude | {"_expected"}
+
     def __init__(
         self,
         window: int | None = None,
@@ -75,6 +77,7 @@ class ResidualStreamEngine(KvEngine):
         self.window = window
         self.kv_cache = kv_cache  # False: K/V recomputed from the residuals every step
         self._store: ResidualStore | None = None
+        self._expected = 0  # tokens a generation expects to hold (`expect_tokens`)
         if model is not None:
             self.validate_for(model)
 
@@ -109,6 +112,12 @@ class ResidualStreamEngine(KvEngine):
     def supports_multimodal(self) -> bool:
         return True
 
+    def expect_tokens(self, total: int) -> None:
+        """The derivative K/V of every position is allocated for `total` tokens at once."""
+        self._expected = total
+        if self._store is not None:
+            self._store.expect(total)
+
     def drop_derivative(self) -> None:
         """Forget all cached K/V; the next step recomputes them from the stored residuals."""
         self.store.drop_derivative()
@@ -123,6 +132,7 @@ class ResidualStreamEngine(KvEngine):
         cfg = model.config
         keeps = [not shares(cfg, layer) for layer in range(cfg.num_layers)]
         store = ResidualStore(self.window, self.codec_labels(model), keeps)
+        store.expect(self._expected)
         assert store.kv is not None
         h = rows
         shared = SharedKv(cfg)
@@ -157,7 +167,7 @@ class ResidualStreamEngine(KvEngine):
             with prof.stage("ffn", device):
                 h = ffn_block(model, layer, h, ffn, inputs)
         store.advance(1)
-        self._evict(model, prof, ffn)
+        _evict_steps([self], model, ffn)
         if not self.kv_cache:
             store.drop_derivative()
         return h
@@ -204,20 +214,16 @@ class ResidualStreamEngine(KvEngine):
             store.kv = buffers
         return store.kv
 
-    def _evict(self, model: Model, prof: EngineProfiler, ffn: FfnBackend | None = None) -> None:
-        """Move overflowing hot rows to the cold tier; re-derive K/V of lossily stored rows. A
-        decode step's (`ffn` given) take the compiled layer's projection where it applies, all
-        layers in one call; a prefill's many rows the float matrices."""
+    def _evict(self, model: Model, prof: EngineProfiler) -> None:
+        """Move overflowing hot rows to the cold tier; re-derive the K/V of lossily stored
+        rows through the float matrices (a prefill's many rows)."""
         store = self._store
         assert store is not None
         with prof.stage("state_append", model.device):
-            blocks = store.evict_overflow()
-        lossy = [block for block in blocks if not block.lossless]
-        if lossy and store.kv is not None:
+            evicted = store.evict_overflow()
+        if evicted is not None and store.kv is not None:
             with prof.stage("recompute_cold", model.device):
-                if ffn is None or not _rows_kv_compiled(model, ffn, store, lossy):
-                    for block in lossy:
-                        store.replace_kv(model, block)
+                store.replace_kv(model, evicted)
 
 
 def _fused_step(
@@ -246,29 +252,54 @@ def _fused_step(
     for i, engine in enumerate(batch):
         store = engine.store
         commit_step(store.kv, 1)  # type: ignore[arg-type]
-        for layer in layers:
-            store.push(layer, inputs[layer, i : i + 1])
-        store.advance(1)
-        engine._evict(model, engine._profiler, ffn)
+        with engine._profiler.stage("state_append", model.device):
+            store.push_layers(inputs[:, i : i + 1])
+            store.advance(1)
+    _evict_steps(batch, model, ffn)
     return h
 
 
+def _evict_steps(batch: Sequence[ResidualStreamEngine], model: Model, ffn: FfnBackend) -> None:
+    """After a decode step: every engine's overflowing hot rows into its cold tier, and the
+    K/V of the lossily stored ones re-derived for all engines in one compiled call
+    (`rows_kv`: the step's own projection) where it applies, else through the float
+    matrices."""
+    lossy: list[tuple[ResidualStore, EvictedRows]] = []
+    for engine in batch:
+        with engine._profiler.stage("state_append", model.device):
+            evicted = engine.store.evict_overflow()
+        if evicted is not None and engine.store.kv is not None:
+            lossy.append((engine.store, evicted))
+    if not lossy:
+        return
+    with batch[0]._profiler.stage("recompute_cold", model.device):
+        if not _rows_kv_compiled(model, ffn, lossy):
+            for store, evicted in lossy:
+                store.replace_kv(model, evicted)
+
+
 def _rows_kv_compiled(
-    model: Model, ffn: FfnBackend, store: ResidualStore, lossy: Sequence[EvictedBlock]
+    model: Model, ffn: FfnBackend, lossy: Sequence[tuple[ResidualStore, EvictedRows]]
 ) -> bool:
-    """`ResidualStore.replace_kv` for every block at once, by the compiled layer (`rows_kv`)
-    where it takes the blocks' layers and their rows are float32 → whether it ran."""
-    assert store.kv is not None
-    if any(block.stored.dtype != torch.float32 for block in lossy):
+    """`ResidualStore.replace_kv` for every store's evicted rows at once, by the compiled
+    layer (`rows_kv`) where it takes their layers (the same in every store) and their rows
+    are float32 → whether it ran."""
+    layers = lossy[0][1].layers
+    if any(e.layers != layers or e.stored.dtype != torch.float32 for _, e in lossy):
         return False
-    storages = []
-    for block in lossy:
-        keys, values = store.kv[block.layer]._k, store.kv[block.layer]._v
-        end = block.first_position + block.stored.shape[0]
-        if keys._data is None or values._start != keys._start or end > len(keys):
-            return False
-        storages.append((keys._data, values._data, keys._start + block.first_position))
-    return rows_kv(
-        model, ffn, [b.layer for b in lossy], [b.stored for b in lossy],
-        [b.first_position for b in lossy], storages,
-    )  # fmt: skip
+    positions: list[int] = []
+    storages: list[list[tuple[torch.Tensor, torch.Tensor, int]]] = []
+    for store, evicted in lossy:
+        assert store.kv is not None
+        first, n = evicted.first_position, evicted.stored.shape[0]
+        buffers = [store.kv[layer] for layer in layers]
+        for buffer in buffers:
+            keys, values = buffer._k, buffer._v
+            if keys._data is None or values._start != keys._start or first + n > len(keys):
+                return False
+        for row in range(n):
+            positions.append(first + row)
+            storages.append([(b._k._data, b._v._data, b._k._start + first + row)
+                             for b in buffers])  # fmt: skip
+    rows = torch.cat([e.stored for _, e in lossy]) if len(lossy) > 1 else lossy[0][1].stored
+    return rows_kv(model, ffn, layers, rows, positions, storages)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""The per-layer residual store the residual-stream engines keep.
+"""The residual store the residual-stream engines keep, every layer's rows side by side.
 
 Canonical state, per layer: the pre-layer residual (the hidden entering the layer, before its
 input norm) of every position — the last `window` rows in a hot tier (model dtype), the older
@@ -6,6 +6,12 @@ rows in a cold tier behind a `ColdCodec`. Derivative state, per layer: the K/V o
 cold then hot, contiguous from absolute position 0 in a `KvBuffer`, extended in O(1) per step by
 the attention block itself. It can be dropped at any time and rebuilt from the residuals with
 `recompute_kv` — that is what makes the residuals a sufficient state.
+
+The tiers hold a position's rows of every layer together, [positions, layers, H]: a step
+stores, evicts and codes all its layers' rows in one operation each, not one per layer. Layers
+with one codec share a cold tier (a policy may give layers different codecs); a layer that
+attends over another layer's K/V (`keeps_kv` False: Gemma 4's K/V-sharing layers) holds
+nothing: no residuals, no K/V.
 
 Position invariant: cold rows are positions [0, cold_len), hot rows
 are [next_position − hot_len, next_position), cold_len + hot_len = next_position, and row p of the
@@ -16,9 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from larql.inference.errors import InvariantViolation
 from larql.inference.layer import recompute_kv
 from larql.inference.memory import MemoryBreakdown
 from larql.kv.buffers import KvBuffer
@@ -28,19 +36,27 @@ from larql.models.model import Model
 
 
 @dataclass(frozen=True)
-class EvictedBlock:
-    """Rows of one layer that just moved from the hot to the cold tier."""
+class EvictedRows:
+    """Rows that just moved from the hot to the cold tier, on the layers whose codec is lossy
+    for them (their K/V, computed from the rows as they were, no longer match what is kept)."""
 
-    layer: int
     first_position: int  # absolute position of the first evicted row
-    stored: torch.Tensor  # [n, H] the rows as the cold tier gives them back
-    lossless: bool  # stored == the rows that left the hot tier
+    layers: list[int]  # the lossy layers, ascending
+    stored: torch.Tensor  # [n, len(layers), H]: their rows as the cold tier gives them back
+
+
+class ColdTier:
+    """The cold rows of the layers that share one codec: [cold_len, len(layers), H]."""
+
+    def __init__(self, label: str, layers: list[int], columns: list[int]) -> None:
+        self.label = label
+        self.layers = layers  # model layers, ascending
+        self.columns = columns  # their columns in the store's rows
+        self.codec: ColdCodec = new_codec(label)
 
 
 class ResidualStore:
-    """Hot/cold pre-layer residuals and derivative K/V of every layer. A layer that attends over
-    another layer's K/V (`keeps_kv` False: Gemma 4's K/V-sharing layers) holds nothing: no
-    residuals, no K/V."""
+    """Hot/cold pre-layer residuals and derivative K/V of every layer."""
 
     def __init__(
         self,
@@ -50,22 +66,41 @@ class ResidualStore:
     ) -> None:
         self.window = window
         self.keeps_kv = list(keeps_kv) if keeps_kv is not None else [True] * len(codec_labels)
-        self.hot = [GrowableRows() for _ in codec_labels]  # [hot_len, H] each
-        self.cold: list[ColdCodec] = [new_codec(label) for label in codec_labels]
+        self.layers = [layer for layer, keeps in enumerate(self.keeps_kv) if keeps]
+        # each layer's column in the stored rows (None: the layer holds nothing)
+        self.columns: list[int | None] = [None] * len(self.keeps_kv)
+        for column, layer in enumerate(self.layers):
+            self.columns[layer] = column
+        if not self.layers:
+            raise InvariantViolation("a residual store needs a layer that keeps its K/V")
+        self.hot = GrowableRows()  # [hot_len, layers kept, H]
+        self.cold: list[ColdTier] = []
+        for label in dict.fromkeys(codec_labels[layer] for layer in self.layers):
+            layers = [layer for layer in self.layers if codec_labels[layer] == label]
+            self.cold.append(ColdTier(label, layers, [self.layers.index(x) for x in layers]))
         self.kv: list[KvBuffer] | None = [KvBuffer() for _ in codec_labels]
         self.next_position = 0
+        self._pushed = 0  # rows pushed and not yet advanced (0: none)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if not isinstance(state.get("hot"), GrowableRows):
+            raise ValueError(
+                "a residual store saved by an older larql (one tier per layer); save the "
+                "session again with this version"
+            )
+        self.__dict__.update(state)
 
     @property
     def num_layers(self) -> int:
-        return len(self.hot)
+        return len(self.keeps_kv)
 
     @property
     def hot_len(self) -> int:
-        return len(self.hot[0])
+        return len(self.hot)
 
     @property
     def cold_len(self) -> int:
-        return len(self.cold[0])
+        return len(self.cold[0].codec)
 
     def hot_positions(self) -> range:
         return range(self.next_position - self.hot_len, self.next_position)
@@ -73,29 +108,86 @@ class ResidualStore:
     def cold_positions(self) -> range:
         return range(0, self.cold_len)
 
+    def hot_rows(self, layer: int) -> torch.Tensor:
+        """One layer's hot rows, [hot_len, H] (a view, valid until the next push)."""
+        column = self.columns[layer]
+        if column is None or not self.hot_len:
+            raise IndexError(f"layer {layer} holds no hot rows")
+        return self.hot.rows[:, column]
+
+    def cold_rows(self, layer: int) -> torch.Tensor:
+        """One layer's cold rows as its codec gives them back, [cold_len, H]."""
+        for tier in self.cold:
+            if layer in tier.layers:
+                return tier.codec.decode(tier.layers.index(layer))
+        raise IndexError(f"layer {layer} holds no cold rows")
+
+    def expect(self, tokens: int) -> None:
+        """Up to `tokens` positions are coming: their derivative K/V allocated at once, and
+        the hot tier too where it keeps every position (no window)."""
+        if self.window is None:
+            self.hot.expect(tokens)
+        for buffer in self.kv or []:
+            buffer.expect(tokens)
+
     def push(self, layer: int, h: torch.Tensor) -> None:
-        """Record the pre-layer residual rows h: [S, H] of the positions being computed."""
-        if self.keeps_kv[layer]:
-            self.hot[layer].append(h)
+        """Record one layer's pre-layer residual rows h: [S, H] of the positions being
+        computed; every layer that keeps rows takes the same S before `advance`."""
+        column = self.columns[layer]
+        if column is None:
+            return
+        rows = self._pushing(h.shape[0], h)
+        rows[:, column] = h
+
+    def push_layers(self, h: torch.Tensor) -> None:
+        """Every layer's pre-layer residual rows at once: h [L, S, H] (all the model's layers,
+        those that hold nothing included)."""
+        kept = h if len(self.layers) == h.shape[0] else h[self.layers]
+        self._pushing(h.shape[1], h[0]).copy_(kept.transpose(0, 1))
+
+    def _pushing(self, s: int, like: torch.Tensor) -> torch.Tensor:
+        """The S rows the positions being computed fill, [S, layers kept, H]."""
+        if self._pushed and s != self._pushed:
+            raise InvariantViolation(f"layers pushed {self._pushed} and {s} rows in one pass")
+        self._pushed = s
+        reserved = self.hot.reserve_back(s)  # None before the first rows
+        if reserved is None:
+            shape = (s, len(self.layers), like.shape[-1])
+            reserved = self.hot.reserve_back(s, like.new_empty(shape))
+        assert reserved is not None
+        data, _, end = reserved
+        return data[end : end + s]
 
     def advance(self, rows: int) -> None:
         """The rows pushed to every layer are done: they now occupy the next positions."""
+        if self._pushed != rows:
+            raise InvariantViolation(f"{self._pushed} rows were pushed, {rows} advanced")
+        self.hot.commit(rows)
+        self._pushed = 0
         self.next_position += rows
 
-    def evict_overflow(self) -> list[EvictedBlock]:
-        """Move each layer's hot rows beyond `window` (the oldest) into its cold tier."""
+    def evict_overflow(self) -> EvictedRows | None:
+        """Move the hot rows beyond `window` (the oldest) into the cold tiers → the evicted
+        rows of the layers whose codec is lossy for them (None: no eviction, or none lossy)."""
         overflow = 0 if self.window is None else self.hot_len - self.window
         if overflow <= 0:
-            return []
-        first = self.cold_len  # snapshot before appending: the true position of the first row
-        blocks = []
-        for layer, (hot, cold) in enumerate(zip(self.hot, self.cold, strict=True)):
-            if not self.keeps_kv[layer]:
-                continue
-            rows = hot.pop_front(overflow)  # [overflow, H]
-            stored = cold.append(rows)
-            blocks.append(EvictedBlock(layer, first, stored, cold.lossless_for(rows.dtype)))
-        return blocks
+            return None
+        first = self.cold_len  # before appending: the true position of the first row
+        rows = self.hot.pop_front(overflow)  # [n, layers kept, H]
+        lossy: list[tuple[list[int], torch.Tensor]] = []
+        for tier in self.cold:
+            whole = len(tier.columns) == len(self.layers)
+            stored = tier.codec.append(rows if whole else rows[:, tier.columns])
+            if not tier.codec.lossless_for(rows.dtype):
+                lossy.append((tier.layers, stored))
+        if not lossy:
+            return None
+        if len(lossy) == 1:
+            return EvictedRows(first, lossy[0][0], lossy[0][1])
+        layers = [layer for tier_layers, _ in lossy for layer in tier_layers]
+        order = sorted(range(len(layers)), key=layers.__getitem__)
+        stored = torch.cat([s for _, s in lossy], dim=1)[:, order]
+        return EvictedRows(first, sorted(layers), stored)
 
     # ------------------------------------------------------------------ derivative K/V
 
@@ -111,22 +203,25 @@ class ResidualStore:
         """A fresh K/V buffer of one layer holding the cold rows' K/V at positions 0.."""
         buffer = KvBuffer()
         if self.cold_len and self.keeps_kv[layer]:
-            buffer.append(*recompute_kv(model, layer, self.cold[layer].decode(), 0))
+            buffer.append(*recompute_kv(model, layer, self.cold_rows(layer).contiguous(), 0))
         return buffer
 
     def rebuild_hot_kv(self, model: Model, layer: int, buffer: KvBuffer) -> None:
         """Extend `buffer` (holding the cold K/V) with the hot rows' K/V at their positions."""
         if self.hot_len and self.keeps_kv[layer]:
-            hot = self.hot[layer].rows  # [hot_len, H]
+            hot = self.hot_rows(layer).contiguous()  # [hot_len, H]
             buffer.append(*recompute_kv(model, layer, hot, self.next_position - self.hot_len))
 
-    def replace_kv(self, model: Model, block: EvictedBlock) -> None:
-        """Give a lossily stored block the K/V of its stored rows, at their true positions."""
+    def replace_kv(self, model: Model, evicted: EvictedRows) -> None:
+        """Give lossily stored rows the K/V of their stored rows, at their true positions."""
         assert self.kv is not None
-        k, v = recompute_kv(model, block.layer, block.stored, block.first_position)
-        self.kv[block.layer].replace_row(block.first_position, k, v)
+        for column, layer in enumerate(evicted.layers):
+            rows = evicted.stored[:, column].contiguous()  # [n, H]
+            k, v = recompute_kv(model, layer, rows, evicted.first_position)
+            self.kv[layer].replace_row(evicted.first_position, k, v)
 
     # ------------------------------------------------------------------ accounting
 
     def memory(self) -> MemoryBreakdown:
-        return MemoryBreakdown.of(hot=self.hot, cold=self.cold, derivative=self.kv or [])
+        cold = [tier.codec for tier in self.cold]
+        return MemoryBreakdown.of(hot=[self.hot], cold=cold, derivative=self.kv or [])
