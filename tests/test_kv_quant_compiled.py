@@ -20,7 +20,7 @@ from larql.kv.turbo_quant.rotation import rotation_matrix
         (37, 9, 3, 64, 32, False),  # SmolLM2's heads, the catalog's groups
         (700, 9, 3, 64, 64, True),  # chunks of rows over the threads; rotated rows
         (50, 4, 2, 48, 16, True),  # a head the rotation pads (48 → 64)
-        (40, 6, 2, 40, 8, False),  # groups of 8: the scalar decoding
+        (40, 6, 2, 40, 8, False),  # groups of 8: the buffered loop (AVX2's decoding)
         (0, 9, 3, 64, 32, False),  # no coded rows yet: the exact rows alone
     ],
 )

@@ -32,7 +32,7 @@ from larql.models import Model
         (700, 9, 3, 64, True),  # chunks of rows over the threads
         (300, 4, 2, 128, True),
         (50, 8, 1, 64, False),  # a group of 8: the most the 512-bit loop takes
-        (40, 6, 2, 32, True),  # another width: the scalar loop everywhere
+        (40, 6, 2, 32, True),  # another width: the buffered loop (AVX2's decoding) everywhere
         (0, 9, 3, 64, True),  # no coded rows yet: the exact rows alone
     ],
 )

@@ -59,18 +59,67 @@ inline int index_at(const uint8_t* bytes, int64_t j, int bits) {
   return (word >> shift) & ((1 << bits) - 1);
 }
 
+#if LARQL_AVX2
+// 8 indices of `bits` ∈ {2, 3, 4, 8} bits (`bits` bytes of the bit stream from `bytes`) → 8
+// int32 lanes: index i at bits · i of the little-endian word.
+inline __m256i indices8(const uint8_t* bytes, int bits) {
+  if (bits == 8) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+  }
+  uint32_t word;  // loads of fixed widths: a copy of `bits` bytes through memory would stall
+  if (bits == 4) {  // the wider load after it
+    std::memcpy(&word, bytes, 4);
+  } else {
+    uint16_t low;
+    std::memcpy(&low, bytes, 2);
+    word = bits == 2 ? low : low | static_cast<uint32_t>(bytes[2]) << 16;
+  }
+  const __m256i shifts = _mm256_mullo_epi32(_mm256_set1_epi32(bits),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts),
+                          _mm256_set1_epi32((1 << bits) - 1));
+}
+
+// A codebook of up to 16 centroids in two vectors of 8, looked up 8 indices at a time.
+struct Centroids8 {
+  __m256 low, high;
+  explicit Centroids8(const float* centroids, int bits) {
+    float padded[16] = {};
+    std::memcpy(padded, centroids, sizeof(float) << bits);
+    low = _mm256_loadu_ps(padded);
+    high = _mm256_loadu_ps(padded + 8);
+  }
+  __m256 operator()(__m256i index) const {  // centroid i of the low or the high 8 (bit 3)
+    const __m256 in_high = _mm256_castsi256_ps(_mm256_slli_epi32(index, 28));
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, index),
+                            _mm256_permutevar8x32_ps(high, index), in_high);
+  }
+};
+#endif
+
 // The scores, weights and values of one K/V head's `group` query heads (q: their rotated
-// queries [group, width]) over n coded rows → m, l [group] and acc [group, width].
+// queries [group, width]) over n coded rows → m, l [group] and acc [group, width]: each vector
+// decoded into a buffer (8 coordinates at a time where AVX2 runs), then its dot products and
+// weighted values. The loop of machines without AVX-512, and of other widths everywhere.
 void attend_coded_head(const float* q, int64_t group, int64_t width, int bits,
                        const uint8_t* codes, int64_t n, int64_t row_bytes, int64_t key_at,
                        int64_t value_at, const float* centroids, const float* shift, float scale,
                        float* m, float* l, float* acc) {
   std::vector<float> scores(group * n);
   std::vector<float> decoded(width);
+#if LARQL_AVX2
+  const Centroids8 table(centroids, bits);
+#endif
   // one vector → decoded[j] = c[index j]; → its norm
   const auto decode = [&](const uint8_t* vector) {
     const uint8_t* bytes = vector + kNormBytes;
-    for (int64_t j = 0; j < width; ++j) decoded[j] = centroids[index_at(bytes, j, bits)];
+    int64_t j = 0;
+#if LARQL_AVX2
+    for (; j + 8 <= width; j += 8) {  // 8 indices: `bits` whole bytes
+      _mm256_storeu_ps(decoded.data() + j, table(indices8(bytes + j * bits / 8, bits)));
+    }
+#endif
+    for (; j < width; ++j) decoded[j] = centroids[index_at(bytes, j, bits)];
     float norm;
     std::memcpy(&norm, vector, sizeof(float));
     return norm;
@@ -447,6 +496,14 @@ void decode_grouped(const uint8_t* vector, int bits, int64_t group, int64_t grou
                               : bits == 4 ? indices16<4>(at)
                                           : indices16<2>(at);
         _mm512_storeu_ps(out + i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(index), vs, vz));
+      }
+    }
+#elif LARQL_AVX2
+    if (group % 8 == 0) {
+      const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+      for (; i < group; i += 8) {
+        const __m256i index = indices8(codes + (j * group + i) * bits / 8, bits);
+        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(index), vs, vz));
       }
     }
 #endif
