@@ -121,6 +121,40 @@ def test_a_batch_in_one_call_is_each_session_alone(
             assert all(torch.equal(x, y) for x, y in zip(got_layer, want_layer, strict=True))
 
 
+@pytest.mark.parametrize("spec", ["turbo-quant", "turbo-quant:bits=3", "kv-quant"])
+def test_a_prompt_in_one_call_is_standards_prefill_and_the_layer_by_layer_state(
+    cpu_kernels, smollm2_default: Model, spec: str, monkeypatch
+) -> None:
+    """A short prompt goes through `standard`'s one compiled call: the same hidden rows as
+    `standard`'s prefill, bit for bit (200 tokens: sinks, codes and recent rows all filled).
+    The layer-by-layer prefill (torch's attention) is within float rounding of it, and its
+    first layer's stored bytes are the same."""
+    model, ffn = smollm2_default, build_ffn(smollm2_default)
+    ids = context_ids(model, 200, default_text())
+    calls: list[bool] = []
+    real = engine_module.prompt_in_one_call
+
+    def counted(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(engine_module, "prompt_in_one_call", counted)
+    engine = parse_engine(spec).build(model)
+    h = engine.prefill_all(model, ffn, ids)
+    assert calls == [True]
+    assert torch.equal(h, parse_engine("standard").build(model).prefill_all(model, ffn, ids))
+    monkeypatch.setattr(engine_module, "prompt_in_one_call", lambda *args: None)
+    by_layer = parse_engine(spec).build(model)
+    h_by_layer = by_layer.prefill_all(model, ffn, ids)
+    assert (h - h_by_layer).norm() / h.norm() < 1e-3
+    assert torch.equal(
+        final_logits(model, h).argmax(-1), final_logits(model, h_by_layer).argmax(-1)
+    )
+    first, first_by_layer = _state(engine)[0], _state(by_layer)[0]
+    assert all(torch.equal(a, b) for a, b in zip(first, first_by_layer, strict=True))
+
+
 def test_the_call_refuses_places_outside_the_storage(cpu_kernels, smollm2_default: Model) -> None:
     model, ffn = smollm2_default, build_ffn(smollm2_default)
     engine = parse_engine("turbo-quant").build(model)

@@ -19,7 +19,6 @@ from larql.inference.engine import Engine, KvEngine
 from larql.inference.errors import BackendUnavailable
 from larql.inference.ffn import FfnBackend
 from larql.inference.fused_layer import (
-    StoreRows,
     fused_layer_rows,
     fused_layer_step,
     fused_layers_rows,
@@ -39,6 +38,7 @@ from larql.inference.linear import model_block_rows
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.buffers import KvBuffer, commit_step, step_rows, step_slots
+from larql.kv.reserved_rows import rows_reserved
 from larql.kv.standard.sinks import SinkKvBuffer
 from larql.kv.standard.static import StaticCache
 from larql.kv.standard.static_batch import BatchedStaticStep
@@ -330,7 +330,8 @@ def _fused_step(
         if all(n == 1 for n in counts) and all(slot is not None for slot in slots):
             reserved = step_rows(slots)  # type: ignore[arg-type]
         elif layers_compile(model, layers, rows, ffn):  # (new sessions' storage made here)
-            reserved = _rows_reserved(model, rows, batch, counts, slots)
+            layer_lists = [e._layers for e in batch]  # type: ignore[misc]
+            reserved = rows_reserved(model, rows, layer_lists, counts, slots)
         else:
             reserved = None
         if reserved is not None:
@@ -345,50 +346,6 @@ def _fused_step(
             return h
     stores = [[e._layers[layer] for e in batch] for layer in layers]  # type: ignore[index]
     return fused_layers_rows(model, layers, rows, starts, counts, stores, ffn, window)
-
-
-def _rows_reserved(
-    model: Model,
-    rows: torch.Tensor,
-    batch: Sequence[StandardEngine],
-    counts: Sequence[int],
-    slots: Sequence[tuple[list[torch.Tensor], list[torch.Tensor], int, int] | None],
-) -> list[StoreRows] | None:
-    """Per layer, each of the step's rows' (K storage, V storage, first row its query sees,
-    slot): session i's counts[i] rows from its `step_slots` reservation, or reserved layer by
-    layer where it has none (a new session: its storage made here). None where a session's
-    layer is not a plain `KvBuffer` that keeps every row (a sliding layer, sinks)."""
-    cfg = model.config
-    per_session = []  # per session, per layer: (K storage, V storage, first, first new row)
-    for engine, n, slot in zip(batch, counts, slots, strict=True):
-        if slot is not None:
-            keys, values, first, new = slot
-            per_session.append([(k, v, first, new) for k, v in zip(keys, values, strict=True)])
-            continue
-        mine = []
-        for layer, buffer in enumerate(engine._layers):  # type: ignore[arg-type]
-            if type(buffer) is not KvBuffer or buffer.keep is not None:
-                return None
-            like = rows.new_empty(1, cfg.kv_heads_of(layer), cfg.head_dim_of(layer))
-            got = buffer.decode_slots(n, like)
-            if got is None or got[0].dtype != torch.float32:
-                return None
-            mine.append(got)
-        per_session.append(mine)
-    reserved: list[StoreRows] = []
-    for layer in range(cfg.num_layers):
-        k_stores: list[torch.Tensor] = []
-        v_stores: list[torch.Tensor] = []
-        firsts: list[int] = []
-        places: list[int] = []
-        for session, n in zip(per_session, counts, strict=True):
-            keys, values, first, new = session[layer]
-            k_stores += [keys] * n
-            v_stores += [values] * n
-            firsts += [first] * n
-            places += range(new, new + n)
-        reserved.append((k_stores, v_stores, firsts, places))
-    return reserved
 
 
 def _attend_buffer(

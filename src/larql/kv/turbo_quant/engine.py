@@ -63,6 +63,8 @@ from larql.inference.layer import (
 )
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
+from larql.kv.buffers import KvBuffer
+from larql.kv.reserved_rows import prompt_in_one_call
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
 from larql.kv.turbo_quant.coded_cpu import attend_coded, coded_kernels
 from larql.kv.turbo_quant.coded_layers import coded_layers_step
@@ -202,6 +204,8 @@ class TurboQuantEngine(KvEngine):
             ]  # fmt: skip
         if self._fast is not None:
             self._fast.start(model, rows.shape[0])
+        elif (h := self._prompt_in_one_call(model, ffn, rows, inputs, keeps)) is not None:
+            return h
         h = rows  # [S, H]
         shared = SharedKv(cfg)  # a K/V-sharing layer's store stays empty
         for layer in range(cfg.num_layers):
@@ -218,6 +222,28 @@ class TurboQuantEngine(KvEngine):
                 self._layers[layer].append(exact.k, exact.v)
             h = ffn_block(model, layer, h, ffn, inputs)
         return h
+
+    def _prompt_in_one_call(
+        self,
+        model: Model,
+        ffn: FfnBackend,
+        rows: torch.Tensor,
+        inputs: torch.Tensor | None,
+        keeps: list[int | None],
+    ) -> torch.Tensor | None:
+        """The prompt rows [S, H] through `standard`'s one compiled call for a new prompt (its
+        exact K/V into float buffers, then each layer's rows into its store, coded where they
+        leave the exact rows) → every row's hidden [S, H]; None where the call does not take
+        them (the layer-by-layer prefill then runs)."""
+        if inputs is None and not model.config.shares_kv and all(k is None for k in keeps):
+            buffers = [KvBuffer() for _ in keeps]
+            h = prompt_in_one_call(model, ffn, rows, buffers)
+            if h is not None:
+                assert self._layers is not None
+                for store, buffer in zip(self._layers, buffers, strict=True):
+                    store.append(buffer.keys, buffer.values)  # [Hkv, S, D] each
+                return h
+        return None
 
     # ------------------------------------------------------------------ decode
 
