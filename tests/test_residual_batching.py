@@ -90,8 +90,8 @@ def test_a_lossy_rows_kv_is_the_float_recompute_within_rounding(
     cpu_kernels, smollm2_default: Model
 ) -> None:
     """The compiled re-derivation of evicted rows' K/V (block products of int16-rounded
-    inputs) against `recompute_kv` over the float matrices, on the same stored rows: three
-    rows of three layers, each row written to its own slot of its own storage."""
+    inputs) against `recompute_kv` over the float matrices, on the same stored rows: two
+    segments (two rows at positions 3.., one at 5) of three layers, each in its own storage."""
     model, ffn = smollm2_default, build_ffn(smollm2_default)
     engine = parse_engine("markov-rs-codec:window=8").build(model)
     engine.prefill(model, ffn, context_ids(model, 30, default_text()))
@@ -99,29 +99,32 @@ def test_a_lossy_rows_kv_is_the_float_recompute_within_rounding(
     layers = [0, 7, 29]
     stored = torch.stack([store.cold_rows(layer)[3:6] for layer in layers], dim=1)  # [3, 3, H]
     shape = store.kv[0]._k._data.shape
-    storages = [[(torch.zeros(shape), torch.zeros(shape), 2 + 5 * row) for _ in layers]
-                for row in range(3)]  # fmt: skip
-    assert rows_kv(model, ffn, layers, stored, [3, 4, 5], storages)
+    first = [(torch.zeros(shape), torch.zeros(shape), 2) for _ in layers]  # rows 3, 4 at 2, 3
+    second = [(torch.zeros(shape), torch.zeros(shape), 9) for _ in layers]  # row 5 at 9
+    assert rows_kv(model, ffn, layers, stored, [(2, 3, first), (1, 5, second)])
     for j, layer in enumerate(layers):
         k, v = recompute_kv(model, layer, stored[:, j].contiguous(), 3)  # [Hkv, 3, D]
-        for row in range(3):
-            keys, values, slot = storages[row][j]
-            torch.testing.assert_close(keys[slot], k[:, row], rtol=2e-3, atol=2e-3)
-            torch.testing.assert_close(values[slot], v[:, row], rtol=2e-3, atol=2e-3)
-            assert not keys[:slot].any() and not keys[slot + 1 :].any()  # nothing else written
+        for row, (keys, values, slot) in [(0, first[j]), (1, first[j]), (2, second[j])]:
+            at = slot + row if row < 2 else slot
+            torch.testing.assert_close(keys[at], k[:, row], rtol=2e-3, atol=2e-3)
+            torch.testing.assert_close(values[at], v[:, row], rtol=2e-3, atol=2e-3)
+        assert not first[j][0][:2].any() and not first[j][0][4:].any()  # nothing else written
+        assert not second[j][0][:9].any() and not second[j][0][10:].any()
 
 
 def test_rows_kv_refuses_stores_that_do_not_match_the_rows(cpu_kernels, smollm2_default) -> None:
-    """A store list of the wrong length or a slot outside its storage is a typed refusal from
-    the compiled call, nothing written."""
+    """Segments whose rows do not add up, a store list of the wrong length or slots past
+    their storage are a typed refusal from the compiled call, nothing written."""
     model, ffn = smollm2_default, build_ffn(smollm2_default)
     rows = torch.randn(2, 1, model.config.hidden_size)
     shape = (4, model.config.num_kv_heads, model.config.head_dim)
     keys, values = torch.zeros(shape), torch.zeros(shape)
-    with pytest.raises(RuntimeError, match="one entry per row and layer"):
-        rows_kv(model, ffn, [0], rows, [0, 1], [[(keys, values, 0)]])
-    with pytest.raises(RuntimeError, match="slot must lie in its storage"):
-        rows_kv(model, ffn, [0], rows, [0, 1], [[(keys, values, 0)], [(keys, values, 4)]])
+    with pytest.raises(RuntimeError, match="add up to the rows given"):
+        rows_kv(model, ffn, [0], rows, [(1, 0, [(keys, values, 0)])])
+    with pytest.raises(RuntimeError, match="one entry per segment and layer"):
+        rows_kv(model, ffn, [0], rows, [(2, 0, [])])
+    with pytest.raises(RuntimeError, match="slots must lie in its storage"):
+        rows_kv(model, ffn, [0], rows, [(2, 0, [(keys, values, 3)])])
     assert not keys.any() and not values.any()
 
 
@@ -137,11 +140,52 @@ def test_rows_kv_of_a_decoded_row_is_the_k_v_its_step_wrote(cpu_kernels, smollm2
     store, layers = engine.store, list(range(model.config.num_layers))
     rows = store.hot.rows[-3:]  # [3, L, H]: the pre-layer residuals of positions 4..6
     shape = store.kv[0]._k._data.shape
-    storages = [[(torch.zeros(shape), torch.zeros(shape), row) for _ in layers] for row in range(3)]
-    assert rows_kv(model, ffn, layers, rows, [4, 5, 6], storages)
-    for layer in layers:
+    storages = [(torch.zeros(shape), torch.zeros(shape), 0) for _ in layers]
+    assert rows_kv(model, ffn, layers, rows, [(3, 4, storages)])
+    for layer, (keys, values, _) in zip(layers, storages, strict=True):
         written = store.kv[layer]
-        for row in range(3):
-            keys, values, _ = storages[row][layer]
-            assert torch.equal(keys[row], written.keys[:, 4 + row])
-            assert torch.equal(values[row], written.values[:, 4 + row])
+        assert torch.equal(keys[:3], written.keys[:, 4:7].transpose(0, 1))
+        assert torch.equal(values[:3], written.values[:, 4:7].transpose(0, 1))
+
+
+@pytest.mark.parametrize("spec", ["markov-rs:window=16", "markov-rs-codec:window=16"])
+def test_a_short_prompt_is_standards_prefill_in_one_call(
+    cpu_kernels, smollm2_default: Model, spec: str, monkeypatch
+) -> None:
+    """A 40-token prompt goes through `standard`'s one compiled call for a new prompt (its
+    window overflows at once): the same hidden rows as `standard`'s prefill, bit for bit. The
+    lossy cold tier's 24 rows get their K/V from the compiled projection, as a decode step's
+    do; the lossless one then decodes exactly as `standard` does."""
+    model, ffn = smollm2_default, build_ffn(smollm2_default)
+    ids = context_ids(model, 40, default_text())
+    calls: list[bool] = []
+    real = residual_engine.prompt_in_one_call
+
+    def counted(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(residual_engine, "prompt_in_one_call", counted)
+    engine, standard = parse_engine(spec).build(model), parse_engine("standard").build(model)
+    h, expected = engine.prefill_all(model, ffn, ids), standard.prefill_all(model, ffn, ids)
+    assert calls == [True] and torch.equal(h, expected)
+    store = engine.store
+    assert store.hot_len == 16 and store.cold_len == 24
+    if spec.startswith("markov-rs-codec"):  # the 24 evicted rows' K/V: the compiled projection's
+        layers = list(range(model.config.num_layers))
+        cold = torch.stack([store.cold_rows(layer) for layer in layers], dim=1)  # [24, L, H]
+        shape = store.kv[0]._k._data.shape
+        fresh = [(torch.zeros(shape), torch.zeros(shape), 0) for _ in layers]
+        assert rows_kv(model, ffn, layers, cold, [(24, 0, fresh)])
+        for layer, (keys, values, _) in zip(layers, fresh, strict=True):
+            assert torch.equal(keys[:24], store.kv[layer].keys[:, :24].transpose(0, 1))
+            assert torch.equal(values[:24], store.kv[layer].values[:, :24].transpose(0, 1))
+    if spec.startswith("markov-rs:"):
+        for _ in range(5):
+            token = int(final_logits(model, h[-1:]).argmax())
+            h, expected = (
+                engine.decode_step(model, ffn, token),
+                standard.decode_step(model, ffn, token),
+            )
+            assert torch.equal(h, expected)

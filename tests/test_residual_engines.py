@@ -256,6 +256,12 @@ def test_bf16_encoding_is_round_to_nearest_even() -> None:
     assert torch.equal(bf16_decode(bf16_encode(bf16_decode(encoded))), bf16_decode(encoded))
     rel = ((bf16_decode(encoded) - values).abs() / values.abs().clamp_min(1e-30)).max()
     assert rel.item() <= 2.0**-8
+    # the bit-pattern formula, on every finite value
+    u32 = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    formula = (((u32 + 0x7FFF + ((u32 >> 16) & 1)) & 0xFFFFFFFF) >> 16).to(torch.int32)
+    assert torch.equal(encoded.to(torch.int32) & 0xFFFF, formula)
+    special = bf16_decode(bf16_encode(torch.tensor([float("inf"), -float("inf"), float("nan")])))
+    assert special[0] == float("inf") and special[1] == -float("inf") and special[2].isnan()
 
 
 def test_codecs_store_what_they_say() -> None:

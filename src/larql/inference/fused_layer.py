@@ -181,33 +181,34 @@ def rows_kv(
     ffn: FfnBackend,
     layers: Sequence[int],
     rows: torch.Tensor,
-    positions: Sequence[int],
-    storages: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor, int]]],
+    segments: Sequence[tuple[int, int, Sequence[tuple[torch.Tensor, torch.Tensor, int]]]],
 ) -> bool:
     """The K/V of stored pre-layer residuals by the compiled layer's own projection (`rows_kv`:
-    a decode step's arithmetic): rows [N, len(layers), H] float32, row n at position
-    positions[n] with its rows of every one of `layers`, each layer's rows projected for all
-    N at once; row n's K/V of layers[j] written into storages[n][j] = (K storage, V storage
-    [capacity, Hkv, D], the slot) → whether it ran (False: the compiled layer does not take
-    these layers; nothing written)."""
+    a decode step's arithmetic): rows [N, len(layers), H] float32, each row's rows of every one
+    of `layers`, each layer's rows projected for all N at once. The rows come in `segments`,
+    one after another: (count, first position, per layer of `layers` (K storage, V storage
+    [capacity, Hkv, D], the first row's slot)), its rows at consecutive positions and slots →
+    whether it ran (False: the compiled layer does not take these layers; nothing written)."""
     plans = _layer_plans(model, layers, rows[:1, 0], ffn)
     kernels = fused_kernels(rows[:1, 0])
     if plans is None or kernels is None or not hasattr(kernels, "rows_kv"):
         return False
+    positions = [first + i for count, first, _ in segments for i in range(count)]
     ropes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per rope table: [N, rotary] each
     cos_sin = []
     for layer in layers:
         table = rope_table(model, layer)
         if id(table) not in ropes:
-            cos, sin = table.rows(list(positions))
+            cos, sin = table.rows(positions)
             ropes[id(table)] = cos.contiguous(), sin.contiguous()
         cos_sin.append(ropes[id(table)])
+    stores = [store for _, _, per_layer in segments for store in per_layer]
     kernels.rows_kv(
         rows.contiguous(), [p.norms[0] for p in plans], model.config.norm_eps,
         [p.matrices[0] for p in plans], [p.formats[0] for p in plans],
         [p.qkv_bias for p in plans], [cos for cos, _ in cos_sin], [sin for _, sin in cos_sin],
-        [k for row in storages for k, _, _ in row], [v for row in storages for _, v, _ in row],
-        [slot for row in storages for _, _, slot in row], model.config.num_heads, plans[0].bits,
+        [count for count, _, _ in segments], [k for k, _, _ in stores], [v for _, v, _ in stores],
+        [slot for _, _, slot in stores], model.config.num_heads, plans[0].bits,
     )  # fmt: skip
     return True
 

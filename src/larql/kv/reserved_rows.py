@@ -16,11 +16,16 @@ from larql.models.model import Model
 
 
 def prompt_in_one_call(
-    model: Model, ffn: FfnBackend, rows: torch.Tensor, buffers: Sequence[KvBuffer]
+    model: Model,
+    ffn: FfnBackend,
+    rows: torch.Tensor,
+    buffers: Sequence[KvBuffer],
+    layer_inputs: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """A new session's prompt rows [S, H] at positions 0.. through every layer in one compiled
     call, as `standard`'s own prefill takes them: each layer's K/V written into `buffers`
-    (fresh `KvBuffer`s, one a layer, keeping every row) → the hidden rows [S, H]; None, with
+    (fresh `KvBuffer`s, one a layer, keeping every row), each layer's input rows into
+    `layer_inputs` (float32 [L, S, H], where given) → the hidden rows [S, H]; None, with
     nothing written, where the call does not take them (a long prompt, another model)."""
     n, layers = rows.shape[0], range(model.config.num_layers)
     if n > model_block_rows(model) or not layers_compile(model, layers, rows, ffn):
@@ -28,7 +33,7 @@ def prompt_in_one_call(
     reserved = rows_reserved(model, rows, [buffers], [n], [None])
     if reserved is None:
         return None
-    h = fused_layers_rows(model, layers, rows, [0], [n], [], ffn, None, reserved)
+    h = fused_layers_rows(model, layers, rows, [0], [n], [], ffn, None, reserved, layer_inputs)
     if h is not None:
         for buffer in buffers:
             buffer.commit_rows(n)

@@ -469,8 +469,8 @@ torch::Tensor decode_layers_batch(torch::Tensor h, Tensors norms, double eps, Te
 // lossily the K/V of their stored values.
 void rows_kv(torch::Tensor rows, Tensors norms, double eps, Tensors qkv,
              std::vector<int64_t> formats, OptionalTensors qkv_bias, Tensors cos, Tensors sin,
-             Tensors k_stores, Tensors v_stores, std::vector<int64_t> slots, int64_t heads,
-             int64_t activation_bits) {
+             std::vector<int64_t> counts, Tensors k_stores, Tensors v_stores,
+             std::vector<int64_t> slots, int64_t heads, int64_t activation_bits) {
   check_row(rows, "rows");
   TORCH_CHECK(rows.dim() == 3, "rows must be [N, layers, width]");
   const int64_t n_rows = rows.size(0), layers = rows.size(1), width = rows.size(2);
@@ -479,10 +479,17 @@ void rows_kv(torch::Tensor rows, Tensors norms, double eps, Tensors qkv,
     TORCH_CHECK(static_cast<int64_t>(size) == layers, "every layer argument needs one entry "
                 "per layer of the rows");
   }
+  const int64_t segments = static_cast<int64_t>(counts.size());
   for (const size_t size : {k_stores.size(), v_stores.size(), slots.size()}) {
-    TORCH_CHECK(static_cast<int64_t>(size) == n_rows * layers,
-                "every store argument needs one entry per row and layer");
+    TORCH_CHECK(static_cast<int64_t>(size) == segments * layers,
+                "every store argument needs one entry per segment and layer");
   }
+  int64_t counted = 0;
+  for (const int64_t count : counts) {
+    TORCH_CHECK(count >= 0, "a segment's rows cannot be negative");
+    counted += count;
+  }
+  TORCH_CHECK(counted == n_rows, "the segments' rows must add up to the rows given");
   const Activation a = checked_activation(activation_bits);
   if (n_rows == 0) return;
   thread_local Scratch<float> layer_rows, projected_rows;
@@ -490,20 +497,21 @@ void rows_kv(torch::Tensor rows, Tensors norms, double eps, Tensors qkv,
   for (int64_t l = 0; l < layers; ++l) {
     check_row(norms[l], "norm");
     TORCH_CHECK(norms[l].numel() == width, "the norm weight's width is not the row's");
-    const torch::Tensor& first = k_stores[l];  // row 0's: every row's must match its shape
+    const torch::Tensor& first = k_stores[l];  // segment 0's: every segment's must match it
     TORCH_CHECK(first.dim() == 3, "K/V stores must be [capacity, Hkv, D]");
     const int64_t kv_heads = first.size(1), head_dim = first.size(2);
     const int64_t q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
-    for (int64_t m = 0; m < n_rows; ++m) {
-      const torch::Tensor& keys = k_stores[m * layers + l];
-      const torch::Tensor& values = v_stores[m * layers + l];
+    for (int64_t g = 0; g < segments; ++g) {
+      const torch::Tensor& keys = k_stores[g * layers + l];
+      const torch::Tensor& values = v_stores[g * layers + l];
       check_row(keys, "k_store");
       check_row(values, "v_store");
       TORCH_CHECK(keys.dim() == 3 && keys.size(1) == kv_heads && keys.size(2) == head_dim &&
                       values.sizes() == keys.sizes(),
                   "a layer's K/V stores must be [capacity, Hkv, D] alike");
-      const int64_t slot = slots[m * layers + l];
-      TORCH_CHECK(0 <= slot && slot < keys.size(0), "a row's slot must lie in its storage");
+      const int64_t slot = slots[g * layers + l];
+      TORCH_CHECK(0 <= slot && slot + counts[g] <= keys.size(0),
+                  "a segment's slots must lie in its storage");
     }
     const BlockMatrix w = checked_matrix(qkv[l], formats[l], width);
     TORCH_CHECK(w.rows == q_dim + 2 * kv_dim, "W_qkv's rows are not q_dim + 2 · kv_dim");
@@ -523,13 +531,15 @@ void rows_kv(torch::Tensor rows, Tensors norms, double eps, Tensors qkv,
              bias != nullptr ? bias + skip : nullptr, cos[l].data_ptr<float>(),
              sin[l].data_ptr<float>(), rotary, skip == 0 ? heads + kv_heads : kv_heads,
              head_dim, projected);
-    for (int64_t m = 0; m < n_rows; ++m) {
-      const float* row = projected + m * kv.rows + (q_dim - skip);  // [K | V]
-      const int64_t slot = slots[m * layers + l];
-      std::memcpy(k_stores[m * layers + l].data_ptr<float>() + slot * kv_dim, row,
-                  kv_dim * sizeof(float));
-      std::memcpy(v_stores[m * layers + l].data_ptr<float>() + slot * kv_dim, row + kv_dim,
-                  kv_dim * sizeof(float));
+    for (int64_t g = 0, m = 0; g < segments; ++g) {
+      float* keys = k_stores[g * layers + l].data_ptr<float>();
+      float* values = v_stores[g * layers + l].data_ptr<float>();
+      for (int64_t r = 0; r < counts[g]; ++r, ++m) {
+        const float* row = projected + m * kv.rows + (q_dim - skip);  // [K | V]
+        const int64_t slot = slots[g * layers + l] + r;
+        std::memcpy(keys + slot * kv_dim, row, kv_dim * sizeof(float));
+        std::memcpy(values + slot * kv_dim, row + kv_dim, kv_dim * sizeof(float));
+      }
     }
   }
 }

