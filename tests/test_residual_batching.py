@@ -11,10 +11,12 @@ import torch
 import larql.kv.residual.engine as residual_engine
 from larql.data import default_text
 from larql.harness.contexts import context_ids
-from larql.inference.batching import batch_groups, decode_batch
+from larql.inference.batching import advance_batch, batch_groups, decode_batch
+from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import DenseFfn
 from larql.inference.ffn.policy import build_ffn
 from larql.inference.fused_layer import rows_kv
+from larql.inference.generation import GenerationSession, advance_together
 from larql.inference.layer import final_logits, recompute_kv
 from larql.kv import parse_engine
 from larql.models import Model
@@ -189,3 +191,62 @@ def test_a_short_prompt_is_standards_prefill_in_one_call(
                 standard.decode_step(model, ffn, token),
             )
             assert torch.equal(h, expected)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_new_prompt_rides_in_the_running_steps_bit_for_bit(
+    cpu_kernels, smollm2_default: Model, spec: str, monkeypatch
+) -> None:
+    """Two sessions decode while two new prompts ride in their steps, whole and in the one
+    compiled call (one of 30 tokens that overflows its 16-row window at once): every
+    session's logits are the ones it gets alone, bit for bit. A started session takes one
+    row a step."""
+    model, ffn = smollm2_default, build_ffn(smollm2_default)
+    rode: list[list[int]] = []
+    real = residual_engine._fused_rows
+
+    def counted(batch, model, ffn, rows, counts):
+        out = real(batch, model, ffn, rows, counts)
+        if out is not None and max(counts) > 1:
+            rode.append(list(counts))
+        return out
+
+    monkeypatch.setattr(residual_engine, "_fused_rows", counted)
+    prompts = [context_ids(model, n, default_text()) for n in (20, 12, 30, 9)]
+
+    def fresh(ids: list[int]) -> GenerationSession:
+        engine = parse_engine(spec).build(model)
+        return GenerationSession(engine, model, ffn, ids, 8, stop_ids=frozenset())
+
+    def alone(ids: list[int]) -> list[torch.Tensor]:
+        session = fresh(ids)
+        session.prefill()
+        logits = [session.logits]
+        while not session.finished:
+            session.step()
+            logits.append(session.logits)
+        return logits
+
+    want = [alone(ids) for ids in prompts]
+    sessions = [fresh(ids) for ids in prompts]
+    got: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for i in (0, 1):
+        sessions[i].prefill()
+        got[i].append(sessions[i].logits)
+    assert sessions[2].takes_prompt_in_batch(30) and not sessions[2].takes_prompt_in_batch(29)
+    waiting = {2: 1, 3: 2}  # the steps each prompt waits before it rides
+    while not all(s.finished for s in sessions):
+        live = [i for i, s in enumerate(sessions) if not s.finished and waiting.get(i, 0) == 0]
+        sizes = [1 if sessions[i].started else len(prompts[i]) for i in live]
+        for i, token in zip(
+            live, advance_together([sessions[i] for i in live], sizes), strict=True
+        ):
+            if token is not None:
+                got[i].append(sessions[i].logits)
+        waiting = {i: max(n - 1, 0) for i, n in waiting.items()}
+    assert rode == [[1, 1, 30], [1, 1, 1, 9]]  # each prompt in a step of the running sessions
+    for mine, theirs in zip(got, want, strict=True):
+        assert len(mine) == len(theirs)
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+    with pytest.raises(InvariantViolation, match="one row a step"):
+        advance_batch([sessions[0].engine], model, ffn, [[1, 2]])

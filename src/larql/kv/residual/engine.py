@@ -24,7 +24,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from larql.inference.engine import Engine, KvEngine
-from larql.inference.errors import BackendUnavailable
+from larql.inference.errors import BackendUnavailable, InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.fused_layer import fused_layers_rows, layers_compile, rows_kv
 from larql.inference.layer import attention_block, ffn_block
@@ -32,7 +32,7 @@ from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import EngineProfiler
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.buffers import KvBuffer, commit_step, step_rows, step_slots
-from larql.kv.reserved_rows import prompt_in_one_call
+from larql.kv.reserved_rows import prompt_in_one_call, rows_reserved
 from larql.kv.residual.store import EvictedRows, ResidualStore
 from larql.models.model import Model
 
@@ -129,16 +129,12 @@ class ResidualStreamEngine(KvEngine):
         self, model: Model, ffn: FfnBackend, rows: torch.Tensor, inputs: torch.Tensor | None
     ) -> torch.Tensor:
         """rows: [S, H] at positions 0.. → every row's hidden [S, H]."""
-        self.validate_for(model)
-        cfg = model.config
-        keeps = [not shares(cfg, layer) for layer in range(cfg.num_layers)]
-        store = ResidualStore(self.window, self.codec_labels(model), keeps)
-        store.expect(self._expected)
+        store = self._new_store(model)
         assert store.kv is not None
         h = _prompt_in_one_call(model, ffn, rows, store) if inputs is None else None
         if h is None:
             h = rows
-            shared = SharedKv(cfg)
+            shared = SharedKv(model.config)
             for layer, buffer in enumerate(store.kv):
                 store.push(layer, h)
                 h = attention_block(model, layer, h, 0, buffer, shared=shared)
@@ -175,6 +171,16 @@ class ResidualStreamEngine(KvEngine):
             store.drop_derivative()
         return h
 
+    def _new_store(self, model: Model) -> ResidualStore:
+        """An empty store for this engine's configuration on `model` (typed refusal where the
+        engine cannot run it)."""
+        self.validate_for(model)
+        cfg = model.config
+        keeps = [not shares(cfg, layer) for layer in range(cfg.num_layers)]
+        store = ResidualStore(self.window, self.codec_labels(model), keeps)
+        store.expect(self._expected)
+        return store
+
     # ------------------------------------------------------------------ batched decode
 
     def batch_key(self) -> Hashable | None:
@@ -182,6 +188,44 @@ class ResidualStreamEngine(KvEngine):
         if self._store is None or not self.kv_cache:
             return None
         return (type(self), self.config())
+
+    def prompt_batch_key(self, model: Model) -> Hashable | None:
+        """A fresh engine's prompt may ride in the steps of its kind where it keeps K/V."""
+        if not self.kv_cache or model.config.shares_kv:
+            return None
+        return (type(self), self.config())
+
+    def _begin_in_batch(self, model: Model) -> None:
+        self._store = self._new_store(model)
+
+    @classmethod
+    def _advance_batch(
+        cls,
+        engines: Sequence[Engine],
+        model: Model,
+        ffn: FfnBackend,
+        rows: torch.Tensor,
+        counts: Sequence[int],
+        inputs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """counts[i] rows for engine i in rows [R, H] → [R, H]: a decode row, or a new prompt
+        whole (these engines extend no prefill), every layer of every session in one compiled
+        call where it applies, else each engine's own step or prefill in turn."""
+        batch = [e for e in engines if isinstance(e, ResidualStreamEngine)]
+        assert len(batch) == len(engines), "batch keys group only residual-stream engines"
+        if any(e.prefilled and n != 1 for e, n in zip(batch, counts, strict=True)):
+            raise InvariantViolation("a residual-stream engine takes one row a step once started")
+        if inputs is None and (fused := _fused_rows(batch, model, ffn, rows, counts)) is not None:
+            return fused
+        hidden, offset = [], 0
+        for engine, n in zip(batch, counts, strict=True):
+            part, extra = rows[offset : offset + n], None
+            if inputs is not None:
+                extra = inputs[offset : offset + n]
+            step = engine._step if engine.prefilled else engine._start
+            hidden.append(step(model, ffn, part, extra))
+            offset += n
+        return torch.cat(hidden)
 
     @classmethod
     def _step_batch(
@@ -237,33 +281,57 @@ def _prompt_in_one_call(
 def _fused_step(
     batch: Sequence[ResidualStreamEngine], model: Model, ffn: FfnBackend, rows: torch.Tensor
 ) -> torch.Tensor | None:
-    """rows [B, H]: one decode row per engine → the hidden rows after every layer [B, H], in
-    one compiled call (`fused_layers_rows`): each layer's new K/V row written into the
-    engine's derivative buffers, each layer's input row kept and then stored as the layer's
-    pre-layer residual, as `_step` does layer by layer; None where the call does not apply
-    (nothing changed): derivative K/V not kept, or buffers not holding their rows alike."""
+    """rows [B, H]: one decode row per engine → `_fused_rows` with a row each."""
+    return _fused_rows(batch, model, ffn, rows, [1] * len(batch))
+
+
+def _fused_rows(
+    batch: Sequence[ResidualStreamEngine],
+    model: Model,
+    ffn: FfnBackend,
+    rows: torch.Tensor,
+    counts: Sequence[int],
+) -> torch.Tensor | None:
+    """rows [R, H]: counts[i] rows of engine i (a decode row, or a new prompt whole) → the
+    hidden rows after every layer [R, H], in one compiled call (`fused_layers_rows`): each
+    layer's new K/V rows written into the engine's derivative buffers, each layer's input rows
+    kept and then stored as the layer's pre-layer residuals, as `_step` and `_start` do layer
+    by layer; then the evictions. None where the call does not apply (nothing changed):
+    derivative K/V not kept, or a layer the compiled layers do not take."""
     layers = range(model.config.num_layers)
-    if any(not e.kv_cache or e.store.kv is None for e in batch):
+    stores = [e._store for e in batch]
+    if any(not e.kv_cache for e in batch) or any(s is None or s.kv is None for s in stores):
         return None
     if not layers_compile(model, layers, rows, ffn):
         return None
-    slots = [step_slots(e.store.kv, 1) for e in batch]  # type: ignore[arg-type]
-    if any(slot is None for slot in slots):
+    kv = [s.kv for s in stores]  # type: ignore[union-attr]
+    slots = [step_slots(buffers, n) for buffers, n in zip(kv, counts, strict=True)]  # type: ignore[arg-type]
+    if all(n == 1 for n in counts) and all(slot is not None for slot in slots):
+        reserved = step_rows(slots)  # type: ignore[arg-type]
+    else:
+        reserved = rows_reserved(model, rows, kv, counts, slots)  # type: ignore[arg-type]
+    if reserved is None:
         return None
-    reserved = step_rows(slots)  # type: ignore[arg-type]
-    starts = [e.store.next_position for e in batch]
-    inputs = rows.new_empty(len(layers), *rows.shape)  # [L, B, H]: each layer's input rows
-    h = fused_layers_rows(model, layers, rows, starts, [1] * len(batch), [], ffn, None, reserved,
-                          inputs)  # fmt: skip
+    starts = [s.next_position for s in stores]  # type: ignore[union-attr]
+    inputs = rows.new_empty(len(layers), *rows.shape)  # [L, R, H]: each layer's input rows
+    h = fused_layers_rows(model, layers, rows, starts, counts, [], ffn, None, reserved, inputs)
     if h is None:
         return None
-    for i, engine in enumerate(batch):
-        store = engine.store
-        commit_step(store.kv, 1)  # type: ignore[arg-type]
+    offset = 0
+    for engine, store, n, slot in zip(batch, stores, counts, slots, strict=True):
+        assert store is not None and store.kv is not None
+        if slot is not None:
+            commit_step(store.kv, n)
+        else:
+            for buffer in store.kv:
+                buffer.commit_rows(n)
         with engine._profiler.stage("state_append", model.device):
-            store.push_layers(inputs[:, i : i + 1])
-            store.advance(1)
-    _evict_rows(batch, model, ffn)
+            store.push_layers(inputs[:, offset : offset + n])
+            store.advance(n)
+        offset += n
+    started = [e for e in batch if e.prefilled]  # (a new prompt's eviction is not a step's)
+    _evict_rows(started, model, ffn)
+    _evict_rows([e for e in batch if not e.prefilled], model, ffn, profiled=False)
     return h
 
 
