@@ -563,3 +563,32 @@ def test_aliases_build_the_canonical_engine(
 def test_malformed_specs_are_refused(spec: str) -> None:
     with pytest.raises(MalformedEngineSpec, match="supported"):
         parse_engine(spec)
+
+
+def test_a_lossless_tier_extends_a_prefill_as_one_longer_prefill(smollm2: Model) -> None:
+    """markov-rs's prompt in three chunks (the window overflowing on the way) against the whole
+    prompt at once, layer by layer on float weights: the same stored rows and K/V and the same
+    last hidden row up to the order of float sums. A lossy tier refuses to extend."""
+    model, ffn = smollm2, DenseFfn(smollm2)
+    ids = model.tokenizer.encode(LONG_TEXT)[:23]
+    whole = residual_engine("markov-rs:window=8", model)
+    chunked = residual_engine("markov-rs:window=8", model)
+    assert chunked.extends_exactly(model)
+    with torch.inference_mode():
+        expected = whole.prefill_all(model, ffn, ids)
+        chunked.prefill(model, ffn, ids[:10])
+        chunked.extend(model, ffn, ids[10:17])
+        last = chunked.extend(model, ffn, ids[17:])
+    assert chunked.position == whole.position == 23
+    assert relative_error(last, expected[-1:]) <= 1e-5
+    mine, theirs = chunked.store, whole.store
+    assert (mine.hot_len, mine.cold_len) == (theirs.hot_len, theirs.cold_len) == (8, 15)
+    assert relative_error(mine.hot.rows, theirs.hot.rows) <= 1e-5
+    for layer in (0, 29):
+        assert relative_error(mine.kv[layer].keys, theirs.kv[layer].keys) <= 1e-5
+    codec = residual_engine("markov-rs-codec:window=8", model)
+    assert not codec.extends_exactly(model)
+    with torch.inference_mode():
+        codec.prefill(model, ffn, ids[:10])
+        with pytest.raises(BackendUnavailable, match="lossless cold tier"):
+            codec.extend(model, ffn, ids[10:])

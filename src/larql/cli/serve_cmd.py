@@ -47,9 +47,9 @@ def serve(
         typer.Option(
             "--prefill-chunk",
             help="While other streams decode, new prompts go in at most this many tokens a "
-            "step: riding in the streams' own step where their engines batch (standard in "
-            "chunks; the residual-stream engines a whole prompt that fits), else in a turn "
-            "between their steps.",
+            "step: riding in the streams' own step where their engines batch (in chunks "
+            "where the engine extends a prefill exactly — standard, markov-rs — else a whole "
+            "prompt that fits), else in a turn between their steps.",
         ),
     ] = 32,
     device: DeviceOption = "cpu",

@@ -33,6 +33,7 @@ from larql.inference.profiling import EngineProfiler
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.buffers import KvBuffer, commit_step, step_rows, step_slots
 from larql.kv.reserved_rows import prompt_in_one_call, rows_reserved
+from larql.kv.residual.codecs import new_codec
 from larql.kv.residual.store import EvictedRows, ResidualStore
 from larql.models.model import Model
 
@@ -152,9 +153,36 @@ class ResidualStreamEngine(KvEngine):
         self, model: Model, ffn: FfnBackend, row: torch.Tensor, inputs: torch.Tensor | None
     ) -> torch.Tensor:
         """row: [1, H] at the next absolute position → its pre-final-norm hidden [1, H]."""
-        if inputs is None and (fused := _fused_step([self], model, ffn, row)) is not None:
-            return fused  # every layer in one compiled call
-        store, prof, h = self.store, self._profiler, row
+        return self._rows(model, ffn, row, inputs)
+
+    def extends_exactly(self, model: Model) -> bool:
+        """Where every layer's cold tier is lossless for the model's dtype (`markov-rs`; the bf16
+        tier on a bfloat16 model): a later chunk then attends over the K/V a whole prefill
+        computes. A lossy tier re-derives an evicted row's K/V from its stored form, which a
+        whole prefill's later rows never see."""
+        labels = set(self.codec_labels(model))
+        return all(new_codec(label).lossless_for(model.dtype) for label in labels)
+
+    def _extend(
+        self, model: Model, ffn: FfnBackend, rows: torch.Tensor, inputs: torch.Tensor | None
+    ) -> torch.Tensor:
+        """rows [S, H] at the next positions (a prefill's next chunk) → their hidden [S, H]."""
+        if not self.extends_exactly(model):
+            raise BackendUnavailable(
+                f"{self.name} extends a prefill only with a lossless cold tier on this model"
+            )
+        return self._rows(model, ffn, rows, inputs)
+
+    def _rows(
+        self, model: Model, ffn: FfnBackend, rows: torch.Tensor, inputs: torch.Tensor | None
+    ) -> torch.Tensor:
+        """rows [S, H] at the next positions → their hidden [S, H]: every layer in one compiled
+        call where it applies, else layer by layer; then the evictions (one decode row's
+        timed in the engine's breakdown)."""
+        n = rows.shape[0]
+        if inputs is None and (fused := _fused_rows([self], model, ffn, rows, [n])) is not None:
+            return fused
+        store, prof, h = self.store, self._profiler, rows
         position = store.next_position
         device = model.device
         shared = SharedKv(model.config)
@@ -165,8 +193,8 @@ class ResidualStreamEngine(KvEngine):
                 h = attention_block(model, layer, h, position, buffer, shared=shared)
             with prof.stage("ffn", device):
                 h = ffn_block(model, layer, h, ffn, inputs)
-        store.advance(1)
-        _evict_rows([self], model, ffn)
+        store.advance(n)
+        _evict_rows([self], model, ffn, profiled=n == 1)
         if not self.kv_cache:
             store.drop_derivative()
         return h
@@ -208,13 +236,17 @@ class ResidualStreamEngine(KvEngine):
         counts: Sequence[int],
         inputs: torch.Tensor | None,
     ) -> torch.Tensor:
-        """counts[i] rows for engine i in rows [R, H] → [R, H]: a decode row, or a new prompt
-        whole (these engines extend no prefill), every layer of every session in one compiled
-        call where it applies, else each engine's own step or prefill in turn."""
+        """counts[i] rows for engine i in rows [R, H] → [R, H]: a decode row, a new prompt, or
+        (with a lossless cold tier) a prompt's next chunk; every layer of every session in one
+        compiled call where it applies, else each engine's own step or prefill in turn."""
         batch = [e for e in engines if isinstance(e, ResidualStreamEngine)]
         assert len(batch) == len(engines), "batch keys group only residual-stream engines"
-        if any(e.prefilled and n != 1 for e, n in zip(batch, counts, strict=True)):
-            raise InvariantViolation("a residual-stream engine takes one row a step once started")
+        for engine, n in zip(batch, counts, strict=True):
+            if engine.prefilled and n != 1 and not engine.extends_exactly(model):
+                raise InvariantViolation(
+                    "a residual-stream engine with a lossy cold tier takes one row a step once "
+                    "started"
+                )
         if inputs is None and (fused := _fused_rows(batch, model, ffn, rows, counts)) is not None:
             return fused
         hidden, offset = [], 0
@@ -222,8 +254,8 @@ class ResidualStreamEngine(KvEngine):
             part, extra = rows[offset : offset + n], None
             if inputs is not None:
                 extra = inputs[offset : offset + n]
-            step = engine._step if engine.prefilled else engine._start
-            hidden.append(step(model, ffn, part, extra))
+            run = engine._start if not engine.prefilled else engine._rows
+            hidden.append(run(model, ffn, part, extra))
             offset += n
         return torch.cat(hidden)
 
@@ -329,9 +361,10 @@ def _fused_rows(
             store.push_layers(inputs[:, offset : offset + n])
             store.advance(n)
         offset += n
-    started = [e for e in batch if e.prefilled]  # (a new prompt's eviction is not a step's)
-    _evict_rows(started, model, ffn)
-    _evict_rows([e for e in batch if not e.prefilled], model, ffn, profiled=False)
+    stepping = [n == 1 and e.prefilled for e, n in zip(batch, counts, strict=True)]
+    _evict_rows([e for e, s in zip(batch, stepping, strict=True) if s], model, ffn)
+    prompts = [e for e, s in zip(batch, stepping, strict=True) if not s]  # (not timed as steps)
+    _evict_rows(prompts, model, ffn, profiled=False)
     return h
 
 

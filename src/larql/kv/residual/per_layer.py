@@ -64,7 +64,9 @@ class BoundaryPerLayerEngine(ResidualStreamEngine):
         self.policy, self.calibration_record = policy, record
 
     def codec_labels(self, model: Model) -> list[str]:
-        assert self.policy is not None, "validate_for runs before the store is built"
+        if self.policy is None:  # built without the model: resolved against it now
+            self.validate_for(model)
+        assert self.policy is not None
         return list(self.policy.entries)
 
     def fingerprint(self) -> str | None:
