@@ -18,6 +18,7 @@ from larql.inference.ffn.policy import build_ffn
 from larql.inference.fused_layer import rows_kv
 from larql.inference.generation import GenerationSession, advance_together
 from larql.inference.layer import final_logits, recompute_kv
+from larql.inference.linear import model_block_rows
 from larql.kv import parse_engine
 from larql.models import Model
 
@@ -50,14 +51,14 @@ def test_a_batch_is_each_session_alone(
     model, ffn = smollm2_default, build_ffn(smollm2_default)
     prompts = [context_ids(model, n, default_text()) for n in (20, 40, 70)]
     calls: list[int] = []
-    real = residual_engine._fused_step
+    real = residual_engine._fused_rows
 
     def counted(batch, *args):
         out = real(batch, *args)
         calls.append(len(batch) if out is not None else 0)
         return out
 
-    monkeypatch.setattr(residual_engine, "_fused_step", counted)
+    monkeypatch.setattr(residual_engine, "_fused_rows", counted)
     together = [parse_engine(spec).build(model) for _ in prompts]
     got = _greedy(together, model, ffn, prompts, 20, batched=True)
     assert batch_groups(together) == [[0, 1, 2]]
@@ -65,7 +66,7 @@ def test_a_batch_is_each_session_alone(
     alone = _greedy([parse_engine(spec).build(model) for _ in prompts], model, ffn, prompts, 20,
                     batched=False)  # fmt: skip
     assert torch.equal(got, alone)
-    monkeypatch.setattr(residual_engine, "_fused_step", lambda *args: None)
+    monkeypatch.setattr(residual_engine, "_fused_rows", lambda *args: None)
     by_layer = _greedy([parse_engine(spec).build(model) for _ in prompts], model, ffn, prompts,
                        20, batched=True)  # fmt: skip
     assert torch.equal(got, by_layer)
@@ -150,16 +151,18 @@ def test_rows_kv_of_a_decoded_row_is_the_k_v_its_step_wrote(cpu_kernels, smollm2
         assert torch.equal(values[:3], written.values[:, 4:7].transpose(0, 1))
 
 
-@pytest.mark.parametrize("spec", ["markov-rs:window=16", "markov-rs-codec:window=16"])
+@pytest.mark.parametrize("spec", ["markov-rs:window=8", "markov-rs-codec:window=8"])
 def test_a_short_prompt_is_standards_prefill_in_one_call(
     cpu_kernels, smollm2_default: Model, spec: str, monkeypatch
 ) -> None:
-    """A 40-token prompt goes through `standard`'s one compiled call for a new prompt (its
-    window overflows at once): the same hidden rows as `standard`'s prefill, bit for bit. The
-    lossy cold tier's 24 rows get their K/V from the compiled projection, as a decode step's
-    do; the lossless one then decodes exactly as `standard` does."""
+    """A prompt of 40 tokens (or as many as one pass of the compiled layers takes: 16 without
+    AVX-512) goes through `standard`'s one compiled call for a new prompt, its window
+    overflowing at once: the same hidden rows as `standard`'s prefill, bit for bit. The lossy
+    cold tier's rows get their K/V from the compiled projection, as a decode step's do; the
+    lossless one then decodes exactly as `standard` does."""
     model, ffn = smollm2_default, build_ffn(smollm2_default)
-    ids = context_ids(model, 40, default_text())
+    n = min(40, model_block_rows(model))
+    ids = context_ids(model, n, default_text())
     calls: list[bool] = []
     real = residual_engine.prompt_in_one_call
 
@@ -173,16 +176,16 @@ def test_a_short_prompt_is_standards_prefill_in_one_call(
     h, expected = engine.prefill_all(model, ffn, ids), standard.prefill_all(model, ffn, ids)
     assert calls == [True] and torch.equal(h, expected)
     store = engine.store
-    assert store.hot_len == 16 and store.cold_len == 24
-    if spec.startswith("markov-rs-codec"):  # the 24 evicted rows' K/V: the compiled projection's
+    assert store.hot_len == 8 and store.cold_len == n - 8
+    if spec.startswith("markov-rs-codec"):  # the evicted rows' K/V: the compiled projection's
         layers = list(range(model.config.num_layers))
-        cold = torch.stack([store.cold_rows(layer) for layer in layers], dim=1)  # [24, L, H]
+        cold = torch.stack([store.cold_rows(layer) for layer in layers], dim=1)  # [n - 8, L, H]
         shape = store.kv[0]._k._data.shape
         fresh = [(torch.zeros(shape), torch.zeros(shape), 0) for _ in layers]
-        assert rows_kv(model, ffn, layers, cold, [(24, 0, fresh)])
+        assert rows_kv(model, ffn, layers, cold, [(n - 8, 0, fresh)])
         for layer, (keys, values, _) in zip(layers, fresh, strict=True):
-            assert torch.equal(keys[:24], store.kv[layer].keys[:, :24].transpose(0, 1))
-            assert torch.equal(values[:24], store.kv[layer].values[:, :24].transpose(0, 1))
+            assert torch.equal(keys[: n - 8], store.kv[layer].keys[:, : n - 8].transpose(0, 1))
+            assert torch.equal(values[: n - 8], store.kv[layer].values[:, : n - 8].transpose(0, 1))
     if spec.startswith("markov-rs:"):
         for _ in range(5):
             token = int(final_logits(model, h[-1:]).argmax())
@@ -193,15 +196,16 @@ def test_a_short_prompt_is_standards_prefill_in_one_call(
             assert torch.equal(h, expected)
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", [spec.replace("16", "8") for spec in SPECS])
 def test_a_new_prompt_rides_in_the_running_steps_bit_for_bit(
     cpu_kernels, smollm2_default: Model, spec: str, monkeypatch
 ) -> None:
     """Two sessions decode while two new prompts ride in their steps, in the one compiled
-    call (one of 30 tokens that overflows its 16-row window at once): every session's logits
-    are the ones it gets alone, bit for bit. With a lossless cold tier (`markov-rs`) the long
-    prompt goes in three chunks; with a lossy one, whole, and a started session takes one row
-    a step."""
+    call (one of 14 tokens that overflows its 8-row window at once; no longer than a pass of
+    the compiled layers takes, as its prefill alone is then that call too): every session's
+    logits are the ones it gets alone, bit for bit. With a lossless cold tier (`markov-rs`)
+    the long prompt goes in three chunks; with a lossy one, whole, and a started session
+    takes one row a step."""
     model, ffn = smollm2_default, build_ffn(smollm2_default)
     rode: list[list[int]] = []
     real = residual_engine._fused_rows
@@ -213,7 +217,7 @@ def test_a_new_prompt_rides_in_the_running_steps_bit_for_bit(
         return out
 
     monkeypatch.setattr(residual_engine, "_fused_rows", counted)
-    prompts = [context_ids(model, n, default_text()) for n in (20, 12, 30, 9)]
+    prompts = [context_ids(model, n, default_text()) for n in (20, 12, 14, 9)]
 
     def fresh(ids: list[int]) -> GenerationSession:
         engine = parse_engine(spec).build(model)
@@ -235,7 +239,7 @@ def test_a_new_prompt_rides_in_the_running_steps_bit_for_bit(
         sessions[i].prefill()
         got[i].append(sessions[i].logits)
     lossless = spec.startswith("markov-rs:")
-    assert sessions[2].takes_prompt_in_batch(30)
+    assert sessions[2].takes_prompt_in_batch(14)
     assert sessions[2].takes_prompt_in_batch(5) == lossless
     chunks = {2: [5, 4, 100] if lossless else [100], 3: [100]}
     waiting = {2: 1, 3: 2}  # the steps each prompt waits before it rides
@@ -249,9 +253,9 @@ def test_a_new_prompt_rides_in_the_running_steps_bit_for_bit(
                 got[i].append(sessions[i].logits)
         waiting = {i: max(n - 1, 0) for i, n in waiting.items()}
     if lossless:  # each prompt, and each chunk, in a step of the running sessions
-        assert rode == [[1, 1, 5], [1, 1, 4, 9], [1, 1, 21, 1]]
+        assert rode == [[1, 1, 5], [1, 1, 4, 9], [1, 1, 5, 1]]
     else:
-        assert rode == [[1, 1, 30], [1, 1, 1, 9]]
+        assert rode == [[1, 1, 14], [1, 1, 1, 9]]
     for mine, theirs in zip(got, want, strict=True):
         assert len(mine) == len(theirs)
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
