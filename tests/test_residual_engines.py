@@ -36,6 +36,7 @@ from larql.kv.residual.policy import (
     PolicyModelMismatch,
     UnsupportedCodec,
 )
+from larql.kv.residual.store import ResidualStore
 from larql.kv.spec import EngineBuildError, MalformedEngineSpec
 from larql.models import Model, load_model
 from tiny_models import build_tiny_model, random_ids
@@ -592,3 +593,31 @@ def test_a_lossless_tier_extends_a_prefill_as_one_longer_prefill(smollm2: Model)
         codec.prefill(model, ffn, ids[:10])
         with pytest.raises(BackendUnavailable, match="lossless cold tier"):
             codec.extend(model, ffn, ids[10:])
+
+
+def test_a_store_of_two_codecs_keeps_each_layers_rows_in_its_tier() -> None:
+    """Layers 0 and 2 lossless, 1 and 3 in bf16, layer 4 holding nothing (it shares K/V): one
+    position's rows of every layer go in and out together; each layer's cold rows come back
+    from its own tier, and only the bf16 layers' evicted rows are handed back for new K/V."""
+    g = torch.Generator().manual_seed(0)
+    labels = ["identity", "bf16", "identity", "bf16", "identity"]
+    store = ResidualStore(2, labels, keeps_kv=[True, True, True, True, False])
+    assert [t.label for t in store.cold] == ["identity", "bf16"]
+    rows = torch.randn(5, 5, 3, 8, generator=g)  # [positions, layers, S=3 rows, H]
+    evicted = []
+    for position in range(5):
+        for layer in range(5):
+            store.push(layer, rows[position, layer])
+        store.advance(3)
+        evicted.append(store.evict_overflow())
+    assert evicted[0] is not None and evicted[0].first_position == 0
+    assert evicted[0].layers == [1, 3] and evicted[0].stored.shape == (1, 2, 8)
+    every = rows.permute(0, 2, 1, 3).reshape(15, 5, 8)  # [positions, layers, H]
+    assert store.hot_len == 2 and store.cold_len == 13
+    for layer in (0, 2):
+        assert torch.equal(store.cold_rows(layer), every[:13, layer])
+    for layer in (1, 3):
+        assert torch.equal(store.cold_rows(layer), every[:13, layer].bfloat16().float())
+    assert torch.equal(store.hot_rows(3), every[13:, 3])
+    with pytest.raises(IndexError, match="layer 4 holds no"):
+        store.cold_rows(4)

@@ -41,7 +41,7 @@ class EvictedRows:
     for them (their K/V, computed from the rows as they were, no longer match what is kept)."""
 
     first_position: int  # absolute position of the first evicted row
-    layers: list[int]  # the lossy layers, ascending
+    layers: list[int]  # the lossy layers, tier by tier
     stored: torch.Tensor  # [n, len(layers), H]: their rows as the cold tier gives them back
 
 
@@ -182,12 +182,9 @@ class ResidualStore:
                 lossy.append((tier.layers, stored))
         if not lossy:
             return None
-        if len(lossy) == 1:
-            return EvictedRows(first, lossy[0][0], lossy[0][1])
         layers = [layer for tier_layers, _ in lossy for layer in tier_layers]
-        order = sorted(range(len(layers)), key=layers.__getitem__)
-        stored = torch.cat([s for _, s in lossy], dim=1)[:, order]
-        return EvictedRows(first, sorted(layers), stored)
+        parts = [stored for _, stored in lossy]
+        return EvictedRows(first, layers, parts[0] if len(parts) == 1 else torch.cat(parts, 1))
 
     # ------------------------------------------------------------------ derivative K/V
 
