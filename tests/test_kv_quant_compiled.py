@@ -1,4 +1,4 @@
-"""kv-quant's CPU attention over its integer codes in place (`kv/kv_quant/compiled`): the
+"""kv-quant's CPU attention over its integer or fp8 codes in place (`kv/kv_quant/compiled`): the
 extension's attention against a float64 softmax over the codec's decoded rows and the exact rows,
 and which codes take it (the engine's step against the torch path, and batched against alone,
 are in test_turbo_quant_coded_cpu.py with turbo-quant's)."""
@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from larql.kv.kv_quant.codecs import IntCodec
+from larql.kv.kv_quant.codecs import Fp8Codec, IntCodec
 from larql.kv.turbo_quant.packing import unpack_indices
 from larql.kv.turbo_quant.rotation import rotation_matrix
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 4, 8, "fp8"])
 @pytest.mark.parametrize(
     ("rows", "heads", "kv_heads", "dim", "group", "rotate"),
     [
@@ -25,10 +25,11 @@ from larql.kv.turbo_quant.rotation import rotation_matrix
     ],
 )
 def test_grouped_attention_is_the_softmax_over_the_decoded_and_exact_rows(
-    cpu_kernels, rows: int, heads: int, kv_heads: int, dim: int, group: int, rotate: bool, bits: int
+    cpu_kernels, rows: int, heads: int, kv_heads: int, dim: int, group: int, rotate: bool, bits
 ) -> None:
-    g = torch.Generator().manual_seed(rows + bits)
-    codec = IntCodec(dim, bits, group, rotate)
+    fp8 = bits == "fp8"
+    g = torch.Generator().manual_seed(rows + (9 if fp8 else bits))
+    codec = Fp8Codec(dim, group, rotate) if fp8 else IntCodec(dim, bits, group, rotate)
     size = codec.bytes_per_vector
     k, v = (torch.randn(rows * kv_heads, dim, generator=g) * 3 for _ in range(2))
     halves = [codec.encode(x).view(rows, kv_heads * size) if rows else
@@ -40,7 +41,7 @@ def test_grouped_attention_is_the_softmax_over_the_decoded_and_exact_rows(
     scale = 0.125
     rotation = rotation_matrix(codec.coded_dim, torch.float32, "cpu") if rotate else torch.empty(0)
     out = cpu_kernels.grouped_attention(
-        q, rotation, codes, kv_heads, bits, codec.group, codec.padded_dim, exact, scale
+        q, rotation, codes, kv_heads, codec.bits, fp8, codec.group, codec.padded_dim, exact, scale
     )
     group_heads = heads // kv_heads
     halves = (codes[:, : kv_heads * size], codes[:, kv_heads * size :])
@@ -61,16 +62,19 @@ def test_grouped_attention_is_the_softmax_over_the_decoded_and_exact_rows(
 
 def test_grouped_attention_refuses_codes_of_another_shape(cpu_kernels) -> None:
     exact = [torch.zeros(1, 2, 3, 64)]
+    codes = torch.zeros(4, 100, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="a key and a value vector per K/V head"):
         cpu_kernels.grouped_attention(
-            torch.zeros(9, 64), torch.empty(0), torch.zeros(4, 100, dtype=torch.uint8), 3, 4, 32,
-            64, exact, 1.0,
-        )  # fmt: skip
+            torch.zeros(9, 64), torch.empty(0), codes, 3, 4, False, 32, 64, exact, 1.0
+        )
     with pytest.raises(RuntimeError, match="bits must be 2, 4 or 8"):
         cpu_kernels.grouped_attention(
-            torch.zeros(9, 64), torch.empty(0), torch.zeros(4, 100, dtype=torch.uint8), 3, 3, 32,
-            64, exact, 1.0,
-        )  # fmt: skip
+            torch.zeros(9, 64), torch.empty(0), codes, 3, 3, False, 32, 64, exact, 1.0
+        )
+    with pytest.raises(RuntimeError, match="fp8 codes are 8 bits"):
+        cpu_kernels.grouped_attention(
+            torch.zeros(9, 64), torch.empty(0), codes, 3, 4, True, 32, 64, exact, 1.0
+        )
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

@@ -22,8 +22,8 @@ torch::Tensor coded_attention(torch::Tensor q, torch::Tensor rotation, torch::Te
                               int64_t kv_heads, torch::Tensor centroids, torch::Tensor mean,
                               std::vector<torch::Tensor> exact, double scale);
 torch::Tensor grouped_attention(torch::Tensor q, torch::Tensor rotation, torch::Tensor codes,
-                                int64_t kv_heads, int64_t bits, int64_t group, int64_t width,
-                                std::vector<torch::Tensor> exact, double scale);
+                                int64_t kv_heads, int64_t bits, bool fp8, int64_t group,
+                                int64_t width, std::vector<torch::Tensor> exact, double scale);
 torch::Tensor coded_encode(torch::Tensor rows, torch::Tensor mean, torch::Tensor rotation,
                            torch::Tensor boundaries, torch::Tensor centroids,
                            bool norm_correction);

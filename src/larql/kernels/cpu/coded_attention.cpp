@@ -474,19 +474,50 @@ void attend_quantised(const float* qs, int64_t heads, int64_t dim, const float* 
   });
 }
 
-// One vector of kv-quant's codes ([scales: G float16][zero points: G float16][indices of `bits`
-// bits]) → decoded [G · group]: per group, index · scale + zero point.
-void decode_grouped(const uint8_t* vector, int bits, int64_t group, int64_t groups,
+// A float8 e4m3 byte's value: its 7 low bits, placed 20 bits up, are a float32 whose exponent
+// field carries e4m3's (bias 7, not 127) and whose top mantissa bits carry e4m3's three, so
+// that float · 2^120 is the value, subnormals included (e4m3 holds no infinity; its NaN bytes,
+// which the codec never writes, read as 480).
+constexpr float kE4m3Shift = 1.329227995784916e36f;  // 2^120
+
+inline float e4m3_value(uint8_t byte) {
+  const uint32_t bits = static_cast<uint32_t>(byte & 0x7f) << 20 |
+                        static_cast<uint32_t>(byte & 0x80) << 24;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value * kE4m3Shift;
+}
+
+// One vector of kv-quant's codes → decoded [G · group]. Integer codes ([scales: G float16]
+// [zero points: G float16][indices of `bits` bits]): per group, index · scale + zero point.
+// fp8 codes ([scales: G float16][G · group e4m3 bytes]): per group, value · scale.
+void decode_grouped(const uint8_t* vector, int bits, bool fp8, int64_t group, int64_t groups,
                     float* decoded) {
-  const uint8_t* codes = vector + 4 * groups;
+  const uint8_t* codes = vector + (fp8 ? 2 : 4) * groups;
   for (int64_t j = 0; j < groups; ++j) {
-    uint16_t scale_bits, zero_bits;
+    uint16_t scale_bits, zero_bits = 0;
     std::memcpy(&scale_bits, vector + 2 * j, sizeof(uint16_t));
-    std::memcpy(&zero_bits, vector + 2 * (groups + j), sizeof(uint16_t));
+    if (!fp8) std::memcpy(&zero_bits, vector + 2 * (groups + j), sizeof(uint16_t));
     const float s = c10::detail::fp16_ieee_to_fp32_value(scale_bits);
     const float z = c10::detail::fp16_ieee_to_fp32_value(zero_bits);
     float* out = decoded + j * group;
     int64_t i = 0;
+    if (fp8) {
+#if LARQL_AVX2
+      const __m256 vs = _mm256_set1_ps(s), shift = _mm256_set1_ps(kE4m3Shift);
+      for (; i + 8 <= group; i += 8) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j * group + i)));
+        const __m256i bits32 = _mm256_or_si256(
+            _mm256_slli_epi32(_mm256_and_si256(bytes, _mm256_set1_epi32(0x7f)), 20),
+            _mm256_slli_epi32(_mm256_and_si256(bytes, _mm256_set1_epi32(0x80)), 24));
+        const __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(bits32), shift);
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(value, vs));
+      }
+#endif
+      for (; i < group; ++i) out[i] = e4m3_value(codes[j * group + i]) * s;
+      continue;
+    }
 #if LARQL_CODED_512
     if (group % 16 == 0) {
       const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
@@ -516,13 +547,13 @@ void decode_grouped(const uint8_t* vector, int bits, int64_t group, int64_t grou
 // kv-quant's chunk state: each row's key and value vectors decoded into a buffer, the scores'
 // dot products and the weighted values over it.
 void attend_grouped_head(const float* q, const float* shift, int64_t group, int64_t width,
-                         int bits, int64_t code_group, const uint8_t* codes, int64_t n,
+                         int bits, bool fp8, int64_t code_group, const uint8_t* codes, int64_t n,
                          int64_t row_bytes, int64_t key_at, int64_t value_at, float scale,
                          float* m, float* l, float* acc) {
   const int64_t groups = width / code_group;
   std::vector<float> scores(group * n), decoded(width);
   for (int64_t t = 0; t < n; ++t) {
-    decode_grouped(codes + t * row_bytes + key_at, bits, code_group, groups, decoded.data());
+    decode_grouped(codes + t * row_bytes + key_at, bits, fp8, code_group, groups, decoded.data());
     for (int64_t j = 0; j < group; ++j) {
       scores[j * n + t] = scale * dot(q + j * width, decoded.data(), width) + shift[j];
     }
@@ -530,7 +561,8 @@ void attend_grouped_head(const float* q, const float* shift, int64_t group, int6
   exponentiate(scores.data(), group, n, m, l);
   std::fill(acc, acc + group * width, 0.0f);
   for (int64_t t = 0; t < n; ++t) {
-    decode_grouped(codes + t * row_bytes + value_at, bits, code_group, groups, decoded.data());
+    decode_grouped(codes + t * row_bytes + value_at, bits, fp8, code_group, groups,
+                   decoded.data());
     for (int64_t j = 0; j < group; ++j) {
       add_scaled(acc + j * width, decoded.data(), scores[j * n + t], width);
     }
@@ -563,13 +595,42 @@ void attend_grouped_head_512(const float* q, const float* shift, int64_t group,
                      decode);
 }
 
+// `attend_grouped_head` for fp8 codes of width 16 · V and groups of a multiple of 16
+// coordinates: 16 e4m3 bytes at a time widened into floats (`e4m3_value`'s bits) and scaled.
+template <int V>
+void attend_fp8_head_512(const float* q, const float* shift, int64_t group, int64_t code_group,
+                         const uint8_t* codes, int64_t n, int64_t row_bytes, int64_t key_at,
+                         int64_t value_at, float scale, float* m, float* l, float* acc) {
+  const int64_t groups = 16 * V / code_group, lanes_per_group = code_group / 16;
+  const auto decode = [&](const uint8_t* vector, __m512 (&decoded)[V]) {
+    uint16_t header[V];  // the groups' scales (16 · V / 16 groups at most)
+    std::memcpy(header, vector, 2 * groups);
+    const uint8_t* bytes = vector + 2 * groups;
+    for (int i = 0; i < V; ++i) {
+      const __m512i wide = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * i)));
+      const __m512i bits = _mm512_or_si512(
+          _mm512_slli_epi32(_mm512_and_si512(wide, _mm512_set1_epi32(0x7f)), 20),
+          _mm512_slli_epi32(_mm512_and_si512(wide, _mm512_set1_epi32(0x80)), 24));
+      const __m512 value = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(kE4m3Shift));
+      const float s = half_to_float(header[i / lanes_per_group]);
+      decoded[i] = _mm512_mul_ps(value, _mm512_set1_ps(s));
+    }
+    return 1.0f;
+  };
+  attend_head_512<V>(q, group, codes, n, row_bytes, key_at, value_at, shift, scale, m, l, acc,
+                     decode);
+}
+
 using GroupedHead = void (*)(const float*, const float*, int64_t, int64_t, const uint8_t*,
                              int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*);
 
 // The 512-bit loop for these codes, or null (the buffered loop runs).
-GroupedHead grouped_head_512(int64_t width, int bits, int64_t code_group, int64_t group) {
+GroupedHead grouped_head_512(int64_t width, int bits, bool fp8, int64_t code_group,
+                             int64_t group) {
   if (group > kMaxGroup || (width != 64 && width != 128) || code_group % 16) return nullptr;
   const bool wide = width == 128;
+  if (fp8) return wide ? attend_fp8_head_512<8> : attend_fp8_head_512<4>;
   switch (bits) {
     case 2: return wide ? attend_grouped_head_512<8, 2> : attend_grouped_head_512<4, 2>;
     case 4: return wide ? attend_grouped_head_512<8, 4> : attend_grouped_head_512<4, 4>;
@@ -669,30 +730,32 @@ void attend_grouped_rows(const float* q, int64_t heads, int64_t dim, const float
     const uint8_t* chunk = codes + first * row_bytes;
     const int64_t key_at = g * vector_bytes, value_at = (kv_heads + g) * vector_bytes;
 #if LARQL_CODED_512
-    if (const GroupedHead head = grouped_head_512(codec.width, codec.bits, codec.group,
-                                                  heads_per)) {
+    if (const GroupedHead head = grouped_head_512(codec.width, codec.bits, codec.fp8,
+                                                  codec.group, heads_per)) {
       head(queries, shift, heads_per, codec.group, chunk, rows, row_bytes, key_at, value_at,
            scale, m, l, acc);
       return;
     }
 #endif
-    attend_grouped_head(queries, shift, heads_per, codec.width, codec.bits, codec.group, chunk,
-                        rows, row_bytes, key_at, value_at, scale, m, l, acc);
+    attend_grouped_head(queries, shift, heads_per, codec.width, codec.bits, codec.fp8,
+                        codec.group, chunk, rows, row_bytes, key_at, value_at, scale, m, l, acc);
   };
   attend_quantised(q, heads, dim, rotation, rotation ? codec.turned : 0, codec.width, n,
                    kv_heads, nullptr, exact, scale, threads, state, out);
 }
 
-// kv-quant's codes (`IntCodec`): q: float32 [Hq, D]; rotation: float32 [Rn, Rn] (D ≤ Rn, the
-// Walsh–Hadamard rotation the rows were coded after) or an empty tensor; codes: uint8 [n,
-// row_bytes], each vector [scales: G float16][zero points: G float16][G · group indices of
-// `bits` ∈ {2, 4, 8} bits], width = G · group ≥ Rn (or D) → out float32 [Hq, D].
+// kv-quant's codes (`IntCodec`, `Fp8Codec`): q: float32 [Hq, D]; rotation: float32 [Rn, Rn]
+// (D ≤ Rn, the Walsh–Hadamard rotation the rows were coded after) or an empty tensor; codes:
+// uint8 [n, row_bytes], each vector [scales: G float16][zero points: G float16][G · group
+// indices of `bits` ∈ {2, 4, 8} bits], or with `fp8` (bits 8) [scales: G float16][G · group
+// e4m3 bytes], width = G · group ≥ Rn (or D) → out float32 [Hq, D].
 torch::Tensor grouped_attention(torch::Tensor q, torch::Tensor rotation, torch::Tensor codes,
-                                int64_t kv_heads, int64_t bits, int64_t group, int64_t width,
-                                std::vector<torch::Tensor> exact, double scale) {
+                                int64_t kv_heads, int64_t bits, bool fp8, int64_t group,
+                                int64_t width, std::vector<torch::Tensor> exact, double scale) {
   check_queries_and_codes(q, codes, kv_heads);
   q = q.contiguous();
   TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
+  TORCH_CHECK(!fp8 || bits == 8, "fp8 codes are 8 bits");
   TORCH_CHECK(group > 0 && width % group == 0 && width * bits % 8 == 0 && width % 8 == 0,
               "width must be whole groups, a multiple of 8");
   const bool rotated = rotation.numel() > 0;
@@ -704,7 +767,7 @@ torch::Tensor grouped_attention(torch::Tensor q, torch::Tensor rotation, torch::
   }
   TORCH_CHECK(width >= q.size(1), "width must hold the head");
   const GroupedCodec codec{static_cast<int>(bits), group, width,
-                           rotated ? rotation.size(0) : 0};
+                           rotated ? rotation.size(0) : 0, fp8};
   TORCH_CHECK(codes.size(1) == 2 * kv_heads * grouped_vector_bytes(codec),
               "codes' rows must hold a key and a value vector per K/V head");
   std::vector<torch::Tensor> kept;

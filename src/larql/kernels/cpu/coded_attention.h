@@ -43,18 +43,22 @@ void attend_turbo(const float* q, int64_t heads, int64_t dim, const float* rotat
                   const Codebook& book, const float* mean, const std::vector<ExactRows>& exact,
                   float scale, int64_t threads, float* out);
 
-// kv-quant's integer codes: per vector, G = width / group groups, each a float16 scale and a
-// float16 zero point, then width indices of `bits` (2, 4 or 8) bits; a coordinate decodes to
-// index · scale + zero point. `turned`: the Walsh–Hadamard rotation's width (0: none).
+// kv-quant's codes: per vector, G = width / group groups, each a float16 scale and a float16
+// zero point, then width indices of `bits` (2, 4 or 8) bits; a coordinate decodes to index ·
+// scale + zero point. With `fp8`, each group has a float16 scale alone, and the coordinates
+// are float8 e4m3 bytes: a coordinate decodes to its e4m3 value · scale. `turned`: the
+// Walsh–Hadamard rotation's width (0: none).
 struct GroupedCodec {
   int bits;
   int64_t group;
   int64_t width;
   int64_t turned;
+  bool fp8 = false;
 };
 
 inline int64_t grouped_vector_bytes(const GroupedCodec& c) {
-  return 4 * (c.width / c.group) + c.width * c.bits / 8;
+  const int64_t groups = c.width / c.group;
+  return c.fp8 ? 2 * groups + c.width : 4 * groups + c.width * c.bits / 8;
 }
 
 // attend_turbo for kv-quant's codes (rotation [turned, turned] or null).

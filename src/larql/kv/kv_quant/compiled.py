@@ -6,9 +6,10 @@ rotated into the codes' Walsh–Hadamard basis and the sum rotated back once, as
 step does. The same attention as the torch path's (which decodes every row each step) up to
 float rounding.
 
-Used where it applies: a float32 model on the CPU with the extension built, `IntCodec` codes of
-one codec for K and V whose groups fill whole bytes, on a layer where `attends_in_place` holds;
-fp8 codes and everything else keep the torch path.
+Used where it applies: a float32 model on the CPU with the extension built, `IntCodec` or
+`Fp8Codec` codes of one codec for K and V whose groups fill whole bytes, on a layer where
+`attends_in_place` holds; everything else keeps the torch path. fp8 codes are attended in place
+but encoded by torch, so their step runs layer by layer, not in the one call.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from larql.inference.linear import load_block_kernels
 from larql.inference.shared_kv import SharedKv
-from larql.kv.kv_quant.codecs import IntCodec
+from larql.kv.kv_quant.codecs import Fp8Codec, IntCodec
 from larql.kv.turbo_quant.codec import RowCodec
 from larql.kv.turbo_quant.coded_cpu import attends_in_place, rows_in_place
 from larql.kv.turbo_quant.compiled_codec import compiled_kernels
@@ -45,7 +46,7 @@ def grouped_kernels(
     """The extension where this layer's step attends over its integer codes in place."""
     codec, v_codec = store.layout.k_codec, store.layout.v_codec
     # one configuration for K and V (a restored state holds two equal codec objects)
-    if not isinstance(codec, IntCodec) or not isinstance(v_codec, IntCodec):
+    if not isinstance(codec, IntCodec | Fp8Codec) or type(v_codec) is not type(codec):
         return None
     if vars(codec) != vars(v_codec):
         return None
@@ -67,12 +68,12 @@ def attend_grouped(
     """The decode query q [Hq, 1, D] over the layer's stored rows and the new row k, v
     [Hkv, 1, D] (stored by the caller after the step) → [1, q_dim]."""
     cfg = model.config
-    codec: IntCodec = store.layout.k_codec  # type: ignore[assignment]
+    codec: IntCodec | Fp8Codec = store.layout.k_codec  # type: ignore[assignment]
     rows, codes = rows_in_place(store, k, v)
     rotation = rotation_matrix(codec.coded_dim, torch.float32, q.device) if codec.rotate else _NONE
     out = kernels.grouped_attention(
-        q[:, 0], rotation, codes, store.kv_heads, codec.bits, codec.group, codec.padded_dim,
-        rows, cfg.attn_scale,
+        q[:, 0], rotation, codes, store.kv_heads, codec.bits, isinstance(codec, Fp8Codec),
+        codec.group, codec.padded_dim, rows, cfg.attn_scale,
     )  # fmt: skip  # [Hq, D]
     return out.view(1, cfg.q_dim_of(layer))
 

@@ -83,7 +83,8 @@ class KvQuantEngine(TurboQuantEngine):
         rotation: torch.Tensor | None,
         shared: SharedKv,
     ) -> torch.Tensor | None:
-        """The attention over the integer codes in the CPU extension (`compiled`), or None."""
+        """The attention over the integer or fp8 codes in the CPU extension (`compiled`), or
+        None."""
         assert self._layers is not None
         store = self._layers[layer]
         kernels = grouped_kernels(model, layer, store, shared)
