@@ -268,16 +268,9 @@ class ResidualStreamEngine(KvEngine):
         rows: torch.Tensor,
         inputs: torch.Tensor | None,
     ) -> torch.Tensor:
-        """rows: [B, H] → [B, H]: every layer of every session in one compiled call where it
-        applies (the weights read once for all rows), else each session's own step in turn."""
-        batch = [e for e in engines if isinstance(e, ResidualStreamEngine)]
-        assert len(batch) == len(engines), "batch_key groups only residual-stream engines"
-        if inputs is None and (fused := _fused_step(batch, model, ffn, rows)) is not None:
-            return fused
-        return torch.cat([
-            e._step(model, ffn, rows[i : i + 1], None if inputs is None else inputs[i : i + 1])
-            for i, e in enumerate(batch)
-        ])  # fmt: skip
+        """rows: [B, H] → [B, H]: `_advance_batch` with a row each (every layer of every
+        session in one compiled call where it applies, else each session's own step)."""
+        return cls._advance_batch(engines, model, ffn, rows, [1] * len(engines), inputs)
 
     def _derivative_kv(self, model: Model, prof: EngineProfiler) -> list[KvBuffer]:
         """Each layer's K/V of positions [0, next_position), rebuilt if it was dropped."""
@@ -308,13 +301,6 @@ def _prompt_in_one_call(
     if h is not None:
         store.push_layers(inputs)
     return h
-
-
-def _fused_step(
-    batch: Sequence[ResidualStreamEngine], model: Model, ffn: FfnBackend, rows: torch.Tensor
-) -> torch.Tensor | None:
-    """rows [B, H]: one decode row per engine → `_fused_rows` with a row each."""
-    return _fused_rows(batch, model, ffn, rows, [1] * len(batch))
 
 
 def _fused_rows(
