@@ -476,11 +476,12 @@ def test_prompts_take_the_blocks_only_where_their_products_beat_blas() -> None:
 @pytest.mark.parametrize("outputs", [96, 112])  # 6 tiles of 16 rows (taken in pairs), 7
 @pytest.mark.parametrize("bits", [16, 8])
 def test_tiled_products(qtype: GGMLQuantizationType, outputs: int, bits: int) -> None:
-    """On a CPU with AVX-512 VNNI (int16 products on AMX tiles where it has them, else with
-    VNNI; int8 ones with VNNI): a block matrix tiled for them gives, for int16 or int8 inputs,
-    the untiled product's result up to the order of its float sums (the same codes), so the
-    float product within the inputs' rounding; each row of a batch bit for bit its product
-    alone; and it refuses float inputs by name — for an even count of 16-row tiles and an odd
+    """On a CPU with AVX-512 VNNI (int16 products of more than 8 rows on AMX tiles where it has
+    them, else with VNNI; int8 ones with VNNI): a block matrix tiled for them gives, for int16
+    or int8 inputs, the untiled product's result up to the order of its float sums (the same
+    codes), so the float product within the inputs' rounding; each row of a batch bit for bit
+    its product alone (with AMX: the batch on the tiles, the row alone with VNNI); and it
+    refuses float inputs by name — for an even count of 16-row tiles and an odd
     one (AMX then takes the last tile alone), and for batches of more than one pass of inputs."""
     kernels = load_block_kernels()
     if kernels is None or not kernels.tiled():

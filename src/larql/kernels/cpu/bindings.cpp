@@ -42,7 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tile_rows", static_cast<torch::Tensor (*)(torch::Tensor, int64_t)>(&larql::tile_rows),
         "block rows tiled for the AVX-512 VNNI / AMX products");
   m.def("tiled", &larql::tiled, "whether tiled blocks' products run here");
-  m.def("amx", &larql::amx, "whether they run on AMX tiles");
+  m.def("amx", &larql::amx, "whether they run on AMX tiles (products of more than 8 rows)");
   m.def("decode_qkv", &larql::decode_qkv, "rms_norm → fused QKV product → RoPE, one row", no_gil);
   m.def("residual_gemv", &larql::residual_gemv, "h + W · x, one row", no_gil);
   m.def("decode_attention", &larql::decode_attention, "one query's attention over K/V rows",

@@ -85,7 +85,8 @@ bool tiled() {
   return LARQL_TILED && !(off != nullptr && off[0] == '1');
 }
 
-// Whether they run on AMX tiles: an AMX build in a process allowed the tiles.
+// Whether they run on AMX tiles: an AMX build in a process allowed the tiles (the int16
+// products of more than 8 input rows; fewer run with VNNI, which is faster there).
 bool amx() {
 #if LARQL_TILED
   return tiles_on_amx();

@@ -180,17 +180,20 @@ void add_product_rows(Activation a, const float* h, int64_t m_rows, const BlockM
   }
 }
 
-// Whether the gated product of [gate; up] takes the SiLU in its tiles' pairs
-// (`tiled_gemm_halves`): integer inputs on VNNI-tiled blocks (AMX keeps its paired tiles for
-// int16 ones), each half whole tiles. The same per-element arithmetic either way (silu_times
-// works 8 lanes at a time from a row's start, and a tile's 16 outputs start on a multiple of 8).
-bool gated_in_product(Activation a, const BlockMatrix& gate_up) {
+// Whether the gated product of [gate; up] for `m_rows` inputs takes the SiLU in its tiles'
+// pairs (`tiled_gemm_halves`): integer inputs on VNNI-tiled blocks (AMX keeps its paired tiles
+// for the int16 products it takes: `products_on_amx`), each half whole tiles. The same
+// per-element arithmetic either way (silu_times works 8 lanes at a time from a row's start, and
+// a tile's 16 outputs start on a multiple of 8).
+bool gated_in_product(Activation a, const BlockMatrix& gate_up, int64_t m_rows) {
 #if LARQL_TILED
-  const bool on_vnni = a == Activation::Int8 || (a == Activation::Int16 && !tiles_on_amx());
+  const bool on_vnni =
+      a == Activation::Int8 || (a == Activation::Int16 && !products_on_amx(m_rows));
   return on_vnni && is_tiled(gate_up.format) && gate_up.rows % (2 * kTileOutputs) == 0;
 #else
   (void)a;
   (void)gate_up;
+  (void)m_rows;
   return false;
 #endif
 }
@@ -204,7 +207,7 @@ void ffn_rows(Activation a, const float* h, int64_t m_rows, const float* norm, d
   float* both = gate_up_rows.take(m_rows * 2 * hidden);
   float* inner = gated.take(m_rows * hidden);
   each_row(m_rows, [&](int64_t m) { rms_norm(h + m * width, norm, width, eps, x + m * width); });
-  if (gated_in_product(a, gate_up)) {  // silu(gate) ⊙ up over the threads, inside the product
+  if (gated_in_product(a, gate_up, m_rows)) {  // silu(gate) ⊙ up over the threads, in the product
 #if LARQL_TILED
     tiled_gemm_halves(base_of(gate_up.format), gate_up.data, gate_up.rows, width / kBlock, x,
                       m_rows, a == Activation::Int8, [&](int64_t t, const float* pair) {

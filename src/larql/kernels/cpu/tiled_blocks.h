@@ -1,7 +1,8 @@
 // Block matrices tiled for int16-input products 16 weight rows at a time, where the CPU has
-// AVX-512 with VNNI: on Intel's AMX tiles (`amx_gemm.h`) where it also has AMX-INT8 and the
-// kernel lets this process use the tile registers, else with AVX-512 VNNI's byte dot products
-// (`vnni_gemm.h`), 16 rows in the 16 lanes of a vector.
+// AVX-512 with VNNI: on Intel's AMX tiles (`amx_gemm.h`) where it also has AMX-INT8, the
+// kernel lets this process use the tile registers and a product has more than 8 input rows,
+// else with AVX-512 VNNI's byte dot products (`vnni_gemm.h`), 16 rows in the 16 lanes of a
+// vector.
 //
 // The weights are held tiled (`tile_rows`, once, when a model's blocks are first used): per 16
 // rows and block of 32, the rows' code bytes word by word, then their scales — the same bytes as

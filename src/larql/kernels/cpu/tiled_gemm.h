@@ -5,7 +5,7 @@
 namespace larql {
 
 #if LARQL_TILED
-// Whether this process multiplies tiled blocks on the AMX tiles (else with VNNI).
+// Whether this process may multiply tiled blocks on the AMX tiles.
 inline bool tiles_on_amx() {
 #if LARQL_AMX
   return amx_usable();
@@ -13,6 +13,13 @@ inline bool tiles_on_amx() {
   return false;
 #endif
 }
+
+// Whether a product of `m_rows` int16 input rows runs on the AMX tiles (else with VNNI): where
+// the tiles run, for more rows than one VNNI pass keeps in registers. Up to that VNNI is the
+// faster unit — a one-row decode step of the default model 3.7 ms against 5.4 on the AMX tiles
+// of a 2-core Xeon, eight rows level — and past it the tiles are (16 rows: 13.6 ms against
+// 16.2; docs/PERFORMANCE.md). Both give the same bits, so the choice never changes a result.
+inline bool products_on_amx(int64_t m_rows) { return m_rows > kVnniInputs && tiles_on_amx(); }
 
 // Inputs up to which each thread of a product rounds them all itself, into its own buffers: a
 // decode step's few rows cost a thread less to round than a parallel region of their own costs
@@ -93,13 +100,13 @@ inline void tiled_gemm_halves(Format base, const uint8_t* tiled, int64_t n, int6
 // out: [M, n] for float32 inputs x [M, blocks · 32], rounded to int16 codes (`narrow`: int8
 // codes), and n weight rows held tiled (`tile_rows`), the tiles over torch's threads: on AMX two
 // tiles at a time (the unit works on one while the other's sums are scaled), with VNNI one
-// (int8 inputs always).
+// (int8 inputs and few rows always: `products_on_amx`).
 inline void tiled_gemm(Format base, const uint8_t* tiled, int64_t n, int64_t blocks,
                        const float* x, int64_t m_rows, bool narrow, float* out) {
   const ProductInputs inputs(x, m_rows, blocks * kBlock, narrow);
   const int64_t tile_bytes = blocks * tile_block_bytes(base);
   const int64_t tiles = n / kTileOutputs;
-  const bool amx = !narrow && tiles_on_amx();
+  const bool amx = !narrow && products_on_amx(m_rows);
   const int64_t step = amx ? 2 : 1;  // tiles a task takes
   at::parallel_for(0, (tiles + step - 1) / step, 2, [&](int64_t begin, int64_t end) {
     const std::vector<TiledInputs> groups = inputs.groups();
