@@ -519,7 +519,7 @@ def test_the_tiled_mlp_gates_inside_its_product(qtype: GGMLQuantizationType, bit
     """With tiled blocks the MLP's SiLU · up runs inside the gate/up product, a pair of tiles
     at a time: the result is the composition of the tiled products (torch's SiLU between them,
     within its rounding), and each row of a batch is its row alone, bit for bit — one row, a
-    decode step's 8, a prompt's 40 — for int16 and int8 inputs."""
+    decode step's 8, a prompt's 40 — for int16 and int8 inputs, on one thread or two."""
     kernels = load_block_kernels()
     if kernels is None or not kernels.tiled():
         pytest.skip("needs the CPU kernels built with AVX-512 VNNI, on a CPU that has it")
@@ -540,3 +540,12 @@ def test_the_tiled_mlp_gates_inside_its_product(qtype: GGMLQuantizationType, bit
     for m in range(3):
         one = kernels.residual_ffn(h[m : m + 1], norm, 1e-5, gate_up, code, down, code, bits)
         assert torch.equal(one, got[m : m + 1])
+    # over two threads (each makes and rounds its share of W_down's inputs): the same bits
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (40, 8, 1):
+            two = kernels.residual_ffn(h[:rows], norm, 1e-5, gate_up, code, down, code, bits)
+            assert torch.equal(two, got[:rows]), rows
+    finally:
+        torch.set_num_threads(threads)

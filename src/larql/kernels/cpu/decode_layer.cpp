@@ -209,14 +209,35 @@ void ffn_rows(Activation a, const float* h, int64_t m_rows, const float* norm, d
   each_row(m_rows, [&](int64_t m) { rms_norm(h + m * width, norm, width, eps, x + m * width); });
   if (gated_in_product(a, gate_up, m_rows)) {  // silu(gate) ⊙ up over the threads, in the product
 #if LARQL_TILED
+    // W_down's inputs rounded a block at a time by the thread that made the block, inside the
+    // product, where they are one group of a tiled product's inputs: not rounded again by
+    // every thread of W_down's product from float rows half of which the other thread wrote
+    const bool narrow = a == Activation::Int8;
+    const bool round_here = is_tiled(down.format) && m_rows <= kTileInputs;
+    thread_local TiledInputBuffers down_buffers;
+    // (a thread_local named in the workers' lambda would be each worker's own: they write into
+    // the calling thread's through this reference)
+    TiledInputBuffers& down_inputs = down_buffers;
+    if (round_here) down_inputs.reserve(static_cast<int>(m_rows), hidden, narrow);
+    const auto gated = [&](int64_t t, const float* pair) {
+      for (int64_t m = 0; m < m_rows; ++m) {
+        const float* row = pair + m * 2 * kTileOutputs;
+        silu_times(row, row + kTileOutputs, kTileOutputs, inner + m * hidden + t * kTileOutputs);
+      }
+    };
+    const auto block_done = [&](int64_t b) {
+      if (round_here) down_inputs.round_rows(b, inner, hidden);
+    };
     tiled_gemm_halves(base_of(gate_up.format), gate_up.data, gate_up.rows, width / kBlock, x,
-                      m_rows, a == Activation::Int8, [&](int64_t t, const float* pair) {
-                        for (int64_t m = 0; m < m_rows; ++m) {
-                          const float* row = pair + m * 2 * kTileOutputs;
-                          silu_times(row, row + kTileOutputs, kTileOutputs,
-                                     inner + m * hidden + t * kTileOutputs);
-                        }
-                      });
+                      m_rows, narrow, gated, block_done);
+    if (round_here) {
+      thread_local Scratch<float> products;
+      float* p = products.take(m_rows * down.rows);
+      tiled_gemm(base_of(down.format), down.data, down.rows, hidden / kBlock,
+                 ProductInputs(down_inputs.inputs()), p);
+      for (int64_t i = 0; i < m_rows * down.rows; ++i) out[i] = h[i] + p[i];
+      return;
+    }
 #endif
   } else {
     product(a, gate_up, x, m_rows, width, both);

@@ -105,41 +105,60 @@ class TiledInputBuffers {
   // into bytes (`narrow`: their int8 codes), over the threads where `parallel` and they are
   // many; valid until the next fill.
   TiledInputs fill(const float* x, int n, int64_t k, bool parallel, bool narrow) {
+    reserve(n, k, narrow);
     const int64_t blocks = k / kBlock;
-    const int rows = TiledInputs::rows_for(n);
-    int8_t* high = high_.take(blocks * rows * kBlock);
-    uint8_t* low = narrow ? nullptr : low_.take(blocks * rows * kBlock);
-    float* scales = scales_.take(blocks * rows);
-    float* sums = sums_.take(blocks * rows);
-    int32_t* code_sums = code_sums_.take(blocks * rows);
-    int32_t* high_sums = high_sums_.take(blocks * rows);
     // blocks begin..end of every row (a thread's blocks share no cache line with another's)
     const auto round_blocks = [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        for (int64_t m = 0; m < rows; ++m) {
-          const int64_t at = b * rows + m;
-          if (m >= n) {  // a padding row: zero codes and scales
-            std::memset(high + at * kBlock, 0, kBlock);
-            if (!narrow) std::memset(low + at * kBlock, 0, kBlock);
-            scales[at] = sums[at] = 0.0f;
-            code_sums[at] = high_sums[at] = 0;
-            continue;
-          }
-          const float* xb = x + m * k + b * kBlock;
-          if (narrow) {
-            round_block<true>(xb, at, high, low, scales, sums, code_sums, high_sums);
-          } else {
-            round_block<false>(xb, at, high, low, scales, sums, code_sums, high_sums);
-          }
-        }
-      }
+      for (int64_t b = begin; b < end; ++b) round_rows(b, x, k);
     };
     if (!parallel || static_cast<int64_t>(n) * k < kParallelRounding) {
       round_blocks(0, blocks);
     } else {
       at::parallel_for(0, blocks, 4, round_blocks);  // (each row's codes alike either way)
     }
-    return TiledInputs{n, rows, narrow, high, low, scales, sums, code_sums, high_sums};
+    return inputs();
+  }
+
+  // Room for n rows (n ≤ 16) of k inputs, each of whose blocks `round_rows` then rounds — on
+  // whichever thread made that block's inputs, each block once — before `inputs()` is read.
+  void reserve(int n, int64_t k, bool narrow) {
+    const int64_t blocks = k / kBlock;
+    count_ = n;
+    rows_ = TiledInputs::rows_for(n);
+    narrow_ = narrow;
+    high_ptr_ = high_.take(blocks * rows_ * kBlock);
+    low_ptr_ = narrow ? nullptr : low_.take(blocks * rows_ * kBlock);
+    scales_ptr_ = scales_.take(blocks * rows_);
+    sums_ptr_ = sums_.take(blocks * rows_);
+    code_sums_ptr_ = code_sums_.take(blocks * rows_);
+    high_sums_ptr_ = high_sums_.take(blocks * rows_);
+  }
+
+  // Block b of every reserved row of x [n, k] rounded (the padding rows' zeroed).
+  void round_rows(int64_t b, const float* x, int64_t k) const {
+    for (int64_t m = 0; m < rows_; ++m) {
+      const int64_t at = b * rows_ + m;
+      if (m >= count_) {  // a padding row: zero codes and scales
+        std::memset(high_ptr_ + at * kBlock, 0, kBlock);
+        if (!narrow_) std::memset(low_ptr_ + at * kBlock, 0, kBlock);
+        scales_ptr_[at] = sums_ptr_[at] = 0.0f;
+        code_sums_ptr_[at] = high_sums_ptr_[at] = 0;
+        continue;
+      }
+      const float* xb = x + m * k + b * kBlock;
+      if (narrow_) {
+        round_block<true>(xb, at, high_ptr_, low_ptr_, scales_ptr_, sums_ptr_, code_sums_ptr_,
+                          high_sums_ptr_);
+      } else {
+        round_block<false>(xb, at, high_ptr_, low_ptr_, scales_ptr_, sums_ptr_, code_sums_ptr_,
+                           high_sums_ptr_);
+      }
+    }
+  }
+
+  TiledInputs inputs() const {
+    return TiledInputs{count_,      rows_,         narrow_,        high_ptr_,     low_ptr_,
+                       scales_ptr_, sums_ptr_,     code_sums_ptr_, high_sums_ptr_};
   }
 
  private:
@@ -147,6 +166,12 @@ class TiledInputBuffers {
   Scratch<uint8_t> low_;
   Scratch<float> scales_, sums_;
   Scratch<int32_t> code_sums_, high_sums_;
+  int count_ = 0, rows_ = 0;
+  bool narrow_ = false;
+  int8_t* high_ptr_ = nullptr;
+  uint8_t* low_ptr_ = nullptr;
+  float *scales_ptr_ = nullptr, *sums_ptr_ = nullptr;
+  int32_t *code_sums_ptr_ = nullptr, *high_sums_ptr_ = nullptr;
 };
 
 // The bytes of one tile (16 rows) and block in the tiled layout: the 16 rows' code words

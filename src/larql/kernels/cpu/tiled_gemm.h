@@ -53,6 +53,14 @@ class ProductInputs {
     if (!own_) shared_ = tiled_inputs(shared_buffers, x, m_rows, k, true, narrow);
   }
 
+  // Inputs already rounded (one group of up to kTileInputs rows), by whoever made them.
+  explicit ProductInputs(const TiledInputs& rounded)
+      : x_(nullptr), m_rows_(rounded.count), k_(0), own_(false), narrow_(rounded.narrow),
+        shared_{rounded} {}
+
+  int64_t rows() const { return m_rows_; }
+  bool narrow() const { return narrow_; }
+
   // The groups the calling thread multiplies (inside the product's parallel region).
   std::vector<TiledInputs> groups() const {
     if (!own_) return shared_;
@@ -68,45 +76,50 @@ class ProductInputs {
 };
 
 // The product of a matrix stacked from two halves of n / 2 rows each (a gated MLP's [gate; up])
-// taken a pair of tiles at a time, with VNNI: tile t of the first half and tile t of the second,
-// each thread its own pairs; for every input their 32 outputs side by side, [M, 32] (tile t's
-// 16 then its partner's), go to `epilogue(t, outputs)` on the thread that computed them — so
-// what combines the halves runs inside the product, over the threads, not after it on one. Each
-// tile's outputs are `tiled_gemm`'s. Needs n a multiple of 32. `narrow`: int8 inputs.
-template <typename Epilogue>
+// taken a pair of tiles at a time, with VNNI: tile t of the first half and tile t of the second;
+// for every input their 32 outputs side by side, [M, 32] (tile t's 16 then its partner's), go to
+// `epilogue(t, outputs)` on the thread that computed them — so what combines the halves runs
+// inside the product, over the threads, not after it on one. The threads take the pairs two at
+// a time, and after pairs 2b and 2b + 1 (outputs 32b .. 32b + 31 of each half: one block of 32
+// of what the epilogue makes) the same thread calls `block_done(b)`. Each tile's outputs are
+// `tiled_gemm`'s. Needs n a multiple of 32. `narrow`: int8 inputs.
+template <typename Epilogue, typename BlockDone>
 inline void tiled_gemm_halves(Format base, const uint8_t* tiled, int64_t n, int64_t blocks,
                               const float* x, int64_t m_rows, bool narrow,
-                              const Epilogue& epilogue) {
+                              const Epilogue& epilogue, const BlockDone& block_done) {
   const ProductInputs inputs(x, m_rows, blocks * kBlock, narrow);
   const int64_t tile_bytes = blocks * tile_block_bytes(base);
   const int64_t pairs = n / (2 * kTileOutputs);
   constexpr int64_t kPair = 2 * kTileOutputs;  // outputs of a pair, per input
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, (pairs + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch<float> pair_outputs;
     const std::vector<TiledInputs> groups = inputs.groups();
     float* outputs = pair_outputs.take(m_rows * kPair);
-    for (int64_t t = begin; t < end; ++t) {
-      for (size_t g = 0; g < groups.size(); ++g) {
-        float* target = outputs + g * kTileInputs * kPair;
-        vnni_tile_group(base, tiled + t * tile_bytes, blocks, groups[g], target, kPair);
-        vnni_tile_group(base, tiled + (t + pairs) * tile_bytes, blocks, groups[g],
-                        target + kTileOutputs, kPair);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t last = std::min(2 * b + 2, pairs);
+      for (int64_t t = 2 * b; t < last; ++t) {
+        for (size_t g = 0; g < groups.size(); ++g) {
+          float* target = outputs + g * kTileInputs * kPair;
+          vnni_tile_group(base, tiled + t * tile_bytes, blocks, groups[g], target, kPair);
+          vnni_tile_group(base, tiled + (t + pairs) * tile_bytes, blocks, groups[g],
+                          target + kTileOutputs, kPair);
+        }
+        epilogue(t, static_cast<const float*>(outputs));
       }
-      epilogue(t, static_cast<const float*>(outputs));
+      if (last == 2 * b + 2) block_done(b);
     }
   });
 }
 
-// out: [M, n] for float32 inputs x [M, blocks · 32], rounded to int16 codes (`narrow`: int8
-// codes), and n weight rows held tiled (`tile_rows`), the tiles over torch's threads: on AMX two
-// tiles at a time (the unit works on one while the other's sums are scaled), with VNNI one
-// (int8 inputs and few rows always: `products_on_amx`).
+// out: [M, n] for the inputs `inputs` (int16 codes, or int8 where narrow) and n weight rows
+// held tiled (`tile_rows`), the tiles over torch's threads: on AMX two tiles at a time (the unit
+// works on one while the other's sums are scaled), with VNNI one (int8 inputs and few rows
+// always: `products_on_amx`).
 inline void tiled_gemm(Format base, const uint8_t* tiled, int64_t n, int64_t blocks,
-                       const float* x, int64_t m_rows, bool narrow, float* out) {
-  const ProductInputs inputs(x, m_rows, blocks * kBlock, narrow);
+                       const ProductInputs& inputs, float* out) {
   const int64_t tile_bytes = blocks * tile_block_bytes(base);
   const int64_t tiles = n / kTileOutputs;
-  const bool amx = !narrow && products_on_amx(m_rows);
+  const bool amx = !inputs.narrow() && products_on_amx(inputs.rows());
   const int64_t step = amx ? 2 : 1;  // tiles a task takes
   at::parallel_for(0, (tiles + step - 1) / step, 2, [&](int64_t begin, int64_t end) {
     const std::vector<TiledInputs> groups = inputs.groups();
@@ -125,6 +138,12 @@ inline void tiled_gemm(Format base, const uint8_t* tiled, int64_t n, int64_t blo
       }
     }
   });
+}
+
+// The same for float32 inputs x [M, blocks · 32], rounded to int16 codes (`narrow`: int8).
+inline void tiled_gemm(Format base, const uint8_t* tiled, int64_t n, int64_t blocks,
+                       const float* x, int64_t m_rows, bool narrow, float* out) {
+  tiled_gemm(base, tiled, n, blocks, ProductInputs(x, m_rows, blocks * kBlock, narrow), out);
 }
 #endif
 
