@@ -40,7 +40,10 @@ namespace larql {
 #if LARQL_TILED
 constexpr int kTileOutputs = 16;  // weight rows per tile
 constexpr int kTileInputs = 16;   // inputs per group, at most
-constexpr int kAhead = 4;         // blocks of weights prefetched ahead
+// Blocks of weights prefetched ahead: far enough that one row's products, which only stream the
+// weights, find them in L1 (a one-row step of the default model 3.8–4.0 → 3.2–3.4 ms on the AMX
+// Xeon going from 4 to 24 blocks ahead; 12 to 40 measured alike; docs/PERFORMANCE.md).
+constexpr int kAhead = 24;
 
 // Below this many input elements a product's rounding runs on the calling thread: waking the
 // other threads costs more.
