@@ -3,7 +3,10 @@ block product against the float product, and the default model's greedy tokens t
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -511,6 +514,44 @@ def test_tiled_products(qtype: GGMLQuantizationType, outputs: int, bits: int) ->
         assert torch.equal(many[m], one), m
     with pytest.raises(ValueError, match="tiled blocks take int8 or int16 inputs"):
         kernels.block_gemm(x, tiled, code + 16, 0)
+
+
+# A tiled product of 16 rows (on AMX tiles where the CPU has them), a bfloat16 matmul of
+# torch's (oneDNN's AMX kernels there, which release the tiles after them), the product again.
+_PRODUCT_AFTER_TORCH_AMX = """
+import numpy as np, torch
+from gguf import GGMLQuantizationType, quantize
+from larql.kernels.cpu.build import load
+from larql.models.blocks import FORMAT_CODES, GGUF_FORMATS, BlockRows
+kernels = load()
+q = GGMLQuantizationType.Q4_1
+w = np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32)
+rows = BlockRows.from_numpy(GGUF_FORMATS[q], quantize(w, q), (64, 96))
+code = FORMAT_CODES[rows.format]
+tiled = kernels.tile_rows(rows.data, code)
+x = torch.randn(16, 96, generator=torch.Generator().manual_seed(1))
+before = kernels.block_gemm(x, tiled, code + 16, 16)
+a = torch.randn(256, 256, dtype=torch.bfloat16)
+(a @ a).float().sum().item()
+after = kernels.block_gemm(x, tiled, code + 16, 16)
+print(torch.equal(before, after))
+"""
+
+
+def test_tiled_products_run_after_torchs_own_amx_kernels() -> None:
+    """torch's oneDNN kernels run on AMX tiles too and release them after their products; a
+    tiled product on the same thread afterwards loads its tile configuration again (a tile
+    instruction with none loaded is an illegal instruction: the process died with SIGILL). A
+    fresh process, so that such a death fails this test, not the suite's worker."""
+    kernels = load_block_kernels()
+    if kernels is None or not kernels.tiled():
+        pytest.skip("needs the CPU kernels built with AVX-512 VNNI, on a CPU that has it")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PRODUCT_AFTER_TORCH_AMX], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "True"
 
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])

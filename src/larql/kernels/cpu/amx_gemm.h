@@ -38,10 +38,16 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// The input rows the calling thread's tile configuration was loaded for (0: none loaded).
+inline int& configured_inputs() {
+  thread_local int configured = 0;
+  return configured;
+}
+
 // Tiles: 0, 1 C_hi, C_lo [M × 16 int32] of a first weight tile and 5, 6 of a second; 2, 3 hi,
 // lo [M × 32 bytes]; 4, 7 the two weight tiles [8 × 64].
 inline void configure_tiles(int inputs) {
-  thread_local int configured = 0;
+  int& configured = configured_inputs();
   if (configured == inputs) return;
   TileConfig config;
   for (int t : {0, 1, 5, 6}) config.rows[t] = inputs, config.bytes_per_row[t] = 64;
@@ -50,6 +56,28 @@ inline void configure_tiles(int inputs) {
   _tile_loadconfig(&config);
   configured = inputs;
 }
+
+// The tile registers for one thread's share of a product (`active`: it runs on them): the
+// configuration loaded afresh at its first tile group, and the tiles released at its end. Other
+// code on the same thread — torch's oneDNN kernels, which run on AMX too — releases the tiles
+// after its own products, and a tile instruction with no configuration loaded is an illegal
+// instruction; released, this thread's tile state is back to its initial one.
+class TileSession {
+ public:
+  explicit TileSession(bool active) : active_(active) {
+    if (active_) configured_inputs() = 0;
+  }
+  ~TileSession() {
+    if (!active_) return;
+    _tile_release();
+    configured_inputs() = 0;
+  }
+  TileSession(const TileSession&) = delete;
+  TileSession& operator=(const TileSession&) = delete;
+
+ private:
+  bool active_;
+};
 
 // The tile intrinsics take their registers' numbers as literals (they are pasted into the
 // instruction): `SECOND` picks the second weight tile's registers (5, 6 and 7) over the

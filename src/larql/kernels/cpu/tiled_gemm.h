@@ -122,6 +122,9 @@ inline void tiled_gemm(Format base, const uint8_t* tiled, int64_t n, int64_t blo
   const bool amx = !inputs.narrow() && products_on_amx(inputs.rows());
   const int64_t step = amx ? 2 : 1;  // tiles a task takes
   at::parallel_for(0, (tiles + step - 1) / step, 2, [&](int64_t begin, int64_t end) {
+#if LARQL_AMX
+    const TileSession session(amx);
+#endif
     const std::vector<TiledInputs> groups = inputs.groups();
     for (int64_t p = begin; p < end; ++p) {
       const int64_t t = step * p;
