@@ -81,6 +81,28 @@ def test_batched_steps_are_bit_identical_on_the_default_model(
 
 
 @pytest.mark.slow
+def test_steps_on_two_threads_are_the_one_thread_steps(smollm2_default: Model) -> None:
+    """The compiled layers split their products, attention and rounding over the threads (the
+    suite's workers run one thread each): on two, every session's steps, alone and batched,
+    give the one-thread logits bit for bit."""
+    if load_block_kernels() is None:
+        pytest.skip("the CPU block kernels are not built")
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            runs.append(_alone_and_batched(smollm2_default, "standard", 8))
+    finally:
+        torch.set_num_threads(threads)
+    (alone_1, batched_1), (alone_2, batched_2) = runs
+    for one, two in zip([*alone_1, *batched_1], [*alone_2, *batched_2], strict=True):
+        assert one.tokens == two.tokens
+        assert one.logits is not None and two.logits is not None
+        assert torch.equal(one.logits, two.logits)
+
+
+@pytest.mark.slow
 def test_batched_steps_with_int8_inputs_are_bit_identical() -> None:
     """`--weights blocks-int8` (llama.cpp's int8 inputs; tiled products where the CPU has
     AVX-512 VNNI): a batched step is each session's step alone, bit for bit, too."""
