@@ -77,6 +77,35 @@ def test_grouped_attention_refuses_codes_of_another_shape(cpu_kernels) -> None:
         )
 
 
+@pytest.mark.parametrize(("dim", "group", "rotate"), [(64, 32, False), (40, 8, False),
+                                                      (64, 64, True), (48, 16, True)])  # fmt: skip
+def test_compiled_fp8_encoding_is_the_codecs(
+    cpu_kernels, dim: int, group: int, rotate: bool
+) -> None:
+    """e4m3 codes: the extension converts with torch's own e4m3 rounding (to nearest even,
+    finite overflow saturating), so without a rotation it writes the torch codec's bytes, over
+    magnitudes from 1e-12 to 1e6, a zero vector (its scales clamp to the smallest), a lone huge
+    coordinate (its group's scale overflows float16 in both) and subnormal floats; with one, a
+    scale or code within rounding may differ."""
+    g = torch.Generator().manual_seed(dim + group)
+    scales = torch.logspace(-12, 6, 300).view(-1, 1, 1, 1)
+    rows = torch.randn(300, 2, 3, dim, generator=g) * scales  # [S, 2, Hkv, D]
+    rows[0] = 0.0
+    rows[1, 0, 0, 5] = 1e30
+    rows[2] = 1e-39
+    codec = Fp8Codec(dim, group, rotate)
+    for x in (rows, rows.clamp(-6e4, 6e4).half()):
+        got = codec.compiled_encode(cpu_kernels, x, None).view(-1, codec.bytes_per_vector)
+        want = codec.encode(x.float().reshape(-1, dim))
+        assert got.shape == want.shape and got.dtype == torch.uint8
+        if not rotate:
+            assert torch.equal(got, want)
+            continue
+        decoded = [codec.decode(t, torch.float32) for t in (got, want)]
+        torch.testing.assert_close(decoded[0], decoded[1], rtol=0.07, atol=1e-30, equal_nan=True)
+        assert (got != want).float().mean() < 1e-2
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize(("dim", "group", "rotate"), [(64, 32, False), (64, 64, True),
                                                       (48, 16, True), (40, 8, False)])  # fmt: skip

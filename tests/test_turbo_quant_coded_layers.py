@@ -70,7 +70,8 @@ def _run(model: Model, spec: str, prompt: int, steps: int, fused: bool, monkeypa
         ("kv-quant", 60, 6),
         ("kv-quant:bits=8,group=64,rotate=1", 100, 6),
         ("kv-quant:bits=2,group=64,rotate=1,recent=64,recent_bits=8,sinks=4", 64, 6),
-        ("kv-quant:format=fp8", 60, 0),  # no compiled fp8 codes
+        ("kv-quant:format=fp8", 60, 6),  # e4m3 codes, encoded in the call too
+        ("kv-quant:format=fp8,group=64,rotate=1", 100, 6),
     ],
 )
 def test_one_call_is_the_layer_by_layer_step(
@@ -86,7 +87,9 @@ def test_one_call_is_the_layer_by_layer_step(
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("spec", ["turbo-quant", "turbo-quant:bits=3", "kv-quant"])
+@pytest.mark.parametrize(
+    "spec", ["turbo-quant", "turbo-quant:bits=3", "kv-quant", "kv-quant:format=fp8"]
+)
 def test_a_batch_in_one_call_is_each_session_alone(
     cpu_kernels, smollm2_default: Model, spec: str
 ) -> None:

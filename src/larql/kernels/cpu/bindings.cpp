@@ -28,7 +28,7 @@ torch::Tensor coded_encode(torch::Tensor rows, torch::Tensor mean, torch::Tensor
                            torch::Tensor boundaries, torch::Tensor centroids,
                            bool norm_correction);
 torch::Tensor grouped_encode(torch::Tensor rows, torch::Tensor mean, torch::Tensor rotation,
-                             int64_t bits, int64_t group, int64_t width);
+                             int64_t bits, int64_t group, int64_t width, bool fp8);
 }  // namespace larql
 
 // The compute calls release the GIL: they touch no Python object, and a server's event loop
@@ -54,7 +54,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one query's attention over kv-quant's integer codes (in place) and exact rows", no_gil);
   m.def("coded_encode", &larql::coded_encode, "K/V rows → turbo-quant's 4-bit coded rows",
         no_gil);
-  m.def("grouped_encode", &larql::grouped_encode, "K/V rows → kv-quant's integer codes",
+  m.def("grouped_encode", &larql::grouped_encode, "K/V rows → kv-quant's integer or fp8 codes",
         no_gil);
   m.def("decode_layers_batch", &larql::decode_layers_batch,
         "whole decode layers for M rows of one or more sessions, each weight read once", no_gil);

@@ -14,6 +14,7 @@
 #include <torch/types.h>
 
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -67,6 +68,28 @@ void encode_vector(const float* x, int64_t dim, int64_t width, int bits, const f
 
 }  // namespace
 
+// kv-quant's `Fp8Codec` of the coordinates z [groups · group], in the torch codec's float32
+// operations:
+//
+//   per group: scale = max(float16(max |z| / 448), 1e-8), code_i = e4m3(z_i / scale)
+//
+// stored [float16 scales][e4m3 bytes]; e4m3 is torch's own conversion (round to nearest even,
+// finite overflow saturating to ±448), so the bytes are the torch codec's.
+static void encode_fp8_groups(const float* z, int64_t groups, int64_t group, uint8_t* out) {
+  c10::Half* scales = reinterpret_cast<c10::Half*>(out);
+  uint8_t* payload = out + 2 * groups;
+  for (int64_t j = 0; j < groups; ++j) {
+    const float* g = z + j * group;
+    float top = 0.0f;
+    for (int64_t i = 0; i < group; ++i) top = std::max(top, std::fabs(g[i]));
+    const float scale = std::max(static_cast<float>(c10::Half(top / 448.0f)), 1e-8f);
+    scales[j] = c10::Half(scale);
+    for (int64_t i = 0; i < group; ++i) {
+      payload[j * group + i] = c10::Float8_e4m3fn(g[i] / scale).x;
+    }
+  }
+}
+
 // kv-quant's `IntCodec`, in the torch codec's float32 operations:
 //
 //   z = [x, 0] · R (the first `turned` coordinates; [x, 0] without a rotation), zeros to width
@@ -90,6 +113,10 @@ void encode_grouped_vector(const float* x, int64_t dim, const float* rotation,
     std::copy(x, x + dim, z.begin());
   }
   const int64_t groups = codec.width / codec.group;
+  if (codec.fp8) {
+    encode_fp8_groups(z.data(), groups, codec.group, out);
+    return;
+  }
   const int levels = (1 << codec.bits) - 1;
   c10::Half* scales = reinterpret_cast<c10::Half*>(out);
   c10::Half* zeros = scales + groups;
@@ -188,11 +215,12 @@ torch::Tensor coded_encode(torch::Tensor rows, torch::Tensor mean, torch::Tensor
 // rotation: float32 [Rn, Rn] (D ≤ Rn ≤ width) or an empty tensor; bits 2, 4 or 8; width whole
 // groups, a multiple of 8 → uint8 [S, 2 · Hkv · (4 · width / group + width · bits / 8)].
 torch::Tensor grouped_encode(torch::Tensor rows, torch::Tensor mean, torch::Tensor rotation,
-                             int64_t bits, int64_t group, int64_t width) {
+                             int64_t bits, int64_t group, int64_t width, bool fp8) {
   TORCH_CHECK(rows.dim() == 4 && rows.size(1) == 2, "rows must be [S, 2, Hkv, D]");
   TORCH_CHECK(rows.scalar_type() == torch::kFloat32 || rows.scalar_type() == torch::kFloat16,
               "rows must be float32 or float16");
   TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
+  TORCH_CHECK(!fp8 || bits == 8, "fp8 codes are 8 bits");
   const int64_t count = rows.size(0), kv_heads = rows.size(2), dim = rows.size(3);
   TORCH_CHECK(group > 0 && width % group == 0 && width % 8 == 0 && width >= dim,
               "width must be whole groups, a multiple of 8, at least the head");
@@ -209,7 +237,8 @@ torch::Tensor grouped_encode(torch::Tensor rows, torch::Tensor mean, torch::Tens
                 "mean must be float32 [2, Hkv, D]");
     mean = mean.contiguous();
   }
-  const GroupedCodec codec{static_cast<int>(bits), group, width, rotated ? rotation.size(0) : 0};
+  const GroupedCodec codec{static_cast<int>(bits), group, width, rotated ? rotation.size(0) : 0,
+                           fp8};
   const int64_t vector_bytes = grouped_vector_bytes(codec), vectors = 2 * kv_heads;
   torch::Tensor x = rows.to(torch::kFloat32).contiguous();
   torch::Tensor out = torch::empty({count, vectors * vector_bytes}, torch::kUInt8);

@@ -233,8 +233,8 @@ std::vector<RowStore> row_stores(const std::vector<torch::Tensor>& codes,
 // row and end, its recent rows' first and end, and its mode (the header's), the same at every
 // layer. The codec: `group` 0 for turbo-quant's (rotation [D', D'], centroids [2^bits],
 // boundaries [2^bits − 1], norm_correction), else kv-quant's integer codes of `bits` in groups
-// of `group` over `width` coordinates (rotation [Rn, Rn] or empty; centroids and boundaries
-// empty) → the residuals after the last layer [M, H]; each row's codes and recent rows written
+// of `group` over `width` coordinates (`fp8`: its e4m3 codes, bits 8; rotation [Rn, Rn] or
+// empty; centroids and boundaries empty) → the residuals after the last layer [M, H]; each row's codes and recent rows written
 // past their ends.
 torch::Tensor decode_layers_coded(torch::Tensor h, Tensors norms, double eps, Tensors qkv,
                                   Tensors wo, Tensors gate_up, Tensors down, PerLayerInts formats,
@@ -245,7 +245,7 @@ torch::Tensor decode_layers_coded(torch::Tensor h, Tensors norms, double eps, Te
                                   int64_t heads, double scale, int64_t activation_bits,
                                   int64_t bits, int64_t group, int64_t width,
                                   torch::Tensor rotation, torch::Tensor centroids,
-                                  torch::Tensor boundaries, bool norm_correction) {
+                                  torch::Tensor boundaries, bool norm_correction, bool fp8) {
   const size_t layers = norms.size();
   for (const size_t n : {qkv.size(), wo.size(), gate_up.size(), down.size(), formats.size(),
                          qkv_bias.size(), o_bias.size(), cos.size(), sin.size(), codes.size(),
@@ -266,6 +266,7 @@ torch::Tensor decode_layers_coded(torch::Tensor h, Tensors norms, double eps, Te
   Codebook book{};
   GroupedCodec grouped{};
   if (group == 0) {  // turbo-quant's codes
+    TORCH_CHECK(!fp8, "fp8 codes are kv-quant's");
     TORCH_CHECK(bits >= 2 && bits <= 4 && centroids.dtype() == torch::kFloat32 &&
                     centroids.numel() == (1 << bits) && boundaries.dtype() == torch::kFloat32 &&
                     boundaries.numel() == (1 << bits) - 1,
@@ -277,10 +278,12 @@ torch::Tensor decode_layers_coded(torch::Tensor h, Tensors norms, double eps, Te
                     norm_correction};
   } else {  // kv-quant's
     TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "integer codes of 2, 4 or 8 bits");
+    TORCH_CHECK(!fp8 || bits == 8, "fp8 codes are 8 bits");
     TORCH_CHECK(group > 0 && width % group == 0 && width % 8 == 0,
                 "width must be whole groups, a multiple of 8");
     TORCH_CHECK(!rotated || rotation.size(0) <= width, "the rotation is wider than the codes");
-    grouped = GroupedCodec{static_cast<int>(bits), group, width, rotated ? rotation.size(0) : 0};
+    grouped = GroupedCodec{static_cast<int>(bits), group, width, rotated ? rotation.size(0) : 0,
+                           fp8};
   }
   const int64_t vector_bytes =
       group == 0 ? coded_vector_bytes(width, static_cast<int>(bits))

@@ -48,7 +48,7 @@ torch::Tensor decode_layers_coded(torch::Tensor h, Tensors norms, double eps, Te
                                   int64_t heads, double scale, int64_t activation_bits,
                                   int64_t bits, int64_t group, int64_t width,
                                   torch::Tensor rotation, torch::Tensor centroids,
-                                  torch::Tensor boundaries, bool norm_correction);
+                                  torch::Tensor boundaries, bool norm_correction, bool fp8);
 
 // ---- for the decode layers of other K/V stores (coded_layers.cpp)
 

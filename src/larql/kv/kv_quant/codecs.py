@@ -25,12 +25,37 @@ _EMPTY = torch.empty(0)  # the extension's "none" for an optional tensor
 class _GroupedCodec:
     """What both codecs share: the optional rotation and the split into groups."""
 
+    bits: int
+    fp8 = False  # e4m3 codes (Fp8Codec), else integer ones
+
     def __init__(self, dim: int, group: int, rotate: bool) -> None:
         self.dim, self.rotate = dim, rotate
         self.coded_dim = next_power_of_two(dim) if rotate else dim
         self.group = min(group, self.coded_dim)
         self.groups = -(-self.coded_dim // self.group)
         self.padded_dim = self.groups * self.group
+
+    def compiled_encode(
+        self, kernels: ModuleType, rows: torch.Tensor, mean: torch.Tensor | None
+    ) -> torch.Tensor:
+        """rows [S, 2, Hkv, D] (float32 or float16) minus `mean` [2, Hkv, D] → one code row per
+        token, uint8 [S, 2 · Hkv · bytes_per_vector], by the CPU extension (`grouped_encode`):
+        the bytes `encode` gives."""
+        return kernels.grouped_encode(
+            rows, _EMPTY if mean is None else mean, self._rotation(rows.device), self.bits,
+            self.group, self.padded_dim, self.fp8,
+        )  # fmt: skip
+
+    def compiled_codes(self, device: torch.device) -> tuple[object, ...]:
+        """The codec as the CPU extension's one-call step takes it (`decode_layers_coded`):
+        bits, group, width, rotation (or none), no codebook, no norm correction, fp8 or not."""
+        return (self.bits, self.group, self.padded_dim, self._rotation(device), _EMPTY, _EMPTY,
+                False, self.fp8)  # fmt: skip
+
+    def _rotation(self, device: torch.device) -> torch.Tensor:
+        if not self.rotate:
+            return _EMPTY
+        return rotation_matrix(self.coded_dim, torch.float32, device)
 
     def _groups_of(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, dim] → [N, groups, group] float32 (rotated first if asked)."""
@@ -69,27 +94,6 @@ class IntCodec(_GroupedCodec):
         header = torch.cat((scale, zero), dim=1).squeeze(-1).half()  # [N, 2G]
         return torch.cat((header.view(torch.uint8).view(g.shape[0], -1), packed), dim=1)
 
-    def compiled_encode(
-        self, kernels: ModuleType, rows: torch.Tensor, mean: torch.Tensor | None
-    ) -> torch.Tensor:
-        """rows [S, 2, Hkv, D] (float32 or float16) minus `mean` [2, Hkv, D] → one code row per
-        token, uint8 [S, 2 · Hkv · bytes_per_vector], by the CPU extension (`grouped_encode`)."""
-        return kernels.grouped_encode(
-            rows, _EMPTY if mean is None else mean, self._rotation(rows.device), self.bits,
-            self.group, self.padded_dim,
-        )  # fmt: skip
-
-    def compiled_codes(self, device: torch.device) -> tuple[object, ...]:
-        """The codec as the CPU extension's one-call step takes it (`decode_layers_coded`):
-        bits, group, width, rotation (or none), no codebook, no norm correction."""
-        return (self.bits, self.group, self.padded_dim, self._rotation(device), _EMPTY, _EMPTY,
-                False)  # fmt: skip
-
-    def _rotation(self, device: torch.device) -> torch.Tensor:
-        if not self.rotate:
-            return _EMPTY
-        return rotation_matrix(self.coded_dim, torch.float32, device)
-
     def decode(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """uint8 [N, bytes_per_vector] → [N, dim] in `dtype`."""
         n = data.shape[0]
@@ -101,6 +105,8 @@ class IntCodec(_GroupedCodec):
 
 
 class Fp8Codec(_GroupedCodec):
+    fp8 = True
+
     def __init__(self, dim: int, group: int = 32, rotate: bool = False) -> None:
         super().__init__(dim, group, rotate)
         self.bits = 8

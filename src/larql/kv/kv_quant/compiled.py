@@ -8,8 +8,8 @@ float rounding.
 
 Used where it applies: a float32 model on the CPU with the extension built, `IntCodec` or
 `Fp8Codec` codes of one codec for K and V whose groups fill whole bytes, on a layer where
-`attends_in_place` holds; everything else keeps the torch path. fp8 codes are attended in place
-but encoded by torch, so their step runs layer by layer, not in the one call.
+`attends_in_place` holds; everything else keeps the torch path. Both are encoded by the
+extension too (`grouped_encode`, the torch codec's bytes), so their step takes the one call.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from larql.models.model import Model
 
 def grouped_codes(model: Model, k_codec: RowCodec, v_codec: RowCodec) -> bool:
     """Whether a layer of `model` with these codecs is encoded by the extension (and so may take
-    the one-call step): a float32 model on the CPU, one `IntCodec` for K and V whose groups fill
-    whole bytes."""
+    the one-call step): a float32 model on the CPU, one `IntCodec` or `Fp8Codec` for K and V
+    whose groups fill whole bytes."""
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return False
-    if not isinstance(k_codec, IntCodec) or v_codec is not k_codec or k_codec.padded_dim % 8:
+    if not isinstance(k_codec, IntCodec | Fp8Codec) or v_codec is not k_codec:
         return False
-    return compiled_kernels() is not None
+    return k_codec.padded_dim % 8 == 0 and compiled_kernels() is not None
 
 
 def grouped_kernels(

@@ -69,8 +69,8 @@ class KvQuantEngine(TurboQuantEngine):
         return ",".join(parts)
 
     def _compiled(self, model: Model, layout: KvLayout) -> bool:
-        """Integer codes of one codec are encoded by the CPU extension (and its one-call step
-        takes them where it applies); fp8 keeps the torch codec."""
+        """Integer or fp8 codes of one codec are encoded by the CPU extension (and its one-call
+        step takes them where it applies)."""
         return grouped_codes(model, layout.k_codec, layout.v_codec)
 
     def _attend_in_place(

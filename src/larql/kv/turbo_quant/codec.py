@@ -104,11 +104,12 @@ class TurboQuantCodec:
 
     def compiled_codes(self, device: torch.device) -> tuple[object, ...]:
         """The codec as the CPU extension's one-call step takes it (`decode_layers_coded`):
-        bits, group (0: a codebook's), width, rotation, centroids, boundaries, norm correction."""
+        bits, group (0: a codebook's), width, rotation, centroids, boundaries, norm correction,
+        not fp8."""
         book = codebook(self.rotated_dim, self.bits)
         rotation = rotation_matrix(self.rotated_dim, torch.float32, device)
         return (self.bits, 0, self.rotated_dim, rotation, book.centroids, book.boundaries,
-                self.norm_correction)  # fmt: skip
+                self.norm_correction, False)  # fmt: skip
 
     def decode(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """uint8 [N, bytes_per_vector] → [N, dim] in `dtype`."""
