@@ -6,7 +6,8 @@ import dataclasses
 import importlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import pytest
@@ -22,6 +23,18 @@ from larql.inference.layer import embed_rows, final_logits, token_tensor
 from larql.kv import parse_engine
 from larql.models import Model
 from larql.models.model import load_model
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to `count` inside the block (the suite's workers run one
+    thread each, so the compiled kernels' split over threads runs only where a test asks)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def teacher_forced(model: Model, spec: str, ids: list[int], prompt_len: int) -> torch.Tensor:

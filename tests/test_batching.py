@@ -14,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType, quantize
 
 import larql.server.scheduler as scheduler_module
+from helpers import torch_threads
 from larql.inference.batching import advance_batch, batch_groups, decode_batch
 from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import DenseFfn
@@ -87,14 +88,10 @@ def test_steps_on_two_threads_are_the_one_thread_steps(smollm2_default: Model) -
     give the one-thread logits bit for bit."""
     if load_block_kernels() is None:
         pytest.skip("the CPU block kernels are not built")
-    threads = torch.get_num_threads()
     runs = []
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
+    for count in (1, 2):
+        with torch_threads(count):
             runs.append(_alone_and_batched(smollm2_default, "standard", 8))
-    finally:
-        torch.set_num_threads(threads)
     (alone_1, batched_1), (alone_2, batched_2) = runs
     for one, two in zip([*alone_1, *batched_1], [*alone_2, *batched_2], strict=True):
         assert one.tokens == two.tokens

@@ -21,6 +21,7 @@ import larql.inference.fused_layer as fused_layer_module
 import larql.inference.layer as layer_module
 import larql.inference.linear as linear_module
 import larql.kv.standard.engine as standard_engine_module
+from helpers import torch_threads
 from larql.data import default_text
 from larql.harness.contexts import context_ids
 from larql.inference.ffn import DenseFfn
@@ -582,11 +583,7 @@ def test_the_tiled_mlp_gates_inside_its_product(qtype: GGMLQuantizationType, bit
         one = kernels.residual_ffn(h[m : m + 1], norm, 1e-5, gate_up, code, down, code, bits)
         assert torch.equal(one, got[m : m + 1])
     # over two threads (each makes and rounds its share of W_down's inputs): the same bits
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         for rows in (40, 8, 1):
             two = kernels.residual_ffn(h[:rows], norm, 1e-5, gate_up, code, down, code, bits)
             assert torch.equal(two, got[:rows]), rows
-    finally:
-        torch.set_num_threads(threads)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import larql.kv.residual.engine as residual_engine
+from helpers import torch_threads
 from larql.data import default_text
 from larql.harness.contexts import context_ids
 from larql.inference.batching import advance_batch, batch_groups, decode_batch
@@ -70,6 +71,23 @@ def test_a_batch_is_each_session_alone(
     by_layer = _greedy([parse_engine(spec).build(model) for _ in prompts], model, ffn, prompts,
                        20, batched=True)  # fmt: skip
     assert torch.equal(got, by_layer)
+
+
+@pytest.mark.parametrize("spec", ["markov-rs-codec:window=16", "boundary-per-layer:window=16"])
+def test_a_batch_on_two_threads_is_the_one_thread_batch(
+    cpu_kernels, smollm2_default: Model, spec: str
+) -> None:
+    """The one call splits its products, attention and the evicted rows' K/V over the threads:
+    on two, the same bits as on one (sessions of 20, 40 and 70 tokens, 10 steps, the window
+    overflowing on the way)."""
+    model, ffn = smollm2_default, build_ffn(smollm2_default)
+    prompts = [context_ids(model, n, default_text()) for n in (20, 40, 70)]
+    runs = []
+    for count in (1, 2):
+        with torch_threads(count):
+            engines = [parse_engine(spec).build(model) for _ in prompts]
+            runs.append(_greedy(engines, model, ffn, prompts, 10, batched=True))
+    assert torch.equal(runs[0], runs[1])
 
 
 def test_without_the_compiled_layer_the_sessions_step_in_turn(smollm2: Model) -> None:
