@@ -77,6 +77,16 @@ def test_grouped_attention_refuses_codes_of_another_shape(cpu_kernels) -> None:
         )
 
 
+def _both_encodings(
+    kernels, codec: IntCodec | Fp8Codec, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [S, 2, Hkv, D] → (the extension's codes, the torch codec's), [S · 2 · Hkv, bytes]."""
+    got = codec.compiled_encode(kernels, rows, None).view(-1, codec.bytes_per_vector)
+    want = codec.encode(rows.float().reshape(-1, rows.shape[-1]))
+    assert got.shape == want.shape and got.dtype == torch.uint8
+    return got, want
+
+
 @pytest.mark.parametrize(("dim", "group", "rotate"), [(64, 32, False), (40, 8, False),
                                                       (64, 64, True), (48, 16, True)])  # fmt: skip
 def test_compiled_fp8_encoding_is_the_codecs(
@@ -95,9 +105,7 @@ def test_compiled_fp8_encoding_is_the_codecs(
     rows[2] = 1e-39
     codec = Fp8Codec(dim, group, rotate)
     for x in (rows, rows.clamp(-6e4, 6e4).half()):
-        got = codec.compiled_encode(cpu_kernels, x, None).view(-1, codec.bytes_per_vector)
-        want = codec.encode(x.float().reshape(-1, dim))
-        assert got.shape == want.shape and got.dtype == torch.uint8
+        got, want = _both_encodings(cpu_kernels, codec, x)
         if not rotate:
             assert torch.equal(got, want)
             continue
@@ -120,9 +128,7 @@ def test_compiled_encoding_is_the_codecs(
     rows[5] = 0.0  # a constant vector: its scales clamp to the smallest
     codec = IntCodec(dim, bits, group, rotate)
     for x in (rows, rows.half()):
-        got = codec.compiled_encode(cpu_kernels, x, None).view(-1, codec.bytes_per_vector)
-        want = codec.encode(x.float().reshape(-1, dim))
-        assert got.shape == want.shape and got.dtype == torch.uint8
+        got, want = _both_encodings(cpu_kernels, codec, x)
         if not rotate:
             assert torch.equal(got, want)
             continue
