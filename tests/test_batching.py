@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -443,3 +446,23 @@ def test_a_step_takes_what_fills_its_last_pass_of_rows(
         assert more == (room + per_pass if room + per_pass <= 32 else room)
         assert blocks._prompt_room(decoding, waiting=room + per_pass // 2) == room
         assert floats._prompt_room(decoding, waiting=100) == 32
+
+
+def test_the_budget_benchmark_reports_each_round(smollm2_default: Model) -> None:
+    """`benchmarks/batch_budget.py` (the eight-row step against the 4× budget, in
+    docs/PERFORMANCE.md) runs on the default model: a line a round with its step times, ratio
+    and the products' share of the budget, each derived from the numbers beside it."""
+    if load_block_kernels() is None:
+        pytest.skip("the CPU block kernels are not built")
+    path = Path(__file__).parents[1] / "benchmarks" / "batch_budget.py"
+    spec = importlib.util.spec_from_file_location("batch_budget", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (line,) = module.report(smollm2_default, batch=2, rounds=1, steps=4, target=2.0)
+    numbers = [float(n) for n in re.findall(r"\d+\.\d+", line)]
+    fastest_1, median_1, fastest_2, median_2, ratio, products_1, products_2, share, budget = numbers
+    assert 0 < fastest_1 <= median_1 and 0 < fastest_2 <= median_2
+    assert ratio == pytest.approx(2 * median_1 / median_2, abs=0.02)
+    assert budget == pytest.approx(median_1, abs=0.01)  # batch 2 at a 2x target: one row's step
+    assert share == pytest.approx(products_2 / budget, abs=0.02)
+    assert products_1 > 0
