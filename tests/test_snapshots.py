@@ -1,18 +1,22 @@
-"""Engine state snapshots on the real default model: a state saved after a prefill and restored
-into a fresh engine, or forked in memory, decodes exactly as the original goes on decoding; an
-exact engine's restored state also agrees with a fresh prefill of the same tokens; a state
-refuses another model, engine or spec, and `larql run --save-state/--load-state` continues a
-prompt as one run of the whole text would."""
+"""Engine states on the real default model: a state saved after a prompt and a few decode steps
+and loaded back, or forked in memory, decodes exactly as the original goes on decoding; an exact
+engine's restored state also agrees with a fresh prefill of the same tokens; a state refuses
+another model, engine, spec or version of its state, an older format, and tensors its spec does
+not imply; and `larql run --save-state/--load-state` (or `larql.generate` with a `State`)
+continues a prompt as one run of the whole text would."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+import larql
 from larql.cli.app import app
 from larql.inference.ffn import DenseFfn
 from larql.inference.layer import final_logits
@@ -22,10 +26,13 @@ from larql.inference.snapshots import (
     SnapshotNotFound,
     SnapshotUnsupported,
     SnapshotUnwritable,
+    declared_state,
 )
+from larql.inference.snapshots.store import manifest_digest
 from larql.kv import parse_engine
 from larql.kv.resolve import ENV_VAR
-from larql.kv.snapshots import restore_engine
+from larql.kv.snapshots import State
+from larql.kv.standard import StandardEngine
 from larql.models import Model
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
@@ -36,14 +43,19 @@ SNAPSHOTTING = [
     "standard:window=8,sinks=2",
     "no-cache",
     "markov-rs:window=4",
+    "markov-rs:window=4,kv_cache=0",
     "markov-rs-codec:window=4",
     "boundary-per-layer:window=4",
     "turbo-quant",
+    "turbo-quant:bits=3",
     "kv-quant",
+    "kv-quant:recent=4,sinks=2,recent_bits=8",
+    "kv-quant:format=fp8",
     "windowed-checkpoint:window=8",
-    "boundary-kv",
-    "snapkv",
-    "h2o",
+    "boundary-kv:chunk_tokens=4",
+    "snapkv:budget=4,window=2",
+    "h2o:budget=6,recent=2",
+    "semantic-promotion:base=markov-rs-codec:window=4",
 ]
 # exact against `standard` here: a fresh prefill of the same tokens gives the same logits
 EXACT = ["standard", "no-cache", "markov-rs:window=4", "boundary-kv", "windowed-checkpoint"]
@@ -55,123 +67,159 @@ def decode(engine, model: Model, tokens: list[int]) -> list[torch.Tensor]:
         return [final_logits(model, engine.decode_step(model, ffn, t))[0] for t in tokens]
 
 
-def prefilled(spec: str, model: Model, ids: list[int]):
-    engine = parse_engine(spec).build(model)
+def stepped(spec: str, model: Model, ids: list[int], steps: list[int]) -> State:
+    """The state after the prompt and a few decode steps."""
+    state = larql.prefill(model, spec, ids)
+    ffn = DenseFfn(model)
+    hidden = state.hidden
     with torch.inference_mode():
-        hidden = engine.prefill(model, DenseFfn(model), ids)
-    return engine, hidden
+        for token in steps:
+            hidden = state.engine.decode_step(model, ffn, token)
+    return State(model, state.engine, hidden, (*ids, *steps))
 
 
 @pytest.mark.parametrize("spec", SNAPSHOTTING)
-def test_restored_state_decodes_as_the_original(spec: str, smollm2: Model, tmp_path: Path):
+def test_restored_and_forked_states_decode_as_the_original(
+    spec: str, smollm2: Model, tmp_path: Path
+) -> None:
     ids = smollm2.tokenizer.encode(PROMPT)
-    engine, hidden = prefilled(spec, smollm2, ids)
-    saved = engine.snapshot(tmp_path / "state", smollm2, ids, hidden)
-    assert saved.nbytes > 0 and saved.manifest.position == len(ids)
-    restored, loaded = restore_engine(tmp_path / "state", smollm2)
-    assert type(restored) is type(engine) and restored.position == len(ids)
-    assert loaded.manifest.token_ids == ids
-    assert loaded.hidden is not None and torch.equal(loaded.hidden, hidden)
-    continuation = [int(final_logits(smollm2, hidden)[0].argmax()), 11, 260, 3575]
-    going_on = decode(engine, smollm2, continuation)
-    for a, b in zip(going_on, decode(restored, smollm2, continuation), strict=True):
-        assert torch.equal(a, b)
-    assert restored.position == engine.position == len(ids) + STEPS
+    state = stepped(spec, smollm2, ids, [11, 260])
+    saved = state.save(tmp_path / "state")
+    assert saved.nbytes > 0 and saved.manifest.position == len(ids) + 2
+    restored = larql.load_state(smollm2, tmp_path / "state")
+    fork = state.fork()
+    assert type(restored.engine) is type(state.engine) and restored.position == len(ids) + 2
+    assert restored.token_ids == state.token_ids and torch.equal(restored.hidden, state.hidden)
+    continuation = [int(state.logits().argmax()), 11, 260, 3575]
+    going_on = decode(state.engine, smollm2, continuation)
+    for other in (restored, fork):
+        for a, b in zip(going_on, decode(other.engine, smollm2, continuation), strict=True):
+            assert torch.equal(a, b)
+    assert restored.position == state.position == len(ids) + 2 + STEPS
 
 
 @pytest.mark.parametrize("spec", EXACT)
 def test_restored_exact_engine_matches_a_fresh_prefill(spec: str, smollm2: Model, tmp_path):
     ids = smollm2.tokenizer.encode(PROMPT)
-    engine, _ = prefilled(spec, smollm2, ids)
-    engine.snapshot(tmp_path, smollm2, ids)
-    restored, _ = restore_engine(tmp_path, smollm2)
+    larql.prefill(smollm2, spec, ids).save(tmp_path)
+    restored = larql.load_state(smollm2, tmp_path)
     more = [11, 260, 3575]
-    last = decode(restored, smollm2, more)[-1]
-    _, fresh = prefilled("standard", smollm2, ids + more)
-    reference = final_logits(smollm2, fresh)[0]
+    last = decode(restored.engine, smollm2, more)[-1]
+    reference = larql.prefill(smollm2, "standard", ids + more).logits()
     assert (last - reference).abs().max().item() <= 1e-3
     assert int(last.argmax()) == int(reference.argmax())
 
 
 def test_fork_is_independent_of_the_original(smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode(PROMPT)
-    engine, _ = prefilled("markov-rs:window=4", smollm2, ids)
-    fork = engine.fork()
-    decode(engine, smollm2, [42, 43, 44])  # the original moves on with other tokens
-    alone, _ = prefilled("markov-rs:window=4", smollm2, ids)
+    state = larql.prefill(smollm2, "markov-rs:window=4", ids)
+    fork = state.fork()
+    decode(state.engine, smollm2, [42, 43, 44])  # the original moves on with other tokens
+    alone = larql.prefill(smollm2, "markov-rs:window=4", ids)
     for a, b in zip(
-        decode(fork, smollm2, [11, 260]), decode(alone, smollm2, [11, 260]), strict=True
-    ):
+        decode(fork.engine, smollm2, [11, 260]), decode(alone.engine, smollm2, [11, 260]),
+        strict=True,
+    ):  # fmt: skip
         assert torch.equal(a, b)
-    assert fork.position == len(ids) + 2 and engine.position == len(ids) + 3
+    assert fork.position == len(ids) + 2 and state.position == len(ids) + 3
 
 
-def test_retrieval_engine_refuses(smollm2: Model, tmp_path: Path) -> None:
+def test_generate_continues_a_state_and_leaves_it_as_it_was(smollm2: Model) -> None:
+    document, question = "The capital of France is Paris.", " The capital of Italy is"
+    tok = smollm2.tokenizer
+    assert tok.encode(document) + tok.encode(question) == tok.encode(document + question)
+    state = larql.prefill(smollm2, "markov-rs:window=4", document)
+    first = larql.generate(smollm2, state, question, max_new_tokens=6)
+    again = larql.generate(smollm2, state, question, max_new_tokens=6)
+    whole = larql.generate(smollm2, "markov-rs:window=4", document + question, max_new_tokens=6)
+    assert first.token_ids == again.token_ids == whole.token_ids
+    assert state.position == len(tok.encode(document))
+
+
+def test_a_built_engine_or_an_engine_without_a_spec_is_refused(smollm2: Model, tmp_path) -> None:
+    engine = larql.parse_engine("standard").build(smollm2)
+    with pytest.raises(larql.InvalidInput, match=r"larql\.State"):
+        larql.generate(smollm2, engine, "Hi")
+    bare = StandardEngine()  # built without a spec: nothing could rebuild it
+    hidden = bare.prefill(smollm2, DenseFfn(smollm2), [1, 2, 3])
+    with pytest.raises(SnapshotUnsupported, match="not built from a spec"):
+        State(smollm2, bare, hidden).save(tmp_path)
+
+
+def test_retrieval_engine_refuses(smollm2: Model) -> None:
     engine = parse_engine("apollo").build(smollm2)
     with pytest.raises(SnapshotUnsupported, match="apollo cannot snapshot"):
-        engine.snapshot(tmp_path, smollm2)
-    assert not (tmp_path / "manifest.json").exists()
+        declared_state(engine)
 
 
-def test_state_refuses_another_model_engine_or_spec(
+def test_state_refuses_another_model_engine_spec_or_version(
     smollm2: Model, smollm2_f64: Model, tmp_path: Path
 ) -> None:
     ids = smollm2.tokenizer.encode(PROMPT)
-    engine, _ = prefilled("standard:window=8", smollm2, ids)
-    engine.snapshot(tmp_path, smollm2, ids)
+    larql.prefill(smollm2, "standard:window=8", ids).save(tmp_path)
     with pytest.raises(SnapshotMismatch, match="float64"):
-        restore_engine(tmp_path, smollm2_f64)
+        larql.load_state(smollm2_f64, tmp_path)
     with pytest.raises(SnapshotMismatch, match="markov-rs"):
-        restore_engine(tmp_path, smollm2, parse_engine("markov-rs"))
+        larql.load_state(smollm2, tmp_path, engine="markov-rs")
     with pytest.raises(SnapshotMismatch, match="standard:window=8"):
-        restore_engine(tmp_path, smollm2, parse_engine("standard"))
+        larql.load_state(smollm2, tmp_path, engine="standard")
+    reseal(tmp_path, state_version=2)
+    with pytest.raises(SnapshotMismatch, match="version 2 of standard's state"):
+        larql.load_state(smollm2, tmp_path)
+
+
+def reseal(directory: Path, **changes: object) -> None:
+    """Change manifest entries and recompute its digest (as a deliberate edit would)."""
+    document = json.loads((directory / "manifest.json").read_text())
+    document.update(changes)
+    document.pop("digest")
+    document["digest"] = manifest_digest(document)
+    (directory / "manifest.json").write_text(json.dumps(document))
 
 
 def test_missing_or_corrupt_state_is_a_typed_error(smollm2: Model, tmp_path: Path) -> None:
     with pytest.raises(SnapshotNotFound):
-        restore_engine(tmp_path / "nowhere", smollm2)
+        larql.load_state(smollm2, tmp_path / "nowhere")
     ids = smollm2.tokenizer.encode(PROMPT)
-    engine, _ = prefilled("standard", smollm2, ids)
-    engine.snapshot(tmp_path, smollm2, ids)
+    state = larql.prefill(smollm2, "standard", ids)
+    state.save(tmp_path)
     (tmp_path / "state.safetensors").write_bytes(b"not tensors")
-    with pytest.raises(SnapshotCorrupt):
-        restore_engine(tmp_path, smollm2)
+    with pytest.raises(SnapshotCorrupt, match="not the tensor file"):
+        larql.load_state(smollm2, tmp_path)
     (tmp_path / "manifest.json").write_text("{")
-    with pytest.raises(SnapshotCorrupt):
-        restore_engine(tmp_path, smollm2)
+    with pytest.raises(SnapshotCorrupt, match="does not read as JSON"):
+        larql.load_state(smollm2, tmp_path)
     blocked = tmp_path / "manifest.json" / "state"  # under a file: no directory can be made
     with pytest.raises(SnapshotUnwritable, match=f"cannot write the state into {blocked}"):
-        engine.snapshot(blocked, smollm2, ids)
+        state.save(blocked)
 
 
-def test_a_residual_store_of_the_per_layer_layout_is_refused(
-    smollm2: Model, tmp_path: Path
-) -> None:
-    """A state whose residual store keeps one hot tier per layer (larql before the tiers held
-    every layer's rows together) is a typed error that says so, not a store that fails later."""
+def test_a_state_of_the_older_format_is_refused_in_one_line(smollm2: Model, tmp_path: Path) -> None:
+    """States before declared data held a generic object graph that named classes to rebuild;
+    this larql never reads one."""
     ids = smollm2.tokenizer.encode(PROMPT)
-    engine, _ = prefilled("markov-rs-codec:window=4", smollm2, ids)
-    engine.snapshot(tmp_path, smollm2, ids)
-    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    larql.prefill(smollm2, "standard", ids).save(tmp_path)
+    document = json.loads((tmp_path / "manifest.json").read_text())
+    document["format"] = "larql-engine-state/1"
+    (tmp_path / "manifest.json").write_text(json.dumps(document))
+    with pytest.raises(SnapshotCorrupt, match="older larql") as refused:
+        larql.load_state(smollm2, tmp_path)
+    assert "\n" not in str(refused.value)
 
-    def per_layer(node: object) -> int:
-        """Make every residual store's hot tier a list, as the old layout had it → how many."""
-        if isinstance(node, list):
-            return sum(per_layer(v) for v in node)
-        if not isinstance(node, dict):
-            return 0
-        if str(node.get("__object__", "")).endswith(":ResidualStore"):
-            pairs = node["state"]["__dict__"]
-            for pair in pairs:
-                if pair[0] == "hot":
-                    pair[1] = [pair[1]]
-            return 1
-        return sum(per_layer(v) for v in node.values())
 
-    assert per_layer(manifest) == 1
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(SnapshotCorrupt, match="older larql"):
-        restore_engine(tmp_path, smollm2)
+def test_tensors_the_spec_does_not_imply_are_refused(smollm2: Model, tmp_path: Path) -> None:
+    """With its digests recomputed, a state edited to hold another shape is still refused: each
+    tensor is checked against what the spec and the model imply."""
+    ids = smollm2.tokenizer.encode(PROMPT)
+    larql.prefill(smollm2, "standard", ids).save(tmp_path)
+    tensors = load_file(tmp_path / "state.safetensors")
+    tensors["engine.layers.3.k"] = tensors["engine.layers.3.k"][:-1].clone()
+    save_file(tensors, tmp_path / "state.safetensors")
+    digest = hashlib.sha256((tmp_path / "state.safetensors").read_bytes()).hexdigest()
+    reseal(tmp_path, tensors_sha256=digest)
+    shapes = r"'layers\.3\.k' is float32 \[11, 3, 64\]; expected float32 \[12, 3, 64\]"
+    with pytest.raises(SnapshotCorrupt, match=shapes):
+        larql.load_state(smollm2, tmp_path)
 
 
 def run_cli(monkeypatch: pytest.MonkeyPatch, *args: str):
@@ -202,3 +250,18 @@ def test_cli_state_errors_are_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert result.exit_code == 2
     assert result.stderr.strip().startswith("error: no saved state")
     assert "Traceback" not in result.output
+
+
+@pytest.mark.slow
+def test_cli_loads_a_state_saved_from_python(
+    monkeypatch: pytest.MonkeyPatch, smollm2_default: Model, tmp_path: Path
+) -> None:
+    """The state `State.save` writes holds its last row: `--load-state` continues it with an
+    empty prompt as the run that saved it would have gone on."""
+    document = "The capital of France is Paris. The capital of Italy is"
+    larql.prefill(smollm2_default, "standard", document).save(tmp_path)
+    loaded = CliRunner().invoke(app, ["run", "", "-n", "4", "--load-state", str(tmp_path),
+                                      "--output", "json"])  # fmt: skip
+    assert loaded.exit_code == 0, loaded.output
+    whole = larql.generate(smollm2_default, "standard", document, max_new_tokens=4)
+    assert json.loads(loaded.stdout.strip().splitlines()[-1])["tokens"] == whole.token_ids

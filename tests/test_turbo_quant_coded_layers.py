@@ -18,7 +18,7 @@ from larql.inference.fused_layer import layer_arguments
 from larql.inference.layer import final_logits
 from larql.inference.linear import model_block_rows
 from larql.kv import parse_engine
-from larql.kv.snapshots import restore_engine
+from larql.kv.snapshots import State, load_state_dir
 from larql.kv.turbo_quant.coded_layers import CODE_OLDEST, coded_layers_step
 from larql.models import Model, load_model
 from tiny_models import build_tiny_model, random_ids
@@ -220,8 +220,8 @@ def test_a_restored_state_steps_in_one_call_as_the_original(
     model, ffn = smollm2_default, build_ffn(smollm2_default)
     engine = parse_engine(spec).build(model)
     hidden = engine.prefill(model, ffn, context_ids(model, 100, default_text()))
-    engine.snapshot(tmp_path / "state", model, [], hidden)
-    restored, _ = restore_engine(tmp_path / "state", model)
+    State(model, engine, hidden).save(tmp_path / "state")
+    restored = load_state_dir(tmp_path / "state", model)[0].engine
     tokens = [11, 260, 3575]
     going_on = torch.cat([engine.decode_step(model, ffn, t) for t in tokens])
     assert calls == [True] * 3

@@ -9,12 +9,16 @@ from larql.api.generation import (
     Generation,
     generate,
     load_model,
+    load_state,
     parse_engine,
+    prefill,
     stream,
     teacher_forced_logits,
 )
 from larql.api.measure import accuracy, bench, parse_engines
 from larql.errors import InvalidInput, LarqlError
+from larql.inference.snapshots import SnapshotError
+from larql.kv.snapshots import State
 from larql.kv.spec import EngineSpec, EngineSpecError
 from larql.models.model import Model
 
@@ -25,12 +29,16 @@ __all__ = [
     "InvalidInput",
     "LarqlError",
     "Model",
+    "SnapshotError",
+    "State",
     "accuracy",
     "bench",
     "generate",
     "load_model",
+    "load_state",
     "parse_engine",
     "parse_engines",
+    "prefill",
     "stream",
     "teacher_forced_logits",
 ]

@@ -19,9 +19,9 @@ from larql.inference.generation import teacher_forced_logits as teacher_forced_r
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.prompt import check_context, encode_prompt
 from larql.inference.sampling import Sampler, SamplingParams
-from larql.inference.snapshots import SavedState, SnapshotCorrupt
+from larql.inference.snapshots import SavedState, model_fingerprint, save_state
 from larql.kv.catalog import parse_engine as parse_catalog_spec
-from larql.kv.snapshots import restore_engine
+from larql.kv.snapshots import State, load_state_dir
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 from larql.models.model import load_model as load_weights
@@ -62,8 +62,11 @@ def engine_spec(engine: EngineLike) -> EngineSpec:
     if isinstance(engine, Engine):
         raise InvalidInput(
             "a built engine holds one sequence's state; pass its spec (a string or "
-            "larql.parse_engine(...)) and each call builds a fresh engine"
+            "larql.parse_engine(...)) and each call builds a fresh engine, or a larql.State "
+            "(larql.prefill, larql.load_state) to continue a sequence"
         )
+    if isinstance(engine, State):
+        raise InvalidInput("this call starts from a prompt: pass an engine spec, not a State")
     raise InvalidInput(
         f"engine must be a spec string or an EngineSpec, got {type(engine).__name__}"
     )
@@ -113,7 +116,7 @@ class Generation:
     engine: str  # the canonical spec
     engine_summary: str
     ffn: str
-    loaded_state: SavedState | None = None  # what `load_state` restored
+    loaded_state: SavedState | None = None  # what `load_state` read
     saved_state: SavedState | None = None  # what `save_state` wrote
     top: tuple[TopToken, ...] = ()  # with `top=N`: the next-token table after the prompt
 
@@ -141,7 +144,7 @@ class _TextRun:
     def __init__(
         self,
         model: Model,
-        engine: EngineLike | None,
+        engine: EngineLike | State | None,
         prompt: Prompt,
         max_new_tokens: int,
         sampling: SamplingParams,
@@ -159,30 +162,48 @@ class _TextRun:
         self.model, self.sampling, self.ffn_spec = model, sampling, ffn
         self.save_state, self.saved_state = save_state, None
         self.loaded_state: SavedState | None = None
-        self.resume_hidden: torch.Tensor | None = None
-        self.held_ids: list[int] = []  # the tokens a restored state holds
-        if load_state is None:
+        start = self._start_state(model, engine, load_state)
+        if start is None:
             self.spec = engine_spec(engine)  # type: ignore[arg-type]
             self.spec.require_live_decode()
             self.prompt_ids = prompt_ids(model, prompt, chat)
             self.engine = self.spec.build(model)
-        else:  # continue a saved state: the engine it was saved with (or the same spec)
-            asked = None if engine is None else engine_spec(engine)
-            if asked is not None:
-                asked.require_live_decode()
-            self.engine, self.loaded_state = restore_engine(load_state, model, asked)
-            if self.loaded_state.hidden is None:
-                raise SnapshotCorrupt(f"the state in {load_state} has no last row to continue")
-            self.spec = asked or parse_catalog_spec(self.engine.spec_string or self.engine.name)
-            self.resume_hidden = self.loaded_state.hidden
-            self.held_ids = list(self.loaded_state.manifest.token_ids)
+            self.resume_hidden: torch.Tensor | None = None
+            self.held_ids: list[int] = []
+        else:  # continue a state through a fork of it: the prompt (may be empty) as decode steps
+            self.spec = parse_catalog_spec(start.spec)
+            self.engine = start.fork().engine
+            self.resume_hidden = start.hidden
+            self.held_ids = list(start.token_ids)
             empty = prompt.strip() == "" if isinstance(prompt, str) else not prompt
             self.prompt_ids = [] if empty else prompt_ids(model, prompt, chat)
-        check_context(model, len(self.held_ids) + len(self.prompt_ids))
+        check_context(model, self.engine.position + len(self.prompt_ids))
         self.max_new_tokens = max_new_tokens
         self.ffn_name = ""
         self.text = ""
         self.session: GenerationSession | None = None
+
+    def _start_state(
+        self, model: Model, engine: EngineLike | State | None, path: str | Path | None
+    ) -> State | None:
+        """The state a run continues: the one given, or the one saved at `path`; None: a
+        fresh engine takes the prompt."""
+        if isinstance(engine, State):
+            if path is not None:
+                raise InvalidInput("give a State or load_state, not both")
+            if model_fingerprint(engine.model) != model_fingerprint(model):
+                raise InvalidInput(
+                    f"the State was made with model {engine.model.name!r}, not {model.name!r}"
+                )
+            return engine
+        if path is None:
+            return None
+        asked = None if engine is None else engine_spec(engine)
+        if asked is not None:
+            asked.require_live_decode()
+        state, manifest = load_state_dir(path, model, asked)
+        self.loaded_state = SavedState(manifest, state.hidden, Path(path))
+        return state
 
     def pieces(self) -> Iterator[str]:
         tokenizer = self.model.tokenizer
@@ -201,9 +222,10 @@ class _TextRun:
             if token is not None and self.top and session.logits is not None:
                 self.top_rows = top_tokens(self.model, session.logits, self.top)
             if token is not None and self.save_state is not None:
-                self.saved_state = self.engine.snapshot(
-                    self.save_state, self.model, self.held_ids + self.prompt_ids,
-                    session.last_hidden,
+                assert session.last_hidden is not None
+                self.saved_state = save_state(
+                    self.engine, self.save_state, self.model, session.last_hidden,
+                    self.held_ids + self.prompt_ids,
                 )  # fmt: skip
             while token is not None:
                 if token not in stop_ids and (piece := decoder.step(token)):
@@ -263,7 +285,7 @@ def prompt_ids(model: Model, prompt: Prompt, chat: bool = False) -> list[int]:
 
 def generate(
     model: Model,
-    engine: EngineLike | None,
+    engine: EngineLike | State | None,
     prompt: Prompt,
     *,
     max_new_tokens: int = 64,
@@ -283,9 +305,11 @@ def generate(
     the run early. Sampling as `larql run` (temperature 0 = greedy); `ffn` an FFN policy
     (`--ffn-policy`); `on_text` gets each text piece as it is decoded.
 
+    `engine` may also be a `State` (`prefill`, `load_state`): the run continues a fork of it,
+    `prompt` (may be empty) fed as decode steps, and the state itself is left as it was.
     `save_state`: a directory the engine's state is written to once the prompt is in.
     `load_state`: start from a state saved there instead of a fresh engine (`engine` None or
-    the spec it was saved with); `prompt` (may be empty) continues it as decode steps.
+    the spec it was saved with).
     `top=N`: also the N most likely first tokens with their probabilities (`Generation.top`)."""
     run = _TextRun(model, engine, prompt, max_new_tokens,
                    SamplingParams(temperature, top_k, top_p, seed), chat, ffn,
@@ -298,7 +322,7 @@ def generate(
 
 def stream(
     model: Model,
-    engine: EngineLike,
+    engine: EngineLike | State,
     prompt: Prompt,
     *,
     max_new_tokens: int = 64,
@@ -314,6 +338,38 @@ def stream(
     run = _TextRun(model, engine, prompt, max_new_tokens,
                    SamplingParams(temperature, top_k, top_p, seed), chat, ffn)  # fmt: skip
     return run.pieces()
+
+
+def prefill(
+    model: Model, engine: EngineLike, prompt: Prompt, *, chat: bool = False, ffn: str = "dense"
+) -> State:
+    """Run `prompt` (text, or token ids; `chat=True` wraps text in the chat template) through a
+    fresh engine built from `engine` → the `State` after it: save it (`State.save`), fork it,
+    or continue it with `generate(model, state, …)` as often as wanted."""
+    spec = engine_spec(engine)
+    spec.require_live_decode()
+    ids = prompt_ids(model, prompt, chat)
+    check_context(model, len(ids))
+    built = spec.build(model)
+    router = build_ffn(model, ffn)
+    try:
+        with torch.inference_mode():
+            hidden = built.prefill(model, router, ids)  # [1, H]
+    finally:
+        router.close()
+    return State(model, built, hidden, tuple(ids))
+
+
+def load_state(model: Model, path: str | Path, *, engine: EngineLike | None = None) -> State:
+    """The `State` saved in directory `path` (by `State.save`, `generate(save_state=…)` or
+    `larql run --save-state`), on `model` — the one it was saved with. The engine is rebuilt
+    from the spec the state names, or from `engine`, which must be that spec; every field and
+    tensor is checked on the way in, and nothing in the directory can name code to run."""
+    asked = None if engine is None else engine_spec(engine)
+    if asked is not None:
+        asked.require_live_decode()
+    state, _ = load_state_dir(path, model, asked)
+    return state
 
 
 def teacher_forced_logits(

@@ -1,6 +1,6 @@
 """`larql run --save-state DIR` / `--load-state DIR`: prefill a document once, ask many
-questions. A saved state is the engine's state after the prompt (see `Engine.snapshot`); a load
-restores it — the engine it was saved with, unless `--engine` names that same spec — and the
+questions. A saved state is the engine's declared state after the prompt (`larql.State`); a
+load restores it — the engine it was saved with, unless `--engine` names that same spec — and the
 new prompt's tokens continue it as decode steps (`larql.generate`'s `save_state` /
 `load_state`)."""
 

@@ -23,10 +23,12 @@ new prompt, or a chunk of one, rides in the running sessions' decode step instea
 forward pass of its own; a fresh engine says with `prompt_batch_key` whose steps its prompt
 may ride in.
 
-State snapshots: an engine's state is its attributes (`state_dict`), less those it rebuilds
-from its spec (`_snapshot_exclude`). `snapshot` writes them to a directory, `load_snapshot`
-restores them into an engine built from the same spec for the same model, and `fork` copies
-them in memory; an engine that cannot says why in `snapshot_refusal`.
+State snapshots: an engine declares its state — `write_state` hands over named tensors and
+typed plain fields, `read_state` takes them back into an engine freshly built from the same
+spec, checking each against what the spec and the model imply (`larql.inference.snapshots`).
+Nothing else of the engine is saved, and nothing in a saved state names code. `fork` copies the
+state in memory the same way; an engine that cannot save its state now says why in
+`snapshot_refusal`.
 """
 
 from __future__ import annotations
@@ -34,8 +36,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -44,7 +45,12 @@ from larql.inference.ffn import FfnBackend
 from larql.inference.layer import embed_rows, per_layer_inputs, token_tensor
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import DecodeStageSummary, EngineProfiler
-from larql.inference.snapshots import SavedState, fork_state, load_state, save_state
+from larql.inference.snapshots import (
+    SnapshotUnsupported,
+    StateReader,
+    StateWriter,
+    fork_state,
+)
 from larql.models.model import Model
 
 
@@ -70,8 +76,8 @@ def backend_name(model: Model) -> str:
 
 class Engine(ABC):
     name: ClassVar[str] = ""
-    # attributes a snapshot leaves out: the engine rebuilds them from its spec
-    _snapshot_exclude: ClassVar[frozenset[str]] = frozenset({"_profiler", "spec_string"})
+    # the version of the state `write_state` declares: a state of another version is refused
+    STATE_VERSION: ClassVar[int] = 1
 
     def __init__(self, profiling: bool = False) -> None:
         self.position = 0  # absolute position of the next token
@@ -271,44 +277,32 @@ class Engine(ABC):
 
     # ------------------------------------------------------------------ snapshots
 
-    def snapshot_refusal(self, restoring: bool = False) -> str | None:
-        """Why this engine cannot save (or, `restoring`, load) its state now; None: it can."""
+    def snapshot_refusal(self) -> str | None:
+        """Why this engine cannot save its state now; None: it can."""
         return None
 
-    def state_dict(self) -> dict[str, Any]:
-        """The state as an object tree: every attribute the spec does not rebuild."""
-        excluded = self._snapshot_exclude
-        return {k: v for k, v in vars(self).items() if k not in excluded}
+    def write_state(self, state: StateWriter) -> None:
+        """Hand over the state: what the spec and the model do not rebuild, as named tensors
+        and plain fields (the position is the caller's)."""
+        raise SnapshotUnsupported(self.name, "it does not declare its state (write_state)")
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+    def read_state(self, state: StateReader, model: Model) -> None:
+        """Take back what `write_state` handed over, into this engine freshly built from the
+        same spec, checking every field and tensor against the spec and `model` (`position`
+        is set already)."""
+        raise SnapshotUnsupported(self.name, "it does not declare its state (read_state)")
 
-    def snapshot(
-        self,
-        path: str | Path,
-        model: Model,
-        token_ids: Sequence[int] | None = None,
-        hidden: torch.Tensor | None = None,
-    ) -> SavedState:
-        """Write the state into directory `path` (with the prompt's `token_ids` and the last
-        output row `hidden` [1, H], where given); `SnapshotUnsupported` if it cannot."""
-        return save_state(self, path, model, list(token_ids or []), hidden)
-
-    def load_snapshot(self, path: str | Path, model: Model) -> SavedState:
-        """Replace this engine's state with the one saved at `path`: `SnapshotMismatch` for
-        a state of another engine, spec or model."""
-        return load_state(self, path, model)
-
-    def fork(self) -> Engine:
-        """An independent copy of this engine and its state (decoding one leaves the other)."""
-        clone = fork_state(self)
+    def fork(self, model: Model) -> Engine:
+        """An independent copy of this engine and its state on `model` (decoding one leaves
+        the other)."""
+        clone = fork_state(self, model)
         clone._profiler = EngineProfiler(enabled=self._profiler.enabled)
         return clone
 
     def restored(self, model: Model) -> None:
-        """After `load_snapshot`: the state now lives on `model`'s device."""
+        """After `read_state`: the state now lives on `model`'s device."""
         self._backend = backend_name(model)
+        self._prefilled = True
 
     # ------------------------------------------------------------------ the state policy
 
@@ -354,5 +348,5 @@ class RetrievalEngine(Engine):
         long-context suite compresses a context this way, then asks the question as the prompt."""
         raise NotImplementedError(f"{self.name} cannot index a context")
 
-    def snapshot_refusal(self, restoring: bool = False) -> str | None:
+    def snapshot_refusal(self) -> str | None:
         return "a retrieval engine serves from its store and keeps no decode state to save"

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from larql.inference.snapshots import StateReader, StateWriter
 from larql.kv.rows import GrowableRows
 
 
@@ -79,6 +80,20 @@ class KvBuffer:
     def nbytes(self) -> int:
         """Bytes allocated (what the process actually holds), not just the live rows."""
         return self._k.nbytes() + self._v.nbytes()
+
+    def write_state(self, state: StateWriter) -> None:
+        """Its live rows: `k`, `v` [n, Hkv, D] (nothing where it never held a row)."""
+        state.tensor("k", self._k.live_rows())
+        state.tensor("v", self._v.live_rows())
+
+    def read_state(
+        self, state: StateReader, count: int, dtype: torch.dtype, heads: int, dim: int
+    ) -> None:
+        """Take back `count` rows of [heads, dim] in `dtype` (what `write_state` wrote)."""
+        keys = state.rows("k", dtype, count, (heads, dim))
+        values = state.rows("v", dtype, count, (heads, dim))
+        self._k = GrowableRows.holding(keys, self.keep)
+        self._v = GrowableRows.holding(values, self.keep)
 
     def live_nbytes(self) -> int:
         return self._k.live_nbytes() + self._v.live_nbytes()

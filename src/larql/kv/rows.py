@@ -47,18 +47,20 @@ class GrowableRows:
         if self.keep is None:
             self._expected = max(rows, 0)
 
-    def __getstate__(self) -> dict[str, object]:
-        """A snapshot keeps the live rows only, not the spare capacity."""
-        live = self._data[self._start : self._end] if self._data is not None else None
-        return {"keep": self.keep, "rows": live}
+    def live_rows(self) -> torch.Tensor | None:
+        """The live rows [n, *row_shape], or None where nothing was ever stored (what a saved
+        state keeps: not the spare capacity)."""
+        return None if self._data is None else self._data[self._start : self._end]
 
-    def __setstate__(self, state: dict[str, object]) -> None:
-        rows = state["rows"]
-        assert rows is None or isinstance(rows, torch.Tensor)
-        self.keep = state["keep"]  # type: ignore[assignment]
-        self._data, self._start = rows, 0
-        self._end = self.capacity = 0 if rows is None else rows.shape[0]
-        self._expected = 0
+    @classmethod
+    def holding(cls, rows: torch.Tensor | None, keep: int | None = None) -> GrowableRows:
+        """A store whose live rows are `rows` [n, *row_shape] (None: empty), taken as its
+        storage without a copy."""
+        store = cls(keep)
+        if rows is not None:
+            store._data, store._end = rows, rows.shape[0]
+            store.capacity = rows.shape[0]
+        return store
 
     @property
     def rows(self) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Engine state snapshots: write an engine's state to a directory, restore it into an engine
-built from the same spec for the same model, or fork it in memory."""
+"""Engine state snapshots: an engine's declared state (named tensors and typed plain fields)
+written to a directory, read back into an engine built from the same spec for the same model,
+or forked in memory."""
 
 from larql.inference.snapshots.errors import (
     SnapshotCorrupt,
@@ -9,7 +10,15 @@ from larql.inference.snapshots.errors import (
     SnapshotUnsupported,
     SnapshotUnwritable,
 )
-from larql.inference.snapshots.state import SavedState, fork_state, load_state, save_state
+from larql.inference.snapshots.schema import StateReader, StateWriter
+from larql.inference.snapshots.state import (
+    SavedState,
+    declared_state,
+    fork_state,
+    load_state,
+    restore_into,
+    save_state,
+)
 from larql.inference.snapshots.store import (
     SnapshotManifest,
     model_fingerprint,
@@ -26,10 +35,14 @@ __all__ = [
     "SnapshotNotFound",
     "SnapshotUnsupported",
     "SnapshotUnwritable",
+    "StateReader",
+    "StateWriter",
+    "declared_state",
     "fork_state",
     "load_state",
     "model_fingerprint",
     "read_manifest",
     "read_snapshot",
+    "restore_into",
     "save_state",
 ]

@@ -1,7 +1,12 @@
-"""Saving, restoring and forking an engine's state. An engine's state is its attributes
-(`Engine.state_dict()`), less the ones it rebuilds from its spec (`_snapshot_exclude`), encoded
-by `tree`; restoring sets them on an engine built from the same spec. So an engine gets
-snapshots by keeping its state in attributes, and refuses by naming why (`snapshot_refusal`)."""
+"""Saving, restoring and forking an engine's state.
+
+An engine declares its state (`Engine.write_state` / `Engine.read_state`: named tensors and
+typed plain fields, see `schema`); restoring builds the engine from its spec through its
+constructor — the caller does that, through the catalog — and then reads the declared state
+into it, checking every field and tensor against what the spec and the model imply. An engine
+that cannot save its state now says why (`snapshot_refusal`); one that declares no state cannot
+be saved at all.
+"""
 
 from __future__ import annotations
 
@@ -9,34 +14,38 @@ import copy
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 import torch
 
-from larql.inference.snapshots.errors import SnapshotMismatch, SnapshotUnsupported
+from larql.inference.snapshots.errors import SnapshotCorrupt, SnapshotMismatch, SnapshotUnsupported
+from larql.inference.snapshots.schema import StateReader, StateWriter
 from larql.inference.snapshots.store import (
+    ENGINE_PREFIX,
     HIDDEN,
     SnapshotManifest,
     model_fingerprint,
-    read_snapshot,
     write_snapshot,
 )
-from larql.inference.snapshots.tree import TreeDecoder, TreeEncoder, Unencodable
 from larql.models.model import Model
 
 
 class Engine(Protocol):
-    """What snapshots need of an engine (`larql.inference.engine.Engine` has it)."""
+    """What states need of an engine (`larql.inference.engine.Engine` has it)."""
 
-    name: str
+    name: ClassVar[str]
+    STATE_VERSION: ClassVar[int]
     spec_string: str | None
     position: int
 
-    def snapshot_refusal(self, restoring: bool = False) -> str | None: ...
+    @property
+    def prefilled(self) -> bool: ...
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def snapshot_refusal(self) -> str | None: ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def write_state(self, state: StateWriter) -> None: ...
+
+    def read_state(self, state: StateReader, model: Model) -> None: ...
 
     def restored(self, model: Model) -> None: ...
 
@@ -46,65 +55,78 @@ E = TypeVar("E", bound=Engine)
 
 @dataclass(frozen=True)
 class SavedState:
-    """What a restore hands back beside the engine: the manifest, and the last output row
-    [1, H] where it was saved (the next token's logits come from it)."""
+    """A state on disk: its manifest, the last output row [1, H] (the next token's logits come
+    from it), where it is and how many bytes it took."""
 
     manifest: SnapshotManifest
-    hidden: torch.Tensor | None
+    hidden: torch.Tensor
     path: Path
     nbytes: int = 0
 
 
-def encoded_state(engine: Engine, encoder: TreeEncoder) -> Any:
+def declared_state(engine: Engine, keep_device: bool = False) -> StateWriter:
+    """The engine's state as fields and tensors; `SnapshotUnsupported` where it cannot give it."""
     reason = engine.snapshot_refusal()
+    if reason is None and not engine.prefilled:
+        reason = "it holds no prompt yet"
     if reason is not None:
         raise SnapshotUnsupported(engine.name, reason)
-    try:
-        return encoder.encode(engine.state_dict(), "engine")
-    except Unencodable as e:
-        raise SnapshotUnsupported(engine.name, str(e)) from None
+    writer = StateWriter(keep_device)
+    engine.write_state(writer)
+    return writer
 
 
 def save_state(
     engine: Engine,
     path: str | Path,
     model: Model,
+    hidden: torch.Tensor,
     token_ids: list[int] | None = None,
-    hidden: torch.Tensor | None = None,
 ) -> SavedState:
-    encoder = TreeEncoder()
-    tree = encoded_state(engine, encoder)
-    tensors = dict(encoder.tensors)
-    if hidden is not None:
-        tensors[HIDDEN] = hidden.detach().to("cpu", copy=True).contiguous()
-    cls = type(engine)
+    """Write the engine's state, its last output row `hidden` [1, H] and the tokens it holds
+    (where known) into directory `path`."""
+    if not engine.spec_string:
+        raise SnapshotUnsupported(
+            engine.name, "it was not built from a spec (larql.parse_engine(...)), so nothing "
+            "could rebuild it from the state"
+        )  # fmt: skip
+    state = declared_state(engine)
+    tensors = {ENGINE_PREFIX + name: t for name, t in state.tensors.items()}
+    row = hidden.detach().to("cpu", copy=True).contiguous()
+    tensors[HIDDEN] = row
     manifest = SnapshotManifest(
         engine=engine.name,
-        engine_spec=engine.spec_string or "",
-        engine_class=f"{cls.__module__}:{cls.__qualname__}",
+        engine_spec=engine.spec_string,
+        state_version=engine.STATE_VERSION,
         model=model.name,
         model_fingerprint=model_fingerprint(model),
         dtype=str(model.dtype).removeprefix("torch."),
         position=engine.position,
         larql_version=version("larql"),
         token_ids=list(token_ids or []),
-        state=tree,
+        fields=dict(state.fields),
     )
-    nbytes = write_snapshot(path, manifest, tensors)
-    return SavedState(manifest, hidden, Path(path), nbytes)
+    written, nbytes = write_snapshot(path, manifest, tensors)
+    return SavedState(written, hidden, Path(path), nbytes)
 
 
 def check_compatible(engine: Engine, manifest: SnapshotManifest, model: Model) -> None:
-    """Refuse a state saved by another engine (or spec) or for another model."""
+    """Refuse a state saved by another engine (or spec, or version of its state) or for another
+    model."""
     if manifest.engine != engine.name:
         raise SnapshotMismatch(
             f"the state was saved by engine {manifest.engine_spec or manifest.engine!r}; it "
             f"cannot be loaded into {engine.spec_string or engine.name!r}"
         )
-    if manifest.engine_spec and engine.spec_string and manifest.engine_spec != engine.spec_string:
+    if engine.spec_string and manifest.engine_spec != engine.spec_string:
         raise SnapshotMismatch(
             f"the state was saved by {manifest.engine_spec!r}, not {engine.spec_string!r}; "
             f"load it with --engine {manifest.engine_spec} (or no --engine)"
+        )
+    if manifest.state_version != engine.STATE_VERSION:
+        raise SnapshotMismatch(
+            f"the state holds version {manifest.state_version} of {engine.name}'s state; this "
+            f"larql reads version {engine.STATE_VERSION}: save it again with this version"
         )
     if manifest.model_fingerprint != model_fingerprint(model):
         raise SnapshotMismatch(
@@ -114,25 +136,52 @@ def check_compatible(engine: Engine, manifest: SnapshotManifest, model: Model) -
         )
 
 
-def load_state(engine: Engine, path: str | Path, model: Model) -> SavedState:
-    manifest, tensors = read_snapshot(path)
+def load_state(
+    engine: Engine, manifest: SnapshotManifest, tensors: dict[str, torch.Tensor], model: Model
+) -> torch.Tensor:
+    """Read a state (as `store.read_snapshot` gives it) into `engine`, freshly built from the
+    state's spec → the last output row [1, H] on the model's device."""
     check_compatible(engine, manifest, model)
-    reason = engine.snapshot_refusal(restoring=True)
-    if reason is not None:
-        raise SnapshotUnsupported(engine.name, reason)
-    state = TreeDecoder(tensors, model).decode(manifest.state)
-    engine.load_state_dict(state)
+    cfg = model.config
+    if not 1 <= manifest.position <= cfg.max_positions:
+        raise SnapshotCorrupt(
+            f"the state holds {manifest.position} tokens; {model.name} holds 1..{cfg.max_positions}"
+        )
+    ids = manifest.token_ids
+    if len(ids) > manifest.position or any(t >= cfg.vocab_size for t in ids):
+        raise SnapshotCorrupt(
+            f"the state's token_ids must be at most {manifest.position} ids below {cfg.vocab_size}"
+        )
+    own = {
+        name.removeprefix(ENGINE_PREFIX): t
+        for name, t in tensors.items()
+        if name.startswith(ENGINE_PREFIX)
+    }
+    extra = sorted(set(tensors) - {HIDDEN} - {ENGINE_PREFIX + name for name in own})
+    if extra:
+        raise SnapshotCorrupt(f"the state holds tensor {extra[0]!r}, which no state has")
+    hidden = StateReader({}, tensors, model.device).tensor(HIDDEN, model.dtype,
+                                                           (1, cfg.hidden_size))  # fmt: skip
+    reader = StateReader(manifest.fields, own, model.device)
+    restore_into(engine, reader, model, manifest.position)
+    reader.finish()
+    return hidden
+
+
+def restore_into(engine: Engine, reader: StateReader, model: Model, position: int) -> None:
+    """Give `engine` (built from its spec, nothing prefilled) the state `reader` holds at
+    `position` tokens."""
+    engine.position = position
+    engine.read_state(reader, model)
     engine.restored(model)
-    hidden = tensors.get(HIDDEN)
-    return SavedState(manifest, None if hidden is None else hidden.to(model.device), Path(path))
 
 
-def fork_state(engine: E) -> E:
+def fork_state(engine: E, model: Model) -> E:
     """An independent copy: the state's tensors copied where they are, everything the engine
     rebuilds from its spec shared."""
-    encoder = TreeEncoder(keep_device=True)
-    tree = encoded_state(engine, encoder)
-    model = encoder.models[0] if encoder.models else None
+    state = declared_state(engine, keep_device=True)
     clone = copy.copy(engine)
-    clone.load_state_dict(TreeDecoder(encoder.tensors, model).decode(tree))
+    reader = StateReader(state.fields, state.tensors, model.device)
+    restore_into(clone, reader, model, engine.position)
+    reader.finish()
     return clone

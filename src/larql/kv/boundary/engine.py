@@ -11,6 +11,7 @@ output, before the final norm). Frames live in the archive, not in the engine's 
 
 from __future__ import annotations
 
+import copy
 import secrets
 import time
 
@@ -22,11 +23,13 @@ from larql.inference.errors import BackendFailure
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import final_logits
 from larql.inference.memory import MemoryBreakdown
+from larql.inference.snapshots import SnapshotCorrupt, StateReader, StateWriter, restore_into
 from larql.kv.boundary import codecs
 from larql.kv.boundary.archive import BoundaryArchive, InMemoryBoundaryArchive
 from larql.kv.boundary.frames import (
     FRAME_VERSION,
     Agreement,
+    BoundaryFormatError,
     BoundaryFrame,
     BoundaryMetadata,
     BoundaryModelIdentity,
@@ -39,6 +42,8 @@ from larql.kv.standard import StandardEngine
 from larql.models.model import Model
 
 DEFAULT_CHUNK_TOKENS = 512
+# what a sequence id may be: it names the frames' files in a directory archive
+SEQUENCE_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 AGREEMENT_CODEC = "int8_clip3sigma"
 
 
@@ -76,10 +81,71 @@ class BoundaryKvEngine(KvEngine):
         self.frames_emitted = 0
         self.payload_bytes_emitted = 0
 
-    def snapshot_refusal(self, restoring: bool = False) -> str | None:
+    def snapshot_refusal(self) -> str | None:
         if not isinstance(self.archive, InMemoryBoundaryArchive):
             return "its frames go to an archive on disk, which a restored run would write twice"
-        return self.inner.snapshot_refusal(restoring)
+        return self.inner.snapshot_refusal()
+
+    def write_state(self, state: StateWriter) -> None:
+        """The inner standard engine's state (`inner.*`), the sequence and run ids, and the
+        frames emitted so far: their metadata (`frames`, plain data) and payloads
+        (`frames.N`, uint8)."""
+        self.inner.write_state(state.scope("inner"))
+        state.put("sequence_id", self.sequence_id)
+        state.put("run_id", self.run_id)
+        frames = self.frames()
+        state.put("frames", [frame.to_json() for frame in frames])
+        for index, frame in enumerate(frames):
+            payload = torch.frombuffer(bytearray(frame.payload.data), dtype=torch.uint8)
+            state.tensor(f"frames.{index}", payload)
+
+    def read_state(self, state: StateReader, model: Model) -> None:
+        self.inner = copy.copy(self.inner)  # (a fork's inner engine must not be the original's)
+        restore_into(self.inner, state.scope("inner"), model, self.position)
+        sequence = state.text("sequence_id", SEQUENCE_ID_PATTERN)
+        if self.spec_string and "sequence_id=" in self.spec_string and sequence != self.sequence_id:
+            raise SnapshotCorrupt(
+                f"the state's sequence {sequence!r} is not its spec's {self.sequence_id!r}"
+            )
+        self.sequence_id = sequence
+        self.run_id = state.text("run_id", r"[0-9a-f]{1,64}")
+        documents = state.plain("frames")
+        if not isinstance(documents, list) or len(documents) > self.position // self.chunk_tokens:
+            raise SnapshotCorrupt(
+                f"state field 'frames' must list at most one frame per {self.chunk_tokens} tokens"
+            )
+        self.archive = InMemoryBoundaryArchive()
+        for index, document in enumerate(documents):
+            self._restore_frame(state, index, document, model)
+        frames = self.frames()
+        self.frames_emitted = len(frames)
+        self.payload_bytes_emitted = sum(frame.payload.nbytes for frame in frames)
+
+    def _restore_frame(
+        self, state: StateReader, index: int, document: object, model: Model
+    ) -> None:
+        """One frame of a saved state, checked: this sequence's, at a chunk's end, of this model."""
+        found = state.tensors.get(f"{state.prefix}frames.{index}")
+        size = 0 if found is None else found.numel()
+        payload = state.tensor(f"frames.{index}", torch.uint8, (size,))
+        try:
+            if not isinstance(document, dict):
+                raise BoundaryFormatError("a frame is not a JSON object")
+            frame = BoundaryFrame.from_json(document, payload.cpu().numpy().tobytes())
+        except BoundaryFormatError as e:
+            raise SnapshotCorrupt(f"state frame {index}: {e}") from None
+        end = frame.token_end
+        if (
+            frame.sequence_id != self.sequence_id
+            or type(end) is not int
+            or not 0 < end <= self.position
+            or end % self.chunk_tokens
+            or frame.hidden_size != model.config.hidden_size
+        ):
+            raise SnapshotCorrupt(
+                f"state frame {index} is not a frame of this sequence at a chunk's end"
+            )
+        self.archive.append(frame)
 
     def describe(self) -> str:
         return (

@@ -22,6 +22,7 @@ from larql.inference.layer import (
 )
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
+from larql.inference.snapshots import StateReader, StateWriter
 from larql.kv.buffers import KvBuffer
 from larql.models.model import Model
 
@@ -39,6 +40,33 @@ class EvictingEngine(KvEngine):
 
     def memory(self) -> MemoryBreakdown:
         return MemoryBreakdown.of(hot=self._layers)
+
+    def write_state(self, state: StateWriter) -> None:
+        """Each layer's kept rows (`layers.N.*`)."""
+        for layer, rows in enumerate(self._layers):
+            rows.write_state(state.scope(f"layers.{layer}"))
+
+    def read_state(self, state: StateReader, model: Model) -> None:
+        """Each layer's rows: none on a layer sharing another's K/V, a sliding layer's window,
+        else what the policy keeps of `position` tokens (`_read_kept`)."""
+        cfg = model.config
+        self._layers = []
+        for layer in range(cfg.num_layers):
+            scoped = state.scope(f"layers.{layer}")
+            shape = (model.dtype, cfg.kv_heads_of(layer), cfg.head_dim_of(layer))
+            window = cfg.layers[layer].sliding_window
+            if shares(cfg, layer) or window is not None:
+                buffer = KvBuffer() if window is None else KvBuffer(keep=kept_rows(window))
+                held = 0 if shares(cfg, layer) else self.position
+                kept = held if buffer.keep is None else min(held, buffer.keep)
+                buffer.read_state(scoped, kept, *shape)
+                self._layers.append(buffer)
+            else:
+                self._layers.append(self._read_kept(scoped, *shape))
+
+    @abstractmethod
+    def _read_kept(self, state: StateReader, dtype: torch.dtype, heads: int, dim: int):
+        """A layer's rows as the policy keeps them after `position` tokens."""
 
     @abstractmethod
     def _compressed(

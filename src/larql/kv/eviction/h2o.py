@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from larql.inference.memory import tensor_bytes
+from larql.inference.snapshots import StateReader, StateWriter
 from larql.kv.eviction.base import EvictingEngine
 from larql.kv.eviction.scores import attention_mass, gather_rows
 from larql.models.model import Model
@@ -40,6 +41,19 @@ class HeavyRows:
     def nbytes(self) -> int:
         return tensor_bytes(self.keys, self.values, self.mass)
 
+    def write_state(self, state: StateWriter) -> None:
+        state.tensor("k", self.keys)  # [Hkv, n, D]
+        state.tensor("v", self.values)
+        state.tensor("mass", self.mass)  # [Hkv, n] float32
+
+    @classmethod
+    def read_state(
+        cls, state: StateReader, count: int, dtype: torch.dtype, heads: int, dim: int
+    ) -> HeavyRows:
+        keys = state.tensor("k", dtype, (heads, count, dim))
+        values = state.tensor("v", dtype, (heads, count, dim))
+        return cls(keys, values, state.tensor("mass", torch.float32, (heads, count)))
+
 
 class H2oEngine(EvictingEngine):
     name = "h2o"
@@ -65,6 +79,10 @@ class H2oEngine(EvictingEngine):
         rows = HeavyRows(k, v, attention_mass(model, q, k, 0))
         self._evict(rows)
         return rows
+
+    def _read_kept(self, state: StateReader, dtype: torch.dtype, heads: int, dim: int) -> HeavyRows:
+        """At most `budget` rows."""
+        return HeavyRows.read_state(state, min(self.position, self.budget), dtype, heads, dim)
 
     def _attended(self, model: Model, layer: int, rows: HeavyRows, q: torch.Tensor) -> None:
         rows.mass += attention_mass(model, q, rows.keys, len(rows) - 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from larql.inference.snapshots import StateReader
 from larql.kv.buffers import KvBuffer
 from larql.kv.eviction.base import EvictingEngine
 from larql.kv.eviction.scores import attention_mass, gather_rows
@@ -55,6 +56,15 @@ class SnapKvEngine(EvictingEngine):
         tail = torch.arange(observed, prompt, device=k.device).expand(k.shape[0], -1)
         index = torch.cat((chosen, tail), dim=1)  # [Hkv, budget + window], positions in order
         buffer.append(gather_rows(k, index), gather_rows(v, index))
+        return buffer
+
+    def _read_kept(self, state: StateReader, dtype: torch.dtype, heads: int, dim: int) -> KvBuffer:
+        """Every decoded row and what the prompt kept: at least budget + window of the rows (all
+        of a shorter prompt's), at most every position."""
+        least = min(self.position, self.budget + self.window)
+        count = state.row_count("k", least, self.position)
+        buffer = KvBuffer()
+        buffer.read_state(state, count, dtype, heads, dim)
         return buffer
 
     def _attended(self, model: Model, layer: int, rows: KvBuffer, q: torch.Tensor) -> None:

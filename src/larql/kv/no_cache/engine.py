@@ -10,6 +10,7 @@ from larql.inference.ffn import FfnBackend
 from larql.inference.forward import run_layers
 from larql.inference.layer import embed_rows
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
+from larql.inference.snapshots import StateReader, StateWriter
 from larql.models.model import Model
 
 
@@ -28,6 +29,12 @@ class NoCacheEngine(KvEngine):
 
     def window_tokens(self) -> int:
         return 0 if self._ids is None else int(self._ids.shape[0])
+
+    def write_state(self, state: StateWriter) -> None:
+        state.tensor("ids", self._ids)  # [T] int32
+
+    def read_state(self, state: StateReader, model: Model) -> None:
+        self._ids = state.token_ids("ids", self.position, model.config.vocab_size)
 
     def _start_tokens(self, model: Model, ffn: FfnBackend, token_ids: list[int]) -> torch.Tensor:
         self._ids = torch.tensor(token_ids, dtype=torch.int32, device=model.device)

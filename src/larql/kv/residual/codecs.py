@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from larql.inference.snapshots import StateReader, StateWriter
 from larql.kv.rows import GrowableRows
 
 
@@ -56,6 +57,16 @@ class ColdCodec(Protocol):
 
     def nbytes(self) -> int: ...
 
+    def write_state(self, state: StateWriter) -> None:
+        """Its stored rows as tensor `rows`."""
+        ...
+
+    def read_state(
+        self, state: StateReader, count: int, row_shape: tuple[int, ...], dtype: torch.dtype
+    ) -> None:
+        """Take back `count` stored rows of `row_shape`, given in `dtype`."""
+        ...
+
 
 class IdentityCodec:
     """Rows kept as given (model dtype)."""
@@ -84,6 +95,14 @@ class IdentityCodec:
 
     def live_nbytes(self) -> int:
         return self._rows.live_nbytes()
+
+    def write_state(self, state: StateWriter) -> None:
+        state.tensor("rows", self._rows.live_rows())
+
+    def read_state(
+        self, state: StateReader, count: int, row_shape: tuple[int, ...], dtype: torch.dtype
+    ) -> None:
+        self._rows = GrowableRows.holding(state.rows("rows", dtype, count, row_shape))
 
 
 class Bf16Codec:
@@ -116,6 +135,15 @@ class Bf16Codec:
 
     def live_nbytes(self) -> int:
         return self._payload.live_nbytes()
+
+    def write_state(self, state: StateWriter) -> None:
+        state.tensor("rows", self._payload.live_rows())  # uint16 bfloat16 bit patterns
+
+    def read_state(
+        self, state: StateReader, count: int, row_shape: tuple[int, ...], dtype: torch.dtype
+    ) -> None:
+        payload = state.rows("rows", torch.uint16, count, row_shape)
+        self._payload, self._dtype = GrowableRows.holding(payload), dtype
 
 
 CODECS: dict[str, type[IdentityCodec] | type[Bf16Codec]] = {

@@ -31,6 +31,7 @@ from larql.inference.layer import attention_block, ffn_block
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import EngineProfiler
 from larql.inference.shared_kv import SharedKv, shares
+from larql.inference.snapshots import StateReader, StateWriter
 from larql.kv.buffers import KvBuffer, commit_step, step_rows, step_slots
 from larql.kv.reserved_rows import prompt_in_one_call, rows_reserved
 from larql.kv.residual.codecs import new_codec
@@ -63,8 +64,6 @@ def check_preconditions(model: Model, engine: str) -> None:
 
 class ResidualStreamEngine(KvEngine):
     """Base of markov-rs, markov-rs-codec and boundary-per-layer; subclasses choose codecs."""
-
-    _snapshot_exclude = KvEngine._snapshot_exclude | {"_expected"}
 
     def __init__(
         self,
@@ -123,6 +122,15 @@ class ResidualStreamEngine(KvEngine):
     def drop_derivative(self) -> None:
         """Forget all cached K/V; the next step recomputes them from the stored residuals."""
         self.store.drop_derivative()
+
+    def write_state(self, state: StateWriter) -> None:
+        """The residual store's rows (`store.*`)."""
+        self.store.write_state(state.scope("store"))
+
+    def read_state(self, state: StateReader, model: Model) -> None:
+        store = self._new_store(model)
+        store.read_state(state.scope("store"), model, self.position)
+        self._store = store
 
     # ------------------------------------------------------------------ prefill
 

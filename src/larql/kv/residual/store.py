@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from larql.inference.errors import InvariantViolation
 from larql.inference.layer import recompute_kv
 from larql.inference.memory import MemoryBreakdown
+from larql.inference.snapshots import StateReader, StateWriter
 from larql.kv.buffers import KvBuffer
 from larql.kv.residual.codecs import ColdCodec, new_codec
 from larql.kv.rows import GrowableRows
@@ -81,14 +81,6 @@ class ResidualStore:
         self.kv: list[KvBuffer] | None = [KvBuffer() for _ in codec_labels]
         self.next_position = 0
         self._pushed = 0  # rows pushed and not yet advanced (0: none)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        if not isinstance(state.get("hot"), GrowableRows):
-            raise ValueError(
-                "a residual store saved by an older larql (one tier per layer); save the "
-                "session again with this version"
-            )
-        self.__dict__.update(state)
 
     @property
     def num_layers(self) -> int:
@@ -216,6 +208,38 @@ class ResidualStore:
             rows = evicted.stored[:, column].contiguous()  # [n, H]
             k, v = recompute_kv(model, layer, rows, evicted.first_position)
             self.kv[layer].replace_row(evicted.first_position, k, v)
+
+    # ------------------------------------------------------------------ saved state
+
+    def write_state(self, state: StateWriter) -> None:
+        """`hot` [hot_len, layers kept, H]; each cold tier's rows (`cold.N.rows`); whether the
+        derivative K/V is kept (`derivative`) and, if so, each layer's (`kv.N.k`, `.v`)."""
+        state.tensor("hot", self.hot.live_rows())
+        for index, tier in enumerate(self.cold):
+            tier.codec.write_state(state.scope(f"cold.{index}"))
+        state.put("derivative", self.kv is not None)
+        for layer, buffer in enumerate(self.kv or []):
+            buffer.write_state(state.scope(f"kv.{layer}"))
+
+    def read_state(self, state: StateReader, model: Model, position: int) -> None:
+        """Take back the rows of `position` positions into this empty store: the last `window`
+        hot, the rest cold, the K/V of every position where it was kept."""
+        cfg, dtype = model.config, model.dtype
+        hot_len = position if self.window is None else min(position, self.window)
+        width = (len(self.layers), cfg.hidden_size)
+        self.hot = GrowableRows.holding(state.rows("hot", dtype, hot_len, width))
+        for index, tier in enumerate(self.cold):
+            shape = (len(tier.layers), cfg.hidden_size)
+            tier.codec.read_state(state.scope(f"cold.{index}"), position - hot_len, shape, dtype)
+        if state.flag("derivative"):
+            assert self.kv is not None
+            for layer, buffer in enumerate(self.kv):
+                held = position if self.keeps_kv[layer] else 0
+                buffer.read_state(state.scope(f"kv.{layer}"), held, dtype,
+                                  cfg.kv_heads_of(layer), cfg.head_dim_of(layer))  # fmt: skip
+        else:
+            self.kv = None
+        self.next_position, self._pushed = position, 0
 
     # ------------------------------------------------------------------ accounting
 

@@ -7,6 +7,7 @@ modes would change the base's state and are refused where the spec is parsed."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -15,6 +16,7 @@ from larql.inference.engine import Engine, KvEngine
 from larql.inference.ffn import FfnBackend
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import DecodeStageSummary
+from larql.inference.snapshots import StateReader, StateWriter, restore_into
 from larql.models.model import Model
 
 
@@ -57,8 +59,20 @@ class SemanticPromotionEngine(KvEngine):
     def extends_exactly(self, model: Model) -> bool:
         return self.base.extends_exactly(model)
 
-    def snapshot_refusal(self, restoring: bool = False) -> str | None:
-        return f"a policy wrapper: snapshot its base engine ({self.base_spec}) instead"
+    def snapshot_refusal(self) -> str | None:
+        return self.base.snapshot_refusal()
+
+    def write_state(self, state: StateWriter) -> None:
+        """Its base's state (`base.*`) and what it has seen."""
+        self.base.write_state(state.scope("base"))
+        state.put("observed_prompt_tokens", self.observed_prompt_tokens)
+        state.put("observed_steps", self.observed_steps)
+
+    def read_state(self, state: StateReader, model: Model) -> None:
+        self.base = copy.copy(self.base)  # (a fork's base must not be the original's)
+        restore_into(self.base, state.scope("base"), model, self.position)
+        self.observed_prompt_tokens = state.integer("observed_prompt_tokens", 0, self.position)
+        self.observed_steps = state.integer("observed_steps", 0, self.position)
 
     # ------------------------------------------------------------------ the protocol, delegated
 

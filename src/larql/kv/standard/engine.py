@@ -37,6 +37,7 @@ from larql.inference.layer import (
 from larql.inference.linear import model_block_rows
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
+from larql.inference.snapshots import StateReader, StateWriter
 from larql.kv.buffers import KvBuffer, commit_step, step_rows, step_slots
 from larql.kv.reserved_rows import rows_reserved
 from larql.kv.standard.sinks import SinkKvBuffer
@@ -51,7 +52,6 @@ class StandardEngine(KvEngine):
     on the CPU). Prefilling from hidden rows always takes the eager path."""
 
     name = "standard"
-    _snapshot_exclude = KvEngine._snapshot_exclude | {"_clipping", "_expected"}
 
     def __init__(
         self,
@@ -200,10 +200,31 @@ class StandardEngine(KvEngine):
             h = out
         return h
 
-    def snapshot_refusal(self, restoring: bool = False) -> str | None:
+    def snapshot_refusal(self) -> str | None:
         if self.fast_path is not None:
             return "its static CUDA path holds a captured graph; use standard:graph=0"
         return None
+
+    def write_state(self, state: StateWriter) -> None:
+        """Each layer's live K/V rows (`layers.N.k`, `.v`; a sinks layer's under `sink` and
+        `recent`)."""
+        for layer, buffer in enumerate(self._layers or []):
+            buffer.write_state(state.scope(f"layers.{layer}"))
+
+    def read_state(self, state: StateReader, model: Model) -> None:
+        """Every layer's rows: all the positions, or a window's last rows where the layer keeps
+        a window (none on a layer that shares another's K/V)."""
+        self.fast_path, self._clipping = None, None
+        self._layers = self._new_layers(model)
+        cfg = model.config
+        for layer, buffer in enumerate(self._layers):
+            held = 0 if shares(cfg, layer) else self.position
+            shape = (model.dtype, cfg.kv_heads_of(layer), cfg.head_dim_of(layer))
+            if isinstance(buffer, SinkKvBuffer):
+                buffer.read_state(state.scope(f"layers.{layer}"), held, *shape)
+            else:
+                kept = held if buffer.keep is None else min(held, buffer.keep)
+                buffer.read_state(state.scope(f"layers.{layer}"), kept, *shape)
 
     def _start_tokens(self, model: Model, ffn: FfnBackend, token_ids: list[int]) -> torch.Tensor:
         if not self._static(model):

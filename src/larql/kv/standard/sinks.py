@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from larql.inference.snapshots import StateReader, StateWriter
 from larql.kv.buffers import KvBuffer
 
 
@@ -69,6 +70,20 @@ class SinkKvBuffer:
 
     def nbytes(self) -> int:
         return self._sink.nbytes() + self._recent.nbytes()
+
+    def write_state(self, state: StateWriter) -> None:
+        self._sink.write_state(state.scope("sink"))
+        self._recent.write_state(state.scope("recent"))
+
+    def read_state(
+        self, state: StateReader, count: int, dtype: torch.dtype, heads: int, dim: int
+    ) -> None:
+        """The rows of `count` positions: the first `sinks` of them, and the window's."""
+        sinks = min(count, self.sinks)
+        recent = min(count - sinks, self.window - 1)
+        self._sink.read_state(state.scope("sink"), sinks, dtype, heads, dim)
+        self._recent.read_state(state.scope("recent"), recent, dtype, heads, dim)
+        self._count = count
 
     def live_nbytes(self) -> int:
         return self._sink.live_nbytes() + self._recent.live_nbytes()

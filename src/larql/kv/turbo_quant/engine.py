@@ -63,6 +63,7 @@ from larql.inference.layer import (
 )
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
+from larql.inference.snapshots import StateReader, StateWriter
 from larql.kv.buffers import KvBuffer
 from larql.kv.reserved_rows import prompt_in_one_call
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
@@ -80,7 +81,6 @@ CodecFactory = Callable[[int], RowCodec]  # head_dim → codec
 
 class TurboQuantEngine(KvEngine):
     name = "turbo-quant"
-    _snapshot_exclude = KvEngine._snapshot_exclude | {"_codec_factory"}
 
     def __init__(
         self,
@@ -175,10 +175,25 @@ class TurboQuantEngine(KvEngine):
     def supports_multimodal(self) -> bool:
         return True
 
-    def snapshot_refusal(self, restoring: bool = False) -> str | None:
+    def snapshot_refusal(self) -> str | None:
         if self._fast is not None:
             return "its CUDA kernel path keeps codes in fixed slots; use attention=sdpa"
         return None
+
+    def write_state(self, state: StateWriter) -> None:
+        """Each layer's stored rows (`layers.N.*`: sinks, codes, recent rows, mean)."""
+        for layer, store in enumerate(self._layers or []):
+            store.write_state(state.scope(f"layers.{layer}"))
+
+    def read_state(self, state: StateReader, model: Model) -> None:
+        """Every layer's rows of `position` tokens on the torch path (none on a layer that
+        shares another's K/V)."""
+        keeps = self._prepare_layouts(model)
+        self._fast = None
+        self._layers = self._torch_layers(model, keeps)
+        for layer, store in enumerate(self._layers):
+            held = 0 if shares(model.config, layer) else self.position
+            store.read_state(state.scope(f"layers.{layer}"), held)
 
     # ------------------------------------------------------------------ prefill
 
@@ -187,21 +202,10 @@ class TurboQuantEngine(KvEngine):
     ) -> torch.Tensor:
         """rows: [S, H] → every row's hidden [S, H], attending over exact K/V."""
         cfg = model.config
-        # a layout per head width (Gemma 4's global layers are wider): a codec of each width
-        widths = {cfg.head_dim_of(layer) for layer in range(cfg.num_layers)}
-        by_width = {width: self._kv_layout(width) for width in sorted(widths)}
-        self._layouts = [by_width[cfg.head_dim_of(layer)] for layer in range(cfg.num_layers)]
-        self._layout = self._layouts[0]
-        keeps = [self._keep(model, layer) for layer in range(cfg.num_layers)]
+        keeps = self._prepare_layouts(model)
         # the kernels keep one codec for every layer
         self._fast = self._kernel_path(model, keeps) if cfg.uniform_attention else None
-        self._layers = None
-        if self._fast is None:
-            self._layers = [
-                QuantisedLayer(self._layouts[layer], keep, cfg.kv_heads_of(layer), model.dtype,
-                               compiled=self._compiled(model, self._layouts[layer]))
-                for layer, keep in enumerate(keeps)
-            ]  # fmt: skip
+        self._layers = None if self._fast is not None else self._torch_layers(model, keeps)
         if self._fast is not None:
             self._fast.start(model, rows.shape[0])
         elif (h := self._prompt_in_one_call(model, ffn, rows, inputs, keeps)) is not None:
@@ -222,6 +226,24 @@ class TurboQuantEngine(KvEngine):
                 self._layers[layer].append(exact.k, exact.v)
             h = ffn_block(model, layer, h, ffn, inputs)
         return h
+
+    def _prepare_layouts(self, model: Model) -> list[int | None]:
+        """Each layer's layout (a codec of its head width: Gemma 4's global layers are wider)
+        → the rows each layer keeps (None: every row)."""
+        cfg = model.config
+        widths = {cfg.head_dim_of(layer) for layer in range(cfg.num_layers)}
+        by_width = {width: self._kv_layout(width) for width in sorted(widths)}
+        self._layouts = [by_width[cfg.head_dim_of(layer)] for layer in range(cfg.num_layers)]
+        self._layout = self._layouts[0]
+        return [self._keep(model, layer) for layer in range(cfg.num_layers)]
+
+    def _torch_layers(self, model: Model, keeps: list[int | None]) -> list[QuantisedLayer]:
+        """The torch path's empty layer stores."""
+        return [
+            QuantisedLayer(self._layouts[layer], keep, model.config.kv_heads_of(layer),
+                           model.dtype, compiled=self._compiled(model, self._layouts[layer]))
+            for layer, keep in enumerate(keeps)
+        ]  # fmt: skip
 
     def _prompt_in_one_call(
         self,

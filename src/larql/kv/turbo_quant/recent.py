@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from larql.inference.snapshots import StateReader, StateWriter
 from larql.kv.rows import GrowableRows
 
 SUPPORTED_RECENT_BITS = (8, 16)
@@ -48,6 +49,22 @@ class RecentRows:
 
     def storages(self) -> list[GrowableRows]:
         return [self.codes, self.scales]
+
+    def write_state(self, state: StateWriter) -> None:
+        """`codes` [n, 2, Hkv, D] (exact, or int8) and at 8 bits `scales` [n, 2, Hkv, 1]."""
+        state.tensor("codes", self.codes.live_rows())
+        state.tensor("scales", self.scales.live_rows())
+
+    def read_state(self, state: StateReader, count: int, row_shape: tuple[int, ...]) -> None:
+        """Take back `count` rows of `row_shape` [2, Hkv, D]."""
+        if self.bits == 16:
+            self.codes = GrowableRows.holding(
+                state.rows("codes", self.exact_dtype, count, row_shape)
+            )
+            return
+        self.codes = GrowableRows.holding(state.rows("codes", torch.int8, count, row_shape))
+        scales = state.rows("scales", torch.float16, count, (*row_shape[:-1], 1))
+        self.scales = GrowableRows.holding(scales)
 
     @property
     def rows(self) -> torch.Tensor:

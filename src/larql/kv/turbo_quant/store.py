@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
+from larql.inference.snapshots import StateReader, StateWriter
 from larql.kv.rows import GrowableRows
 from larql.kv.turbo_quant.codec import RowCodec
 from larql.kv.turbo_quant.compiled_codec import encode_rows
@@ -46,8 +47,6 @@ def exact_dtype(model_dtype: torch.dtype) -> torch.dtype:
 
 
 class QuantisedLayer:
-    compiled = False  # what a state saved before the compiled encoding restores with
-
     def __init__(
         self,
         layout: KvLayout,
@@ -79,6 +78,33 @@ class QuantisedLayer:
     def memory(self) -> MemoryBreakdown:
         stores = [self.sinks, self.codes, *self.recent.storages()]
         return MemoryBreakdown.of(hot=stores) + MemoryBreakdown(hot=tensor_bytes(self.mean))
+
+    # ------------------------------------------------------------------ saved state
+
+    def write_state(self, state: StateWriter) -> None:
+        """`sinks` [n, 2, Hkv, D], `codes` [n, row_bytes] uint8, the recent rows (`recent.*`)
+        and, with `center`, the prompt's `mean` [2, Hkv, D] float32."""
+        state.tensor("sinks", self.sinks.live_rows())
+        state.tensor("codes", self.codes.live_rows())
+        self.recent.write_state(state.scope("recent"))
+        state.tensor("mean", self.mean)
+
+    def read_state(self, state: StateReader, tokens: int) -> None:
+        """Take back the rows of `tokens` tokens into this empty layer: the first into the
+        sinks, the newest `recent` exact, the rest as codes (on a sliding layer, only the
+        rows a query can still see)."""
+        sinks = min(tokens, self.sink_room)
+        recent = min(tokens - sinks, self.recent_room)
+        codes = tokens - sinks - recent
+        if self.codes.keep is not None:
+            codes = min(codes, self.codes.keep)
+        heads, dim = self.kv_heads, self.layout.k_codec.dim
+        self.sinks = GrowableRows.holding(state.rows("sinks", self.exact, sinks, (2, heads, dim)))
+        stored = state.rows("codes", torch.uint8, codes, (self.row_bytes,))
+        self.codes = GrowableRows.holding(stored, self.codes.keep)
+        self.recent.read_state(state.scope("recent"), recent, (2, heads, dim))
+        if self.layout.center and tokens:
+            self.mean = state.tensor("mean", torch.float32, (2, heads, dim))
 
     # ------------------------------------------------------------------ writing
 

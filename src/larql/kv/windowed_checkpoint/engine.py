@@ -30,7 +30,8 @@ from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import FreshKv, attention_block, embed_rows, ffn_block, token_tensor
 from larql.inference.memory import MemoryBreakdown
-from larql.inference.shared_kv import SharedKv
+from larql.inference.shared_kv import SharedKv, shares
+from larql.inference.snapshots import StateReader, StateWriter
 from larql.kv.buffers import KvBuffer
 from larql.kv.spec import EngineBuildError
 from larql.kv.windowed_checkpoint.checkpoints import (
@@ -57,8 +58,6 @@ _NONE = torch.empty(0)  # a checkpoint's row for a layer that shares another's K
 
 class WindowedCheckpointEngine(KvEngine):
     name = "windowed-checkpoint"
-    # the FFN replay uses is handed in again (it holds weights, not state)
-    _snapshot_exclude = KvEngine._snapshot_exclude | {"_ffn"}
 
     def __init__(self, window: int = DEFAULT_WINDOW, profiling: bool = False) -> None:
         if window < 1:  # a zero-token window would never close
@@ -105,6 +104,65 @@ class WindowedCheckpointEngine(KvEngine):
 
     def _step_token(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
         return self._process(model, ffn, [token_id], self._profiler.stage)
+
+    # ------------------------------------------------------------------ saved state
+
+    def write_state(self, state: StateWriter) -> None:
+        """Every token id (`ids`), each layer's checkpoint rows of the closed windows
+        (`checkpoints.N.k`, `.v`: [windows, Hkv, D]) and, while a window is open, each layer's
+        rows of it (`layers.N.*`, its checkpoint row first)."""
+        closed = [self.archive.get(w) for w in range(len(self.archive))]
+        ids = [w.token_ids.cpu() for w in closed if w is not None]
+        pending = torch.tensor(self.archive.pending, dtype=torch.int32)
+        state.tensor("ids", torch.cat([*ids, pending]))
+        found = [self.checkpoints.get(w) for w in range(len(self.checkpoints))]
+        checkpoints = [c for c in found if c is not None]
+        for layer in range(len(self._layers or [])):
+            rows = [(c.keys[layer], c.values[layer]) for c in checkpoints if c.keys[layer].numel()]
+            if rows:  # [Hkv, 1, D] each → [windows, Hkv, D]
+                scoped = state.scope(f"checkpoints.{layer}")
+                scoped.tensor("k", torch.cat([k for k, _ in rows], dim=1).transpose(0, 1))
+                scoped.tensor("v", torch.cat([v for _, v in rows], dim=1).transpose(0, 1))
+        if self.archive.pending:
+            for layer, buffer in enumerate(self._layers or []):
+                buffer.write_state(state.scope(f"layers.{layer}"))
+
+    def read_state(self, state: StateReader, model: Model) -> None:
+        """The windows `position` tokens make: `position // window` closed (their ids archived,
+        a checkpoint each), the rest open — each layer's rows of it after the last
+        checkpoint's."""
+        self._reset()
+        cfg, device = model.config, model.device
+        self._model = model
+        ids = state.token_ids("ids", self.position, cfg.vocab_size)
+        closed, w = self.position // self.window, self.window
+        layers = range(cfg.num_layers)
+        shape = [(cfg.kv_heads_of(layer), cfg.head_dim_of(layer)) for layer in layers]
+        rows: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for layer in range(cfg.num_layers):  # (none on a layer sharing another's K/V)
+            scoped, count = state.scope(f"checkpoints.{layer}"), 0 if shares(cfg, layer) else closed
+            keys = scoped.rows("k", model.dtype, count, shape[layer])
+            values = scoped.rows("v", model.dtype, count, shape[layer])
+            rows.append(None if keys is None or values is None else (keys, values))
+        for window_id in range(closed):
+            row = slice(window_id, window_id + 1)
+            checkpoint = Checkpoint(
+                position=(window_id + 1) * w - 1,
+                keys=tuple(_NONE if r is None else r[0][row].transpose(0, 1) for r in rows),
+                values=tuple(_NONE if r is None else r[1][row].transpose(0, 1) for r in rows),
+            )
+            self.checkpoints.put(window_id, checkpoint)
+            self.archive.pending = ids[window_id * w : (window_id + 1) * w].tolist()
+            self.archive.close(window_id, window_id * w, device)
+        self.window_id, self.offset = closed, closed * w
+        self.archive.pending = ids[self.offset :].tolist()
+        self._layers = [KvBuffer() for _ in range(cfg.num_layers)]
+        self._seeded = bool(self.archive.pending) and closed > 0
+        if self.archive.pending:
+            count = len(self.archive.pending) + int(self._seeded)
+            for layer, buffer in enumerate(self._layers):
+                held = 0 if shares(cfg, layer) else count
+                buffer.read_state(state.scope(f"layers.{layer}"), held, model.dtype, *shape[layer])
 
     # ------------------------------------------------------------------ windows
 
