@@ -10,11 +10,13 @@ import json
 import os
 import re
 import signal
+import socket
 import struct
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -113,6 +115,7 @@ def test_request_round_trip() -> None:
         struct.pack("<IIII", 0, 1, 1, 0) + b"\x00" * 3,
         struct.pack("<II", 0xFFFFFFFF, 0) + b"\x00" * 12,  # empty batch
         struct.pack("<II", 0xFFFFFFFF, 5) + b"\x00" * 12,  # truncated batch header
+        encode_request([3, 4, 3], torch.zeros(1, H)),  # a repeated layer
     ],
 )
 def test_malformed_requests_are_typed(body: bytes) -> None:
@@ -250,6 +253,15 @@ BAD_REQUESTS = [
     ("unacceptable Accept", {"content": _binary(0, 1, H), "headers": {"Accept": "text/html"}},
      406, "not_acceptable"),
     ("too large", {"content": _binary(0, 9000, H)}, 413, "too_large"),
+    ("repeated layer ids", {"content": encode_request([0] * 4096, torch.zeros(1, H))},
+     400, "malformed_body"),
+    ("JSON repeated layer ids", {"json": {"layers": [2, 2], "residual": [0.0] * H}},
+     400, "malformed_body"),
+    ("JSON rows declared past the body", {"json": {"layer": 1, "seq_len": 3,
+                                                   "residual": [0.0] * 2 * H}},
+     422, "wrong_hidden_size"),
+    ("JSON number past f32", {"json": {"layer": 1, "residual": [10**400] * H}},
+     400, "malformed_body"),
 ]  # fmt: skip
 
 
@@ -263,6 +275,43 @@ def test_bad_requests_are_4xx_with_a_json_error(
     error = response.json()["error"]
     assert error["code"] == code and error["message"]
     assert httpx.get(shard + "/health").status_code == 200
+
+
+def test_a_batch_is_answered_with_what_it_declares(smollm2: Model, shard: str) -> None:
+    """The issue's probe — 4,096 copies of one layer id in a 0.03 MB body — is refused naming
+    the id, in a short error, not answered with 4,096 outputs; a batch of every layer once is
+    answered with exactly the declared layers × rows × hidden values."""
+    repeated = encode_request([7] * 2048 + [9] * 2048, torch.zeros(3, H))
+    refused = httpx.post(shard + "/v1/walk-ffn", content=repeated)
+    assert refused.status_code == 400 and len(refused.content) < 1000
+    assert "repeats layer ids 7, 9" in refused.json()["error"]["message"]
+    rows, layers = 3, list(range(30))
+    request = encode_request(layers, torch.randn(rows, H))
+    answer = httpx.post(shard + "/v1/walk-ffn", content=request)
+    assert answer.status_code == 200
+    assert len(answer.content) == 12 + len(layers) * (12 + rows * H * 4)
+    assert len(answer.content) < len(layers) * len(request)  # at most the served layers' worth
+    assert RemoteWalkFfn(shard, hidden_size=H).forward_layers([4, 4, 5], torch.zeros(1, H)).keys() \
+        == {4, 5}  # fmt: skip
+
+
+def test_a_shard_reads_no_more_than_its_limits(smollm2: Model) -> None:
+    """More rows than the shard takes are 413; so is a chunked body (no Content-Length) past
+    its body limit — answered while the body is still coming, never read to its end."""
+    app = create_ffn_app(smollm2)
+    app.state.shard.max_rows, app.state.shard.max_body = 4, 64 * H
+    with start_shard(app) as server:
+        rows = httpx.post(server.url + "/v1/walk-ffn", content=_binary(0, 5, H))
+        assert rows.status_code == 413 and "declares 5 rows" in rows.json()["error"]["message"]
+        assert httpx.post(server.url + "/v1/walk-ffn", content=_binary(0, 4, H)).status_code == 200
+        url = urlsplit(server.url)
+        with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/walk-ffn HTTP/1.1\r\nHost: shard\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+            chunk = b"\x00" * 4 * H
+            for _ in range(70):  # past 64 rows' worth, and never the closing empty chunk
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            assert sock.recv(4096).startswith(b"HTTP/1.1 413")
 
 
 # ---------------------------------------------------------------------------- client errors

@@ -9,25 +9,53 @@ value of the wrong type or out of range is an error naming what was wrong and wh
 `split_specs` cuts a list of specs; `Param` describes and checks one parameter. The engine
 catalog (`larql.kv.spec`) and the FFN backend specs (`larql.inference.ffn.spec`) both parse
 through `parse_params`, each raising its own error type.
+
+A parameter also says what it is beyond its type, for whoever decides which specs to accept
+(`larql.kv.spec.SpecPolicy`): its `kind` — a plain value, a `path` on the machine, a `name` that
+becomes a file name, or a `spec` the engine parses — and, for an integer that sizes something,
+the `Bound` that limits it (the model's layers, its context, …). A `name` is checked here, for
+everyone: always a plain file name, never a path.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from larql.errors import LarqlError
 
 Check = Callable[[Any], str | None]  # a value → what is wrong with it, or None
 TYPE_NAMES = {int: "an integer", float: "a number", str: "a string"}
 
+# value: plain data; path: a file or directory on the machine; name: becomes a file name (so
+# always a plain one); spec: another spec, parsed by whoever parses this one
+Kind = Literal["value", "path", "name", "spec"]
+PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+PLAIN_NAME_DOC = (
+    "a plain name: letters, digits, '.', '_', '-', at most 128, a letter or digit first"
+)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """What limits an integer parameter: a `dimension` of the model or of the server that a
+    policy knows (`tokens`, `layers`, `heads`, `head_dim`, `vocab`). A count may reach the
+    dimension, an `index` stays below it. `always`: past it the engine cannot work, so it is
+    checked whenever the model is known, for the operator's specs too; otherwise it limits what
+    a request may make the server hold."""
+
+    dimension: str
+    index: bool = False
+    always: bool = False
+
 
 @dataclass(frozen=True)
 class Param:
     """One parameter: `type` int, float or str; `default` None means absent (e.g. unbounded);
     `none_word` is a value that spells None explicitly (`walk:k=none`); `lower` folds the
-    value's case before it is checked."""
+    value's case before it is checked; `kind` and `bound` are what a policy reads (above)."""
 
     name: str
     type: type
@@ -36,6 +64,14 @@ class Param:
     check: Check | None = None
     none_word: str | None = None
     lower: bool = False
+    kind: Kind = "value"
+    bound: Bound | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind != "value" and self.type is not str:
+            raise ValueError(f"parameter {self.name}: a {self.kind} is a string")
+        if self.bound is not None and self.type is not int:
+            raise ValueError(f"parameter {self.name}: only an integer has a bound")
 
     def parse(self, raw: str, owner: str, error: type[LarqlError], where: str = "") -> Any:
         if self.none_word is not None and raw.lower() == self.none_word:
@@ -49,6 +85,8 @@ class Param:
             ) from None
         if self.type is str and not value:
             raise error(f"{owner}: {self.name} must not be empty{where}")
+        if self.kind == "name" and not PLAIN_NAME.fullmatch(value):
+            raise error(f"{owner}: {self.name}={raw!r} is not {PLAIN_NAME_DOC}{where}")
         problem = self.check(value) if self.check else None
         if problem:
             raise error(f"{owner}: {self.name}={raw} {problem}{where}")
@@ -90,9 +128,12 @@ def parse_params(
     where: str = "",
     fixed: Mapping[str, Any] | None = None,
     alias: str = "",
+    admit: Callable[[Param, Any], Any] | None = None,
 ) -> dict[str, Any]:
     """`key=value,…` → every parameter's value, defaults filled in. `fixed` are values the name
-    `alias` sets (`tq3` → bits=3): giving another value for one is an error."""
+    `alias` sets (`tq3` → bits=3): giving another value for one is an error. Each value written
+    in the spec then goes through `admit`, which may refuse it (raising) or replace it (a spec
+    parameter by the spec parsed)."""
     values: dict[str, Any] = {p.name: p.default for p in params}
     fixed = fixed or {}
     values.update(fixed)
@@ -117,7 +158,7 @@ def parse_params(
         parsed = param.parse(value.strip(), owner, error, where)
         if key in fixed and fixed[key] != parsed:
             raise error(f"{alias} fixes {key}={fixed[key]}; use {owner}:{key}={parsed} instead")
-        values[key] = parsed
+        values[key] = parsed if admit is None else admit(param, parsed)
     return values
 
 

@@ -21,7 +21,7 @@ from larql.kv import (
     windowed_checkpoint,
 )
 from larql.kv.plugins import plugin_entries
-from larql.kv.spec import EngineCatalog, EngineSpec
+from larql.kv.spec import EngineCatalog, EngineSpec, SpecPolicy
 
 CATALOG = EngineCatalog(
     [
@@ -50,7 +50,14 @@ def catalog_rows() -> list[dict[str, Any]]:
             "name": e.name,
             "aliases": list(e.aliases),
             "params": [
-                {"name": p.name, "type": p.type.__name__, "default": p.default, "doc": p.doc}
+                {
+                    "name": p.name,
+                    "type": p.type.__name__,
+                    "default": p.default,
+                    "doc": p.doc,
+                    "kind": p.kind,
+                    "bound": p.bound.dimension if p.bound else None,
+                }
                 for p in e.params
             ],
             "keeps": e.keeps,
@@ -64,8 +71,10 @@ def catalog_rows() -> list[dict[str, Any]]:
     ]
 
 
-def parse_engine(spec: str) -> EngineSpec:
-    return CATALOG.parse(spec)
+def parse_engine(spec: str, policy: SpecPolicy | None = None) -> EngineSpec:
+    """`spec` → the engine it names; `policy` says who wrote it (None: the operator, who may
+    name paths; `SpecPolicy.untrusted(model)` for a request)."""
+    return CATALOG.parse(spec, policy)
 
 
 def supported_names() -> list[str]:

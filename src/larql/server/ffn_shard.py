@@ -12,6 +12,11 @@ of experts of every MoE layer, for a client's `remote-experts` backend.
 The shard runs the walk FFN (top_k = 0: dense-equivalent) on the normed residual it is sent.
 A layer outside the shard's range, a malformed body or a wrong hidden size is a 4xx with a JSON
 error. Model compute runs in a worker thread, never on the event loop.
+
+What one request may ask is bounded before anything is computed: its body (read up to the
+limit, chunked or not) carries exactly the rows it declares, at most the model's context; a
+batch lists each layer (or unit) once, and each must be served here — so an answer is the
+declared layers × rows × hidden values, at most the served layers' worth of the request.
 """
 
 from __future__ import annotations
@@ -97,8 +102,10 @@ class FfnShard:
         self.layers = shard_layers(model, layers)
         self.experts = shard_experts(model, experts)
         self.hidden_size = model.config.hidden_size
-        # A generous bound on one body: every position of the context, f32, plus headers.
-        self.max_body = model.config.max_positions * self.hidden_size * 4 + 65_536
+        # The most rows one request may declare, and a generous bound on one body: every
+        # position of the context, f32, plus headers (JSON carries fewer values in it).
+        self.max_rows = model.config.max_positions
+        self.max_body = self.max_rows * self.hidden_size * 4 + 65_536
         self._walks: dict[int, WalkFfn] = {}
         self._lock = threading.Lock()
         self._started = time.time()
@@ -114,6 +121,7 @@ class FfnShard:
             "hidden_size": self.hidden_size,
             "num_layers": self.model.config.num_layers,
             "layers": [self.layers.start, self.layers.stop - 1],
+            "max_rows": self.max_rows,
             "wire": list(MEDIA_TYPES),
             **self._experts_described(),
             "uptime_s": round(time.time() - self._started, 3),
@@ -143,9 +151,9 @@ class FfnShard:
                     payload = json.loads(body)
                 except (ValueError, RecursionError):
                     raise WireFormatError("the request body is not valid JSON") from None
-                return decode_json_request(payload, self.hidden_size), True
+                return self._rows_checked(decode_json_request(payload, self.hidden_size)), True
             if base in ("", MEDIA_TYPES[F32], "application/octet-stream"):
-                return decode_request(body, self.hidden_size), False
+                return self._rows_checked(decode_request(body, self.hidden_size)), False
         except WireFormatError as e:
             code = "wrong_hidden_size" if e.status == 422 else "malformed_body"
             raise ShardRequestError(e.status, str(e), code) from None
@@ -155,6 +163,16 @@ class FfnShard:
             f"{JSON_MEDIA_TYPE}",
             "unsupported_media_type",
         )
+
+    def _rows_checked(self, request: WalkRequest) -> WalkRequest:
+        if request.seq_len > self.max_rows:
+            raise ShardRequestError(
+                413,
+                f"the request declares {request.seq_len} rows; this shard takes at most "
+                f"{self.max_rows} (the model's context)",
+                "too_large",
+            )
+        return request
 
     def check_layers(self, request: WalkRequest) -> None:
         for layer in request.layers:
@@ -297,10 +315,8 @@ async def _answer(
     if declared > shard.max_body:
         shard.count(errors=1)
         return _error(413, f"body of {declared} bytes exceeds {shard.max_body}", "too_large")
-    body = await request.body()
     try:
-        if len(body) > shard.max_body:
-            raise ShardRequestError(413, f"body exceeds {shard.max_body} bytes", "too_large")
+        body = await _read_body(request, shard.max_body)
         walk, json_request = shard.parse(body, request.headers.get("content-type", ""))
         wire = negotiate(request.headers.get("accept", ""), json_request)
         check(walk)
@@ -323,6 +339,18 @@ async def _answer(
     content = encode_response(results, ms, wire, walk.batched)
     shard.count(bytes_out=len(content))
     return Response(content, media_type=MEDIA_TYPES[wire])
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, read no further than `limit` bytes whatever Content-Length said (a chunked
+    body declares none)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ShardRequestError(413, f"body exceeds {limit} bytes", "too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 # ---------------------------------------------------------------------------- running it

@@ -7,7 +7,7 @@ from larql.errors import LarqlError
 from larql.inference.engine import Engine
 from larql.inference.sampling import SamplingParams
 from larql.kv.catalog import CATALOG, parse_engine
-from larql.kv.spec import EngineSpec, EngineSpecError
+from larql.kv.spec import EngineSpec, EngineSpecError, NotAvailableForLiveDecode, SpecPolicy
 from larql.models.model import Model
 from larql.models.tokenizer import ChatTemplateMissing
 from larql.server.errors import ApiError, bad_request
@@ -22,8 +22,6 @@ from larql.server.settings import ServerSettings
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: a request without temperature samples
-# Engine parameters naming a path on the server: only the operator may set them (--engine).
-SERVER_PATH_PARAMS = frozenset({"archive", "store"})
 
 
 def prepare_completion(
@@ -31,6 +29,7 @@ def prepare_completion(
 ) -> list[tuple[SessionRequest, Engine]]:
     """One session per prompt (a list of prompts is answered with one choice each)."""
     check_model_name(body.model, model, settings)
+    kind = choose_engine(body.engine, model, settings)  # before any prompt is tokenized
     prompts = body.prompts()
     most = settings.max_sessions + settings.max_queue
     if len(prompts) > most:
@@ -49,6 +48,7 @@ def prepare_completion(
     return [
         _session_request(
             body,
+            kind,
             prompt_ids(prompt, model),
             body.max_tokens,
             DEFAULT_COMPLETION_TOKENS,
@@ -79,6 +79,7 @@ def prepare_chat(
     body: ChatCompletionRequest, model: Model, settings: ServerSettings
 ) -> tuple[SessionRequest, Engine]:
     check_model_name(body.model, model, settings)
+    kind = choose_engine(body.engine, model, settings)
     if not body.messages:
         raise bad_request("messages is empty", "messages")
     if not any(m.text().strip() for m in body.messages):
@@ -95,7 +96,7 @@ def prepare_chat(
     except LarqlError as e:  # the template refused the conversation (e.g. role order)
         raise bad_request(str(e), "messages") from None
     return _session_request(
-        body, ids, body.requested_tokens, settings.max_new_tokens, model, settings,
+        body, kind, ids, body.requested_tokens, settings.max_new_tokens, model, settings,
         logprobs=body.top_n,
     )  # fmt: skip
 
@@ -121,26 +122,27 @@ def check_model_name(name: str | None, model: Model, settings: ServerSettings) -
 
 
 def choose_engine(spec: str | None, model: Model, settings: ServerSettings) -> EngineSpec:
-    """The request's engine spec (or the server's default), parsed by the catalog's parser."""
+    """The request's engine spec (or the server's default, the operator's), parsed under a
+    request's policy: no path or file name at any depth, every size within the model's and
+    this server's limits — refused before anything is built."""
     if spec is None:
         return settings.default_engine
     try:
-        kind = parse_engine(spec)
+        kind = parse_engine(spec, request_policy(model, settings))
         kind.require_live_decode()
-    except EngineSpecError as e:
-        message = str(e)
-        if CATALOG.supported_message() not in message:
-            message += f" (live-decode engines: {', '.join(live_engine_names())})"
+    except NotAvailableForLiveDecode as e:
+        message = f"{e} (live-decode engines: {', '.join(live_engine_names())})"
         raise bad_request(message, "engine", "invalid_engine") from None
-    for name in SERVER_PATH_PARAMS:
-        if kind.params.get(name) is not None:
-            raise bad_request(
-                f"engine parameter {name!r} names a path on the server; only the operator "
-                "sets it (larql serve --engine)",
-                "engine",
-                "invalid_engine",
-            )
+    except EngineSpecError as e:
+        raise bad_request(str(e), "engine", "invalid_engine") from None
     return kind
+
+
+def request_policy(model: Model, settings: ServerSettings) -> SpecPolicy:
+    """What a request's engine spec may say: the most tokens one of its sequences can reach
+    here bounds its windows and budgets (with no prompt limit, the model's context does)."""
+    limit = settings.max_prompt_tokens
+    return SpecPolicy.untrusted(model, None if limit is None else limit + settings.max_new_tokens)
 
 
 def live_engine_names() -> list[str]:
@@ -149,6 +151,7 @@ def live_engine_names() -> list[str]:
 
 def _session_request(
     body: GenerationFields,
+    kind: EngineSpec,
     ids: list[int],
     requested: int | None,
     default_tokens: int,
@@ -178,7 +181,6 @@ def _session_request(
         )
     except LarqlError as e:
         raise bad_request(str(e)) from None
-    kind = choose_engine(body.engine, model, settings)
     try:
         engine = kind.build(model)
     except LarqlError as e:

@@ -23,6 +23,8 @@ from pydantic import (
 from larql.server.logprobs import MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 1024  # per stop string: far past anything a request may generate here
+MAX_ENGINE_SPEC_CHARS = 1024  # the longest catalog spec, nested, is under 200
 
 
 class StreamOptions(BaseModel):
@@ -44,7 +46,8 @@ class GenerationFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    engine: str | None = None  # larql: a KV engine spec for this request
+    # larql: a KV engine spec for this request, parsed under a request's policy (prepare.py)
+    engine: str | None = Field(None, max_length=MAX_ENGINE_SPEC_CHARS)
     ignore_eos: bool = False  # as vLLM: generate max_tokens whatever the model says (benchmarks)
     n: int = 1
     presence_penalty: float | None = None
@@ -59,6 +62,14 @@ class GenerationFields(BaseModel):
             raise ValueError("must be a string or a list of strings")
         if len(value) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_lengths(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters")
         return value
 
     @field_validator("n")

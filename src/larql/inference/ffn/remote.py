@@ -110,13 +110,14 @@ class RemoteWalkFfn(FfnBackend):
         return out
 
     def forward_layers(self, layers: Sequence[int], x: torch.Tensor) -> dict[int, torch.Tensor]:
-        """One batched request: every listed layer's FFN of the same input x: [S, H]."""
-        return self._walk(list(layers), x)
+        """One batched request: every listed layer's FFN of the same input x: [S, H] (a layer
+        listed twice is asked once: a shard refuses repeats)."""
+        return self._walk(list(dict.fromkeys(layers)), x)
 
     def forward_experts(self, units: Sequence[int], x: torch.Tensor) -> dict[int, torch.Tensor]:
         """One batched request to an experts shard: each unit `layer · num_experts + expert`
-        → that expert's MLP output of x: [S, H] (not weighted)."""
-        return self._walk(list(units), x, EXPERTS_PATH)
+        → that expert's MLP output of x: [S, H] (not weighted); each unit asked once."""
+        return self._walk(list(dict.fromkeys(units)), x, EXPERTS_PATH)
 
     def wire_bytes(self) -> int:
         return self.stats.bytes_sent + self.stats.bytes_received

@@ -16,11 +16,16 @@ JSON fallback: request `{"layer": L | "layers": [..], "seq_len": S, "residual": 
 `{"latency_ms", "results": [{"layer", "seq_len", "output"}]}`.
 
 top_k = 0 asks for the shard's default, the dense-equivalent walk.
+
+A request declares its size — K layers (each listed once: a repeated id is refused), S rows of
+H values — and its body must carry exactly that; its answer is then K · S · H values, no more
+(`WalkRequest.output_values`), which the shard checks against its limits before computing.
 """
 
 from __future__ import annotations
 
 import struct
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +68,11 @@ class WalkRequest:
     def seq_len(self) -> int:
         return int(self.residual.shape[0])
 
+    @property
+    def output_values(self) -> int:
+        """How many values the answer holds: every listed layer's [S, H] output."""
+        return len(self.layers) * self.residual.size
+
 
 def wire_for_media_type(media_type: str) -> str | None:
     base = media_type.split(";", 1)[0].strip().lower()
@@ -97,7 +107,7 @@ def decode_request(body: bytes, hidden_size: int) -> WalkRequest:
             raise WireFormatError(f"batch of {count} layers; 1..{MAX_BATCH_LAYERS} accepted")
         if len(body) < 8 + 4 * count + 12:
             raise WireFormatError(f"batch header for {count} layers is truncated")
-        layers = struct.unpack_from(f"<{count}I", body, 8)
+        layers = _distinct(struct.unpack_from(f"<{count}I", body, 8))
         offset = 8 + 4 * count
     else:
         layers = (first,)
@@ -108,7 +118,19 @@ def decode_request(body: bytes, hidden_size: int) -> WalkRequest:
     return WalkRequest(layers, batched, _residual(body[offset:], seq_len, hidden_size), top_k)
 
 
+def _distinct(layers: Sequence[int]) -> tuple[int, ...]:
+    """A batch's layer ids, each once: a repeated one would multiply the answer, not the work
+    asked for."""
+    repeated = sorted(layer for layer, n in Counter(layers).items() if n > 1)
+    if repeated:
+        shown = ", ".join(str(layer) for layer in repeated[:8])
+        more = f" and {len(repeated) - 8} more" if len(repeated) > 8 else ""
+        raise WireFormatError(f"the batch repeats layer ids {shown}{more}; list each layer once")
+    return tuple(layers)
+
+
 def _residual(raw: bytes, seq_len: int, hidden_size: int) -> np.ndarray:
+    """The residual the body carries: exactly the declared seq_len rows of hidden_size f32."""
     if seq_len < 1:
         raise WireFormatError("seq_len must be ≥ 1")
     if len(raw) % 4 or (len(raw) // 4) % seq_len:
@@ -116,7 +138,8 @@ def _residual(raw: bytes, seq_len: int, hidden_size: int) -> np.ndarray:
     width = len(raw) // 4 // seq_len
     if width != hidden_size:
         raise HiddenSizeMismatch(
-            f"residual rows have {width} values; this shard's hidden size is {hidden_size}"
+            f"the body carries {len(raw) // 4} values for the {seq_len} rows it declares: "
+            f"{width} per row; this shard's hidden size is {hidden_size}"
         )
     return np.frombuffer(raw, dtype="<f4").reshape(seq_len, hidden_size)
 
@@ -134,6 +157,7 @@ def decode_json_request(payload: Any, hidden_size: int) -> WalkRequest:
         raise WireFormatError("JSON request needs layer or layers")
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in layers):
         raise WireFormatError("layer ids must be non-negative integers")
+    layers = _distinct(layers)
     if payload.get("full_output", True) is not True:
         raise WireFormatError("only full_output requests are served")
     top_k, residual = payload.get("top_k", 0), payload.get("residual")
@@ -146,8 +170,11 @@ def decode_json_request(payload: Any, hidden_size: int) -> WalkRequest:
     seq_len = payload.get("seq_len", max(1, len(residual) // max(hidden_size, 1)))
     if not isinstance(seq_len, int) or isinstance(seq_len, bool):
         raise WireFormatError("seq_len must be an integer")
-    raw = np.asarray(residual, dtype="<f4").tobytes()
-    return WalkRequest(tuple(layers), batched, _residual(raw, seq_len, hidden_size), top_k)
+    try:
+        raw = np.asarray(residual, dtype="<f4").tobytes()
+    except OverflowError:  # an integer past any float
+        raise WireFormatError("residual holds a number too large for f32") from None
+    return WalkRequest(layers, batched, _residual(raw, seq_len, hidden_size), top_k)
 
 
 # ---------------------------------------------------------------------------- responses

@@ -5,14 +5,21 @@ from __future__ import annotations
 import math
 
 from larql.kv.apollo.engine import build_apollo
-from larql.kv.spec import EngineEntry
+from larql.kv.spec import LAYER_INDEX, TOKEN_ID, TOKENS, EngineEntry
 from larql.specs import Param, at_least
 
 ENTRY = EngineEntry(
     name="apollo",
     aliases=(),
     params=(
-        Param("layer", int, None, "injection layer (none = the store's)", at_least(0)),
+        Param(
+            "layer",
+            int,
+            None,
+            "injection layer (none = the store's)",
+            at_least(0),
+            bound=LAYER_INDEX,
+        ),
         Param(
             "coef",
             float,
@@ -20,14 +27,17 @@ ENTRY = EngineEntry(
             "scale of the injected fact-token embeddings",
             lambda v: None if math.isfinite(v) else "must be finite",
         ),
-        Param("top_k", int, 8, "entries retrieved from the routed window", at_least(1)),
-        Param("store", str, None, "store directory from `larql apollo build-store`"),
+        Param(
+            "top_k", int, 8, "entries retrieved from the routed window", at_least(1), bound=TOKENS
+        ),
+        Param("store", str, None, "store directory from `larql apollo build-store`", kind="path"),
         Param(
             "bos",
             int,
             None,
             "the id dropped from a query's front (none = the model's BOS)",
             at_least(0),
+            bound=TOKEN_ID,
         ),
     ),
     keeps="a prebuilt store (window tokens, boundary residuals, fact entries) and the "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from larql.kv.boundary.archive import DirectoryBoundaryArchive
 from larql.kv.boundary.engine import BoundaryKvEngine
-from larql.kv.spec import EngineEntry
+from larql.kv.spec import TOKENS, EngineEntry
 from larql.kv.standard import WINDOW_DOC
 from larql.specs import Param, at_least
 
@@ -12,16 +12,31 @@ ENTRY = EngineEntry(
     name="boundary-kv",
     aliases=("boundary",),
     params=(
-        Param("chunk_tokens", int, 512, "tokens per chunk; a frame at every multiple", at_least(1)),
+        Param(
+            "chunk_tokens",
+            int,
+            512,
+            "tokens per chunk; a frame at every multiple",
+            at_least(1),
+            bound=TOKENS,
+        ),
         Param(
             "sequence_id",
             str,
             None,
-            "sequence the frames belong to (none: a fresh id per run; an archive refuses a "
-            "sequence another run wrote)",
+            "sequence the frames belong to, a plain name (none: a fresh id per run; an archive "
+            "refuses a sequence another run wrote)",
+            kind="name",
         ),
-        Param("window", int, None, WINDOW_DOC + " (of the inner standard engine)", at_least(1)),
-        Param("archive", str, None, "directory to write frames to (none = in memory)"),
+        Param(
+            "window",
+            int,
+            None,
+            WINDOW_DOC + " (of the inner standard engine)",
+            at_least(1),
+            bound=TOKENS,
+        ),
+        Param("archive", str, None, "directory to write frames to (none = in memory)", kind="path"),
     ),
     keeps="standard K/V; boundary frames (residual, top-1/top-2, int8 agreement) go to the "
     "archive, not the engine's memory",

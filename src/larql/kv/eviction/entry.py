@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from larql.kv.eviction.h2o import H2oEngine
 from larql.kv.eviction.snapkv import SnapKvEngine
-from larql.kv.spec import EngineEntry, MalformedEngineSpec
+from larql.kv.spec import TOKENS, EngineEntry, MalformedEngineSpec
 from larql.specs import Param, at_least
 
 
@@ -35,11 +35,19 @@ SNAPKV = EngineEntry(
             1024,
             "prompt rows kept per layer and K/V head besides the window",
             at_least(1),
+            bound=TOKENS,
         ),
         Param(
-            "window", int, 32, "the newest prompt rows: kept, and their queries vote", at_least(1)
+            "window",
+            int,
+            32,
+            "the newest prompt rows: kept, and their queries vote",
+            at_least(1),
+            bound=TOKENS,
         ),
-        Param("kernel", int, 7, "max-pooling width over the votes (odd)", at_least(1)),
+        Param(
+            "kernel", int, 7, "max-pooling width over the votes (odd)", at_least(1), bound=TOKENS
+        ),
     ),
     keeps="per layer and K/V head: budget voted prompt rows + the window + every decoded row, "
     "model dtype (a layer's own sliding window: that window)",
@@ -53,9 +61,14 @@ H2O = EngineEntry(
     name="h2o",
     aliases=("heavy-hitter",),
     params=(
-        Param("budget", int, 512, "rows kept per layer and K/V head", at_least(1)),
+        Param("budget", int, 512, "rows kept per layer and K/V head", at_least(1), bound=TOKENS),
         Param(
-            "recent", int, 256, "of them, the newest (the rest: heaviest by attention)", at_least(0)
+            "recent",
+            int,
+            256,
+            "of them, the newest (the rest: heaviest by attention)",
+            at_least(0),
+            bound=TOKENS,
         ),
     ),
     keeps="per layer and K/V head at most budget rows (recent newest + heavy hitters) and their "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from larql.kv.kv_quant.engine import KvQuantEngine
-from larql.kv.spec import EngineEntry
+from larql.kv.spec import HEAD_DIM, TOKENS, EngineEntry
 from larql.specs import Param, at_least, one_of
 
 ENTRY = EngineEntry(
@@ -19,9 +19,9 @@ ENTRY = EngineEntry(
             one_of("int", "fp8"),
             lower=True,
         ),
-        Param("group", int, 32, "coordinates per scale (per token)", at_least(1)),
+        Param("group", int, 32, "coordinates per scale (per token)", at_least(1), bound=HEAD_DIM),
         Param("rotate", int, 0, "Walsh–Hadamard-rotate each row first (1)", one_of(0, 1)),
-        Param("recent", int, 0, "newest rows kept out of the codes", at_least(0)),
+        Param("recent", int, 0, "newest rows kept out of the codes", at_least(0), bound=TOKENS),
         Param(
             "recent_bits",
             int,
@@ -29,7 +29,7 @@ ENTRY = EngineEntry(
             "bits of the recent rows: 16 (exact) or 8 (int8, a float16 scale per head vector)",
             one_of(8, 16),
         ),
-        Param("sinks", int, 0, "first rows kept exact (16-bit)", at_least(0)),
+        Param("sinks", int, 0, "first rows kept exact (16-bit)", at_least(0), bound=TOKENS),
     ),
     keeps="K/V as per-token groups of integer (scale + zero point) or fp8 (scale) codes; "
     "optional exact recent and sink rows; every scale and zero point counted",

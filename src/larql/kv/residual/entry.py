@@ -6,7 +6,7 @@ from __future__ import annotations
 from larql.kv.residual.codec_engine import MarkovResidualCodecEngine
 from larql.kv.residual.markov import MarkovResidualEngine
 from larql.kv.residual.per_layer import BoundaryPerLayerEngine
-from larql.kv.spec import EngineEntry
+from larql.kv.spec import MODEL_LAYERS, TOKENS, EngineEntry
 from larql.specs import Param, at_least, one_of
 
 HOT_WINDOW_DOC = (
@@ -30,7 +30,7 @@ MARKOV_RS = EngineEntry(
     name="markov-rs",
     aliases=("markov_rs", "markov-residual", "markov_residual"),
     params=(
-        Param("window", int, None, HOT_WINDOW_DOC, at_least(1)),
+        Param("window", int, None, HOT_WINDOW_DOC, at_least(1), bound=TOKENS),
         Param("kv_cache", int, 1, KV_CACHE_DOC, one_of(0, 1)),
     ),
     keeps="pre-layer residuals per layer (hot: last window rows; cold: the rest, lossless); "
@@ -46,7 +46,7 @@ MARKOV_RS = EngineEntry(
 MARKOV_RS_CODEC = EngineEntry(
     name="markov-rs-codec",
     aliases=("markov_rs_codec", "markov-residual-codec", "markov_residual_codec"),
-    params=(Param("window", int, None, HOT_WINDOW_DOC, at_least(1)),),
+    params=(Param("window", int, None, HOT_WINDOW_DOC, at_least(1), bound=TOKENS),),
     keeps="as markov-rs, cold residuals as bf16 (2 bytes/element); cold K/V recomputed "
     "from the round-tripped residuals at their true positions",
     contract="identical to markov-rs until a row overflows the window; then mean KL vs "
@@ -61,8 +61,15 @@ BOUNDARY_PER_LAYER = EngineEntry(
     name="boundary-per-layer",
     aliases=("boundary_per_layer", "boundary-pl"),
     params=(
-        Param("window", int, None, HOT_WINDOW_DOC, at_least(1)),
-        Param("layers", int, None, "layers of the codec policy (none = model depth)", at_least(1)),
+        Param("window", int, None, HOT_WINDOW_DOC, at_least(1), bound=TOKENS),
+        Param(
+            "layers",
+            int,
+            None,
+            "layers of the codec policy (none = model depth)",
+            at_least(1),
+            bound=MODEL_LAYERS,
+        ),
     ),
     keeps="as markov-rs-codec, with a per-layer cold codec policy (v1: bf16 per layer) "
     "and its calibration record",

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from larql.kv.semantic_promotion.engine import SemanticPromotionEngine
-from larql.kv.spec import EngineBuildError, EngineEntry, MalformedEngineSpec
+from larql.kv.spec import EngineBuildError, EngineEntry, EngineSpec, MalformedEngineSpec
 from larql.models.model import Model
 from larql.specs import Param, one_of
 
@@ -18,9 +18,7 @@ MODE_DOC = "observe: the base runs unchanged (the only mode; enforcing modes are
 
 
 def _build(p: Mapping[str, Any], model: Model | None) -> SemanticPromotionEngine:
-    from larql.kv.catalog import parse_engine  # the catalog lists this entry
-
-    base = parse_engine(p["base"])
+    base: EngineSpec = p["base"]  # parsed with the spec, under its policy
     if base.entry.name == "semantic-promotion":
         raise MalformedEngineSpec("semantic-promotion: base= must name another engine")
     if not base.entry.live_decode:
@@ -32,7 +30,7 @@ ENTRY = EngineEntry(
     name="semantic-promotion",
     aliases=("semantic_promotion", "promotion"),
     params=(
-        Param("base", str, "standard", BASE_DOC),
+        Param("base", str, "standard", BASE_DOC, kind="spec"),
         Param("mode", str, "observe", MODE_DOC, one_of("observe")),
     ),
     keeps="whatever its base keeps (the base's state, unchanged)",

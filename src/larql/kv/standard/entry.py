@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from larql.kv.spec import EngineEntry, MalformedEngineSpec
+from larql.kv.spec import TOKENS, EngineEntry, MalformedEngineSpec
 from larql.kv.standard.engine import StandardEngine
 from larql.specs import Param, at_least, one_of
 
@@ -32,8 +32,8 @@ ENTRY = EngineEntry(
     name="standard",
     aliases=("full", "fp32", "markov-bounded", "bounded", "sliding"),
     params=(
-        Param("window", int, None, WINDOW_DOC, at_least(1)),
-        Param("sinks", int, 0, SINKS_DOC, at_least(0)),
+        Param("window", int, None, WINDOW_DOC, at_least(1), bound=TOKENS),
+        Param("sinks", int, 0, SINKS_DOC, at_least(0), bound=TOKENS),
         Param("graph", int, 1, GRAPH_DOC, one_of(0, 1)),
         Param("compile", int, 0, COMPILE_DOC, one_of(0, 1)),
         Param("attention", str, "auto", ATTENTION_DOC, one_of("auto", "triton", "sdpa")),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from larql.kv.spec import EngineEntry
+from larql.kv.spec import TOKENS, EngineEntry
 from larql.kv.turbo_quant.engine import TurboQuantEngine
 from larql.specs import Param, at_least, one_of
 
@@ -39,6 +39,7 @@ ENTRY = EngineEntry(
             None,
             "newest rows kept out of the codes (none: 32 at 4 bits, 160 at 3, 128 at 2)",
             at_least(0),
+            bound=TOKENS,
         ),
         Param(
             "recent_bits",
@@ -48,7 +49,9 @@ ENTRY = EngineEntry(
             "none: 16 at 4 bits, 8 at 2 and 3)",
             one_of(8, 16),
         ),
-        Param("sinks", int, 4, "first rows kept exact (16-bit) for good", at_least(0)),
+        Param(
+            "sinks", int, 4, "first rows kept exact (16-bit) for good", at_least(0), bound=TOKENS
+        ),
         Param(
             "norm",
             int,

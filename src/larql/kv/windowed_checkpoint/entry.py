@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from larql.kv.spec import EngineEntry
+from larql.kv.spec import TOKENS, EngineEntry
 from larql.kv.windowed_checkpoint.engine import DEFAULT_WINDOW, WindowedCheckpointEngine
 from larql.specs import Param, at_least
 
@@ -17,6 +17,7 @@ ENTRY = EngineEntry(
             "tokens per tumbling window; each window is seeded by a one-row K/V checkpoint "
             "of the previous window's last token",
             at_least(1),
+            bound=TOKENS,
         ),
     ),
     keeps="K/V of the current window + one K/V row per layer per closed window "
