@@ -265,3 +265,18 @@ def test_cli_loads_a_state_saved_from_python(
     assert loaded.exit_code == 0, loaded.output
     whole = larql.generate(smollm2_default, "standard", document, max_new_tokens=4)
     assert json.loads(loaded.stdout.strip().splitlines()[-1])["tokens"] == whole.token_ids
+
+
+def test_a_state_whose_spec_names_a_path_loads_only_with_the_operators_engine(
+    smollm2: Model, tmp_path: Path
+) -> None:
+    """A state's spec is parsed as untrusted input: one naming a path on the machine (or sizes
+    past the model's) is refused, unless the caller names that same spec as its engine."""
+    ids = smollm2.tokenizer.encode(PROMPT)
+    larql.prefill(smollm2, "standard", ids).save(tmp_path / "state")
+    archive = tmp_path / "archive"
+    for spec in (f"boundary-kv:archive={archive}", "boundary-per-layer:layers=1000000"):
+        reseal(tmp_path / "state", engine_spec=spec, engine=spec.split(":")[0])
+        with pytest.raises(SnapshotCorrupt, match="will not build from a file"):
+            larql.load_state(smollm2, tmp_path / "state")
+    assert not archive.exists()

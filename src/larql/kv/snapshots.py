@@ -20,7 +20,7 @@ from larql.inference.snapshots import (
     save_state,
 )
 from larql.kv.catalog import parse_engine
-from larql.kv.spec import EngineSpec, EngineSpecError
+from larql.kv.spec import EngineSpec, EngineSpecError, SpecPolicy
 from larql.models.model import Model
 
 
@@ -69,16 +69,18 @@ def load_state_dir(
     spec the state names (parsed as untrusted input: no path parameters, every size within the
     model's) or from `engine`, which must be that same spec."""
     manifest, tensors = read_snapshot(path)
-    spec = engine if engine is not None else _saved_spec(manifest)
+    spec = engine if engine is not None else _saved_spec(manifest, model)
     built = spec.build(model)
     with torch.inference_mode():
         hidden = load_state(built, manifest, tensors, model)
     return State(model, built, hidden, tuple(manifest.token_ids)), manifest
 
 
-def _saved_spec(manifest: SnapshotManifest) -> EngineSpec:
+def _saved_spec(manifest: SnapshotManifest, model: Model) -> EngineSpec:
+    """The spec a state names, parsed as a request's would be: it may not name a path or a
+    file name, and its sizes must fit the model."""
     try:
-        return parse_engine(manifest.engine_spec)
+        return parse_engine(manifest.engine_spec, SpecPolicy.untrusted(model))
     except EngineSpecError as e:
         raise SnapshotCorrupt(
             f"the state names an engine larql will not build from a file: {e} (give the spec "

@@ -40,10 +40,9 @@ from larql.kv.boundary.identity import model_identity
 from larql.kv.spec import EngineBuildError
 from larql.kv.standard import StandardEngine
 from larql.models.model import Model
+from larql.specs import PLAIN_NAME
 
 DEFAULT_CHUNK_TOKENS = 512
-# what a sequence id may be: it names the frames' files in a directory archive
-SEQUENCE_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 AGREEMENT_CODEC = "int8_clip3sigma"
 
 
@@ -102,7 +101,7 @@ class BoundaryKvEngine(KvEngine):
     def read_state(self, state: StateReader, model: Model) -> None:
         self.inner = copy.copy(self.inner)  # (a fork's inner engine must not be the original's)
         restore_into(self.inner, state.scope("inner"), model, self.position)
-        sequence = state.text("sequence_id", SEQUENCE_ID_PATTERN)
+        sequence = state.text("sequence_id", PLAIN_NAME.pattern)
         if self.spec_string and "sequence_id=" in self.spec_string and sequence != self.sequence_id:
             raise SnapshotCorrupt(
                 f"the state's sequence {sequence!r} is not its spec's {self.sequence_id!r}"
