@@ -11,7 +11,6 @@ the catalog, and its fields are numbers, strings, booleans and lists of them.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +21,6 @@ from larql.inference.snapshots.errors import SnapshotCorrupt
 
 Plain = None | bool | int | float | str | list[Any]
 _MAX_TEXT = 4096  # characters in a string field
-_MAX_LIST = 1 << 22  # items in a list field
 
 
 class StateWriter:
@@ -86,9 +84,6 @@ class StateReader:
         self._read.add(key)
         return self.fields[key]
 
-    def has(self, name: str) -> bool:
-        return self.prefix + name in self.fields or self.prefix + name in self.tensors
-
     def integer(self, name: str, least: int = 0, most: int | None = None) -> int:
         value = self._field(name)
         if type(value) is not int:
@@ -97,18 +92,6 @@ class StateReader:
             span = f"{least}..{most}" if most is not None else f"≥ {least}"
             raise SnapshotCorrupt(f"state field {self.prefix + name!r} is {value}, not in {span}")
         return value
-
-    def optional_integer(self, name: str, least: int = 0, most: int | None = None) -> int | None:
-        if self.fields.get(self.prefix + name, 0) is None:
-            self._read.add(self.prefix + name)
-            return None
-        return self.integer(name, least, most)
-
-    def number(self, name: str) -> float:
-        value = self._field(name)
-        if type(value) not in (int, float) or not math.isfinite(value):
-            raise self._wrong(name, value, "a finite number")
-        return float(value)
 
     def flag(self, name: str) -> bool:
         value = self._field(name)
@@ -124,21 +107,6 @@ class StateReader:
         if pattern is not None and re.fullmatch(pattern, value) is None:
             raise SnapshotCorrupt(
                 f"state field {self.prefix + name!r} = {value[:40]!r} is not of the form {pattern}"
-            )
-        return value
-
-    def integers(self, name: str, least: int, most: int, length: int | None = None) -> list[int]:
-        """A list of integers in least..most (`length` of them where given)."""
-        value = self._field(name)
-        if type(value) is not list or len(value) > _MAX_LIST:
-            raise self._wrong(name, value, "a list of integers")
-        if length is not None and len(value) != length:
-            raise SnapshotCorrupt(
-                f"state field {self.prefix + name!r} holds {len(value)} items, not {length}"
-            )
-        if any(type(v) is not int or not least <= v <= most for v in value):
-            raise SnapshotCorrupt(
-                f"state field {self.prefix + name!r} must hold integers in {least}..{most}"
             )
         return value
 
@@ -167,14 +135,6 @@ class StateReader:
                 f"expected {_dtype_name(dtype)} {list(shape)}"
             )
         return found.to(self.device)
-
-    def optional_tensor(
-        self, name: str, dtype: torch.dtype, shape: Sequence[int]
-    ) -> torch.Tensor | None:
-        """`tensor`, or None where the state holds none of that name."""
-        if self.prefix + name not in self.tensors:
-            return None
-        return self.tensor(name, dtype, shape)
 
     def rows(self, name: str, dtype: torch.dtype, count: int, row_shape: Sequence[int]):
         """`count` rows [count, *row_shape]: absent where count is 0 (a store that never held
