@@ -15,14 +15,6 @@ from larql.cli.longctx_cmd import SUITES, SuiteGrid
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
 from larql.cli.outputs import check_output_file, check_plot_file, write_text, writing
 
-# The long-context suites: the reference, one engine per way of keeping less (a window with
-# sinks, eviction once, eviction as decode goes, quantisation); the exact engines score like
-# `standard` there (tested) at a far higher cost per cell.
-LONGCTX_ENGINES = (
-    "standard;standard:window=512,sinks=4;snapkv:budget=512;h2o:budget=512,recent=256;"
-    "turbo-quant:bits=4;turbo-quant:bits=2;kv-quant:bits=4"
-)
-
 
 def default_engines(suite: str = "prompts") -> str:
     from larql.harness.accuracy.run import default_specs
@@ -30,7 +22,9 @@ def default_engines(suite: str = "prompts") -> str:
 
     if suite == "prompts":
         return ";".join(default_specs())
-    return ";".join(s for s in CATALOG.split_specs(LONGCTX_ENGINES) if CATALOG.parses(s))
+    # the long-context suites: the engines that keep less than the full cache, and the
+    # reference (the exact ones score like `standard` there, at a far higher cost per cell)
+    return ";".join(CATALOG.default_specs("longctx"))
 
 
 @user_errors

@@ -34,8 +34,9 @@ state in memory the same way; an engine that cannot save its state now says why 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import ClassVar
 
 import torch
@@ -78,6 +79,9 @@ class Engine(ABC):
     name: ClassVar[str] = ""
     # the version of the state `write_state` declares: a state of another version is refused
     STATE_VERSION: ClassVar[int] = 1
+    # FFN backend kinds (`FfnBackend.kind`) it may not run with, and why: its catalog entry's
+    # `refuses_ffn`, set when the engine is built from a spec
+    refused_ffn: Mapping[str, str] = MappingProxyType({})
 
     def __init__(self, profiling: bool = False) -> None:
         self.position = 0  # absolute position of the next token
@@ -162,10 +166,11 @@ class Engine(ABC):
         return rows[-1:]
 
     def _check_ffn(self, ffn: FfnBackend) -> None:
-        """Refuse an FFN backend that says this engine may not run with it."""
-        refusal = ffn.engine_refusal(self.name)
-        if refusal is not None:
-            raise BackendUnavailable(refusal)
+        """Refuse an FFN backend of a kind this engine may not run with (`refused_ffn`)."""
+        for kind in sorted(ffn.kinds()):
+            reason = self.refused_ffn.get(kind)
+            if reason is not None:
+                raise BackendUnavailable(f"{self.name} cannot run with {kind}: it {reason}")
 
     def extends_exactly(self, model: Model) -> bool:
         """Whether, on `model`, `extend` continues a prefill as one longer prefill would (up to

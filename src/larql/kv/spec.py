@@ -147,6 +147,23 @@ Factory = Callable[[Mapping[str, Any], Model | None], Engine]
 
 
 @dataclass(frozen=True)
+class Sweeps:
+    """The specs of an engine the harnesses run when they are given none, as parameter lists
+    ("" is the engine with its defaults): `bench` (a 128-token context: windows of a few
+    tokens, so a windowed engine's overflow path runs), `accuracy` (the prompts suite and its
+    fidelity text: windows of 64) and `longctx` (the long-context suites, thousands of tokens:
+    the engines that keep less than the full cache). A new engine runs everywhere with its
+    defaults unless its entry says otherwise."""
+
+    bench: tuple[str, ...] = ("",)
+    accuracy: tuple[str, ...] = ("",)
+    longctx: tuple[str, ...] = ("",)
+
+    def specs(self, name: str, suite: str) -> list[str]:
+        return [f"{name}:{p}" if p else name for p in getattr(self, suite)]
+
+
+@dataclass(frozen=True)
 class EngineEntry:
     """One engine of the catalog: names, parameters, what it keeps and what it promises."""
 
@@ -166,6 +183,12 @@ class EngineEntry:
     # the distribution that registered it through the `larql.engines` entry points (None for a
     # built-in engine); the catalog sets it
     plugin: str | None = None
+    # what the harnesses run of it by default
+    sweeps: Sweeps = field(default_factory=Sweeps)
+    # it re-runs the whole context at every step (O(N²)): runs over long texts are capped
+    quadratic: bool = False
+    # FFN backend kinds (`FfnBackend.kind`) it may not run with, and why ("it …")
+    refuses_ffn: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def all_names(self) -> tuple[str, ...]:
@@ -205,6 +228,8 @@ class EngineSpec:
             self.check(SpecPolicy.operator(model))
         engine = self.entry.factory({**self.params, "profiling": profiling}, model)
         engine.spec_string = self.spec()
+        if self.entry.refuses_ffn:
+            engine.refused_ffn = self.entry.refuses_ffn
         return engine
 
     def check(self, policy: SpecPolicy) -> None:
@@ -261,6 +286,11 @@ class EngineCatalog:
 
     def supported_names(self) -> list[str]:
         return [e.name for e in self.entries]
+
+    def default_specs(self, suite: str) -> list[str]:
+        """What a harness runs when given no engines: every entry's `sweeps` of `suite`
+        (`bench`, `accuracy`, `longctx`), in catalog order."""
+        return [spec for e in self.entries for spec in e.sweeps.specs(e.name, suite)]
 
     def supported_message(self) -> str:
         return "supported: " + ", ".join(self.supported_names())

@@ -33,19 +33,12 @@ from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 
 SCHEMA = "larql.accuracy/1"
-# Engines that re-run the whole context every step: their teacher-forced run is capped.
-QUADRATIC = {"no-cache", "apollo"}
-
-# Every engine, windowed ones at windows that overflow on the fidelity text (also --quick's).
-DEFAULT_SPECS = (
-    "standard;standard:window=64;no-cache;markov-rs:window=64;markov-rs-codec:window=64;"
-    "windowed-checkpoint:window=64;turbo-quant:bits=4;turbo-quant:bits=3;turbo-quant:bits=2;"
-    "boundary-kv:chunk_tokens=64;boundary-per-layer:window=64"
-)
 
 
 def default_specs() -> list[str]:
-    return [s for s in CATALOG.split_specs(DEFAULT_SPECS) if CATALOG.parses(s)]
+    """Every engine as its catalog entry says the prompts suite runs it (`Sweeps.accuracy`:
+    windowed ones at windows that overflow on the fidelity text)."""
+    return CATALOG.default_specs("accuracy")
 
 
 @dataclass(frozen=True)
@@ -219,7 +212,7 @@ def _fidelity(
         if progress:
             progress(f"fidelity: {strategy.strategy(cross)}")
         ffn = ffns[strategy.ffn_spec]
-        quadratic = strategy.engine.display_name in QUADRATIC
+        quadratic = strategy.engine.entry.quadratic
         cap = settings.quadratic_positions if quadratic else None
         result = measure_fidelity(model, ffn, strategy.engine, ids, prompt_len, reference, cap)
         result.spec = strategy.strategy(cross)

@@ -27,28 +27,12 @@ from larql.models.model import Model
 
 SCHEMA = "larql.bench/1"
 
-# The catalog with small windows so every engine's windowed path runs;
-# apollo needs a store, so it only runs when a spec names one.
-DEFAULT_SPECS = (
-    "standard",
-    "standard:window=4",
-    "no-cache",
-    "markov-rs",
-    "markov-rs:window=4",
-    "markov-rs-codec:window=4",
-    "windowed-checkpoint:window=4",
-    "turbo-quant:bits=4",
-    "turbo-quant:bits=3",
-    "boundary-kv:chunk_tokens=4",
-    "boundary-per-layer:window=4",
-)
-
-
 DEFAULT_CONTEXT = 128
 
 
 def default_specs() -> list[str]:
-    return [s for s in DEFAULT_SPECS if CATALOG.parses(s)]
+    """Every engine as its catalog entry says a bench runs it (`Sweeps.bench`)."""
+    return CATALOG.default_specs("bench")
 
 
 def bench_prompts(

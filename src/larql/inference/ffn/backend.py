@@ -31,6 +31,8 @@ class FfnBackend(ABC):
 
     name: str = ""
     graph_safe: bool = False
+    # what kind of backend it is, in words an engine's refusal names (`Engine.refused_ffn`)
+    kind: str = "dense"
 
     @abstractmethod
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -62,9 +64,9 @@ class FfnBackend(ABC):
         """Bytes this backend has sent and received over a network so far (0: it is local)."""
         return 0
 
-    def engine_refusal(self, engine: str) -> str | None:
-        """Why an engine of this name may not run with this backend (None: it may)."""
-        return None
+    def kinds(self) -> frozenset[str]:
+        """The kinds of backend it runs (a per-layer policy: every one of its backends')."""
+        return frozenset({self.kind})
 
     def close(self) -> None:
         return None
@@ -148,6 +150,7 @@ class NullFfn(FfnBackend):
     zero)."""
 
     name = "null"
+    kind = "null"
     graph_safe = True
 
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:

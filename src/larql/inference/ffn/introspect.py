@@ -57,6 +57,7 @@ class LastRowRecorder(FfnBackend):
     def __init__(self, inner: FfnBackend) -> None:
         self.inner = inner
         self.name = inner.name
+        self.kinds = inner.kinds  # type: ignore[method-assign]
         self.inputs: dict[int, torch.Tensor] = {}
 
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:

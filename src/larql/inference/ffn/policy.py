@@ -376,9 +376,8 @@ class LayerFfnRouter(FfnBackend):
     def wire_bytes(self) -> int:
         return sum(b.wire_bytes() for b in {id(b): b for b in self.backends}.values())
 
-    def engine_refusal(self, engine: str) -> str | None:
-        reasons = (b.engine_refusal(engine) for b in {id(b): b for b in self.backends}.values())
-        return next((r for r in reasons if r is not None), None)
+    def kinds(self) -> frozenset[str]:
+        return frozenset().union(*(b.kinds() for b in self.backends))
 
     def close(self) -> None:
         """Close remote clients (their keep-alive connections)."""

@@ -58,6 +58,8 @@ class RemoteWalkFfn(FfnBackend):
     shard does not speak it), or without `wire` the best both speak (f32, lossless, before f16
     and i8). A shard without the endpoint is taken as it is, over f32."""
 
+    kind = "remote walk"
+
     def __init__(
         self,
         endpoint: str,

@@ -23,15 +23,6 @@ from larql.inference.ffn.remote import RemoteWalkFfn
 from larql.inference.norm import rms_norm
 from larql.models.model import Model
 
-# Engines that may not run with remote experts: no-cache recomputes every earlier position's
-# layers at each step (every routed row of the whole history over the network, per token);
-# apollo runs its own forward passes over stored windows.
-REFUSED_ENGINES = {
-    "no-cache": "recomputes the whole history every step, sending every earlier row's experts "
-    "over the network again",
-    "apollo": "replays stored windows through its own forward passes",
-}
-
 
 class ExpertShard:
     """The experts [start, stop) one shard serves, and its client."""
@@ -45,6 +36,7 @@ class RemoteExpertsFfn(FfnBackend):
     """The model's FFN with every routed expert on its shard."""
 
     graph_safe = False
+    kind = "remote experts"
 
     def __init__(self, model: Model, shards: Sequence[ExpertShard], name: str) -> None:
         routing = model.config.experts
@@ -93,10 +85,6 @@ class RemoteExpertsFfn(FfnBackend):
 
     def wire_bytes(self) -> int:
         return sum(shard.client.wire_bytes() for shard in self._shards)
-
-    def engine_refusal(self, engine: str) -> str | None:
-        reason = REFUSED_ENGINES.get(engine)
-        return None if reason is None else f"{engine} cannot run with remote experts: it {reason}"
 
     def close(self) -> None:
         for shard in self._shards:

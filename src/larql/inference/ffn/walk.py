@@ -43,6 +43,8 @@ def down_rows(model: Model, layer: int) -> torch.Tensor:
 class WalkFfn(FfnBackend):
     """Top-k sparse FFN; `k=None` is the dense-equivalent walk."""
 
+    kind = "walk"
+
     def __init__(self, model: Model, k: int | None = None) -> None:
         if k is not None and k < 1:
             raise ValueError(f"walk k must be ≥ 1, got {k}")

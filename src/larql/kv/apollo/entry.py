@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from larql.kv.apollo.engine import build_apollo
-from larql.kv.spec import LAYER_INDEX, TOKEN_ID, TOKENS, EngineEntry
+from larql.kv.spec import LAYER_INDEX, TOKEN_ID, TOKENS, EngineEntry, Sweeps
 from larql.specs import Param, at_least
 
 ENTRY = EngineEntry(
@@ -50,4 +50,9 @@ ENTRY = EngineEntry(
     ),
     kind="retrieval",
     live_decode=False,
+    # it serves from a store a sweep does not have (the long-context suite builds one per
+    # context when it is named)
+    sweeps=Sweeps(bench=(), accuracy=(), longctx=()),
+    quadratic=True,
+    refuses_ffn={"remote experts": "replays stored windows through its own forward passes"},
 )

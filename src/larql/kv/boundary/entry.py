@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from larql.kv.boundary.archive import DirectoryBoundaryArchive
 from larql.kv.boundary.engine import BoundaryKvEngine
-from larql.kv.spec import TOKENS, EngineEntry
+from larql.kv.spec import TOKENS, EngineEntry, Sweeps
 from larql.kv.standard import WINDOW_DOC
 from larql.specs import Param, at_least
 
@@ -47,4 +47,5 @@ ENTRY = EngineEntry(
         window=p["window"],
         archive=DirectoryBoundaryArchive(p["archive"]) if p["archive"] else None,
     ),
+    sweeps=Sweeps(bench=("chunk_tokens=4",), accuracy=("chunk_tokens=64",), longctx=()),  # exact
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from larql.kv.eviction.h2o import H2oEngine
 from larql.kv.eviction.snapkv import SnapKvEngine
-from larql.kv.spec import TOKENS, EngineEntry, MalformedEngineSpec
+from larql.kv.spec import TOKENS, EngineEntry, MalformedEngineSpec, Sweeps
 from larql.specs import Param, at_least
 
 
@@ -55,6 +55,7 @@ SNAPKV = EngineEntry(
     "(destructive: prompt rows evicted once, after the prefill; SmolLM2, 1,024-token prompt, "
     "budget 256: mean KL 0.030)",
     factory=lambda p, model: _snapkv(p),
+    sweeps=Sweeps(bench=("budget=64",), accuracy=("budget=64",), longctx=("budget=512",)),
 )
 
 H2O = EngineEntry(
@@ -76,4 +77,9 @@ H2O = EngineEntry(
     contract="exact while prompt + decoded rows fit the budget; else bounded KL vs standard "
     "(destructive: evicts as decode proceeds; SmolLM2, budget 256, recent 128: mean KL 0.17)",
     factory=lambda p, model: _h2o(p),
+    sweeps=Sweeps(
+        bench=("budget=64,recent=32",),
+        accuracy=("budget=64,recent=32",),
+        longctx=("budget=512,recent=256",),
+    ),
 )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from larql.kv.kv_quant.engine import KvQuantEngine
-from larql.kv.spec import HEAD_DIM, TOKENS, EngineEntry
+from larql.kv.spec import HEAD_DIM, TOKENS, EngineEntry, Sweeps
 from larql.specs import Param, at_least, one_of
 
 ENTRY = EngineEntry(
@@ -45,4 +45,5 @@ ENTRY = EngineEntry(
         profiling=p["profiling"],
     ),
     batching="yes: with kv-quant sessions of the same parameters",
+    sweeps=Sweeps(bench=("bits=4",), accuracy=("bits=4",), longctx=("bits=4",)),
 )

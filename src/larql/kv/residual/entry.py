@@ -6,7 +6,7 @@ from __future__ import annotations
 from larql.kv.residual.codec_engine import MarkovResidualCodecEngine
 from larql.kv.residual.markov import MarkovResidualEngine
 from larql.kv.residual.per_layer import BoundaryPerLayerEngine
-from larql.kv.spec import MODEL_LAYERS, TOKENS, EngineEntry
+from larql.kv.spec import MODEL_LAYERS, TOKENS, EngineEntry, Sweeps
 from larql.specs import Param, at_least, one_of
 
 HOT_WINDOW_DOC = (
@@ -41,6 +41,7 @@ MARKOV_RS = EngineEntry(
         window=p["window"], profiling=p["profiling"], model=model, kv_cache=bool(p["kv_cache"])
     ),
     batching=BATCHING,
+    sweeps=Sweeps(bench=("", "window=4"), accuracy=("window=64",), longctx=()),  # exact
 )
 
 MARKOV_RS_CODEC = EngineEntry(
@@ -55,6 +56,7 @@ MARKOV_RS_CODEC = EngineEntry(
         window=p["window"], profiling=p["profiling"], model=model
     ),
     batching=BATCHING,
+    sweeps=Sweeps(bench=("window=4",), accuracy=("window=64",), longctx=()),
 )
 
 BOUNDARY_PER_LAYER = EngineEntry(
@@ -79,4 +81,5 @@ BOUNDARY_PER_LAYER = EngineEntry(
         window=p["window"], layers=p["layers"], profiling=p["profiling"], model=model
     ),
     batching=BATCHING,
+    sweeps=Sweeps(bench=("window=4",), accuracy=("window=64",), longctx=()),
 )

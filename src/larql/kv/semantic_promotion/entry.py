@@ -6,7 +6,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from larql.kv.semantic_promotion.engine import SemanticPromotionEngine
-from larql.kv.spec import EngineBuildError, EngineEntry, EngineSpec, MalformedEngineSpec
+from larql.kv.spec import (
+    EngineBuildError,
+    EngineEntry,
+    EngineSpec,
+    MalformedEngineSpec,
+    Sweeps,
+)
 from larql.models.model import Model
 from larql.specs import Param, one_of
 
@@ -36,4 +42,5 @@ ENTRY = EngineEntry(
     keeps="whatever its base keeps (the base's state, unchanged)",
     contract="bit-identical to its base (observe mode)",
     factory=_build,
+    sweeps=Sweeps(longctx=()),  # scores as its base does
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from larql.kv.spec import TOKENS, EngineEntry, MalformedEngineSpec
+from larql.kv.spec import TOKENS, EngineEntry, MalformedEngineSpec, Sweeps
 from larql.kv.standard.engine import StandardEngine
 from larql.specs import Param, at_least, one_of
 
@@ -44,6 +44,9 @@ ENTRY = EngineEntry(
     factory=lambda p, model: _standard(p),
     batching="yes: with standard sessions of the same window and path (not with sinks); on "
     "CUDA the graph path replays one captured graph per batch size, greedy batches a step ahead",
+    sweeps=Sweeps(
+        bench=("", "window=4"), accuracy=("", "window=64"), longctx=("", "window=512,sinks=4")
+    ),
 )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from larql.kv.spec import TOKENS, EngineEntry
+from larql.kv.spec import TOKENS, EngineEntry, Sweeps
 from larql.kv.turbo_quant.engine import TurboQuantEngine
 from larql.specs import Param, at_least, one_of
 
@@ -84,6 +84,11 @@ ENTRY = EngineEntry(
         use_graph=bool(p["graph"]),
     ),
     fixed={"tq4": {"bits": 4}, "tq3": {"bits": 3}, "tq2": {"bits": 2}},
+    sweeps=Sweeps(
+        bench=("bits=4", "bits=3"),
+        accuracy=("bits=4", "bits=3", "bits=2"),
+        longctx=("bits=4", "bits=2"),
+    ),
     batching="yes: with turbo-quant sessions of the same parameters and path; on CUDA the "
     "kernel path runs every session's attention in each layer's three launches and replays one "
     "captured graph per batch size",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from larql.kv.spec import TOKENS, EngineEntry
+from larql.kv.spec import TOKENS, EngineEntry, Sweeps
 from larql.kv.windowed_checkpoint.engine import DEFAULT_WINDOW, WindowedCheckpointEngine
 from larql.specs import Param, at_least
 
@@ -25,4 +25,5 @@ ENTRY = EngineEntry(
     contract="exact vs standard inside the first window; after it each token attends only "
     "the checkpoint row and its own window (documented loss)",
     factory=lambda p, model: WindowedCheckpointEngine(window=p["window"], profiling=p["profiling"]),
+    sweeps=Sweeps(bench=("window=4",), accuracy=("window=64",), longctx=()),
 )
