@@ -222,6 +222,9 @@ class ModelWeights:
             expected.update(self._attention_shapes(config, lw, i))
             if lw.w_gate_up is None and lw.experts is None:
                 raise ModelFormatError(f"layer {i} has neither an MLP nor experts")
+            if (lw.w_gate_up is None) != (lw.w_down is None):
+                part = "w_down" if lw.w_down is None else "w_gate"
+                raise ModelFormatError(f"weights are missing tensor 'layers.{i}.{part}'")
             beside = (lw.experts_norm, lw.post_mlp_norm, lw.post_experts_norm, lw.w_gate_up)
             if lw.experts_norm is not None and any(t is None for t in beside):
                 raise ModelFormatError(
