@@ -298,6 +298,7 @@ def test_mutated_gguf_header_bytes_load_or_are_refused(
 
 JSON_SCALARS = (
     st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.integers(-4, 300)
+    | st.just(10**400)
     | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8)
 )  # fmt: skip
 JSON_VALUES = st.recursive(

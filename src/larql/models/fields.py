@@ -76,7 +76,8 @@ class Fields:
             raise self._wrong(key, value, "an integer")
         if number < low or (high is not None and number > high):
             accepted = f"{low}..{high}" if high is not None else f"≥ {low}"
-            raise ModelFormatError(f"{self.prefix}{key} = {number} is out of range ({accepted})")
+            shown = show(number)
+            raise ModelFormatError(f"{self.prefix}{key} = {shown} is out of range ({accepted})")
         return number
 
     def optional_integer(self, key: str, *, low: int = 0, high: int | None = None) -> int | None:
@@ -96,7 +97,10 @@ class Fields:
             return self._default(key, default)
         if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.number):
             raise self._wrong(key, value, "a number")
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer past any float
+            number = math.inf
         if not math.isfinite(number) or (positive and number <= 0):
             raise self._wrong(key, value, "a positive number" if positive else "a finite number")
         return number

@@ -35,11 +35,11 @@ def _rope_spec(params: dict[str, Any], raw: dict[str, Any], head_dim: int) -> Ro
         raise UnsupportedArchitecture(
             f"RoPE type {show(kind)} is not supported (supported: {', '.join(ROPE_SCALINGS)})"
         )
-    fraction = p.number("partial_rotary_factor", whole.number("partial_rotary_factor", 1.0))
+    fraction = _own_or_config(p, whole, "partial_rotary_factor", 1.0)
     if not 0 < fraction <= 1:
         raise ModelFormatError(f"partial_rotary_factor {fraction} is not in (0, 1]")
     rotary_dim = int(head_dim * fraction)
-    base = p.number("rope_theta", whole.number("rope_theta", 10_000.0))
+    base = _own_or_config(p, whole, "rope_theta", 10_000.0)
     if kind == "proportional":  # the whole width, its first fraction of the pairs turning
         factor = p.number("factor", 1.0)
         pairs = int(fraction * head_dim // 2)
@@ -126,6 +126,12 @@ def _longrope(
         short_factor=short,
         long_factor=long,
     )
+
+
+def _own_or_config(p: Fields, whole: Fields, key: str, default: float) -> float:
+    """A number of the RoPE parameters, else of the whole config, else `default`."""
+    own = p.optional_number(key)
+    return own if own is not None else whole.number(key, default)
 
 
 def _original_context(p: Fields, whole: Fields) -> int:

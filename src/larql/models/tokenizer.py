@@ -157,7 +157,7 @@ def tokenizer_from_file(path: Path, vocab_size: int) -> Tokenizer:
 def tokenizer_from_gguf(gguf: GgufFile) -> Tokenizer:
     kind = gguf.get("tokenizer.ggml.model")
     if "tokenizer.ggml.tokens" not in gguf.metadata:
-        raise ModelFormatError(f"{gguf.path.name} has no tokenizer in its metadata")
+        raise ModelFormatError(f"{gguf.path} has no tokenizer in its metadata")
     tokens = gguf.strings("tokenizer.ggml.tokens")
     types = _token_types(gguf, len(tokens))
     try:
@@ -165,9 +165,9 @@ def tokenizer_from_gguf(gguf: GgufFile) -> Tokenizer:
             return _byte_level_bpe(gguf, tokens, types)
         if kind == "llama":
             return _sentencepiece_bpe(gguf, tokens, types)
+    except ModelFormatError:
+        raise
     except Exception as e:  # `tokenizers` raises a plain Exception for a bad vocabulary
-        if isinstance(e, ModelFormatError):
-            raise
         raise ModelFormatError(f"its tokenizer cannot be built: {e}") from None
     raise ModelFormatError(f"GGUF tokenizer model {show(kind)} is not supported (gpt2, llama)")
 
@@ -274,6 +274,6 @@ def chat_template_from_dir(directory: Path) -> str | None:
             settings = json.loads(config.read_text(encoding="utf-8"))
             template = settings.get("chat_template") if isinstance(settings, dict) else None
             return template if isinstance(template, str) else None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ModelFormatError(f"cannot read the chat template: {e}") from None
     return None
