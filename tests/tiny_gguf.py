@@ -334,3 +334,59 @@ def _permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's row order for llama Q/K: each head's split halves interleaved pairwise."""
     rows, rest = w.shape[0], w.shape[1:]
     return w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def rewrite_gguf(source: Path, target: Path, changes: dict[str, Any]) -> Path:
+    """A copy of the GGUF `source`, its tensors as float32, with metadata keys changed: each
+    value of `changes` replaces its key's (written as `_metadata_value` says), None removes it."""
+    import gguf
+
+    from larql.models.gguf_file import GgufFile
+
+    src = GgufFile(source)
+    w = gguf.GGUFWriter(str(target), src.architecture)
+    w.kv_data[0].clear()  # the writer's own `general.architecture`: the loop writes it
+    for key, value in {**src.metadata, **changes}.items():
+        if key != "general.alignment" and value is not None:
+            _metadata_value(w, key, value)
+    for name in src.tensors:
+        w.add_tensor(name, src.dequantize(name))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return target
+
+
+def _metadata_value(w: Any, key: str, value: Any) -> None:
+    """One metadata pair: a str, bool, int (uint32, else int64 / uint64 past its range), float
+    (float32), list of one of those, or numpy array (an array of its dtype)."""
+    import gguf
+
+    t = gguf.GGUFValueType
+    if isinstance(value, np.ndarray):
+        items = {np.dtype(np.uint8): t.UINT8, np.dtype(np.int8): t.INT8,
+                 np.dtype(np.uint16): t.UINT16, np.dtype(np.int16): t.INT16,
+                 np.dtype(np.uint32): t.UINT32, np.dtype(np.int32): t.INT32,
+                 np.dtype(np.float32): t.FLOAT32, np.dtype(np.bool_): t.BOOL,
+                 np.dtype(np.uint64): t.UINT64, np.dtype(np.int64): t.INT64,
+                 np.dtype(np.float64): t.FLOAT64}  # fmt: skip
+        w.add_key_value(key, value.tolist(), t.ARRAY, sub_type=items[value.dtype])
+    elif isinstance(value, list):
+        sub = _scalar_type(value[0]) if value else t.UINT32
+        w.add_key_value(key, value, t.ARRAY, sub_type=sub)
+    else:
+        w.add_key_value(key, value, _scalar_type(value))
+
+
+def _scalar_type(value: Any) -> Any:
+    import gguf
+
+    t = gguf.GGUFValueType
+    if isinstance(value, bool):
+        return t.BOOL
+    if isinstance(value, int):
+        return t.UINT32 if 0 <= value < 1 << 32 else t.INT64 if value < 0 else t.UINT64
+    if isinstance(value, float):
+        return t.FLOAT32
+    return t.STRING

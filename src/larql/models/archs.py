@@ -13,6 +13,7 @@ from typing import Any
 
 from larql.models.config import Arch
 from larql.models.errors import UnsupportedArchitecture
+from larql.models.fields import Fields
 
 # (the model's settings, its depth) → whether each layer slides, for configs that do not say
 SlidingLayers = Callable[[Mapping[str, Any], int], list[bool]]
@@ -34,7 +35,7 @@ def even_layers(settings: Mapping[str, Any], num_layers: int) -> list[bool]:
 
 def all_but_every_nth(settings: Mapping[str, Any], num_layers: int) -> list[bool]:
     """Gemma 3: every `sliding_window_pattern`-th layer (6) is global, the others slide."""
-    every = int(settings.get("sliding_window_pattern", 6))
+    every = Fields(settings).integer("sliding_window_pattern", 6, low=1)
     return [(i + 1) % every != 0 for i in range(num_layers)]
 
 
@@ -42,7 +43,7 @@ def from_max_window_layers(settings: Mapping[str, Any], num_layers: int) -> list
     """Qwen 2/3: with `use_sliding_window`, layers from `max_window_layers` on slide."""
     if not settings.get("use_sliding_window"):
         return [False] * num_layers
-    first = int(settings.get("max_window_layers", num_layers))
+    first = Fields(settings).integer("max_window_layers", num_layers)
     return [i >= first for i in range(num_layers)]
 
 

@@ -14,6 +14,7 @@ Layout facts handled here (checked against transformers' own GGUF loader):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +23,17 @@ from larql.models.archs import preset_for_gguf
 from larql.models.blocks import GGUF_FORMATS, BlockRows, block_width
 from larql.models.config import ExpertRouting, LayerSpec, ModelConfig, RopeSpec
 from larql.models.errors import ModelFormatError, UnsupportedArchitecture
+from larql.models.fields import (
+    MAX_CONTEXT,
+    MAX_EXPERTS,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_VOCAB,
+    MAX_WIDTH,
+    Fields,
+    show,
+)
 from larql.models.gguf_file import GgufFile
 from larql.models.multipliers import (
     INTO_RESIDUAL,
@@ -29,7 +41,8 @@ from larql.models.multipliers import (
     folds_residual,
     multiplier_folds,
 )
-from larql.models.rope import yarn_attention_factor
+from larql.models.rope import check_rope, yarn_attention_factor
+from larql.models.weights import expected_shape
 
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm",
@@ -77,34 +90,35 @@ Part = tuple[str, slice]
 
 
 def gguf_config(gguf: GgufFile, name: str = "") -> ModelConfig:
+    """The model's config from the file's metadata, every size typed and bounded, and checked
+    against the tensor table (nothing is dequantized for that)."""
     preset = preset_for_gguf(gguf.architecture)
-    hidden = int(gguf.arch_key("embedding_length"))
-    heads = int(gguf.arch_key("attention.head_count"))
-    kv_heads = int(gguf.arch_key("attention.head_count_kv", heads))
-    head_dim = int(gguf.arch_key("attention.key_length", hidden // heads))
-    num_layers = int(gguf.arch_key("block_count"))
+    keys = arch_fields(gguf)
+    hidden = keys.integer("embedding_length", low=1, high=MAX_WIDTH)
+    heads = keys.integer("attention.head_count", low=1, high=MAX_HEADS)
+    kv_heads = keys.integer("attention.head_count_kv", heads, low=1, high=heads)
+    head_dim = keys.integer("attention.key_length", hidden // heads, low=1, high=MAX_HEAD_DIM)
+    num_layers = keys.integer("block_count", low=1, high=MAX_LAYERS)
     rope = _rope_spec(gguf, head_dim)
-    tokens = gguf.get("tokenizer.ggml.tokens", [])
-    vocab = int(
-        gguf.arch_key("vocab_size", len(tokens) or gguf.tensors["token_embd.weight"].shape[0])
-    )
+    check_rope(rope, head_dim)
+    vocab = keys.integer("vocab_size", _vocab_size(gguf), low=1, high=MAX_VOCAB)
     common = dict(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(gguf.arch_key("feed_forward_length")),
+        intermediate_size=keys.integer("feed_forward_length", low=1, high=MAX_WIDTH),
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        max_positions=int(gguf.arch_key("context_length", 2048)),
-        norm_eps=float(gguf.arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
-        attn_scale=head_dim**-0.5,
+        max_positions=keys.integer("context_length", 2048, low=1, high=MAX_CONTEXT),
+        norm_eps=keys.number("attention.layer_norm_rms_epsilon", 1e-5),
+        attn_scale=keys.number("attention.scale", 0.0) or head_dim**-0.5,
         tie_embeddings="output.weight" not in gguf.tensors,
-        bos_token_id=_opt_int(gguf.get("tokenizer.ggml.bos_token_id")),
-        eos_token_ids=_eos_ids(gguf),
+        bos_token_id=_token_id(gguf, "bos_token_id", vocab),
+        eos_token_ids=_eos_ids(gguf, vocab),
         name=name or str(gguf.get("general.name", gguf.path.stem)),
     )
-    window = _opt_int(gguf.arch_key("attention.sliding_window"))
+    window = keys.optional_integer("attention.sliding_window", high=MAX_CONTEXT)
     sliding = preset.sliding_layers({"sliding_window": window}, num_layers)
     base = preset.sliding_rope_base
     local = rope if base is None else RopeSpec(base=base, rotary_dim=rope.rotary_dim)
@@ -113,33 +127,94 @@ def gguf_config(gguf: GgufFile, name: str = "") -> ModelConfig:
         for slides in sliding
     )
     # Granite's multipliers (1 elsewhere): llama.cpp divides the logits by `logit_scale`
-    residual = float(gguf.arch_key("residual_scale", 1.0))
-    logits_divisor = float(gguf.arch_key("logit_scale", 1.0))
-    common["attn_scale"] = float(gguf.arch_key("attention.scale", 0.0)) or head_dim**-0.5
-    return ModelConfig(
-        arch=preset.arch,
-        layers=layers,
-        experts=_expert_routing(gguf),
-        embedding_multiplier=float(gguf.arch_key("embedding_scale", 1.0)),
-        extra=multiplier_folds(residual, logits_divisor, preset.arch),
-        **common,
-    )
+    residual = keys.number("residual_scale", 1.0)
+    logits_divisor = keys.number("logit_scale", 1.0, positive=True)
+    try:
+        config = ModelConfig(
+            arch=preset.arch,
+            layers=layers,
+            experts=_expert_routing(gguf, keys),
+            embedding_multiplier=keys.number("embedding_scale", 1.0),
+            extra=multiplier_folds(residual, logits_divisor, preset.arch),
+            **common,
+        )
+    except ValueError as e:
+        raise ModelFormatError(f"inconsistent attention settings: {e}") from None
+    check_tensor_table(gguf, config)
+    return config
 
 
-def _expert_routing(gguf: GgufFile) -> ExpertRouting | None:
-    count = _opt_int(gguf.arch_key("expert_count"))
+class _ArchKeys:
+    """The `{architecture}.` keys of a file, by their suffix."""
+
+    def __init__(self, gguf: GgufFile) -> None:
+        self.gguf = gguf
+
+    def get(self, suffix: str, default: Any = None, /) -> Any:
+        return self.gguf.arch_key(suffix, default)
+
+
+def arch_fields(gguf: GgufFile) -> Fields:
+    """Typed reads of the file's `{architecture}.` keys (`block_count`, …)."""
+    return Fields(_ArchKeys(gguf), f"{gguf.architecture}.")
+
+
+def _vocab_size(gguf: GgufFile) -> int:
+    """Where the file has no `vocab_size`: its tokens, else its embedding's rows."""
+    tokens = gguf.strings("tokenizer.ggml.tokens")
+    if tokens:
+        return len(tokens)
+    embed = gguf.tensors.get("token_embd.weight")
+    if embed is None:
+        raise ModelFormatError("no token_embd.weight and no vocabulary size")
+    return embed.shape[0]
+
+
+def check_tensor_table(gguf: GgufFile, config: ModelConfig) -> None:
+    """Every tensor's shape against what `config` implies for it, every layer holding tensors
+    and none beyond the last: from the tensor table alone, before anything is dequantized."""
+    preset = preset_for_gguf(gguf.architecture)
+    renamed = preset.gguf_renamed or {}
+    layers_seen = set()
+    for name, info in gguf.tensors.items():
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) > 2:
+            if not parts[1].isdigit() or int(parts[1]) >= config.num_layers:
+                raise ModelFormatError(
+                    f"tensor {name} is outside the {config.num_layers} layers of "
+                    f"{gguf.architecture}.block_count"
+                )
+            layers_seen.add(int(parts[1]))
+        for canonical, rows in _canonical_parts(name, info.shape, config, renamed):
+            shape = (len(range(info.shape[0])[rows]), *info.shape[1:])
+            want = expected_shape(config, canonical)
+            if want is not None and shape != want:
+                raise ModelFormatError(
+                    f"tensor {name} has shape {info.shape}; the metadata implies {want} "
+                    f"for {canonical}"
+                )
+    missing = sorted(set(range(config.num_layers)) - layers_seen)
+    if missing:
+        raise ModelFormatError(
+            f"{gguf.architecture}.block_count is {config.num_layers} but the file has no "
+            f"tensors for layer {missing[0]}"
+        )
+
+
+def _expert_routing(gguf: GgufFile, keys: Fields) -> ExpertRouting | None:
+    count = keys.optional_integer("expert_count", high=MAX_EXPERTS)
     if not count:
         return None
     preset = preset_for_gguf(gguf.architecture)
     try:
         return ExpertRouting(
-            int(count),
-            int(gguf.arch_key("expert_used_count", 0)),
-            bool(gguf.arch_key("expert_weights_norm", preset.gguf_experts_normalized)),
+            count,
+            keys.integer("expert_used_count", 0),
+            keys.flag("expert_weights_norm", preset.gguf_experts_normalized),
             clamped_swiglu=preset.gguf_clamped_swiglu,
         )
     except ValueError as e:
-        raise ModelFormatError(f"{gguf.path}: bad mixture-of-experts settings: {e}") from e
+        raise ModelFormatError(f"bad mixture-of-experts settings: {e}") from None
 
 
 def gguf_state_dict(
@@ -243,32 +318,40 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _rope_spec(gguf: GgufFile, head_dim: int) -> RopeSpec:
-    base = float(gguf.arch_key("rope.freq_base", 10_000.0))
-    rotary_dim = int(gguf.arch_key("rope.dimension_count", head_dim))
-    scaling_type = str(gguf.arch_key("rope.scaling.type", "none"))
+    keys = arch_fields(gguf)
+    base = keys.number("rope.freq_base", 10_000.0, positive=True)
+    rotary_dim = keys.integer("rope.dimension_count", head_dim, low=2, high=head_dim)
+    if rotary_dim % 2:
+        raise ModelFormatError(f"{keys.prefix}rope.dimension_count {rotary_dim} is odd")
+    scaling_type = keys.text("rope.scaling.type", "none")
     if "rope_factors_long.weight" in gguf.tensors:
         raise UnsupportedArchitecture(
-            f"{gguf.path.name}: long/short RoPE factor tensors (Phi-3 LongRoPE) are not "
-            "supported from GGUF (supported: linear, yarn)"
+            "long/short RoPE factor tensors (Phi-3 LongRoPE) are not supported from GGUF "
+            "(supported: linear, yarn)"
         )
     divisors = None
     if "rope_freqs.weight" in gguf.tensors:
+        shape = gguf.tensors["rope_freqs.weight"].shape
+        if shape != (rotary_dim // 2,):
+            raise ModelFormatError(
+                f"tensor rope_freqs.weight has shape {shape}, expected ({rotary_dim // 2},) "
+                "(rope.dimension_count / 2)"
+            )
         divisors = tuple(float(x) for x in gguf.dequantize("rope_freqs.weight").reshape(-1))
     if scaling_type in ("none", ""):
         return RopeSpec(base=base, rotary_dim=rotary_dim, freq_divisors=divisors)
     if scaling_type == "linear":
-        factor = float(gguf.arch_key("rope.scaling.factor", 1.0))
+        factor = keys.number("rope.scaling.factor", 1.0, positive=True)
         return RopeSpec(base, rotary_dim, "linear", factor, freq_divisors=divisors)
     if scaling_type == "yarn":
-        return _yarn_spec(gguf, base, rotary_dim, divisors)
+        return _yarn_spec(gguf, keys, base, rotary_dim, divisors)
     raise UnsupportedArchitecture(
-        f"RoPE scaling {scaling_type!r} in {gguf.path.name} is not supported "
-        "(supported: linear, yarn)"
+        f"RoPE scaling {show(scaling_type)} is not supported (supported: linear, yarn)"
     )
 
 
 def _yarn_spec(
-    gguf: GgufFile, base: float, rotary_dim: int, divisors: tuple[float, ...] | None
+    gguf: GgufFile, keys: Fields, base: float, rotary_dim: int, divisors: tuple[float, ...] | None
 ) -> RopeSpec:
     """llama.cpp's YaRN keys: the factor, the pretraining context, optional ramp bounds. Its
     attention factor is YaRN's default (0.1·ln(factor) + 1); files that change it (an
@@ -277,40 +360,36 @@ def _yarn_spec(
         ("rope.scaling.attn_factor", 1.0),
         ("rope.scaling.yarn_log_multiplier", 0.0),
     ):
-        value = gguf.arch_key(key)
-        if value is not None and float(value) != neutral:
+        value = keys.number(key, neutral)
+        if value != neutral:
             raise UnsupportedArchitecture(
-                f"YaRN with {gguf.architecture}.{key} = {value} in {gguf.path.name} is not "
-                "supported (only the default attention factor)"
+                f"YaRN with {keys.prefix}{key} = {value} is not supported (only the default "
+                "attention factor)"
             )
-    factor = float(gguf.arch_key("rope.scaling.factor", 1.0))
-    context = gguf.arch_key("rope.scaling.original_context_length")
-    if context is None:
-        raise ModelFormatError(
-            f"{gguf.path.name}: YaRN scaling without {gguf.architecture}."
-            "rope.scaling.original_context_length"
-        )
+    factor = keys.number("rope.scaling.factor", 1.0, positive=True)
+    context = keys.integer("rope.scaling.original_context_length", low=1, high=MAX_CONTEXT)
     return RopeSpec(
         base,
         rotary_dim,
         "yarn",
         factor,
-        original_max_positions=int(context),
+        original_max_positions=context,
         freq_divisors=divisors,
         attention_factor=yarn_attention_factor(factor),
-        beta_fast=float(gguf.arch_key("rope.scaling.yarn_beta_fast") or 32.0),
-        beta_slow=float(gguf.arch_key("rope.scaling.yarn_beta_slow") or 1.0),
+        beta_fast=keys.number("rope.scaling.yarn_beta_fast", 0.0) or 32.0,
+        beta_slow=keys.number("rope.scaling.yarn_beta_slow", 0.0) or 1.0,
     )
 
 
-def _eos_ids(gguf: GgufFile) -> tuple[int, ...]:
+def _token_id(gguf: GgufFile, key: str, vocab: int) -> int | None:
+    """`tokenizer.ggml.{key}`: a token id of the vocabulary, or None."""
+    return Fields(gguf.metadata).optional_integer(f"tokenizer.ggml.{key}", high=vocab - 1)
+
+
+def _eos_ids(gguf: GgufFile, vocab: int) -> tuple[int, ...]:
     ids = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
-        value = _opt_int(gguf.get(key))
+    for key in ("eos_token_id", "eot_token_id"):
+        value = _token_id(gguf, key, vocab)
         if value is not None and value not in ids:
             ids.append(value)
     return tuple(ids)
-
-
-def _opt_int(value: object) -> int | None:
-    return None if value is None else int(value)  # type: ignore[arg-type]

@@ -15,14 +15,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from larql.models.archs import ArchPreset, preset_for_hf
 from larql.models.config import Arch, ExpertRouting, LayerSpec, ModelConfig, RopeSpec
 from larql.models.errors import ModelFormatError, UnsupportedArchitecture
+from larql.models.fields import (
+    MAX_CONTEXT,
+    MAX_EXPERTS,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_VOCAB,
+    MAX_WIDTH,
+    Fields,
+    show,
+)
 from larql.models.hf_rope import rope_context, rope_spec
 from larql.models.multipliers import fold_multipliers, multiplier_folds
 from larql.models.mxfp4 import dequantize_mxfp4
+from larql.models.weights import expected_shape
 
 _ACTIVATIONS = {
     "silu": "silu",
@@ -108,129 +120,167 @@ _NORMS = {
 def read_hf_config(directory: Path) -> dict[str, Any]:
     path = directory / "config.json"
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelFormatError(f"cannot read {path}: {e}") from e
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ModelFormatError(f"cannot read {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ModelFormatError(f"{path} is {show(raw)}, not a JSON object")
     if "text_config" in raw and raw.get("model_type") in ("gemma3", "gemma3n", "gemma4"):
-        raw = {**raw["text_config"], "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
+        text = raw["text_config"]
+        if not isinstance(text, dict):
+            raise ModelFormatError(f"{path}: text_config is {show(text)}, not a JSON object")
+        raw = {**text, "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
     return raw
 
 
 def hf_config(raw: dict[str, Any], name: str = "") -> ModelConfig:
-    preset = preset_for_hf(str(raw.get("model_type", "")))
+    """The model's config from an HF `config.json` (its text part), every setting typed and
+    bounded before anything is sized from it."""
+    c = Fields(raw)
+    preset = preset_for_hf(c.text("model_type", ""))
     model_type = preset.arch.name
     if preset.unsupported is not None and (reason := preset.unsupported(raw)) is not None:
         raise UnsupportedArchitecture(reason)
     if raw.get("mlp_bias"):
         raise UnsupportedArchitecture(f"{model_type} with mlp_bias=true is not supported")
-    method = (raw.get("quantization_config") or {}).get("quant_method")
+    quantization = c.mapping("quantization_config")
+    method = quantization.raw("quant_method") if quantization is not None else None
     if method not in (None, "mxfp4"):
         raise UnsupportedArchitecture(
-            f"checkpoints quantised with {method!r} are not supported (supported: float "
+            f"checkpoints quantised with {show(method)} are not supported (supported: float "
             "weights, and MXFP4 experts); larql quantises weights itself (`--weights`)"
         )
-    activation = raw.get("hidden_activation") or raw.get("hidden_act", "silu")
+    activation = c.text("hidden_activation", None) or c.text("hidden_act", "silu")
     if activation not in _ACTIVATIONS:
-        raise UnsupportedArchitecture(f"activation {activation!r} is not supported")
+        raise UnsupportedArchitecture(f"activation {show(activation)} is not supported")
     arch = Arch(
         **{
             **vars(preset.arch),
             "activation": _ACTIVATIONS[activation],
-            "attn_softcap": raw.get("attn_logit_softcapping"),
-            "keys_as_values": bool(raw.get("attention_k_eq_v", False)),
-            "final_softcap": raw.get("final_logit_softcapping"),
+            "attn_softcap": c.optional_number("attn_logit_softcapping", positive=True),
+            "keys_as_values": c.flag("attention_k_eq_v", False),
+            "final_softcap": c.optional_number("final_logit_softcapping", positive=True),
         }
     )
-    hidden = int(raw["hidden_size"])
-    heads = int(raw["num_attention_heads"])
-    head_dim = int(raw.get("head_dim") or hidden // heads)
-    num_layers = int(raw["num_hidden_layers"])
-    scalar = raw.get("query_pre_attn_scalar")
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    layers = _layer_specs(raw, preset, num_layers, head_dim)
-    max_positions = int(raw.get("max_position_embeddings", 2048))
-    attn_scale = float(scalar) ** -0.5 if scalar else head_dim**-0.5
+    hidden = c.integer("hidden_size", low=1, high=MAX_WIDTH)
+    heads = c.integer("num_attention_heads", low=1, high=MAX_HEADS)
+    head_dim = c.integer("head_dim", 0, high=MAX_HEAD_DIM) or hidden // heads
+    if head_dim < 1:
+        raise ModelFormatError(
+            f"num_attention_heads {heads} is more than hidden_size {hidden}, and no head_dim"
+        )
+    num_layers = c.integer("num_hidden_layers", low=1, high=MAX_LAYERS)
+    vocab = c.integer("vocab_size", low=1, high=MAX_VOCAB)
+    intermediate = c.integer("intermediate_size", low=1, high=MAX_WIDTH)
+    scalar = c.optional_number("query_pre_attn_scalar", positive=True)
+    layers = _layer_specs(c, preset, num_layers, head_dim, heads, intermediate)
+    max_positions = c.integer("max_position_embeddings", 2048, low=1, high=MAX_CONTEXT)
+    attn_scale = scalar**-0.5 if scalar else head_dim**-0.5
     if preset.attention_scale is not None:
         attn_scale = preset.attention_scale
-    return ModelConfig(
-        arch=arch,
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(raw["intermediate_size"]),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        max_positions=rope_context([spec.rope for spec in layers], max_positions),
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        attn_scale=float(raw.get("attention_multiplier") or attn_scale),
-        layers=layers,
-        tie_embeddings=bool(raw.get("tie_word_embeddings", preset.tied_embeddings)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-        name=name,
-        experts=_expert_routing(raw, preset),
-        embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
-        extra=multiplier_folds(
-            float(raw.get("residual_multiplier", 1.0)), float(raw.get("logits_scaling", 1.0)), arch
-        ),
+    try:
+        return ModelConfig(
+            arch=arch,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=c.integer("num_key_value_heads", 0, high=heads) or heads,
+            head_dim=head_dim,
+            max_positions=rope_context([spec.rope for spec in layers], max_positions),
+            norm_eps=c.number("rms_norm_eps", 1e-6),
+            attn_scale=c.optional_number("attention_multiplier") or attn_scale,
+            layers=layers,
+            tie_embeddings=c.flag("tie_word_embeddings", preset.tied_embeddings),
+            bos_token_id=c.optional_integer("bos_token_id", high=vocab - 1),
+            eos_token_ids=c.integers("eos_token_id", high=vocab - 1),
+            name=name,
+            experts=_expert_routing(c, preset),
+            embedding_multiplier=c.number("embedding_multiplier", 1.0),
+            extra=multiplier_folds(
+                c.number("residual_multiplier", 1.0),
+                c.number("logits_scaling", 1.0, positive=True),
+                arch,
+            ),
+        )
+    except ValueError as e:
+        raise ModelFormatError(f"inconsistent attention settings: {e}") from None
+
+
+def _expert_routing(c: Fields, preset: ArchPreset) -> ExpertRouting | None:
+    count = c.optional_integer("num_local_experts", high=MAX_EXPERTS) or c.optional_integer(
+        "num_experts", high=MAX_EXPERTS
     )
-
-
-def _expert_routing(raw: dict[str, Any], preset: ArchPreset) -> ExpertRouting | None:
-    count = raw.get("num_local_experts") or raw.get("num_experts")
     if not count:
         return None
     normalized = preset.experts_normalized
     if normalized is None:
-        normalized = bool(raw.get("norm_topk_prob", False))
+        normalized = c.flag("norm_topk_prob", False)
     swiglu = None
-    if raw.get("swiglu_limit") is not None:
-        swiglu = (float(raw.get("swiglu_alpha", 1.702)), float(raw["swiglu_limit"]))
+    limit = c.optional_number("swiglu_limit")
+    if limit is not None:
+        swiglu = (c.number("swiglu_alpha", 1.702), limit)
+    top_k = c.optional_integer("num_experts_per_tok") or c.integer("top_k_experts")
     try:
-        return ExpertRouting(
-            int(count), int(raw.get("num_experts_per_tok") or raw["top_k_experts"]), normalized,
-            clamped_swiglu=swiglu,
-        )  # fmt: skip
-    except (KeyError, ValueError) as e:
-        raise ModelFormatError(f"bad mixture-of-experts settings in config.json: {e}") from e
+        return ExpertRouting(count, top_k, normalized, clamped_swiglu=swiglu)
+    except ValueError as e:
+        raise ModelFormatError(f"bad mixture-of-experts settings: {e}") from None
+
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _layer_specs(
-    raw: dict[str, Any], preset: ArchPreset, num_layers: int, head_dim: int
+    c: Fields, preset: ArchPreset, num_layers: int, head_dim: int, heads: int, intermediate: int
 ) -> tuple[LayerSpec, ...]:
-    types = raw.get("layer_types") or [
-        "sliding_attention" if sliding else "full_attention"
-        for sliding in preset.sliding_layers(raw, num_layers)
-    ]
-    window = raw.get("sliding_window")
-    shapes = _layer_shapes(raw, types)
-    sources = _kv_sources(raw, types)
-    wide = 2 * int(raw["intermediate_size"]) if raw.get("use_double_wide_mlp") else None
+    types = _layer_types(c, preset, num_layers)
+    window = c.optional_integer("sliding_window", high=MAX_CONTEXT)
+    shapes = _layer_shapes(c, types, heads)
+    sources = _kv_sources(c, types)
+    wide = 2 * intermediate if c.flag("use_double_wide_mlp", False) else None
     specs = []
     for i, layer_type in enumerate(types):
         sliding = layer_type == "sliding_attention"
         width, kv_heads = shapes.get(i, (None, None))
-        rope = _rope_for(raw, preset, layer_type, width or head_dim)
+        rope = _rope_for(c, preset, layer_type, width or head_dim)
         source = sources.get(i)
         specs.append(
             LayerSpec(
                 # a layer that says it slides but has no width attends fully (never a window of 0)
-                int(window) if sliding and window else None, rope, width, kv_heads,
+                window if sliding and window else None, rope, width, kv_heads,
                 kv_source=source, intermediate_size=wide if source is not None else None,
             )
         )  # fmt: skip
     return tuple(specs)
 
 
-def _kv_sources(raw: dict[str, Any], types: list[str]) -> dict[int, int]:
+def _layer_types(c: Fields, preset: ArchPreset, num_layers: int) -> list[str]:
+    """`layer_types` (one per layer), else the preset's rule for which layers slide."""
+    types = c.raw("layer_types")
+    if types is None:
+        sliding = preset.sliding_layers(c.raw_mapping(), num_layers)
+        return ["sliding_attention" if s else "full_attention" for s in sliding]
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ModelFormatError(
+            f"layer_types is {show(types)}; expected a list of num_hidden_layers = {num_layers}"
+        )
+    for i, layer_type in enumerate(types):
+        if layer_type not in _LAYER_TYPES:
+            raise UnsupportedArchitecture(
+                f"layer_types[{i}] = {show(layer_type)} is not supported (supported: "
+                f"{', '.join(_LAYER_TYPES)})"
+            )
+    return types
+
+
+def _kv_sources(c: Fields, types: list[str]) -> dict[int, int]:
     """Gemma 4's `num_kv_shared_layers`: each of the last N layers attends over the K/V of the
     last earlier layer of its own type (sliding or full) → {layer: source}."""
-    shared = int(raw.get("num_kv_shared_layers") or 0)
+    shared = c.integer("num_kv_shared_layers", 0, high=len(types))
     first = len(types) - shared
     sources = {}
-    for i in range(max(first, 0), len(types)):
+    for i in range(first, len(types)):
         same = [j for j in range(first) if types[j] == types[i]]
         if not same:
             raise ModelFormatError(
@@ -241,32 +291,43 @@ def _kv_sources(raw: dict[str, Any], types: list[str]) -> dict[int, int]:
 
 
 def _layer_shapes(
-    raw: dict[str, Any], types: list[str]
+    c: Fields, types: list[str], heads: int
 ) -> dict[int, tuple[int | None, int | None]]:
     """Layers whose head width or K/V heads differ from the model's: transformers 5's
     `per_layer_config` ({"i": {"head_dim": …, "num_key_value_heads": …}}), or Gemma 4's
     `global_head_dim` / `num_global_key_value_heads` for its full-attention layers (the K/V
     head count only with keys as values, as transformers reads it)."""
     shapes: dict[int, tuple[int | None, int | None]] = {}
-    per_layer = raw.get("per_layer_config") or {}
-    for key, override in per_layer.items():
-        kv = override.get("num_key_value_heads")
-        shapes[int(key)] = (override.get("head_dim"), None if kv is None else int(kv))
-    if not per_layer and (raw.get("global_head_dim") or raw.get("num_global_key_value_heads")):
-        width = raw.get("global_head_dim")
-        kv = raw.get("num_global_key_value_heads") if raw.get("attention_k_eq_v", True) else None
+    per_layer = c.mapping("per_layer_config")
+    for key in per_layer.keys() if per_layer is not None else ():
+        override = per_layer.mapping(key)  # type: ignore[union-attr]
+        if not key.isdigit() or int(key) >= len(types) or override is None:
+            raise ModelFormatError(
+                f"per_layer_config.{show(key)} is not an override of one of the {len(types)} layers"
+            )
+        shapes[int(key)] = (
+            override.optional_integer("head_dim", low=1, high=MAX_HEAD_DIM),
+            override.optional_integer("num_key_value_heads", low=1, high=heads),
+        )
+    if per_layer is None and (c.has("global_head_dim") or c.has("num_global_key_value_heads")):
+        width = c.optional_integer("global_head_dim", low=1, high=MAX_HEAD_DIM)
+        kv = c.optional_integer("num_global_key_value_heads", low=1, high=heads)
+        if not c.flag("attention_k_eq_v", True):
+            kv = None
         for i, layer_type in enumerate(types):
             if layer_type == "full_attention":
-                shapes[i] = (None if width is None else int(width), None if kv is None else int(kv))
+                shapes[i] = (width, kv)
     return shapes
 
 
-def _rope_for(raw: dict[str, Any], preset: ArchPreset, layer_type: str, head_dim: int) -> RopeSpec:
+def _rope_for(c: Fields, preset: ArchPreset, layer_type: str, head_dim: int) -> RopeSpec:
+    raw = c.raw_mapping()
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and layer_type in params:
         params = params[layer_type]
     if not isinstance(params, dict):
-        params = dict(raw.get("rope_scaling") or {})
+        scaling = c.mapping("rope_scaling")
+        params = dict(scaling.raw_mapping()) if scaling is not None else {}
         params.setdefault("rope_theta", raw.get("rope_theta", 10_000.0))
         if preset.sliding_rope_base is not None and layer_type == "sliding_attention":
             base = raw.get("rope_local_base_freq", preset.sliding_rope_base)
@@ -282,24 +343,27 @@ def hf_state_dict(directory: Path, config: ModelConfig) -> dict[str, torch.Tenso
     state: dict[str, torch.Tensor] = {}
     packed: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 tensors: name → blocks, scales
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if key.endswith(_MXFP4_PARTS):
-                    name, part = key.rsplit("_", 1)
-                    packed.setdefault(name, {})[part] = f.get_tensor(key)
-                    continue
-                canonical = _canonical_name(key, layout)
-                if canonical is not None:
-                    tensor = f.get_tensor(key).to(torch.float32)
-                    if canonical.rsplit(".", 1)[-1] in _NORMS or canonical == "final_norm":
-                        tensor = tensor + config.arch.norm_offset
-                    state[canonical] = tensor
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if key.endswith(_MXFP4_PARTS):
+                        name, part = key.rsplit("_", 1)
+                        packed.setdefault(name, {})[part] = f.get_tensor(key)
+                        continue
+                    canonical = _canonical_name(key, layout)
+                    if canonical is not None:
+                        tensor = _read_tensor(f, key, canonical, config)
+                        if canonical.rsplit(".", 1)[-1] in _NORMS or canonical == "final_norm":
+                            tensor = tensor + config.arch.norm_offset
+                        state[canonical] = tensor
+        except (OSError, SafetensorError) as e:
+            raise ModelFormatError(f"{file.name} is not a readable safetensors file: {e}") from None
     state.update(_dequantized_mxfp4(packed, layout))
     for i in range(config.num_layers):
         if config.kv_source_of(i) is not None:  # its K/V are another layer's: drop any of its own
-            for name in ("wk", "wv", "bk", "bv", "k_norm"):
+            for name in _OWN_KV:
                 state.pop(f"layers.{i}.{name}", None)
-        elif config.arch.keys_as_values:
+        elif config.arch.keys_as_values and f"layers.{i}.wk" in state:
             state.setdefault(f"layers.{i}.wv", state[f"layers.{i}.wk"])
     _stack_experts(state, config)
     _unfuse_experts(state)
@@ -312,6 +376,28 @@ def hf_state_dict(directory: Path, config: ModelConfig) -> dict[str, torch.Tenso
 
 
 _MXFP4_PARTS = ("_blocks", "_scales")
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+_OWN_KV = ("wk", "wv", "bk", "bv", "k_norm")  # what a layer sharing another's K/V drops
+
+
+def _read_tensor(f: Any, key: str, canonical: str, config: ModelConfig) -> torch.Tensor:
+    """One tensor as float32, its dtype and shape checked from the file's header first."""
+    part = f.get_slice(key)
+    dtype, shape = part.get_dtype(), tuple(part.get_shape())
+    if dtype not in _FLOAT_DTYPES:
+        raise ModelFormatError(
+            f"tensor {key} is stored as {dtype}; weights are floats ({', '.join(_FLOAT_DTYPES)})"
+        )
+    layer, _, kind = canonical.partition(".")[2].partition(".")
+    dropped = kind in _OWN_KV and layer.isdigit() and _shares_kv(config, int(layer))
+    want = None if dropped else expected_shape(config, canonical)
+    if want is not None and shape != want:
+        raise ModelFormatError(f"tensor {key} has shape {shape}; config.json implies {want}")
+    return f.get_tensor(key).to(torch.float32)
+
+
+def _shares_kv(config: ModelConfig, layer: int) -> bool:
+    return layer < config.num_layers and config.kv_source_of(layer) is not None
 
 
 def _dequantized_mxfp4(
@@ -326,6 +412,12 @@ def _dequantized_mxfp4(
             continue
         if set(parts) != {"blocks", "scales"}:
             raise ModelFormatError(f"MXFP4 tensor {name!r} lacks its _blocks or _scales")
+        blocks, scales = parts["blocks"], parts["scales"]
+        if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() < 3:
+            raise ModelFormatError(
+                f"MXFP4 tensor {name!r}: blocks {blocks.dtype} {tuple(blocks.shape)} and scales "
+                f"{scales.dtype}; expected uint8 blocks [..., R, G, 16] and uint8 scales"
+            )
         try:
             weights = dequantize_mxfp4(parts["blocks"], parts["scales"])  # [E, out, in]
         except ValueError as e:
@@ -353,6 +445,8 @@ def _stack_experts(state: dict[str, torch.Tensor], config: ModelConfig) -> None:
             missing = [n for n in names if n not in state]
             if missing:
                 raise ModelFormatError(f"weights are missing tensor {missing[0]!r}")
+            if len({state[n].shape for n in names}) > 1:
+                raise ModelFormatError(f"layer {i}'s experts' {matrix} matrices differ in shape")
             state[f"layers.{i}.experts_{matrix}"] = torch.stack([state.pop(n) for n in names])
 
 
@@ -362,6 +456,10 @@ def _unfuse_experts(state: dict[str, torch.Tensor]) -> None:
     for key in [k for k in state if k.endswith((".fused_gate_up", ".fused_gate_up_bias"))]:
         fused = state.pop(key)
         prefix, bias = key.rsplit(".", 1)[0], "_bias" if key.endswith("_bias") else ""
+        if fused.dim() != (2 if bias else 3) or fused.shape[-1] % 2:
+            raise ModelFormatError(
+                f"{key} has shape {tuple(fused.shape)}; expected [E, H, 2F] (a bias: [E, 2F])"
+            )
         gate, up = fused[..., 0::2], fused[..., 1::2]  # [E, H, F] each (biases [E, F])
         if not bias:
             gate, up = gate.transpose(1, 2), up.transpose(1, 2)
@@ -369,6 +467,8 @@ def _unfuse_experts(state: dict[str, torch.Tensor]) -> None:
         state[f"{prefix}.experts_up{bias}"] = up.contiguous()
     for key in [k for k in state if k.endswith(".fused_down")]:
         prefix = key.rsplit(".", 1)[0]
+        if state[key].dim() != 3:
+            raise ModelFormatError(f"{key} has shape {tuple(state[key].shape)}; expected [E, F, H]")
         state[f"{prefix}.experts_down"] = state.pop(key).transpose(1, 2).contiguous()
 
 

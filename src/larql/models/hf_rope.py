@@ -10,25 +10,38 @@ there), else `max_position_embeddings`; yarn's and longrope's attention factors 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from larql.models.config import ROPE_SCALINGS, RopeSpec
 from larql.models.errors import ModelFormatError, UnsupportedArchitecture
-from larql.models.rope import longrope_attention_factor, yarn_attention_factor
+from larql.models.fields import MAX_CONTEXT, Fields, show
+from larql.models.rope import check_rope, longrope_attention_factor, yarn_attention_factor
 
 
 def rope_spec(params: dict[str, Any], raw: dict[str, Any], head_dim: int) -> RopeSpec:
-    """params: one layer type's RoPE parameters; raw: the whole config (its defaults)."""
-    kind = params.get("rope_type") or params.get("type") or "default"
+    """params: one layer type's RoPE parameters; raw: the whole config (its defaults). The
+    result is checked (`check_rope`): a file's settings the frequencies cannot be computed from
+    are refused."""
+    spec = _rope_spec(params, raw, head_dim)
+    check_rope(spec, head_dim)
+    return spec
+
+
+def _rope_spec(params: dict[str, Any], raw: dict[str, Any], head_dim: int) -> RopeSpec:
+    p, whole = Fields(params, "rope_parameters."), Fields(raw)
+    kind = p.raw("rope_type") or p.raw("type") or "default"
     if kind not in ROPE_SCALINGS:
         raise UnsupportedArchitecture(
-            f"RoPE type {kind!r} is not supported (supported: {', '.join(ROPE_SCALINGS)})"
+            f"RoPE type {show(kind)} is not supported (supported: {', '.join(ROPE_SCALINGS)})"
         )
-    fraction = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    fraction = _own_or_config(p, whole, "partial_rotary_factor", 1.0)
+    if not 0 < fraction <= 1:
+        raise ModelFormatError(f"partial_rotary_factor {fraction} is not in (0, 1]")
     rotary_dim = int(head_dim * fraction)
-    base = float(params.get("rope_theta", raw.get("rope_theta", 10_000.0)))
+    base = _own_or_config(p, whole, "rope_theta", 10_000.0)
     if kind == "proportional":  # the whole width, its first fraction of the pairs turning
-        factor = float(params.get("factor", 1.0))
+        factor = p.number("factor", 1.0)
         pairs = int(fraction * head_dim // 2)
         return RopeSpec(base, head_dim, "proportional", factor, rotated_pairs=pairs)
     if kind == "default":
@@ -36,10 +49,10 @@ def rope_spec(params: dict[str, Any], raw: dict[str, Any], head_dim: int) -> Rop
     if kind == "linear":
         return RopeSpec(base, rotary_dim, "linear", _number(params, "factor", kind))
     if kind == "dynamic":
-        context = int(raw.get("max_position_embeddings", 2048))
+        context = whole.integer("max_position_embeddings", 2048, low=1, high=MAX_CONTEXT)
         factor = _number(params, "factor", kind)
         return RopeSpec(base, rotary_dim, "dynamic", factor, original_max_positions=context)
-    original = _original_context(params, raw)
+    original = _original_context(p, whole)
     if kind == "llama3":
         return RopeSpec(
             base,
@@ -51,12 +64,11 @@ def rope_spec(params: dict[str, Any], raw: dict[str, Any], head_dim: int) -> Rop
             original_max_positions=original,
         )
     # yarn and longrope: a missing factor is the ratio of the extended to the original context
-    factor = params.get("factor")
-    if factor is None:
-        factor = int(raw.get("max_position_embeddings", original)) / original
+    extended = whole.integer("max_position_embeddings", original, low=1, high=MAX_CONTEXT)
+    factor = p.number("factor", extended / original, positive=True)
     if kind == "yarn":
-        return _yarn(params, base, rotary_dim, float(factor), original)
-    return _longrope(params, base, rotary_dim, float(factor), original)
+        return _yarn(p, base, rotary_dim, factor, original)
+    return _longrope(params, p, base, rotary_dim, factor, original)
 
 
 def rope_context(layers_rope: list[RopeSpec], max_positions: int) -> int:
@@ -64,36 +76,44 @@ def rope_context(layers_rope: list[RopeSpec], max_positions: int) -> int:
     factor (it exists to run past it); every other scaling states its context as
     max_position_embeddings already."""
     factors = [spec.factor for spec in layers_rope if spec.scaling == "dynamic"]
-    return int(max_positions * max(factors)) if factors else max_positions
+    context = int(max_positions * max(factors)) if factors else max_positions
+    if context > MAX_CONTEXT:
+        raise ModelFormatError(
+            f"max_position_embeddings {max_positions} × the dynamic RoPE factor is past the "
+            f"largest context larql takes ({MAX_CONTEXT})"
+        )
+    return context
 
 
-def _yarn(
-    params: dict[str, Any], base: float, rotary_dim: int, factor: float, original: int
-) -> RopeSpec:
-    attention = params.get("attention_factor")
+def _yarn(p: Fields, base: float, rotary_dim: int, factor: float, original: int) -> RopeSpec:
+    attention = p.optional_number("attention_factor")
     if attention is None:
-        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-        attention = yarn_attention_factor(factor, mscale, mscale_all_dim)
+        mscale = p.optional_number("mscale")
+        mscale_all_dim = p.optional_number("mscale_all_dim")
+        try:
+            attention = yarn_attention_factor(factor, mscale, mscale_all_dim)
+        except ZeroDivisionError:
+            raise ModelFormatError("YaRN's mscale_all_dim gives an attention factor of 0") from None
     return RopeSpec(
         base,
         rotary_dim,
         "yarn",
         factor,
         original_max_positions=original,
-        attention_factor=float(attention),
+        attention_factor=attention,
         # a zero or missing beta takes its default, as in transformers
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
-        truncate=bool(params.get("truncate", True)),
+        beta_fast=p.number("beta_fast", 0.0) or 32.0,
+        beta_slow=p.number("beta_slow", 0.0) or 1.0,
+        truncate=p.flag("truncate", True),
     )
 
 
 def _longrope(
-    params: dict[str, Any], base: float, rotary_dim: int, factor: float, original: int
+    params: dict[str, Any], p: Fields, base: float, rotary_dim: int, factor: float, original: int
 ) -> RopeSpec:
     short = _factors(params, "short_factor", rotary_dim)
     long = _factors(params, "long_factor", rotary_dim)
-    attention = params.get("attention_factor")
+    attention = p.optional_number("attention_factor")
     if attention is None:
         attention = longrope_attention_factor(factor, original)
     return RopeSpec(
@@ -102,33 +122,52 @@ def _longrope(
         "longrope",
         factor,
         original_max_positions=original,
-        attention_factor=float(attention),
+        attention_factor=attention,
         short_factor=short,
         long_factor=long,
     )
 
 
-def _original_context(params: dict[str, Any], raw: dict[str, Any]) -> int:
-    value = raw.get("original_max_position_embeddings")
-    if value is None:
-        value = params.get("original_max_position_embeddings")
-    if value is None:
-        value = raw.get("max_position_embeddings", 2048)
-    return int(value)
+def _own_or_config(p: Fields, whole: Fields, key: str, default: float) -> float:
+    """A number of the RoPE parameters, else of the whole config, else `default`."""
+    own = p.optional_number(key)
+    return own if own is not None else whole.number(key, default)
+
+
+def _original_context(p: Fields, whole: Fields) -> int:
+    """The pretraining context: the top-level `original_max_position_embeddings`, else the
+    parameters', else `max_position_embeddings`."""
+    key = "original_max_position_embeddings"
+    if whole.has(key):
+        return whole.integer(key, low=2, high=MAX_CONTEXT)
+    if p.has(key):
+        return p.integer(key, low=2, high=MAX_CONTEXT)
+    return whole.integer("max_position_embeddings", 2048, low=2, high=MAX_CONTEXT)
 
 
 def _number(params: dict[str, Any], key: str, kind: str) -> float:
     value = params.get(key)
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ModelFormatError(f"RoPE type {kind!r} needs a number {key!r}, got {value!r}")
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ModelFormatError(
+            f"RoPE type {kind!r} needs a positive number {key!r}, got {show(value)}"
+        )
     return float(value)
 
 
 def _factors(params: dict[str, Any], key: str, rotary_dim: int) -> tuple[float, ...]:
     values = params.get(key)
-    if not isinstance(values, list) or len(values) != rotary_dim // 2:
+    if (
+        not isinstance(values, list)
+        or len(values) != rotary_dim // 2
+        or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+    ):
         raise ModelFormatError(
             f"RoPE type 'longrope' needs {key!r}: a list of {rotary_dim // 2} numbers "
-            f"(rotary_dim / 2), got {values!r}"
+            f"(rotary_dim / 2), got {show(values)}"
         )
     return tuple(float(v) for v in values)

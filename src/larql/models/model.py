@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
 
 from larql.models.cache import cached_state_dict, cached_tokenizer
 from larql.models.config import ModelConfig
 from larql.models.errors import ModelError, ModelFormatError
+from larql.models.fields import Fields
 from larql.models.gguf_file import GgufFile
 from larql.models.gguf_loader import gguf_block_rows, gguf_config, gguf_state_dict
 from larql.models.hf_loader import hf_config, hf_state_dict, read_hf_config
@@ -20,6 +22,7 @@ from larql.models.tokenizer import (
     TextTokenizer,
     chat_template_from_dir,
     stop_ids_for,
+    tokenizer_from_file,
     tokenizer_from_gguf,
 )
 from larql.models.weights import ExpertWeights, ModelWeights
@@ -130,7 +133,8 @@ def load_model(
     blocks = None
     if weights in LOAD_FORMATS:
         state, blocks = quantise_state(state, weights)
-    held = ModelWeights.from_state(config, state, dtype, device)
+    with reading(path):
+        held = ModelWeights.from_state(config, state, dtype, device)
     activation = WEIGHT_MODES[weights]
     if activation is not None and _reads_blocks(device, dtype):
         if blocks is None and not path.is_dir():
@@ -140,41 +144,60 @@ def load_model(
     return Model(name=name, source=path, config=config, weights=held, tokenizer=tokenizer)
 
 
+@contextmanager
+def reading(path: Path) -> Iterator[None]:
+    """A model error raised while reading `path` names it, in one line (the loaders' own
+    messages say what is wrong; this says where)."""
+    try:
+        yield
+    except ModelError as e:
+        message = " ".join(str(e).split())
+        if str(path) not in message:
+            message = f"{path}: {message}"
+        raise type(e)(message) from None
+
+
 def _reads_blocks(device: torch.device, dtype: torch.dtype) -> bool:
     """On the CPU, below float64 (the precision reference)."""
     return device.type == "cpu" and dtype != torch.float64
 
 
 def _load_gguf(path: Path, name: str) -> tuple[ModelConfig, dict, TextTokenizer]:
-    gguf = GgufFile(path)
-    config = gguf_config(gguf, name)
-    state = cached_state_dict(path, lambda: gguf_state_dict(gguf, config))
-    tok = cached_tokenizer(path, lambda: tokenizer_from_gguf(gguf))
-    tokens = gguf.get("tokenizer.ggml.tokens") or []
+    with reading(path):
+        gguf = GgufFile(path)
+        config = gguf_config(gguf, name)
+        tok = cached_tokenizer(path, lambda: tokenizer_from_gguf(gguf))
+        state = cached_state_dict(path, lambda: gguf_state_dict(gguf, config))
+        tokens = gguf.strings("tokenizer.ggml.tokens")
+        template = Fields(gguf.metadata).text("tokenizer.chat_template", None)
     tokenizer = TextTokenizer(
         tokenizer=tok,
         bos_token=_token_at(tokens, config.bos_token_id),
         eos_token=_token_at(tokens, config.eos_token_ids[0] if config.eos_token_ids else None),
-        chat_template=gguf.get("tokenizer.chat_template"),
+        chat_template=template,
         stop_ids=stop_ids_for(tok, config.eos_token_ids),
     )
     return config, state, tokenizer
 
 
 def _load_hf_dir(path: Path, name: str) -> tuple[ModelConfig, dict, TextTokenizer]:
-    config = hf_config(read_hf_config(path), name)
+    with reading(path / "config.json"):
+        config = hf_config(read_hf_config(path), name)
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.exists():
         raise ModelFormatError(f"{path} has no tokenizer.json")
-    tok = Tokenizer.from_file(str(tokenizer_file))
-    state = hf_state_dict(path, config)
+    with reading(tokenizer_file):
+        tok = tokenizer_from_file(tokenizer_file, config.vocab_size)
+    with reading(path):
+        state = hf_state_dict(path, config)
+        template = chat_template_from_dir(path)
     bos = config.bos_token_id
     eos = config.eos_token_ids[0] if config.eos_token_ids else None
     tokenizer = TextTokenizer(
         tokenizer=tok,
         bos_token=tok.id_to_token(bos) if bos is not None else None,
         eos_token=tok.id_to_token(eos) if eos is not None else None,
-        chat_template=chat_template_from_dir(path),
+        chat_template=template,
         stop_ids=stop_ids_for(tok, config.eos_token_ids),
     )
     return config, state, tokenizer

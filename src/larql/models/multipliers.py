@@ -40,5 +40,5 @@ def fold_multipliers(state: dict[str, torch.Tensor], config: ModelConfig) -> Non
         for key in [k for k in state if k.rsplit(".", 1)[-1] in INTO_RESIDUAL]:
             state[key] = state[key] * residual
     divisor = config.extra.get("logits_scaling")
-    if isinstance(divisor, float):
+    if isinstance(divisor, float) and "final_norm" in state:  # (its absence is refused later)
         state["final_norm"] = state["final_norm"] / divisor

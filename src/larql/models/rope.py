@@ -16,6 +16,8 @@ from typing import Literal, get_args
 
 import torch
 
+from larql.models.errors import ModelFormatError
+
 RopeScaling = Literal["default", "linear", "llama3", "yarn", "longrope", "dynamic", "proportional"]
 ROPE_SCALINGS: tuple[RopeScaling, ...] = get_args(RopeScaling)
 
@@ -63,6 +65,37 @@ class RopeSpec:
         """Inverse frequencies in float64: [rotary_dim // 2] for a sequence within the context,
         [n, rotary_dim // 2] for sequences of `lengths` [n] tokens."""
         return inverse_frequencies(self, lengths)
+
+
+def check_rope(spec: RopeSpec, head_dim: int) -> None:
+    """Refuse RoPE settings read from a file that the frequencies cannot be computed from (a
+    `ModelFormatError` saying which)."""
+    finite = all(
+        math.isfinite(v)
+        for v in (spec.base, spec.factor, spec.low_freq_factor, spec.high_freq_factor,
+                  spec.attention_factor, spec.beta_fast, spec.beta_slow)
+    )  # fmt: skip
+    problem = None
+    if not finite:
+        problem = "a setting is not a finite number"
+    elif spec.base <= 1:
+        problem = f"the base (rope_theta) {spec.base} is not above 1"
+    elif not 2 <= spec.rotary_dim <= head_dim or spec.rotary_dim % 2:
+        problem = f"the rotary width {spec.rotary_dim} is not an even number in 2..{head_dim}"
+    elif spec.scaling == "dynamic" and spec.rotary_dim < 4:
+        problem = "dynamic scaling needs a rotary width of at least 4"
+    elif spec.factor <= 0 or spec.beta_fast <= 0 or spec.beta_slow <= 0:
+        problem = "the scaling factor and the YaRN betas must be positive"
+    elif spec.original_max_positions < 2:
+        problem = f"the original context {spec.original_max_positions} is below 2"
+    for name in ("freq_divisors", "short_factor", "long_factor"):
+        values = getattr(spec, name)
+        if problem is None and values is not None and len(values) != spec.rotary_dim // 2:
+            problem = (
+                f"{name} has {len(values)} values, not rotary width / 2 = {spec.rotary_dim // 2}"
+            )
+    if problem is not None:
+        raise ModelFormatError(f"RoPE ({spec.scaling}): {problem}")
 
 
 def inverse_frequencies(spec: RopeSpec, lengths: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,9 +7,11 @@ identical on a corpus of mixed text, code and Unicode).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import (
@@ -24,6 +26,7 @@ from tokenizers import (
 from tokenizers.processors import TemplateProcessing
 
 from larql.models.errors import ModelFormatError
+from larql.models.fields import Fields, show
 from larql.models.gguf_file import GgufFile
 
 # Byte-level BPE split rules by `tokenizer.ggml.pre`, where they differ from GPT-2's (which
@@ -137,23 +140,59 @@ def stop_ids_for(tokenizer: Tokenizer, eos_ids: tuple[int, ...]) -> frozenset[in
     return frozenset(ids)
 
 
+def tokenizer_from_file(path: Path, vocab_size: int) -> Tokenizer:
+    """`tokenizer.json`, refused where `tokenizers` cannot read it or where its ids run past the
+    model's vocabulary (an embedding row a token would not have)."""
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # `tokenizers` raises a plain Exception for every bad file
+        raise ModelFormatError(f"not a tokenizer `tokenizers` can read: {e}") from None
+    vocab = tok.get_vocab(with_added_tokens=True)
+    largest = max(vocab.values(), default=-1)
+    if largest >= vocab_size:
+        raise ModelFormatError(f"token id {largest} is past the model's vocab_size {vocab_size}")
+    return tok
+
+
 def tokenizer_from_gguf(gguf: GgufFile) -> Tokenizer:
     kind = gguf.get("tokenizer.ggml.model")
-    tokens: list[str] = gguf.get("tokenizer.ggml.tokens")
+    if "tokenizer.ggml.tokens" not in gguf.metadata:
+        raise ModelFormatError(f"{gguf.path} has no tokenizer in its metadata")
+    tokens = gguf.strings("tokenizer.ggml.tokens")
+    types = _token_types(gguf, len(tokens))
+    try:
+        if kind == "gpt2":
+            return _byte_level_bpe(gguf, tokens, types)
+        if kind == "llama":
+            return _sentencepiece_bpe(gguf, tokens, types)
+    except ModelFormatError:
+        raise
+    except Exception as e:  # `tokenizers` raises a plain Exception for a bad vocabulary
+        raise ModelFormatError(f"its tokenizer cannot be built: {e}") from None
+    raise ModelFormatError(f"GGUF tokenizer model {show(kind)} is not supported (gpt2, llama)")
+
+
+def _token_types(gguf: GgufFile, count: int) -> list[int]:
+    """`tokenizer.ggml.token_type`: one integer per token (all normal where absent)."""
     types = gguf.get("tokenizer.ggml.token_type")
-    if tokens is None:
-        raise ModelFormatError(f"{gguf.path.name} has no tokenizer in its metadata")
-    types = [int(t) for t in types] if types is not None else [_NORMAL] * len(tokens)
-    if kind == "gpt2":
-        return _byte_level_bpe(gguf, tokens, types)
-    if kind == "llama":
-        return _sentencepiece_bpe(gguf, tokens, types)
-    raise ModelFormatError(f"GGUF tokenizer model {kind!r} is not supported (gpt2, llama)")
+    if types is None:
+        return [_NORMAL] * count
+    if not isinstance(types, np.ndarray) or types.dtype.kind not in "iu" or len(types) != count:
+        raise ModelFormatError(
+            f"tokenizer.ggml.token_type is {show(types)}; expected {count} integers, one per token"
+        )
+    return types.astype(np.int64).tolist()
+
+
+def _token_at(gguf: GgufFile, key: str, tokens: list[str]) -> tuple[int, str] | None:
+    """A `tokenizer.ggml.*_token_id` and its token (None where absent)."""
+    index = Fields(gguf.metadata).optional_integer(key, high=len(tokens) - 1)
+    return None if index is None else (index, tokens[index])
 
 
 def _byte_level_bpe(gguf: GgufFile, tokens: list[str], types: list[int]) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in gguf.get("tokenizer.ggml.merges", [])]
+    merges = [tuple(m.split(" ", 1)) for m in gguf.strings("tokenizer.ggml.merges")]
     tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=False))
     split = _BPE_SPLITS.get(str(gguf.get("tokenizer.ggml.pre", "default")))
     if split is None:
@@ -200,8 +239,8 @@ def _sentencepiece_bpe(gguf: GgufFile, tokens: list[str], types: list[int]) -> T
             if left in vocab and right in vocab:
                 merges.append((vocab[left], vocab[right], i, left, right))
     merges.sort(key=lambda m: (m[2], m[0], m[1]))
-    unk_id = gguf.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[int(unk_id)] if unk_id is not None else None
+    unknown = _token_at(gguf, "tokenizer.ggml.unknown_token_id", tokens)
+    unk = unknown[1] if unknown is not None else None
     model = models.BPE(
         vocab, [(m[3], m[4]) for m in merges], unk_token=unk, fuse_unk=True, byte_fallback=True
     )
@@ -214,25 +253,27 @@ def _sentencepiece_bpe(gguf: GgufFile, tokens: list[str], types: list[int]) -> T
     # whitespace-run tokens (now spelled with ▁) stay ordinary vocab entries
     user = _added_tokens(tokens, types, _USER_DEFINED, special=False)
     tok.add_tokens([t for t in user if "▁" not in t.content])
-    if gguf.get("tokenizer.ggml.add_bos_token", False):
-        bos_id = gguf.get("tokenizer.ggml.bos_token_id")
-        if bos_id is not None:
-            bos = tokens[int(bos_id)]
-            tok.post_processor = TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))]
-            )
+    bos_token = _token_at(gguf, "tokenizer.ggml.bos_token_id", tokens)
+    if gguf.get("tokenizer.ggml.add_bos_token", False) and bos_token is not None:
+        bos_id, bos = bos_token
+        tok.post_processor = TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
     return tok
 
 
 def chat_template_from_dir(directory: Path) -> str | None:
+    """`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` (a string), else
+    None."""
     jinja = directory / "chat_template.jinja"
-    if jinja.exists():
-        return jinja.read_text()
-    import json
-
     config = directory / "tokenizer_config.json"
-    if config.exists():
-        template = json.loads(config.read_text()).get("chat_template")
-        if isinstance(template, str):
-            return template
+    try:
+        if jinja.exists():
+            return jinja.read_text(encoding="utf-8")
+        if config.exists():
+            settings = json.loads(config.read_text(encoding="utf-8"))
+            template = settings.get("chat_template") if isinstance(settings, dict) else None
+            return template if isinstance(template, str) else None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ModelFormatError(f"cannot read the chat template: {e}") from None
     return None

@@ -169,14 +169,14 @@ class ModelWeights:
             bqkv = None
             if any(b is not None for b in biases):
                 sizes = (config.q_dim_of(i), config.kv_dim_of(i), config.kv_dim_of(i))
-                bqkv = torch.cat(
+                bqkv = stack_rows(
                     [b if b is not None else torch.zeros(n, dtype=dtype, device=device)
-                     for b, n in zip(biases, sizes, strict=False)]
+                     for b, n in zip(biases, sizes, strict=False)], p + "bq|bk|bv",
                 )  # fmt: skip
             layers.append(
                 LayerWeights(
                     attn_norm=get(p + "attn_norm"),
-                    wqkv=torch.cat([get(p + "w" + part) for part in parts]),
+                    wqkv=stack_rows([get(p + "w" + part) for part in parts], p + "wq|wk|wv"),
                     bqkv=bqkv,
                     q_norm=opt(p + "q_norm"),
                     k_norm=opt(p + "k_norm"),
@@ -219,8 +219,12 @@ class ModelWeights:
             own_kv = config.kv_source_of(i) is None
             qkv_rows = config.q_dim_of(i) + (2 * config.kv_dim_of(i) if own_kv else 0)
             expected[f"layers.{i}.wqkv"] = (lw.wqkv.shape, (qkv_rows, h))
+            expected.update(self._attention_shapes(config, lw, i))
             if lw.w_gate_up is None and lw.experts is None:
                 raise ModelFormatError(f"layer {i} has neither an MLP nor experts")
+            if (lw.w_gate_up is None) != (lw.w_down is None):
+                part = "w_down" if lw.w_down is None else "w_gate"
+                raise ModelFormatError(f"weights are missing tensor 'layers.{i}.{part}'")
             beside = (lw.experts_norm, lw.post_mlp_norm, lw.post_experts_norm, lw.w_gate_up)
             if lw.experts_norm is not None and any(t is None for t in beside):
                 raise ModelFormatError(
@@ -230,11 +234,15 @@ class ModelWeights:
             if lw.experts is not None and config.experts is None:
                 raise ModelFormatError(f"layer {i} has experts but the config no routing")
             if lw.experts is not None and config.experts is not None:
+                if lw.experts.router.dim() != 2:
+                    shape = tuple(lw.experts.router.shape)
+                    raise ModelFormatError(f"layer {i}'s router has shape {shape}, not [E, H]")
                 count = lw.experts.router.shape[0]
                 if count != config.experts.num_experts:
                     raise ModelFormatError(
                         f"layer {i} has {count} experts, the config {config.experts.num_experts}"
                     )
+                expected.update(_expert_shapes(lw.experts, f"layers.{i}.", h))
         self._check_per_layer_shapes(config, expected)
         for i, lw in enumerate(self.layers):
             if lw.w_gate_up is not None and lw.w_down is not None:
@@ -244,6 +252,24 @@ class ModelWeights:
         for name, (got, want) in expected.items():
             if tuple(got) != want:
                 raise ModelFormatError(f"tensor {name} has shape {tuple(got)}, expected {want}")
+
+    @staticmethod
+    def _attention_shapes(
+        config: ModelConfig, layer: LayerWeights, i: int
+    ) -> dict[str, tuple[torch.Size, tuple[int, ...]]]:
+        """The layer's tensors the config fixes the shape of, beside the fused ones."""
+        held = {"attn_norm": layer.attn_norm, "ffn_norm": layer.ffn_norm, "wo": layer.wo}
+        for name in ("q_norm", "k_norm", "bo", "post_attn_norm", "post_ffn_norm"):
+            if getattr(layer, name) is not None:
+                held[name] = getattr(layer, name)
+        out = {}
+        for name, tensor in held.items():
+            want = expected_shape(config, f"layers.{i}.{name}")
+            if want is not None:
+                out[f"layers.{i}.{name}"] = (tensor.shape, want)
+        if layer.attn_sinks is not None:
+            out[f"layers.{i}.attn_sinks"] = (layer.attn_sinks.shape, (config.num_heads,))
+        return out
 
     def _check_per_layer_shapes(
         self, config: ModelConfig, expected: dict[str, tuple[torch.Size, tuple[int, ...]]]
@@ -255,6 +281,8 @@ class ModelWeights:
             if any(blocks):
                 raise ModelFormatError("layers take per-layer inputs but there is no table")
             return
+        if table.norm.dim() != 1:
+            raise ModelFormatError(f"per_layer_norm has shape {tuple(table.norm.shape)}, not [P]")
         width = table.norm.shape[0]
         per_row = config.num_layers * width
         expected["per_layer_table"] = (table.table.shape, (table.table.shape[0], per_row))
@@ -308,11 +336,82 @@ class ModelWeights:
         return layer_bytes + head + self.final_norm.numel() * self.final_norm.element_size()
 
 
+def expected_shape(config: ModelConfig, name: str) -> tuple[int, ...] | None:
+    """The shape `config` implies for the canonical tensor `name`, where it fixes one (None
+    for the tensors whose shape the config alone does not fix: experts, routers, per-layer
+    inputs, …, and for a layer the config does not have). Loaders check a file's tensors
+    against it before reading them."""
+    h = config.hidden_size
+    if name in ("embed", "lm_head"):
+        return (config.vocab_size, h)
+    if name == "final_norm":
+        return (h,)
+    parts = name.split(".")
+    if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit():
+        return None
+    i, kind = int(parts[1]), parts[2]
+    if i >= config.num_layers:
+        return None
+    q, kv, f = config.q_dim_of(i), config.kv_dim_of(i), config.intermediate_size_of(i)
+    head = config.head_dim_of(i)
+    shapes: dict[str, tuple[int, ...]] = {
+        "wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q),
+        "bq": (q,), "bk": (kv,), "bv": (kv,), "bo": (h,),
+        "q_norm": (head,), "k_norm": (head,),
+        "attn_norm": (h,), "post_attn_norm": (h,), "ffn_norm": (h,), "post_ffn_norm": (h,),
+        "w_gate": (f, h), "w_up": (f, h), "w_down": (h, f),
+    }  # fmt: skip
+    return shapes.get(kind)
+
+
+def _expert_shapes(
+    experts: ExpertWeights, prefix: str, hidden: int
+) -> dict[str, tuple[torch.Size, tuple[int, ...]]]:
+    """One layer's experts against each other: E experts of width F (from `gate_up`'s 2·F rows)
+    over the hidden size, their biases and the shared expert's matrices to match."""
+    e = experts.router.shape[0]
+    f2 = experts.gate_up.shape[1] if experts.gate_up.dim() == 3 else -1
+    out = {
+        prefix + "router": (experts.router.shape, (e, hidden)),
+        prefix + "experts_gate_up": (experts.gate_up.shape, (e, f2 - f2 % 2, hidden)),
+        prefix + "experts_down": (experts.down.shape, (e, hidden, f2 // 2)),
+    }
+    optional = {
+        "router_bias": (experts.router_bias, (e,)),
+        "experts_gate_up_bias": (experts.gate_up_bias, (e, f2)),
+        "experts_down_bias": (experts.down_bias, (e, hidden)),
+        "shared_expert_gate": (experts.shared_expert_gate, (1, hidden)),
+        "router_scale": (experts.router_scale, (hidden,)),
+        "per_expert_scale": (experts.per_expert_scale, (e,)),
+    }
+    for name, (tensor, want) in optional.items():
+        if tensor is not None:
+            out[prefix + name] = (tensor.shape, want)
+    shared, down = experts.shared_gate_up, experts.shared_down
+    if (shared is None) != (down is None):
+        raise ModelFormatError(f"{prefix}shared expert has only part of its matrices")
+    if shared is not None and down is not None:
+        fs2 = shared.shape[0] if shared.dim() == 2 else -1
+        out[prefix + "shared_gate_up"] = (shared.shape, (fs2 - fs2 % 2, hidden))
+        out[prefix + "shared_down"] = (down.shape, (hidden, fs2 // 2))
+    return out
+
+
+def stack_rows(parts: list[torch.Tensor], what: str, dim: int = 0) -> torch.Tensor:
+    """`torch.cat` of tensors read from a file, refused (not a torch error) where their other
+    dimensions differ."""
+    shapes = {t.shape[:dim] + t.shape[dim + 1 :] for t in parts}
+    if len(shapes) > 1 or any(t.dim() <= dim for t in parts):
+        sizes = ", ".join(str(tuple(t.shape)) for t in parts)
+        raise ModelFormatError(f"tensors {what} do not fit together: {sizes}")
+    return torch.cat(parts, dim=dim)
+
+
 def _dense_gate_up(state: StateDict, prefix: str, get: Getter) -> torch.Tensor | None:
     """[2·F, H] gate and up rows of a layer's dense MLP (None: a layer of experts alone)."""
     if prefix + "w_gate" not in state and prefix + "router" in state:
         return None
-    return torch.cat([get(prefix + "w_gate"), get(prefix + "w_up")])
+    return stack_rows([get(prefix + "w_gate"), get(prefix + "w_up")], prefix + "w_gate|w_up")
 
 
 def _experts(
@@ -329,10 +428,10 @@ def _experts(
         down=get(prefix + "experts_down"),
         router_bias=opt(prefix + "router_bias"),
         gate_up_bias=None if gate_bias is None or up_bias is None
-        else torch.cat([gate_bias, up_bias], dim=1),
+        else stack_rows([gate_bias, up_bias], prefix + "experts_gate_bias|up_bias", dim=1),
         down_bias=opt(prefix + "experts_down_bias"),
         shared_gate_up=None if shared_gate is None or shared_up is None
-        else torch.cat([shared_gate, shared_up]),
+        else stack_rows([shared_gate, shared_up], prefix + "shared_gate|shared_up"),
         shared_down=opt(prefix + "shared_down"),
         shared_expert_gate=opt(prefix + "shared_expert_gate"),
         router_scale=opt(prefix + "router_scale"),
@@ -344,4 +443,5 @@ def _expert_gate_up(state: StateDict, prefix: str, get: Getter) -> torch.Tensor:
     """[E, 2·F, H]: stored so (Gemma 4) or the gate and up matrices stacked."""
     if prefix + "experts_gate_up" in state:
         return get(prefix + "experts_gate_up")
-    return torch.cat([get(prefix + "experts_gate"), get(prefix + "experts_up")], dim=1)
+    gate, up = get(prefix + "experts_gate"), get(prefix + "experts_up")
+    return stack_rows([gate, up], prefix + "experts_gate|experts_up", dim=1)

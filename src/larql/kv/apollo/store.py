@@ -18,12 +18,14 @@ names the file and what is wrong; a store is never half-loaded.
 from __future__ import annotations
 
 import json
+import math
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
+from numpy.lib import format as np_format
 
 from larql.errors import LarqlError
 
@@ -46,6 +48,7 @@ ENTRY_DTYPE = np.dtype(
     ]
 )
 U16_MAX = np.iinfo(np.uint16).max
+_MAX_COUNT = 1 << 40  # a manifest's counts and sizes (nothing sized from them may overflow)
 
 
 class ApolloStoreError(LarqlError):
@@ -109,8 +112,10 @@ class StoreManifest:
                 f"(this larql reads version {STORE_VERSION})"
             )
         for key in ints[1:]:
-            if values[key] < 0:
-                raise StoreFormatError(f"{where}: {key} must be ≥ 0, got {values[key]}")
+            if not 0 <= values[key] <= _MAX_COUNT:
+                raise StoreFormatError(
+                    f"{where}: {key} must be in 0..{_MAX_COUNT}, got {values[key]}"
+                )
         arch = _field(raw, "arch_config", dict, where)
         values["arch_config"] = ArchConfig(
             retrieval_layer=_field(arch, "retrieval_layer", int, where, "arch_config."),
@@ -345,7 +350,10 @@ def _load_npy(path: Path) -> np.ndarray:
     if not path.is_file():
         raise StoreFormatError(f"{path} is missing")
     try:
-        return np.load(path, allow_pickle=False)
+        with open(path, "rb") as f:
+            _check_npy_header(f, path.stat().st_size)
+            f.seek(0)
+            return np.load(f, allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:
         raise StoreFormatError(f"{path}: not a readable .npy file ({e})") from None
 
@@ -354,10 +362,50 @@ def _load_npz(path: Path) -> dict[str, np.ndarray]:
     if not path.is_file():
         raise StoreFormatError(f"{path} is missing")
     try:
+        _check_npz_headers(path)
         with np.load(path, allow_pickle=False) as archive:
             return {name: archive[name] for name in archive.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise StoreFormatError(f"{path}: not a readable .npz file ({e})") from None
+
+
+# the most a deflate stream expands (zlib's bound): an .npz member cannot hold more than this
+# times its compressed bytes
+_DEFLATE_RATIO = 1032
+
+
+def _check_npy_header(f: BinaryIO, available: int) -> None:
+    """The array an .npy header declares must fit in the `available` bytes it came with: a
+    crafted shape is refused before numpy allocates it."""
+    version = np_format.read_magic(f)
+    if version == (1, 0):
+        shape, _, dtype = np_format.read_array_header_1_0(f)
+    elif version == (2, 0):
+        shape, _, dtype = np_format.read_array_header_2_0(f)
+    else:
+        raise ValueError(f".npy format version {version} is not supported (1.0 or 2.0)")
+    needed = math.prod(shape) * dtype.itemsize
+    if needed > available - f.tell():
+        raise ValueError(
+            f"the header declares {dtype} {shape} ({needed} bytes) but only "
+            f"{available - f.tell()} bytes follow it"
+        )
+
+
+def _check_npz_headers(path: Path) -> None:
+    """Every member of an .npz is an .npy whose declared array fits in what the member can
+    hold (its stored bytes, at most the deflate bound of them)."""
+    size = path.stat().st_size
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            if not info.filename.endswith(".npy"):
+                raise ValueError(f"member {info.filename!r} is not an .npy array")
+            stored = info.compress_type == zipfile.ZIP_STORED
+            bound = info.compress_size * (1 if stored else _DEFLATE_RATIO)
+            if info.compress_size > size or info.file_size > bound:
+                raise ValueError(f"member {info.filename!r} declares more bytes than it holds")
+            with archive.open(info) as member:
+                _check_npy_header(member, info.file_size)  # type: ignore[arg-type]
 
 
 def _check_array(array: np.ndarray, dtype: type, ndim: int, what: str) -> None:

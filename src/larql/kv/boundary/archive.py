@@ -134,16 +134,26 @@ class DirectoryBoundaryArchive(BoundaryArchive):
 
 
 def load_frame(path: Path) -> BoundaryFrame:
+    """One frame file; anything wrong with it is a `BoundaryFormatError` naming the file."""
     try:
         with safe_open(str(path), framework="pt") as f:
             header = (f.metadata() or {}).get(METADATA_KEY)
+            if "payload" not in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                raise BoundaryFormatError(f"{path} has no payload tensor")
             payload = f.get_tensor("payload")
     except (OSError, SafetensorError) as e:
         raise BoundaryFormatError(f"{path} is not a readable boundary frame: {e}") from None
     if header is None:
         raise BoundaryFormatError(f"{path} has no {METADATA_KEY} metadata")
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise BoundaryFormatError(
+            f"{path}: the payload is {payload.dtype} {tuple(payload.shape)}, not 1-d uint8 bytes"
+        )
     try:
         doc = json.loads(header)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:
         raise BoundaryFormatError(f"{path}: metadata is not JSON: {e}") from None
-    return BoundaryFrame.from_json(doc, payload.numpy().tobytes())
+    try:
+        return BoundaryFrame.from_json(doc, payload.numpy().tobytes())
+    except BoundaryFormatError as e:
+        raise BoundaryFormatError(f"{path}: {e}") from None

@@ -7,6 +7,7 @@ stores next to the payload bytes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
@@ -115,34 +116,128 @@ class BoundaryFrame:
         return doc
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any], payload: bytes) -> BoundaryFrame:
-        try:
-            if doc["version"] not in READABLE_VERSIONS:
-                raise BoundaryFormatError(
-                    f"frame version {doc['version']} is not supported (this larql reads "
-                    f"versions {', '.join(map(str, READABLE_VERSIONS))})"
-                )
-            meta = dict(doc["metadata"])
-            meta["agreement"] = Agreement(meta["agreement"])
-            info = doc["payload"]
-            if info["bytes"] != len(payload):
-                raise BoundaryFormatError(
-                    f"frame {doc['boundary_id']}: payload is {len(payload)} bytes, "
-                    f"metadata says {info['bytes']}"
-                )
-            return cls(
-                version=doc["version"],
-                identity=BoundaryModelIdentity(**doc["identity"]),
-                sequence_id=doc["sequence_id"],
-                boundary_id=doc["boundary_id"],
-                token_start=doc["token_start"],
-                token_end=doc["token_end"],
-                layer=doc["layer"],
-                hidden_size=doc["hidden_size"],
-                metadata=BoundaryMetadata(**meta),
-                payload=BoundaryPayload(info["codec"], payload, PayloadContract(info["contract"])),
-                fallback_policy=doc.get("fallback_policy", "cold_replay"),
-                run_id=doc.get("run_id", ""),
+    def from_json(cls, doc: Any, payload: bytes) -> BoundaryFrame:
+        """A frame from its stored metadata document (any JSON value: a file's) and payload;
+        every field is checked for its type and the payload against its codec and width."""
+        doc = _Doc(doc, "the frame")
+        version = doc.integer("version")
+        if version not in READABLE_VERSIONS:
+            raise BoundaryFormatError(
+                f"frame version {version} is not supported (this larql reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))})"
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise BoundaryFormatError(f"malformed boundary frame metadata: {e!r}") from None
+        identity = doc.sub("identity")
+        meta = doc.sub("metadata")
+        info = doc.sub("payload")
+        hidden_size = doc.integer("hidden_size", low=1)
+        token_start, token_end = doc.integer("token_start"), doc.integer("token_end")
+        if token_start > token_end:
+            raise BoundaryFormatError(f"token_start {token_start} is past token_end {token_end}")
+        codec = info.choice("codec", (*codecs.CODECS, "none"))
+        if info.integer("bytes") != len(payload):
+            raise BoundaryFormatError(
+                f"payload is {len(payload)} bytes, metadata says {info.integer('bytes')}"
+            )
+        expected = _PAYLOAD_BYTES[codec](hidden_size)
+        if expected is not None and len(payload) != expected:
+            raise BoundaryFormatError(
+                f"a {codec} payload of {len(payload)} bytes for hidden_size {hidden_size} "
+                f"(expected {expected})"
+            )
+        return cls(
+            version=version,
+            identity=BoundaryModelIdentity(*(identity.text(k) for k in _IDENTITY_FIELDS)),
+            sequence_id=doc.text("sequence_id"),
+            boundary_id=doc.text("boundary_id"),
+            token_start=token_start,
+            token_end=token_end,
+            layer=doc.integer("layer"),
+            hidden_size=hidden_size,
+            metadata=BoundaryMetadata(
+                top1_token_id=meta.integer("top1_token_id"),
+                top1_logit=meta.number("top1_logit"),
+                top2_token_id=meta.integer("top2_token_id"),
+                top2_logit=meta.number("top2_logit"),
+                raw_logit_margin=meta.number("raw_logit_margin"),
+                raw_log_prob_margin=meta.number("raw_log_prob_margin"),
+                raw_top1_prob=meta.number("raw_top1_prob"),
+                agreement=Agreement(meta.choice("agreement", [a.value for a in Agreement])),
+                codec_fragile=meta.flag("codec_fragile"),
+                boundary_fragile=meta.flag("boundary_fragile"),
+                top1_text=meta.text("top1_text", ""),
+            ),
+            payload=BoundaryPayload(
+                codec,
+                payload,
+                PayloadContract(info.choice("contract", [c.value for c in PayloadContract])),
+            ),
+            fallback_policy=doc.text("fallback_policy", "cold_replay"),
+            run_id=doc.text("run_id", ""),
+        )
+
+
+_IDENTITY_FIELDS = ("model_id", "model_revision", "tokenizer_revision", "architecture")
+# payload bytes of each codec for a row of `hidden_size` (None: any)
+_PAYLOAD_BYTES: dict[str, Callable[[int], int | None]] = {
+    "bf16": lambda hidden: 2 * hidden,
+    "int8_clip3sigma": lambda hidden: 4 + hidden,
+    "none": lambda hidden: None,
+}
+
+
+class _Doc:
+    """Typed reads of a frame's JSON metadata; a wrong or missing field is a
+    `BoundaryFormatError` naming it."""
+
+    def __init__(self, doc: Any, where: str) -> None:
+        if not isinstance(doc, dict):
+            raise BoundaryFormatError(f"{where} is not a JSON object")
+        self.doc, self.where = doc, where
+
+    def _get(self, key: str, default: Any) -> Any:
+        if key in self.doc:
+            return self.doc[key]
+        if default is _MISSING:
+            raise BoundaryFormatError(f"{self.where} has no {key!r}")
+        return default
+
+    def _wrong(self, key: str, accepted: str) -> BoundaryFormatError:
+        value = repr(self.doc[key])
+        shown = value if len(value) <= 40 else value[:37] + "..."
+        return BoundaryFormatError(f"{self.where}: {key!r} is {shown}, expected {accepted}")
+
+    def sub(self, key: str) -> _Doc:
+        return _Doc(self._get(key, _MISSING), f"{self.where}'s {key!r}")
+
+    def integer(self, key: str, low: int = 0) -> int:
+        value = self._get(key, _MISSING)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise self._wrong(key, f"an integer ≥ {low}")
+        return value
+
+    def number(self, key: str) -> float:
+        value = self._get(key, _MISSING)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise self._wrong(key, "a number")
+        return float(value)
+
+    def flag(self, key: str) -> bool:
+        value = self._get(key, _MISSING)
+        if not isinstance(value, bool):
+            raise self._wrong(key, "true or false")
+        return value
+
+    def text(self, key: str, default: Any = None) -> str:
+        value = self._get(key, _MISSING if default is None else default)
+        if not isinstance(value, str):
+            raise self._wrong(key, "a string")
+        return value
+
+    def choice(self, key: str, accepted: Sequence[str]) -> str:
+        value = self._get(key, _MISSING)
+        if not isinstance(value, str) or value not in accepted:
+            raise self._wrong(key, f"one of {', '.join(accepted)}")
+        return value
+
+
+_MISSING: Any = object()
