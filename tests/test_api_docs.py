@@ -1,5 +1,5 @@
 """The Python examples of docs/API.md and of the README's "Python API" section run as written,
-as the README's command examples do (tests/test_readme_examples.py): each fenced block in
+as the command examples of docs/CLI.md do (tests/test_readme_examples.py): each fenced block in
 order, here in one namespace per document, so a block uses what an earlier one defined. A block
 whose first line is `# file: PATH` is a file of a package, not a script: it is written under a
 scratch directory, and the plugin it belongs to is installed from the document's `toml` block

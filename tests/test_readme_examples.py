@@ -1,8 +1,9 @@
-"""Every command the README shows runs as pasted: each shell block of its Commands and FFN
-sections, line by line through bash, in a scratch directory, with the project's virtualenv first
-on PATH. A `larql serve` line is left running in the background (as in another terminal) until
-its block ends; a line ending in `&` too. `notes.txt`, the corpus the apollo example indexes, is
-the shipped licence text.
+"""Every command the docs show runs as pasted: each shell block of docs/CLI.md (every ``` block
+without a language), line by line through bash, in a scratch directory, with the project's
+virtualenv first on PATH; and the README's tour shows only commands that docs/CLI.md runs. A
+`larql serve` line is left running in the background (as in another terminal) until its block
+ends; a line ending in `&` too. `notes.txt`, the corpus the apollo example indexes, is the
+shipped licence text.
 
 The bench and accuracy examples take minutes each; they run in `make test-all` (marked long)."""
 
@@ -22,25 +23,27 @@ import pytest
 from larql.data import default_text
 from larql.kv.resolve import ENV_VAR
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+CLI_DOC = ROOT / "docs" / "CLI.md"
 LONG_BLOCKS = ("larql bench", "larql accuracy")  # headings of blocks that take minutes
 STARTUP_S = 180
 
 
-def readme_blocks() -> list[tuple[str, list[str]]]:
-    """(heading, commands) of every ``` block from '## Commands' to '## Models'; a command whose
-    quotes are still open continues on the next line."""
-    text = README.read_text().split("## Commands", 1)[1].split("## Models", 1)[0]
+def shell_blocks(text: str) -> list[tuple[str, list[str]]]:
+    """(heading, commands) of every plain ``` block of `text` (a block with a language, e.g.
+    ```text, is not a script); a command whose quotes are still open continues on the next
+    line."""
     blocks: list[tuple[str, list[str]]] = []
-    heading, inside, commands = "", False, []
+    heading, inside, script, commands = "", False, False, []
     for line in text.splitlines():
         if line.startswith("#") and not inside:
             heading = line.lstrip("#").strip()
         elif line.startswith("```"):
-            if inside:
+            if inside and script:
                 blocks.append((heading, commands))
-            inside, commands = not inside, []
-        elif inside and line.strip() and not line.startswith("#"):
+            inside, script, commands = not inside, line.strip() == "```", []
+        elif inside and script and line.strip() and not line.startswith("#"):
             if commands and not closed(commands[-1]):
                 commands[-1] += "\n" + line
             else:
@@ -64,14 +67,36 @@ def block_id(heading: str) -> str:
     return re.sub(r"[^a-z-]+", "-", heading.split("—")[0].strip("` ").lower()).strip("-")
 
 
-BLOCKS = readme_blocks()
+BLOCKS = shell_blocks(CLI_DOC.read_text())
+
+
+def words(command: str) -> list[str]:
+    return shlex.split(command, comments=True)
 
 
 def test_every_command_section_has_examples() -> None:
     headings = [h for h, _ in BLOCKS]
-    for command in ("larql run", "larql walk", "larql serve", "larql bench", "larql accuracy",
-                    "larql apollo", "larql boundary"):  # fmt: skip
+    for command in (
+        "larql run",
+        "larql walk",
+        "larql serve",
+        "larql engines",
+        "larql models",
+        "larql bench",
+        "larql accuracy",
+        "larql apollo",
+        "larql boundary",
+    ):
         assert any(command in h for h in headings), command
+
+
+def test_the_readme_tour_shows_commands_the_cli_doc_runs() -> None:
+    tour = README.read_text().split("\n## Tour\n", 1)[1].split("\n## ", 1)[0]
+    ((_, shown),) = shell_blocks(tour)
+    run = [words(c) for _, commands in BLOCKS for c in commands]
+    assert len(shown) >= 6
+    for command in shown:
+        assert words(command) in run, f"README's tour shows {command!r}, which docs/CLI.md lacks"
 
 
 @pytest.mark.parametrize(
@@ -82,7 +107,7 @@ def test_every_command_section_has_examples() -> None:
     ],
 )
 @pytest.mark.slow
-def test_readme_block_runs_as_pasted(heading: str, commands: list[str], tmp_path: Path) -> None:
+def test_cli_doc_block_runs_as_pasted(heading: str, commands: list[str], tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text(default_text())
     env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"

@@ -13,17 +13,25 @@ from larql.cli.common import InvalidInput, stdout, user_errors
 
 @user_errors
 def engines(
-    output: Annotated[str, typer.Option("--output", "-o", help="table or json.")] = "table",
+    output: Annotated[
+        str,
+        typer.Option(
+            "--output", "-o", help="table, json or markdown (the page docs/ENGINES.md is)."
+        ),
+    ] = "table",
 ) -> None:
     """List the engine catalog: names, parameters, what each keeps and its contract."""
+    from larql.cli.catalog_markdown import catalog_markdown
     from larql.kv.catalog import CATALOG, catalog_rows
 
-    rows = catalog_rows()
     if output == "json":
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(catalog_rows(), indent=2))
+        return
+    if output == "markdown":
+        print(catalog_markdown(CATALOG.entries), end="")
         return
     if output != "table":
-        raise InvalidInput(f"unknown --output {output!r}; accepted: table, json")
+        raise InvalidInput(f"unknown --output {output!r}; accepted: table, json, markdown")
     table = Table(title="KV engines", show_lines=True)
     columns = ("engine", "aliases", "parameters (default)", "keeps", "contract", "live", "batched")
     for column in columns:
