@@ -76,9 +76,23 @@ def engine_section(e: EngineEntry) -> str:
         f"- **Keeps:** {cell(e.keeps)}",
         f"- **Contract:** {cell(e.contract)}",
         f"- **Batching** (`larql serve`, `bench --batch`): {cell(batching)}",
-        "",
+        f"- **Run by default** (when no engines are given): {sweeps(e)}",
     ]
-    return "\n".join(lines)
+    if e.quadratic:
+        lines.append("- **Cost:** re-runs the whole context every step (O(N²)); long runs capped")
+    for kind, why in e.refuses_ffn.items():
+        lines.append(f"- **Refuses** {kind} FFN backends: it {cell(why)}")
+    return "\n".join([*lines, ""])
+
+
+def sweeps(e: EngineEntry) -> str:
+    """Which specs of the engine each harness runs by default (`EngineEntry.sweeps`)."""
+    said = []
+    suites = {"bench": "`bench`", "accuracy": "`accuracy`", "longctx": "the long-context suites"}
+    for suite, where in suites.items():
+        specs = e.sweeps.specs(e.name, suite)
+        said.append(f"{where}: " + (", ".join(f"`{s}`" for s in specs) or "none"))
+    return "; ".join(said)
 
 
 def aliases(e: EngineEntry) -> str:
