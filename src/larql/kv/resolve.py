@@ -1,6 +1,7 @@
 """Which engine a command runs: `--engine` > `LARQL_KV_ENGINE` > legacy `--kv-cache` > standard
 (docs/DESIGN.md, decision 3). A non-default `--kv-cache` next to an engine spec loses, with a
-warning."""
+warning; so does a `--context-window` that sizes nothing, and `--kv-cache markov-bounded` without
+one decodes unbounded, with a warning naming the flag."""
 
 from __future__ import annotations
 
@@ -45,15 +46,30 @@ def resolve_engine(
             f"unknown --kv-cache {kv_cache!r}; accepted: {', '.join(KV_CACHE_CHOICES)} "
             "(or use --engine SPEC)"
         )
+    if context_window < 0:
+        raise MalformedEngineSpec(f"--context-window must be ≥ 0, got {context_window}")
     spec, source = (engine, "--engine") if engine else (env_spec, ENV_VAR)
     if spec:
-        warnings = ()
+        warnings: tuple[str, ...] = ()
         if legacy != "standard":
             warnings = (f"--kv-cache {kv_cache} is ignored: {source} {spec!r} wins",)
+        if context_window > 0:
+            warnings += (f"--context-window {context_window} is ignored: {source} {spec!r} wins",)
         return EngineChoice(parse_engine(spec), source, warnings)
     if legacy == "markov-bounded":
-        window = f":window={context_window}" if context_window > 0 else ""
-        return EngineChoice(parse_engine(f"standard{window}"), "--kv-cache")
+        if context_window > 0:
+            return EngineChoice(parse_engine(f"standard:window={context_window}"), "--kv-cache")
+        unbounded = (
+            f"--kv-cache {kv_cache} without --context-window N keeps every token (unbounded "
+            "standard); give --context-window N, or --engine standard:window=N",
+        )
+        return EngineChoice(parse_engine("standard"), "--kv-cache", unbounded)
+    ignored: tuple[str, ...] = ()
+    if context_window > 0:
+        ignored = (
+            f"--context-window {context_window} is ignored: it sizes --kv-cache markov-bounded "
+            "only (or use --engine standard:window=N)",
+        )
     if legacy == "none":
-        return EngineChoice(parse_engine("no-cache"), "--kv-cache")
-    return EngineChoice(parse_engine("standard"), "default")
+        return EngineChoice(parse_engine("no-cache"), "--kv-cache", ignored)
+    return EngineChoice(parse_engine("standard"), "default", ignored)
