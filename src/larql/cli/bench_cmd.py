@@ -10,6 +10,7 @@ import typer
 from rich.progress import Progress
 
 from larql.cli.common import InvalidInput, open_model, stderr, stdout, user_errors
+from larql.cli.engine_names import engines_help
 from larql.cli.ffn_options import (
     FfnPolicyOption,
     FfnUrlOption,
@@ -38,7 +39,12 @@ def parse_int_list(value: str | None, option: str, minimum: int) -> list[int]:
 def bench(
     model: ModelOption = None,
     engine: Annotated[
-        str | None, typer.Option("--engine", help='Specs, e.g. "standard;markov-rs:window=64".')
+        str | None,
+        typer.Option(
+            "--engine",
+            help='Specs, e.g. "standard;markov-rs:window=64" (default: every engine as its '
+            f"catalog entry says a bench runs it). {engines_help()}",
+        ),
     ] = None,
     context: Annotated[
         int | None,

@@ -22,7 +22,7 @@ from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import next_token_logits
 from larql.inference.linear import reads_blocks
-from larql.inference.memory import MemoryBreakdown
+from larql.inference.memory import MemoryBreakdown, mib_value
 from larql.inference.sampling import greedy_token
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
@@ -133,8 +133,10 @@ class EngineRow:
         }  # fmt: skip
 
     def note(self) -> str:
-        """`[dispatch] fwd=… head=…  hot=…MB cold=…MB  R× vs std-kv` (std-kv: an fp16 K/V cache
-        of the same length; no ratio where the engine holds no state)."""
+        """`[dispatch] fwd=… head=…  hot=…MiB cold=…MiB deriv=…MiB reserve=…MiB  R× vs std-kv`:
+        the table's memory cells (`MemoryBreakdown`'s tiers and reserve, 2 decimals) and the
+        state over an fp16 K/V cache of the same length (std-kv; none where the engine holds no
+        state)."""
         if self.error is not None:
             return self.error
         parts = f"[{self.dispatch}] " if self.dispatch else ""
@@ -142,8 +144,9 @@ class EngineRow:
             parts += f"fwd={self.fwd_ms:.2f}ms head={self.head_ms:.2f}ms  "
         if self.memory is None:
             return parts.rstrip()
-        hot = max(self.memory.total - self.memory.cold, 0) / 2**20
-        parts += f"hot={hot:.1f}MB cold={self.memory.cold / 2**20:.1f}MB  "
+        m = self.memory
+        tiers = (("hot", m.hot), ("cold", m.cold), ("deriv", m.derivative), ("reserve", m.reserved))
+        parts += " ".join(f"{name}={mib_value(n):.2f}MiB" for name, n in tiers) + "  "
         ratio = self.ratio_vs_fp16_full
         if ratio is None:
             return parts + "engine state not held here"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.table import Table
+from rich.text import Text
 
 from larql.harness.bench.run import BenchReport
 from larql.harness.formatting import shown
@@ -38,7 +39,8 @@ def render_table(report: BenchReport) -> Table:
     for row in report.rows:
         if row.error:
             blanks = [""] * (len(columns) - 3)
-            table.add_row(row.spec, str(row.prompt_tokens), f"[red]{row.error}[/]", *blanks)
+            # a styled cell: the console prints text as given, markup included
+            table.add_row(row.spec, str(row.prompt_tokens), Text(row.error, style="red"), *blanks)
             continue
         step = row.step
         memory = row.memory
