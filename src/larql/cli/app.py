@@ -13,6 +13,7 @@ from larql.cli.apollo_cmd import apollo_app
 from larql.cli.bench_cmd import bench
 from larql.cli.boundary_cmd import boundary_app
 from larql.cli.catalog_cmd import engines, models
+from larql.cli.environment import unread_warning
 from larql.cli.run_cmd import run
 from larql.cli.serve_cmd import serve
 from larql.cli.walk_cmd import walk
@@ -43,6 +44,9 @@ def larql_options(
     ] = False,
 ) -> None:
     """Decode with language models through pluggable KV engines, and measure them."""
+    warning = unread_warning()
+    if warning is not None:
+        typer.echo(warning, err=True)
 
 
 app.command()(run)
