@@ -13,6 +13,7 @@ Layout facts handled here (checked against transformers' own GGUF loader):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -240,6 +241,20 @@ def gguf_state_dict(
             progress(n + 1, len(names))
     fold_multipliers(state, config)
     return state
+
+
+def gguf_shapes(gguf: GgufFile, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The canonical state's shapes (`gguf_state_dict`'s, tensor by tensor) from the tensor table
+    alone: nothing is dequantized or read (`larql.models.structure`)."""
+    renamed = preset_for_gguf(gguf.architecture).gguf_renamed or {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for gguf_name, info in gguf.tensors.items():
+        for canonical, rows in _canonical_parts(gguf_name, info.shape, config, renamed):
+            shape = (len(range(info.shape[0])[rows]), *info.shape[1:])
+            if canonical.endswith(".shared_expert_gate"):
+                shape = (1, math.prod(shape))  # as `gguf_state_dict` reshapes it
+            shapes[canonical] = shape
+    return shapes
 
 
 def gguf_block_rows(gguf: GgufFile, config: ModelConfig) -> dict[str, BlockRows]:

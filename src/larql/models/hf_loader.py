@@ -335,7 +335,12 @@ def _rope_for(c: Fields, preset: ArchPreset, layer_type: str, head_dim: int) -> 
     return rope_spec(params, raw, head_dim)
 
 
-def hf_state_dict(directory: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+def hf_state_dict(
+    directory: Path, config: ModelConfig, meta: bool = False
+) -> dict[str, torch.Tensor]:
+    """The canonical float32 state of the directory's safetensors files. `meta`: every tensor
+    on torch's meta device instead, its shape (and the checks on it) from the files' headers,
+    no weight read (`larql.models.structure`)."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ModelFormatError(f"{directory} has no *.safetensors files")
@@ -348,11 +353,13 @@ def hf_state_dict(directory: Path, config: ModelConfig) -> dict[str, torch.Tenso
                 for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     if key.endswith(_MXFP4_PARTS):
                         name, part = key.rsplit("_", 1)
-                        packed.setdefault(name, {})[part] = f.get_tensor(key)
+                        packed.setdefault(name, {})[part] = (
+                            _meta_tensor(f, key) if meta else f.get_tensor(key)
+                        )
                         continue
                     canonical = _canonical_name(key, layout)
                     if canonical is not None:
-                        tensor = _read_tensor(f, key, canonical, config)
+                        tensor = _read_tensor(f, key, canonical, config, meta)
                         if canonical.rsplit(".", 1)[-1] in _NORMS or canonical == "final_norm":
                             tensor = tensor + config.arch.norm_offset
                         state[canonical] = tensor
@@ -380,8 +387,11 @@ _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 _OWN_KV = ("wk", "wv", "bk", "bv", "k_norm")  # what a layer sharing another's K/V drops
 
 
-def _read_tensor(f: Any, key: str, canonical: str, config: ModelConfig) -> torch.Tensor:
-    """One tensor as float32, its dtype and shape checked from the file's header first."""
+def _read_tensor(
+    f: Any, key: str, canonical: str, config: ModelConfig, meta: bool = False
+) -> torch.Tensor:
+    """One tensor as float32, its dtype and shape checked from the file's header first (`meta`:
+    a float32 meta tensor of that shape, nothing read)."""
     part = f.get_slice(key)
     dtype, shape = part.get_dtype(), tuple(part.get_shape())
     if dtype not in _FLOAT_DTYPES:
@@ -393,7 +403,17 @@ def _read_tensor(f: Any, key: str, canonical: str, config: ModelConfig) -> torch
     want = None if dropped else expected_shape(config, canonical)
     if want is not None and shape != want:
         raise ModelFormatError(f"tensor {key} has shape {shape}; config.json implies {want}")
+    if meta:
+        return torch.empty(shape, dtype=torch.float32, device="meta")
     return f.get_tensor(key).to(torch.float32)
+
+
+def _meta_tensor(f: Any, key: str) -> torch.Tensor:
+    """A meta tensor of the shape and dtype the file's header gives `key` (uint8 stays uint8,
+    what the MXFP4 checks look for; other dtypes become float32)."""
+    part = f.get_slice(key)
+    dtype = torch.uint8 if part.get_dtype() == "U8" else torch.float32
+    return torch.empty(tuple(part.get_shape()), dtype=dtype, device="meta")
 
 
 def _shares_kv(config: ModelConfig, layer: int) -> bool:

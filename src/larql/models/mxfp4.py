@@ -22,6 +22,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
             f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
             f"(expected blocks [..., G, {GROUP // 2}] and scales [..., G])"
         )
+    if blocks.is_meta:  # a structure (`larql.models.structure`): the shape alone
+        return torch.empty((*scales.shape[:-1], scales.shape[-1] * GROUP), device="meta")
     table = torch.tensor(E2M1, dtype=torch.float32)
     packed = blocks.to(torch.int64)
     pairs = torch.stack((table[packed & 15], table[packed >> 4]), dim=-1)  # [..., G, 16, 2]
