@@ -93,7 +93,8 @@ def routed_sum(
     """Σ weight · expert(x) over each row's chosen experts: x [S, H], weights / chosen [S, k]
     → [S, H]."""
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()  # no host syncs then
-    if chosen.numel() <= experts.router.shape[0] or capturing:
+    # (nor on the meta device, a model's structure: no values to pick experts by)
+    if chosen.numel() <= experts.router.shape[0] or capturing or x.is_meta:
         return _gathered(experts, x, weights, chosen, glu)
     return _per_expert(experts, x, weights, chosen, glu)
 

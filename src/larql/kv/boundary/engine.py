@@ -196,6 +196,8 @@ class BoundaryKvEngine(KvEngine):
             )
 
     def _emit(self, model: Model, row: torch.Tensor, token_end: int) -> None:
+        if row.is_meta:  # a model's structure (`larql memory`): no values to frame, nothing held
+            return
         if self.identity is None:
             self.identity = model_identity(model)
         frame = build_frame(

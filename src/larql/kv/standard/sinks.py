@@ -60,10 +60,12 @@ class SinkKvBuffer:
         (None for one query: it sees every live row)."""
         if count == 1:
             return None
-        keys = self.positions().unsqueeze(0)  # [1, n]
-        queries = torch.arange(start, start + count).unsqueeze(1)  # [count, 1]
-        seen = (keys <= queries) & (((queries - keys) < self.window) | (keys < self.sinks))
-        return seen.to(self._recent.keys.device if len(self._recent) else "cpu")
+        # made where it is used: no [count, n] copy to the device (nor, on the meta device of
+        # `larql memory`, a mask computed on the CPU for a structure that holds no values)
+        device = self._recent.keys.device if len(self._recent) else torch.device("cpu")
+        keys = self.positions().to(device).unsqueeze(0)  # [1, n]
+        queries = torch.arange(start, start + count, device=device).unsqueeze(1)  # [count, 1]
+        return (keys <= queries) & (((queries - keys) < self.window) | (keys < self.sinks))
 
     def clip(self) -> None:
         self._recent.clip()
