@@ -14,6 +14,7 @@ from larql.cli.bench_cmd import bench
 from larql.cli.boundary_cmd import boundary_app
 from larql.cli.catalog_cmd import engines, models
 from larql.cli.environment import unread_warning
+from larql.cli.memory_cmd import memory
 from larql.cli.run_cmd import run
 from larql.cli.serve_cmd import serve
 from larql.cli.walk_cmd import walk
@@ -54,6 +55,7 @@ app.command()(walk)
 app.command()(serve)
 app.command()(engines)
 app.command()(models)
+app.command()(memory)
 app.command()(bench)
 app.command()(accuracy)
 app.add_typer(apollo_app, name="apollo")
