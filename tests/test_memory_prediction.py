@@ -79,6 +79,15 @@ def test_the_structure_has_the_loaded_model_shapes(structure: Model, smollm2_def
     assert meta.embed.shape == real.embed.shape and meta.lm_head.shape == real.lm_head.shape
 
 
+def test_the_second_model_too(gemma3: Model) -> None:
+    """Gemma 3's GGUF: sliding layers beside global ones, one K/V head."""
+    structure, ids = load_structure("gemma3-270m"), prompt_ids(PROMPT)
+    for spec in ("standard", "markov-rs:window=16", "turbo-quant", "h2o:budget=16,recent=8"):
+        run = generate(gemma3, spec, ids, max_new_tokens=NEW)
+        (predicted,) = predict_memory(structure, [parse_engine(spec)], PROMPT, NEW)
+        assert predicted.memory == run.memory_breakdown, spec
+
+
 @pytest.mark.parametrize("arch", ["gemma3", "qwen2_moe", "gemma4_shared"])
 def test_an_hf_directory_from_its_headers(arch: str, tmp_path: Path) -> None:
     """Sliding layers, experts (routed on meta without values) and layers sharing K/V: the
