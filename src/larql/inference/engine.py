@@ -32,7 +32,7 @@ them in memory; an engine that cannot says why in `snapshot_refusal`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -170,13 +170,52 @@ class Engine(ABC):
     def extend(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
         """Append several tokens after the prefill in one pass (a prefill's next chunk) → the
         last one's hidden [1, H]."""
+        return self.extend_all(model, ffn, token_ids)[-1:]
+
+    def extend_all(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
+        """`extend`, returning every new row's hidden [S, H]."""
         self._require_prefill()
         if len(token_ids) == 0:
             raise EmptyPrompt()
         rows, inputs = embed_rows(model, token_tensor(model, list(token_ids)))  # [S, H], …
         hidden = self._extend(model, ffn, rows, inputs)
         self.position += len(token_ids)
-        return hidden[-1:]
+        return hidden
+
+    # ------------------------------------------------------------------ work in bounded parts
+
+    def takes_prompt_in_parts(self, model: Model) -> bool:
+        """Whether `prefill_part` takes a prompt a part at a time with the state and rows of one
+        whole prefill (up to the order of float sums), so a server can put a long prompt in
+        over several turns with other sessions' steps between them. By default where
+        `extend` continues a prefill exactly."""
+        return self.extends_exactly(model)
+
+    def prefill_part(
+        self, model: Model, ffn: FfnBackend, token_ids: Sequence[int], more: bool
+    ) -> torch.Tensor:
+        """The next part of a prompt (the first part starts the prefill; `more`: more of the
+        prompt follows) → every hidden row the engine computed for it, ending with its last
+        ([n, H] where it computes them all). Only where `takes_prompt_in_parts`: an engine may
+        hold what the next part needs until the last part comes."""
+        if not self._prefilled:
+            return self.prefill_all(model, ffn, token_ids)
+        return self.extend_all(model, ffn, token_ids)
+
+    def step_work(self) -> int:
+        """Rows of work the next decode step does: 1 for an engine that keeps what its step
+        needs; more for one that recomputes from the context every step (`no-cache` re-runs
+        every position), which `decode_step_parts` can then split."""
+        return 1
+
+    def decode_step_parts(
+        self, model: Model, ffn: FfnBackend, token_id: int, rows: int
+    ) -> Iterator[torch.Tensor | None]:
+        """`decode_step` in parts of about `rows` rows of work each (`step_work`): None after
+        each part but the last, whose value is the hidden [1, H]. The step takes effect with
+        its last part; an engine abandoned part-way through one is in no defined state (drop
+        it). By default the whole step is one part."""
+        yield self.decode_step(model, ffn, token_id)
 
     def _extend(
         self, model: Model, ffn: FfnBackend, rows: torch.Tensor, inputs: torch.Tensor | None

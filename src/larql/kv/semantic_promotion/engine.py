@@ -7,7 +7,7 @@ modes would change the base's state and are refused where the spec is parsed."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -74,10 +74,31 @@ class SemanticPromotionEngine(KvEngine):
         self._saw(prompt=initial_hidden.shape[0])
         return rows
 
-    def extend(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
-        hidden = self.base.extend(model, ffn, token_ids)
+    def extend_all(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
+        rows = self.base.extend_all(model, ffn, token_ids)
         self._saw(prompt=len(token_ids))
-        return hidden
+        return rows
+
+    def takes_prompt_in_parts(self, model: Model) -> bool:
+        return self.base.takes_prompt_in_parts(model)
+
+    def prefill_part(
+        self, model: Model, ffn: FfnBackend, token_ids: Sequence[int], more: bool
+    ) -> torch.Tensor:
+        rows = self.base.prefill_part(model, ffn, token_ids, more)
+        self._saw(prompt=len(token_ids))
+        return rows
+
+    def step_work(self) -> int:
+        return self.base.step_work()
+
+    def decode_step_parts(
+        self, model: Model, ffn: FfnBackend, token_id: int, rows: int
+    ) -> Iterator[torch.Tensor | None]:
+        for part in self.base.decode_step_parts(model, ffn, token_id, rows):
+            if part is not None:
+                self._saw(steps=1)
+            yield part
 
     def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
         hidden = self.base.decode_step(model, ffn, token_id)
