@@ -19,10 +19,11 @@ whole history per layer per step.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 
 import torch
 
+from larql.inference.batching import RowsFailed
 from larql.inference.engine import Engine, KvEngine
 from larql.inference.errors import BackendUnavailable, InvariantViolation
 from larql.inference.ffn import FfnBackend
@@ -155,6 +156,32 @@ class ResidualStreamEngine(KvEngine):
         """row: [1, H] at the next absolute position → its pre-final-norm hidden [1, H]."""
         return self._rows(model, ffn, row, inputs)
 
+    def step_work(self) -> int:
+        """Without `kv_cache`, a step first rebuilds every position's K/V."""
+        if self.kv_cache or self._store is None or self._store.kv is not None:
+            return 1
+        return self.position
+
+    def decode_step_parts(
+        self, model: Model, ffn: FfnBackend, token_id: int, rows: int
+    ) -> Iterator[torch.Tensor | None]:
+        """Without `kv_cache`: the K/V rebuilt from the residuals a few layers a part (about
+        `rows` positions' K/V each), then the step over them."""
+        store = self.store
+        if store.kv is None:
+            buffers: list[KvBuffer] = []
+            done = 0
+            for layer in range(store.num_layers):
+                buffer = store.rebuild_cold_kv(model, layer)
+                store.rebuild_hot_kv(model, layer, buffer)
+                buffers.append(buffer)
+                done += store.next_position
+                if done >= rows:
+                    done = 0
+                    yield None
+            store.kv = buffers
+        yield self.decode_step(model, ffn, token_id)
+
     def extends_exactly(self, model: Model) -> bool:
         """Where every layer's cold tier is lossless for the model's dtype (`markov-rs`; the bf16
         tier on a bfloat16 model): a later chunk then attends over the K/V a whole prefill
@@ -250,13 +277,20 @@ class ResidualStreamEngine(KvEngine):
         if inputs is None and (fused := _fused_rows(batch, model, ffn, rows, counts)) is not None:
             return fused
         hidden, offset = [], 0
-        for engine, n in zip(batch, counts, strict=True):
+        failures: dict[int, Exception] = {}
+        for i, (engine, n) in enumerate(zip(batch, counts, strict=True)):
             part, extra = rows[offset : offset + n], None
             if inputs is not None:
                 extra = inputs[offset : offset + n]
             run = engine._start if not engine.prefilled else engine._rows
-            hidden.append(run(model, ffn, part, extra))
+            try:  # each engine's own step: its failure fails it alone
+                hidden.append(run(model, ffn, part, extra))
+            except Exception as e:
+                failures[i] = e
+                hidden.append(torch.zeros_like(part))
             offset += n
+        if failures:
+            raise RowsFailed(torch.cat(hidden), failures)
         return torch.cat(hidden)
 
     @classmethod

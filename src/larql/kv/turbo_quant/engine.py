@@ -46,6 +46,7 @@ from functools import partial
 import torch
 
 import larql.kernels
+from larql.inference.batching import IsolatedRows
 from larql.inference.engine import Engine, KvEngine
 from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import FfnBackend
@@ -402,15 +403,17 @@ class TurboQuantEngine(KvEngine):
             return fused  # every layer of every session in one compiled call
         positions = [e.position for e in batch]
         shared = [SharedKv(model.config) for _ in batch]  # each session's, for sharing layers
+        isolated = IsolatedRows()  # each engine's attention: its failure fails it alone
         h = rows
         for layer in range(model.config.num_layers):
             rotation = batch[0]._rotation(model.device, layer)
-            new: list[tuple[torch.Tensor, torch.Tensor]] = []
+            new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             rows_attend = partial(_attend_and_keep, batch, model, layer, rotation, new, shared)
-            h = batched_layer_step(model, layer, h, positions, rows_attend, ffn, inputs)
-            for engine, (k, v) in zip(batch, new, strict=False):  # none on a sharing layer
-                engine._layers[layer].append(k, v)  # type: ignore[index]
-        return h
+            h = batched_layer_step(model, layer, h, positions, isolated(rows_attend), ffn, inputs)
+            for i, (k, v) in new.items():  # none on a sharing layer
+                if i not in isolated.failures:
+                    batch[i]._layers[layer].append(k, v)  # type: ignore[index]
+        return isolated.check(h)
 
     def _kernel_path(self, model: Model, keeps: list[int | None]) -> KernelPath | None:
         """The Triton kernels' path when asked (auto/triton), where they run, for the
@@ -484,19 +487,19 @@ def _attend_and_keep(
     model: Model,
     layer: int,
     rotation: torch.Tensor | None,
-    new: list[tuple[torch.Tensor, torch.Tensor]],
+    new: dict[int, tuple[torch.Tensor, torch.Tensor]],
     shared: list[SharedKv],
     i: int,
     q: torch.Tensor,
     k: torch.Tensor | None,
     v: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Row i of a batched step: engine i's attention; its new row kept (in `new`, in row
-    order) for storing after the layer. A K/V-sharing layer's row attends over what its
+    """Row i of a batched step: engine i's attention; its new row kept (in `new`, by row) for
+    storing after the layer. A K/V-sharing layer's row attends over what its
     source attended over, and keeps nothing."""
     engine = batch[i]
     if k is None or v is None:
         keys, values, _ = shared[i].of(layer)
         return engine._attend_in_basis(model, layer, q, keys, values, rotation)  # [1, q_dim]
-    new.append((k, v))
+    new[i] = (k, v)
     return engine._attend_and_share(model, layer, q, k, v, rotation, shared[i])
