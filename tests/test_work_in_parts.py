@@ -17,11 +17,18 @@ from larql.kv import parse_engine
 from larql.models import Model
 
 PROMPT = "The quick brown fox jumps over the lazy dog because it was tired of running"
-IN_PARTS = [
+IN_PARTS = [  # every live engine, with parameters that make its policy act on this prompt
     "standard",
     "no-cache",
-    "markov-rs",
+    "markov-rs:window=4",
+    "markov-rs-codec:window=4",
+    "markov-rs:window=4,kv_cache=0",
+    "boundary-per-layer:window=4",
     "windowed-checkpoint:window=5",
+    "turbo-quant",
+    "kv-quant",
+    "snapkv:budget=4,window=3",
+    "h2o:budget=6,recent=2",
     "boundary-kv:chunk_tokens=4",
     "semantic-promotion:base=no-cache",
 ]
@@ -37,12 +44,10 @@ def _parts(ids: list[int], cuts: list[int]) -> list[list[int]]:
     return parts
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("spec", IN_PARTS)
-@settings(max_examples=3, deadline=None)
-@given(cuts=st.lists(st.integers(1, 9), min_size=1, max_size=3))
-def test_a_prompt_in_parts_is_one_prefill(smollm2_f64: Model, spec: str, cuts: list[int]) -> None:
-    model, ffn = smollm2_f64, DenseFfn(smollm2_f64)
+def _check_parts(model: Model, spec: str, cuts: list[int]) -> None:
+    """A prompt cut by `cuts` through `prefill_part` against one whole prefill: the same rows,
+    the same position, the same next step."""
+    ffn = DenseFfn(model)
     ids = model.tokenizer.encode(PROMPT)
     whole, parted = parse_engine(spec).build(model), parse_engine(spec).build(model)
     assert parted.takes_prompt_in_parts(model)
@@ -60,6 +65,20 @@ def test_a_prompt_in_parts_is_one_prefill(smollm2_f64: Model, spec: str, cuts: l
         assert relative_error(step, whole.decode_step(model, ffn, 11)) <= 1e-9
     if spec.startswith("boundary-kv"):  # and emit the same frames
         assert [f.token_end for f in parted.frames()] == [f.token_end for f in whole.frames()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", IN_PARTS)
+def test_a_prompt_in_parts_is_one_prefill(smollm2_f64: Model, spec: str) -> None:
+    _check_parts(smollm2_f64, spec, [5, 1, 3])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["no-cache", "h2o:budget=6,recent=2"])
+@settings(max_examples=4, deadline=None)
+@given(cuts=st.lists(st.integers(1, 9), min_size=1, max_size=3))
+def test_any_cut_of_a_prompt_is_one_prefill(smollm2_f64: Model, spec: str, cuts: list[int]) -> None:
+    _check_parts(smollm2_f64, spec, cuts)
 
 
 @pytest.mark.parametrize(("spec", "least_parts"), [("no-cache", 6), ("markov-rs:kv_cache=0", 30)])

@@ -4,8 +4,8 @@ Slow on purpose: it is the oracle the cached engines must agree with.
 Its prefill returns every prompt row (it computes them all), so a prompt is scored from its own
 pass. For a server, whose turns must stay short, its work also comes in parts
 (`prefill_part`, `decode_step_parts`): a pass over the sequence a part of the positions at a
-time, through a K/V cache of every layer that lives for that one pass only — the same pass as
-one call, up to the order of float sums."""
+time, through a K/V cache of every layer that lives for that one pass only (`PassInParts`) —
+the same pass as one call, up to the order of float sums."""
 
 from __future__ import annotations
 
@@ -17,32 +17,10 @@ from larql.inference.engine import KvEngine, backend_name
 from larql.inference.errors import EmptyPrompt
 from larql.inference.ffn import FfnBackend
 from larql.inference.forward import run_layers
-from larql.inference.layer import embed_rows, layer_step
+from larql.inference.layer import embed_rows
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
-from larql.inference.shared_kv import SharedKv
-from larql.kv.buffers import KvBuffer
+from larql.kv.pass_in_parts import PassInParts
 from larql.models.model import Model
-
-
-class PassInParts:
-    """A forward pass over a sequence from position 0, some positions at a time: each part's
-    rows attend over the K/V of every earlier part, kept here until the pass ends."""
-
-    def __init__(self, model: Model) -> None:
-        self.layers = [KvBuffer() for _ in range(model.config.num_layers)]
-        self.length = 0  # positions done
-
-    def run(self, model: Model, ffn: FfnBackend, ids: torch.Tensor) -> torch.Tensor:
-        """The next positions' token ids [n] → their pre-final-norm hidden rows [n, H]."""
-        h, inputs = embed_rows(model, ids.long())  # [n, H], [n, L, P] or None
-        shared = SharedKv(model.config)
-        for layer, kv in enumerate(self.layers):
-            h = layer_step(model, layer, h, self.length, kv, ffn, inputs=inputs, shared=shared)
-        self.length += ids.shape[0]
-        return h
-
-    def nbytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers)
 
 
 class NoCacheEngine(KvEngine):

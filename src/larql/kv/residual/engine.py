@@ -24,11 +24,11 @@ from collections.abc import Hashable, Iterator, Sequence
 import torch
 
 from larql.inference.batching import RowsFailed
-from larql.inference.engine import Engine, KvEngine
-from larql.inference.errors import BackendUnavailable, InvariantViolation
+from larql.inference.engine import Engine, KvEngine, backend_name
+from larql.inference.errors import BackendUnavailable, EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.fused_layer import fused_layers_rows, layers_compile, rows_kv
-from larql.inference.layer import attention_block, ffn_block
+from larql.inference.layer import attention_block, embed_rows, ffn_block, token_tensor
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import EngineProfiler
 from larql.inference.shared_kv import SharedKv, shares
@@ -155,6 +155,43 @@ class ResidualStreamEngine(KvEngine):
     ) -> torch.Tensor:
         """row: [1, H] at the next absolute position → its pre-final-norm hidden [1, H]."""
         return self._rows(model, ffn, row, inputs)
+
+    def takes_prompt_in_parts(self, model: Model) -> bool:
+        return True  # its evictions wait for the last part (`prefill_part`)
+
+    def prefill_part(
+        self, model: Model, ffn: FfnBackend, token_ids: Sequence[int], more: bool
+    ) -> torch.Tensor:
+        """The prompt a part at a time, each part's rows attending over the exact K/V of the
+        parts before; the evictions into the cold tier (and, without `kv_cache`, dropping the
+        K/V) wait for the last part, as a whole prefill makes them once the prompt is in →
+        the part's rows [n, H]."""
+        if len(token_ids) == 0:
+            raise EmptyPrompt()
+        first = not self._prefilled
+        if first:
+            self._check_ffn(ffn)
+            self._backend = backend_name(model)
+            self._store = self._new_store(model)
+        store = self._store
+        assert store is not None and store.kv is not None
+        rows, inputs = embed_rows(model, token_tensor(model, list(token_ids)))  # [n, H], …
+        h, start = rows, store.next_position
+        shared = SharedKv(model.config)
+        for layer, buffer in enumerate(store.kv):
+            store.push(layer, h)
+            h = attention_block(model, layer, h, start, buffer, shared=shared)
+            h = ffn_block(model, layer, h, ffn, inputs)
+        store.advance(len(token_ids))
+        if first:
+            self._started(len(token_ids))
+        else:
+            self.position += len(token_ids)
+        if not more:
+            _evict_rows([self], model, ffn, profiled=False)
+            if not self.kv_cache:
+                store.drop_derivative()
+        return h
 
     def step_work(self) -> int:
         """Without `kv_cache`, a step first rebuilds every position's K/V."""

@@ -47,8 +47,8 @@ import torch
 
 import larql.kernels
 from larql.inference.batching import IsolatedRows
-from larql.inference.engine import Engine, KvEngine
-from larql.inference.errors import InvariantViolation
+from larql.inference.engine import Engine, KvEngine, backend_name
+from larql.inference.errors import EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
     FreshKv,
@@ -61,10 +61,12 @@ from larql.inference.layer import (
     kept_rows,
     project_q,
     project_qkv,
+    token_tensor,
 )
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.buffers import KvBuffer
+from larql.kv.pass_in_parts import PassInParts
 from larql.kv.reserved_rows import prompt_in_one_call
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
 from larql.kv.turbo_quant.coded_cpu import attend_coded, coded_kernels
@@ -81,7 +83,7 @@ CodecFactory = Callable[[int], RowCodec]  # head_dim → codec
 
 class TurboQuantEngine(KvEngine):
     name = "turbo-quant"
-    _snapshot_exclude = KvEngine._snapshot_exclude | {"_codec_factory"}
+    _snapshot_exclude = KvEngine._snapshot_exclude | {"_codec_factory", "_prompt"}
 
     def __init__(
         self,
@@ -117,6 +119,7 @@ class TurboQuantEngine(KvEngine):
         self._layouts: list[KvLayout] = []  # each layer's (its head width's codec)
         self._layers: list[QuantisedLayer] | None = None  # the torch path's state
         self._fast: KernelPath | None = None  # the state and step where the kernels run
+        self._prompt: PassInParts | None = None  # a prompt part-way in (`prefill_part`)
 
     # ------------------------------------------------------------------ description
 
@@ -188,24 +191,11 @@ class TurboQuantEngine(KvEngine):
     ) -> torch.Tensor:
         """rows: [S, H] → every row's hidden [S, H], attending over exact K/V."""
         cfg = model.config
-        # a layout per head width (Gemma 4's global layers are wider): a codec of each width
-        widths = {cfg.head_dim_of(layer) for layer in range(cfg.num_layers)}
-        by_width = {width: self._kv_layout(width) for width in sorted(widths)}
-        self._layouts = [by_width[cfg.head_dim_of(layer)] for layer in range(cfg.num_layers)]
-        self._layout = self._layouts[0]
-        keeps = [self._keep(model, layer) for layer in range(cfg.num_layers)]
-        # the kernels keep one codec for every layer
-        self._fast = self._kernel_path(model, keeps) if cfg.uniform_attention else None
-        self._layers = None
-        if self._fast is None:
-            self._layers = [
-                QuantisedLayer(self._layouts[layer], keep, cfg.kv_heads_of(layer), model.dtype,
-                               compiled=self._compiled(model, self._layouts[layer]))
-                for layer, keep in enumerate(keeps)
-            ]  # fmt: skip
-        if self._fast is not None:
-            self._fast.start(model, rows.shape[0])
-        elif (h := self._prompt_in_one_call(model, ffn, rows, inputs, keeps)) is not None:
+        keeps = self._new_stores(model, rows.shape[0])
+        if (
+            self._fast is None
+            and (h := self._prompt_in_one_call(model, ffn, rows, inputs, keeps)) is not None
+        ):
             return h
         h = rows  # [S, H]
         shared = SharedKv(cfg)  # a K/V-sharing layer's store stays empty
@@ -223,6 +213,63 @@ class TurboQuantEngine(KvEngine):
                 self._layers[layer].append(exact.k, exact.v)
             h = ffn_block(model, layer, h, ffn, inputs)
         return h
+
+    def _new_stores(self, model: Model, prompt_tokens: int) -> list[int | None]:
+        """Empty stores for a prompt of `prompt_tokens` tokens: the torch path's layers, or the
+        kernel path (each layer's codec by its head width) → the rows each layer keeps."""
+        cfg = model.config
+        # a layout per head width (Gemma 4's global layers are wider): a codec of each width
+        widths = {cfg.head_dim_of(layer) for layer in range(cfg.num_layers)}
+        by_width = {width: self._kv_layout(width) for width in sorted(widths)}
+        self._layouts = [by_width[cfg.head_dim_of(layer)] for layer in range(cfg.num_layers)]
+        self._layout = self._layouts[0]
+        keeps = [self._keep(model, layer) for layer in range(cfg.num_layers)]
+        # the kernels keep one codec for every layer
+        self._fast = self._kernel_path(model, keeps) if cfg.uniform_attention else None
+        self._layers = None
+        if self._fast is None:
+            self._layers = [
+                QuantisedLayer(self._layouts[layer], keep, cfg.kv_heads_of(layer), model.dtype,
+                               compiled=self._compiled(model, self._layouts[layer]))
+                for layer, keep in enumerate(keeps)
+            ]  # fmt: skip
+        else:
+            self._fast.start(model, prompt_tokens)
+        return keeps
+
+    def takes_prompt_in_parts(self, model: Model) -> bool:
+        """On the torch path (where the kernels run, their step is sized from the prompt)."""
+        kernels = larql.kernels.triton_available(model.device) and self.attention != "sdpa"
+        return not kernels or not self.rotated_attention or self._codec_factory is not None
+
+    def prefill_part(
+        self, model: Model, ffn: FfnBackend, token_ids: Sequence[int], more: bool
+    ) -> torch.Tensor:
+        """The prompt through one pass over its exact K/V, a part at a time (`PassInParts`);
+        once it is whole, its K/V go into the stores as one whole prefill puts them → the
+        part's rows [n, H]."""
+        if self._prompt is None:
+            if len(token_ids) == 0:
+                raise EmptyPrompt()
+            self._check_ffn(ffn)
+            self._backend = backend_name(model)
+            self._prompt = PassInParts(model)
+        rows = self._prompt.run(model, ffn, token_tensor(model, list(token_ids)))
+        self.position = self._prompt.length
+        if more:
+            return rows
+        prompt, self._prompt = self._prompt, None
+        self._new_stores(model, prompt.length)
+        for layer, exact in enumerate(prompt.layers):
+            if shares(model.config, layer):
+                continue
+            if self._fast is not None:
+                self._fast.store_prompt(layer, exact.keys, exact.values)
+            else:
+                assert self._layers is not None
+                self._layers[layer].append(exact.keys, exact.values)  # [Hkv, S, D] each
+        self._started(prompt.length)
+        return rows
 
     def _prompt_in_one_call(
         self,
