@@ -49,7 +49,8 @@ def serve(
             help="While other streams decode, new prompts go in at most this many tokens a "
             "step: riding in the streams' own step where their engines batch (in chunks "
             "where the engine extends a prefill exactly — standard, markov-rs — else a whole "
-            "prompt that fits), else in a turn between their steps.",
+            "prompt that fits), else in a turn between their steps; a decode step that "
+            "recomputes the whole context (no-cache) goes in parts of as many rows.",
         ),
     ] = 32,
     shutdown_timeout: Annotated[

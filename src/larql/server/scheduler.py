@@ -16,9 +16,9 @@ no stream decoding), its log-probabilities (echo) scored from each part's rows a
 an engine whose decode step recomputes from the whole context (`no-cache`, `markov-rs` without
 K/V) takes its step in parts of as many rows (`Engine.decode_step_parts`). Deadlines
 (`request_timeout_s`), cancellation (a client gone) and shutdown are checked between turns,
-so each takes effect within one part. An engine that cannot take a prompt in parts
-(`Engine.takes_prompt_in_parts` false: its prefill compresses or evicts once the whole prompt
-is in) still takes it in one turn: docs/SERVER.md lists them.
+so each takes effect within one part. Every live engine takes a prompt in parts
+(`Engine.takes_prompt_in_parts`) except on CUDA's fixed-slot paths (`standard`'s static graph
+path, `turbo-quant`'s kernel path), which take it in one turn.
 
 Isolation. One session's failure ends that session only:
 - Before a step shared by several sessions, each is checked (`_ready`): a cancelled or
