@@ -264,9 +264,13 @@ class CountRequests:
             self.metrics.requests.labels(endpoint, str(status)).inc()
 
 
+# a refused body's connection closes after the answer: the server reads none of what is left
+CLOSE = {"Connection": "close"}
+
+
 class BodyTooLarge(HTTPException):
     def __init__(self, size: str, max_bytes: int) -> None:
-        super().__init__(413, f"the body is {size}; the limit is {max_bytes}")
+        super().__init__(413, f"the body is {size}; the limit is {max_bytes}", CLOSE)
 
 
 class LimitBody:
@@ -285,7 +289,8 @@ class LimitBody:
         declared = dict(scope.get("headers", ())).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
             message = f"the body is {int(declared)} bytes; the limit is {self.max_bytes}"
-            await JSONResponse(error_body(message), status_code=413)(scope, receive, send)
+            response = JSONResponse(error_body(message), status_code=413, headers=CLOSE)
+            await response(scope, receive, send)
             return
         read = 0
 
