@@ -276,6 +276,36 @@ def test_requests_are_parsed_and_tokenized_off_the_event_loop(
     assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
 
 
+def test_a_text_too_long_to_fit_is_refused_untokenized(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt with more characters than `--max-prompt-tokens` tokens of the model's longest
+    token can hold is a 400 before anything tokenizes it; one character less goes on."""
+    prepared: list[int] = []
+    real = app_module.prepare_completion
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        prepared.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(app_module, "prepare_completion", counting)
+    settings = replace(ServerSettings(), max_prompt_tokens=64)
+    longest = max(map(len, smollm2.tokenizer.tokenizer.get_vocab(with_added_tokens=True)))
+    with serve_in_thread(create_app(smollm2, settings)) as running:
+        running.wait_started(BOUND_S)
+        url = f"{running.url}/v1/completions"
+        body = {"prompt": "a" * (64 * longest + 1), "max_tokens": 1}
+        refused = httpx.post(url, json=body, timeout=BOUND_S)
+        assert prepared == []
+        body["prompt"] = "a" * (64 * longest)
+        tokenized = httpx.post(url, json=body, timeout=BOUND_S)
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "prompt"
+    assert error["code"] == "context_length_exceeded" and "tokenizes at most" in error["message"]
+    assert prepared == [1] and tokenized.status_code == 400  # tokenized: too many tokens
+    assert "--max-prompt-tokens" in tokenized.json()["error"]["message"]
+
+
 def _whole(answer: bytes) -> bool:
     """Whether an HTTP answer's head and its Content-Length of body are all there."""
     head, sep, body = answer.partition(b"\r\n\r\n")

@@ -21,7 +21,7 @@ from larql.inference.engine import Engine
 from larql.inference.ffn import DenseFfn
 from larql.kv.catalog import catalog_rows
 from larql.models.model import Model
-from larql.server.errors import ApiError, error_body, install_error_handlers
+from larql.server.errors import ApiError, bad_request, error_body, install_error_handlers
 from larql.server.logprobs import LogprobFormat
 from larql.server.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
 from larql.server.prepare import check_model_name, prepare_chat, prepare_completion
@@ -186,13 +186,19 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
 
     # Parsing, validating and tokenizing a request run on a worker thread: a prompt of
     # megabytes takes seconds to tokenize, and on the event loop every stream and /health
-    # would wait for it.
+    # would wait for it. A text longer than any prompt that fits is refused untokenized.
+    most_chars = TextBound(model, settings)
+
     def read_completion(raw: bytes) -> tuple[CompletionRequest, list[Prepared]]:
         body = parse_body(CompletionRequest, raw)
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                most_chars.check(len(prompt), "prompt")
         return body, prepare_completion(body, model, settings)
 
     def read_chat(raw: bytes) -> tuple[ChatCompletionRequest, list[Prepared]]:
         body = parse_body(ChatCompletionRequest, raw)
+        most_chars.check(sum(len(m.text()) for m in body.messages), "messages")
         return body, [prepare_chat(body, model, settings)]
 
     @app.post("/v1/completions")
@@ -209,6 +215,31 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
 
 
 Prepared = tuple[SessionRequest, Engine]
+
+
+class TextBound:
+    """The most characters of text a prompt this server accepts can hold: its longest prompt
+    (`--max-prompt-tokens`, else the context) times the characters of the model's longest
+    token (a token's string is never shorter than the text it stands for). Longer text cannot
+    fit, so it is refused before the tokenizer spends seconds on it, holding the interpreter
+    lock the scheduler needs too."""
+
+    def __init__(self, model: Model, settings: ServerSettings) -> None:
+        vocab = model.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+        self.token_chars = max(map(len, vocab), default=1)
+        self.tokens = settings.max_prompt_tokens or model.config.max_positions
+        self.most = self.tokens * self.token_chars
+
+    def check(self, chars: int, field: str) -> None:
+        if chars > self.most:
+            raise bad_request(
+                f"the {field} text is {chars} characters; this server tokenizes at most "
+                f"{self.most} ({self.tokens} tokens of at most {self.token_chars} characters)",
+                field,
+                "context_length_exceeded",
+            )
+
+
 Body = TypeVar("Body", bound=BaseModel)
 
 
