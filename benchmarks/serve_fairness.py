@@ -18,11 +18,12 @@ two): an OpenMP team whose sibling thread waits for a busy core stalls at every 
 process). The `load` column is the machine's 1-minute load average when each shape ended.
 
 Shapes: a prompt near the whole context (default engine); echo + logprobs with max_tokens 0 (the
-prompt scored, nothing generated) through every live engine; a long prompt generating through
-`no-cache` and through `markov-rs:kv_cache=0` (each step recomputes from the whole context); a
-2,048-token stream; sixteen prompts in one request; a multi-megabyte prompt
-(refused for its length, after tokenizing off the event loop; /health is polled meanwhile); a
-chunked body over the body limit (413, read no further). The server is started with
+prompt scored, nothing generated) through every live engine; a prompt near the whole context
+then two tokens through each engine whose policy works on a prompt once it is whole; a long
+prompt generating through `no-cache` and through `markov-rs:kv_cache=0` (each step recomputes
+from the whole context); a 2,048-token stream; sixteen prompts in one request; a multi-megabyte
+prompt (refused for its length before it is tokenized); a chunked body over the body limit (413,
+read no further). /health is polled through every shape. The server is started with
 `--max-new-tokens` at the context, so a victim outlives every shape.
 """
 
@@ -64,6 +65,9 @@ LIVE_ENGINES = (
     "boundary-per-layer",
     "semantic-promotion:base=no-cache",
 )
+
+# their policy codes, cuts or re-derives the prompt's K/V once it is whole
+POLICY_AFTER_PROMPT = ("turbo-quant", "kv-quant", "markov-rs-codec:window=256", "snapkv", "h2o")
 
 
 @dataclass
@@ -117,6 +121,13 @@ def shapes(score_words: int, long_words: int) -> list[Shape]:
         )
         for engine in LIVE_ENGINES
     ]
+    finished = [  # engines whose policy works on a prompt once it is whole (then it decodes)
+        Shape(
+            f"long prompt, then 2 tokens, {engine}",
+            {"prompt": words(long_words), "max_tokens": 2, "engine": engine, "ignore_eos": True},
+        )
+        for engine in POLICY_AFTER_PROMPT
+    ]
     return [
         Shape("long prompt (default engine)", {"prompt": words(long_words), "max_tokens": 1}),
         Shape(
@@ -124,6 +135,7 @@ def shapes(score_words: int, long_words: int) -> list[Shape]:
             {"prompt": words(long_words), "max_tokens": 1, "echo": True, "logprobs": 1},
         ),
         *scored,
+        *finished,
         Shape(
             "no-cache generating after a long prompt",
             {

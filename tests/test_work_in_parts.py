@@ -34,6 +34,19 @@ IN_PARTS = [  # every live engine, with parameters that make its policy act on t
 ]
 
 
+# coding the prompt's K/V, cutting it to what the policy keeps, or moving rows past the window
+# to the cold tier (and re-deriving the K/V a lossy tier changed) goes in parts after the
+# prompt (`Engine.finish_prompt`)
+FINISHED_IN_PARTS = (
+    "turbo-quant",
+    "kv-quant",
+    "markov-rs-codec",
+    "boundary-per-layer",
+    "snapkv",
+    "h2o",
+)
+
+
 def _parts(ids: list[int], cuts: list[int]) -> list[list[int]]:
     """ids cut into parts of the sizes in `cuts` (cycled), the last part what is left."""
     parts, done, i = [], 0, 0
@@ -61,6 +74,10 @@ def _check_parts(model: Model, spec: str, cuts: list[int]) -> None:
         assert [r.shape[0] for r in got] == [len(p) for p in parts]  # every row of every part
         assert relative_error(torch.cat(got), rows) <= 1e-9
         assert parted.position == whole.position == len(ids)
+        left = 0  # parts of the work its policy left for once the prompt is whole
+        while not parted.finish_prompt(1):
+            left += 1
+        assert (left > 0) == spec.startswith(FINISHED_IN_PARTS), left
         step = parted.decode_step(model, ffn, 11)  # the states decode alike
         assert relative_error(step, whole.decode_step(model, ffn, 11)) <= 1e-9
     if spec.startswith("boundary-kv"):  # and emit the same frames

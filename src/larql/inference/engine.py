@@ -31,8 +31,9 @@ them in memory; an engine that cannot says why in `snapshot_refusal`.
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -71,7 +72,9 @@ def backend_name(model: Model) -> str:
 class Engine(ABC):
     name: ClassVar[str] = ""
     # attributes a snapshot leaves out: the engine rebuilds them from its spec
-    _snapshot_exclude: ClassVar[frozenset[str]] = frozenset({"_profiler", "spec_string"})
+    _snapshot_exclude: ClassVar[frozenset[str]] = frozenset(
+        {"_profiler", "spec_string", "_finishing"}
+    )
 
     def __init__(self, profiling: bool = False) -> None:
         self.position = 0  # absolute position of the next token
@@ -79,6 +82,9 @@ class Engine(ABC):
         self._prefilled = False
         self._profiler = EngineProfiler(enabled=profiling)
         self.spec_string: str | None = None  # the canonical spec it was built from, if any
+        # work a prompt taken in parts left for once it is whole (`finish_prompt`): each item
+        # does a part of it → the rows it took
+        self._finishing: list[Callable[[], int]] = []
 
     # ------------------------------------------------------------------ what the engine holds
 
@@ -201,6 +207,16 @@ class Engine(ABC):
         if not self._prefilled:
             return self.prefill_all(model, ffn, token_ids)
         return self.extend_all(model, ffn, token_ids)
+
+    def finish_prompt(self, rows: int) -> bool:
+        """After `prefill_part`'s last part: the next part, about `rows` rows, of the work the
+        engine's policy does once the prompt is whole (coding its K/V, re-deriving what a
+        lossy tier changed) → whether none is left. Its next step does whatever is left first.
+        Most engines leave none."""
+        done = 0
+        while self._finishing and done < rows:
+            done += self._finishing.pop(0)()
+        return not self._finishing
 
     def step_work(self) -> int:
         """Rows of work the next decode step does: 1 for an engine that keeps what its step
@@ -332,6 +348,7 @@ class Engine(ABC):
     ) -> SavedState:
         """Write the state into directory `path` (with the prompt's `token_ids` and the last
         output row `hidden` [1, H], where given); `SnapshotUnsupported` if it cannot."""
+        self.finish_prompt(sys.maxsize)
         return save_state(self, path, model, list(token_ids or []), hidden)
 
     def load_snapshot(self, path: str | Path, model: Model) -> SavedState:
@@ -341,7 +358,9 @@ class Engine(ABC):
 
     def fork(self) -> Engine:
         """An independent copy of this engine and its state (decoding one leaves the other)."""
+        self.finish_prompt(sys.maxsize)
         clone = fork_state(self)
+        clone._finishing = []
         clone._profiler = EngineProfiler(enabled=self._profiler.enabled)
         return clone
 
@@ -376,8 +395,11 @@ class Engine(ABC):
         self._prefilled = True
 
     def _require_prefill(self) -> None:
+        """The prompt is in, and its state final (work `finish_prompt` had left is done)."""
         if not self._prefilled:
             raise InvariantViolation("decode_step called before prefill")
+        if self._finishing:
+            self.finish_prompt(sys.maxsize)
 
 
 class KvEngine(Engine):

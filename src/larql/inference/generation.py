@@ -230,6 +230,7 @@ class GenerationSession:
         self.prompt_done = 0  # prompt tokens in the engine so far (a chunked prefill)
         self.prompt_rows_start = 0  # the prompt position of `prompt_rows`' first row
         self._step_parts: Iterator[torch.Tensor | None] | None = None  # a step in parts
+        self._finishing = False  # the prompt is in; its engine's policy is not done with it
         self._parts_ms = 0.0  # the time of its parts so far
 
     @property
@@ -299,8 +300,17 @@ class GenerationSession:
         prompt in parts (`Engine.takes_prompt_in_parts`) or a restored state is resumed (its
         prompt goes in as decode steps); otherwise the whole prompt at once. With
         `keep_prompt_rows`, `prompt_rows` then holds the rows of the tokens that went in
-        (from prompt position `prompt_rows_start`). Nothing is picked: a session with
-        nothing to generate (`max_new_tokens` 0) takes its prompt this way."""
+        (from prompt position `prompt_rows_start`). Once the last part is in, later calls do
+        the work the engine's policy left for then, a part of about `max_tokens` rows each
+        (`Engine.finish_prompt`), before the last row is given (a session with no token to
+        generate skips it). Nothing is picked: a session with nothing to generate
+        (`max_new_tokens` 0) takes its prompt this way."""
+        if self._finishing:
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                self._finishing = not self.engine.finish_prompt(max(max_tokens, 1))
+                self.prefill_ms += (time.perf_counter() - t0) * 1000
+            return None if self._finishing else self.last_hidden
         if self.started or self.prompt_done == len(self.prompt_ids) > 0:
             raise InvariantViolation("the prompt is in already")
         start, rest = self.prompt_done, len(self.prompt_ids) - self.prompt_done
@@ -329,7 +339,10 @@ class GenerationSession:
         self.last_hidden = hidden
         if self.keep_prompt_rows:
             self.prompt_rows, self.prompt_rows_start = rows, start
-        return None if more else hidden
+        if more:
+            return None
+        self._finishing = self.budget > 0 and not self.engine.finish_prompt(0)
+        return None if self._finishing else hidden
 
     def takes_prompt_in_batch(self, max_tokens: int) -> bool:
         """Whether up to `max_tokens` more of its prompt may go in through `advance_together`

@@ -88,7 +88,7 @@ class EvictingEngine(KvEngine):
     ) -> torch.Tensor:
         """The prompt through one pass over its exact K/V, a part at a time (`PassInParts`),
         the policy reading each part's queries; once it is whole, each layer keeps what one
-        whole prefill keeps → the part's rows [n, H]."""
+        whole prefill keeps, a layer at a time (`finish_prompt`) → the part's rows [n, H]."""
         if self._prompt is None:
             if len(token_ids) == 0:
                 raise EmptyPrompt()
@@ -103,22 +103,27 @@ class EvictingEngine(KvEngine):
             return rows
         prompt, observed = self._prompt, self._observed
         self._prompt, self._observed, self._layers = None, [], []
-        for layer, exact in enumerate(prompt.layers):
-            window = model.config.layers[layer].sliding_window
-            if shares(model.config, layer):
-                self._layers.append(KvBuffer())
-            elif window is not None:
-                buffer = KvBuffer(keep=kept_rows(window))
-                buffer.append(exact.keys, exact.values)
-                buffer.clip()
-                self._layers.append(buffer)
-            else:
-                held = observed[layer]
-                self._layers.append(
-                    self._compressed_from(model, layer, held, exact.keys, exact.values)
-                )
+        self._finishing = [
+            partial(self._keep_prompt_layer, model, layer, exact, held)
+            for layer, (exact, held) in enumerate(zip(prompt.layers, observed, strict=True))
+        ]
         self._started(prompt.length)
         return rows
+
+    def _keep_prompt_layer(self, model: Model, layer: int, exact: KvBuffer, held: object) -> int:
+        """What layer `layer` keeps of a whole prompt's exact K/V (its policy's rows, or its
+        own window's) → the prompt's rows. Layers are kept in order."""
+        window = model.config.layers[layer].sliding_window
+        if shares(model.config, layer):
+            self._layers.append(KvBuffer())
+        elif window is not None:
+            buffer = KvBuffer(keep=kept_rows(window))
+            buffer.append(exact.keys, exact.values)
+            buffer.clip()
+            self._layers.append(buffer)
+        else:
+            self._layers.append(self._compressed_from(model, layer, held, exact.keys, exact.values))
+        return len(exact)
 
     def _observe_part(
         self, model: Model, layer: int, h: torch.Tensor, start: int, kv: KvBuffer

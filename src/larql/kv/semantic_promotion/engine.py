@@ -89,6 +89,9 @@ class SemanticPromotionEngine(KvEngine):
         self._saw(prompt=len(token_ids))
         return rows
 
+    def finish_prompt(self, rows: int) -> bool:
+        return self.base.finish_prompt(rows)
+
     def step_work(self) -> int:
         return self.base.step_work()
 

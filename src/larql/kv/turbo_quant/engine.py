@@ -246,8 +246,8 @@ class TurboQuantEngine(KvEngine):
         self, model: Model, ffn: FfnBackend, token_ids: Sequence[int], more: bool
     ) -> torch.Tensor:
         """The prompt through one pass over its exact K/V, a part at a time (`PassInParts`);
-        once it is whole, its K/V go into the stores as one whole prefill puts them → the
-        part's rows [n, H]."""
+        once it is whole, its K/V go into the stores as one whole prefill puts them, a layer
+        at a time (`finish_prompt`) → the part's rows [n, H]."""
         if self._prompt is None:
             if len(token_ids) == 0:
                 raise EmptyPrompt()
@@ -260,16 +260,22 @@ class TurboQuantEngine(KvEngine):
             return rows
         prompt, self._prompt = self._prompt, None
         self._new_stores(model, prompt.length)
-        for layer, exact in enumerate(prompt.layers):
-            if shares(model.config, layer):
-                continue
-            if self._fast is not None:
-                self._fast.store_prompt(layer, exact.keys, exact.values)
-            else:
-                assert self._layers is not None
-                self._layers[layer].append(exact.keys, exact.values)  # [Hkv, S, D] each
+        self._finishing = [
+            partial(self._store_prompt_layer, layer, exact)
+            for layer, exact in enumerate(prompt.layers)
+            if not shares(model.config, layer)
+        ]
         self._started(prompt.length)
         return rows
+
+    def _store_prompt_layer(self, layer: int, exact: KvBuffer) -> int:
+        """A whole prompt's exact K/V of one layer into its store (coded) → the rows."""
+        if self._fast is not None:
+            self._fast.store_prompt(layer, exact.keys, exact.values)
+        else:
+            assert self._layers is not None
+            self._layers[layer].append(exact.keys, exact.values)  # [Hkv, S, D] each
+        return len(exact)
 
     def _prompt_in_one_call(
         self,
