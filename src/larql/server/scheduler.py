@@ -12,7 +12,9 @@ behind them; beyond that `submit` raises `QueueFull` (the HTTP layer answers 429
 Bounded turns. No turn does work that grows with one request's size: a prompt goes in
 `prefill_chunk` tokens a turn (riding in the running streams' step where its engine batches
 with theirs, else in a turn of its own between their steps; `SOLO_TURN_CHUNKS` times that with
-no stream decoding), its log-probabilities (echo) scored from each part's rows as they come;
+no stream decoding), its log-probabilities (echo) scored from each part's rows as they come,
+and the work an engine's policy does on the whole prompt (coding, evicting) goes in parts
+after it (`Engine.finish_prompt`);
 an engine whose decode step recomputes from the whole context (`no-cache`, `markov-rs` without
 K/V) takes its step in parts of as many rows (`Engine.decode_step_parts`). Deadlines
 (`request_timeout_s`), cancellation (a client gone) and shutdown are checked between turns,
