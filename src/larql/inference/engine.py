@@ -23,6 +23,12 @@ new prompt, or a chunk of one, rides in the running sessions' decode step instea
 forward pass of its own; a fresh engine says with `prompt_batch_key` whose steps its prompt
 may ride in.
 
+Work in bounded parts, for a server whose turns must stay short: `prefill_part` takes a prompt
+a part at a time with the rows and state of one whole prefill (`takes_prompt_in_parts`),
+`finish_prompt` then does in parts the work an engine's policy does on a whole prompt (coding,
+evicting), and `decode_step_parts` splits a step whose work grows with the context
+(`step_work`: `no-cache` re-runs every position).
+
 State snapshots: an engine's state is its attributes (`state_dict`), less those it rebuilds
 from its spec (`_snapshot_exclude`). `snapshot` writes them to a directory, `load_snapshot`
 restores them into an engine built from the same spec for the same model, and `fork` copies
