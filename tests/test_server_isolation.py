@@ -148,14 +148,14 @@ def _request(model: Model, prompt: str) -> SessionRequest:
     )
 
 
-_ALONE: dict[tuple[str, str], list[int]] = {}
+_ALONE: dict[tuple[str, str, bool], list[int]] = {}
 
 
-def _alone(model: Model, prompt: str) -> list[int]:
-    """The prompt's tokens generated alone (once per device)."""
-    key = (model.device.type, prompt)
+def _alone(model: Model, prompt: str, graph: bool = False) -> list[int]:
+    """The prompt's tokens generated alone (once per device and path)."""
+    key = (model.device.type, prompt, graph)
     if key not in _ALONE:
-        engine, ids = StandardEngine(graph=False), model.tokenizer.encode(prompt)
+        engine, ids = StandardEngine(graph=graph), model.tokenizer.encode(prompt)
         ffn = DenseFfn(model)
         _ALONE[key] = generate(engine, model, ffn, ids, NEW_TOKENS, stop_ids=frozenset()).tokens
     return _ALONE[key]
@@ -206,13 +206,18 @@ def batch_sizes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, boo
     yield sizes
 
 
-def _check_the_others(model: Model, results: list[list[Event]], failed: Callable) -> None:  # type: ignore[type-arg]
+def _check_the_others(
+    model: Model,
+    results: list[list[Event]],
+    failed: Callable[[list[Event]], None],
+    graph: bool = False,
+) -> None:
     for i, (prompt, events) in enumerate(zip(PROMPTS, results, strict=True)):
         if i == FAILING:
             failed(events)
             continue
         assert isinstance(events[-1], DoneEvent), (prompt, events[-1])
-        assert list(events[-1].token_ids) == _alone(model, prompt), prompt
+        assert list(events[-1].token_ids) == _alone(model, prompt, graph), prompt
 
 
 def _sessions_ended(s: Scheduler, outcome: str) -> float:
@@ -253,7 +258,7 @@ def test_a_session_whose_state_goes_wrong_leaves_before_the_next_step(
         assert isinstance(events[-1], ErrorEvent) and events[-1].status == 500
         assert "its engine is at position" in events[-1].message
 
-    _check_the_others(model, results, failed)
+    _check_the_others(model, results, failed, graph)
     assert _sessions_ended(s, "error") == 1 and _sessions_ended(s, "finished") == 7
 
 
