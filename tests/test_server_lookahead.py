@@ -154,9 +154,12 @@ def test_a_stream_cancelled_with_its_step_queued_leaves_the_others_whole(smollm2
 
 
 @pytest.mark.slow
-def test_a_failed_step_ahead_ends_its_streams_and_the_server_serves_on(
+def test_a_step_ahead_that_fails_to_launch_is_taken_alone_and_no_stream_ends(
     smollm2: Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The batched static step fails once as it is queued: no engine took it (a static step
+    moves no position until it succeeds), so the step queued before is read and each session
+    takes this one alone; every stream gets the tokens it gets alone."""
     from larql.kv.standard.static_batch import BatchedStaticStep
 
     step = BatchedStaticStep.step
@@ -177,16 +180,19 @@ def test_a_failed_step_ahead_ends_its_streams_and_the_server_serves_on(
             s.submit(_request(smollm2, p, 8), StandardEngine(static=True), loop)
             for p in PROMPTS[:2]
         ]
-        failed = await asyncio.gather(*(_events(x) for x in first))
+        done = await asyncio.gather(*(_events(x) for x in first))
         later = s.submit(_request(smollm2, PROMPTS[2], 5), StandardEngine(static=True), loop)
         served = await _events(later)
         s.close()
-        return list(failed), served
+        return list(done), served
 
-    failed, served = asyncio.run(scenario())
-    for events in failed:
-        assert isinstance(events[-1], ErrorEvent) and events[-1].status == 500
-        assert "the device fell over" in events[-1].message
+    done, served = asyncio.run(scenario())
+    assert calls["n"] > 3  # it failed, and batched steps went on after
+    ffn = DenseFfn(smollm2)
+    for prompt, events in zip(PROMPTS[:2], done, strict=True):
+        ids = smollm2.tokenizer.encode(prompt)
+        alone = generate(StandardEngine(static=True), smollm2, ffn, ids, 8).tokens
+        assert isinstance(events[-1], DoneEvent) and list(events[-1].token_ids) == alone
     assert isinstance(served[-1], DoneEvent) and len(served[-1].token_ids) == 5
 
 

@@ -29,7 +29,9 @@ __all__ = ["InvalidInput", "open_model", "read_prompt", "stderr", "stdout", "use
 
 
 def user_errors(command: F) -> F:
-    """Run a command body; a `LarqlError` prints `error: …` on stderr and exits 2."""
+    """Run a command body; a `LarqlError` prints `error: …` on stderr and exits 2; Ctrl-C
+    (SIGINT) prints `interrupted` and exits 130, as a shell reports a command it
+    interrupted (a command that was writing output ends it first)."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -114,26 +114,41 @@ def run(
     # a loaded state keeps the engine it was saved with unless --engine names one
     asked = choice.engine if load_state_dir is None or choice.source != "default" else None
 
-    def write(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    pieces: list[str] = []
 
-    result = generate(
-        lm,
-        asked,
-        text,
-        max_new_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        chat=chat,
-        ffn=ffn_spec,
-        on_text=write if output == "text" else None,
-        load_state=load_state_dir,
-        save_state=save_state,
-        top=top,
-    )
+    def write(piece: str) -> None:
+        pieces.append(piece)
+        if output == "text":
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+    try:
+        result = generate(
+            lm,
+            asked,
+            text,
+            max_new_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            chat=chat,
+            ffn=ffn_spec,
+            on_text=write,
+            load_state=load_state_dir,
+            save_state=save_state,
+            top=top,
+        )
+    except KeyboardInterrupt:  # Ctrl-C: what was generated so far, then exit 130
+        if output == "json":
+            engine_shown = asked.spec() if asked is not None else "(the loaded state's)"
+            partial = {"model": lm.name, "engine": engine_shown, "text": "".join(pieces),
+                       "finish_reason": "interrupted"}  # fmt: skip
+            print(json.dumps(partial))
+        else:
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+        raise
     if result.loaded_state is not None:
         stderr.print(describe_state("loaded", result.loaded_state))
     if result.saved_state is not None:

@@ -49,9 +49,18 @@ def serve(
             help="While other streams decode, new prompts go in at most this many tokens a "
             "step: riding in the streams' own step where their engines batch (in chunks "
             "where the engine extends a prefill exactly — standard, markov-rs — else a whole "
-            "prompt that fits), else in a turn between their steps.",
+            "prompt that fits), else in a turn between their steps; a decode step that "
+            "recomputes the whole context (no-cache) goes in parts of as many rows.",
         ),
     ] = 32,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(
+            "--shutdown-timeout",
+            help="Seconds running streams may go on after SIGTERM / Ctrl-C before they end with "
+            "an error event (new requests are refused at once; a second signal ends them now).",
+        ),
+    ] = 10.0,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
@@ -87,6 +96,8 @@ def serve(
     check_limits(max_sessions, max_queue, max_prompt_tokens, max_new_tokens, request_timeout)
     if prefill_chunk < 1:
         raise InvalidInput(f"--prefill-chunk must be ≥ 1, got {prefill_chunk}")
+    if not 0 <= shutdown_timeout < float("inf"):
+        raise InvalidInput(f"--shutdown-timeout must be ≥ 0 seconds, got {shutdown_timeout}")
     from larql.kv.resolve import resolve_engine
 
     choice = resolve_engine(engine)
@@ -106,6 +117,7 @@ def serve(
         max_new_tokens=max_new_tokens,
         request_timeout_s=request_timeout,
         prefill_chunk=prefill_chunk,
+        shutdown_timeout_s=shutdown_timeout,
         model_aliases=(model,) if model and model != lm.name else (),
     )
 

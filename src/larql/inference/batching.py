@@ -11,20 +11,74 @@ order of float sums (on the CPU's compiled layer not even that: it is bit-identi
 prompt (or the prompt's first chunk), an engine part-way through its prompt the next chunk.
 A new stream's prompt then rides in the running streams' step instead of taking a forward
 pass of its own, and the running streams lose no step to it.
+
+Failures: a session's own part of a step (its engine's attention over its own state) may run
+isolated (`IsolatedRows`): where it raises, that session's rows get a placeholder and the step
+goes on; rows are independent in every part the sessions share (projections, norms, FFN, LM
+head), so the others' rows are what they would have been, and `RowsFailed` then names the
+failed sessions (the others' positions advanced). Where a shared part fails, an engine class
+that can puts every engine back as it was before the step and raises `StepRolledBack`, so the
+caller may step each session alone; any other exception leaves the engines' states undefined.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from itertools import chain
+from typing import Any
 
 import torch
 
 from larql.inference.engine import Engine, backend_name
 from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import FfnBackend
-from larql.inference.layer import embed_rows, token_tensor
+from larql.inference.layer import RowAttention, embed_rows, token_tensor
 from larql.models.model import Model
+
+
+class RowsFailed(Exception):
+    """Some sessions' own parts of a batched step raised; the others' rows are good.
+    `hidden`: every engine's rows (placeholders for the failed ones); `failures`: the index of
+    each failed engine → what it raised."""
+
+    def __init__(self, hidden: Any, failures: dict[int, Exception]) -> None:
+        first = next(iter(failures.values()))
+        super().__init__(f"{len(failures)} of a batched step's sessions failed: {first}")
+        self.hidden = hidden
+        self.failures = failures
+
+
+class StepRolledBack(Exception):
+    """A part of a batched step that every session shares failed, and every engine in it is
+    back in its state before the step (positions unchanged)."""
+
+
+class IsolatedRows:
+    """Runs each session's own part of a batched step (`RowAttention`) so that an exception
+    fails that session only: its rows get zeros and the step goes on (a failed session's
+    later parts are skipped)."""
+
+    def __init__(self) -> None:
+        self.failures: dict[int, Exception] = {}
+
+    def __call__(self, attend_row: RowAttention) -> RowAttention:
+        def isolated(
+            i: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+        ) -> torch.Tensor:
+            if i not in self.failures:
+                try:
+                    return attend_row(i, q, k, v)
+                except Exception as e:
+                    self.failures[i] = e
+            return q.new_zeros(q.shape[1], q.shape[0] * q.shape[2])  # [n, Hq·D]
+
+        return isolated
+
+    def check(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The step's rows [R, H], or `RowsFailed` where a session's part raised."""
+        if self.failures:
+            raise RowsFailed(hidden, dict(self.failures))
+        return hidden
 
 
 def batch_groups(engines: Sequence[Engine]) -> list[list[int]]:
@@ -65,7 +119,13 @@ def decode_batch(
         engine._require_prefill()
     ids = token_ids if on_device else token_tensor(model, list(token_ids))  # [B]
     rows, inputs = embed_rows(model, ids)  # [B, H], …
-    hidden = type(engines[0])._step_batch(engines, model, ffn, rows, inputs)
+    try:
+        hidden = type(engines[0])._step_batch(engines, model, ffn, rows, inputs)
+    except RowsFailed as e:
+        for i, engine in enumerate(engines):
+            if i not in e.failures:
+                engine.position += 1
+        raise
     for engine in engines:
         engine.position += 1
     return hidden
@@ -98,10 +158,19 @@ def advance_batch(
             engine._begin_in_batch(model)
     ids = token_tensor(model, list(chain.from_iterable(token_lists)))
     rows, inputs = embed_rows(model, ids)  # [R, H], …
-    hidden = type(engines[0])._advance_batch(engines, model, ffn, rows, counts, inputs)
-    for engine, new, n in zip(engines, fresh, counts, strict=True):
+    failures: dict[int, Exception] = {}
+    try:
+        hidden = type(engines[0])._advance_batch(engines, model, ffn, rows, counts, inputs)
+    except RowsFailed as e:
+        hidden, failures = e.hidden, e.failures
+    for i, (engine, new, n) in enumerate(zip(engines, fresh, counts, strict=True)):
+        if i in failures:
+            continue
         if new:
             engine._started(n)
         else:
             engine.position += n
-    return list(hidden.split(counts))
+    rows_of = list(hidden.split(counts))
+    if failures:
+        raise RowsFailed(rows_of, failures)
+    return rows_of

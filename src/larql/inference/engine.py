@@ -23,18 +23,25 @@ new prompt, or a chunk of one, rides in the running sessions' decode step instea
 forward pass of its own; a fresh engine says with `prompt_batch_key` whose steps its prompt
 may ride in.
 
+Work in bounded parts, for a server whose turns must stay short: `prefill_part` takes a prompt
+a part at a time with the rows and state of one whole prefill (`takes_prompt_in_parts`),
+`finish_prompt` then does in parts the work an engine's policy does on a whole prompt (coding,
+evicting), and `decode_step_parts` splits a step whose work grows with the context
+(`step_work`: `no-cache` re-runs every position).
+
 State snapshots: an engine declares its state — `write_state` hands over named tensors and
 typed plain fields, `read_state` takes them back into an engine freshly built from the same
 spec, checking each against what the spec and the model imply (`larql.inference.snapshots`).
 Nothing else of the engine is saved, and nothing in a saved state names code. `fork` copies the
 state in memory the same way; an engine that cannot save its state now says why in
-`snapshot_refusal`.
+`snapshot_refusal` (one with work in parts still under way cannot).
 """
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar
@@ -89,6 +96,9 @@ class Engine(ABC):
         self._prefilled = False
         self._profiler = EngineProfiler(enabled=profiling)
         self.spec_string: str | None = None  # the canonical spec it was built from, if any
+        # work a prompt taken in parts left for once it is whole (`finish_prompt`): each item
+        # does a part of it → the rows it took
+        self._finishing: list[Callable[[], int]] = []
 
     # ------------------------------------------------------------------ what the engine holds
 
@@ -181,13 +191,62 @@ class Engine(ABC):
     def extend(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
         """Append several tokens after the prefill in one pass (a prefill's next chunk) → the
         last one's hidden [1, H]."""
+        return self.extend_all(model, ffn, token_ids)[-1:]
+
+    def extend_all(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
+        """`extend`, returning every new row's hidden [S, H]."""
         self._require_prefill()
         if len(token_ids) == 0:
             raise EmptyPrompt()
         rows, inputs = embed_rows(model, token_tensor(model, list(token_ids)))  # [S, H], …
         hidden = self._extend(model, ffn, rows, inputs)
         self.position += len(token_ids)
-        return hidden[-1:]
+        return hidden
+
+    # ------------------------------------------------------------------ work in bounded parts
+
+    def takes_prompt_in_parts(self, model: Model) -> bool:
+        """Whether `prefill_part` takes a prompt a part at a time with the state and rows of one
+        whole prefill (up to the order of float sums), so a server can put a long prompt in
+        over several turns with other sessions' steps between them. By default where
+        `extend` continues a prefill exactly."""
+        return self.extends_exactly(model)
+
+    def prefill_part(
+        self, model: Model, ffn: FfnBackend, token_ids: Sequence[int], more: bool
+    ) -> torch.Tensor:
+        """The next part of a prompt (the first part starts the prefill; `more`: more of the
+        prompt follows) → every hidden row the engine computed for it, ending with its last
+        ([n, H] where it computes them all). Only where `takes_prompt_in_parts`: an engine may
+        hold what the next part needs until the last part comes."""
+        if not self._prefilled:
+            return self.prefill_all(model, ffn, token_ids)
+        return self.extend_all(model, ffn, token_ids)
+
+    def finish_prompt(self, rows: int) -> bool:
+        """After `prefill_part`'s last part: the next part, about `rows` rows, of the work the
+        engine's policy does once the prompt is whole (coding its K/V, re-deriving what a
+        lossy tier changed) → whether none is left. Its next step does whatever is left first.
+        Most engines leave none."""
+        done = 0
+        while self._finishing and done < rows:
+            done += self._finishing.pop(0)()
+        return not self._finishing
+
+    def step_work(self) -> int:
+        """Rows of work the next decode step does: 1 for an engine that keeps what its step
+        needs; more for one that recomputes from the context every step (`no-cache` re-runs
+        every position), which `decode_step_parts` can then split."""
+        return 1
+
+    def decode_step_parts(
+        self, model: Model, ffn: FfnBackend, token_id: int, rows: int
+    ) -> Iterator[torch.Tensor | None]:
+        """`decode_step` in parts of about `rows` rows of work each (`step_work`): None after
+        each part but the last, whose value is the hidden [1, H]. The step takes effect with
+        its last part; an engine abandoned part-way through one is in no defined state (drop
+        it). By default the whole step is one part."""
+        yield self.decode_step(model, ffn, token_id)
 
     def _extend(
         self, model: Model, ffn: FfnBackend, rows: torch.Tensor, inputs: torch.Tensor | None
@@ -297,10 +356,16 @@ class Engine(ABC):
         is set already)."""
         raise SnapshotUnsupported(self.name, "it does not declare its state (read_state)")
 
+    def prompt_part_way(self) -> bool:
+        """Whether a prompt is part-way in (`prefill_part` with more to come): its state is not
+        one a snapshot or a fork can take."""
+        return False
+
     def fork(self, model: Model) -> Engine:
         """An independent copy of this engine and its state on `model` (decoding one leaves
         the other)."""
         clone = fork_state(self, model)
+        clone._finishing = []
         clone._profiler = EngineProfiler(enabled=self._profiler.enabled)
         return clone
 
@@ -336,8 +401,11 @@ class Engine(ABC):
         self._prefilled = True
 
     def _require_prefill(self) -> None:
+        """The prompt is in, and its state final (work `finish_prompt` had left is done)."""
         if not self._prefilled:
             raise InvariantViolation("decode_step called before prefill")
+        if self._finishing:
+            self.finish_prompt(sys.maxsize)
 
 
 class KvEngine(Engine):

@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from larql.inference.batching import advance_batch, decode_batch
+from larql.inference.batching import RowsFailed, advance_batch, decode_batch
 from larql.inference.engine import Engine
 from larql.inference.errors import EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
@@ -65,24 +65,51 @@ def rows_logits(model: Model, hidden: torch.Tensor) -> torch.Tensor:
     return kernels.block_gemm(x, data, code, ACTIVATION_BITS[blocks.activation])  # [B, V]
 
 
+class SessionsFailed(Exception):
+    """A batched step in which some sessions' own parts failed (`batching.RowsFailed`): the
+    others took their step. `tokens`: each session's token as the step's function returns
+    them, None for a failed session; `failures`: the index of each failed session → what its
+    part raised (its engine's state is then undefined: drop the session)."""
+
+    def __init__(self, tokens: list[int | None], failures: dict[int, Exception]) -> None:
+        first = next(iter(failures.values()))
+        super().__init__(f"{len(failures)} of a batched step's sessions failed: {first}")
+        self.tokens = tokens
+        self.failures = failures
+
+
 def step_together(sessions: Sequence[GenerationSession]) -> list[int]:
     """One decode step for sessions of one model whose engines batch together
     (`decode_batch`): each session's last token in, each session's next token out, as
-    `step()` would give it alone."""
+    `step()` would give it alone. `SessionsFailed` where some sessions' own parts failed."""
     for session in sessions:
         session.check_can_step()
     model, ffn = sessions[0].model, sessions[0].ffn
+    failures: dict[int, Exception] = {}
     with torch.inference_mode():
         t0 = time.perf_counter()
         engines = [s.engine for s in sessions]
-        hidden = decode_batch(engines, model, ffn, [s.tokens[-1] for s in sessions])  # [B, H]
-        logits = rows_logits(model, hidden)  # [B, V]
-        picked = _picks(sessions, logits)
+        try:
+            hidden = decode_batch(engines, model, ffn, [s.tokens[-1] for s in sessions])  # [B, H]
+        except RowsFailed as e:
+            hidden, failures = e.hidden, e.failures
+        ok = [i for i in range(len(sessions)) if i not in failures]
+        if not ok:
+            raise SessionsFailed([None] * len(sessions), failures)
+        if failures:
+            hidden = hidden[ok]
+        logits = rows_logits(model, hidden)  # [B', V]
+        picked = _picks([sessions[i] for i in ok], logits)
         elapsed = (time.perf_counter() - t0) * 1000
-    for session, row, token in zip(sessions, logits, picked, strict=True):
+    tokens: list[int | None] = [None] * len(sessions)
+    for i, row, token in zip(ok, logits, picked, strict=True):
+        session = sessions[i]
         session.logits = row
         session.step_ms.append(elapsed)
         session._accept(token)
+        tokens[i] = token
+    if failures:
+        raise SessionsFailed(tokens, failures)
     return picked
 
 
@@ -101,7 +128,8 @@ def advance_together(
     most: the rest of its prompt; `takes_prompt_in_batch` says whether it may). → each
     session's next token, None for one whose prompt is not all in yet. Each session's tokens
     are those it would get alone, up to the order of float sums (exactly, on the CPU's
-    compiled layer, for a prompt that fits one compiled call)."""
+    compiled layer, for a prompt that fits one compiled call). `SessionsFailed` where some
+    sessions' own parts failed."""
     token_lists: list[list[int]] = []
     for session, chunk in zip(sessions, prompt_tokens, strict=True):
         if session.started:
@@ -110,14 +138,20 @@ def advance_together(
         else:
             token_lists.append(session._prompt_chunk(chunk))
     model, ffn = sessions[0].model, sessions[0].ffn
+    failures: dict[int, Exception] = {}
     with torch.inference_mode():
         t0 = time.perf_counter()
-        hidden = advance_batch([s.engine for s in sessions], model, ffn, token_lists)
-        for session, tokens in zip(sessions, token_lists, strict=True):
-            if not session.started:
+        try:
+            hidden = advance_batch([s.engine for s in sessions], model, ffn, token_lists)
+        except RowsFailed as e:
+            hidden, failures = e.hidden, e.failures
+        for i, (session, tokens) in enumerate(zip(sessions, token_lists, strict=True)):
+            if not session.started and i not in failures:
                 session.prompt_done += len(tokens)
         picking = [
-            i for i, s in enumerate(sessions) if s.started or s.prompt_done == len(s.prompt_ids)
+            i
+            for i, s in enumerate(sessions)
+            if i not in failures and (s.started or s.prompt_done == len(s.prompt_ids))
         ]
         picked: list[int] = []
         rows: list[torch.Tensor] = []
@@ -139,6 +173,8 @@ def advance_together(
     for session, token in zip(sessions, tokens, strict=True):
         if token is None:
             session.prefill_ms += elapsed
+    if failures:
+        raise SessionsFailed(tokens, failures)
     return tokens
 
 
@@ -175,6 +211,7 @@ class GenerationSession:
         limit = model.config.max_positions if max_positions is None else max_positions
         # `max_positions` caps prompt + generated tokens
         held = engine.position if resume_hidden is not None else 0
+        self.held = held  # positions the engine held before this session's first token
         self.budget = min(max_new_tokens, max(limit - held - len(self.prompt_ids), 0))
         engine.expect_tokens(held + len(self.prompt_ids) + min(self.budget, EXPECTED_AHEAD))
         self.resume_hidden = resume_hidden
@@ -185,11 +222,16 @@ class GenerationSession:
         self.prefill_ms = 0.0
         self.step_ms: list[float] = []
         self.keep_prompt_rows = keep_prompt_rows
-        # every hidden row the engine's prefill returned, ending with the prompt's last [S', H]
-        # (kept only with `keep_prompt_rows`: scoring the prompt needs them)
+        # the hidden rows the engine returned for the prompt's tokens that went in last, ending
+        # with the last of them [S', H] (kept only with `keep_prompt_rows`: scoring the prompt
+        # needs them)
         self.prompt_rows: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None  # [V] the raw logits of the last pick
         self.prompt_done = 0  # prompt tokens in the engine so far (a chunked prefill)
+        self.prompt_rows_start = 0  # the prompt position of `prompt_rows`' first row
+        self._step_parts: Iterator[torch.Tensor | None] | None = None  # a step in parts
+        self._finishing = False  # the prompt is in; its engine's policy is not done with it
+        self._parts_ms = 0.0  # the time of its parts so far
 
     @property
     def started(self) -> bool:
@@ -211,6 +253,7 @@ class GenerationSession:
             else:
                 hidden = self.engine.prefill(self.model, self.ffn, self.prompt_ids)
             self.last_hidden = hidden
+            self.prompt_done = len(self.prompt_ids)
             self.logits = next_token_logits(self.model, hidden)
             token = self.sampler.pick(self.logits)
             self.prefill_ms = (time.perf_counter() - t0) * 1000
@@ -223,41 +266,90 @@ class GenerationSession:
         if self.finished:
             raise InvariantViolation("step called after the session finished")
 
+    def state_fault(self, queued: int = 0) -> str | None:
+        """Why the session cannot take its next step or prompt part now (None: it can): it
+        has finished, or its engine's position is not the one its tokens say (`queued`:
+        steps launched and not yet accepted, `larql.inference.lookahead`). A cheap check
+        before a step it shares with other sessions."""
+        if self.finished:
+            return "its generation has finished"
+        fed = self.held + self.prompt_done + max(len(self.tokens) - 1, 0) + queued
+        if self.engine.position != fed:
+            return f"its engine is at position {self.engine.position}, its tokens at {fed}"
+        return None
+
     def prefill_part(self, max_tokens: int) -> int | None:
-        """Prefill at most `max_tokens` more prompt tokens → the first generated token once the
-        whole prompt is in, else None. Chunks only where the engine extends a prefill exactly
-        (and the prompt's rows need not be kept, nor a restored state resumed); otherwise, and
-        when the rest fits, the whole prompt goes in at once, as `prefill`."""
+        """Prefill at most `max_tokens` more prompt tokens (`feed_prompt`) → the first
+        generated token once the whole prompt is in, else None."""
         if self.started or self.finished:
             raise InvariantViolation("prefill called twice or after the session finished")
-        rest = len(self.prompt_ids) - self.prompt_done
-        whole = self.keep_prompt_rows or self.resume_hidden is not None
-        chunked = not whole and self.engine.extends_exactly(self.model)
-        if self.prompt_done == 0 and (not chunked or rest <= max_tokens):
-            return self.prefill()
-        chunk = self.prompt_ids[self.prompt_done : self.prompt_done + max_tokens]
+        hidden = self.feed_prompt(max_tokens)
+        if hidden is None:
+            return None
         with torch.inference_mode():
             t0 = time.perf_counter()
-            if self.prompt_done == 0:
-                hidden = self.engine.prefill(self.model, self.ffn, chunk)
-            else:
-                hidden = self.engine.extend(self.model, self.ffn, chunk)
-            self.prompt_done += len(chunk)
-            token = None
-            if self.prompt_done == len(self.prompt_ids):
-                self.last_hidden = hidden
-                self.logits = next_token_logits(self.model, hidden)
-                token = self.sampler.pick(self.logits)
+            self.logits = next_token_logits(self.model, hidden)
+            token = self.sampler.pick(self.logits)
             self.prefill_ms += (time.perf_counter() - t0) * 1000
-        if token is not None:
-            self._accept(token)
+        self._accept(token)
         return token
+
+    def feed_prompt(self, max_tokens: int) -> torch.Tensor | None:
+        """Put at most `max_tokens` more prompt tokens into the engine → the prompt's last
+        hidden row [1, H] once it is all in, else None. In parts where the engine takes a
+        prompt in parts (`Engine.takes_prompt_in_parts`) or a restored state is resumed (its
+        prompt goes in as decode steps); otherwise the whole prompt at once. With
+        `keep_prompt_rows`, `prompt_rows` then holds the rows of the tokens that went in
+        (from prompt position `prompt_rows_start`). Once the last part is in, later calls do
+        the work the engine's policy left for then, a part of about `max_tokens` rows each
+        (`Engine.finish_prompt`), before the last row is given (a session with no token to
+        generate skips it). Nothing is picked: a session with nothing to generate
+        (`max_new_tokens` 0) takes its prompt this way."""
+        if self._finishing:
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                self._finishing = not self.engine.finish_prompt(max(max_tokens, 1))
+                self.prefill_ms += (time.perf_counter() - t0) * 1000
+            return None if self._finishing else self.last_hidden
+        if self.started or self.prompt_done == len(self.prompt_ids) > 0:
+            raise InvariantViolation("the prompt is in already")
+        start, rest = self.prompt_done, len(self.prompt_ids) - self.prompt_done
+        resumed = self.resume_hidden is not None
+        in_parts = resumed or self.engine.takes_prompt_in_parts(self.model)
+        count = min(rest, max(max_tokens, 1)) if in_parts else rest
+        chunk = self.prompt_ids[start : start + count]
+        more = start + count < len(self.prompt_ids)
+        rows: torch.Tensor | None = None
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            if resumed:
+                hidden = self.resume_hidden if start == 0 else self.last_hidden
+                for token in chunk:
+                    hidden = self.engine.decode_step(self.model, self.ffn, token)
+            elif in_parts:
+                rows = self.engine.prefill_part(self.model, self.ffn, chunk, more)
+                hidden = rows[-1:]
+            elif self.keep_prompt_rows:
+                rows = self.engine.prefill_all(self.model, self.ffn, chunk)
+                hidden = rows[-1:]
+            else:
+                hidden = self.engine.prefill(self.model, self.ffn, chunk)
+            self.prefill_ms += (time.perf_counter() - t0) * 1000
+        self.prompt_done += count
+        self.last_hidden = hidden
+        if self.keep_prompt_rows:
+            self.prompt_rows, self.prompt_rows_start = rows, start
+        if more:
+            return None
+        self._finishing = self.budget > 0 and not self.engine.finish_prompt(0)
+        return None if self._finishing else hidden
 
     def takes_prompt_in_batch(self, max_tokens: int) -> bool:
         """Whether up to `max_tokens` more of its prompt may go in through `advance_together`
         (a batched step): not started, its engine takes prompts in batched steps, the prompt's
-        rows need not be kept nor a restored state resumed, and a chunk short of the rest only
-        where the engine extends a prefill exactly."""
+        rows need not be kept nor a restored state resumed, and (a chunk short of the rest, or
+        after parts of it went in on their own) only where the engine extends a prefill
+        exactly."""
         if self.started or self.finished or max_tokens < 1:
             return False
         if self.keep_prompt_rows or self.resume_hidden is not None:
@@ -265,7 +357,8 @@ class GenerationSession:
         if self.engine.joining_batch_key(self.model) is None:
             return False
         rest = len(self.prompt_ids) - self.prompt_done
-        return rest <= max_tokens or self.engine.extends_exactly(self.model)
+        whole = rest <= max_tokens and self.prompt_done == 0
+        return whole or self.engine.extends_exactly(self.model)
 
     def _prompt_chunk(self, max_tokens: int) -> list[int]:
         """The next up to `max_tokens` prompt tokens for a batched step (refused where
@@ -273,6 +366,36 @@ class GenerationSession:
         if not self.takes_prompt_in_batch(max_tokens):
             raise InvariantViolation("this session cannot take its prompt in a batched step")
         return self.prompt_ids[self.prompt_done : self.prompt_done + max_tokens]
+
+    def step_part(self, max_rows: int) -> int | None:
+        """`step`, in parts of about `max_rows` rows of work where the engine's step recomputes
+        more (`Engine.step_work`) → the next token after the last part, None before it."""
+        if self._step_parts is None:
+            if self.engine.step_work() <= max_rows:
+                return self.step()
+            self.check_can_step()
+            self._step_parts = self.engine.decode_step_parts(
+                self.model, self.ffn, self.tokens[-1], max_rows
+            )
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            hidden = next(self._step_parts)
+            self._parts_ms += (time.perf_counter() - t0) * 1000
+            if hidden is None:
+                return None
+            self._step_parts = None
+            t0 = time.perf_counter()
+            self.logits = next_token_logits(self.model, hidden)
+            token = self.sampler.pick(self.logits)
+            self.step_ms.append(self._parts_ms + (time.perf_counter() - t0) * 1000)
+            self._parts_ms = 0.0
+        self._accept(token)
+        return token
+
+    @property
+    def mid_step(self) -> bool:
+        """Whether a step taken in parts is under way (its engine is between parts)."""
+        return self._step_parts is not None
 
     def step(self) -> int:
         """Feed the last token as one decode step → the next token."""

@@ -7,14 +7,13 @@ teacher-forced loss (negated) to float64 rounding."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from larql.inference.engine import Engine
-from larql.inference.ffn import FfnBackend
-from larql.inference.generation import logits_of, teacher_forced_hidden
+from larql.inference.errors import InvariantViolation
+from larql.inference.generation import logits_of
 from larql.models.model import Model
 
 
@@ -44,24 +43,24 @@ def score_hidden(
     return [token_logprob(row, t, top_n) for row, t in zip(rows, targets, strict=True)]
 
 
-def prompt_logprobs(
-    model: Model,
-    ffn: FfnBackend,
-    rows: torch.Tensor,
-    ids: Sequence[int],
-    top_n: int,
-    fresh_engine: Callable[[], Engine],
-) -> list[TokenLogprob]:
-    """The log-probability of every prompt token after the first, from the hidden rows [S', H]
-    the engine's prefill returned for the prompt `ids` (row i predicts ids[i + 1]).
+class PromptScorer:
+    """A prompt's log-probabilities from the hidden rows its prefill returns, as they come (a
+    long prompt goes in a part at a time): the row of prompt position i predicts ids[i + 1];
+    the last prompt row predicts what follows the prompt and scores nothing."""
 
-    An engine whose prefill returns fewer rows than the prompt (it keeps only the last) has the
-    prompt teacher-forced through `fresh_engine()` instead: its first token prefilled, every
-    later one fed as a decode step (`teacher_forced_hidden`)."""
-    if len(ids) < 2:
-        return []
-    if rows.shape[0] >= len(ids):
-        hidden: Iterable[torch.Tensor] = rows[-len(ids) : -1].split(1)  # [1, H] each
-    else:
-        hidden = teacher_forced_hidden(fresh_engine(), model, ffn, ids[:-1], 1)
-    return score_hidden(model, hidden, ids[1:], top_n)
+    def __init__(self, model: Model, ids: Sequence[int], top_n: int) -> None:
+        self.model, self.ids, self.top_n = model, list(ids), top_n
+        self.records: list[TokenLogprob] = []
+
+    def add(self, rows: torch.Tensor, start: int, count: int) -> None:
+        """rows [count, H]: the hidden rows of prompt positions start..start+count−1 (every
+        row of them: an engine that returns fewer cannot have its prompt scored)."""
+        if rows.shape[0] != count:
+            raise InvariantViolation(
+                f"scoring a prompt needs a hidden row per prompt token; the engine returned "
+                f"{rows.shape[0]} for {count}"
+            )
+        scored = min(count, len(self.ids) - 1 - start)  # the prompt's last row scores nothing
+        if scored > 0:
+            targets = self.ids[start + 1 : start + 1 + scored]
+            self.records += score_hidden(self.model, rows[:scored].split(1), targets, self.top_n)

@@ -4,20 +4,24 @@ model and one scheduler."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from larql.inference.engine import Engine
 from larql.inference.ffn import DenseFfn
 from larql.kv.catalog import catalog_rows
 from larql.models.model import Model
-from larql.server.errors import ApiError, error_body, install_error_handlers
+from larql.server.errors import ApiError, bad_request, error_body, install_error_handlers
 from larql.server.logprobs import LogprobFormat
 from larql.server.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
 from larql.server.prepare import check_model_name, prepare_chat, prepare_completion
@@ -38,7 +42,6 @@ from larql.server.schemas import (
 from larql.server.settings import ServerSettings
 from larql.server.streaming import collect, larql_extra, stream_events
 
-GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
@@ -76,7 +79,6 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
     app.state.metrics = metrics
     install_error_handlers(app)
     app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
-    app.add_middleware(BodyIsJson, paths=GENERATION_ENDPOINTS)
     app.add_middleware(CountRequests, metrics=metrics)
 
     @app.get("/health")
@@ -119,7 +121,7 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
-    def submit(prepared: list[tuple[SessionRequest, Engine]]) -> list[Session]:
+    def submit(prepared: list[Prepared]) -> list[Session]:
         """Every prompt's session, or none of them (the scheduler is full or closing)."""
         sessions: list[Session] = []
         try:
@@ -146,7 +148,7 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
     async def answer(
         request: Request,
         body: GenerationFields,
-        prepared: list[tuple[SessionRequest, Engine]],
+        prepared: list[Prepared],
         chat: bool,
     ) -> Response:
         sessions = submit(prepared)
@@ -182,15 +184,86 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
             }
         return JSONResponse(shape.whole(choices, usage(prompt_tokens, generated), extra))
 
+    # Parsing, validating and tokenizing a request run on a worker thread: a prompt of
+    # megabytes takes seconds to tokenize, and on the event loop every stream and /health
+    # would wait for it. A text longer than any prompt that fits is refused untokenized.
+    most_chars = TextBound(model, settings)
+
+    def read_completion(raw: bytes) -> tuple[CompletionRequest, list[Prepared]]:
+        body = parse_body(CompletionRequest, raw)
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                most_chars.check(len(prompt), "prompt")
+        return body, prepare_completion(body, model, settings)
+
+    def read_chat(raw: bytes) -> tuple[ChatCompletionRequest, list[Prepared]]:
+        body = parse_body(ChatCompletionRequest, raw)
+        most_chars.check(sum(len(m.text()) for m in body.messages), "messages")
+        return body, [prepare_chat(body, model, settings)]
+
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await answer(request, body, prepare_completion(body, model, settings), False)
+    async def completions(request: Request) -> Response:
+        body, prepared = await asyncio.to_thread(read_completion, await request.body())
+        return await answer(request, body, prepared, False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await answer(request, body, [prepare_chat(body, model, settings)], True)
+    async def chat_completions(request: Request) -> Response:
+        body, prepared = await asyncio.to_thread(read_chat, await request.body())
+        return await answer(request, body, prepared, True)
 
     return app
+
+
+Prepared = tuple[SessionRequest, Engine]
+
+
+class TextBound:
+    """The most characters of text a prompt this server accepts can hold: its longest prompt
+    (`--max-prompt-tokens`, else the context) times the characters of the model's longest
+    token (a token's string is never shorter than the text it stands for). Longer text cannot
+    fit, so it is refused before the tokenizer spends seconds on it, holding the interpreter
+    lock the scheduler needs too."""
+
+    def __init__(self, model: Model, settings: ServerSettings) -> None:
+        vocab = model.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+        self.token_chars = max(map(len, vocab), default=1)
+        self.tokens = settings.max_prompt_tokens or model.config.max_positions
+        self.most = self.tokens * self.token_chars
+
+    def check(self, chars: int, field: str) -> None:
+        if chars > self.most:
+            raise bad_request(
+                f"the {field} text is {chars} characters; this server tokenizes at most "
+                f"{self.most} ({self.tokens} tokens of at most {self.token_chars} characters)",
+                field,
+                "context_length_exceeded",
+            )
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(schema: type[Body], raw: bytes) -> Body:
+    """A generation request's body as JSON whatever its Content-Type says, as the
+    OpenAI-compatible servers people use read it (`curl -d '{…}'` sends a form type), checked
+    against `schema`; its problems are the validation errors FastAPI raises for a declared
+    body (a 400 naming the field)."""
+    missing = RequestValidationError([{"type": "missing", "loc": ("body",), "input": None}])
+    if not raw:
+        raise missing
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        detail = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+        error = {"type": "json_invalid", "loc": ("body",), "ctx": {"error": detail}}
+        raise RequestValidationError([error]) from None
+    if data is None:
+        raise missing
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        errors = [{**error, "loc": ("body", *error["loc"])} for error in e.errors()]
+        raise RequestValidationError(errors) from None
 
 
 class CountRequests:
@@ -222,34 +295,43 @@ class CountRequests:
             self.metrics.requests.labels(endpoint, str(status)).inc()
 
 
+# a refused body's connection closes after the answer: the server reads none of what is left
+CLOSE = {"Connection": "close"}
+
+
+class BodyTooLarge(HTTPException):
+    def __init__(self, size: str, max_bytes: int) -> None:
+        super().__init__(413, f"the body is {size}; the limit is {max_bytes}", CLOSE)
+
+
 class LimitBody:
-    """Refuses a declared body over `max_bytes` (413) before anything reads it."""
+    """Refuses a body over `max_bytes` (413): a declared Content-Length before anything reads
+    it; any other body (chunked) as soon as the bytes read pass the limit, so nothing reads
+    much past it."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            declared = dict(scope.get("headers", ())).get(b"content-length", b"")
-            if declared.isdigit() and int(declared) > self.max_bytes:
-                message = f"the body is {int(declared)} bytes; the limit is {self.max_bytes}"
-                await JSONResponse(error_body(message), status_code=413)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", ())).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            message = f"the body is {int(declared)} bytes; the limit is {self.max_bytes}"
+            response = JSONResponse(error_body(message), status_code=413, headers=CLOSE)
+            await response(scope, receive, send)
+            return
+        read = 0
 
+        async def counted() -> Message:
+            nonlocal read
+            message = await receive()
+            if message["type"] == "http.request":
+                read += len(message.get("body", b""))
+                if read > self.max_bytes:
+                    raise BodyTooLarge(f"over {self.max_bytes} bytes", self.max_bytes)
+            return message
 
-class BodyIsJson:
-    """Reads the body of a generation request as JSON whatever its Content-Type says, as the
-    OpenAI-compatible servers people use do: `curl -d '{…}'` sends a form type. A body that
-    is not JSON is still answered 400."""
-
-    def __init__(self, app: ASGIApp, paths: tuple[str, ...]) -> None:
-        self.app = app
-        self.paths = paths
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("path") in self.paths:
-            headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-type"]
-            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        await self.app(scope, receive, send)
+        await self.app(scope, counted, send)

@@ -15,7 +15,9 @@ from fastapi import FastAPI
 
 from larql.errors import LarqlError
 
-GRACEFUL_SHUTDOWN_S = 5
+# uvicorn waits this long past the sessions' own shutdown timeout for their streams to send
+# their last event, before it cuts the connections still open
+CLOSE_MARGIN_S = 5.0
 KEEP_ALIVE_S = 30  # FFN-shard clients hold one connection across a whole generation
 _EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -55,30 +57,34 @@ def url_of(sock: socket.socket, host: str) -> str:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn waits for open connections before the app's shutdown runs; ending the sessions
-    first lets open streams finish with an error event instead of being cut off."""
+    """On a signal, uvicorn stops accepting connections and waits for the open ones; the
+    scheduler meanwhile lets running sessions finish until its shutdown timeout, then ends
+    the rest with an error event, so open streams end cleanly instead of being cut off. A
+    second signal ends them at once."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
         super().__init__(config)
         self._app = app
 
     def handle_exit(self, sig: int, frame: object) -> None:
-        self.end_sessions()
+        self.end_sessions(at_once=self.should_exit)
         super().handle_exit(sig, frame)  # type: ignore[arg-type]
 
-    def end_sessions(self) -> None:
+    def end_sessions(self, at_once: bool = False) -> None:
         scheduler = getattr(self._app.state, "scheduler", None)
         if scheduler is not None:
-            scheduler.begin_shutdown()
+            scheduler.begin_shutdown(0.0 if at_once else None)
 
 
 def _server(app: FastAPI) -> _Server:
+    settings = getattr(app.state, "settings", None)
+    sessions_s = getattr(settings, "shutdown_timeout_s", 0.0)
     config = uvicorn.Config(
         app,
         log_level="warning",
         access_log=False,
         lifespan="on",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_graceful_shutdown=sessions_s + CLOSE_MARGIN_S,
         timeout_keep_alive=KEEP_ALIVE_S,
     )
     return _Server(config, app)
@@ -89,7 +95,7 @@ def _serve_then_stop(server: _Server, sock: socket.socket) -> None:
     try:
         server.run(sockets=[sock])
     finally:
-        server.end_sessions()
+        server.end_sessions(at_once=True)
 
 
 def serve_forever(
@@ -108,12 +114,12 @@ def serve_forever(
     scheduler.claim_this_thread()
     http = threading.Thread(target=_serve_then_stop, args=(server, sock), name="larql-http")
     http.start()
-    # uvicorn installs no signal handlers off the main thread: these end the sessions, then it
-    previous = {sig: signal.signal(sig, lambda *_: server.end_sessions()) for sig in _EXIT_SIGNALS}
+    # uvicorn installs no signal handlers off the main thread: these do what its own would
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in _EXIT_SIGNALS}
     try:
-        scheduler.run()  # until shutdown begins
+        scheduler.run()  # until shutdown has ended every session
     finally:
-        server.end_sessions()
+        server.end_sessions(at_once=True)
         server.should_exit = True
         http.join()
         for sig, handler in previous.items():
@@ -129,7 +135,7 @@ class BackgroundServer:
     _thread: threading.Thread
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        self._server.end_sessions()
+        self._server.end_sessions(at_once=True)
         self._server.should_exit = True
         self._thread.join(timeout_s)
 

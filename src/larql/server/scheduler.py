@@ -1,14 +1,47 @@
 """One model, many streams: a scheduler thread steps the active sessions, continuously batched.
 
 Each session is a `GenerationSession` (the loop `larql run` uses) over its own engine: its first
-turn is the prefill, every later turn one decode step, so every stream progresses and none waits
-for another to finish; a new session's prefill goes before the others' next steps. Sessions whose
-engines batch together (equal `batch_key`: same engine family and settings) take their decode
-step together, one forward pass for all of them, so the weights are read once per step instead
-of once per stream; streams join the running batch after their prefill and leave it when they
-end, at any step. Groups of different engines take turns. At most
-`max_sessions` decode at once; up to `max_queue` more wait in order behind them; beyond that
-`submit` raises `QueueFull` (the HTTP layer answers 429).
+turns put its prompt in, every later turn is one decode step, so every stream progresses and
+none waits for another to finish. Sessions whose engines batch together (equal `batch_key`:
+same engine family and settings) take their decode step together, one forward pass for all of
+them, so the weights are read once per step instead of once per stream; streams join the
+running batch after their prefill and leave it when they end, at any step. Groups of different
+engines take turns. At most `max_sessions` decode at once; up to `max_queue` more wait in order
+behind them; beyond that `submit` raises `QueueFull` (the HTTP layer answers 429).
+
+Bounded turns. No turn does work that grows with one request's size: a prompt goes in
+`prefill_chunk` tokens a turn (riding in the running streams' step where its engine batches
+with theirs, else in a turn of its own between their steps; `SOLO_TURN_CHUNKS` times that with
+no stream decoding), its log-probabilities (echo) scored from each part's rows as they come,
+and the work an engine's policy does on the whole prompt (coding, evicting) goes in parts
+after it (`Engine.finish_prompt`);
+an engine whose decode step recomputes from the whole context (`no-cache`, `markov-rs` without
+K/V) takes its step in parts of as many rows (`Engine.decode_step_parts`). Deadlines
+(`request_timeout_s`), cancellation (a client gone) and shutdown are checked between turns,
+so each takes effect within one part. Every live engine takes a prompt in parts
+(`Engine.takes_prompt_in_parts`) except on CUDA's fixed-slot paths (`standard`'s static graph
+path, `turbo-quant`'s kernel path), which take it in one turn.
+
+Isolation. One session's failure ends that session only:
+- Before a step shared by several sessions, each is checked (`_ready`): a cancelled or
+  timed-out session leaves, and so does one whose state is not where its tokens say
+  (`GenerationSession.state_fault`: finished, or its engine's position is not its tokens'),
+  with an error of its own; the others step without it.
+- Inside a shared step, each engine's own part (its attention over its own state: the torch
+  paths of `standard`, `turbo-quant`/`kv-quant`, and `markov-rs`' per-engine steps) runs
+  isolated: where it raises, that session ends with the error and the others' rows, which no
+  shared part mixes, give them the tokens they would have had
+  (`batching.IsolatedRows`, `generation.SessionsFailed`).
+- Where a part every session shares fails (a projection, the FFN, the LM head, a compiled
+  call over all sessions, a captured CUDA graph), the engine class puts every engine back as
+  it was before the step where it can (`standard` without a window, eager or static:
+  `batching.StepRolledBack`), and each session then takes that step alone, so only a session
+  whose own step fails ends.
+Not isolated: a shared part's failure for engines that cannot roll a step back (a windowed
+`standard`, `markov-rs`' and `turbo-quant`'s compiled all-sessions calls, `turbo-quant`'s CUDA
+kernel step) ends every session in that step; on CUDA, a step queued ahead that fails on the
+device ends every session with a step in flight. Those are the server's failures (a bug, the
+device), never one request's data: requests are checked before they are queued.
 
 The compute runs on the scheduler's thread, never on the event loop: a thread of its own, or
 (`larql serve`) the process's main thread, through `claim_this_thread` + `run`. The main thread
@@ -17,8 +50,11 @@ manages no more threads than there are CPUs, and a second thread's pool beside t
 thread's breaks that on a small machine (a decode step in a second thread took twice as long
 on 2 cores). Tokens travel to the request's coroutine through an `asyncio.Queue` fed with
 `call_soon_threadsafe`. A cancelled session (its client went away) is dropped before the next
-step of any session, which frees its engine; an error inside one session ends that session
-only, as an `ErrorEvent` in its stream.
+step of any session, which frees its engine.
+
+Shutdown (`begin_shutdown`): new sessions are refused and queued ones end at once; running
+ones go on until they finish or `shutdown_timeout_s` passes, then end with an error event, so
+their streams end cleanly instead of being cut.
 """
 
 from __future__ import annotations
@@ -33,21 +69,22 @@ from dataclasses import dataclass
 import torch
 
 from larql.errors import LarqlError
+from larql.inference.batching import StepRolledBack
 from larql.inference.engine import Engine
 from larql.inference.errors import BackendUnavailable, EngineError
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import (
     FinishReason,
     GenerationSession,
+    SessionsFailed,
     advance_together,
     step_together,
 )
 from larql.inference.linear import rows_per_pass
-from larql.inference.logprobs import TokenLogprob, prompt_logprobs, token_logprob
+from larql.inference.logprobs import PromptScorer, TokenLogprob, token_logprob
 from larql.inference.lookahead import Lookahead, goes_ahead
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.sampling import Sampler, SamplingParams
-from larql.kv.catalog import parse_engine
 from larql.models.model import Model
 from larql.server.logprobs import Entry, GeneratedTrack
 from larql.server.metrics import ServerMetrics
@@ -137,8 +174,17 @@ class SchedulerLimits:
     request_timeout_s: float = 300.0
     retry_after_s: int = 1
     # new prompts' tokens one step takes in while other sessions decode (riding in their step,
-    # or in a turn of its own between their steps)
+    # or in a turn of its own between their steps); a step that recomputes from the context
+    # takes as many rows of work a turn
     prefill_chunk: int = 32
+    # seconds running sessions may go on after shutdown begins, before they end
+    shutdown_timeout_s: float = 10.0
+
+
+# With no stream decoding, a turn of its own takes this many `prefill_chunk`s: fewer turns for
+# a long prompt alone, each still short enough that deadlines, cancellation and shutdown are
+# seen between them.
+SOLO_TURN_CHUNKS = 4
 
 
 class Session:
@@ -164,7 +210,9 @@ class Session:
         self.track = GeneratedTrack()
         self.cancelled = False
         self.ended = False
-        self.prefill_chunk: int | None = None  # this turn's prompt tokens (None: all of it)
+        self.prefill_chunk = 0  # this turn's prompt tokens
+        self.step_rows = 1  # rows of work this turn's decode step may do (a step in parts)
+        self.scorer: PromptScorer | None = None  # an echoed prompt's scores, as parts go in
         self.held: list[TokenEvent] = []  # an unstreamed request's pieces, until its end
         self._loop = loop
 
@@ -251,6 +299,7 @@ class Scheduler:
         self._engines_seen: set[str] = set()
         self._fill_turn = True  # with prompts to fill and streams decoding: whose turn is next
         self._closing = False
+        self._shutdown_at = float("inf")  # after it, running sessions end (shutdown)
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()  # the loop has ended
         self._rows_per_pass = rows_per_pass(model)
@@ -274,18 +323,23 @@ class Scheduler:
             self._thread = threading.current_thread()
 
     def run(self) -> None:
-        """The scheduling loop, on the calling thread, until shutdown begins."""
+        """The scheduling loop, on the calling thread, until shutdown ends it."""
         self._run()
 
-    def begin_shutdown(self) -> None:
-        """Refuse new sessions; every live one ends after the current step with an error event
-        (so open streams finish at once instead of holding the server's shutdown)."""
+    def begin_shutdown(self, grace_s: float | None = None) -> None:
+        """Refuse new sessions; queued ones end at once, running ones after `grace_s` seconds
+        (default: `shutdown_timeout_s`) unless they finish first, each with an error event,
+        so open streams end cleanly. A later call may only shorten the grace. Safe in a
+        signal handler on the scheduler's own thread: it only sets the deadline."""
+        grace = self.limits.shutdown_timeout_s if grace_s is None else grace_s
         with self._cond:
+            self._shutdown_at = min(self._shutdown_at, time.perf_counter() + max(grace, 0.0))
             self._closing = True
             self._cond.notify_all()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        self.begin_shutdown()
+        """End every session now and wait (up to `timeout_s`) for the loop to stop."""
+        self.begin_shutdown(0.0)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._stopped.wait(timeout_s)
 
@@ -341,12 +395,13 @@ class Scheduler:
                 while not self._closing and not self._active:
                     self._cond.wait()
                     self._admit()
-                if self._closing:
+                if self._closing and (not self._active or time.perf_counter() >= self._shutdown_at):
                     break
                 batch = self._pick()
             with _turn_events():
                 self._turn(batch)
-        self._shut_down()
+        with _turn_events():
+            self._shut_down()
         self._stopped.set()
 
     def _turn(self, batch: list[Session]) -> None:
@@ -363,34 +418,34 @@ class Scheduler:
             self._advance_together(batch)
 
     def _pick(self) -> list[Session]:
-        """The next step's sessions (lock held). With nothing decoding, new prompts go in whole:
-        several together where their engines batch and they fit `prefill_chunk` tokens, else
-        the first alone. Otherwise the decoding session whose turn it is, with every one whose
-        engine batches with its own; new prompts (or their next chunks) ride in that step, up
-        to `prefill_chunk` tokens in all, so a prompt costs the running streams no step of
-        their own. A prompt that cannot ride (another engine family, echo) takes turns with
-        the decode steps instead, a chunk at a time, so a long prompt never stalls running
-        streams for its whole prefill."""
+        """The next step's sessions (lock held). With nothing decoding, new prompts take
+        turns, a part of `SOLO_TURN_CHUNKS` × `prefill_chunk` tokens each (several short ones
+        together, whole, where their engines batch and they fit `prefill_chunk` tokens).
+        Otherwise the decoding session whose turn it is, with every one whose engine batches
+        with its own; new prompts (or their next chunks) ride in that step, up to
+        `prefill_chunk` tokens in all, so a prompt costs the running streams no step of their
+        own. A prompt that cannot ride (another engine family, echo) takes turns with the
+        decode steps instead, a chunk at a time, so a long prompt never stalls running
+        streams for more than a chunk."""
         filling = [s for s in self._active if _prefilling(s)]
         decoding = [s for s in self._active if not _prefilling(s)]
+        solo = SOLO_TURN_CHUNKS * self.limits.prefill_chunk
         if filling and not decoding:
             together = self._prompts_together(filling)
             if len(together) > 1 and together[0] is filling[0]:
                 return together
-            filling[0].prefill_chunk = None
-            return [filling[0]]
+            return [self._alone(filling[0], solo)]
         if filling and self._fill_turn:
             self._fill_turn = False
             alone = next((s for s in filling if not self._may_ride(s, decoding)), None)
             if alone is not None:
-                alone.prefill_chunk = self.limits.prefill_chunk
-                return [alone]
+                return [self._alone(alone, self.limits.prefill_chunk)]
         self._fill_turn = True
-        session = decoding[0]
-        self._active.remove(session)
-        self._active.append(session)  # the next turn starts with the one after it
+        session = self._alone(decoding[0], 0)
+        others = len(decoding) > 1 or bool(filling)
+        session.step_rows = self.limits.prefill_chunk if others else solo
         key = session.engine.batch_key() if session.engine is not None else None
-        if key is None or session.cancelled:
+        if key is None or session.cancelled or _mid_step(session):
             return [session]
         batch = [session] + [
             s
@@ -399,6 +454,7 @@ class Scheduler:
             and not s.cancelled
             and s.generation is not None
             and not s.generation.finished
+            and not _mid_step(s)
             and s.engine is not None
             and s.engine.batch_key() == key
         ]
@@ -411,6 +467,14 @@ class Scheduler:
                 batch.append(rider)
                 room -= chunk
         return batch
+
+    def _alone(self, session: Session, prompt_tokens: int) -> Session:
+        """`session` takes this turn (a prompt part of `prompt_tokens` tokens, or a step); the
+        next turn of its kind goes to the one after it (lock held)."""
+        session.prefill_chunk = prompt_tokens
+        self._active.remove(session)
+        self._active.append(session)
+        return session
 
     def _prompt_room(self, decode_rows: int, waiting: int = 0) -> int:
         """The prompt tokens a step of `decode_rows` decode rows takes in: `prefill_chunk` at
@@ -471,33 +535,41 @@ class Scheduler:
         return chunk if generation.takes_prompt_in_batch(chunk) else 0
 
     def _advance_together(self, batch: list[Session]) -> None:
-        """One step for sessions whose engines batch: a decode row each, and new prompts' chunks
-        riding in it (`prefill_chunk` tokens each). A failure of the shared step ends every
-        session in it (it is the server's fault, not one request's: prompts are checked before
-        they are queued)."""
-        now = time.perf_counter()
-        for session in [s for s in batch if now >= s.deadline]:
-            session.emit(self._timeout_event())
-            self._retire(session, "timeout")
-        batch = [s for s in batch if not s.ended]
+        """One step for sessions whose engines batch: a decode row each, and new prompts'
+        chunks riding in it (`prefill_chunk` tokens each). Sessions that cannot take it leave
+        first (`_ready`); one whose own part fails ends alone (`SessionsFailed`); where a
+        shared part fails and the engines rolled the step back, each takes it alone; any
+        other failure of the shared step ends every session in it."""
+        batch = self._ready(batch)
         if len(batch) < 2:
             for session in batch:
                 self._advance(session)
             return
         generations = [self._generation(s) for s in batch]
         riding = [not g.started for g in generations]
+        failures: dict[int, Exception] = {}
         try:
             if any(riding):
-                chunks = [s.prefill_chunk or 0 for s in batch]
+                chunks = [s.prefill_chunk for s in batch]
                 tokens: list[int | None] = advance_together(generations, chunks)
             else:
                 tokens = list(step_together(generations))
+        except SessionsFailed as e:
+            tokens, failures = e.tokens, e.failures
+        except StepRolledBack:
+            log.exception("a batched step failed; its sessions step alone")
+            for session in batch:
+                self._advance(session)
+            return
         except Exception as e:
             log.exception("batched step failed")
             self._fail_batch(batch, e)
             return
         now = time.perf_counter()
-        for session, token, rode in zip(batch, tokens, riding, strict=True):
+        for i, (session, token, rode) in enumerate(zip(batch, tokens, riding, strict=True)):
+            if i in failures:
+                self._fail(session, failures[i])
+                continue
             if token is None:  # a chunk of its prompt went in
                 continue
             if rode:
@@ -506,6 +578,34 @@ class Scheduler:
                 self.metrics.time_per_output_token.observe(now - session.last_token_at)
             session.last_token_at = now
             self._deliver(session, token)
+
+    def _ready(self, batch: list[Session]) -> list[Session]:
+        """The sessions of `batch` that can take a shared step; each other one ends now, alone:
+        cancelled, timed out, or in a state its tokens do not explain (lock not held)."""
+        now = time.perf_counter()
+        in_flight = {id(g) for g in self._ahead.in_flight}
+        ready = []
+        for session in batch:
+            if session.ended:
+                continue
+            if session.cancelled:
+                self._retire(session, "cancelled")
+                continue
+            if now >= session.deadline:
+                session.emit(self._timeout_event())
+                self._retire(session, "timeout")
+                continue
+            generation = session.generation
+            queued = int(generation is not None and id(generation) in in_flight)
+            fault = generation.state_fault(queued) if generation is not None else None
+            if fault is not None:
+                log.error("a session left a batched step: %s", fault)
+                message = f"internal error in this session: {fault}"
+                session.emit(ErrorEvent(500, message, "server_error"))
+                self._retire(session, "error")
+                continue
+            ready.append(session)
+        return ready
 
     def _goes_ahead(self, batch: list[Session]) -> bool:
         """Whether this turn's step is queued a step ahead: step-ahead is on, and the batch
@@ -518,16 +618,23 @@ class Scheduler:
 
     def _advance_ahead(self, batch: list[Session]) -> None:
         """Queue this batch's step, then deliver the tokens of the step queued before (which
-        may hold other sessions too). A failure ends every session in either step."""
-        now = time.perf_counter()
-        for session in [s for s in batch if now >= s.deadline]:
-            session.emit(self._timeout_event())
-            self._retire(session, "timeout")
-        batch = [s for s in batch if not s.ended]
+        may hold other sessions too). Where the new step fails to launch and its engines
+        rolled it back, the step queued before is delivered and each session steps alone;
+        any other failure ends every session in either step."""
+        batch = self._ready(batch)
         generations = [s.generation for s in batch if s.generation is not None]
+        if not generations:
+            return
         self._ahead_sessions.update((id(g), s) for g, s in zip(generations, batch, strict=True))
         try:
             read = self._ahead.advance(generations)
+        except StepRolledBack:
+            log.exception("a step queued ahead failed to launch; its sessions step alone")
+            self._drain_ahead()
+            for session in batch:
+                if not session.ended:
+                    self._advance(session)
+            return
         except Exception as e:
             self._ahead_failed(batch, e)
             return
@@ -545,8 +652,9 @@ class Scheduler:
         self._deliver_read(read)
 
     def _ahead_failed(self, batch: list[Session], error: Exception) -> None:
-        """A step queued ahead failed (to launch, or on the device): it ends every session in
-        `batch` and every one with a step queued, and the next step starts afresh."""
+        """A step queued ahead failed (on the device, or to launch without rolling back): it
+        ends every session in `batch` and every one with a step queued, and the next step
+        starts afresh."""
         log.exception("batched step failed")
         failed = {id(s): s for s in [*batch, *self._ahead_sessions.values()]}
         self._ahead, self._ahead_sessions = Lookahead(), {}
@@ -571,31 +679,43 @@ class Scheduler:
     def _fail_batch(self, batch: list[Session], error: Exception) -> None:
         """A shared step failed: every session in it ends with the error."""
         for session in batch:
-            if session.ended:
-                continue
-            if isinstance(error, LarqlError):
-                session.emit(error_event(error))
-            else:
-                message = f"internal error in a batched step: {type(error).__name__}: {error}"
-                session.emit(ErrorEvent(500, message, "server_error"))
-            self._retire(session, "error")
+            self._fail(session, error)
+
+    def _fail(self, session: Session, error: Exception) -> None:
+        """`session` ends with `error` (a typed one as itself, anything else as a 500)."""
+        if session.ended:
+            return
+        if isinstance(error, LarqlError):
+            session.emit(error_event(error))
+        else:
+            message = f"internal error in this session: {type(error).__name__}: {error}"
+            session.emit(ErrorEvent(500, message, "server_error"))
+        self._retire(session, "error")
 
     def _admit(self) -> None:
-        """Between two steps: free cancelled sessions, drop timed-out queued ones, then fill free
-        decode slots in arrival order (lock held)."""
+        """Between two steps: free cancelled sessions, drop timed-out queued ones (every queued
+        one once shutdown began), then fill free decode slots in arrival order (lock held)."""
         for session in [s for s in self._active if s.cancelled]:
             self._active.remove(session)
             self._end(session, "cancelled")
         now = time.perf_counter()
-        for session in [s for s in self._queue if now >= s.deadline]:
+        for session in [s for s in self._queue if now >= s.deadline or self._closing]:
             self._queue.remove(session)
-            session.emit(self._timeout_event())
-            self._end(session, "timeout")
+            if self._closing:
+                session.emit(_SHUTTING_DOWN)
+                self._end(session, "shutdown")
+            else:
+                session.emit(self._timeout_event())
+                self._end(session, "timeout")
         while self._queue and len(self._active) < self.limits.max_sessions:
             self._active.append(self._queue.popleft())
         self._update_gauges()
 
     def _advance(self, session: Session) -> None:
+        """One turn of `session` alone: a part of its prompt, or a decode step (or a part of
+        one)."""
+        if session.ended:
+            return
         if session.cancelled:
             self._retire(session, "cancelled")
             return
@@ -604,12 +724,7 @@ class Scheduler:
             self._retire(session, "timeout")
             return
         try:
-            if session.request.max_new_tokens == 0:
-                self._score_only(session)
-                return
             token = self._next_token(session)
-            if token is None:  # a chunk of its prompt went in; no token yet
-                return
         except LarqlError as e:
             session.emit(error_event(e))
             self._retire(session, "error")
@@ -620,64 +735,60 @@ class Scheduler:
             session.emit(ErrorEvent(500, message, "server_error"))
             self._retire(session, "error")
             return
-        self._deliver(session, token)
-
-    def _score_only(self, session: Session) -> None:
-        """Echo with nothing to generate: the prompt through the engine, scored (with logprobs),
-        and the session is done."""
-        request, engine = session.request, session.engine
-        assert engine is not None
-        records: tuple[TokenLogprob, ...] = ()
-        with torch.inference_mode():
-            rows = engine.prefill_all(self.model, self.ffn, request.prompt_ids)  # [S', H]
-            if request.logprobs is not None:
-                records = self._score_prompt(request, rows)
-        session.memory = engine.memory()
-        session.emit(PromptEvent(records))
-        session.emit(DoneEvent("length", len(request.prompt_ids), (), session.memory))
-        self.metrics.e2e_latency.observe(time.perf_counter() - session.arrived)
-        self._retire(session, "finished")
-
-    def _score_prompt(
-        self, request: SessionRequest, rows: torch.Tensor
-    ) -> tuple[TokenLogprob, ...]:
-        """The prompt's log-probabilities from its prefill rows [S', H] (an engine that returns
-        only the last row has the prompt teacher-forced through a fresh engine of its spec)."""
-        assert request.logprobs is not None
-        return tuple(
-            prompt_logprobs(
-                self.model,
-                self.ffn,
-                rows,
-                request.prompt_ids,
-                request.logprobs,
-                lambda: parse_engine(request.engine_spec).build(self.model),
-            )
-        )
+        if token is not None:
+            self._deliver(session, token)
 
     def _next_token(self, session: Session) -> int | None:
-        """The session's next token: its first after (the rest of) its prompt, or a decode
-        step's; None when only a chunk of its prompt went in."""
+        """The session's next token: its first once its prompt is all in, or a decode step's;
+        None when only a part of its prompt (or of a step) went in, or the session only scores
+        its prompt (it ends here once that is done)."""
         generation = self._generation(session)
-        if not generation.started:
-            request = session.request
-            chunk = session.prefill_chunk or len(request.prompt_ids)
-            token = generation.prefill_part(chunk)
+        request = session.request
+        if generation.started:
+            token = generation.step_part(session.step_rows)
             if token is None:
                 return None
-            if request.echo:
-                rows = session.generation.prompt_rows
-                scored = self._score_prompt(request, rows) if rows is not None else ()
-                session.generation.prompt_rows = None
-                session.emit(PromptEvent(scored))
-            now = time.perf_counter()
-            self.metrics.time_to_first_token.observe(now - session.arrived)
-        else:
-            token = session.generation.step()
             now = time.perf_counter()
             self.metrics.time_per_output_token.observe(now - session.last_token_at)
+            session.last_token_at = now
+            return token
+        if request.max_new_tokens == 0:
+            done = generation.feed_prompt(session.prefill_chunk) is not None
+            self._score(session)
+            if done:
+                self._scored(session)
+            return None
+        token = generation.prefill_part(session.prefill_chunk)
+        self._score(session)
+        if token is None:
+            return None
+        if request.echo:
+            scored = tuple(session.scorer.records) if session.scorer is not None else ()
+            session.emit(PromptEvent(scored))
+        now = time.perf_counter()
+        self.metrics.time_to_first_token.observe(now - session.arrived)
         session.last_token_at = now
         return token
+
+    def _score(self, session: Session) -> None:
+        """Score the prompt rows the last part returned (echo with logprobs)."""
+        generation = session.generation
+        if session.scorer is None or generation is None or generation.prompt_rows is None:
+            return
+        start = generation.prompt_rows_start
+        rows, generation.prompt_rows = generation.prompt_rows, None
+        with torch.inference_mode():
+            session.scorer.add(rows, start, generation.prompt_done - start)
+
+    def _scored(self, session: Session) -> None:
+        """Echo with nothing to generate: the prompt is in (and scored): the session is done."""
+        assert session.engine is not None
+        scored = tuple(session.scorer.records) if session.scorer is not None else ()
+        session.memory = session.engine.memory()
+        session.emit(PromptEvent(scored))
+        session.emit(DoneEvent("length", len(session.request.prompt_ids), (), session.memory))
+        self.metrics.e2e_latency.observe(time.perf_counter() - session.arrived)
+        self._retire(session, "finished")
 
     def _generation(self, session: Session) -> GenerationSession:
         """The session's generation, made at its first turn."""
@@ -694,6 +805,8 @@ class Scheduler:
                 stop_ids=frozenset() if request.ignore_eos else None,
                 keep_prompt_rows=request.scores_prompt,
             )
+            if request.logprobs is not None and request.scores_prompt:
+                session.scorer = PromptScorer(self.model, request.prompt_ids, request.logprobs)
         return session.generation
 
     def _deliver(self, session: Session, token: int) -> None:
@@ -749,11 +862,12 @@ class Scheduler:
     def _shut_down(self) -> None:
         with self._cond:
             for session in [*self._active, *self._queue]:
-                session.emit(ErrorEvent(503, "the server is shutting down", "server_error"))
+                session.emit(_SHUTTING_DOWN)
                 self._end(session, "shutdown")
             self._active.clear()
             self._queue.clear()
             self._update_gauges()
+        self._ahead, self._ahead_sessions = Lookahead(), {}
 
     def _timeout_event(self) -> ErrorEvent:
         seconds = f"{self.limits.request_timeout_s:g}"
@@ -766,6 +880,9 @@ class Scheduler:
         self.metrics.queued_sessions.set(len(self._queue))
 
 
+_SHUTTING_DOWN = ErrorEvent(503, "the server is shutting down", "server_error")
+
+
 def _prompt_left(session: Session) -> int:
     """Its prompt tokens not yet in the engine."""
     generation = session.generation
@@ -776,3 +893,8 @@ def _prefilling(session: Session) -> bool:
     """Its prompt is not all in the engine yet (not started, or part-way through a chunked
     prefill)."""
     return session.generation is None or not session.generation.started
+
+
+def _mid_step(session: Session) -> bool:
+    """It is part-way through a decode step taken in parts."""
+    return session.generation is not None and session.generation.mid_step

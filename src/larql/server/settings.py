@@ -20,6 +20,7 @@ class ServerSettings:
     max_body_bytes: int = 8 * 2**20  # a prompt of the whole context as token ids is ~60 kB
     retry_after_s: int = 1
     prefill_chunk: int = 32  # new prompts' tokens a step takes in while other streams decode
+    shutdown_timeout_s: float = 10.0  # running streams' time to finish once shutdown begins
     # names the `model` field may carry besides the model's own (e.g. the -m path it came from)
     model_aliases: tuple[str, ...] = ()
 
@@ -30,4 +31,5 @@ class ServerSettings:
             request_timeout_s=self.request_timeout_s,
             retry_after_s=self.retry_after_s,
             prefill_chunk=self.prefill_chunk,
+            shutdown_timeout_s=self.shutdown_timeout_s,
         )

@@ -11,6 +11,7 @@ be saved at all.
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -43,6 +44,10 @@ class Engine(Protocol):
 
     def snapshot_refusal(self) -> str | None: ...
 
+    def prompt_part_way(self) -> bool: ...
+
+    def finish_prompt(self, rows: int) -> bool: ...
+
     def write_state(self, state: StateWriter) -> None: ...
 
     def read_state(self, state: StateReader, model: Model) -> None: ...
@@ -69,8 +74,11 @@ def declared_state(engine: Engine, keep_device: bool = False) -> StateWriter:
     reason = engine.snapshot_refusal()
     if reason is None and not engine.prefilled:
         reason = "it holds no prompt yet"
+    if reason is None and engine.prompt_part_way():
+        reason = "its prompt is still going in, a part at a time"
     if reason is not None:
         raise SnapshotUnsupported(engine.name, reason)
+    engine.finish_prompt(sys.maxsize)  # the work its policy does on a whole prompt, all of it
     writer = StateWriter(keep_device)
     engine.write_state(writer)
     return writer

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import secrets
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -84,6 +85,9 @@ class BoundaryKvEngine(KvEngine):
         if not isinstance(self.archive, InMemoryBoundaryArchive):
             return "its frames go to an archive on disk, which a restored run would write twice"
         return self.inner.snapshot_refusal()
+
+    def prompt_part_way(self) -> bool:
+        return self.inner.prompt_part_way()
 
     def write_state(self, state: StateWriter) -> None:
         """The inner standard engine's state (`inner.*`), the sequence and run ids, and the
@@ -167,6 +171,21 @@ class BoundaryKvEngine(KvEngine):
         rows = self.inner.prefill_all(model, ffn, token_ids)  # [S, H]
         for end in range(self.chunk_tokens, rows.shape[0] + 1, self.chunk_tokens):
             self._emit(model, rows[end - 1 : end], end)
+        return rows
+
+    def extends_exactly(self, model: Model) -> bool:
+        return self.inner.extends_exactly(model)
+
+    def extend_all(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
+        """The inner engine's next rows [n, H], with a frame at every multiple of
+        `chunk_tokens` they reach (as one longer prefill emits them)."""
+        self._require_prefill()
+        before = self.inner.position
+        rows = self.inner.extend_all(model, ffn, token_ids)  # [n, H]
+        first = before + self.chunk_tokens - before % self.chunk_tokens
+        for end in range(first, self.inner.position + 1, self.chunk_tokens):
+            self._emit(model, rows[end - before - 1 : end - before], end)
+        self.position = self.inner.position
         return rows
 
     def _step_token(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:

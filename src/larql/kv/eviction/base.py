@@ -6,10 +6,13 @@ its window like `standard` (it is bounded already)."""
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Sequence
+from functools import partial
 
 import torch
 
-from larql.inference.engine import KvEngine
+from larql.inference.engine import KvEngine, backend_name
+from larql.inference.errors import EmptyPrompt
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
     FreshKv,
@@ -19,11 +22,13 @@ from larql.inference.layer import (
     ffn_block,
     kept_rows,
     project_qkv,
+    token_tensor,
 )
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
 from larql.inference.snapshots import StateReader, StateWriter
 from larql.kv.buffers import KvBuffer
+from larql.kv.pass_in_parts import PassInParts
 from larql.models.model import Model
 
 
@@ -31,6 +36,8 @@ class EvictingEngine(KvEngine):
     def __init__(self, profiling: bool = False) -> None:
         super().__init__(profiling)
         self._layers: list = []  # per layer: a KvBuffer (sliding layers) or the policy's rows
+        self._prompt: PassInParts | None = None  # a prompt part-way in (`prefill_part`)
+        self._observed: list[object] = []  # per layer: what the policy keeps of its queries
 
     def window_tokens(self) -> int:
         return max((len(layer) for layer in self._layers), default=0)
@@ -41,6 +48,9 @@ class EvictingEngine(KvEngine):
     def memory(self) -> MemoryBreakdown:
         return MemoryBreakdown.of(hot=self._layers)
 
+    def prompt_part_way(self) -> bool:
+        return self._prompt is not None
+
     def write_state(self, state: StateWriter) -> None:
         """Each layer's kept rows (`layers.N.*`)."""
         for layer, rows in enumerate(self._layers):
@@ -50,7 +60,7 @@ class EvictingEngine(KvEngine):
         """Each layer's rows: none on a layer sharing another's K/V, a sliding layer's window,
         else what the policy keeps of `position` tokens (`_read_kept`)."""
         cfg = model.config
-        self._layers = []
+        self._layers, self._prompt, self._observed = [], None, []
         for layer in range(cfg.num_layers):
             scoped = state.scope(f"layers.{layer}")
             shape = (model.dtype, cfg.kv_heads_of(layer), cfg.head_dim_of(layer))
@@ -77,6 +87,80 @@ class EvictingEngine(KvEngine):
     @abstractmethod
     def _attended(self, model: Model, layer: int, rows, q: torch.Tensor) -> None:
         """After a decode step attended over `rows` (the new one included): evict if due."""
+
+    @abstractmethod
+    def _observe(
+        self,
+        model: Model,
+        layer: int,
+        held: object,
+        q: torch.Tensor,
+        start: int,
+        keys: torch.Tensor,
+    ) -> object:
+        """A prompt taken in parts: what the policy keeps of a part's queries q [Hq, n, D]
+        (positions start..; keys [Hkv, start + n, D] are the prompt's so far), with `held`
+        (None at the first part) what it kept of the parts before."""
+
+    @abstractmethod
+    def _compressed_from(
+        self, model: Model, layer: int, held: object, k: torch.Tensor, v: torch.Tensor
+    ):
+        """`_compressed` of a prompt taken in parts, from what `_observe` kept of its queries."""
+
+    def takes_prompt_in_parts(self, model: Model) -> bool:
+        return True  # its policy reads the parts' queries and cuts the K/V once at the end
+
+    def prefill_part(
+        self, model: Model, ffn: FfnBackend, token_ids: Sequence[int], more: bool
+    ) -> torch.Tensor:
+        """The prompt through one pass over its exact K/V, a part at a time (`PassInParts`),
+        the policy reading each part's queries; once it is whole, each layer keeps what one
+        whole prefill keeps, a layer at a time (`finish_prompt`) → the part's rows [n, H]."""
+        if self._prompt is None:
+            if len(token_ids) == 0:
+                raise EmptyPrompt()
+            self._check_ffn(ffn)
+            self._backend = backend_name(model)
+            self._prompt = PassInParts(model)
+            self._observed = [None] * model.config.num_layers
+        ids = token_tensor(model, list(token_ids))
+        rows = self._prompt.run(model, ffn, ids, partial(self._observe_part, model))
+        self.position = self._prompt.length
+        if more:
+            return rows
+        prompt, observed = self._prompt, self._observed
+        self._prompt, self._observed, self._layers = None, [], []
+        self._finishing = [
+            partial(self._keep_prompt_layer, model, layer, exact, held)
+            for layer, (exact, held) in enumerate(zip(prompt.layers, observed, strict=True))
+        ]
+        self._started(prompt.length)
+        return rows
+
+    def _keep_prompt_layer(self, model: Model, layer: int, exact: KvBuffer, held: object) -> int:
+        """What layer `layer` keeps of a whole prompt's exact K/V (its policy's rows, or its
+        own window's) → the prompt's rows. Layers are kept in order."""
+        window = model.config.layers[layer].sliding_window
+        if shares(model.config, layer):
+            self._layers.append(KvBuffer())
+        elif window is not None:
+            buffer = KvBuffer(keep=kept_rows(window))
+            buffer.append(exact.keys, exact.values)
+            buffer.clip()
+            self._layers.append(buffer)
+        else:
+            self._layers.append(self._compressed_from(model, layer, held, exact.keys, exact.values))
+        return len(exact)
+
+    def _observe_part(
+        self, model: Model, layer: int, h: torch.Tensor, start: int, kv: KvBuffer
+    ) -> None:
+        if shares(model.config, layer) or model.config.layers[layer].sliding_window is not None:
+            return
+        q = project_qkv(model, layer, h, start)[0]  # [Hq, n, D], as the layer's attention
+        self._observed[layer] = self._observe(model, layer, self._observed[layer], q, start,
+                                              kv.keys)  # fmt: skip
 
     def _start(
         self, model: Model, ffn: FfnBackend, rows: torch.Tensor, inputs: torch.Tensor | None

@@ -83,6 +83,29 @@ class H2oEngine(EvictingEngine):
     def _read_kept(self, state: StateReader, dtype: torch.dtype, heads: int, dim: int) -> HeavyRows:
         """At most `budget` rows."""
         return HeavyRows.read_state(state, min(self.position, self.budget), dtype, heads, dim)
+    def _observe(
+        self,
+        model: Model,
+        layer: int,
+        held: object,
+        q: torch.Tensor,
+        start: int,
+        keys: torch.Tensor,
+    ) -> torch.Tensor:
+        """The attention the prompt's queries so far put on each row [Hkv, start + n]."""
+        mass = attention_mass(model, q, keys, start)  # this part's queries
+        if held is not None:
+            assert isinstance(held, torch.Tensor)
+            mass[:, : held.shape[1]] += held
+        return mass
+
+    def _compressed_from(
+        self, model: Model, layer: int, held: object, k: torch.Tensor, v: torch.Tensor
+    ) -> HeavyRows:
+        assert isinstance(held, torch.Tensor)
+        rows = HeavyRows(k, v, held)
+        self._evict(rows)
+        return rows
 
     def _attended(self, model: Model, layer: int, rows: HeavyRows, q: torch.Tensor) -> None:
         rows.mass += attention_mass(model, q, rows.keys, len(rows) - 1)

@@ -42,13 +42,38 @@ class SnapKvEngine(EvictingEngine):
     def _compressed(
         self, model: Model, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> KvBuffer:
+        return self._chosen(model, q[:, -self.window :], k, v)
+
+    def _observe(
+        self,
+        model: Model,
+        layer: int,
+        held: object,
+        q: torch.Tensor,
+        start: int,
+        keys: torch.Tensor,
+    ) -> torch.Tensor:
+        """The last `window` queries so far [Hq, ≤ window, D]."""
+        last = q if held is None else torch.cat((held, q), dim=1)  # type: ignore[arg-type]
+        return last[:, -self.window :]
+
+    def _compressed_from(
+        self, model: Model, layer: int, held: object, k: torch.Tensor, v: torch.Tensor
+    ) -> KvBuffer:
+        return self._chosen(model, held, k, v)  # type: ignore[arg-type]
+
+    def _chosen(
+        self, model: Model, last: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> KvBuffer:
+        """The rows kept of a prompt's k, v [Hkv, S, D] by its last `window` queries `last`
+        [Hq, window, D] (all of them where the prompt fits the budget and the window)."""
         buffer = KvBuffer()
         prompt = k.shape[1]
         if prompt <= self.budget + self.window:
             buffer.append(k, v)
             return buffer
         observed = prompt - self.window  # rows a selection chooses among: [0, observed)
-        mass = attention_mass(model, q[:, observed:], k, observed)[:, :observed]  # [Hkv, n]
+        mass = attention_mass(model, last, k, observed)[:, :observed]  # [Hkv, n]
         pooled = F.max_pool1d(
             mass.unsqueeze(1), self.kernel, stride=1, padding=self.kernel // 2
         ).squeeze(1)  # [Hkv, observed]

@@ -19,15 +19,17 @@ whole history per layer per step.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
+from functools import partial
 
 import torch
 
-from larql.inference.engine import Engine, KvEngine
-from larql.inference.errors import BackendUnavailable, InvariantViolation
+from larql.inference.batching import RowsFailed
+from larql.inference.engine import Engine, KvEngine, backend_name
+from larql.inference.errors import BackendUnavailable, EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.fused_layer import fused_layers_rows, layers_compile, rows_kv
-from larql.inference.layer import attention_block, ffn_block
+from larql.inference.layer import attention_block, embed_rows, ffn_block, token_tensor
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.profiling import EngineProfiler
 from larql.inference.shared_kv import SharedKv, shares
@@ -163,6 +165,86 @@ class ResidualStreamEngine(KvEngine):
         """row: [1, H] at the next absolute position → its pre-final-norm hidden [1, H]."""
         return self._rows(model, ffn, row, inputs)
 
+    def takes_prompt_in_parts(self, model: Model) -> bool:
+        return True  # its evictions wait for the last part (`prefill_part`)
+
+    def prefill_part(
+        self, model: Model, ffn: FfnBackend, token_ids: Sequence[int], more: bool
+    ) -> torch.Tensor:
+        """The prompt a part at a time, each part's rows attending over the exact K/V of the
+        parts before; the evictions into the cold tier (and, without `kv_cache`, dropping the
+        K/V) wait for the last part, as a whole prefill makes them once the prompt is in, and
+        the K/V of rows a lossy tier changed are re-derived a layer at a time
+        (`finish_prompt`) → the part's rows [n, H]."""
+        if len(token_ids) == 0:
+            raise EmptyPrompt()
+        first = not self._prefilled
+        if first:
+            self._check_ffn(ffn)
+            self._backend = backend_name(model)
+            self._store = self._new_store(model)
+        store = self._store
+        assert store is not None and store.kv is not None
+        rows, inputs = embed_rows(model, token_tensor(model, list(token_ids)))  # [n, H], …
+        h, start = rows, store.next_position
+        shared = SharedKv(model.config)
+        for layer, buffer in enumerate(store.kv):
+            store.push(layer, h)
+            h = attention_block(model, layer, h, start, buffer, shared=shared)
+            h = ffn_block(model, layer, h, ffn, inputs)
+        store.advance(len(token_ids))
+        if first:
+            self._started(len(token_ids))
+        else:
+            self.position += len(token_ids)
+        if not more:
+            self._finishing = [partial(self._evict_prompt, model, store)]
+        return h
+
+    def _evict_prompt(self, model: Model, store: ResidualStore) -> int:
+        """A whole prompt's next `PROMPT_EVICTION_ROWS` rows past the window into the cold
+        tier (the rest after, in further parts), the K/V of those a lossy tier changed
+        re-derived a layer a part; without `kv_cache`, the K/V dropped once all are out
+        → the rows evicted."""
+        held = store.hot_len
+        evicted = store.evict_overflow(most=PROMPT_EVICTION_ROWS)
+        if self.kv_cache and evicted is not None:
+            self._finishing += [
+                partial(_rederive_layer, model, store, evicted, column)
+                for column in range(len(evicted.layers))
+            ]
+        if store.window is not None and store.hot_len > store.window:
+            self._finishing.append(partial(self._evict_prompt, model, store))
+        elif not self.kv_cache:
+            store.drop_derivative()  # (re-derived K/V would be dropped with the rest)
+        return held - store.hot_len
+
+    def step_work(self) -> int:
+        """Without `kv_cache`, a step first rebuilds every position's K/V."""
+        if self.kv_cache or self._store is None or self._store.kv is not None:
+            return 1
+        return self.position
+
+    def decode_step_parts(
+        self, model: Model, ffn: FfnBackend, token_id: int, rows: int
+    ) -> Iterator[torch.Tensor | None]:
+        """Without `kv_cache`: the K/V rebuilt from the residuals a few layers a part (about
+        `rows` positions' K/V each), then the step over them."""
+        store = self.store
+        if store.kv is None:
+            buffers: list[KvBuffer] = []
+            done = 0
+            for layer in range(store.num_layers):
+                buffer = store.rebuild_cold_kv(model, layer)
+                store.rebuild_hot_kv(model, layer, buffer)
+                buffers.append(buffer)
+                done += store.next_position
+                if done >= rows:
+                    done = 0
+                    yield None
+            store.kv = buffers
+        yield self.decode_step(model, ffn, token_id)
+
     def extends_exactly(self, model: Model) -> bool:
         """Where every layer's cold tier is lossless for the model's dtype (`markov-rs`; the bf16
         tier on a bfloat16 model): a later chunk then attends over the K/V a whole prefill
@@ -258,13 +340,20 @@ class ResidualStreamEngine(KvEngine):
         if inputs is None and (fused := _fused_rows(batch, model, ffn, rows, counts)) is not None:
             return fused
         hidden, offset = [], 0
-        for engine, n in zip(batch, counts, strict=True):
+        failures: dict[int, Exception] = {}
+        for i, (engine, n) in enumerate(zip(batch, counts, strict=True)):
             part, extra = rows[offset : offset + n], None
             if inputs is not None:
                 extra = inputs[offset : offset + n]
             run = engine._start if not engine.prefilled else engine._rows
-            hidden.append(run(model, ffn, part, extra))
+            try:  # each engine's own step: its failure fails it alone
+                hidden.append(run(model, ffn, part, extra))
+            except Exception as e:
+                failures[i] = e
+                hidden.append(torch.zeros_like(part))
             offset += n
+        if failures:
+            raise RowsFailed(torch.cat(hidden), failures)
         return torch.cat(hidden)
 
     @classmethod
@@ -360,6 +449,18 @@ def _fused_rows(
     prompts = [e for e, s in zip(batch, stepping, strict=True) if not s]  # (not timed as steps)
     _evict_rows(prompts, model, ffn, profiled=False)
     return h
+
+
+# a prompt's rows past the window go to the cold tier this many a part (`finish_prompt`): all at
+# once, 7,500 rows of the default model took ~0.8 s
+PROMPT_EVICTION_ROWS = 1024
+
+
+def _rederive_layer(model: Model, store: ResidualStore, evicted: EvictedRows, column: int) -> int:
+    """`ResidualStore.replace_kv` for one of the evicted rows' layers → the rows."""
+    rows = evicted.stored[:, column : column + 1]  # [n, 1, H]
+    store.replace_kv(model, EvictedRows(evicted.first_position, [evicted.layers[column]], rows))
+    return rows.shape[0]
 
 
 def _evict_rows(

@@ -158,10 +158,13 @@ class ResidualStore:
         self._pushed = 0
         self.next_position += rows
 
-    def evict_overflow(self) -> EvictedRows | None:
-        """Move the hot rows beyond `window` (the oldest) into the cold tiers → the evicted
-        rows of the layers whose codec is lossy for them (None: no eviction, or none lossy)."""
+    def evict_overflow(self, most: int | None = None) -> EvictedRows | None:
+        """Move the hot rows beyond `window` (the oldest; at most `most` of them) into the cold
+        tiers → the evicted rows of the layers whose codec is lossy for them (None: no
+        eviction, or none lossy)."""
         overflow = 0 if self.window is None else self.hot_len - self.window
+        if most is not None:
+            overflow = min(overflow, most)
         if overflow <= 0:
             return None
         first = self.cold_len  # before appending: the true position of the first row

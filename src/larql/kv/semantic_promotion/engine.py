@@ -8,7 +8,7 @@ modes would change the base's state and are refused where the spec is parsed."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -62,6 +62,9 @@ class SemanticPromotionEngine(KvEngine):
     def snapshot_refusal(self) -> str | None:
         return self.base.snapshot_refusal()
 
+    def prompt_part_way(self) -> bool:
+        return self.base.prompt_part_way()
+
     def write_state(self, state: StateWriter) -> None:
         """Its base's state (`base.*`) and what it has seen."""
         self.base.write_state(state.scope("base"))
@@ -88,10 +91,34 @@ class SemanticPromotionEngine(KvEngine):
         self._saw(prompt=initial_hidden.shape[0])
         return rows
 
-    def extend(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
-        hidden = self.base.extend(model, ffn, token_ids)
+    def extend_all(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
+        rows = self.base.extend_all(model, ffn, token_ids)
         self._saw(prompt=len(token_ids))
-        return hidden
+        return rows
+
+    def takes_prompt_in_parts(self, model: Model) -> bool:
+        return self.base.takes_prompt_in_parts(model)
+
+    def prefill_part(
+        self, model: Model, ffn: FfnBackend, token_ids: Sequence[int], more: bool
+    ) -> torch.Tensor:
+        rows = self.base.prefill_part(model, ffn, token_ids, more)
+        self._saw(prompt=len(token_ids))
+        return rows
+
+    def finish_prompt(self, rows: int) -> bool:
+        return self.base.finish_prompt(rows)
+
+    def step_work(self) -> int:
+        return self.base.step_work()
+
+    def decode_step_parts(
+        self, model: Model, ffn: FfnBackend, token_id: int, rows: int
+    ) -> Iterator[torch.Tensor | None]:
+        for part in self.base.decode_step_parts(model, ffn, token_id, rows):
+            if part is not None:
+                self._saw(steps=1)
+            yield part
 
     def decode_step(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
         hidden = self.base.decode_step(model, ffn, token_id)

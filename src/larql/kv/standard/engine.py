@@ -15,6 +15,7 @@ from functools import partial
 
 import torch
 
+from larql.inference.batching import IsolatedRows, RowsFailed, StepRolledBack
 from larql.inference.engine import Engine, KvEngine
 from larql.inference.errors import BackendUnavailable
 from larql.inference.ffn import FfnBackend
@@ -158,7 +159,10 @@ class StandardEngine(KvEngine):
             step = BatchedStaticStep.of(model, first.window, first.fast_path.use_graph,
                                         first.attention)  # fmt: skip
             positions = [e.position for e in engines]
-            return step.step(model, ffn, static, positions, rows, inputs)  # type: ignore[arg-type]
+            try:
+                return step.step(model, ffn, static, positions, rows, inputs)  # type: ignore[arg-type]
+            except Exception as e:  # rows past a position are never read: nothing to undo
+                raise StepRolledBack(f"a batched static step failed: {e}") from e
         return cls._advance_batch(engines, model, ffn, rows, [1] * len(engines), inputs)
 
     @classmethod
@@ -173,9 +177,32 @@ class StandardEngine(KvEngine):
     ) -> torch.Tensor:
         """Eager engines, counts[i] rows for engine i in rows [R, H] → [R, H]: each layer
         through the compiled layer where it applies, else the torch operators (projections
-        and FFN once, attention per engine)."""
+        and FFN once, attention per engine, each engine's isolated: `RowsFailed` names the
+        engines whose own part raised). Where a shared part fails, engines that keep every
+        row are cut back to their rows before the step (`StepRolledBack`)."""
         batch = [e for e in engines if isinstance(e, StandardEngine) and e._layers is not None]
         assert len(batch) == len(engines), "batch_key groups only eager standard engines"
+        try:
+            return cls._advance_rows(batch, model, ffn, rows, counts, inputs)
+        except RowsFailed:
+            raise
+        except Exception as e:
+            if not all(engine._keeps_every_row() for engine in batch):
+                raise
+            for engine in batch:
+                engine._cut_back()
+            raise StepRolledBack(f"a batched step failed: {e}") from e
+
+    @staticmethod
+    def _advance_rows(
+        batch: list[StandardEngine],
+        model: Model,
+        ffn: FfnBackend,
+        rows: torch.Tensor,
+        counts: Sequence[int],
+        inputs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`_advance_batch`'s step itself: rows [R, H] → [R, H]."""
         starts = [e.position for e in batch]
         positions = [start + j for start, n in zip(starts, counts, strict=True) for j in range(n)]
         window = batch[0].window
@@ -186,6 +213,7 @@ class StandardEngine(KvEngine):
                 engine._clip()
             return h
         shared = [SharedKv(model.config) for _ in batch]  # each session's, for sharing layers
+        isolated = IsolatedRows()
         h = rows
         for layer in layers:
             buffers = [e._layers[layer] for e in batch]  # type: ignore[index]
@@ -193,12 +221,23 @@ class StandardEngine(KvEngine):
             if out is None:
                 rows_attend = partial(_attend_buffer, model, layer, buffers, starts, window, shared)
                 out = batched_layer_step(
-                    model, layer, h, positions, rows_attend, ffn, inputs, counts
+                    model, layer, h, positions, isolated(rows_attend), ffn, inputs, counts
                 )
             for buffer in buffers:
                 buffer.clip()
             h = out
-        return h
+        return isolated.check(h)
+
+    def _keeps_every_row(self) -> bool:
+        """Whether every layer keeps all its rows (no window): a step's rows can be cut."""
+        return all(isinstance(b, KvBuffer) and b.keep is None for b in self._layers or [])
+
+    def _cut_back(self) -> None:
+        """Drop rows past the position from every layer (a failed step's), where they keep
+        every row: each then holds positions 0..position−1 (a K/V-sharing layer: none)."""
+        held = self.position if self._prefilled else 0
+        for buffer in self._layers or []:
+            buffer.truncate(min(len(buffer), held))
 
     def snapshot_refusal(self) -> str | None:
         if self.fast_path is not None:

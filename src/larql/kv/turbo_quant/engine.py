@@ -46,8 +46,9 @@ from functools import partial
 import torch
 
 import larql.kernels
-from larql.inference.engine import Engine, KvEngine
-from larql.inference.errors import InvariantViolation
+from larql.inference.batching import IsolatedRows
+from larql.inference.engine import Engine, KvEngine, backend_name
+from larql.inference.errors import EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
     FreshKv,
@@ -60,11 +61,13 @@ from larql.inference.layer import (
     kept_rows,
     project_q,
     project_qkv,
+    token_tensor,
 )
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
 from larql.inference.snapshots import StateReader, StateWriter
 from larql.kv.buffers import KvBuffer
+from larql.kv.pass_in_parts import PassInParts
 from larql.kv.reserved_rows import prompt_in_one_call
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
 from larql.kv.turbo_quant.coded_cpu import attend_coded, coded_kernels
@@ -116,6 +119,7 @@ class TurboQuantEngine(KvEngine):
         self._layouts: list[KvLayout] = []  # each layer's (its head width's codec)
         self._layers: list[QuantisedLayer] | None = None  # the torch path's state
         self._fast: KernelPath | None = None  # the state and step where the kernels run
+        self._prompt: PassInParts | None = None  # a prompt part-way in (`prefill_part`)
 
     # ------------------------------------------------------------------ description
 
@@ -180,6 +184,9 @@ class TurboQuantEngine(KvEngine):
             return "its CUDA kernel path keeps codes in fixed slots; use attention=sdpa"
         return None
 
+    def prompt_part_way(self) -> bool:
+        return self._prompt is not None
+
     def write_state(self, state: StateWriter) -> None:
         """Each layer's stored rows (`layers.N.*`: sinks, codes, recent rows, mean)."""
         for layer, store in enumerate(self._layers or []):
@@ -189,7 +196,7 @@ class TurboQuantEngine(KvEngine):
         """Every layer's rows of `position` tokens on the torch path (none on a layer that
         shares another's K/V)."""
         keeps = self._prepare_layouts(model)
-        self._fast = None
+        self._fast, self._prompt = None, None
         self._layers = self._torch_layers(model, keeps)
         for layer, store in enumerate(self._layers):
             held = 0 if shares(model.config, layer) else self.position
@@ -202,13 +209,11 @@ class TurboQuantEngine(KvEngine):
     ) -> torch.Tensor:
         """rows: [S, H] → every row's hidden [S, H], attending over exact K/V."""
         cfg = model.config
-        keeps = self._prepare_layouts(model)
-        # the kernels keep one codec for every layer
-        self._fast = self._kernel_path(model, keeps) if cfg.uniform_attention else None
-        self._layers = None if self._fast is not None else self._torch_layers(model, keeps)
-        if self._fast is not None:
-            self._fast.start(model, rows.shape[0])
-        elif (h := self._prompt_in_one_call(model, ffn, rows, inputs, keeps)) is not None:
+        keeps = self._new_stores(model, rows.shape[0])
+        if (
+            self._fast is None
+            and (h := self._prompt_in_one_call(model, ffn, rows, inputs, keeps)) is not None
+        ):
             return h
         h = rows  # [S, H]
         shared = SharedKv(cfg)  # a K/V-sharing layer's store stays empty
@@ -244,6 +249,57 @@ class TurboQuantEngine(KvEngine):
                            model.dtype, compiled=self._compiled(model, self._layouts[layer]))
             for layer, keep in enumerate(keeps)
         ]  # fmt: skip
+
+    def _new_stores(self, model: Model, prompt_tokens: int) -> list[int | None]:
+        """Empty stores for a prompt of `prompt_tokens` tokens: the torch path's layers, or the
+        kernel path → the rows each layer keeps."""
+        keeps = self._prepare_layouts(model)
+        # the kernels keep one codec for every layer
+        self._fast = self._kernel_path(model, keeps) if model.config.uniform_attention else None
+        self._layers = None if self._fast is not None else self._torch_layers(model, keeps)
+        if self._fast is not None:
+            self._fast.start(model, prompt_tokens)
+        return keeps
+
+    def takes_prompt_in_parts(self, model: Model) -> bool:
+        """On the torch path (where the kernels run, their step is sized from the prompt)."""
+        kernels = larql.kernels.triton_available(model.device) and self.attention != "sdpa"
+        return not kernels or not self.rotated_attention or self._codec_factory is not None
+
+    def prefill_part(
+        self, model: Model, ffn: FfnBackend, token_ids: Sequence[int], more: bool
+    ) -> torch.Tensor:
+        """The prompt through one pass over its exact K/V, a part at a time (`PassInParts`);
+        once it is whole, its K/V go into the stores as one whole prefill puts them, a layer
+        at a time (`finish_prompt`) → the part's rows [n, H]."""
+        if self._prompt is None:
+            if len(token_ids) == 0:
+                raise EmptyPrompt()
+            self._check_ffn(ffn)
+            self._backend = backend_name(model)
+            self._prompt = PassInParts(model)
+        rows = self._prompt.run(model, ffn, token_tensor(model, list(token_ids)))
+        self.position = self._prompt.length
+        if more:
+            return rows
+        prompt, self._prompt = self._prompt, None
+        self._new_stores(model, prompt.length)
+        self._finishing = [
+            partial(self._store_prompt_layer, layer, exact)
+            for layer, exact in enumerate(prompt.layers)
+            if not shares(model.config, layer)
+        ]
+        self._started(prompt.length)
+        return rows
+
+    def _store_prompt_layer(self, layer: int, exact: KvBuffer) -> int:
+        """A whole prompt's exact K/V of one layer into its store (coded) → the rows."""
+        if self._fast is not None:
+            self._fast.store_prompt(layer, exact.keys, exact.values)
+        else:
+            assert self._layers is not None
+            self._layers[layer].append(exact.keys, exact.values)  # [Hkv, S, D] each
+        return len(exact)
 
     def _prompt_in_one_call(
         self,
@@ -424,15 +480,17 @@ class TurboQuantEngine(KvEngine):
             return fused  # every layer of every session in one compiled call
         positions = [e.position for e in batch]
         shared = [SharedKv(model.config) for _ in batch]  # each session's, for sharing layers
+        isolated = IsolatedRows()  # each engine's attention: its failure fails it alone
         h = rows
         for layer in range(model.config.num_layers):
             rotation = batch[0]._rotation(model.device, layer)
-            new: list[tuple[torch.Tensor, torch.Tensor]] = []
+            new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             rows_attend = partial(_attend_and_keep, batch, model, layer, rotation, new, shared)
-            h = batched_layer_step(model, layer, h, positions, rows_attend, ffn, inputs)
-            for engine, (k, v) in zip(batch, new, strict=False):  # none on a sharing layer
-                engine._layers[layer].append(k, v)  # type: ignore[index]
-        return h
+            h = batched_layer_step(model, layer, h, positions, isolated(rows_attend), ffn, inputs)
+            for i, (k, v) in new.items():  # none on a sharing layer
+                if i not in isolated.failures:
+                    batch[i]._layers[layer].append(k, v)  # type: ignore[index]
+        return isolated.check(h)
 
     def _kernel_path(self, model: Model, keeps: list[int | None]) -> KernelPath | None:
         """The Triton kernels' path when asked (auto/triton), where they run, for the
@@ -506,19 +564,19 @@ def _attend_and_keep(
     model: Model,
     layer: int,
     rotation: torch.Tensor | None,
-    new: list[tuple[torch.Tensor, torch.Tensor]],
+    new: dict[int, tuple[torch.Tensor, torch.Tensor]],
     shared: list[SharedKv],
     i: int,
     q: torch.Tensor,
     k: torch.Tensor | None,
     v: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Row i of a batched step: engine i's attention; its new row kept (in `new`, in row
-    order) for storing after the layer. A K/V-sharing layer's row attends over what its
+    """Row i of a batched step: engine i's attention; its new row kept (in `new`, by row) for
+    storing after the layer. A K/V-sharing layer's row attends over what its
     source attended over, and keeps nothing."""
     engine = batch[i]
     if k is None or v is None:
         keys, values, _ = shared[i].of(layer)
         return engine._attend_in_basis(model, layer, q, keys, values, rotation)  # [1, q_dim]
-    new.append((k, v))
+    new[i] = (k, v)
     return engine._attend_and_share(model, layer, q, k, v, rotation, shared[i])

@@ -20,13 +20,13 @@ from the rows it computed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
 from larql.inference.engine import KvEngine
-from larql.inference.errors import InvariantViolation
+from larql.inference.errors import EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import FreshKv, attention_block, embed_rows, ffn_block, token_tensor
 from larql.inference.memory import MemoryBreakdown
@@ -163,29 +163,41 @@ class WindowedCheckpointEngine(KvEngine):
             for layer, buffer in enumerate(self._layers):
                 held = 0 if shares(cfg, layer) else count
                 buffer.read_state(state.scope(f"layers.{layer}"), held, model.dtype, *shape[layer])
+    def extends_exactly(self, model: Model) -> bool:
+        return True  # tokens fed in any chunks meet the windows they would fed one by one
+
+    def extend_all(self, model: Model, ffn: FfnBackend, token_ids: Sequence[int]) -> torch.Tensor:
+        """The next tokens window by window, as one longer prefill would take them → their
+        hidden rows [n, H]."""
+        self._require_prefill()
+        if len(token_ids) == 0:
+            raise EmptyPrompt()
+        rows = self._process(model, ffn, list(token_ids))
+        self.position += len(token_ids)
+        return rows
 
     # ------------------------------------------------------------------ windows
 
     def _process(
         self, model: Model, ffn: FfnBackend, token_ids: list[int], stage: Stage = _unprofiled
     ) -> torch.Tensor:
-        """Feed tokens window by window; a window that fills is closed at once. `stage` times
-        the decode step's parts (the prefill is not profiled)."""
-        hidden: torch.Tensor | None = None
+        """Feed tokens window by window; a window that fills is closed at once → every token's
+        hidden row [n, H]. `stage` times the decode step's parts (the prefill is not
+        profiled)."""
+        hidden: list[torch.Tensor] = []
         done = 0
         while done < len(token_ids):
             take = min(len(token_ids) - done, self.window - len(self.archive.pending))
-            hidden = self._extend_current(model, ffn, token_ids[done : done + take], stage)
+            hidden.append(self._extend_current(model, ffn, token_ids[done : done + take], stage))
             done += take
             if len(self.archive.pending) == self.window:
                 self._close_window(model, stage)
-        assert hidden is not None
-        return hidden
+        return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
 
     def _extend_current(
         self, model: Model, ffn: FfnBackend, chunk: list[int], stage: Stage
     ) -> torch.Tensor:
-        """Run `chunk` (all in the open window) through every layer → last hidden [1, H]."""
+        """Run `chunk` (all in the open window) through every layer → its hidden rows [n, H]."""
         assert self._layers is not None
         if not self.archive.pending:
             self._seed_window()
@@ -199,12 +211,12 @@ class WindowedCheckpointEngine(KvEngine):
             with stage("ffn", model.device):
                 h = ffn_block(model, layer, h, ffn, inputs)
         self.archive.pending.extend(chunk)
-        return h[-1:]
+        return h
 
     def _prefill_across_windows(
         self, model: Model, ffn: FfnBackend, token_ids: list[int]
     ) -> torch.Tensor:
-        """A prompt longer than one window in one pass per layer → last hidden [1, H]; leaves
+        """A prompt longer than one window in one pass per layer → every row [S, H]; leaves
         the state feeding it window by window would: closed windows checkpointed and archived,
         the open one (if any tokens are left) seeded with the last checkpoint."""
         assert self._layers is not None
@@ -237,7 +249,7 @@ class WindowedCheckpointEngine(KvEngine):
                 k, v = rows[layer].k, rows[layer].v
                 if k is not None and v is not None:  # (a K/V-sharing layer has none)
                     kv.append(k[:, self.offset :], v[:, self.offset :])
-        return h[-1:]
+        return h
 
     @staticmethod
     def _rows_at(rows: list[FreshKv], start: int, end: int) -> Checkpoint:
