@@ -83,6 +83,7 @@ class H2oEngine(EvictingEngine):
     def _read_kept(self, state: StateReader, dtype: torch.dtype, heads: int, dim: int) -> HeavyRows:
         """At most `budget` rows."""
         return HeavyRows.read_state(state, min(self.position, self.budget), dtype, heads, dim)
+
     def _observe(
         self,
         model: Model,

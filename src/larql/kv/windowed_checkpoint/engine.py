@@ -163,6 +163,7 @@ class WindowedCheckpointEngine(KvEngine):
             for layer, buffer in enumerate(self._layers):
                 held = 0 if shares(cfg, layer) else count
                 buffer.read_state(state.scope(f"layers.{layer}"), held, model.dtype, *shape[layer])
+
     def extends_exactly(self, model: Model) -> bool:
         return True  # tokens fed in any chunks meet the windows they would fed one by one
 
