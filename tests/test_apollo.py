@@ -38,7 +38,11 @@ from larql.kv.apollo.store import (
     StoreModelMismatch,
     StoreNotFound,
 )
-from larql.kv.spec import EngineBuildError, MalformedEngineSpec, NotAvailableForLiveDecode
+from larql.kv.spec import (
+    BeyondBound,
+    MalformedEngineSpec,
+    NotAvailableForLiveDecode,
+)
 from larql.models import Model
 
 # ----------------------------------------------------------------------------- synthetic stores
@@ -397,7 +401,7 @@ def test_bos_names_the_id_dropped_from_a_query(smollm2: Model, tmp_path: Path) -
     assert kept[-len(query) :] == query  # the model's BOS is another id: nothing dropped
     assert dropped[-len(query) + 1 :] == query[1:] and len(dropped) == len(kept) - 1
     assert "bos=" in parse_engine(f"apollo:bos={marker}").build(smollm2).config()
-    with pytest.raises(EngineBuildError, match="outside"):
+    with pytest.raises(BeyondBound, match=r"bos=10000000 is out of range 0\.\.49151"):
         parse_engine("apollo:bos=10000000").build(smollm2)
 
 
@@ -440,7 +444,7 @@ def test_bad_store_or_layer_fail_at_build(smollm2: Model, tmp_path: Path) -> Non
         parse_engine(f"apollo:store={toy}").build(smollm2)
     real = tmp_path / "real"
     synthetic_store(model=smollm2.name, hidden=smollm2.config.hidden_size).save(real)
-    with pytest.raises(EngineBuildError, match="injection layer 30 is outside"):
+    with pytest.raises(BeyondBound, match=r"layer=30 is out of range 0\.\.29"):
         parse_engine(f"apollo:store={real},layer=30").build(smollm2)
     assert parse_engine(f"apollo:store={real},layer=29").build(smollm2).info().config == (
         "inject_layer=29,coef=10.0,top_k=8"
