@@ -81,27 +81,55 @@ def llama_round(
     python: Path, gguf: Path, ids: list[int], args: argparse.Namespace
 ) -> dict[int, float]:
     done = subprocess.run(
-        [str(python), "-c", LLAMA_ROUND, str(gguf), str(args.threads), str(args.new_tokens),
-         str(args.warmup), args.batch],
+        [
+            str(python),
+            "-c",
+            LLAMA_ROUND,
+            str(gguf),
+            str(args.threads),
+            str(args.new_tokens),
+            str(args.warmup),
+            args.batch,
+        ],
         input=json.dumps(ids),
         capture_output=True,
         text=True,
         check=True,
-    )  # fmt: skip
+    )
     return {int(b): tok_s for b, tok_s in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
 def larql_round(args: argparse.Namespace, prompt_tokens: int) -> dict[int, float]:
     larql = Path(sys.executable).with_name("larql")
     done = subprocess.run(
-        [str(larql), "bench", "--model", args.model, "--engine", "standard",
-         "--batch", args.batch, "--context", str(prompt_tokens), "-n", str(args.new_tokens),
-         "--warmup", str(args.warmup), "--repeats", "1", "--threads", str(args.threads),
-         "--weights", args.weights, "--output", "json"],
+        [
+            str(larql),
+            "bench",
+            "--model",
+            args.model,
+            "--engine",
+            "standard",
+            "--batch",
+            args.batch,
+            "--context",
+            str(prompt_tokens),
+            "-n",
+            str(args.new_tokens),
+            "--warmup",
+            str(args.warmup),
+            "--repeats",
+            "1",
+            "--threads",
+            str(args.threads),
+            "--weights",
+            args.weights,
+            "--output",
+            "json",
+        ],
         capture_output=True,
         text=True,
         check=True,
-    )  # fmt: skip
+    )
     return {row["batch"]: row["tok_s"] for row in json.loads(done.stdout)["batch_rows"]}
 
 
@@ -143,17 +171,23 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"{gguf.name}, {len(ids)}-token prompts, {args.new_tokens} greedy tokens a stream, "
-          f"{args.threads} threads, larql --weights {args.weights}, "
-          f"median of {args.rounds} interleaved rounds")  # fmt: skip
-    print("| streams | llama.cpp tok/s | × its one stream | larql tok/s | × its one stream "
-          "| larql × llama.cpp |")  # fmt: skip
+    print(
+        f"{gguf.name}, {len(ids)}-token prompts, {args.new_tokens} greedy tokens a stream, "
+        f"{args.threads} threads, larql --weights {args.weights}, "
+        f"median of {args.rounds} interleaved rounds"
+    )
+    print(
+        "| streams | llama.cpp tok/s | × its one stream | larql tok/s | × its one stream "
+        "| larql × llama.cpp |"
+    )
     print("|---|---|---|---|---|---|")
     first = batches[0]
     for b in batches:
         llama, larql = medians["llama.cpp"][b], medians["larql"][b]
-        print(f"| {b} | {llama:.1f} | {llama / medians['llama.cpp'][first]:.2f} | {larql:.1f} | "
-              f"{larql / medians['larql'][first]:.2f} | {larql / llama:.2f} |")  # fmt: skip
+        print(
+            f"| {b} | {llama:.1f} | {llama / medians['llama.cpp'][first]:.2f} | {larql:.1f} | "
+            f"{larql / medians['larql'][first]:.2f} | {larql / llama:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -105,14 +105,32 @@ def larql_round(
 ) -> dict:
     larql = Path(sys.executable).with_name("larql")
     done = subprocess.run(
-        [str(larql), "bench", "--model", model, "--engine", engine, "--dtype", dtype,
-         "--weights", weights, "--context", str(prompt_tokens), "-n", str(new_tokens),
-         "--repeats", "1",
-         "--threads", str(threads), "--output", "json"],
+        [
+            str(larql),
+            "bench",
+            "--model",
+            model,
+            "--engine",
+            engine,
+            "--dtype",
+            dtype,
+            "--weights",
+            weights,
+            "--context",
+            str(prompt_tokens),
+            "-n",
+            str(new_tokens),
+            "--repeats",
+            "1",
+            "--threads",
+            str(threads),
+            "--output",
+            "json",
+        ],
         capture_output=True,
         text=True,
         check=True,
-    )  # fmt: skip
+    )
     row = json.loads(done.stdout)["rows"][0]
     prefill_tok_s = prompt_tokens / (row["prefill_ms"] / 1e3)
     return {"decode_tok_s": row["tok_s"], "prefill_tok_s": prefill_tok_s}
@@ -164,8 +182,12 @@ def main() -> None:
     if inputs is None:
         return
     gguf, ids = inputs
-    variants = [(e, d, w) for e in args.engines.split(";") for d in args.dtypes.split(",")
-                for w in args.weights.split(",")]  # fmt: skip
+    variants = [
+        (e, d, w)
+        for e in args.engines.split(";")
+        for d in args.dtypes.split(",")
+        for w in args.weights.split(",")
+    ]
     llama_peers = {"llama.cpp" if c == "f16" else f"llama.cpp, K/V cache {c}": c for c in caches}
     larql_peers = {_larql_label(e, d, w, args.engines): (e, d, w) for e, d, w in variants}
     runs: dict[str, list[dict]] = {peer: [] for peer in [*llama_peers, *larql_peers]}
@@ -205,14 +227,19 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"{gguf.name}, {len(ids)}-token prompt, {args.new_tokens} greedy tokens, "
-          f"{args.threads} threads, median of {args.rounds} interleaved rounds")  # fmt: skip
-    print(f"| peer | decode tok/s | prefill tok/s | decode × {next(iter(llama_peers))} | "
-          "prefill × |")  # fmt: skip
+    print(
+        f"{gguf.name}, {len(ids)}-token prompt, {args.new_tokens} greedy tokens, "
+        f"{args.threads} threads, median of {args.rounds} interleaved rounds"
+    )
+    print(
+        f"| peer | decode tok/s | prefill tok/s | decode × {next(iter(llama_peers))} | prefill × |"
+    )
     print("|---|---|---|---|---|")
     for peer, m in report["peers"].items():
-        print(f"| {peer} | {m['decode_tok_s']:.1f} | {m['prefill_tok_s']:.0f} | "
-              f"{m['decode_ratio']:.2f} | {m['prefill_ratio']:.2f} |")  # fmt: skip
+        print(
+            f"| {peer} | {m['decode_tok_s']:.1f} | {m['prefill_tok_s']:.0f} | "
+            f"{m['decode_ratio']:.2f} | {m['prefill_ratio']:.2f} |"
+        )
 
 
 def _larql_label(engine: str, dtype: str, weights: str, engines: str) -> str:

@@ -50,12 +50,19 @@ def main() -> None:
         "prompt_tokens": len(ids),
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
-        "larql": {"engine": args.engine, "prefill_ms": ours.prefill_ms, "decode_tok_s": ours.tok_s,
-                  "decode_tok_s_runs": ours.tok_s_runs},
-        "hf": {"prefill_ms": peer.prefill_ms, "decode_tok_s": peer.tok_s,
-               "decode_tok_s_runs": peer.tok_s_runs},
+        "larql": {
+            "engine": args.engine,
+            "prefill_ms": ours.prefill_ms,
+            "decode_tok_s": ours.tok_s,
+            "decode_tok_s_runs": ours.tok_s_runs,
+        },
+        "hf": {
+            "prefill_ms": peer.prefill_ms,
+            "decode_tok_s": peer.tok_s,
+            "decode_tok_s_runs": peer.tok_s_runs,
+        },
         "decode_ratio": (ours.tok_s or 0.0) / peer.tok_s,
-    }  # fmt: skip
+    }
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -66,8 +73,10 @@ def main() -> None:
     rows = ((f"larql {args.engine}", report["larql"]), ("HF generate (DynamicCache)", report["hf"]))
     for label, r in rows:
         runs = ", ".join(f"{x:.1f}" for x in r["decode_tok_s_runs"])
-        print(f"  {label:<28} prefill {r['prefill_ms']:8.1f} ms   decode "
-              f"{r['decode_tok_s']:6.1f} tok/s  (runs: {runs})")  # fmt: skip
+        print(
+            f"  {label:<28} prefill {r['prefill_ms']:8.1f} ms   decode "
+            f"{r['decode_tok_s']:6.1f} tok/s  (runs: {runs})"
+        )
     print(f"  decode ratio larql / HF: {report['decode_ratio']:.2f}×")
 
 

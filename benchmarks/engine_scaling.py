@@ -66,9 +66,11 @@ def main() -> None:
     if args.json:
         print(json.dumps({"model": model.name, "threads": args.threads, "ms_per_step": results}))
         return
-    print(f"{model.name}, float32, {args.threads} threads, ms per decode step (mean of "
-          f"{args.tokens} steps × {args.repeats} runs), "
-          "growth = last depth / first depth")  # fmt: skip
+    print(
+        f"{model.name}, float32, {args.threads} threads, ms per decode step (mean of "
+        f"{args.tokens} steps × {args.repeats} runs), "
+        "growth = last depth / first depth"
+    )
     header = "".join(f"{d:>10}" for d in depths)
     print(f"{'engine':<34}{header}    growth")
     for spec, row in results.items():

@@ -66,10 +66,16 @@ def walk_table(model: Model, ks: list[int], settings: BenchSettings, positions: 
     engine = parse_engine("standard")
     dense_logits = teacher_forced_logits(engine.build(model), model, DenseFfn(model), ids, 16)
     dense_rate = tok_s(model, DenseFfn(model), settings)
-    specs = ["dense", "walk", *(f"walk:k={k}" for k in ks),
-             "{walk:k=100}@layers=14-27;{dense}@otherwise"]  # fmt: skip
-    print(f"\n## walk:k vs dense ({len(ids) - 16} teacher-forced positions, "
-          f"{settings.new_tokens} decode tokens × {settings.repeats} repeats)\n")  # fmt: skip
+    specs = [
+        "dense",
+        "walk",
+        *(f"walk:k={k}" for k in ks),
+        "{walk:k=100}@layers=14-27;{dense}@otherwise",
+    ]
+    print(
+        f"\n## walk:k vs dense ({len(ids) - 16} teacher-forced positions, "
+        f"{settings.new_tokens} decode tokens × {settings.repeats} repeats)\n"
+    )
     print("| FFN policy | tok/s | vs dense | KL mean (nats) | KL max | top-1 agree |")
     print("|---|---:|---:|---:|---:|---:|")
     for spec in specs:
@@ -77,13 +83,16 @@ def walk_table(model: Model, ks: list[int], settings: BenchSettings, positions: 
         rate = dense_rate if spec == "dense" else tok_s(model, ffn, settings)
         logits = teacher_forced_logits(engine.build(model), model, ffn, ids, 16)
         mean, worst, agree = kl_stats(dense_logits, logits)
-        print(f"| `{spec}` | {rate:.1f} | {rate / dense_rate:.2f}× | {mean:.4g} | {worst:.4g} "
-              f"| {agree:.3f} |")  # fmt: skip
+        print(
+            f"| `{spec}` | {rate:.1f} | {rate / dense_rate:.2f}× | {mean:.4g} | {worst:.4g} "
+            f"| {agree:.3f} |"
+        )
 
 
 def start_shard(model_name: str, threads: int) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([sys.executable, "-c", SHARD, str(threads), model_name],
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-c", SHARD, str(threads), model_name], stderr=subprocess.PIPE, text=True
+    )
     assert process.stderr is not None
     for line in process.stderr:
         found = re.search(r"listening on (http://\S+)", line)
@@ -127,12 +136,18 @@ def remote_table(model: Model, settings: BenchSettings, shard_threads: int, roun
     try:
         dense_ms = 1000 / tok_s(model, DenseFfn(model), settings)
         local = local_ffn_ms(model, rounds)
-        print(f"\n## remote FFN over loopback (shard process on {url}, {shard_threads} torch "
-              f"thread(s); {layers} layers)\n")  # fmt: skip
-        print(f"local dense decode: {dense_ms:.2f} ms/token; the {layers} FFNs alone "
-              f"{local:.2f} ms/token\n")  # fmt: skip
-        print("| wire | decode ms/token | added ms/token | bytes/token (req + resp) | "
-              "streaming: 30 requests, ms | batched: 1 request, ms |")  # fmt: skip
+        print(
+            f"\n## remote FFN over loopback (shard process on {url}, {shard_threads} torch "
+            f"thread(s); {layers} layers)\n"
+        )
+        print(
+            f"local dense decode: {dense_ms:.2f} ms/token; the {layers} FFNs alone "
+            f"{local:.2f} ms/token\n"
+        )
+        print(
+            "| wire | decode ms/token | added ms/token | bytes/token (req + resp) | "
+            "streaming: 30 requests, ms | batched: 1 request, ms |"
+        )
         print("|---|---:|---:|---:|---:|---:|")
         for wire in ("f32", "f16", "i8"):
             router = build_ffn(model, f"remote-walk:endpoint={url},wire={wire}")
@@ -145,8 +160,10 @@ def remote_table(model: Model, settings: BenchSettings, shard_threads: int, roun
                 client.forward(layer, x)
             per_token = client.stats.bytes_sent + client.stats.bytes_received - before[0]
             stream_ms, batch_ms = transport_ms(client, layers, hidden, rounds)
-            print(f"| {wire} | {remote_ms:.2f} | {remote_ms - dense_ms:+.2f} | {per_token:,} "
-                  f"| {stream_ms:.2f} | {batch_ms:.2f} |")  # fmt: skip
+            print(
+                f"| {wire} | {remote_ms:.2f} | {remote_ms - dense_ms:+.2f} | {per_token:,} "
+                f"| {stream_ms:.2f} | {batch_ms:.2f} |"
+            )
             router.close()
     finally:
         process.kill()

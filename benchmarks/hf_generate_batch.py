@@ -41,9 +41,13 @@ def main() -> None:
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                min_new_tokens=new, do_sample=False, pad_token_id=0,
-            )  # fmt: skip
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
         torch.cuda.synchronize()
         assert out.shape[1] == args.context + new
         return time.perf_counter() - t0

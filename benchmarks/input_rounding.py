@@ -38,8 +38,9 @@ from larql.kv import parse_engine
 from larql.models import load_model
 
 CALLERS = (layer_module, ffn_backend, row_products)  # the modules that import `linear`
-SCHEMES = ("all@int8,960x576@int8,3072x576@int8,576x576@int8,576x1536@int8,49152x576@int8,"
-           "all@hybrid:3")  # fmt: skip
+SCHEMES = (
+    "all@int8,960x576@int8,3072x576@int8,576x576@int8,576x1536@int8,49152x576@int8,all@hybrid:3"
+)
 
 
 def rounded(x: torch.Tensor, scheme: str) -> torch.Tensor:
@@ -105,8 +106,10 @@ def main() -> None:
         other = torch.log_softmax(logits(kind, scheme).double(), dim=-1)
         kl = (reference.exp() * (reference - other)).sum(-1)  # [N]
         same = (other.argmax(-1) == reference.argmax(-1)).double().mean().item()
-        print(f"{item:<22} {kl.mean().item():>9.2e} {kl.quantile(0.99).item():>9.2e} "
-              f"{100 * same:>6.1f}%")  # fmt: skip
+        print(
+            f"{item:<22} {kl.mean().item():>9.2e} {kl.quantile(0.99).item():>9.2e} "
+            f"{100 * same:>6.1f}%"
+        )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,10 @@ def main() -> None:
     standard = parse_engine("standard").build(model)
     greedy = generate(standard, model, ffn, ids[: args.prompt], 64, stop_ids=frozenset()).tokens
     print(f"{args.model}: {len(ids) - args.prompt} positions after a {args.prompt}-token prompt")
-    print(f"{'spec':58} {'mean KL':>9} {'p99':>8} {'top-1':>7} {'diverge':>7} {'ln PPL':>7} "
-          f"{'× fp16':>7} {'s':>5}")  # fmt: skip
+    print(
+        f"{'spec':58} {'mean KL':>9} {'p99':>8} {'top-1':>7} {'diverge':>7} {'ln PPL':>7} "
+        f"{'× fp16':>7} {'s':>5}"
+    )
     results = []
     for spec in args.specs:
         t0 = time.perf_counter()
@@ -67,8 +69,11 @@ def main() -> None:
         took = time.perf_counter() - t0
         mean = "nan" if math.isnan(f.mean_kl) else f"{f.mean_kl:.4f}"
         diverge = "none" if f.first_divergence is None else str(f.first_divergence)
-        print(f"{spec:58} {mean:>9} {f.p99_kl:8.3f} {f.same_top1 * 100:6.1f}% {diverge:>7} "
-              f"{f.ln_ppl_ratio:7.4f} {ratio:7.3f} {took:5.0f}", flush=True)  # fmt: skip
+        print(
+            f"{spec:58} {mean:>9} {f.p99_kl:8.3f} {f.same_top1 * 100:6.1f}% {diverge:>7} "
+            f"{f.ln_ppl_ratio:7.4f} {ratio:7.3f} {took:5.0f}",
+            flush=True,
+        )
         if args.jsonl is not None:
             with args.jsonl.open("a") as out:
                 out.write(json.dumps({"model": args.model, **f.as_dict()}) + "\n")

@@ -27,10 +27,19 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, help="a tokenizer.json of 49,152 tokens")
     args = parser.parse_args()
     config = LlamaConfig(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=64, vocab_size=VOCAB, max_position_embeddings=131072,
-        rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(args.out)

@@ -49,9 +49,14 @@ def graph_time_us(fn: Callable[[], None], replays: int = 20) -> float:
 
 
 def calls(
-    kind: str, weights: list[torch.Tensor], row: torch.Tensor, gate_up: torch.Tensor,
-    norm: torch.Tensor, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, int, int],
-) -> dict[str, Callable[[], None]]:  # fmt: skip
+    kind: str,
+    weights: list[torch.Tensor],
+    row: torch.Tensor,
+    gate_up: torch.Tensor,
+    norm: torch.Tensor,
+    residual: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor, int, int],
+) -> dict[str, Callable[[], None]]:
     """The three ways to compute `kind` ("normed", "rope" — normed, then RoPE over the first
     heads —, "residual", "gated") over every copy."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -198,8 +198,13 @@ class Server:
 
 
 async def run_victim(client: httpx.AsyncClient, url: str, victim: Victim) -> None:
-    body = {"prompt": "The history of the city", "max_tokens": CONTEXT - 16, "ignore_eos": True,
-            "stream": True, "temperature": 0}  # fmt: skip
+    body = {
+        "prompt": "The history of the city",
+        "max_tokens": CONTEXT - 16,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0,
+    }
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
             async for data in sse(r):
@@ -324,8 +329,14 @@ async def warm_up(url: str) -> None:
     """A first request of each path (a fresh server's first calls allocate and plan)."""
     async with httpx.AsyncClient(timeout=300) as client:
         for engine in LIVE_ENGINES:
-            body = {"prompt": words(40), "max_tokens": 2, "echo": True, "logprobs": 1,
-                    "engine": engine, "ignore_eos": True}  # fmt: skip
+            body = {
+                "prompt": words(40),
+                "max_tokens": 2,
+                "echo": True,
+                "logprobs": 1,
+                "engine": engine,
+                "ignore_eos": True,
+            }
             await client.post(f"{url}/v1/completions", json=body)
 
 
@@ -347,14 +358,18 @@ async def baseline(url: str, victims: int, seconds: float = 10.0) -> Result:
 
 
 def report(results: list[Result]) -> None:
-    print(f"{'shape':58} {'status':>6} {'ran s':>6} {'prompt':>6} {'max gap s':>9} "
-          f"{'tokens':>6} {'/health s':>9} {'load':>5}  note")  # fmt: skip
+    print(
+        f"{'shape':58} {'status':>6} {'ran s':>6} {'prompt':>6} {'max gap s':>9} "
+        f"{'tokens':>6} {'/health s':>9} {'load':>5}  note"
+    )
     for r in results:
         gap = f"{r.max_gap_s:.3f}" if r.max_gap_s is not None else "none"
         health = f"{r.health_max_s:.3f}" if r.health_max_s is not None else "-"
         prompt = str(r.prompt_tokens) if r.prompt_tokens is not None else "-"
-        print(f"{r.shape:58} {r.status:>6} {r.seconds:6.1f} {prompt:>6} {gap:>9} "
-              f"{r.victim_tokens:>6} {health:>9} {r.load:5.2f}  {r.note}")  # fmt: skip
+        print(
+            f"{r.shape:58} {r.status:>6} {r.seconds:6.1f} {prompt:>6} {gap:>9} "
+            f"{r.victim_tokens:>6} {health:>9} {r.load:5.2f}  {r.note}"
+        )
 
 
 def main() -> None:
@@ -376,9 +391,10 @@ def main() -> None:
     else:
         url = args.url
     chosen = [
-        s for s in shapes(args.score_words, args.long_words)
+        s
+        for s in shapes(args.score_words, args.long_words)
         if not args.only or any(part in s.name for part in args.only)
-    ]  # fmt: skip
+    ]
     results: list[Result] = []
     try:
         asyncio.run(warm_up(url))

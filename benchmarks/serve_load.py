@@ -174,11 +174,23 @@ def prompts(words: int, count: int = 8) -> list[str]:
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     larql = Path(sys.executable).with_name("larql")
     command = [
-        str(larql), "serve", "--port", "0", "--threads", str(args.threads),
-        "--max-sessions", str(args.concurrency), "--max-queue", str(args.concurrency),
-        "--max-new-tokens", str(max(args.max_tokens, args.rss_max_tokens, 1)),
-        "--engine", args.engine, "--weights", args.weights,
-    ]  # fmt: skip
+        str(larql),
+        "serve",
+        "--port",
+        "0",
+        "--threads",
+        str(args.threads),
+        "--max-sessions",
+        str(args.concurrency),
+        "--max-queue",
+        str(args.concurrency),
+        "--max-new-tokens",
+        str(max(args.max_tokens, args.rss_max_tokens, 1)),
+        "--engine",
+        args.engine,
+        "--weights",
+        args.weights,
+    ]
     env = {**os.environ, "LARQL_KV_ENGINE": ""}
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     assert proc.stderr is not None

@@ -101,10 +101,17 @@ def main() -> None:
 
         cache_bytes = 2 * hkv * depth * d * 2
         code_bytes = depth * codes.shape[1]
-        row = {"depth": depth, "capacity": capacity, "heads": [hq, hkv, d], "bits": args.bits,
-               "levers": args.levers}  # fmt: skip
-        for name, fn, nbytes in (("sdpa", sdpa, cache_bytes), ("standard_triton", standard,
-                                                               cache_bytes)):  # fmt: skip
+        row = {
+            "depth": depth,
+            "capacity": capacity,
+            "heads": [hq, hkv, d],
+            "bits": args.bits,
+            "levers": args.levers,
+        }
+        for name, fn, nbytes in (
+            ("sdpa", sdpa, cache_bytes),
+            ("standard_triton", standard, cache_bytes),
+        ):
             us = do_bench_cudagraph(fn, rep=200) * 1e3
             row[f"{name}_us"] = round(us, 2)
             row[f"{name}_GBs"] = round(bandwidth(nbytes, us), 1)
@@ -134,10 +141,26 @@ def main() -> None:
             if args.gather and tables.lookups:
                 variants.append(("_gather", replace(tables, lookups={})))
             for variant, run_tables in variants:
-                time_turbo(kernels, row, f"turbo_{low}_{high}_{block}_{warps}{variant}", depth,
-                           (q, k_new, v_new, copy, pos, run_tables, scale, 0.0, workspace, levers,
-                            kernels.single_meta(copy)),
-                           code_bytes)  # fmt: skip
+                time_turbo(
+                    kernels,
+                    row,
+                    f"turbo_{low}_{high}_{block}_{warps}{variant}",
+                    depth,
+                    (
+                        q,
+                        k_new,
+                        v_new,
+                        copy,
+                        pos,
+                        run_tables,
+                        scale,
+                        0.0,
+                        workspace,
+                        levers,
+                        kernels.single_meta(copy),
+                    ),
+                    code_bytes,
+                )
         print(json.dumps(row), flush=True)
 
 
@@ -213,9 +236,21 @@ def time_sessions(kernels, tables, args, depth: int) -> None:
     for n in (int(x) for x in args.splits.split(",")):
 
         def run(n=n):
-            return kernels.batched_attention(q, k_new, v_new, operands, meta, positions,
-                                             capacity, tables, d**-0.5, 0.0, workspace,
-                                             template, n)  # fmt: skip
+            return kernels.batched_attention(
+                q,
+                k_new,
+                v_new,
+                operands,
+                meta,
+                positions,
+                capacity,
+                tables,
+                d**-0.5,
+                0.0,
+                workspace,
+                template,
+                n,
+            )
 
         kernels._attention_partial = Recording()
         try:
@@ -224,10 +259,17 @@ def time_sessions(kernels, tables, args, depth: int) -> None:
             kernels._attention_partial = launcher
         kernel = compiled["partial"]
         us = do_bench_cudagraph(run, rep=200) * 1e3
-        row = {"depth": depth, "sessions": b, "splits": n, "us": round(us, 1),
-               "us_per_session": round(us / b, 2), "GBs": round(bandwidth(state_bytes, us), 1),
-               "regs": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None),
-               "shared": getattr(getattr(kernel, "metadata", None), "shared", None)}  # fmt: skip
+        row = {
+            "depth": depth,
+            "sessions": b,
+            "splits": n,
+            "us": round(us, 1),
+            "us_per_session": round(us / b, 2),
+            "GBs": round(bandwidth(state_bytes, us), 1),
+            "regs": getattr(kernel, "n_regs", None),
+            "spills": getattr(kernel, "n_spills", None),
+            "shared": getattr(getattr(kernel, "metadata", None), "shared", None),
+        }
         print(json.dumps(row), flush=True)
 
 

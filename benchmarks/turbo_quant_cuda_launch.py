@@ -82,15 +82,48 @@ def traced_source(source: str) -> str:
 
 def launch_with(kernel: object, args: tuple, last: torch.Tensor) -> None:
     """`cuda_partial.launch`'s call with `last` as the kernel's last argument."""
-    (q, rotation, k_new, v_new, codes, exact, centroids, mean_rotated, meta, positions,
-     m, l_sum, acc, n_splits, keep, scale) = args  # fmt: skip
+    (
+        q,
+        rotation,
+        k_new,
+        v_new,
+        codes,
+        exact,
+        centroids,
+        mean_rotated,
+        meta,
+        positions,
+        m,
+        l_sum,
+        acc,
+        n_splits,
+        keep,
+        scale,
+    ) = args
     kernel(  # type: ignore[operator]
         grid=(k_new.shape[1], n_splits + 1, k_new.shape[0]),
         block=(cuda_partial.WARPS * 32, 1, 1),
-        args=[q, rotation, k_new, v_new, codes, exact, centroids, mean_rotated, meta, positions,
-              m, l_sum, acc, n_splits, keep, float(scale), last],
+        args=[
+            q,
+            rotation,
+            k_new,
+            v_new,
+            codes,
+            exact,
+            centroids,
+            mean_rotated,
+            meta,
+            positions,
+            m,
+            l_sum,
+            acc,
+            n_splits,
+            keep,
+            float(scale),
+            last,
+        ],
         shared_mem=cuda_partial.shared_bytes(),
-    )  # fmt: skip
+    )
 
 
 def step_at_depth(model, on_launch: Callable[[tuple], None]) -> None:
@@ -116,9 +149,10 @@ def step_at_depth(model, on_launch: Callable[[tuple], None]) -> None:
 def compiled(source: str) -> object:
     config = next(iter(cuda_partial._compiled))[1]  # the engine's, compiled by its first step
     kernel = torch.cuda._compile_kernel(
-        source, "turbo_quant_partial", nvcc_options=["-std=c++17", "--use_fast_math",
-                                                     *config.defines()]
-    )  # fmt: skip
+        source,
+        "turbo_quant_partial",
+        nvcc_options=["-std=c++17", "--use_fast_math", *config.defines()],
+    )
     kernel.set_shared_memory_config(cuda_partial.shared_bytes())
     return kernel
 
@@ -140,8 +174,18 @@ def trace(model) -> None:
         t = stamps[layer, :ctas].double().cpu()
         start = float(t[:, 0].min())
         for cta in t.tolist():
-            rows.append([layer, cta[7], cta[2], cta[0] - start, cta[1] - start,
-                         cta[4] - cta[3], cta[5] - cta[4], cta[6] - cta[5]])  # fmt: skip
+            rows.append(
+                [
+                    layer,
+                    cta[7],
+                    cta[2],
+                    cta[0] - start,
+                    cta[1] - start,
+                    cta[4] - cta[3],
+                    cta[5] - cta[4],
+                    cta[6] - cta[5],
+                ]
+            )
     table = torch.tensor(rows, dtype=torch.float64)
     quantiles = torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64)
     print(f"{len(grids)} launches of {grids[0]} CTAs; quantiles 0 / 10 / 50 / 90 / 100%")
@@ -156,16 +200,22 @@ def trace(model) -> None:
     for layer in range(len(grids)):
         of = table[table[:, 0] == layer]
         _, per_sm = of[:, 2].unique(return_counts=True)
-        print(f"layer {layer}: {of[:, 4].max():.0f} ns, SMs {len(per_sm)}, "
-              f"{int((per_sm > 1).sum())} with two CTAs")  # fmt: skip
+        print(
+            f"layer {layer}: {of[:, 4].max():.0f} ns, SMs {len(per_sm)}, "
+            f"{int((per_sm > 1).sum())} with two CTAs"
+        )
 
 
 def timed(model, sources: list[Path]) -> None:
     saved: list[tuple] = []
 
     def keep(args: tuple) -> None:
-        saved.append(tuple(a.clone() if isinstance(a, torch.Tensor) and a.numel() < 10_000_000
-                           else a for a in args))  # fmt: skip
+        saved.append(
+            tuple(
+                a.clone() if isinstance(a, torch.Tensor) and a.numel() < 10_000_000 else a
+                for a in args
+            )
+        )
 
     step_at_depth(model, keep)
     graphs = {}

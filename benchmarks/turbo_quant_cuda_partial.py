@@ -28,10 +28,19 @@ SOURCE = Path(__file__).with_name("turbo_quant_partial.cu")
 def build(cp, warps: int, rows: int, min_blocks: int, chunks: int, split: int):
     module = cp.RawModule(
         code=SOURCE.read_text(),
-        options=("-std=c++17", "--use_fast_math", f"-DW={warps}", f"-DRPW={rows}",
-                 f"-DMINB={min_blocks}", f"-DHKV={HKV}", f"-DG={GROUP_HEADS}", f"-DCH={chunks}",
-                 f"-DSPLIT={split}", f"-DLUT_BASE={LUT_BASE}"),
-    )  # fmt: skip
+        options=(
+            "-std=c++17",
+            "--use_fast_math",
+            f"-DW={warps}",
+            f"-DRPW={rows}",
+            f"-DMINB={min_blocks}",
+            f"-DHKV={HKV}",
+            f"-DG={GROUP_HEADS}",
+            f"-DCH={chunks}",
+            f"-DSPLIT={split}",
+            f"-DLUT_BASE={LUT_BASE}",
+        ),
+    )
     kernel = module.get_function("tq_partial")
     smem = 65536 + warps * 8 * 4 * 2 + warps * 8 * D * 4  # the table, then the warps' states
     kernel.max_dynamic_shared_size_bytes = smem
@@ -89,12 +98,19 @@ def main() -> None:
             acc = torch.empty(HKV, splits, GROUP_HEADS, D, device="cuda")
             base = torch.zeros(1, dtype=torch.int32, device="cuda")
             operands = (
-                cp.asarray(split_codes if split else codes), cp.asarray(q_rot),
-                cp.asarray(tables.centroids), cp.int32(depth),
-                cp.float32(D**-0.5 * math.log2(math.e)), cp.asarray(m), cp.asarray(l_sum),
-                cp.asarray(acc), cp.int32(splits), cp.asarray(base), cp.asarray(split_norms),
+                cp.asarray(split_codes if split else codes),
+                cp.asarray(q_rot),
+                cp.asarray(tables.centroids),
+                cp.int32(depth),
+                cp.float32(D**-0.5 * math.log2(math.e)),
+                cp.asarray(m),
+                cp.asarray(l_sum),
+                cp.asarray(acc),
+                cp.int32(splits),
+                cp.asarray(base),
+                cp.asarray(split_norms),
                 cp.int32(capacity),
-            )  # fmt: skip
+            )
 
             def launch(kernel=kernel, splits=splits, warps=warps, operands=operands, smem=smem):
                 with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
@@ -108,11 +124,13 @@ def main() -> None:
             weight = torch.exp(m - top)
             got = (weight[..., None] * acc).sum(1) / (weight * l_sum).sum(1)[..., None]
             row = {
-                "depth": depth, "variant": [warps, rows, min_blocks, chunks, split],
-                "splits": splits, "registers": kernel.attributes["num_regs"],
+                "depth": depth,
+                "variant": [warps, rows, min_blocks, chunks, split],
+                "splits": splits,
+                "registers": kernel.attributes["num_regs"],
                 "max_abs_err": (got.double() - want).abs().max().item(),
                 "max_abs_out": want.abs().max().item(),
-            }  # fmt: skip
+            }
             if depth % 2 == 0:  # an odd depth checks the tail rows only
                 us = do_bench_cudagraph(launch, rep=200) * 1e3
                 row["us"] = round(us, 2)

@@ -92,10 +92,14 @@ def main() -> None:
 
     reference, targets, float_tokens = run("float")
     print(f"model={args.model} prompt={args.prompt_len} positions={len(targets)} dtype=float32")
-    print(f"{'weights':<14} {'mean KL':>9} {'p99':>9} {'max':>9} {'top-1':>7} {'ln PPL':>8} "
-          f"{'greedy ≠ at':>12}")  # fmt: skip
-    print(f"{'float':<14} {'—':>9} {'—':>9} {'—':>9} {'—':>7} "
-          f"{ln_perplexity(reference, targets):>8.4f} {'—':>12}")  # fmt: skip
+    print(
+        f"{'weights':<14} {'mean KL':>9} {'p99':>9} {'max':>9} {'top-1':>7} {'ln PPL':>8} "
+        f"{'greedy ≠ at':>12}"
+    )
+    print(
+        f"{'float':<14} {'—':>9} {'—':>9} {'—':>9} {'—':>7} "
+        f"{ln_perplexity(reference, targets):>8.4f} {'—':>12}"
+    )
     for mode in args.modes.split(","):
         logits, _, tokens = run(mode)
         kl = kl_per_position(reference, logits)

@@ -76,14 +76,24 @@ def test_each_engine_error_maps_to_its_own_outcome(error, outcome: Outcome) -> N
 
 def score(source: str, outcome: Outcome = Outcome.SERVED, **fields) -> PromptScore:
     return PromptScore(
-        prompt="p", category="c", source=source, kv_engine="e", ffn_backend="dense",
-        strategy="e", expected="x", outcome=outcome, **fields,
-    )  # fmt: skip
+        prompt="p",
+        category="c",
+        source=source,
+        kv_engine="e",
+        ffn_backend="dense",
+        strategy="e",
+        expected="x",
+        outcome=outcome,
+        **fields,
+    )
 
 
 def test_served_rate_rules() -> None:
-    served = [score("parametric", matched=True, bits=1.0), score("parametric", matched=False,
-              bits=3.0), score("parametric", Outcome.SKIPPED_RETRIEVAL_MISS)]  # fmt: skip
+    served = [
+        score("parametric", matched=True, bits=1.0),
+        score("parametric", matched=False, bits=3.0),
+        score("parametric", Outcome.SKIPPED_RETRIEVAL_MISS),
+    ]
     axis = fact_axis(served)
     assert (axis.n, axis.served) == (3, 2)
     assert axis.rate == 0.5 and axis.mean_bits == 2.0  # over served prompts only
@@ -92,12 +102,14 @@ def test_served_rate_rules() -> None:
     assert math.isnan(nothing_served.rate) and nothing_served.served_rate == 0.0
     empty = fact_axis([])
     assert math.isnan(empty.rate) and math.isnan(empty.served_rate)
-    conflicts = conflict_axis([
-        score("conflict", followed_context=True, parametric_fallback=False),
-        score("conflict", followed_context=False, parametric_fallback=True),
-        score("conflict", followed_context=False, parametric_fallback=False),
-        score("conflict", Outcome.SKIPPED_EMPTY_PROMPT),
-    ])  # fmt: skip
+    conflicts = conflict_axis(
+        [
+            score("conflict", followed_context=True, parametric_fallback=False),
+            score("conflict", followed_context=False, parametric_fallback=True),
+            score("conflict", followed_context=False, parametric_fallback=False),
+            score("conflict", Outcome.SKIPPED_EMPTY_PROMPT),
+        ]
+    )
     assert conflicts.rate == pytest.approx(1 / 3) and conflicts.fallback_rate == pytest.approx(
         1 / 3
     )
@@ -122,8 +134,9 @@ def test_needles_have_the_requested_length(smollm2: Model) -> None:
 @pytest.mark.slow
 def test_exact_engines_have_zero_kl_and_full_agreement(smollm2: Model) -> None:
     ffn = DenseFfn(smollm2)
-    ids = smollm2.tokenizer.encode(Path(__file__).resolve().parents[1].joinpath("LICENSE")
-                                   .read_text())[:60]  # fmt: skip
+    ids = smollm2.tokenizer.encode(
+        Path(__file__).resolve().parents[1].joinpath("LICENSE").read_text()
+    )[:60]
     reference = reference_run(smollm2, ffn, parse_engine("standard"), ids, 12)
     same = measure_fidelity(smollm2, ffn, parse_engine("standard"), ids, 12, reference)
     assert same.positions == 48
@@ -173,9 +186,21 @@ def test_cli_report(tmp_path: Path) -> None:
     out, plot = tmp_path / "accuracy.json", tmp_path / "frontier.png"
     result = CliRunner().invoke(
         app,
-        ["accuracy", "--quick", "--engines", "standard;standard:window=16", "--positions", "16",
-         "--needle-max-tokens", "256", "--output-file", str(out), "--plot", str(plot)],
-    )  # fmt: skip
+        [
+            "accuracy",
+            "--quick",
+            "--engines",
+            "standard;standard:window=16",
+            "--positions",
+            "16",
+            "--needle-max-tokens",
+            "256",
+            "--output-file",
+            str(out),
+            "--plot",
+            str(plot),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "Engine Split" in result.stdout and "Teacher-forced fidelity" in result.stdout
     report = json.loads(out.read_text())

@@ -58,8 +58,9 @@ def test_generate_gives_what_larql_run_gives(
     assert set(ours.as_json()) == set(theirs)
     # and what the generation loop gives the same engine, built by hand
     prompt_ids = model.tokenizer.encode(PROMPT)
-    loop = generation_loop(larql.parse_engine(spec).build(model), model, DenseFfn(model),
-                           prompt_ids, 8)  # fmt: skip
+    loop = generation_loop(
+        larql.parse_engine(spec).build(model), model, DenseFfn(model), prompt_ids, 8
+    )
     assert ours.token_ids == loop.tokens and ours.prompt_ids == prompt_ids
 
 
@@ -82,8 +83,10 @@ def test_teacher_forced_argmax_is_the_greedy_continuation(model: Model) -> None:
     assert logits[:-1].argmax(-1).tolist() == greedy.token_ids
     whole = larql.teacher_forced_logits(model, "standard", PROMPT)  # one row per prompt token
     assert whole.shape == (len(greedy.prompt_ids), model.config.vocab_size)
-    assert whole[-1].argmax().item() == larql.generate(model, "standard", PROMPT,
-                                                       max_new_tokens=1).token_ids[0]  # fmt: skip
+    assert (
+        whole[-1].argmax().item()
+        == larql.generate(model, "standard", PROMPT, max_new_tokens=1).token_ids[0]
+    )
 
 
 def test_memory_is_the_engine_state_and_turbo_quant_holds_less(model: Model) -> None:
@@ -128,25 +131,37 @@ def test_a_bad_spec_is_the_error_the_cli_gives(
 @pytest.mark.parametrize(
     ("call", "error", "message"),
     [
-        (lambda m: larql.generate(m, "standard", PROMPT, max_new_tokens=0), larql.InvalidInput,
-         "max_new_tokens must be ≥ 1"),
+        (
+            lambda m: larql.generate(m, "standard", PROMPT, max_new_tokens=0),
+            larql.InvalidInput,
+            "max_new_tokens must be ≥ 1",
+        ),
         (lambda m: larql.generate(m, "standard", "  "), larql.InvalidInput, "prompt is empty"),
         (lambda m: larql.generate(m, "standard", [10**7]), larql.InvalidInput, "vocabulary"),
         (lambda m: larql.generate(m, "apollo", PROMPT), NotAvailableForLiveDecode, "live decode"),
-        (lambda m: larql.generate(m, "standard", PROMPT, temperature=-1), larql.LarqlError,
-         "temperature must be ≥ 0"),
+        (
+            lambda m: larql.generate(m, "standard", PROMPT, temperature=-1),
+            larql.LarqlError,
+            "temperature must be ≥ 0",
+        ),
         (lambda m: larql.generate(m, "standard", [1] * 9000), ContextOverflow, "context is"),
         (lambda m: larql.stream(m, 42, PROMPT), larql.InvalidInput, "spec string"),
-        (lambda m: larql.teacher_forced_logits(m, "standard", [1, 2], prompt_tokens=3),
-         larql.InvalidInput, "prompt_tokens must be in 1..2"),
-        (lambda m: larql.bench(m, "standard", context=8, prompt="x"), larql.InvalidInput,
-         "give one of context, depths, prompt"),
+        (
+            lambda m: larql.teacher_forced_logits(m, "standard", [1, 2], prompt_tokens=3),
+            larql.InvalidInput,
+            "prompt_tokens must be in 1..2",
+        ),
+        (
+            lambda m: larql.bench(m, "standard", context=8, prompt="x"),
+            larql.InvalidInput,
+            "give one of context, depths, prompt",
+        ),
         (lambda m: larql.bench(m, ";"), larql.InvalidInput, "engine list is empty"),
         (lambda m: larql.accuracy(m, "standard", ffn="walk:k=0"), larql.LarqlError, "k"),
         (lambda m: larql.load_model("no-such-model"), larql.LarqlError, "unknown model"),
         (lambda m: larql.load_model(threads=0), larql.InvalidInput, "threads must be ≥ 1"),
     ],
-)  # fmt: skip
+)
 def test_bad_input_is_a_typed_error(model: Model, call, error, message: str) -> None:
     with pytest.raises(error, match=message):
         call(model)
@@ -160,16 +175,26 @@ def test_empty_ids_are_refused_before_the_engine(model: Model) -> None:
 
 @pytest.mark.slow
 def test_bench_and_accuracy_return_the_cli_reports(model: Model) -> None:
-    bench = larql.bench(model, ["standard", larql.parse_engine("no-cache")], depths=[0, 8],
-                        tokens=2, warmup=0, repeats=1)  # fmt: skip
+    bench = larql.bench(
+        model,
+        ["standard", larql.parse_engine("no-cache")],
+        depths=[0, 8],
+        tokens=2,
+        warmup=0,
+        repeats=1,
+    )
     data = bench.as_dict()
     assert data["schema"] == "larql.bench/1"
     assert [(r["spec"], r["depth"]) for r in data["rows"]] == [
-        ("standard", 0), ("no-cache", 0), ("standard", 8), ("no-cache", 8)
-    ]  # fmt: skip
+        ("standard", 0),
+        ("no-cache", 0),
+        ("standard", 8),
+        ("no-cache", 8),
+    ]
     lossy = "turbo-quant:bits=2,recent=0"
-    report = larql.accuracy(model, f"standard;{lossy}", quick=True, positions=8,
-                            needle_max_tokens=0, conflict=False)  # fmt: skip
+    report = larql.accuracy(
+        model, f"standard;{lossy}", quick=True, positions=8, needle_max_tokens=0, conflict=False
+    )
     data = report.as_dict()
     assert data["schema"] == "larql.accuracy/1" and data["kv_engines"] == ["standard", lossy]
     by_spec = {f.spec: f for f in report.fidelity}

@@ -86,6 +86,14 @@ def test_the_api_document_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 def test_the_document_names_every_api_function() -> None:
     text = API_DOC.read_text()
-    for name in ("load_model", "parse_engine", "parse_engines", "generate", "stream",
-                 "teacher_forced_logits", "bench", "accuracy"):  # fmt: skip
+    for name in (
+        "load_model",
+        "parse_engine",
+        "parse_engines",
+        "generate",
+        "stream",
+        "teacher_forced_logits",
+        "bench",
+        "accuracy",
+    ):
         assert f"larql.{name}(" in text, name

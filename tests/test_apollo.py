@@ -374,8 +374,12 @@ def test_spec_parameters_and_kind() -> None:
     kind = parse_engine("apollo")
     assert kind.entry.kind == "retrieval" and kind.live_decode is False
     assert dict(kind.params) == {
-        "layer": None, "coef": 10.0, "top_k": 8, "store": None, "bos": None
-    }  # fmt: skip
+        "layer": None,
+        "coef": 10.0,
+        "top_k": 8,
+        "store": None,
+        "bos": None,
+    }
     parsed = parse_engine("apollo:layer=25,coef=8.0,top_k=12")
     assert (parsed.params["layer"], parsed.params["coef"], parsed.params["top_k"]) == (25, 8.0, 12)
     with pytest.raises(NotAvailableForLiveDecode, match="not available for live decode"):

@@ -127,8 +127,12 @@ def gguf_bytes(
 ) -> bytes:
     """A GGUF byte by byte: metadata (key, value type, packed value), tensors (name, dims in
     GGUF order, type, offset), then `data` at 32-byte alignment; counts may lie."""
-    out = b"GGUF" + struct.pack("<IQQ", version, len(tensors) if n_tensors is None else n_tensors,
-                                len(kv) if n_kv is None else n_kv)  # fmt: skip
+    out = b"GGUF" + struct.pack(
+        "<IQQ",
+        version,
+        len(tensors) if n_tensors is None else n_tensors,
+        len(kv) if n_kv is None else n_kv,
+    )
     for key, vtype, value in kv:
         out += _string(key) + struct.pack("<I", vtype) + value
     for name, dims, qtype, offset in tensors:
@@ -154,17 +158,20 @@ CRAFTED_GGUFS: dict[str, tuple[bytes, str]] = {
     "a terabyte of tensors": (gguf_bytes(n_tensors=TERA), "tensor count"),
     "a terabyte of keys": (gguf_bytes(n_kv=TERA), "metadata key count"),
     "a terabyte-long key": (
-        b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, TERA) + bytes(32), "the length of metadata key"
+        b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, TERA) + bytes(32),
+        "the length of metadata key",
     ),
     "a terabyte-long string": (
-        gguf_bytes([("general.name", STRING, struct.pack("<Q", TERA))]), "general.name"
+        gguf_bytes([("general.name", STRING, struct.pack("<Q", TERA))]),
+        "general.name",
     ),
     "a terabyte-long array": (
         gguf_bytes([("tokenizer.ggml.tokens", ARRAY, struct.pack("<IQ", STRING, TERA))]),
         "tokenizer.ggml.tokens",
     ),
     "arrays nested without end": (
-        gguf_bytes([("x", ARRAY, struct.pack("<IQ", ARRAY, 1) * 1000)]), "nests arrays"
+        gguf_bytes([("x", ARRAY, struct.pack("<IQ", ARRAY, 1) * 1000)]),
+        "nests arrays",
     ),
     "an unknown value type": (gguf_bytes([("x", 99, b"\0" * 8)]), "unknown value type"),
     "a tensor of 5 dimensions": (gguf_bytes([ARCH], [("t", (1,) * 5, F32, 0)]), "dimensions"),
@@ -174,10 +181,12 @@ CRAFTED_GGUFS: dict[str, tuple[bytes, str]] = {
         "runs past the end",
     ),
     "a tensor at a misaligned offset": (
-        gguf_bytes([ARCH], [("t", (4,), F32, 3)], data=bytes(64)), "not aligned"
+        gguf_bytes([ARCH], [("t", (4,), F32, 3)], data=bytes(64)),
+        "not aligned",
     ),
     "a tensor with a zero dimension": (
-        gguf_bytes([ARCH], [("t", (0, 4), F32, 0)], data=bytes(64)), "every dimension"
+        gguf_bytes([ARCH], [("t", (0, 4), F32, 0)], data=bytes(64)),
+        "every dimension",
     ),
     "a tensor listed twice": (
         gguf_bytes([ARCH], [("t", (4,), F32, 0), ("t", (4,), F32, 0)], data=bytes(64)),
@@ -189,9 +198,10 @@ CRAFTED_GGUFS: dict[str, tuple[bytes, str]] = {
     ),
     "no model keys": (gguf_bytes([ARCH]), "llama.embedding_length is missing"),
     "an architecture larql does not run": (
-        gguf_bytes([("general.architecture", STRING, _string("falcon"))]), "'falcon'"
+        gguf_bytes([("general.architecture", STRING, _string("falcon"))]),
+        "'falcon'",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", CRAFTED_GGUFS, ids=list(CRAFTED_GGUFS))
@@ -247,11 +257,12 @@ GGUF_METADATA_CASES: dict[str, tuple[dict[str, Any], str]] = {
     "no tokens": ({"tokenizer.ggml.tokens": None}, "no tokenizer"),
     "tokens that are numbers": ({"tokenizer.ggml.tokens": list(range(VOCAB))}, "strings"),
     "token types of another length": (
-        {"tokenizer.ggml.token_type": np.ones(3, np.int32)}, "token_type"
+        {"tokenizer.ggml.token_type": np.ones(3, np.int32)},
+        "token_type",
     ),
     "an unknown tokenizer": ({"tokenizer.ggml.model": "bert"}, "'bert'"),
     "a chat template that is a number": ({"tokenizer.chat_template": 3}, "chat_template"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", GGUF_METADATA_CASES, ids=list(GGUF_METADATA_CASES))
@@ -297,42 +308,76 @@ def test_mutated_gguf_header_bytes_load_or_are_refused(
 
 
 JSON_SCALARS = (
-    st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.integers(-4, 300)
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 70), 1 << 70)
+    | st.integers(-4, 300)
     | st.just(10**400)
-    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8)
-)  # fmt: skip
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8)
+)
 JSON_VALUES = st.recursive(
-    JSON_SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-        st.text(max_size=4), inner, max_size=3), max_leaves=6
-)  # fmt: skip
+    JSON_SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
 NAMES = st.sampled_from(["none", "linear", "yarn", "gpt2", "llama", "qwen2", "a b", "▁w"])
 GGUF_VALUES = (
-    st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.integers(0, 300)
-    | st.floats(width=32) | st.text(max_size=8) | NAMES
+    st.booleans()
+    | st.integers(-(1 << 63), (1 << 64) - 1)
+    | st.integers(0, 300)
+    | st.floats(width=32)
+    | st.text(max_size=8)
+    | NAMES
     | st.lists(st.integers(0, 300), min_size=1, max_size=4)
     | st.lists(st.text(max_size=4) | NAMES, min_size=1, max_size=VOCAB + 2)
-)  # fmt: skip
+)
 NUMBERS = st.integers(-3, 70_000) | st.floats(allow_nan=True, allow_infinity=True)
 # RoPE parameters as a config writes them, their values anything numeric
 ROPE_PARAMETERS = st.fixed_dictionaries(
-    {"rope_type": st.sampled_from(["default", "linear", "dynamic", "llama3", "yarn", "longrope",
-                                   "proportional", "su"]),
-     "rope_theta": NUMBERS},
-    optional={key: NUMBERS for key in (
-        "factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
-        "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim",
-        "partial_rotary_factor")}
-    | {"short_factor": st.lists(NUMBERS, max_size=8), "long_factor": st.lists(NUMBERS, max_size=8),
-       "truncate": JSON_SCALARS},
-)  # fmt: skip
+    {
+        "rope_type": st.sampled_from(
+            ["default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional", "su"]
+        ),
+        "rope_theta": NUMBERS,
+    },
+    optional={
+        key: NUMBERS
+        for key in (
+            "factor",
+            "original_max_position_embeddings",
+            "low_freq_factor",
+            "high_freq_factor",
+            "beta_fast",
+            "beta_slow",
+            "attention_factor",
+            "mscale",
+            "mscale_all_dim",
+            "partial_rotary_factor",
+        )
+    }
+    | {
+        "short_factor": st.lists(NUMBERS, max_size=8),
+        "long_factor": st.lists(NUMBERS, max_size=8),
+        "truncate": JSON_SCALARS,
+    },
+)
 
 
 # keys the tiny file does not have, that a mutation may add
 OPTIONAL_GGUF_KEYS = [
-    "llama.vocab_size", "llama.attention.sliding_window", "llama.rope.scaling.type",
-    "llama.rope.scaling.factor", "llama.expert_count", "llama.residual_scale", "llama.logit_scale",
-    "tokenizer.ggml.eos_token_id", "tokenizer.ggml.merges",
-]  # fmt: skip
+    "llama.vocab_size",
+    "llama.attention.sliding_window",
+    "llama.rope.scaling.type",
+    "llama.rope.scaling.factor",
+    "llama.expert_count",
+    "llama.residual_scale",
+    "llama.logit_scale",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.merges",
+]
 
 
 @HYPOTHESIS
@@ -410,7 +455,7 @@ CONFIG_VALUES: dict[str, tuple[dict[str, Any], str]] = {
     "an eos id past the vocabulary": ({"eos_token_id": 10**6}, "eos_token_id"),
     "a softcap of zero": ({"final_logit_softcapping": 0}, "final_logit_softcapping"),
     "quantization settings of a list": ({"quantization_config": [1]}, "quantization_config"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", CONFIG_VALUES, ids=list(CONFIG_VALUES))
@@ -450,18 +495,18 @@ SAFETENSORS_CASES: dict[str, tuple[Callable[[dict[str, torch.Tensor]], None], st
         "has shape",
     ),
     "a norm of another shape": (
-        lambda s: s.update({"model.norm.weight": torch.zeros(3)}), "has shape"
+        lambda s: s.update({"model.norm.weight": torch.zeros(3)}),
+        "has shape",
     ),
     "integer weights": (
-        lambda s: s.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(80, 48,
-                                                                             dtype=torch.int64)}),
+        lambda s: s.update(
+            {"model.layers.0.mlp.up_proj.weight": torch.zeros(80, 48, dtype=torch.int64)}
+        ),
         "I64",
     ),
-    "a missing tensor": (
-        lambda s: s.pop("model.layers.1.mlp.down_proj.weight"), "missing tensor"
-    ),
+    "a missing tensor": (lambda s: s.pop("model.layers.1.mlp.down_proj.weight"), "missing tensor"),
     "no LM head in an untied model": (lambda s: s.pop("lm_head.weight"), "lm_head"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", SAFETENSORS_CASES, ids=list(SAFETENSORS_CASES))
@@ -489,11 +534,15 @@ TOKENIZER_FILES: dict[str, tuple[bytes, str]] = {
     "not JSON": (b"{", "tokenizer"),
     "JSON but no tokenizer": (b'{"model": 3}', "tokenizer"),
     "ids past the vocabulary": (
-        json.dumps({"version": "1.0", "model": {"type": "WordLevel", "unk_token": "a",
-                                                "vocab": {"a": 0, "b": 10_000}}}).encode(),
+        json.dumps(
+            {
+                "version": "1.0",
+                "model": {"type": "WordLevel", "unk_token": "a", "vocab": {"a": 0, "b": 10_000}},
+            }
+        ).encode(),
         "past the model's vocab_size",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", TOKENIZER_FILES, ids=list(TOKENIZER_FILES))
@@ -512,13 +561,32 @@ def test_a_broken_chat_template_file_is_refused(hf_dir: Path, tmp_path: Path) ->
 
 
 CONFIG_KEYS = [
-    "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-    "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "bos_token_id",
-    "eos_token_id", "rope_parameters", "rope_scaling", "rope_theta", "hidden_act",
-    "sliding_window", "layer_types", "attn_logit_softcapping", "query_pre_attn_scalar",
-    "partial_rotary_factor", "num_local_experts", "per_layer_config", "num_kv_shared_layers",
-]  # fmt: skip
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "hidden_act",
+    "sliding_window",
+    "layer_types",
+    "attn_logit_softcapping",
+    "query_pre_attn_scalar",
+    "partial_rotary_factor",
+    "num_local_experts",
+    "per_layer_config",
+    "num_kv_shared_layers",
+]
 
 
 @HYPOTHESIS
@@ -593,21 +661,26 @@ FRAME_CASES: dict[str, Callable[[Path], None]] = {
     "truncated": lambda p: p.write_bytes(p.read_bytes()[:-5]),
     "a terabyte header": lambda p: p.write_bytes(struct.pack("<Q", TERA) + b"{}"),
     "no metadata": lambda p: write_frame(p, None, good_payload()),
-    "metadata not JSON": lambda p: save_file({"payload": good_payload()}, str(p),
-                                             metadata={METADATA_KEY: "{"}),
+    "metadata not JSON": lambda p: save_file(
+        {"payload": good_payload()}, str(p), metadata={METADATA_KEY: "{"}
+    ),
     "metadata a list": lambda p: write_frame(p, [1], good_payload()),
     "no payload": lambda p: write_frame(p, good_doc(), None),
     "a float payload": lambda p: write_frame(p, good_doc(), torch.zeros(4)),
     "another version": lambda p: write_frame(p, {**good_doc(), "version": 99}, good_payload()),
-    "a token_end of text": lambda p: write_frame(p, {**good_doc(), "token_end": "8"},
-                                                 good_payload()),
+    "a token_end of text": lambda p: write_frame(
+        p, {**good_doc(), "token_end": "8"}, good_payload()
+    ),
     "an unknown codec": lambda p: write_frame(
-        p, {**good_doc(), "payload": {**good_doc()["payload"], "codec": "zip"}}, good_payload()),
+        p, {**good_doc(), "payload": {**good_doc()["payload"], "codec": "zip"}}, good_payload()
+    ),
     "a payload of another width": lambda p: write_frame(
-        p, {**good_doc(), "hidden_size": 9}, good_payload()),
+        p, {**good_doc(), "hidden_size": 9}, good_payload()
+    ),
     "payload bytes that disagree": lambda p: write_frame(
-        p, {**good_doc(), "payload": {**good_doc()["payload"], "bytes": 3}}, good_payload()),
-}  # fmt: skip
+        p, {**good_doc(), "payload": {**good_doc()["payload"], "bytes": 3}}, good_payload()
+    ),
+}
 
 
 @pytest.mark.parametrize("case", FRAME_CASES, ids=list(FRAME_CASES))
@@ -618,9 +691,19 @@ def test_corrupted_boundary_frames_are_refused(case: str, archive: Path) -> None
 
 
 FRAME_KEYS = [
-    "version", "identity", "sequence_id", "boundary_id", "token_start", "token_end", "layer",
-    "hidden_size", "metadata", "payload", "fallback_policy", "run_id",
-]  # fmt: skip
+    "version",
+    "identity",
+    "sequence_id",
+    "boundary_id",
+    "token_start",
+    "token_end",
+    "layer",
+    "hidden_size",
+    "metadata",
+    "payload",
+    "fallback_policy",
+    "run_id",
+]
 
 
 @HYPOTHESIS
@@ -651,10 +734,18 @@ HIDDEN = 4
 
 
 MANIFEST = StoreManifest(
-    version=1, model="tiny", hidden_size=HIDDEN, num_entries=2, num_windows=2, num_tokens=5,
-    entries_per_window=4, crystal_layer=1, window_size=3, arch_config=ArchConfig(2, 0, 1, 10.0),
+    version=1,
+    model="tiny",
+    hidden_size=HIDDEN,
+    num_entries=2,
+    num_windows=2,
+    num_tokens=5,
+    entries_per_window=4,
+    crystal_layer=1,
+    window_size=3,
+    arch_config=ArchConfig(2, 0, 1, 10.0),
     has_residuals=True,
-)  # fmt: skip
+)
 
 
 def apollo_store(directory: Path) -> Path:
@@ -689,23 +780,31 @@ def _npz(path: Path, members: dict[str, bytes], method: int = zipfile.ZIP_STORED
 STORE_CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "a boundary declaring a terabyte": (
         lambda d: (d / "boundaries" / "window_000.npy").write_bytes(
-            npy_header_bytes((TERA,)) + bytes(16)),
+            npy_header_bytes((TERA,)) + bytes(16)
+        ),
         "window_000.npy",
     ),
     "a token list declaring a terabyte": (
-        lambda d: _npz(d / "window_token_lists.npz",
-                       {"0.npy": npy_header_bytes((TERA,), "<u4") + bytes(12),
-                        "1.npy": npy_header_bytes((2,), "<u4") + bytes(8)}),
+        lambda d: _npz(
+            d / "window_token_lists.npz",
+            {
+                "0.npy": npy_header_bytes((TERA,), "<u4") + bytes(12),
+                "1.npy": npy_header_bytes((2,), "<u4") + bytes(8),
+            },
+        ),
         "window_token_lists.npz",
     ),
     "a compressed member declaring a terabyte": (
-        lambda d: _npz(d / "entries.npz",
-                       {"entries.npy": npy_header_bytes((TERA,), ENTRY_DTYPE.descr)},
-                       zipfile.ZIP_DEFLATED),
+        lambda d: _npz(
+            d / "entries.npz",
+            {"entries.npy": npy_header_bytes((TERA,), ENTRY_DTYPE.descr)},
+            zipfile.ZIP_DEFLATED,
+        ),
         "entries.npz",
     ),
     "a member that is not an array": (
-        lambda d: _npz(d / "entries.npz", {"entries.txt": b"x" * 64}), "entries.npz"
+        lambda d: _npz(d / "entries.npz", {"entries.txt": b"x" * 64}),
+        "entries.npz",
     ),
     "a pickled array": (
         lambda d: np.save(d / "boundary_residual.npy", np.array([object()]), allow_pickle=True),
@@ -713,11 +812,12 @@ STORE_CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     ),
     "manifest not JSON": (lambda d: (d / "manifest.json").write_text("{"), "manifest.json"),
     "manifest counts past any store": (
-        lambda d: (d / "manifest.json").write_text(json.dumps(
-            {**json.loads((d / "manifest.json").read_text()), "hidden_size": 10**30})),
+        lambda d: (d / "manifest.json").write_text(
+            json.dumps({**json.loads((d / "manifest.json").read_text()), "hidden_size": 10**30})
+        ),
         "hidden_size",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", STORE_CASES, ids=list(STORE_CASES))
@@ -730,9 +830,18 @@ def test_corrupted_apollo_stores_are_refused(case: str, tmp_path: Path) -> None:
 
 
 MANIFEST_KEYS = [
-    "version", "model", "hidden_size", "num_entries", "num_windows", "num_tokens",
-    "entries_per_window", "crystal_layer", "window_size", "arch_config", "has_residuals",
-]  # fmt: skip
+    "version",
+    "model",
+    "hidden_size",
+    "num_entries",
+    "num_windows",
+    "num_tokens",
+    "entries_per_window",
+    "crystal_layer",
+    "window_size",
+    "arch_config",
+    "has_residuals",
+]
 
 
 @HYPOTHESIS

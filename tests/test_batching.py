@@ -211,9 +211,13 @@ def test_the_catalog_says_which_engines_batch() -> None:
 
 def _alone_tokens(model: Model, req: SessionRequest, spec: str = "standard") -> list[int]:
     return generate(
-        parse_engine(spec).build(model), model, DenseFfn(model), list(req.prompt_ids),
-        req.max_new_tokens, stop_ids=frozenset(),
-    ).tokens  # fmt: skip
+        parse_engine(spec).build(model),
+        model,
+        DenseFfn(model),
+        list(req.prompt_ids),
+        req.max_new_tokens,
+        stop_ids=frozenset(),
+    ).tokens
 
 
 def _long_prompt(model: Model) -> tuple[int, ...]:

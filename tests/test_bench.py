@@ -24,16 +24,56 @@ from larql.kv import parse_engine
 from larql.models import Model
 
 ROW_KEYS = {
-    "spec", "label", "depth", "prompt_tokens", "prefill_ms", "decode_ms", "fwd_ms", "head_ms",
-    "tok_s", "tok_s_runs", "memory", "context_tokens", "bytes_per_token", "fp16_full_bytes",
-    "ratio_vs_fp16_full", "achieved_gbs", "bandwidth_share", "peak_working_bytes", "stages",
-    "error", "vs_hf", "backend", "ms_per_tok", "tok_per_s", "wire_bytes_per_tok", "n_steps", "note",
-}  # fmt: skip
+    "spec",
+    "label",
+    "depth",
+    "prompt_tokens",
+    "prefill_ms",
+    "decode_ms",
+    "fwd_ms",
+    "head_ms",
+    "tok_s",
+    "tok_s_runs",
+    "memory",
+    "context_tokens",
+    "bytes_per_token",
+    "fp16_full_bytes",
+    "ratio_vs_fp16_full",
+    "achieved_gbs",
+    "bandwidth_share",
+    "peak_working_bytes",
+    "stages",
+    "error",
+    "vs_hf",
+    "backend",
+    "ms_per_tok",
+    "tok_per_s",
+    "wire_bytes_per_tok",
+    "n_steps",
+    "note",
+}
 META_KEYS = {
-    "schema", "timestamp", "model", "dtype", "device", "threads", "torch", "git_commit", "text",
-    "prompt_hashes", "new_tokens", "warmup", "repeats", "ffn", "copy_bandwidth_gbs", "method",
-    "rows", "hf", "batch_rows", "concurrent_rows",
-}  # fmt: skip
+    "schema",
+    "timestamp",
+    "model",
+    "dtype",
+    "device",
+    "threads",
+    "torch",
+    "git_commit",
+    "text",
+    "prompt_hashes",
+    "new_tokens",
+    "warmup",
+    "repeats",
+    "ffn",
+    "copy_bandwidth_gbs",
+    "method",
+    "rows",
+    "hf",
+    "batch_rows",
+    "concurrent_rows",
+}
 
 
 def test_nearest_rank_percentiles() -> None:
@@ -170,18 +210,37 @@ def test_cli_json_schema_and_depths(tmp_path: Path) -> None:
     plot = tmp_path / "bench.png"
     result = CliRunner().invoke(
         app,
-        ["bench", "--engine", "standard;no-cache", "-n", "2", "--warmup", "0", "--repeats", "1",
-         "--depths", "0,12", "--output", "json", "--output-file", str(out_file),
-         "--plot", str(plot)],
-    )  # fmt: skip
+        [
+            "bench",
+            "--engine",
+            "standard;no-cache",
+            "-n",
+            "2",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--depths",
+            "0,12",
+            "--output",
+            "json",
+            "--output-file",
+            str(out_file),
+            "--plot",
+            str(plot),
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert set(data) == META_KEYS
     assert data == json.loads(out_file.read_text())
     assert data["schema"] == "larql.bench/1" and data["copy_bandwidth_gbs"] > 0
     assert [(r["spec"], r["depth"], r["prompt_tokens"]) for r in data["rows"]] == [
-        ("standard", 0, 1), ("no-cache", 0, 1), ("standard", 12, 12), ("no-cache", 12, 12),
-    ]  # fmt: skip
+        ("standard", 0, 1),
+        ("no-cache", 0, 1),
+        ("standard", 12, 12),
+        ("no-cache", 12, 12),
+    ]
     for row in data["rows"]:
         assert set(row) == ROW_KEYS
         assert row["vs_hf"] is None  # no peer was measured
@@ -214,9 +273,24 @@ def test_cli_rejects_unknown_engines_and_bad_options() -> None:
 def test_cli_concurrent_rows_time_threads_stepping_alone() -> None:
     result = CliRunner().invoke(
         app,
-        ["bench", "--engine", "standard;no-cache", "-n", "2", "--warmup", "1", "--repeats", "1",
-         "--context", "8", "--concurrent", "2", "--output", "json"],
-    )  # fmt: skip
+        [
+            "bench",
+            "--engine",
+            "standard;no-cache",
+            "-n",
+            "2",
+            "--warmup",
+            "1",
+            "--repeats",
+            "1",
+            "--context",
+            "8",
+            "--concurrent",
+            "2",
+            "--output",
+            "json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)["concurrent_rows"]
     assert [(r["spec"], r["concurrent"]) for r in rows] == [("standard", 2), ("no-cache", 2)]
@@ -229,9 +303,24 @@ def test_cli_concurrent_rows_time_threads_stepping_alone() -> None:
 def test_cli_batch_rows_time_sessions_decoding_at_once() -> None:
     result = CliRunner().invoke(
         app,
-        ["bench", "--engine", "standard;no-cache", "-n", "2", "--warmup", "0", "--repeats", "1",
-         "--context", "8", "--batch", "1,3", "--output", "json"],
-    )  # fmt: skip
+        [
+            "bench",
+            "--engine",
+            "standard;no-cache",
+            "-n",
+            "2",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--context",
+            "8",
+            "--batch",
+            "1,3",
+            "--output",
+            "json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     rows = {(r["spec"], r["batch"]): r for r in json.loads(result.stdout)["batch_rows"]}
     assert set(rows) == {("standard", 1), ("standard", 3), ("no-cache", 1), ("no-cache", 3)}
@@ -253,9 +342,25 @@ def test_vs_hf_adds_a_peer_row_and_ratios(tmp_path: Path) -> None:
     build_tiny_model("llama", tmp_path)
     result = CliRunner().invoke(
         app,
-        ["bench", "-m", str(tmp_path), "--engine", "standard", "-n", "2", "--warmup", "0",
-         "--repeats", "1", "--context", "8", "--vs-hf", "--output", "json"],
-    )  # fmt: skip
+        [
+            "bench",
+            "-m",
+            str(tmp_path),
+            "--engine",
+            "standard",
+            "-n",
+            "2",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--context",
+            "8",
+            "--vs-hf",
+            "--output",
+            "json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     peer = data["hf"]["8"]  # keyed by depth: the 8 tokens of context

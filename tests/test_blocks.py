@@ -222,14 +222,16 @@ def test_fused_qkv_is_norm_product_and_rope(rotary: int) -> None:
     angles = torch.rand(rotary // 2, generator=g) * 6
     cos = torch.cat((angles.cos(), angles.cos()))
     sin = torch.cat((-angles.sin(), angles.sin()))
-    got = kernels.decode_qkv(h, norm, 1e-5, rows.data, FORMAT_CODES["q4_1"], bias, cos, sin,
-                             heads + kv_heads, dim, 0)  # fmt: skip
+    got = kernels.decode_qkv(
+        h, norm, 1e-5, rows.data, FORMAT_CODES["q4_1"], bias, cos, sin, heads + kv_heads, dim, 0
+    )
     x = F.rms_norm(h.double(), (width,), norm.double(), 1e-5)
     qkv = (x @ rows.dequantize().double().T + bias.double()).view(-1, dim)  # [heads, D]
     rotated = qkv[: heads + kv_heads]
     want = qkv.clone()
-    want[: heads + kv_heads] = apply_rope(rotated.unsqueeze(1), cos.double()[None],
-                                          sin.double()[None]).squeeze(1)  # fmt: skip
+    want[: heads + kv_heads] = apply_rope(
+        rotated.unsqueeze(1), cos.double()[None], sin.double()[None]
+    ).squeeze(1)
     assert torch.allclose(got.double(), want.reshape(-1), rtol=1e-5, atol=1e-4)
 
 
@@ -271,8 +273,9 @@ def test_fused_pieces_with_integer_input_are_the_integer_products(
     x = F.rms_norm(h, (width,), norm, 1e-5).reshape(-1)
     qkv_rows = _random_rows(qtype, heads * dim, width, 10)
     ones, zeros = torch.ones(dim), torch.zeros(dim)  # RoPE at angle 0: the identity
-    got = kernels.decode_qkv(h, norm, 1e-5, qkv_rows.data, code, None, ones, zeros, heads, dim,
-                             bits)  # fmt: skip
+    got = kernels.decode_qkv(
+        h, norm, 1e-5, qkv_rows.data, code, None, ones, zeros, heads, dim, bits
+    )
     assert torch.allclose(got, product(x, qkv_rows), rtol=1e-4, atol=1e-4)
     wo = _random_rows(qtype, width, 96, 11)
     attn = torch.randn(1, 96, generator=g)
@@ -356,18 +359,25 @@ def test_fused_decode_step_matches_the_operator_path(
     ("spec", "prompt", "weights"),
     [
         # a prompt longer than the compiled layer takes: prefilled by the operators both times
-        *((spec, 0, weights) for spec in ("standard", "standard:window=24")
-          for weights in ("blocks-float", "auto")),
+        *(
+            (spec, 0, weights)
+            for spec in ("standard", "standard:window=24")
+            for weights in ("blocks-float", "auto")
+        ),
         # a short prompt's rows (causal, windowed) through the compiled layer too; with int16
         # inputs its many rows' roundings differ from the operators' by a code here and there
         # (rms_norm's sums in another order), so the float inputs show the arithmetic alike
         ("standard:window=8", 14, "blocks-float"),
     ],
-)  # fmt: skip
+)
 def test_the_compiled_decode_layer_is_the_layer_step(
-    spec: str, prompt: int, weights: str, blocks_smollm2: Model, auto_smollm2: Model,
+    spec: str,
+    prompt: int,
+    weights: str,
+    blocks_smollm2: Model,
+    auto_smollm2: Model,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     """Decode rows, and a prompt of up to `model_block_rows` rows, through the compiled layer give
     the operators' logits."""
     _kernels_or_skip()

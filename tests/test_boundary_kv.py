@@ -389,9 +389,15 @@ def test_boundary_ls_lists_an_archive_written_by_larql_run(
     archive = tmp_path / "frames"
     prompt = "The capital of France is"
     result = cli(
-        "run", prompt, "-n", "12", "--engine", f"boundary-kv:chunk_tokens=4,archive={archive}",
-        "--output", "json",
-    )  # fmt: skip
+        "run",
+        prompt,
+        "-n",
+        "12",
+        "--engine",
+        f"boundary-kv:chunk_tokens=4,archive={archive}",
+        "--output",
+        "json",
+    )
     assert result.exit_code == 0, result.output
     generated = json.loads(result.stdout.strip().splitlines()[-1])
     positions = generated["prompt_tokens"] + len(generated["tokens"]) - 1  # last token not fed

@@ -23,15 +23,25 @@ PROMPT = "The quick brown fox jumps over the lazy dog because it was tired of wa
 def test_exact_while_everything_fits(spec: str, smollm2_f64: Model) -> None:
     ids = smollm2_f64.tokenizer.encode(PROMPT)
     assert len(ids) <= 24  # prompt and decoded rows fit both budgets
-    assert relative_error(teacher_forced(smollm2_f64, spec, ids, 10),
-                          teacher_forced(smollm2_f64, "standard", ids, 10)) <= 1e-9  # fmt: skip
+    assert (
+        relative_error(
+            teacher_forced(smollm2_f64, spec, ids, 10),
+            teacher_forced(smollm2_f64, "standard", ids, 10),
+        )
+        <= 1e-9
+    )
 
 
 @pytest.mark.parametrize("spec", ["snapkv:budget=4,window=2", "h2o:budget=6,recent=2"])
 def test_evicting_changes_the_output(spec: str, smollm2_f64: Model) -> None:
     ids = smollm2_f64.tokenizer.encode(PROMPT)
-    assert relative_error(teacher_forced(smollm2_f64, spec, ids, 12),
-                          teacher_forced(smollm2_f64, "standard", ids, 12)) > 1e-3  # fmt: skip
+    assert (
+        relative_error(
+            teacher_forced(smollm2_f64, spec, ids, 12),
+            teacher_forced(smollm2_f64, "standard", ids, 12),
+        )
+        > 1e-3
+    )
 
 
 def test_snapkv_keeps_budget_and_window_then_appends(smollm2: Model) -> None:
@@ -99,10 +109,22 @@ def test_fidelity_with_a_long_prompt_sees_snapkv_compress(tmp_path) -> None:
     out = tmp_path / "fidelity.json"
     result = CliRunner().invoke(
         app,
-        ["accuracy", "--quick", "--no-conflict", "--needle-max-tokens", "128", "--prompt-tokens",
-         "40", "--positions", "8", "--engines",
-         "standard;snapkv:budget=4,window=4;snapkv:budget=64", "--output-file", str(out)],
-    )  # fmt: skip
+        [
+            "accuracy",
+            "--quick",
+            "--no-conflict",
+            "--needle-max-tokens",
+            "128",
+            "--prompt-tokens",
+            "40",
+            "--positions",
+            "8",
+            "--engines",
+            "standard;snapkv:budget=4,window=4;snapkv:budget=64",
+            "--output-file",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     kl = {row["spec"]: row["mean_kl"] for row in json.loads(out.read_text())["fidelity"]}
     # the 40-token prompt fits: nothing evicted, so standard's answers up to float rounding (on

@@ -142,8 +142,21 @@ def test_config_with_more_experts_per_token_than_experts_is_typed(
 
 def test_run_and_walk_from_the_cli(mixtral_dir: Path) -> None:
     runner = CliRunner()
-    run = runner.invoke(app, ["run", "w5 w6 w7", "-m", str(mixtral_dir), "-n", "4", "--output",
-                              "json", "--engine", "turbo-quant"])  # fmt: skip
+    run = runner.invoke(
+        app,
+        [
+            "run",
+            "w5 w6 w7",
+            "-m",
+            str(mixtral_dir),
+            "-n",
+            "4",
+            "--output",
+            "json",
+            "--engine",
+            "turbo-quant",
+        ],
+    )
     assert run.exit_code == 0, run.output
     assert len(json.loads(run.stdout.strip().splitlines()[-1])["tokens"]) == 4
     walk = runner.invoke(app, ["walk", "w5 w6 w7", "-m", str(mixtral_dir), "-k", "8"])

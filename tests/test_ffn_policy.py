@@ -69,15 +69,17 @@ def layers_of(spec: str, num_layers: int = LAYERS) -> list[FfnSpec]:
         ("{walk:k=100}@layers=14-27;{dense}@otherwise", MIDDLE_WALK),
         ("{walk:k=100}@layers=14-27;{dense}@layers=0-13,28-29", MIDDLE_WALK),
     ],
-)  # fmt: skip
+)
 def test_appendix_d_policies_that_validate(spec: str, expected: list[FfnSpec]) -> None:
     assert layers_of(spec) == expected
 
 
 def test_remote_walk_binds_every_layer_and_builds_without_a_connection(smollm2: Model) -> None:
     spec = "remote-walk:endpoint=http://shard:8080,wire=f16"
-    assert layers_of(spec) == [FfnSpec("remote-walk", endpoint="http://shard:8080",
-                                              wire="f16")] * LAYERS  # fmt: skip
+    assert (
+        layers_of(spec)
+        == [FfnSpec("remote-walk", endpoint="http://shard:8080", wire="f16")] * LAYERS
+    )
     router = build_ffn(smollm2, spec)  # the reference's RemoteWalkNotYetWired is wired here
     assert all(isinstance(b, RemoteWalkFfn) for b in router.backends)
     assert len({id(b) for b in router.backends}) == 1  # one keep-alive client for the endpoint
@@ -105,7 +107,7 @@ def test_remote_walk_binds_every_layer_and_builds_without_a_connection(smollm2: 
         ("{walk:k=abc}@all", MalformedBackend, {}, "k='abc'"),
         ("{dense}@layers=5", UnknownPredicate, {}, "5-5"),
     ],
-)  # fmt: skip
+)
 def test_appendix_d_errors(spec: str, error: type, attrs: dict, quoted: str) -> None:
     with pytest.raises(error) as raised:
         layers_of(spec)
@@ -189,10 +191,12 @@ def test_unbound_layer_is_the_first_gap() -> None:
         ("walk", walk(None)),
         ("WALK:K=NONE", walk(None)),
         ("walk:k=1536", walk(1536)),
-        ("remote_walk:endpoint=http://a:1/,wire=I8",
-         FfnSpec("remote-walk", endpoint="http://a:1", wire="i8")),
+        (
+            "remote_walk:endpoint=http://a:1/,wire=I8",
+            FfnSpec("remote-walk", endpoint="http://a:1", wire="i8"),
+        ),
     ],
-)  # fmt: skip
+)
 def test_aliases_and_case(spec: str, kind: FfnSpec) -> None:
     assert FfnSpec.parse(spec) == kind
     assert FfnSpec.parse(kind.spec()) == kind
@@ -204,8 +208,10 @@ def test_all_fills_what_explicit_layers_leave() -> None:
 
 
 def test_split_specs_keeps_braces_and_remote_parameters_together() -> None:
-    specs = ("dense, walk:k=100,remote-walk:endpoint=http://a:1,wire=f16,"
-             "{walk:k=100}@layers=14-27;{dense}@layers=0-13,28-29,null,foo")  # fmt: skip
+    specs = (
+        "dense, walk:k=100,remote-walk:endpoint=http://a:1,wire=f16,"
+        "{walk:k=100}@layers=14-27;{dense}@layers=0-13,28-29,null,foo"
+    )
     assert split_specs(specs) == [
         "dense",
         "walk:k=100",
@@ -220,14 +226,42 @@ def test_split_specs_keeps_braces_and_remote_parameters_together() -> None:
 # ---------------------------------------------------------------------------- properties
 
 POLICY_ALPHABET = "{}@;,:=-0123456789 adeklnorstwyhiup_/."
-FRAGMENTS = ["{", "}", "@", ";", ",", "=", "-", "all", "otherwise", "layers=", "dense", "walk",
-             "walk:k=", "null", "off", "none", "remote-walk:endpoint=http://h:1", "wire=f16",
-             "0", "5", "14", "29", "30", "99999999999999999999"]  # fmt: skip
+FRAGMENTS = [
+    "{",
+    "}",
+    "@",
+    ";",
+    ",",
+    "=",
+    "-",
+    "all",
+    "otherwise",
+    "layers=",
+    "dense",
+    "walk",
+    "walk:k=",
+    "null",
+    "off",
+    "none",
+    "remote-walk:endpoint=http://h:1",
+    "wire=f16",
+    "0",
+    "5",
+    "14",
+    "29",
+    "30",
+    "99999999999999999999",
+]
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.one_of(st.text(), st.text(alphabet=POLICY_ALPHABET),
-                 st.lists(st.sampled_from(FRAGMENTS), max_size=12).map("".join)))  # fmt: skip
+@given(
+    st.one_of(
+        st.text(),
+        st.text(alphabet=POLICY_ALPHABET),
+        st.lists(st.sampled_from(FRAGMENTS), max_size=12).map("".join),
+    )
+)
 def test_any_string_parses_or_raises_a_typed_error(spec: str) -> None:
     try:
         policy = FfnLayerPolicy.from_spec(spec)
@@ -397,17 +431,27 @@ def test_every_engine_computes_with_the_policy_it_is_given(
         assert to_policy <= 1e-3, (spec, to_policy)
 
 
-EXACT_UNDER_ANY_FFN = {"standard", "no-cache", "windowed-checkpoint", "markov-rs",
-                       "markov-rs-codec", "boundary-per-layer", "boundary-kv"}  # fmt: skip
+EXACT_UNDER_ANY_FFN = {
+    "standard",
+    "no-cache",
+    "windowed-checkpoint",
+    "markov-rs",
+    "markov-rs-codec",
+    "boundary-per-layer",
+    "boundary-kv",
+}
 
 
 @pytest.mark.parametrize(
     ("written", "canonical"),
     [
-        ("remote-walk:endpoint=http://h:1,dispatch=BATCH", "remote-walk:endpoint=http://h:1,dispatch=batch"),
+        (
+            "remote-walk:endpoint=http://h:1,dispatch=BATCH",
+            "remote-walk:endpoint=http://h:1,dispatch=batch",
+        ),
         ("remote-walk:endpoint=http://h:1,dispatch=streaming", "remote-walk:endpoint=http://h:1"),
     ],
-)  # fmt: skip
+)
 def test_dispatch_round_trips_in_one_spelling(written: str, canonical: str) -> None:
     policy = FfnLayerPolicy.from_spec(written)
     assert policy.spec() == canonical and FfnLayerPolicy.from_spec(canonical) == policy

@@ -46,8 +46,10 @@ from larql.kv import parse_engine
 from larql.models import Model
 from larql.server.ffn_shard import create_ffn_app, start_shard
 
-TEXT = ("The capital of France is Paris. The capital of Germany is Berlin. Water boils at 100 "
-        "degrees Celsius at sea level, and the")  # fmt: skip
+TEXT = (
+    "The capital of France is Paris. The capital of Germany is Berlin. Water boils at 100 "
+    "degrees Celsius at sea level, and the"
+)
 PROMPT = "The capital of France is"
 H = 576
 
@@ -73,8 +75,9 @@ def stats(url: str) -> dict:
 
 def greedy(model: Model, ffn, n: int = 6) -> list[int]:
     ids = model.tokenizer.encode(PROMPT)
-    return generate(parse_engine("standard").build(model), model, ffn, ids, n,
-                    stop_ids=frozenset()).tokens  # fmt: skip
+    return generate(
+        parse_engine("standard").build(model), model, ffn, ids, n, stop_ids=frozenset()
+    ).tokens
 
 
 # ---------------------------------------------------------------------------- wire format
@@ -163,15 +166,18 @@ def test_lossy_wires_report_their_kl(
     log_p, log_q = torch.log_softmax(dense.double(), -1), torch.log_softmax(over.double(), -1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
     agree = (dense.argmax(-1) == over.argmax(-1)).double().mean().item()
-    print(f"wire={wire}: KL(dense‖remote) mean {kl.mean():.3g} max {kl.max():.3g} nats, "
-          f"top-1 agreement {agree:.3f} over {len(kl)} positions")  # fmt: skip
+    print(
+        f"wire={wire}: KL(dense‖remote) mean {kl.mean():.3g} max {kl.max():.3g} nats, "
+        f"top-1 agreement {agree:.3f} over {len(kl)} positions"
+    )
     assert 0 < kl.mean().item() < max_mean_kl
 
 
 def test_two_shards_split_the_layers(smollm2: Model, halves: tuple[str, str]) -> None:
     low, high = halves
-    policy = (f"{{remote-walk:endpoint={low}}}@layers=0-14;"
-              f"{{remote-walk:endpoint={high}}}@layers=15-29")  # fmt: skip
+    policy = (
+        f"{{remote-walk:endpoint={low}}}@layers=0-14;{{remote-walk:endpoint={high}}}@layers=15-29"
+    )
     router = build_ffn(smollm2, policy)
     assert router.backends[14] is not router.backends[15]
     assert greedy(smollm2, router, 4) == greedy(smollm2, DenseFfn(smollm2), 4)
@@ -199,18 +205,24 @@ def test_batched_request_computes_every_listed_layer(smollm2: Model, shard: str)
 def test_json_fallback(smollm2: Model, shard: str) -> None:
     x = torch.randn(2, H)
     dense = DenseFfn(smollm2)
-    single = httpx.post(shard + "/v1/walk-ffn", json={"layer": 3, "seq_len": 2,
-                        "residual": x.ravel().tolist(), "full_output": True}).json()  # fmt: skip
+    single = httpx.post(
+        shard + "/v1/walk-ffn",
+        json={"layer": 3, "seq_len": 2, "residual": x.ravel().tolist(), "full_output": True},
+    ).json()
     assert single["layer"] == 3 and single["seq_len"] == 2
     assert torch.equal(torch.tensor(single["output"]).view(2, H), dense.forward(3, x))
-    batch = httpx.post(shard + "/v1/walk-ffn", json={"layers": [1, 2],
-                       "residual": x[0].tolist()}).json()  # fmt: skip
+    batch = httpx.post(
+        shard + "/v1/walk-ffn", json={"layers": [1, 2], "residual": x[0].tolist()}
+    ).json()
     assert [r["layer"] for r in batch["results"]] == [1, 2]
     # a JSON request may still ask for a binary answer
-    binary = httpx.post(shard + "/v1/walk-ffn", json={"layer": 3, "residual": x[0].tolist()},
-                        headers={"Accept": MEDIA_TYPES[F32]})  # fmt: skip
+    binary = httpx.post(
+        shard + "/v1/walk-ffn",
+        json={"layer": 3, "residual": x[0].tolist()},
+        headers={"Accept": MEDIA_TYPES[F32]},
+    )
     assert binary.headers["content-type"] == MEDIA_TYPES[F32]
-    (_, out), = decode_response(binary.content, F32, H, False)[0]  # fmt: skip
+    ((_, out),) = decode_response(binary.content, F32, H, False)[0]
     assert np.array_equal(out, dense.forward(3, x[:1]).numpy())
 
 
@@ -235,38 +247,85 @@ BAD_REQUESTS = [
     ("not full output", {"content": _binary(0, 1, H, flags=0)}, 400, "malformed_body"),
     ("layer out of range", {"content": _binary(30, 1, H)}, 422, "layer_not_served"),
     ("huge layer id", {"content": _binary(2**32 - 2, 1, H)}, 422, "layer_not_served"),
-    ("batch with a bad layer", {"content": struct.pack("<III", 0xFFFFFFFF, 2, 1)
-                                + struct.pack("<I", 31) + _binary(0, 1, H)[4:]},
-     422, "layer_not_served"),
-    ("invalid JSON", {"content": b"{nope", "headers": {"Content-Type": "application/json"}},
-     400, "malformed_body"),
+    (
+        "batch with a bad layer",
+        {
+            "content": struct.pack("<III", 0xFFFFFFFF, 2, 1)
+            + struct.pack("<I", 31)
+            + _binary(0, 1, H)[4:]
+        },
+        422,
+        "layer_not_served",
+    ),
+    (
+        "invalid JSON",
+        {"content": b"{nope", "headers": {"Content-Type": "application/json"}},
+        400,
+        "malformed_body",
+    ),
     ("JSON without layer", {"json": {"residual": [0.0] * H}}, 400, "malformed_body"),
-    ("JSON wrong hidden size", {"json": {"layer": 1, "residual": [0.0] * 5}},
-     422, "wrong_hidden_size"),
-    ("JSON layer as string", {"json": {"layer": "1", "residual": [0.0] * H}},
-     400, "malformed_body"),
-    ("JSON residual of strings", {"json": {"layer": 1, "residual": ["a"] * H}},
-     400, "malformed_body"),
+    (
+        "JSON wrong hidden size",
+        {"json": {"layer": 1, "residual": [0.0] * 5}},
+        422,
+        "wrong_hidden_size",
+    ),
+    (
+        "JSON layer as string",
+        {"json": {"layer": "1", "residual": [0.0] * H}},
+        400,
+        "malformed_body",
+    ),
+    (
+        "JSON residual of strings",
+        {"json": {"layer": 1, "residual": ["a"] * H}},
+        400,
+        "malformed_body",
+    ),
     ("JSON array body", {"json": [1, 2]}, 400, "malformed_body"),
-    ("text body", {"content": b"hi", "headers": {"Content-Type": "text/plain"}},
-     415, "unsupported_media_type"),
-    ("unacceptable Accept", {"content": _binary(0, 1, H), "headers": {"Accept": "text/html"}},
-     406, "not_acceptable"),
+    (
+        "text body",
+        {"content": b"hi", "headers": {"Content-Type": "text/plain"}},
+        415,
+        "unsupported_media_type",
+    ),
+    (
+        "unacceptable Accept",
+        {"content": _binary(0, 1, H), "headers": {"Accept": "text/html"}},
+        406,
+        "not_acceptable",
+    ),
     ("too large", {"content": _binary(0, 9000, H)}, 413, "too_large"),
-    ("repeated layer ids", {"content": encode_request([0] * 4096, torch.zeros(1, H))},
-     400, "malformed_body"),
-    ("JSON repeated layer ids", {"json": {"layers": [2, 2], "residual": [0.0] * H}},
-     400, "malformed_body"),
-    ("JSON rows declared past the body", {"json": {"layer": 1, "seq_len": 3,
-                                                   "residual": [0.0] * 2 * H}},
-     422, "wrong_hidden_size"),
-    ("JSON number past f32", {"json": {"layer": 1, "residual": [10**400] * H}},
-     400, "malformed_body"),
-]  # fmt: skip
+    (
+        "repeated layer ids",
+        {"content": encode_request([0] * 4096, torch.zeros(1, H))},
+        400,
+        "malformed_body",
+    ),
+    (
+        "JSON repeated layer ids",
+        {"json": {"layers": [2, 2], "residual": [0.0] * H}},
+        400,
+        "malformed_body",
+    ),
+    (
+        "JSON rows declared past the body",
+        {"json": {"layer": 1, "seq_len": 3, "residual": [0.0] * 2 * H}},
+        422,
+        "wrong_hidden_size",
+    ),
+    (
+        "JSON number past f32",
+        {"json": {"layer": 1, "residual": [10**400] * H}},
+        400,
+        "malformed_body",
+    ),
+]
 
 
-@pytest.mark.parametrize(("case", "kwargs", "status", "code"), BAD_REQUESTS,
-                         ids=[c[0] for c in BAD_REQUESTS])  # fmt: skip
+@pytest.mark.parametrize(
+    ("case", "kwargs", "status", "code"), BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS]
+)
 def test_bad_requests_are_4xx_with_a_json_error(
     shard: str, case: str, kwargs: dict, status: int, code: str
 ) -> None:
@@ -291,8 +350,9 @@ def test_a_batch_is_answered_with_what_it_declares(smollm2: Model, shard: str) -
     assert answer.status_code == 200
     assert len(answer.content) == 12 + len(layers) * (12 + rows * H * 4)
     assert len(answer.content) < len(layers) * len(request)  # at most the served layers' worth
-    assert RemoteWalkFfn(shard, hidden_size=H).forward_layers([4, 4, 5], torch.zeros(1, H)).keys() \
-        == {4, 5}  # fmt: skip
+    assert RemoteWalkFfn(shard, hidden_size=H).forward_layers(
+        [4, 4, 5], torch.zeros(1, H)
+    ).keys() == {4, 5}
 
 
 def test_a_shard_reads_no_more_than_its_limits(smollm2: Model) -> None:
@@ -306,8 +366,9 @@ def test_a_shard_reads_no_more_than_its_limits(smollm2: Model) -> None:
         assert httpx.post(server.url + "/v1/walk-ffn", content=_binary(0, 4, H)).status_code == 200
         url = urlsplit(server.url)
         with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
-            sock.sendall(b"POST /v1/walk-ffn HTTP/1.1\r\nHost: shard\r\n"
-                         b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+            sock.sendall(
+                b"POST /v1/walk-ffn HTTP/1.1\r\nHost: shard\r\nTransfer-Encoding: chunked\r\n\r\n"
+            )
             chunk = b"\x00" * 4 * H
             for _ in range(70):  # past 64 rows' worth, and never the closing empty chunk
                 sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
@@ -400,8 +461,9 @@ run_ffn_shard(load_model("smollm2-135m"), None, "127.0.0.1", 0)
 
 
 def _start(argv: list[str]) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    process = subprocess.Popen(
+        argv, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert process.stderr is not None
     for line in process.stderr:
         found = re.search(r"listening on (http://\S+)", line)
@@ -454,8 +516,16 @@ def test_a_shard_killed_mid_generation_ends_with_a_typed_error(smollm2: Model) -
             process.kill()
             process.wait()
 
-        error = _finishes(lambda: generate(parse_engine("standard").build(smollm2), smollm2,
-                                           remote, ids, 8, on_token=kill_after_first))  # fmt: skip
+        error = _finishes(
+            lambda: generate(
+                parse_engine("standard").build(smollm2),
+                smollm2,
+                remote,
+                ids,
+                8,
+                on_token=kill_after_first,
+            )
+        )
         assert seen == greedy(smollm2, DenseFfn(smollm2), 1)
         assert isinstance(error, BackendUnavailable), error
         assert url in str(error) and "cannot be reached" in str(error)
@@ -585,8 +655,9 @@ def test_batch_dispatch_asks_every_layer_of_a_step_in_one_request(
     assert client.stats.requests == requests  # answered by the first layer's request
     ids = smollm2.tokenizer.encode(PROMPT)
     before = client.stats.requests
-    tokens = generate(parse_engine("standard").build(smollm2), smollm2, router, ids, 4,
-                      stop_ids=frozenset()).tokens  # fmt: skip
+    tokens = generate(
+        parse_engine("standard").build(smollm2), smollm2, router, ids, 4, stop_ids=frozenset()
+    ).tokens
     assert len(tokens) == 4 and client.stats.requests - before == 4  # prefill + 3 steps
     router.close()
 
@@ -596,8 +667,9 @@ def test_ffn_dispatch_on_the_command_line(shard: str) -> None:
 
     from larql.cli.app import app
 
-    ran = CliRunner().invoke(app, ["run", PROMPT, "-n", "2", "--ffn", shard,
-                                   "--ffn-dispatch", "batch"])  # fmt: skip
+    ran = CliRunner().invoke(
+        app, ["run", PROMPT, "-n", "2", "--ffn", shard, "--ffn-dispatch", "batch"]
+    )
     assert ran.exit_code == 0, ran.output
     misplaced = CliRunner().invoke(app, ["run", PROMPT, "--ffn-dispatch", "batch"])
     assert misplaced.exit_code == 2 and "applies to --ffn URL" in misplaced.stderr

@@ -54,51 +54,87 @@ CASES = {
     "qwen2": GgufCase("qwen2", "qwen2", dict(tie_word_embeddings=True)),
     "qwen3": GgufCase("qwen3", "qwen3", dict(tie_word_embeddings=False)),
     "mistral-as-llama": GgufCase(
-        "llama", "mistral", dict(sliding_window=WINDOW, tie_word_embeddings=False),
-        permute_qk=True, sliding_window=WINDOW,
+        "llama",
+        "mistral",
+        dict(sliding_window=WINDOW, tie_word_embeddings=False),
+        permute_qk=True,
+        sliding_window=WINDOW,
     ),
     # mixture-of-experts: llama.cpp writes Mixtral as llama with stacked experts
     "mixtral-as-llama": GgufCase(
-        "llama", "mixtral",
+        "llama",
+        "mixtral",
         dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
         permute_qk=True,
     ),
     "qwen2moe": GgufCase(
-        "qwen2moe", "qwen2_moe",
-        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
-             shared_expert_intermediate_size=64, norm_topk_prob=False, mlp_only_layers=[1],
-             tie_word_embeddings=False),
+        "qwen2moe",
+        "qwen2_moe",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=40,
+            shared_expert_intermediate_size=64,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        ),
         larql_arch="qwen2_moe",
     ),
     "qwen3moe": GgufCase(
-        "qwen3moe", "qwen3_moe",
-        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
-             norm_topk_prob=True, tie_word_embeddings=False),
+        "qwen3moe",
+        "qwen3_moe",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=40,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
         larql_arch="qwen3_moe",
     ),
     # embedding, residual, attention and logit multipliers (llama's layout otherwise)
     "granite": GgufCase(
-        "granite", "granite",
-        dict(embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.05,
-             logits_scaling=4.0, tie_word_embeddings=False),
+        "granite",
+        "granite",
+        dict(
+            embedding_multiplier=6.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.05,
+            logits_scaling=4.0,
+            tie_word_embeddings=False,
+        ),
         permute_qk=True,
     ),
     # attention sinks, even layers sliding, experts with biases (llama.cpp's gpt-oss layout)
     "gpt-oss": GgufCase(
-        "gpt-oss", "gpt_oss",
-        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
-             layer_types=["sliding_attention", "full_attention"] * 2, swiglu_limit=7.0,
-             rope_parameters=dict(rope_type="default", rope_theta=10_000.0),
-             tie_word_embeddings=False),
-        sliding_window=WINDOW, larql_arch="gpt_oss",
+        "gpt-oss",
+        "gpt_oss",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            swiglu_limit=7.0,
+            rope_parameters=dict(rope_type="default", rope_theta=10_000.0),
+            tie_word_embeddings=False,
+        ),
+        sliding_window=WINDOW,
+        larql_arch="gpt_oss",
     ),
     "phi3": GgufCase(
-        "phi3", "phi3",
-        dict(sliding_window=WINDOW, partial_rotary_factor=0.5, tie_word_embeddings=False,
-             pad_token_id=0),
-        sliding_window=WINDOW, rotary_dim=6,
+        "phi3",
+        "phi3",
+        dict(
+            sliding_window=WINDOW,
+            partial_rotary_factor=0.5,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+        ),
+        sliding_window=WINDOW,
+        rotary_dim=6,
     ),
-}  # fmt: skip
+}
 
 
 @dataclass
@@ -135,9 +171,14 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         tok = byte_level_gguf_tokenizer(qwen_tokenizer, VOCAB, pre="qwen2")
     path = tmp_path_factory.mktemp(request.param) / f"{request.param}.gguf"
     write_gguf(
-        model, case.gguf_arch, path, tok, permute_qk=case.permute_qk,
-        sliding_window=case.sliding_window, rotary_dim=case.rotary_dim,
-    )  # fmt: skip
+        model,
+        case.gguf_arch,
+        path,
+        tok,
+        permute_qk=case.permute_qk,
+        sliding_window=case.sliding_window,
+        rotary_dim=case.rotary_dim,
+    )
     return TinyGguf(case, path, model)
 
 
@@ -154,8 +195,11 @@ def test_config_reads_the_file(tiny: TinyGguf) -> None:
     routing = config.experts
     assert (routing.num_experts, routing.top_k) == (experts, 2) if experts else routing is None
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
-        hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim,
-    )  # fmt: skip
+        hf.num_hidden_layers,
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
+        hf.head_dim,
+    )
     types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
     window = tiny.case.sliding_window
     expected = [window if kind == "sliding_attention" else None for kind in types]
@@ -265,9 +309,14 @@ def test_block_rows_are_the_float_rows(name: str, tmp_path: Path) -> None:
     shape = dict(hidden_size=64, intermediate_size=96, head_dim=16)  # widths of 32·n
     model = random_hf_model(case.model_type, vocab_size=VOCAB, **{**case.config, **shape})
     path = write_gguf(
-        model, case.gguf_arch, tmp_path / "q8.gguf", word_gguf_tokenizer(VOCAB),
-        permute_qk=case.permute_qk, rotary_dim=8, q8_0=True,
-    )  # fmt: skip
+        model,
+        case.gguf_arch,
+        tmp_path / "q8.gguf",
+        word_gguf_tokenizer(VOCAB),
+        permute_qk=case.permute_qk,
+        rotary_dim=8,
+        q8_0=True,
+    )
     file = GgufFile(path)
     config = gguf_config(file)
     blocks = gguf_block_rows(file, config)
@@ -294,11 +343,23 @@ def test_q4_k_matrices_decode_through_their_blocks(tmp_path: Path) -> None:
 
     if load_block_kernels() is None:
         pytest.skip("the CPU block kernels are not built")
-    shape = dict(hidden_size=256, intermediate_size=512, head_dim=32, num_attention_heads=8,
-                 num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
+    shape = dict(
+        hidden_size=256,
+        intermediate_size=512,
+        head_dim=32,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
     model = random_hf_model("llama", vocab_size=VOCAB, **shape)
-    path = write_gguf(model, "llama", tmp_path / "q4k.gguf", word_gguf_tokenizer(VOCAB),
-                      permute_qk=True, q4_k=True)  # fmt: skip
+    path = write_gguf(
+        model,
+        "llama",
+        tmp_path / "q4k.gguf",
+        word_gguf_tokenizer(VOCAB),
+        permute_qk=True,
+        q4_k=True,
+    )
     blocks = load_model(str(path), weights="blocks-float")
     floats = load_model(str(path), weights="float")
     assert {b.format for b in blocks.weights.layers[0].blocks.values()} == {"q4_k32"}
@@ -319,16 +380,24 @@ def test_gpt_oss_mxfp4_experts(tmp_path: Path, qwen_tokenizer) -> None:
     shape = dict(hidden_size=64, intermediate_size=64, head_dim=16)  # expert widths of 32·n
     model = random_hf_model(case.model_type, vocab_size=VOCAB, **{**case.config, **shape})
     tok = byte_level_gguf_tokenizer(qwen_tokenizer, VOCAB, pre="qwen2")
-    path = write_gguf(model, "gpt-oss", tmp_path / "mxfp4.gguf", tok, mxfp4=True,
-                      sliding_window=case.sliding_window)  # fmt: skip
+    path = write_gguf(
+        model,
+        "gpt-oss",
+        tmp_path / "mxfp4.gguf",
+        tok,
+        mxfp4=True,
+        sliding_window=case.sliding_window,
+    )
     file = GgufFile(path)
     assert {file.tensors[n].qtype.name for n in file.tensors if "_exps.weight" in n} == {"MXFP4"}
     experts = dict(model.named_parameters())
     with torch.no_grad():
         for layer in range(model.config.num_hidden_layers):
             blk, name = f"blk.{layer}", f"model.layers.{layer}.mlp.experts."
-            gate, up, down = (torch.from_numpy(file.dequantize(f"{blk}.ffn_{m}_exps.weight"))
-                              for m in ("gate", "up", "down"))  # fmt: skip
+            gate, up, down = (
+                torch.from_numpy(file.dequantize(f"{blk}.ffn_{m}_exps.weight"))
+                for m in ("gate", "up", "down")
+            )
             fused = experts[name + "gate_up_proj"]  # [E, H, 2F], gate and up alternating
             fused[..., 0::2] = gate.transpose(1, 2)
             fused[..., 1::2] = up.transpose(1, 2)

@@ -106,8 +106,10 @@ def test_a_sessions_layers_take_a_step_row_at_once() -> None:
         assert first == 0 and row == len(layers[0])
         for i, (k_store, v_store) in enumerate(zip(keys, values, strict=True)):
             k_store[row], v_store[row] = float(100 * i + step), -float(100 * i + step)
-            appended[i].append(torch.full((2, 1, 4), float(100 * i + step)),
-                               torch.full((2, 1, 4), -float(100 * i + step)))  # fmt: skip
+            appended[i].append(
+                torch.full((2, 1, 4), float(100 * i + step)),
+                torch.full((2, 1, 4), -float(100 * i + step)),
+            )
         commit_step(layers)
     assert len(capacities) > 1  # the storage grew on the way
     for slotted, plain in zip(layers, appended, strict=True):

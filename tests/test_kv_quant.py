@@ -190,10 +190,12 @@ def test_sinks_codes_and_recent_rows_keep_token_order(smollm2: Model) -> None:
         for token in range(100, 110):
             standard.decode_step(smollm2, ffn, token)
     keys = standard._layers[0].keys  # type: ignore[union-attr]
-    torch.testing.assert_close(layer.sinks.rows[:, 0].transpose(0, 1).float(), keys[:, :4],
-                               rtol=2e-3, atol=2e-3)  # fmt: skip
-    torch.testing.assert_close(layer.recent.rows[:, 0].transpose(0, 1).float(), keys[:, -8:],
-                               rtol=2e-3, atol=2e-3)  # fmt: skip
+    torch.testing.assert_close(
+        layer.sinks.rows[:, 0].transpose(0, 1).float(), keys[:, :4], rtol=2e-3, atol=2e-3
+    )
+    torch.testing.assert_close(
+        layer.recent.rows[:, 0].transpose(0, 1).float(), keys[:, -8:], rtol=2e-3, atol=2e-3
+    )
 
 
 # ---------------------------------------------------------------------------- fidelity

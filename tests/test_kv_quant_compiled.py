@@ -32,11 +32,17 @@ def test_grouped_attention_is_the_softmax_over_the_decoded_and_exact_rows(
     codec = Fp8Codec(dim, group, rotate) if fp8 else IntCodec(dim, bits, group, rotate)
     size = codec.bytes_per_vector
     k, v = (torch.randn(rows * kv_heads, dim, generator=g) * 3 for _ in range(2))
-    halves = [codec.encode(x).view(rows, kv_heads * size) if rows else
-              torch.zeros(0, kv_heads * size, dtype=torch.uint8) for x in (k, v)]  # fmt: skip
+    halves = [
+        codec.encode(x).view(rows, kv_heads * size)
+        if rows
+        else torch.zeros(0, kv_heads * size, dtype=torch.uint8)
+        for x in (k, v)
+    ]
     codes = torch.cat(halves, dim=1)  # [rows, K heads' vectors ; V heads']
-    exact = [torch.randn(5, 2, kv_heads, dim, generator=g).half(),
-             torch.randn(1, 2, kv_heads, dim, generator=g)]  # fmt: skip
+    exact = [
+        torch.randn(5, 2, kv_heads, dim, generator=g).half(),
+        torch.randn(1, 2, kv_heads, dim, generator=g),
+    ]
     q = torch.randn(heads, dim, generator=g)
     scale = 0.125
     rotation = rotation_matrix(codec.coded_dim, torch.float32, "cpu") if rotate else torch.empty(0)
@@ -87,8 +93,9 @@ def _both_encodings(
     return got, want
 
 
-@pytest.mark.parametrize(("dim", "group", "rotate"), [(64, 32, False), (40, 8, False),
-                                                      (64, 64, True), (48, 16, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("dim", "group", "rotate"), [(64, 32, False), (40, 8, False), (64, 64, True), (48, 16, True)]
+)
 def test_compiled_fp8_encoding_is_the_codecs(
     cpu_kernels, dim: int, group: int, rotate: bool
 ) -> None:
@@ -115,8 +122,9 @@ def test_compiled_fp8_encoding_is_the_codecs(
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
-@pytest.mark.parametrize(("dim", "group", "rotate"), [(64, 32, False), (64, 64, True),
-                                                      (48, 16, True), (40, 8, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("dim", "group", "rotate"), [(64, 32, False), (64, 64, True), (48, 16, True), (40, 8, False)]
+)
 def test_compiled_encoding_is_the_codecs(
     cpu_kernels, dim: int, group: int, rotate: bool, bits: int
 ) -> None:

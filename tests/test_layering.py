@@ -15,8 +15,17 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-LAYER = {"models": 1, "inference": 2, "kernels": 2, "kv": 3, "harness": 4, "server": 4, "api": 5,
-         "cli": 6, "__main__": 6}  # fmt: skip
+LAYER = {
+    "models": 1,
+    "inference": 2,
+    "kernels": 2,
+    "kv": 3,
+    "harness": 4,
+    "server": 4,
+    "api": 5,
+    "cli": 6,
+    "__main__": 6,
+}
 ROOT = "larql"
 
 

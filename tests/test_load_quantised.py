@@ -31,8 +31,12 @@ from tiny_models import build_tiny_model, random_ids
 QTYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
 # every width a multiple of 32: hidden 64, q_dim 64, intermediate 96
 WIDE = dict(hidden_size=64, intermediate_size=96, head_dim=16)
-MATRICES = {"wqkv": ("wq", "wk", "wv"), "wo": ("wo",), "w_gate_up": ("w_gate", "w_up"),
-            "w_down": ("w_down",)}  # fmt: skip
+MATRICES = {
+    "wqkv": ("wq", "wk", "wv"),
+    "wo": ("wo",),
+    "w_gate_up": ("w_gate", "w_up"),
+    "w_down": ("w_down",),
+}
 
 needs_kernels = pytest.mark.skipif(
     load_block_kernels() is None, reason="the CPU block kernels are not built"

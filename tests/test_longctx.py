@@ -73,10 +73,24 @@ def test_cli_longctx_report(tmp_path: Path) -> None:
     out, plot = tmp_path / "longctx.json", tmp_path / "longctx.png"
     result = CliRunner().invoke(
         app,
-        ["accuracy", "--suite", "longctx", "--tasks", "needle-number", "--lengths", "256",
-         "--depths", "0,100", "--engines", "standard;standard:window=32", "--output-file",
-         str(out), "--plot", str(plot)],
-    )  # fmt: skip
+        [
+            "accuracy",
+            "--suite",
+            "longctx",
+            "--tasks",
+            "needle-number",
+            "--lengths",
+            "256",
+            "--depths",
+            "0,100",
+            "--engines",
+            "standard;standard:window=32",
+            "--output-file",
+            str(out),
+            "--plot",
+            str(plot),
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["schema"] == "larql.longctx/1" and len(report["dataset_hash"]) == 16
@@ -108,9 +122,18 @@ def test_cli_ppl_position(tmp_path: Path) -> None:
     out = tmp_path / "ppl.json"
     result = CliRunner().invoke(
         app,
-        ["accuracy", "--suite", "ppl-position", "--lengths", "97", "--engines",
-         "standard;standard:window=16", "--output-file", str(out)],
-    )  # fmt: skip
+        [
+            "accuracy",
+            "--suite",
+            "ppl-position",
+            "--lengths",
+            "97",
+            "--engines",
+            "standard;standard:window=16",
+            "--output-file",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     full, window = json.loads(out.read_text())["curves"]
     assert full["bin_edges"][0] == 1 and full["bin_edges"][-1] == 97 and len(full["mean_nll"]) == 16
@@ -136,8 +159,10 @@ def test_exact_engines_score_cell_for_cell_like_standard(smollm2: Model) -> None
             assert ours.answer_logprob == pytest.approx(theirs.answer_logprob, abs=1e-3)
     for spec in ("turbo-quant:bits=4", "kv-quant:bits=4"):  # compress after the prefill
         changed = _cells(smollm2, spec, samples)
-        assert all(abs(a.answer_logprob - b.answer_logprob) > 1e-4
-                   for a, b in zip(changed, standard, strict=True))  # fmt: skip
+        assert all(
+            abs(a.answer_logprob - b.answer_logprob) > 1e-4
+            for a, b in zip(changed, standard, strict=True)
+        )
 
 
 @pytest.mark.slow

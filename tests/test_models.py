@@ -71,8 +71,9 @@ def test_hf_directory_errors(tmp_path: Path) -> None:
 def test_run_with_an_hf_directory_and_a_gguf_path(tmp_path: Path, smollm2: Model) -> None:
     build_tiny_model("qwen3", tmp_path / "qwen3")
     runner = CliRunner()
-    result = runner.invoke(app, ["run", "w5 w6 w7", "-m", str(tmp_path / "qwen3"), "-n", "3",
-                                 "-o", "json"])  # fmt: skip
+    result = runner.invoke(
+        app, ["run", "w5 w6 w7", "-m", str(tmp_path / "qwen3"), "-n", "3", "-o", "json"]
+    )
     assert result.exit_code == 0, result.output
     assert len(json.loads(result.stdout)["tokens"]) == 3
     result = runner.invoke(app, ["run", "Hi", "-m", str(smollm2.source), "-n", "2", "-o", "json"])

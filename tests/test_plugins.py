@@ -48,8 +48,9 @@ def install_example(site: Path) -> None:
 def larql_cli(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("LARQL_KV_ENGINE", "LARQL_NO_PLUGINS")}
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(site), str(FIXTURE)])
-    return subprocess.run([sys.executable, "-m", "larql", *args], capture_output=True, text=True,
-                          env=env, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "larql", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 @pytest.mark.slow
@@ -145,8 +146,14 @@ def test_a_plugin_engine_runs_in_bench_and_accuracy(
     bench = larql.bench(smollm2_default, [echo], context=8, tokens=2, warmup=0, repeats=1)
     assert [r.spec for r in bench.rows] == ["echo-standard:window=4"]
     assert bench.rows[0].tok_s and bench.rows[0].memory.state > 0
-    report = larql.accuracy(smollm2_default, [catalog.parse("echo")], quick=True, positions=8,
-                            needle_max_tokens=0, conflict=False)  # fmt: skip
+    report = larql.accuracy(
+        smollm2_default,
+        [catalog.parse("echo")],
+        quick=True,
+        positions=8,
+        needle_max_tokens=0,
+        conflict=False,
+    )
     fidelity = report.fidelity[0]
     assert fidelity.spec == "echo-standard" and fidelity.mean_kl == 0.0
     assert fidelity.first_divergence is None
@@ -155,8 +162,10 @@ def test_a_plugin_engine_runs_in_bench_and_accuracy(
 def test_a_second_plugin_cannot_take_a_first_ones_alias(
     example_on_path: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    catalog = catalog_with(("echo-standard", "larql_plugin_example:ENTRY"),
-                           ("echo-standard", "larql_plugin_example:ENTRY"))  # fmt: skip
+    catalog = catalog_with(
+        ("echo-standard", "larql_plugin_example:ENTRY"),
+        ("echo-standard", "larql_plugin_example:ENTRY"),
+    )
     with caplog.at_level(logging.WARNING, logger="larql.plugins"):
         assert catalog.supported_names().count("echo-standard") == 1
     assert "already an engine's" in caplog.text

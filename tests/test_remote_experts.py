@@ -104,16 +104,18 @@ def test_a_shard_answers_only_for_its_experts(moe: Model, shards: str) -> None:
     x = torch.zeros(1, moe.config.hidden_size)
     unit = 0 * 4 + 1  # layer 0, expert 1
     response = httpx.post(
-        url + "/v1/experts-ffn", content=encode_request([unit], x),
+        url + "/v1/experts-ffn",
+        content=encode_request([unit], x),
         headers={"Content-Type": MEDIA_TYPES["f32"]},
-    )  # fmt: skip
+    )
     assert response.status_code == 422
     assert response.json()["error"]["code"] == "expert_not_served"
     dense_layer = 1 * 4 + 3  # layer 1 has no experts
     response = httpx.post(
-        url + "/v1/experts-ffn", content=encode_request([dense_layer], x),
+        url + "/v1/experts-ffn",
+        content=encode_request([dense_layer], x),
         headers={"Content-Type": MEDIA_TYPES["f32"]},
-    )  # fmt: skip
+    )
     assert response.status_code == 422
     stats = httpx.get(url + "/v1/stats").json()
     assert (stats["experts"], stats["num_experts"]) == ([3, 3], 4)

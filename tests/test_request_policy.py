@@ -120,24 +120,37 @@ def test_each_bound_is_named_in_the_refusal(smollm2: Model) -> None:
     layers, context, head_dim = config.num_layers, config.max_positions, limits["head_dim"].size
     policy, served = SpecPolicy.untrusted(smollm2), SpecPolicy.untrusted(smollm2, 100)
     refused = [
-        (policy, "boundary-per-layer:layers=1000000000000",
-         f"boundary-per-layer: layers=1000000000000 is more than the model's {layers} layers"),
-        (policy, f"apollo:layer={layers}",
-         f"apollo: layer={layers} is out of range 0..{layers - 1} (the model's {layers} layers)"),
+        (
+            policy,
+            "boundary-per-layer:layers=1000000000000",
+            f"boundary-per-layer: layers=1000000000000 is more than the model's {layers} layers",
+        ),
+        (
+            policy,
+            f"apollo:layer={layers}",
+            f"apollo: layer={layers} is out of range 0..{layers - 1} (the model's {layers} layers)",
+        ),
         (policy, f"apollo:bos={config.vocab_size}", f"vocabulary of {config.vocab_size} ids"),
         (policy, f"kv-quant:group={head_dim + 1}", f"the model's head_dim of {head_dim}"),
         (policy, f"standard:window={context + 1}", f"the model's context of {context} tokens"),
         (policy, f"promotion:base=h2o:budget={10**30}", f"context of {context} tokens"),
-        (served, "snapkv:window=101", "snapkv: window=101 is more than this server's limit of "
-         "100 tokens per request"),
+        (
+            served,
+            "snapkv:window=101",
+            "snapkv: window=101 is more than this server's limit of 100 tokens per request",
+        ),
         (served, "turbo-quant:sinks=101", "turbo-quant: sinks=101"),
-    ]  # fmt: skip
+    ]
     for policy_, spec, words in refused:
         with pytest.raises(BeyondBound) as caught:
             parse_engine(spec, policy_)
         assert words in str(caught.value), spec
-    for spec in (f"boundary-per-layer:layers={layers}", f"apollo:layer={layers - 1}",
-                 f"kv-quant:group={head_dim}", f"standard:window={context}"):  # fmt: skip
+    for spec in (
+        f"boundary-per-layer:layers={layers}",
+        f"apollo:layer={layers - 1}",
+        f"kv-quant:group={head_dim}",
+        f"standard:window={context}",
+    ):
         assert parse_engine(spec, policy) == parse_engine(spec)  # at the bound: accepted
     assert parse_engine("snapkv:window=100", served) == parse_engine("snapkv:window=100")
     assert parse_engine("snapkv", served).params["budget"] == 1024  # defaults are the engine's
@@ -258,8 +271,17 @@ class Specs:
 
     def __init__(self, limits: dict, root: Path) -> None:
         self.limits = limits
-        self.paths = [str(root / "p"), f"{root}/a/b", f"{root}/../{root.name}/c", str(root),
-                      "story", "x/y", "../escaped", "../../escaped", ".hidden"]  # fmt: skip
+        self.paths = [
+            str(root / "p"),
+            f"{root}/a/b",
+            f"{root}/../{root.name}/c",
+            str(root),
+            "story",
+            "x/y",
+            "../escaped",
+            "../../escaped",
+            ".hidden",
+        ]
 
     def value(self, param: Param, depth: int) -> st.SearchStrategy[str]:
         if param.kind == "spec":
@@ -297,18 +319,27 @@ class Specs:
         alone = st.tuples(name, own).map(":".join)
         if depth > 0:
             return alone
-        others = st.lists(st.sampled_from([p for p in entry.params if p is not focus]),
-                          unique_by=lambda p: p.name, min_size=1, max_size=2).flatmap(
-            lambda ps: st.tuples(*(self.plausible(p).map(lambda v, p=p: f"{p.name}={v}")
-                                   for p in ps)))  # fmt: skip
+        others = st.lists(
+            st.sampled_from([p for p in entry.params if p is not focus]),
+            unique_by=lambda p: p.name,
+            min_size=1,
+            max_size=2,
+        ).flatmap(
+            lambda ps: st.tuples(
+                *(self.plausible(p).map(lambda v, p=p: f"{p.name}={v}") for p in ps)
+            )
+        )
         together = st.tuples(alone, others).map(lambda t: ",".join((t[0], *t[1])))
         wrapped = st.tuples(st.integers(1, 3), alone).map(lambda t: "promotion:base=" * t[0] + t[1])
         return st.one_of(alone, wrapped, together) if len(entry.params) > 1 else alone
 
 
 def files_under(root: Path) -> list[str]:
-    return sorted(os.path.relpath(os.path.join(d, n), root)
-                  for d, dirs, files in os.walk(root) for n in dirs + files)  # fmt: skip
+    return sorted(
+        os.path.relpath(os.path.join(d, n), root)
+        for d, dirs, files in os.walk(root)
+        for n in dirs + files
+    )
 
 
 @pytest.mark.slow

@@ -28,8 +28,10 @@ SPECS = ["markov-rs:window=16", "markov-rs-codec:window=16", "boundary-per-layer
 
 def _greedy(engines, model: Model, ffn, prompts, steps: int, batched: bool) -> torch.Tensor:
     """Every session's hidden rows over `steps` greedy steps, [steps, B, H]."""
-    tokens = [int(final_logits(model, e.prefill(model, ffn, p)[-1:]).argmax())
-              for e, p in zip(engines, prompts, strict=True)]  # fmt: skip
+    tokens = [
+        int(final_logits(model, e.prefill(model, ffn, p)[-1:]).argmax())
+        for e, p in zip(engines, prompts, strict=True)
+    ]
     out = []
     for _ in range(steps):
         if batched:
@@ -64,12 +66,14 @@ def test_a_batch_is_each_session_alone(
     got = _greedy(together, model, ffn, prompts, 20, batched=True)
     assert batch_groups(together) == [[0, 1, 2]]
     assert calls == [3] * 20  # one call a step for all three sessions
-    alone = _greedy([parse_engine(spec).build(model) for _ in prompts], model, ffn, prompts, 20,
-                    batched=False)  # fmt: skip
+    alone = _greedy(
+        [parse_engine(spec).build(model) for _ in prompts], model, ffn, prompts, 20, batched=False
+    )
     assert torch.equal(got, alone)
     monkeypatch.setattr(residual_engine, "_fused_rows", lambda *args: None)
-    by_layer = _greedy([parse_engine(spec).build(model) for _ in prompts], model, ffn, prompts,
-                       20, batched=True)  # fmt: skip
+    by_layer = _greedy(
+        [parse_engine(spec).build(model) for _ in prompts], model, ffn, prompts, 20, batched=True
+    )
     assert torch.equal(got, by_layer)
 
 
@@ -94,10 +98,12 @@ def test_without_the_compiled_layer_the_sessions_step_in_turn(smollm2: Model) ->
     model, ffn = smollm2, DenseFfn(smollm2)
     prompts = [context_ids(model, n, default_text()) for n in (12, 30)]
     spec = "markov-rs:window=8"
-    got = _greedy([parse_engine(spec).build(model) for _ in prompts], model, ffn, prompts, 6,
-                  batched=True)  # fmt: skip
-    alone = _greedy([parse_engine(spec).build(model) for _ in prompts], model, ffn, prompts, 6,
-                    batched=False)  # fmt: skip
+    got = _greedy(
+        [parse_engine(spec).build(model) for _ in prompts], model, ffn, prompts, 6, batched=True
+    )
+    alone = _greedy(
+        [parse_engine(spec).build(model) for _ in prompts], model, ffn, prompts, 6, batched=False
+    )
     assert torch.equal(got, alone)
 
 

@@ -17,34 +17,81 @@ from larql.models.gguf_loader import _rope_spec
 from larql.models.hf_loader import hf_config
 
 HEAD_DIM = 128
-_DIMS = dict(hidden_size=1024, num_attention_heads=8, head_dim=HEAD_DIM, num_hidden_layers=2,
-             intermediate_size=64, vocab_size=32)  # fmt: skip
+_DIMS = dict(
+    hidden_size=1024,
+    num_attention_heads=8,
+    head_dim=HEAD_DIM,
+    num_hidden_layers=2,
+    intermediate_size=64,
+    vocab_size=32,
+)
 _SHORT = [1.0 + 0.05 * i for i in range(HEAD_DIM // 2)]
 _LONG = [1.0 + 0.5 * i for i in range(HEAD_DIM // 2)]
 
 # (max_position_embeddings, rope parameters) as real long-context configs write them
 CASES: dict[str, tuple[int, dict[str, Any]]] = {
-    "yarn (Qwen2.5)": (131_072, dict(rope_type="yarn", rope_theta=1e6, factor=4.0,
-                                     original_max_position_embeddings=32_768)),
-    "yarn, mscale and betas": (163_840, dict(rope_type="yarn", rope_theta=1e4, factor=40.0,
-                                             original_max_position_embeddings=4096, mscale=1.0,
-                                             mscale_all_dim=0.707, beta_fast=16, beta_slow=2)),
-    "yarn, no truncation": (65_536, dict(rope_type="yarn", rope_theta=5e5, factor=8.0,
-                                         original_max_position_embeddings=8192, truncate=False,
-                                         attention_factor=1.25)),
-    "longrope (Phi-3.5)": (131_072, dict(rope_type="longrope", rope_theta=1e4,
-                                         short_factor=_SHORT, long_factor=_LONG,
-                                         original_max_position_embeddings=4096)),
+    "yarn (Qwen2.5)": (
+        131_072,
+        dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=32_768),
+    ),
+    "yarn, mscale and betas": (
+        163_840,
+        dict(
+            rope_type="yarn",
+            rope_theta=1e4,
+            factor=40.0,
+            original_max_position_embeddings=4096,
+            mscale=1.0,
+            mscale_all_dim=0.707,
+            beta_fast=16,
+            beta_slow=2,
+        ),
+    ),
+    "yarn, no truncation": (
+        65_536,
+        dict(
+            rope_type="yarn",
+            rope_theta=5e5,
+            factor=8.0,
+            original_max_position_embeddings=8192,
+            truncate=False,
+            attention_factor=1.25,
+        ),
+    ),
+    "longrope (Phi-3.5)": (
+        131_072,
+        dict(
+            rope_type="longrope",
+            rope_theta=1e4,
+            short_factor=_SHORT,
+            long_factor=_LONG,
+            original_max_position_embeddings=4096,
+        ),
+    ),
     "dynamic": (4096, dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)),
-    "llama3": (131_072, dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0,
-                             high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "llama3": (
+        131_072,
+        dict(
+            rope_type="llama3",
+            rope_theta=5e5,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
     "linear": (4096, dict(rope_type="linear", rope_theta=1e4, factor=4.0)),
-}  # fmt: skip
+}
 
 
 def raw_config(max_positions: int, rope: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
-    return dict(model_type="llama", max_position_embeddings=max_positions,
-                rope_parameters=rope, **_DIMS, **extra)  # fmt: skip
+    return dict(
+        model_type="llama",
+        max_position_embeddings=max_positions,
+        rope_parameters=rope,
+        **_DIMS,
+        **extra,
+    )
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -54,8 +101,9 @@ def test_frequencies_and_attention_factor_match_transformers(case: str) -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     max_positions, rope = CASES[case]
-    theirs_config = LlamaConfig(**_DIMS, max_position_embeddings=max_positions,
-                                rope_parameters=dict(rope))  # fmt: skip
+    theirs_config = LlamaConfig(
+        **_DIMS, max_position_embeddings=max_positions, rope_parameters=dict(rope)
+    )
     spec = hf_config(raw_config(max_positions, dict(rope))).layers[0].rope
     init = ROPE_INIT_FUNCTIONS[rope["rope_type"]]
     original = rope.get("original_max_position_embeddings", max_positions)
@@ -71,8 +119,9 @@ def test_length_dependent_frequencies_change_past_the_context() -> None:
     for case in ("dynamic", "longrope (Phi-3.5)"):
         max_positions, rope = CASES[case]
         spec = hf_config(raw_config(max_positions, dict(rope))).layers[0].rope
-        at = spec.inv_freq(torch.tensor([1, spec.original_max_positions,
-                                         spec.original_max_positions + 1]))  # fmt: skip
+        at = spec.inv_freq(
+            torch.tensor([1, spec.original_max_positions, spec.original_max_positions + 1])
+        )
         assert spec.length_dependent
         assert torch.equal(at[0], at[1]) and not torch.equal(at[1], at[2])
         assert torch.equal(spec.inv_freq(), at[0])
@@ -139,16 +188,23 @@ def gguf_rope(**keys: Any) -> RopeSpec:
 
 
 def test_gguf_yarn_keys_map_to_the_same_rope_as_the_hf_config() -> None:
-    ours = gguf_rope(rope__freq_base=1e6, rope__scaling__type="yarn", rope__scaling__factor=4.0,
-                     rope__scaling__original_context_length=32_768)  # fmt: skip
+    ours = gguf_rope(
+        rope__freq_base=1e6,
+        rope__scaling__type="yarn",
+        rope__scaling__factor=4.0,
+        rope__scaling__original_context_length=32_768,
+    )
     max_positions, rope = CASES["yarn (Qwen2.5)"]
     hf = hf_config(raw_config(max_positions, dict(rope))).layers[0].rope
     assert ours == hf
 
 
 def test_gguf_yarn_variants_it_cannot_follow_are_refused() -> None:
-    base = dict(rope__scaling__type="yarn", rope__scaling__factor=40.0,
-                rope__scaling__original_context_length=4096)  # fmt: skip
+    base = dict(
+        rope__scaling__type="yarn",
+        rope__scaling__factor=40.0,
+        rope__scaling__original_context_length=4096,
+    )
     with pytest.raises(UnsupportedArchitecture, match="yarn_log_multiplier"):
         gguf_rope(**base, rope__scaling__yarn_log_multiplier=0.0707)
     del base["rope__scaling__original_context_length"]

@@ -35,14 +35,19 @@ ROPES: dict[str, dict[str, Any]] = {
     "yarn": dict(
         max_position_embeddings=4 * CONTEXT,
         rope_parameters=dict(
-            rope_type="yarn", rope_theta=100.0, factor=4.0,
+            rope_type="yarn",
+            rope_theta=100.0,
+            factor=4.0,
             original_max_position_embeddings=CONTEXT,
         ),
     ),
     "longrope": dict(
         max_position_embeddings=8 * CONTEXT,
         rope_parameters=dict(
-            rope_type="longrope", rope_theta=10_000.0, short_factor=SHORT, long_factor=LONG,
+            rope_type="longrope",
+            rope_theta=10_000.0,
+            short_factor=SHORT,
+            long_factor=LONG,
             original_max_position_embeddings=CONTEXT,
         ),
     ),
@@ -50,7 +55,7 @@ ROPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=CONTEXT,
         rope_parameters=dict(rope_type="dynamic", rope_theta=10_000.0, factor=4.0),
     ),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module", params=sorted(ROPES))
@@ -95,9 +100,12 @@ def hf_cached(tiny: TinyModel, ids: list[int], prompt_len: int) -> torch.Tensor:
 def hf_greedy(tiny: TinyModel, prompt: list[int], n: int, use_cache: bool = True) -> list[int]:
     fresh_rope(tiny.hf_model)
     out = tiny.hf_model.generate(
-        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, use_cache=use_cache,
+        torch.tensor([prompt]),
+        max_new_tokens=n,
+        do_sample=False,
+        use_cache=use_cache,
         pad_token_id=0,
-    )  # fmt: skip
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -234,8 +242,9 @@ def test_qwen3_yarn_in_the_transformers4_form(tmp_path: Path) -> None:
     on an architecture with q/k norms."""
     pytest.importorskip("transformers")
     rope = dict(ROPES["yarn"]["rope_parameters"])
-    tiny = build_tiny_model("qwen3", tmp_path, max_position_embeddings=4 * CONTEXT,
-                            rope_parameters=rope)  # fmt: skip
+    tiny = build_tiny_model(
+        "qwen3", tmp_path, max_position_embeddings=4 * CONTEXT, rope_parameters=rope
+    )
     theta = rope.pop("rope_theta")
     rope["type"] = rope.pop("rope_type")
     rewrite_config(tmp_path, rope_parameters=None, rope_theta=theta, rope_scaling=rope)

@@ -108,7 +108,7 @@ def wait_until(condition: Callable[[], bool], bound_s: float) -> None:
 def server() -> Iterator[str]:
     proc = ServerProcess(
         "--threads", "2", "--max-sessions", "8", "--max-queue", "8", "--max-new-tokens", "64"
-    )  # fmt: skip
+    )
     yield proc.url
     proc.stop()
     assert proc.proc.returncode is not None

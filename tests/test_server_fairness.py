@@ -311,8 +311,11 @@ def _whole(answer: bytes) -> bool:
     head, sep, body = answer.partition(b"\r\n\r\n")
     if not sep:
         return False
-    lengths = [line.split(b":", 1)[1] for line in head.lower().split(b"\r\n")[1:]
-               if line.startswith(b"content-length:")]  # fmt: skip
+    lengths = [
+        line.split(b":", 1)[1]
+        for line in head.lower().split(b"\r\n")[1:]
+        if line.startswith(b"content-length:")
+    ]
     return bool(lengths) and len(body) >= int(lengths[0])
 
 

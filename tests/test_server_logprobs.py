@@ -91,8 +91,11 @@ def test_echoed_prompt_sums_to_the_teacher_forced_loss(url: str, smollm2: Model)
     choice = out["choices"][0]
     logprobs = choice["logprobs"]
     assert choice["text"] == TEXT and out["larql"]["token_ids"] == []
-    assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0,
-                            "total_tokens": len(ids)}  # fmt: skip
+    assert out["usage"] == {
+        "prompt_tokens": len(ids),
+        "completion_tokens": 0,
+        "total_tokens": len(ids),
+    }
     assert logprobs["tokens"] == [smollm2.tokenizer.decode([t]) for t in ids]
     assert logprobs["token_logprobs"][0] is None and len(logprobs["token_logprobs"]) == len(ids)
     served = logprobs["token_logprobs"][1:]
@@ -134,8 +137,9 @@ def test_greedy_tokens_top_their_lists_and_echo_comes_first(url: str, smollm2: M
     assert echoed["choices"][0]["text"] == prompt + text
     lp = plain["choices"][0]["logprobs"]
     assert lp["tokens"] == [smollm2.tokenizer.decode([t]) for t in generated]
-    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"],
-                                   strict=True):  # fmt: skip
+    for token, logprob, top in zip(
+        lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True
+    ):
         assert next(iter(top)) == token and logprob == max(top.values())
     check_top(lp, 3)
     check_offsets(text, lp)
@@ -176,8 +180,13 @@ def test_a_stop_token_is_scored_at_the_end_of_the_text(url: str, smollm2: Model)
 
 
 def test_stream_carries_what_the_whole_response_does(url: str) -> None:
-    body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
-            "logprobs": 2, "echo": True}  # fmt: skip
+    body = {
+        "prompt": "The capital of France is",
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": 2,
+        "echo": True,
+    }
     whole = ok(post(url, **body))["choices"][0]
     text, merged = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for chunk in stream(url, "/v1/completions", body):
@@ -203,8 +212,13 @@ def stream(url: str, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]
 
 
 def test_chat_logprobs_shape_whole_and_streamed(url: str) -> None:
-    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 4}  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 5,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 4,
+    }
     out = ok(post(url, "/v1/chat/completions", **body))
     choice = out["choices"][0]
     content = choice["logprobs"]["content"]
@@ -238,15 +252,25 @@ def test_lm_eval_loglikelihood_request(url: str, smollm2: Model) -> None:
     prompts, echo, one generated token) and how it reads the answer: the continuation's
     logprobs are token_logprobs[ctxlen:-1], greedy when each is its list's maximum."""
     tokenizer = smollm2.tokenizer
-    pairs = [("The capital of France is", " Paris"), ("The capital of France is", " Berlin"),
-             ("Two plus two equals", " four")]  # fmt: skip
+    pairs = [
+        ("The capital of France is", " Paris"),
+        ("The capital of France is", " Berlin"),
+        ("Two plus two equals", " four"),
+    ]
     batch, ctxlens = [], []
     for context, continuation in pairs:
         ctx = tokenizer.encode(context)
         batch.append(ctx + tokenizer.encode(continuation, add_special_tokens=False))
         ctxlens.append(len(ctx))
-    body = {"model": "smollm2-135m", "prompt": batch, "temperature": 0, "max_tokens": 1,
-            "logprobs": 1, "seed": 1234, "echo": True}  # fmt: skip
+    body = {
+        "model": "smollm2-135m",
+        "prompt": batch,
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
     out = ok(post(url, **body))
     choices = sorted(out["choices"], key=lambda c: c["index"])
     assert len(choices) == len(batch)
@@ -280,26 +304,50 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
     ("logprobs too many", "/v1/completions", {"prompt": "hi", "logprobs": 99}, "logprobs", "0..20"),
     ("logprobs mistyped", "/v1/completions", {"prompt": "hi", "logprobs": "1"}, "logprobs", "int"),
     ("echo mistyped", "/v1/completions", {"prompt": "hi", "echo": "yes"}, "echo", "boolean"),
-    ("max_tokens 0 alone", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens",
-     "echo=true"),
-    ("max_tokens < 0 echo", "/v1/completions", {"prompt": "hi", "max_tokens": -1, "echo": True},
-     "max_tokens", "≥ 0"),
+    (
+        "max_tokens 0 alone",
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 0},
+        "max_tokens",
+        "echo=true",
+    ),
+    (
+        "max_tokens < 0 echo",
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": -1, "echo": True},
+        "max_tokens",
+        "≥ 0",
+    ),
     ("mixed prompts", "/v1/completions", {"prompt": ["a", [1]]}, "prompt", "list of strings"),
     ("too many prompts", "/v1/completions", {"prompt": ["a"] * 100}, "prompt", "at most"),
     ("one bad prompt", "/v1/completions", {"prompt": [[1], [10**7]]}, "prompt", "token ids"),
-    ("top_logprobs 21", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
-     "top_logprobs", "0..20"),
-    ("top_logprobs alone", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
-     "top_logprobs", "logprobs=true"),
-    ("chat logprobs mistyped", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs", "boolean"),
-]  # fmt: skip
+    (
+        "top_logprobs 21",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+        "0..20",
+    ),
+    (
+        "top_logprobs alone",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        "top_logprobs",
+        "logprobs=true",
+    ),
+    (
+        "chat logprobs mistyped",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1},
+        "logprobs",
+        "boolean",
+    ),
+]
 
 
-@pytest.mark.parametrize(("path", "body", "param", "words"), [c[1:] for c in BAD],
-                         ids=[c[0] for c in BAD])  # fmt: skip
+@pytest.mark.parametrize(
+    ("path", "body", "param", "words"), [c[1:] for c in BAD], ids=[c[0] for c in BAD]
+)
 def test_bad_values_are_400s_naming_the_field(
     url: str, path: str, body: dict[str, Any], param: str, words: str
 ) -> None:

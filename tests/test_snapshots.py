@@ -117,9 +117,10 @@ def test_fork_is_independent_of_the_original(smollm2: Model) -> None:
     decode(state.engine, smollm2, [42, 43, 44])  # the original moves on with other tokens
     alone = larql.prefill(smollm2, "markov-rs:window=4", ids)
     for a, b in zip(
-        decode(fork.engine, smollm2, [11, 260]), decode(alone.engine, smollm2, [11, 260]),
+        decode(fork.engine, smollm2, [11, 260]),
+        decode(alone.engine, smollm2, [11, 260]),
         strict=True,
-    ):  # fmt: skip
+    ):
         assert torch.equal(a, b)
     assert fork.position == len(ids) + 2 and state.position == len(ids) + 3
 
@@ -260,8 +261,9 @@ def test_cli_loads_a_state_saved_from_python(
     empty prompt as the run that saved it would have gone on."""
     document = "The capital of France is Paris. The capital of Italy is"
     larql.prefill(smollm2_default, "standard", document).save(tmp_path)
-    loaded = CliRunner().invoke(app, ["run", "", "-n", "4", "--load-state", str(tmp_path),
-                                      "--output", "json"])  # fmt: skip
+    loaded = CliRunner().invoke(
+        app, ["run", "", "-n", "4", "--load-state", str(tmp_path), "--output", "json"]
+    )
     assert loaded.exit_code == 0, loaded.output
     whole = larql.generate(smollm2_default, "standard", document, max_new_tokens=4)
     assert json.loads(loaded.stdout.strip().splitlines()[-1])["tokens"] == whole.token_ids

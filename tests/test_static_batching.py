@@ -72,8 +72,16 @@ def test_the_batch_kernel_gives_each_session_its_own_attention(
 
 def test_batch_sizes_round_up_to_a_captured_bucket() -> None:
     assert [bucket(n) for n in (1, 2, 3, 5, 16, 17, 64, 65, 130)] == [
-        1, 2, 4, 8, 16, 32, 64, 128, 192,
-    ]  # fmt: skip
+        1,
+        2,
+        4,
+        8,
+        16,
+        32,
+        64,
+        128,
+        192,
+    ]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -275,8 +275,11 @@ def test_specs_parse(spec: str, bits: int) -> None:
     # the catalog's defaults turn the levers on; the exact newest rows depend on the bits
     recent, ring = {4: (32, ""), 3: (160, ",recent_bits=8"), 2: (128, ",recent_bits=8")}[bits]
     assert engine.info().config == f"bits={bits},recent={recent},sinks=4,norm=1,center=1{ring}"
-    plain = parse_engine(f"{spec}:recent=0,sinks=0,norm=0,center=0" if ":" not in spec
-                         else f"{spec},recent=0,sinks=0,norm=0,center=0").build()  # fmt: skip
+    plain = parse_engine(
+        f"{spec}:recent=0,sinks=0,norm=0,center=0"
+        if ":" not in spec
+        else f"{spec},recent=0,sinks=0,norm=0,center=0"
+    ).build()
     assert plain.info().config == f"bits={bits}"
 
 

@@ -68,8 +68,9 @@ def _session(kernels, tables, codec, kv_heads: int, slots: int, seed: int):
     generator = torch.Generator().manual_seed(seed)
     dim = codec.dim
     vectors = torch.randn(slots * 2 * kv_heads, dim, generator=generator)
-    codes = planes.from_rows(codec.encode(vectors).view(slots, -1).to(DEVICE),
-                             codec.bytes_per_vector)  # fmt: skip
+    codes = planes.from_rows(
+        codec.encode(vectors).view(slots, -1).to(DEVICE), codec.bytes_per_vector
+    )
     exact = torch.randn(2 + ring_slots(3), 2, kv_heads, dim, generator=generator)
     mean = torch.randn(2, kv_heads, dim, generator=generator) * 0.1
     levers = kernels.Levers(
@@ -100,16 +101,36 @@ def test_the_batched_launch_is_each_sessions_own_launch(kernels: ModuleType) -> 
     outs = []
     for b, ((codes, levers), position) in enumerate(zip(alone, positions, strict=True)):
         at = torch.tensor([position], device=DEVICE)
-        out = kernels.attention(q[b, :, None], k_new[b, :, None], v_new[b, :, None], codes, at,
-                                tables, dim**-0.5, 0.0, None, levers)  # fmt: skip
+        out = kernels.attention(
+            q[b, :, None],
+            k_new[b, :, None],
+            v_new[b, :, None],
+            codes,
+            at,
+            tables,
+            dim**-0.5,
+            0.0,
+            None,
+            levers,
+        )
         outs.append(out[:, 0])
     anchor = torch.zeros(16, dtype=torch.uint8, device=DEVICE)
     operands = kernels.Operands.anchored(anchor, torch.float32)
     meta = torch.tensor([operands.offsets(c, lv) for c, lv in [*together, pad]], device=DEVICE)
     out = kernels.batched_attention(
-        q, k_new, v_new, operands, meta, torch.tensor([*positions, 0], device=DEVICE),
-        max(sizes), tables, dim**-0.5, 0.0, None, together[0][1],
-    )  # fmt: skip
+        q,
+        k_new,
+        v_new,
+        operands,
+        meta,
+        torch.tensor([*positions, 0], device=DEVICE),
+        max(sizes),
+        tables,
+        dim**-0.5,
+        0.0,
+        None,
+        together[0][1],
+    )
     assert relative_error(out[:3], torch.stack(outs)) <= 1e-6
     for (codes, levers), (codes_batched, levers_batched) in zip(alone, together, strict=True):
         assert torch.equal(codes, codes_batched)

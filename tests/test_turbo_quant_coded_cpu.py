@@ -48,8 +48,10 @@ def test_coded_attention_is_the_softmax_over_the_decoded_and_exact_rows(
         (codec.encode(k).view(rows, kv_heads * size), codec.encode(v).view(rows, kv_heads * size)),
         dim=1,
     )  # [rows, K heads' vectors ; V heads']
-    exact = [torch.randn(5, 2, kv_heads, width, generator=g).half(),
-             torch.randn(1, 2, kv_heads, width, generator=g)]  # fmt: skip
+    exact = [
+        torch.randn(5, 2, kv_heads, width, generator=g).half(),
+        torch.randn(1, 2, kv_heads, width, generator=g),
+    ]
     q = torch.randn(heads, width, generator=g)
     scale = 0.125
     rotation = rotation_matrix(width, torch.float32, "cpu")
@@ -85,9 +87,15 @@ def test_coded_attention_refuses_rows_of_another_shape(cpu_kernels) -> None:
     with pytest.raises(RuntimeError, match=r"exact rows must be \[E, 2, Hkv, D\]"):
         no_codes = torch.zeros(0, 216, dtype=torch.uint8)
         cpu_kernels.coded_attention(
-            torch.zeros(9, 64), rotation, no_codes, 3, torch.zeros(16), torch.empty(0),
-            [torch.zeros(1, 3, 64)], 1.0,
-        )  # fmt: skip
+            torch.zeros(9, 64),
+            rotation,
+            no_codes,
+            3,
+            torch.zeros(16),
+            torch.empty(0),
+            [torch.zeros(1, 3, 64)],
+            1.0,
+        )
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -170,8 +178,12 @@ def test_batched_steps_over_codes_equal_each_session_alone(
     ffn = DenseFfn(smollm2)
 
     def sessions():
-        made = [GenerationSession(parse_engine(spec).build(smollm2), smollm2, ffn, p,
-                                  8, stop_ids=frozenset()) for p in prompts]  # fmt: skip
+        made = [
+            GenerationSession(
+                parse_engine(spec).build(smollm2), smollm2, ffn, p, 8, stop_ids=frozenset()
+            )
+            for p in prompts
+        ]
         for s in made:
             s.prefill()
         return made
@@ -219,8 +231,14 @@ def test_what_keeps_the_path_that_decodes(
     ids = context_ids(smollm2, 60, default_text())
     for spec, expected in ((torch_path, 0), (in_place, smollm2.config.num_layers)):
         calls.clear()
-        session = GenerationSession(parse_engine(spec).build(smollm2), smollm2,
-                                    DenseFfn(smollm2), ids, 4, stop_ids=frozenset())  # fmt: skip
+        session = GenerationSession(
+            parse_engine(spec).build(smollm2),
+            smollm2,
+            DenseFfn(smollm2),
+            ids,
+            4,
+            stop_ids=frozenset(),
+        )
         session.prefill()
         session.step()
         assert len(calls) == expected

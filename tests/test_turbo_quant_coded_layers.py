@@ -197,10 +197,18 @@ def test_the_call_refuses_places_outside_the_storage(cpu_kernels, smollm2_defaul
     codec = store.layout.k_codec
     with pytest.raises(RuntimeError, match="must lie in their storage"):
         cpu_kernels.decode_layers_coded(
-            *leading, [[codes]], [[store.recent.codes._data]], [[]], [[store.sinks._data]],
-            [[store.mean]], places, model.config.num_heads, model.config.attn_scale, bits,
+            *leading,
+            [[codes]],
+            [[store.recent.codes._data]],
+            [[]],
+            [[store.sinks._data]],
+            [[store.mean]],
+            places,
+            model.config.num_heads,
+            model.config.attn_scale,
+            bits,
             *codec.compiled_codes(h.device),
-        )  # fmt: skip
+        )
 
 
 @pytest.mark.parametrize("spec", ["turbo-quant", "kv-quant"])
@@ -233,11 +241,27 @@ def test_a_restored_state_steps_in_one_call_as_the_original(
 
 ONE_CALL_SHAPES = {  # head widths of the scalar loop (32) and the 512-bit ones (64, 128)
     "llama-32": ("llama", dict(hidden_size=128, intermediate_size=256, head_dim=32)),
-    "qwen2-64": ("qwen2", dict(hidden_size=128, intermediate_size=256, head_dim=64,
-                               num_attention_heads=4, num_key_value_heads=2)),  # QKV biases
-    "llama-128": ("llama", dict(hidden_size=256, intermediate_size=256, head_dim=128,
-                                num_attention_heads=2, num_key_value_heads=1)),
-}  # fmt: skip
+    "qwen2-64": (
+        "qwen2",
+        dict(
+            hidden_size=128,
+            intermediate_size=256,
+            head_dim=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+    ),  # QKV biases
+    "llama-128": (
+        "llama",
+        dict(
+            hidden_size=256,
+            intermediate_size=256,
+            head_dim=128,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        ),
+    ),
+}
 
 
 @pytest.mark.parametrize("shape", list(ONE_CALL_SHAPES))
@@ -254,8 +278,10 @@ def test_one_call_on_other_architectures(cpu_kernels, shape: str, tmp_path, monk
         runs = []
         for one_call in (True, False):
             calls: list[bool] = []
-            for module, name in ((engine_module, "coded_layers_step"),
-                                 (residual_engine, "_fused_rows")):  # fmt: skip
+            for module, name in (
+                (engine_module, "coded_layers_step"),
+                (residual_engine, "_fused_rows"),
+            ):
                 real = getattr(module, name)
 
                 def counted(*args, real=real, on=one_call, calls=calls):

@@ -73,8 +73,9 @@ def _layer_state(kernels, tables, codec, kv_heads, slots, sinks, recent, center,
     generator = torch.Generator().manual_seed(seed)
     dim = codec.dim
     vectors = torch.randn(slots * 2 * kv_heads, dim, generator=generator)
-    codes = planes.from_rows(kernels.encode(vectors.to(DEVICE), tables).view(slots, -1),
-                             tables.bytes_per_vector)  # fmt: skip
+    codes = planes.from_rows(
+        kernels.encode(vectors.to(DEVICE), tables).view(slots, -1), tables.bytes_per_vector
+    )
     rows = sinks + (ring_slots(recent) if recent else 0)
     exact = torch.randn(max(1, rows), 2, kv_heads, dim, generator=generator)
     mean = torch.randn(2, kv_heads, dim, generator=generator) * (0.3 if center else 0.0)
@@ -95,9 +96,20 @@ def _batched(kernels, tables, q, k_new, v_new, states, positions, max_slots, use
     meta = torch.tensor([operands.offsets(c, lv) for c, lv in states], device=DEVICE)
     at = torch.tensor(positions, device=DEVICE)
     return kernels.batched_attention(
-        q, k_new, v_new, operands, meta, at, max_slots, tables, q.shape[-1] ** -0.5, 0.0, None,
-        states[0][1], use_cuda_partial=use_cuda_partial,
-    )  # fmt: skip
+        q,
+        k_new,
+        v_new,
+        operands,
+        meta,
+        at,
+        max_slots,
+        tables,
+        q.shape[-1] ** -0.5,
+        0.0,
+        None,
+        states[0][1],
+        use_cuda_partial=use_cuda_partial,
+    )
 
 
 @needs_cuda
@@ -134,9 +146,16 @@ def test_the_cuda_launch_gives_the_triton_launches_attention_and_store(
         for path in ("cuda", "triton")
     }
     compiled = kernels.cuda_partial_kernel(
-        DEVICE, torch.bfloat16, torch.bfloat16, heads, kv_heads, tables, states["cuda"][0][1],
-        0.0, kernels.Workspace.of(heads, kv_heads, tables, DEVICE).m.shape[-1],
-    )  # fmt: skip
+        DEVICE,
+        torch.bfloat16,
+        torch.bfloat16,
+        heads,
+        kv_heads,
+        tables,
+        states["cuda"][0][1],
+        0.0,
+        kernels.Workspace.of(heads, kv_heads, tables, DEVICE).m.shape[-1],
+    )
     assert compiled is not None, cuda_partial.unavailable()
     ours = _batched(kernels, tables, q, k_new, v_new, states["cuda"], positions, slots, True)
     theirs = _batched(kernels, tables, q, k_new, v_new, states["triton"], positions, slots, False)

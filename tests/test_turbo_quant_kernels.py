@@ -175,9 +175,10 @@ def test_int8_ring_rows_are_the_torch_codecs_bytes(kernels, n: int) -> None:
         sinks=sinks,
         recent=recent,
         ring=torch.zeros((ring_slots(recent), 2, kv_heads, dim), dtype=torch.int8, device=DEVICE),
-        ring_scales=torch.zeros((ring_slots(recent), 2, kv_heads), dtype=torch.float16,
-                                device=DEVICE),
-    )  # fmt: skip
+        ring_scales=torch.zeros(
+            (ring_slots(recent), 2, kv_heads), dtype=torch.float16, device=DEVICE
+        ),
+    )
     held = [rows[t] if t < sinks else int8_decode(codes[t], scales[t]) for t in range(n)]
     for t in range(n):
         if t < sinks:
@@ -191,20 +192,30 @@ def test_int8_ring_rows_are_the_torch_codecs_bytes(kernels, n: int) -> None:
     store = store.to(DEVICE)
     for t in coded:
         row = codec.encode(token_vectors(*held[t].unsqueeze(2).unbind(0))).view(1, -1)
-        planes.write_rows(store, torch.tensor([t], device=DEVICE), row.to(DEVICE),
-                          codec.bytes_per_vector)  # fmt: skip
+        planes.write_rows(
+            store, torch.tensor([t], device=DEVICE), row.to(DEVICE), codec.bytes_per_vector
+        )
 
     out = kernels.attention(
-        q, k_new, v_new, store, torch.tensor([n], device=DEVICE), tables, dim**-0.5, 0.0,
+        q,
+        k_new,
+        v_new,
+        store,
+        torch.tensor([n], device=DEVICE),
+        tables,
+        dim**-0.5,
+        0.0,
         levers=levers,
-    )  # fmt: skip
+    )
 
     decoded = [
-        codec.decode(rows_in(store, codec, [t]).view(2 * kv_heads, -1), torch.float32)
-        .view(2, kv_heads, dim)
-        if t in coded else held[t]
+        codec.decode(rows_in(store, codec, [t]).view(2 * kv_heads, -1), torch.float32).view(
+            2, kv_heads, dim
+        )
+        if t in coded
+        else held[t]
         for t in range(n)
-    ]  # fmt: skip
+    ]
     history = torch.stack(decoded) if decoded else torch.zeros((0, 2, kv_heads, dim))
     keys = torch.cat((history[:, 0].transpose(0, 1), k_new.float()), dim=1).double()
     values = torch.cat((history[:, 1].transpose(0, 1), v_new.float()), dim=1).double()
@@ -220,8 +231,11 @@ def test_int8_ring_rows_are_the_torch_codecs_bytes(kernels, n: int) -> None:
         assert torch.equal(levers.exact[n], torch.stack((k_new, v_new)).squeeze(2).half())
     leaving = n - recent
     if leaving >= sinks:  # encoded from its int8 copy
-        assert_codec_bytes(codec, rows_in(store, codec, [leaving]).view(2 * kv_heads, -1),
-                           token_vectors(*held[leaving].unsqueeze(2).unbind(0)))  # fmt: skip
+        assert_codec_bytes(
+            codec,
+            rows_in(store, codec, [leaving]).view(2 * kv_heads, -1),
+            token_vectors(*held[leaving].unsqueeze(2).unbind(0)),
+        )
 
 
 def test_workspace_is_reused_across_calls(kernels) -> None:
@@ -296,9 +310,14 @@ LEVERS = {  # the catalog's levers, with rings small enough to wrap in a few ste
     "catalog": {"recent": 3, "sinks": 2, "norm_correction": True, "center": True},
     "ring of one": {"recent": 1, "center": True},
     "sinks only": {"sinks": 9, "norm_correction": True},  # the prompt fills 8, a step the 9th
-    "int8 ring": {"recent": 3, "sinks": 2, "norm_correction": True, "center": True,
-                  "recent_bits": 8},
-}  # fmt: skip
+    "int8 ring": {
+        "recent": 3,
+        "sinks": 2,
+        "norm_correction": True,
+        "center": True,
+        "recent_bits": 8,
+    },
+}
 
 
 @pytest.mark.parametrize(

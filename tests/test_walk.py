@@ -21,8 +21,10 @@ from larql.kv import parse_engine
 from larql.kv.resolve import ENV_VAR
 from larql.models import Model
 
-TEXT = ("The capital of France is Paris. The capital of Germany is Berlin. Water boils at 100 "
-        "degrees Celsius at sea level, and the")  # fmt: skip
+TEXT = (
+    "The capital of France is Paris. The capital of Germany is Berlin. Water boils at 100 "
+    "degrees Celsius at sea level, and the"
+)
 FEATURES = 1536  # SmolLM2-135M intermediate size
 
 
@@ -61,10 +63,16 @@ def test_walk_without_a_real_k_is_bit_identical_to_dense(smollm2: Model, k: int 
 def test_walk_policy_generation_is_bit_identical_to_dense(smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode("The capital of France is")
     engine = parse_engine("standard")
-    walked = teacher_forced_logits(engine.build(smollm2), smollm2, build_ffn(smollm2, "walk"),
-                                   smollm2.tokenizer.encode(TEXT), 6)  # fmt: skip
-    dense = teacher_forced_logits(engine.build(smollm2), smollm2, DenseFfn(smollm2),
-                                  smollm2.tokenizer.encode(TEXT), 6)  # fmt: skip
+    walked = teacher_forced_logits(
+        engine.build(smollm2),
+        smollm2,
+        build_ffn(smollm2, "walk"),
+        smollm2.tokenizer.encode(TEXT),
+        6,
+    )
+    dense = teacher_forced_logits(
+        engine.build(smollm2), smollm2, DenseFfn(smollm2), smollm2.tokenizer.encode(TEXT), 6
+    )
     assert torch.equal(walked, dense)
     a = generate(engine.build(smollm2), smollm2, build_ffn(smollm2, "walk:k=none"), ids, 8)
     b = generate(engine.build(smollm2), smollm2, DenseFfn(smollm2), ids, 8)
@@ -93,12 +101,15 @@ def test_walk_with_most_features_changes_the_output_but_stays_close(smollm2: Mod
     ids = smollm2.tokenizer.encode(TEXT)
     engine = parse_engine("standard")
     dense = teacher_forced_logits(engine.build(smollm2), smollm2, DenseFfn(smollm2), ids, 4)
-    walked = teacher_forced_logits(engine.build(smollm2), smollm2,
-                                   build_ffn(smollm2, "walk:k=1024"), ids, 4)  # fmt: skip
+    walked = teacher_forced_logits(
+        engine.build(smollm2), smollm2, build_ffn(smollm2, "walk:k=1024"), ids, 4
+    )
     kl = kl_rows(dense, walked)
     agree = (dense.argmax(-1) == walked.argmax(-1)).double().mean().item()
-    print(f"walk:k=1024 on every layer: KL mean {kl.mean():.4f} max {kl.max():.4f} nats, "
-          f"top-1 agreement {agree:.3f} over {len(kl)} positions")  # fmt: skip
+    print(
+        f"walk:k=1024 on every layer: KL mean {kl.mean():.4f} max {kl.max():.4f} nats, "
+        f"top-1 agreement {agree:.3f} over {len(kl)} positions"
+    )
     assert not torch.equal(dense, walked)
     assert kl.mean().item() < 0.5 and agree >= 0.75
 

@@ -126,8 +126,9 @@ def word_gguf_tokenizer(vocab_size: int) -> GgufTokenizer:
     words = ["▁", "w", *digits, "▁w", *[f"▁w{d}" for d in digits]]
     tokens += words + [f"▁filler{i}" for i in range(len(tokens) + len(words), vocab_size)]
     types += [1] * (vocab_size - len(types))
-    return GgufTokenizer("llama", tokens, types, bos_id=1, eos_id=2, chat_template=PHI3_CHAT,
-                         add_bos=True)  # fmt: skip
+    return GgufTokenizer(
+        "llama", tokens, types, bos_id=1, eos_id=2, chat_template=PHI3_CHAT, add_bos=True
+    )
 
 
 def write_gguf(
@@ -234,11 +235,15 @@ def _gpt_oss_tensors(hf_name: str, array: np.ndarray) -> list[tuple[str, np.ndar
     blk = f"blk.{layer}"
     if module == "mlp.experts":
         if kind == "gate_up_proj":
-            return [(f"{blk}.ffn_gate_exps.weight", array[..., 0::2].transpose(0, 2, 1)),
-                    (f"{blk}.ffn_up_exps.weight", array[..., 1::2].transpose(0, 2, 1))]  # fmt: skip
+            return [
+                (f"{blk}.ffn_gate_exps.weight", array[..., 0::2].transpose(0, 2, 1)),
+                (f"{blk}.ffn_up_exps.weight", array[..., 1::2].transpose(0, 2, 1)),
+            ]
         if kind == "gate_up_proj_bias":
-            return [(f"{blk}.ffn_gate_exps.bias", array[:, 0::2]),
-                    (f"{blk}.ffn_up_exps.bias", array[:, 1::2])]  # fmt: skip
+            return [
+                (f"{blk}.ffn_gate_exps.bias", array[:, 0::2]),
+                (f"{blk}.ffn_up_exps.bias", array[:, 1::2]),
+            ]
         if kind == "down_proj":
             return [(f"{blk}.ffn_down_exps.weight", array.transpose(0, 2, 1))]
         return [(f"{blk}.ffn_down_exps.bias", array)]  # down_proj_bias
@@ -252,9 +257,15 @@ def _gpt_oss_tensors(hf_name: str, array: np.ndarray) -> list[tuple[str, np.ndar
 
 
 def _add_tensor(
-    w: Any, gguf_name: str, array: np.ndarray, c: Any, kv_heads: int, permute_qk: bool,
-    q8_0: bool, q4_k: bool,
-) -> None:  # fmt: skip
+    w: Any,
+    gguf_name: str,
+    array: np.ndarray,
+    c: Any,
+    kv_heads: int,
+    permute_qk: bool,
+    q8_0: bool,
+    q4_k: bool,
+) -> None:
     import gguf
 
     if permute_qk and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
@@ -263,8 +274,7 @@ def _add_tensor(
     array = np.ascontiguousarray(array, dtype=np.float32)
     if q4_k and array.ndim == 2 and array.shape[1] % 256 == 0:
         raw = quantize_q4_k(array)
-        w.add_tensor(gguf_name, raw, raw_shape=raw.shape,
-                     raw_dtype=gguf.GGMLQuantizationType.Q4_K)  # fmt: skip
+        w.add_tensor(gguf_name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
     elif q8_0 and array.ndim == 2 and array.shape[1] % 32 == 0:
         raw = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
         w.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
@@ -365,12 +375,19 @@ def _metadata_value(w: Any, key: str, value: Any) -> None:
 
     t = gguf.GGUFValueType
     if isinstance(value, np.ndarray):
-        items = {np.dtype(np.uint8): t.UINT8, np.dtype(np.int8): t.INT8,
-                 np.dtype(np.uint16): t.UINT16, np.dtype(np.int16): t.INT16,
-                 np.dtype(np.uint32): t.UINT32, np.dtype(np.int32): t.INT32,
-                 np.dtype(np.float32): t.FLOAT32, np.dtype(np.bool_): t.BOOL,
-                 np.dtype(np.uint64): t.UINT64, np.dtype(np.int64): t.INT64,
-                 np.dtype(np.float64): t.FLOAT64}  # fmt: skip
+        items = {
+            np.dtype(np.uint8): t.UINT8,
+            np.dtype(np.int8): t.INT8,
+            np.dtype(np.uint16): t.UINT16,
+            np.dtype(np.int16): t.INT16,
+            np.dtype(np.uint32): t.UINT32,
+            np.dtype(np.int32): t.INT32,
+            np.dtype(np.float32): t.FLOAT32,
+            np.dtype(np.bool_): t.BOOL,
+            np.dtype(np.uint64): t.UINT64,
+            np.dtype(np.int64): t.INT64,
+            np.dtype(np.float64): t.FLOAT64,
+        }
         w.add_key_value(key, value.tolist(), t.ARRAY, sub_type=items[value.dtype])
     elif isinstance(value, list):
         sub = _scalar_type(value[0]) if value else t.UINT32

@@ -36,22 +36,33 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         model_type="llama",
         tie_word_embeddings=False,
         rope_parameters=dict(
-            rope_type="llama3", rope_theta=10_000.0, factor=8.0, low_freq_factor=1.0,
-            high_freq_factor=4.0, original_max_position_embeddings=32,
+            rope_type="llama3",
+            rope_theta=10_000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
         ),
     ),
     "mistral": dict(model_type="mistral", sliding_window=WINDOW, tie_word_embeddings=False),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=True),
     "gemma2": dict(
-        model_type="gemma2", sliding_window=WINDOW, attn_logit_softcapping=2.0,
-        final_logit_softcapping=0.5, query_pre_attn_scalar=16,
+        model_type="gemma2",
+        sliding_window=WINDOW,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=0.5,
+        query_pre_attn_scalar=16,
         hidden_activation="gelu_pytorch_tanh",
     ),
     "gemma3": dict(
-        model_type="gemma3_text", sliding_window=WINDOW, query_pre_attn_scalar=16,
+        model_type="gemma3_text",
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=16,
         num_hidden_layers=6,
-        layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2
+        layer_types=["sliding_attention"] * 2
+        + ["full_attention"]
+        + ["sliding_attention"] * 2
         + ["full_attention"],
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -60,67 +71,111 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     ),
     # mixture-of-experts: 4 experts, 2 per token (Qwen2-MoE: a shared expert, a dense layer)
     "mixtral": dict(
-        model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+        model_type="mixtral",
+        num_local_experts=4,
+        num_experts_per_tok=2,
         tie_word_embeddings=False,
     ),
     "qwen2_moe": dict(
-        model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
-        shared_expert_intermediate_size=64, norm_topk_prob=False, mlp_only_layers=[1],
+        model_type="qwen2_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=40,
+        shared_expert_intermediate_size=64,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
         tie_word_embeddings=False,
     ),
     "qwen3_moe": dict(
-        model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
-        norm_topk_prob=True, tie_word_embeddings=False,
+        model_type="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=40,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
     ),
     # attention sinks, alternating sliding layers, yarn, experts with biases and a clamped SwiGLU
     "gpt_oss": dict(
-        model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention"] * 2, tie_word_embeddings=False,
+        model_type="gpt_oss",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        tie_word_embeddings=False,
         swiglu_limit=0.5,  # low enough that the tiny model's gates and ups are clamped
         rope_parameters=dict(
-            rope_type="yarn", rope_theta=150_000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
-            original_max_position_embeddings=64, truncate=False,
+            rope_type="yarn",
+            rope_theta=150_000.0,
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            original_max_position_embeddings=64,
+            truncate=False,
         ),
     ),
     # Gemma 4 text's dense core: q/k/v norms, scores scaled by 1, a scalar per layer, global
     # layers with proportional RoPE over a quarter of the pairs
     "gemma4": dict(
-        model_type="gemma4_text", sliding_window=WINDOW, num_hidden_layers=6, head_dim=16,
-        global_head_dim=16, hidden_size_per_layer_input=0, hidden_activation="gelu_pytorch_tanh",
-        layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2
+        model_type="gemma4_text",
+        sliding_window=WINDOW,
+        num_hidden_layers=6,
+        head_dim=16,
+        global_head_dim=16,
+        hidden_size_per_layer_input=0,
+        hidden_activation="gelu_pytorch_tanh",
+        layer_types=["sliding_attention"] * 2
+        + ["full_attention"]
+        + ["sliding_attention"] * 2
         + ["full_attention"],
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            "full_attention": {"rope_type": "proportional", "rope_theta": 1_000_000.0,
-                               "partial_rotary_factor": 0.25},
+            "full_attention": {
+                "rope_type": "proportional",
+                "rope_theta": 1_000_000.0,
+                "partial_rotary_factor": 0.25,
+            },
         },
     ),
     # the same with global layers of their own shape (32 wide, one K/V head) taking their keys as
     # values (no v_proj there), as the released checkpoints do
     "gemma4_global": dict(
-        model_type="gemma4_text", attention_k_eq_v=True, global_head_dim=32,
+        model_type="gemma4_text",
+        attention_k_eq_v=True,
+        global_head_dim=32,
         num_global_key_value_heads=1,
     ),
     # the 26B-A4B shape: 4 experts (2 per token) beside every layer's dense MLP
     "gemma4_moe": dict(
-        model_type="gemma4_text", enable_moe_block=True, num_experts=4, top_k_experts=2,
+        model_type="gemma4_text",
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
         moe_intermediate_size=24,
     ),
     # the E2B shape's per-layer inputs: a 4-wide input per layer from the token and its embedding
     "gemma4_ple": dict(
-        model_type="gemma4_text", hidden_size_per_layer_input=4, vocab_size_per_layer_input=VOCAB,
+        model_type="gemma4_text",
+        hidden_size_per_layer_input=4,
+        vocab_size_per_layer_input=VOCAB,
     ),
     # the E2B shape: per-layer inputs, the last 2 of 6 layers attending over the K/V of the last
     # earlier layer of their kind (one sliding, one full) with double-wide MLPs
     "gemma4_shared": dict(
-        model_type="gemma4_text", hidden_size_per_layer_input=4, vocab_size_per_layer_input=VOCAB,
-        num_kv_shared_layers=2, use_double_wide_mlp=True,
+        model_type="gemma4_text",
+        hidden_size_per_layer_input=4,
+        vocab_size_per_layer_input=VOCAB,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
     ),
     "granite": dict(
-        model_type="granite", embedding_multiplier=6.0, residual_multiplier=0.5,
-        attention_multiplier=0.05, logits_scaling=4.0, tie_word_embeddings=True,
+        model_type="granite",
+        embedding_multiplier=6.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.05,
+        logits_scaling=4.0,
+        tie_word_embeddings=True,
     ),
-}  # fmt: skip
+}
 
 
 @dataclass

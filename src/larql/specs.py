@@ -147,8 +147,9 @@ def parse_params(
         key, eq, value = piece.partition("=")
         key = key.strip().lower()
         if not eq or not key:
-            raise error(f"{owner}: {piece.strip()!r} is not key=value{where}; "
-                        f"{accepted(owner, params)}")  # fmt: skip
+            raise error(
+                f"{owner}: {piece.strip()!r} is not key=value{where}; {accepted(owner, params)}"
+            )
         param = next((p for p in params if p.name == key), None)
         if param is None:
             raise error(f"{owner}: unknown parameter {key!r}{where}; {accepted(owner, params)}")

@@ -83,8 +83,12 @@ class TopToken:
     logit: float
 
     def as_json(self) -> dict[str, Any]:
-        return {"id": self.token_id, "text": self.text, "probability": self.probability,
-                "logit": self.logit}  # fmt: skip
+        return {
+            "id": self.token_id,
+            "text": self.text,
+            "probability": self.probability,
+            "logit": self.logit,
+        }
 
 
 def top_tokens(model: Model, logits: torch.Tensor, n: int) -> tuple[TopToken, ...]:
@@ -213,9 +217,14 @@ class _TextRun:
         try:
             sampler = Sampler(self.sampling)
             session = GenerationSession(
-                self.engine, self.model, router, self.prompt_ids, self.max_new_tokens, sampler,
+                self.engine,
+                self.model,
+                router,
+                self.prompt_ids,
+                self.max_new_tokens,
+                sampler,
                 resume_hidden=self.resume_hidden,
-            )  # fmt: skip
+            )
             self.session = session
             decoder = tokenizer.stream_decoder()
             token = None if session.finished else session.prefill()
@@ -224,9 +233,12 @@ class _TextRun:
             if token is not None and self.save_state is not None:
                 assert session.last_hidden is not None
                 self.saved_state = save_state(
-                    self.engine, self.save_state, self.model, session.last_hidden,
+                    self.engine,
+                    self.save_state,
+                    self.model,
+                    session.last_hidden,
                     self.held_ids + self.prompt_ids,
-                )  # fmt: skip
+                )
             while token is not None:
                 if token not in stop_ids and (piece := decoder.step(token)):
                     self.text += piece
@@ -311,9 +323,18 @@ def generate(
     `load_state`: start from a state saved there instead of a fresh engine (`engine` None or
     the spec it was saved with).
     `top=N`: also the N most likely first tokens with their probabilities (`Generation.top`)."""
-    run = _TextRun(model, engine, prompt, max_new_tokens,
-                   SamplingParams(temperature, top_k, top_p, seed), chat, ffn,
-                   load_state, save_state, top)  # fmt: skip
+    run = _TextRun(
+        model,
+        engine,
+        prompt,
+        max_new_tokens,
+        SamplingParams(temperature, top_k, top_p, seed),
+        chat,
+        ffn,
+        load_state,
+        save_state,
+        top,
+    )
     for piece in run.pieces():
         if on_text is not None:
             on_text(piece)
@@ -335,8 +356,15 @@ def stream(
 ) -> Iterator[str]:
     """`generate`, yielding the text as it is decoded; the pieces join to `generate`'s text.
     Arguments are checked when this is called, before the first piece is asked for."""
-    run = _TextRun(model, engine, prompt, max_new_tokens,
-                   SamplingParams(temperature, top_k, top_p, seed), chat, ffn)  # fmt: skip
+    run = _TextRun(
+        model,
+        engine,
+        prompt,
+        max_new_tokens,
+        SamplingParams(temperature, top_k, top_p, seed),
+        chat,
+        ffn,
+    )
     return run.pieces()
 
 
@@ -390,8 +418,9 @@ def teacher_forced_logits(
             f"prompt_tokens must be in 1..{len(ids)} (the ids given), got {prompt_tokens}"
         )
     if len(ids) > model.config.max_positions:
-        raise InvalidInput(f"{len(ids)} ids exceed {model.name}'s context of "
-                           f"{model.config.max_positions} tokens")  # fmt: skip
+        raise InvalidInput(
+            f"{len(ids)} ids exceed {model.name}'s context of {model.config.max_positions} tokens"
+        )
     built = engine_spec(engine).build(model)
     router = build_ffn(model, ffn)
     try:

@@ -88,9 +88,17 @@ def bench(
     settings = BenchSettings(new_tokens=tokens, warmup=warmup, repeats=repeats, profile=profile)
     try:
         return run_bench(
-            model, router, kinds, prompts, settings, vs_hf, text_label, progress,
-            list(batch) if batch else None, concurrent,
-        )  # fmt: skip
+            model,
+            router,
+            kinds,
+            prompts,
+            settings,
+            vs_hf,
+            text_label,
+            progress,
+            list(batch) if batch else None,
+            concurrent,
+        )
     finally:
         router.close()
 

@@ -174,12 +174,25 @@ def accuracy(
         stdout.print(line)
     if verbose:
         for s in report.scores:
-            verdict = s.outcome.value if not s.served else (
-                ("FOLLOW" if s.followed_context else "FALLBACK" if s.parametric_fallback
-                 else "OTHER") if s.source == "conflict" else ("HIT" if s.matched else "MISS")
-            )  # fmt: skip
-            stdout.print(f"  [{s.strategy}] {s.category:<12} {verdict:<9} "
-                         f"predicted={s.predicted!r} expected={s.expected!r}")  # fmt: skip
+            verdict = (
+                s.outcome.value
+                if not s.served
+                else (
+                    (
+                        "FOLLOW"
+                        if s.followed_context
+                        else "FALLBACK"
+                        if s.parametric_fallback
+                        else "OTHER"
+                    )
+                    if s.source == "conflict"
+                    else ("HIT" if s.matched else "MISS")
+                )
+            )
+            stdout.print(
+                f"  [{s.strategy}] {s.category:<12} {verdict:<9} "
+                f"predicted={s.predicted!r} expected={s.expected!r}"
+            )
     if report.fidelity:
         stdout.print(fidelity_table(report.fidelity, report.meta["fidelity_text"]))
     if output_file is not None:

@@ -110,8 +110,11 @@ def bench(
 
     if output not in ("table", "json"):
         raise InvalidInput(f"unknown --output {output!r}; accepted: table, json")
-    given = [name for name, value in (("--context", context), ("--prompt", prompt),
-                                      ("--depths", depths)) if value is not None]  # fmt: skip
+    given = [
+        name
+        for name, value in (("--context", context), ("--prompt", prompt), ("--depths", depths))
+        if value is not None
+    ]
     if len(given) > 1:
         raise InvalidInput(f"give one of --context, --depths, --prompt (got {' and '.join(given)})")
     checked = [("-n/--tokens", tokens, 1), ("--repeats", repeats, 1), ("--warmup", warmup, 0)]

@@ -55,8 +55,10 @@ class SuiteGrid:
             chosen = tuple(t.strip() for t in tasks.split(",") if t.strip())
             unknown = [t for t in chosen if t not in catalog.TASKS]
             if unknown or not chosen:
-                raise InvalidInput(f"--tasks: unknown {', '.join(unknown) or 'none given'}; "
-                                   f"known: {', '.join(catalog.TASKS)}")  # fmt: skip
+                raise InvalidInput(
+                    f"--tasks: unknown {', '.join(unknown) or 'none given'}; "
+                    f"known: {', '.join(catalog.TASKS)}"
+                )
         default_lengths = catalog.QUICK_LENGTHS if quick else catalog.DEFAULT_LENGTHS
         default_depths = catalog.QUICK_DEPTHS if quick else catalog.DEFAULT_DEPTHS
         return SuiteGrid(
@@ -71,11 +73,14 @@ class SuiteGrid:
         """The lengths that fit the model's context with `margin` tokens to spare."""
         fits = tuple(n for n in self.lengths if n + margin < model.config.max_positions)
         for n in sorted(set(self.lengths) - set(fits)):
-            stderr.print(f"[yellow]skipping length {n}: the model's context is "
-                         f"{model.config.max_positions} tokens[/yellow]")  # fmt: skip
+            stderr.print(
+                f"[yellow]skipping length {n}: the model's context is "
+                f"{model.config.max_positions} tokens[/yellow]"
+            )
         if not fits:
-            raise InvalidInput(f"no --lengths fits the model's context of "
-                               f"{model.config.max_positions} tokens")  # fmt: skip
+            raise InvalidInput(
+                f"no --lengths fits the model's context of {model.config.max_positions} tokens"
+            )
         return fits
 
 
@@ -114,8 +119,9 @@ def _longctx(model, ffn, kinds, grid: SuiteGrid, output_file, plot) -> None:
     with Progress(console=stderr, transient=True) as bar:
         task = bar.add_task("longctx", total=None)
         for kind in kinds:  # each engine's table (and the JSON so far) as soon as it is done
-            mine = run_longctx(model, ffn, [kind], samples,
-                               progress=lambda s: bar.update(task, description=s))  # fmt: skip
+            mine = run_longctx(
+                model, ffn, [kind], samples, progress=lambda s: bar.update(task, description=s)
+            )
             cells += mine
             for table in longctx_tables(mine):
                 stdout.print(table)
@@ -140,8 +146,9 @@ def _ppl_position(model, ffn, kinds, grid: SuiteGrid, text, output_file, plot) -
     length = max(grid.fitting(model, margin=1))
     with Progress(console=stderr, transient=True) as bar:
         task = bar.add_task("ppl-position", total=None)
-        curves = run_positions(model, ffn, kinds, body, length,
-                               progress=lambda s: bar.update(task, description=s))  # fmt: skip
+        curves = run_positions(
+            model, ffn, kinds, body, length, progress=lambda s: bar.update(task, description=s)
+        )
     stdout.print(position_table(curves, label))
     if output_file is not None:
         report = position_report(curves, model.name, label)

@@ -39,8 +39,9 @@ def check_plot_file(path: Path | None, option: str = "--plot") -> None:
     check_output_file(path, option)
     suffix = path.suffix.removeprefix(".").lower()
     if suffix and suffix not in (formats := plot_formats()):
-        raise InvalidInput(f"{option} {path}: no plot format {suffix!r}; accepted: "
-                           f"{', '.join(formats)}")  # fmt: skip
+        raise InvalidInput(
+            f"{option} {path}: no plot format {suffix!r}; accepted: {', '.join(formats)}"
+        )
 
 
 @contextmanager

@@ -36,8 +36,13 @@ def top_table(rows: tuple) -> Table:
     for name in ("#", "token", "id", "probability", "logit"):
         table.add_column(name, justify="left" if name == "token" else "right")
     for rank, row in enumerate(rows, 1):
-        table.add_row(str(rank), repr(row.text), str(row.token_id), f"{row.probability:.4f}",
-                      f"{row.logit:.3f}")  # fmt: skip
+        table.add_row(
+            str(rank),
+            repr(row.text),
+            str(row.token_id),
+            f"{row.probability:.4f}",
+            f"{row.logit:.3f}",
+        )
     return table
 
 
@@ -142,8 +147,12 @@ def run(
     except KeyboardInterrupt:  # Ctrl-C: what was generated so far, then exit 130
         if output == "json":
             engine_shown = asked.spec() if asked is not None else "(the loaded state's)"
-            partial = {"model": lm.name, "engine": engine_shown, "text": "".join(pieces),
-                       "finish_reason": "interrupted"}  # fmt: skip
+            partial = {
+                "model": lm.name,
+                "engine": engine_shown,
+                "text": "".join(pieces),
+                "finish_reason": "interrupted",
+            }
             print(json.dumps(partial))
         else:
             sys.stdout.write("\n")

@@ -119,8 +119,15 @@ def walk(
     try:
         if predict:
             assert choice is not None
-            data = predict_tokens(lm, router, choice.engine.build(lm), choice.engine.spec(), ids,
-                                  max_tokens, output == "table")  # fmt: skip
+            data = predict_tokens(
+                lm,
+                router,
+                choice.engine.build(lm),
+                choice.engine.spec(),
+                ids,
+                max_tokens,
+                output == "table",
+            )
         elif compare:
             data = compare_walk(lm, router, ids)
         else:
@@ -146,8 +153,13 @@ def _print_features(data: dict[str, Any]) -> None:
         f"(ffn {data['ffn']}; next token {predicted['token']!r})",
         caption="activation = act(gate·x)·(up·x); writes = top of lm_head · down column",
     )
-    for column, justify in (("layer", "right"), ("feature", "right"), ("activation", "right"),
-                            ("gate", "right"), ("writes", "left")):  # fmt: skip
+    for column, justify in (
+        ("layer", "right"),
+        ("feature", "right"),
+        ("activation", "right"),
+        ("gate", "right"),
+        ("writes", "left"),
+    ):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for row in data["layers"]:
         if not row["features"]:
@@ -169,8 +181,11 @@ def _print_compare(data: dict[str, Any]) -> None:
     for column in ("rank", "dense", "p", data["ffn"], "p"):
         table.add_column(column)
     for i, (d, w) in enumerate(zip(data["dense"], data["walk"], strict=True), start=1):
-        table.add_row(str(i), repr(d["token"]), f"{d['prob']:.4f}", repr(w["token"]),
-                      f"{w['prob']:.4f}")  # fmt: skip
+        table.add_row(
+            str(i), repr(d["token"]), f"{d['prob']:.4f}", repr(w["token"]), f"{w['prob']:.4f}"
+        )
     stdout.print(table)
-    stdout.print(f"KL(dense ‖ {data['ffn']}) = {data['kl_dense_walk']:.6f} nats   "
-                 f"same top-1: {'yes' if data['same_top1'] else 'no'}")  # fmt: skip
+    stdout.print(
+        f"KL(dense ‖ {data['ffn']}) = {data['kl_dense_walk']:.6f} nats   "
+        f"same top-1: {'yes' if data['same_top1'] else 'no'}"
+    )

@@ -53,17 +53,24 @@ def feature_rows(
             continue
         k = backend.k if isinstance(backend, WalkFfn) and not backend.is_dense else None
         features = firing_features(model, layer, recorder.inputs[layer], k, top)
-        rows.append({
-            "layer": layer,
-            "backend": backend.name,
-            "features": [
-                {"feature": f.feature, "activation": round(f.activation, 5),
-                 "gate": round(f.gate, 5),
-                 "tokens": [model.tokenizer.decode([t])
-                            for t in down_tokens(model, layer, f.feature, TOKENS_PER_FEATURE)]}
-                for f in features
-            ],
-        })  # fmt: skip
+        rows.append(
+            {
+                "layer": layer,
+                "backend": backend.name,
+                "features": [
+                    {
+                        "feature": f.feature,
+                        "activation": round(f.activation, 5),
+                        "gate": round(f.gate, 5),
+                        "tokens": [
+                            model.tokenizer.decode([t])
+                            for t in down_tokens(model, layer, f.feature, TOKENS_PER_FEATURE)
+                        ],
+                    }
+                    for f in features
+                ],
+            }
+        )
     return {"position": len(ids) - 1, "layers": rows, "prediction": top_tokens(model, logits, 1)}
 
 

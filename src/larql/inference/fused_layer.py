@@ -111,9 +111,13 @@ def _new_layer_plan(
     rows = [kernel_rows(b, kernels) for b in (qkv, wo, gate_up, down)]
     norms = torch.stack((lw.attn_norm, lw.ffn_norm)).contiguous()
     return _LayerPlan(
-        norms, tuple(data for data, _ in rows), [code for _, code in rows], lw.bqkv, lw.bo,
+        norms,
+        tuple(data for data, _ in rows),
+        [code for _, code in rows],
+        lw.bqkv,
+        lw.bo,
         activation_bits(qkv),
-    )  # fmt: skip
+    )
 
 
 def _store_rows(
@@ -204,12 +208,21 @@ def rows_kv(
         cos_sin.append(ropes[id(table)])
     stores = [store for _, _, per_layer in segments for store in per_layer]
     kernels.rows_kv(
-        rows.contiguous(), [p.norms[0] for p in plans], model.config.norm_eps,
-        [p.matrices[0] for p in plans], [p.formats[0] for p in plans],
-        [p.qkv_bias for p in plans], [cos for cos, _ in cos_sin], [sin for _, sin in cos_sin],
-        [count for count, _, _ in segments], [k for k, _, _ in stores], [v for _, v, _ in stores],
-        [slot for _, _, slot in stores], model.config.num_heads, plans[0].bits,
-    )  # fmt: skip
+        rows.contiguous(),
+        [p.norms[0] for p in plans],
+        model.config.norm_eps,
+        [p.matrices[0] for p in plans],
+        [p.formats[0] for p in plans],
+        [p.qkv_bias for p in plans],
+        [cos for cos, _ in cos_sin],
+        [sin for _, sin in cos_sin],
+        [count for count, _, _ in segments],
+        [k for k, _, _ in stores],
+        [v for _, v, _ in stores],
+        [slot for _, _, slot in stores],
+        model.config.num_heads,
+        plans[0].bits,
+    )
     return True
 
 
@@ -231,11 +244,16 @@ def layer_arguments(
         return None
     ropes = [rope_table(model, layer).rows(positions) for layer in layers]  # [R, rotary] each
     arguments = [
-        h.contiguous(), [p.norms for p in plans], model.config.norm_eps,
-        *([p.matrices[i] for p in plans] for i in range(4)), [p.formats for p in plans],
-        [p.qkv_bias for p in plans], [p.o_bias for p in plans],
-        [cos.contiguous() for cos, _ in ropes], [sin.contiguous() for _, sin in ropes],
-    ]  # fmt: skip
+        h.contiguous(),
+        [p.norms for p in plans],
+        model.config.norm_eps,
+        *([p.matrices[i] for p in plans] for i in range(4)),
+        [p.formats for p in plans],
+        [p.qkv_bias for p in plans],
+        [p.o_bias for p in plans],
+        [cos.contiguous() for cos, _ in ropes],
+        [sin.contiguous() for _, sin in ropes],
+    ]
     return arguments, plans[0].bits
 
 
@@ -282,9 +300,13 @@ def fused_layers_rows(
             per_layer.append(rows)
     leading, bits = arguments
     out = kernels.decode_layers_batch(
-        *leading, *([rows[i] for rows in per_layer] for i in range(4)), model.config.num_heads,
-        model.config.attn_scale, bits, layer_inputs,
-    )  # fmt: skip
+        *leading,
+        *([rows[i] for rows in per_layer] for i in range(4)),
+        model.config.num_heads,
+        model.config.attn_scale,
+        bits,
+        layer_inputs,
+    )
     if reserved is None:
         for layer_stores in stores:
             for kv, n in zip(layer_stores, counts, strict=True):

@@ -170,9 +170,17 @@ def project_qkv_with_rope(
     if plain and blocks is not None and (kernels := fused_kernels(h, blocks)) is not None:
         # a few rows: norm, product and RoPE of q and k in one compiled call
         qkv = kernels.decode_qkv(
-            h.contiguous(), lw.attn_norm, cfg.norm_eps, *kernel_rows(blocks, kernels), lw.bqkv,
-            cos.contiguous(), sin.contiguous(), heads + kv_heads, dim, activation_bits(blocks),
-        )  # fmt: skip  # [S, q_dim + 2·kv_dim]
+            h.contiguous(),
+            lw.attn_norm,
+            cfg.norm_eps,
+            *kernel_rows(blocks, kernels),
+            lw.bqkv,
+            cos.contiguous(),
+            sin.contiguous(),
+            heads + kv_heads,
+            dim,
+            activation_bits(blocks),
+        )  # [S, q_dim + 2·kv_dim]
         q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
         return (
             q.view(s, heads, dim).transpose(0, 1),

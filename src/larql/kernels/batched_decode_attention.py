@@ -163,8 +163,9 @@ def batched_decode_attention(
     acc = torch.empty((batch * kv_heads, splits, gp, dp), **f32)
     out = torch.empty((batch, heads * dim), dtype=q.dtype, device=q.device)
     where = (anchor, key_offsets, value_offsets, positions, capacities)
-    _write_kernel[(batch, kv_heads)](k_new, v_new, *where, batch, D=dim, DP=dp,
-                                      **dependent_options(q.device))  # fmt: skip
+    _write_kernel[(batch, kv_heads)](
+        k_new, v_new, *where, batch, D=dim, DP=dp, **dependent_options(q.device)
+    )
     _partial_kernel[(batch * kv_heads, splits)](
         q.contiguous(),
         *where,
@@ -184,7 +185,16 @@ def batched_decode_attention(
     # one program per (session, K/V head) = one "head" of a [B·Hkv] decode: out [B, Hq·D] is
     # [B·Hq, D] with query head b·Hq + h·G + r — the one-session merge, unchanged
     combine_kernel[(batch * kv_heads,)](
-        m, l_sum, acc, out, G=group, GP=gp, GR=1 << (group - 1).bit_length(), D=dim, DP=dp,
-        NS=splits, **dependent_options(q.device),
-    )  # fmt: skip
+        m,
+        l_sum,
+        acc,
+        out,
+        G=group,
+        GP=gp,
+        GR=1 << (group - 1).bit_length(),
+        D=dim,
+        DP=dp,
+        NS=splits,
+        **dependent_options(q.device),
+    )
     return out

@@ -214,9 +214,18 @@ def _launch(
         **dependent_options(q.device),
     )
     combine_kernel[(kv_heads,)](
-        m, l_sum, acc, out, G=group, GP=gp, GR=_next_power_of_two(group), D=dim, DP=dp, NS=splits,
+        m,
+        l_sum,
+        acc,
+        out,
+        G=group,
+        GP=gp,
+        GR=_next_power_of_two(group),
+        D=dim,
+        DP=dp,
+        NS=splits,
         **dependent_options(q.device),
-    )  # fmt: skip
+    )
     return out.view(heads, 1, dim)
 
 

@@ -71,10 +71,19 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return out
     padded = triton.next_power_of_2(dim)
     _rope_kernel[(heads * rows,)](
-        x, cos.contiguous(), sin.contiguous(), out, rows, x.stride(0), x.stride(1),
-        D=dim, R=rotary_dim, DP=padded, num_warps=1 if padded <= _ONE_WARP_DIM else 4,
+        x,
+        cos.contiguous(),
+        sin.contiguous(),
+        out,
+        rows,
+        x.stride(0),
+        x.stride(1),
+        D=dim,
+        R=rotary_dim,
+        DP=padded,
+        num_warps=1 if padded <= _ONE_WARP_DIM else 4,
         **dependent_options(x.device),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -116,8 +125,16 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if out.numel() == 0:
         return out
     grid = (rows, triton.cdiv(width, _SILU_BLOCK))
-    _silu_mul_kernel[grid](gate, up, out, width, gate.stride(0), up.stride(0), BLOCK=_SILU_BLOCK,
-                           **dependent_options(gate.device))  # fmt: skip
+    _silu_mul_kernel[grid](
+        gate,
+        up,
+        out,
+        width,
+        gate.stride(0),
+        up.stride(0),
+        BLOCK=_SILU_BLOCK,
+        **dependent_options(gate.device),
+    )
     return out
 
 
@@ -155,9 +172,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if out.numel() == 0:
         return out
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, weight, out, width, rows.stride(0), eps, BLOCK=triton.next_power_of_2(width),
+        rows,
+        weight,
+        out,
+        width,
+        rows.stride(0),
+        eps,
+        BLOCK=triton.next_power_of_2(width),
         **dependent_options(x.device),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -197,6 +220,15 @@ def store_row(
     if v.stride(-1) != 1:
         v = v.contiguous()
     _store_row_kernel[(heads,)](
-        k, v, keys, values, pos, capacity, k.stride(0), v.stride(0),
-        D=dim, DP=triton.next_power_of_2(dim), **dependent_options(keys.device),
-    )  # fmt: skip
+        k,
+        v,
+        keys,
+        values,
+        pos,
+        capacity,
+        k.stride(0),
+        v.stride(0),
+        D=dim,
+        DP=triton.next_power_of_2(dim),
+        **dependent_options(keys.device),
+    )

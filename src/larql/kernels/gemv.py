@@ -208,12 +208,24 @@ def _launch(
     block_n, block_k, warps = _shape(out_features, in_features)
     grid = (triton.cdiv(out_features, block_n),)
     _gemv_kernel[grid](
-        weight, x, norm if norm is not None else x, bias if bias is not None else out,
-        residual if residual is not None else out, out, out_features, eps,
-        K=in_features, BN=block_n, BK=block_k, PROLOGUE=prologue, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, WIDE=weight.numel() >= 2**31, num_warps=warps,
+        weight,
+        x,
+        norm if norm is not None else x,
+        bias if bias is not None else out,
+        residual if residual is not None else out,
+        out,
+        out_features,
+        eps,
+        K=in_features,
+        BN=block_n,
+        BK=block_k,
+        PROLOGUE=prologue,
+        HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None,
+        WIDE=weight.numel() >= 2**31,
+        num_warps=warps,
         **dependent_options(x.device),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -275,9 +287,22 @@ def normed_gemv_rope(
     out = torch.empty((1, out_features), dtype=h.dtype, device=h.device)
     block_n, block_k, warps = _shape(out_features, in_features)
     _normed_gemv_rope_kernel[(out_features // block_n,)](
-        weight, _row(h), norm, bias if bias is not None else out, _row(cos), _row(sin), out,
-        rotated_heads, eps, K=in_features, D=head_dim, PAIRS=block_n // 2, BK=block_k,
-        HAS_BIAS=bias is not None, WIDE=weight.numel() >= 2**31, num_warps=warps,
+        weight,
+        _row(h),
+        norm,
+        bias if bias is not None else out,
+        _row(cos),
+        _row(sin),
+        out,
+        rotated_heads,
+        eps,
+        K=in_features,
+        D=head_dim,
+        PAIRS=block_n // 2,
+        BK=block_k,
+        HAS_BIAS=bias is not None,
+        WIDE=weight.numel() >= 2**31,
+        num_warps=warps,
         **dependent_options(h.device),
-    )  # fmt: skip
+    )
     return out

@@ -59,16 +59,22 @@ def _load(ep: EntryPoint, taken: set[str]) -> EngineEntry | None:
     if not isinstance(entry, EngineEntry):
         return _skip(f"{where} is not a larql EngineEntry (it is a {type(entry).__name__})")
     if entry.name != ep.name:
-        return _skip(f"{where} registers an engine named {entry.name!r}: the entry point's name "
-                     "must be the engine's name")  # fmt: skip
+        return _skip(
+            f"{where} registers an engine named {entry.name!r}: the entry point's name "
+            "must be the engine's name"
+        )
     bad = [n for n in entry.all_names if not NAME.match(n)]
     if bad:
-        return _skip(f"{where}: {bad[0]!r} is not a usable engine name (lower-case letters, "
-                     "digits, '-', '_', '.')")  # fmt: skip
+        return _skip(
+            f"{where}: {bad[0]!r} is not a usable engine name (lower-case letters, "
+            "digits, '-', '_', '.')"
+        )
     clash = [n for n in entry.all_names if n in taken]
     if clash:
-        return _skip(f"{where} was refused: the name {clash[0]!r} is already an engine's "
-                     "(built-in engines and earlier plugins keep theirs)")  # fmt: skip
+        return _skip(
+            f"{where} was refused: the name {clash[0]!r} is already an engine's "
+            "(built-in engines and earlier plugins keep theirs)"
+        )
     return dataclasses.replace(entry, plugin=_origin(ep))
 
 

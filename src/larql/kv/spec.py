@@ -322,8 +322,9 @@ class EngineCatalog:
         )
         for param in entry.params:  # a spec left at its default is an EngineSpec too
             if param.kind == "spec" and isinstance(params[param.name], str):
-                params[param.name] = self._parse_nested(entry, param, params[param.name],
-                                                        policy, depth)  # fmt: skip
+                params[param.name] = self._parse_nested(
+                    entry, param, params[param.name], policy, depth
+                )
         return EngineSpec(entry, params)
 
     def _admit(

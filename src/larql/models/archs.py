@@ -91,8 +91,11 @@ def gemma4_unsupported(settings: Mapping[str, Any]) -> str | None:
 ARCHITECTURES: dict[str, ArchPreset] = {
     # llama.cpp writes Mistral models as llama; a window in the file applies to every layer
     "llama": ArchPreset(
-        Arch(name="llama"), every_layer_if_windowed, hf_model_types=("llama",),
-        gguf_name="llama", gguf_interleaved_qk=True,
+        Arch(name="llama"),
+        every_layer_if_windowed,
+        hf_model_types=("llama",),
+        gguf_name="llama",
+        gguf_interleaved_qk=True,
     ),
     "mistral": ArchPreset(
         Arch(name="mistral"), every_layer_if_windowed, hf_model_types=("mistral",)
@@ -101,37 +104,54 @@ ARCHITECTURES: dict[str, ArchPreset] = {
         Arch(name="qwen2"), from_max_window_layers, hf_model_types=("qwen2",), gguf_name="qwen2"
     ),
     "qwen3": ArchPreset(
-        Arch(name="qwen3", qk_norm=True), from_max_window_layers, hf_model_types=("qwen3",),
+        Arch(name="qwen3", qk_norm=True),
+        from_max_window_layers,
+        hf_model_types=("qwen3",),
         gguf_name="qwen3",
     ),
     "mixtral": ArchPreset(
-        Arch(name="mixtral"), every_layer_if_windowed, hf_model_types=("mixtral",),
+        Arch(name="mixtral"),
+        every_layer_if_windowed,
+        hf_model_types=("mixtral",),
         experts_normalized=True,
     ),
     "qwen2_moe": ArchPreset(
-        Arch(name="qwen2_moe"), from_max_window_layers, hf_model_types=("qwen2_moe",),
-        gguf_name="qwen2moe", gguf_experts_normalized=False,
+        Arch(name="qwen2_moe"),
+        from_max_window_layers,
+        hf_model_types=("qwen2_moe",),
+        gguf_name="qwen2moe",
+        gguf_experts_normalized=False,
     ),
     "qwen3_moe": ArchPreset(
-        Arch(name="qwen3_moe", qk_norm=True), from_max_window_layers,
-        hf_model_types=("qwen3_moe",), gguf_name="qwen3moe",
+        Arch(name="qwen3_moe", qk_norm=True),
+        from_max_window_layers,
+        hf_model_types=("qwen3_moe",),
+        gguf_name="qwen3moe",
     ),
     # learned attention sinks, alternating sliding layers (`layer_types`), experts routed by a
     # softmax over the top-k logits (= the renormalised top k), with biases, a clamped SwiGLU
     "gpt_oss": ArchPreset(
-        Arch(name="gpt_oss", attention_sinks=True), even_layers, hf_model_types=("gpt_oss",),
-        experts_normalized=True, gguf_name="gpt-oss",
-        gguf_renamed={"post_attention_norm": "ffn_norm"}, gguf_clamped_swiglu=(1.702, 7.0),
+        Arch(name="gpt_oss", attention_sinks=True),
+        even_layers,
+        hf_model_types=("gpt_oss",),
+        experts_normalized=True,
+        gguf_name="gpt-oss",
+        gguf_renamed={"post_attention_norm": "ffn_norm"},
+        gguf_clamped_swiglu=(1.702, 7.0),
     ),
     # embedding, attention, residual and logit multipliers (the last two folded into weights)
     "granite": ArchPreset(
-        Arch(name="granite"), hf_model_types=("granite",), gguf_name="granite",
+        Arch(name="granite"),
+        hf_model_types=("granite",),
+        gguf_name="granite",
         gguf_interleaved_qk=True,
     ),
     # fused QKV and gate/up matrices are split at load time; partial RoPE is the file's
     "phi3": ArchPreset(Arch(name="phi3"), every_layer_if_windowed, gguf_name="phi3"),
     "gemma2": ArchPreset(
-        Arch(name="gemma2", **_GEMMA), even_layers, hf_model_types=("gemma2",),
+        Arch(name="gemma2", **_GEMMA),
+        even_layers,
+        hf_model_types=("gemma2",),
         tied_embeddings=True,
     ),
     "gemma3": ArchPreset(
@@ -154,7 +174,7 @@ ARCHITECTURES: dict[str, ArchPreset] = {
         experts_normalized=True,
         unsupported=gemma4_unsupported,
     ),
-}  # fmt: skip
+}
 
 HF_MODEL_TYPES = {t: preset for preset in ARCHITECTURES.values() for t in preset.hf_model_types}
 GGUF_NAMES = {p.gguf_name: p for p in ARCHITECTURES.values() if p.gguf_name is not None}
@@ -167,8 +187,12 @@ def preset_for_hf(model_type: str) -> ArchPreset:
 
 def preset_for_gguf(name: str) -> ArchPreset:
     supported = ", ".join(sorted(GGUF_NAMES))
-    return _lookup(GGUF_NAMES, name, "GGUF architecture",
-                   f"{supported} (other architectures load from an HF directory)")  # fmt: skip
+    return _lookup(
+        GGUF_NAMES,
+        name,
+        "GGUF architecture",
+        f"{supported} (other architectures load from an HF directory)",
+    )
 
 
 def _lookup(table: Mapping[str, ArchPreset], key: str, what: str, supported: str) -> ArchPreset:

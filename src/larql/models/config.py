@@ -180,9 +180,10 @@ class ModelConfig:
         """K+V bytes one token costs in a full cache over all layers (fp16 by default); a layer
         sharing another's K/V costs nothing."""
         kv_dims = sum(
-            self.kv_dim_of(layer) for layer in range(self.num_layers)
+            self.kv_dim_of(layer)
+            for layer in range(self.num_layers)
             if self.kv_source_of(layer) is None
-        )  # fmt: skip
+        )
         return kv_dims * 2 * bytes_per_element
 
 

@@ -29,13 +29,31 @@ _DEFAULT_ALIGNMENT = 32
 
 # GGUF metadata value types -> struct format (scalars only).
 _SCALAR_FORMATS = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i",
-    6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
-}  # fmt: skip
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _NUMPY_TYPES = {
-    0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
-    6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64,
-}  # fmt: skip
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
 _STRING, _ARRAY = 8, 9
 _VERSIONS = (2, 3)
 # Sane limits on the header's counts, far above any released model (the bytes left in the file

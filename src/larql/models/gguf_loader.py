@@ -269,8 +269,11 @@ def gguf_block_rows(gguf: GgufFile, config: ModelConfig) -> dict[str, BlockRows]
         width = info.shape[1] if len(info.shape) == 2 else 0
         if info.qtype not in GGUF_FORMATS or not width or width % block_width(info.qtype):
             continue
-        parts = [p for p in _canonical_parts(gguf_name, info.shape, config, renamed)
-                 if p[0].rsplit(".", 1)[-1] not in scaled]  # fmt: skip
+        parts = [
+            p
+            for p in _canonical_parts(gguf_name, info.shape, config, renamed)
+            if p[0].rsplit(".", 1)[-1] not in scaled
+        ]
         if not parts:
             continue
         whole = BlockRows.from_gguf(info.qtype, gguf.raw_bytes(gguf_name), info.shape)

@@ -112,9 +112,18 @@ _EXPERT = re.compile(
 )
 _EXPERT_MATRIX = {"w1": "gate", "w3": "up", "w2": "down"}  # Mixtral's; Qwen's say it
 _NORMS = {
-    "attn_norm", "q_norm", "k_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm",
-    "experts_norm", "post_mlp_norm", "post_experts_norm", "per_layer_post_norm", "per_layer_norm",
-}  # fmt: skip
+    "attn_norm",
+    "q_norm",
+    "k_norm",
+    "post_attn_norm",
+    "ffn_norm",
+    "post_ffn_norm",
+    "experts_norm",
+    "post_mlp_norm",
+    "post_experts_norm",
+    "per_layer_post_norm",
+    "per_layer_norm",
+}
 
 
 def read_hf_config(directory: Path) -> dict[str, Any]:
@@ -248,10 +257,14 @@ def _layer_specs(
         specs.append(
             LayerSpec(
                 # a layer that says it slides but has no width attends fully (never a window of 0)
-                window if sliding and window else None, rope, width, kv_heads,
-                kv_source=source, intermediate_size=wide if source is not None else None,
+                window if sliding and window else None,
+                rope,
+                width,
+                kv_heads,
+                kv_source=source,
+                intermediate_size=wide if source is not None else None,
             )
-        )  # fmt: skip
+        )
     return tuple(specs)
 
 
@@ -504,9 +517,11 @@ def _canonical_name(key: str, layout: dict[str, str]) -> str | None:
     parts = key.split(".", 2)
     if len(parts) == 3 and parts[0] == "layers":
         name = (
-            _LAYER_TENSORS.get(parts[2]) or layout.get(parts[2])
-            or _EXPERT_BLOCK_TENSORS.get(parts[2]) or _expert_matrix(parts[2])
-        )  # fmt: skip
+            _LAYER_TENSORS.get(parts[2])
+            or layout.get(parts[2])
+            or _EXPERT_BLOCK_TENSORS.get(parts[2])
+            or _expert_matrix(parts[2])
+        )
         if name is not None:
             return f"layers.{parts[1]}.{name}"
     return None

@@ -225,8 +225,18 @@ def _state_from_weights(weights: ModelWeights) -> dict[str, torch.Tensor]:
             state[p + "w_gate"], state[p + "w_up"] = lw.w_gate_up.chunk(2)
         if lw.experts is not None:
             state.update(_expert_state(lw.experts, p))
-        for key in ("attn_norm", "q_norm", "k_norm", "wo", "bo", "post_attn_norm", "ffn_norm",
-                    "w_down", "post_ffn_norm", "attn_sinks"):  # fmt: skip
+        for key in (
+            "attn_norm",
+            "q_norm",
+            "k_norm",
+            "wo",
+            "bo",
+            "post_attn_norm",
+            "ffn_norm",
+            "w_down",
+            "post_ffn_norm",
+            "attn_sinks",
+        ):
             value = getattr(lw, key)
             if value is not None:
                 state[p + key] = value

@@ -72,9 +72,16 @@ def check_rope(spec: RopeSpec, head_dim: int) -> None:
     `ModelFormatError` saying which)."""
     finite = all(
         math.isfinite(v)
-        for v in (spec.base, spec.factor, spec.low_freq_factor, spec.high_freq_factor,
-                  spec.attention_factor, spec.beta_fast, spec.beta_slow)
-    )  # fmt: skip
+        for v in (
+            spec.base,
+            spec.factor,
+            spec.low_freq_factor,
+            spec.high_freq_factor,
+            spec.attention_factor,
+            spec.beta_fast,
+            spec.beta_slow,
+        )
+    )
     problem = None
     if not finite:
         problem = "a setting is not a finite number"

@@ -170,9 +170,12 @@ class ModelWeights:
             if any(b is not None for b in biases):
                 sizes = (config.q_dim_of(i), config.kv_dim_of(i), config.kv_dim_of(i))
                 bqkv = stack_rows(
-                    [b if b is not None else torch.zeros(n, dtype=dtype, device=device)
-                     for b, n in zip(biases, sizes, strict=False)], p + "bq|bk|bv",
-                )  # fmt: skip
+                    [
+                        b if b is not None else torch.zeros(n, dtype=dtype, device=device)
+                        for b, n in zip(biases, sizes, strict=False)
+                    ],
+                    p + "bq|bk|bv",
+                )
             layers.append(
                 LayerWeights(
                     attn_norm=get(p + "attn_norm"),
@@ -206,9 +209,12 @@ class ModelWeights:
                 get("per_layer_table"), get("per_layer_projection"), get("per_layer_norm")
             )
         weights = cls(
-            embed=embed, lm_head=lm_head, final_norm=get("final_norm"), layers=layers,
+            embed=embed,
+            lm_head=lm_head,
+            final_norm=get("final_norm"),
+            layers=layers,
             per_layer=per_layer,
-        )  # fmt: skip
+        )
         weights._check_shapes(config)
         return weights
 
@@ -355,12 +361,24 @@ def expected_shape(config: ModelConfig, name: str) -> tuple[int, ...] | None:
     q, kv, f = config.q_dim_of(i), config.kv_dim_of(i), config.intermediate_size_of(i)
     head = config.head_dim_of(i)
     shapes: dict[str, tuple[int, ...]] = {
-        "wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q),
-        "bq": (q,), "bk": (kv,), "bv": (kv,), "bo": (h,),
-        "q_norm": (head,), "k_norm": (head,),
-        "attn_norm": (h,), "post_attn_norm": (h,), "ffn_norm": (h,), "post_ffn_norm": (h,),
-        "w_gate": (f, h), "w_up": (f, h), "w_down": (h, f),
-    }  # fmt: skip
+        "wq": (q, h),
+        "wk": (kv, h),
+        "wv": (kv, h),
+        "wo": (h, q),
+        "bq": (q,),
+        "bk": (kv,),
+        "bv": (kv,),
+        "bo": (h,),
+        "q_norm": (head,),
+        "k_norm": (head,),
+        "attn_norm": (h,),
+        "post_attn_norm": (h,),
+        "ffn_norm": (h,),
+        "post_ffn_norm": (h,),
+        "w_gate": (f, h),
+        "w_up": (f, h),
+        "w_down": (h, f),
+    }
     return shapes.get(kind)
 
 
@@ -427,16 +445,18 @@ def _experts(
         gate_up=_expert_gate_up(state, prefix, get),
         down=get(prefix + "experts_down"),
         router_bias=opt(prefix + "router_bias"),
-        gate_up_bias=None if gate_bias is None or up_bias is None
+        gate_up_bias=None
+        if gate_bias is None or up_bias is None
         else stack_rows([gate_bias, up_bias], prefix + "experts_gate_bias|up_bias", dim=1),
         down_bias=opt(prefix + "experts_down_bias"),
-        shared_gate_up=None if shared_gate is None or shared_up is None
+        shared_gate_up=None
+        if shared_gate is None or shared_up is None
         else stack_rows([shared_gate, shared_up], prefix + "shared_gate|shared_up"),
         shared_down=opt(prefix + "shared_down"),
         shared_expert_gate=opt(prefix + "shared_expert_gate"),
         router_scale=opt(prefix + "router_scale"),
         per_expert_scale=opt(prefix + "per_expert_scale"),
-    )  # fmt: skip
+    )
 
 
 def _expert_gate_up(state: StateDict, prefix: str, get: Getter) -> torch.Tensor:

@@ -189,9 +189,10 @@ class FfnShard:
         routing = self.model.config.experts
         if self.experts is None or routing is None:
             raise ShardRequestError(
-                404, "this shard serves layers, not experts (larql serve --ffn-only --experts A-B)",
+                404,
+                "this shard serves layers, not experts (larql serve --ffn-only --experts A-B)",
                 "experts_not_served",
-            )  # fmt: skip
+            )
         for unit in request.layers:
             layer, expert = divmod(unit, routing.num_experts)
             moe = layer in self.layers and self.model.weights.layers[layer].experts is not None
@@ -327,14 +328,21 @@ async def _answer(
     shard.count(requests=1, bytes_in=len(body), **{f"wire_{wire or 'json'}": 1})
     if wire is None:
         if walk.batched:
-            payload: dict[str, Any] = {"latency_ms": ms, "results": [
-                {"layer": layer, "seq_len": out.shape[0], "output": out.ravel().tolist()}
-                for layer, out in results
-            ]}  # fmt: skip
+            payload: dict[str, Any] = {
+                "latency_ms": ms,
+                "results": [
+                    {"layer": layer, "seq_len": out.shape[0], "output": out.ravel().tolist()}
+                    for layer, out in results
+                ],
+            }
         else:
             layer, out = results[0]
-            payload = {"layer": layer, "seq_len": out.shape[0], "latency_ms": ms,
-                       "output": out.ravel().tolist()}  # fmt: skip
+            payload = {
+                "layer": layer,
+                "seq_len": out.shape[0],
+                "latency_ms": ms,
+                "output": out.ravel().tolist(),
+            }
         return JSONResponse(payload)
     content = encode_response(results, ms, wire, walk.batched)
     shard.count(bytes_out=len(content))

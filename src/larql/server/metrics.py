@@ -20,9 +20,26 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
-    1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -48,9 +65,11 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "larql_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+            "larql_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
             registry=r,
-        )  # fmt: skip
+        )
         self.prompt_tokens = Counter("larql_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.completion_tokens = Counter("larql_completion_tokens", "Tokens generated", registry=r)
         self.sessions = Counter(

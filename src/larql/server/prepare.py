@@ -90,15 +90,22 @@ def prepare_chat(
         ids = model.tokenizer.encode_chat([m.for_template() for m in body.messages])
     except ChatTemplateMissing:
         raise bad_request(
-            f"{model.name} has no chat template; use /v1/completions", "messages",
+            f"{model.name} has no chat template; use /v1/completions",
+            "messages",
             "chat_template_missing",
-        ) from None  # fmt: skip
+        ) from None
     except LarqlError as e:  # the template refused the conversation (e.g. role order)
         raise bad_request(str(e), "messages") from None
     return _session_request(
-        body, kind, ids, body.requested_tokens, settings.max_new_tokens, model, settings,
+        body,
+        kind,
+        ids,
+        body.requested_tokens,
+        settings.max_new_tokens,
+        model,
+        settings,
         logprobs=body.top_n,
-    )  # fmt: skip
+    )
 
 
 def unicode_text(text: str, param: str) -> str:

@@ -21,9 +21,26 @@ def fidelity_table(rows: list[Fidelity], text_label: str) -> Table:
         "tokens equal",
         caption_justify="left",
     )
-    for col in ("strategy", "positions", "mean KL", "median", "p99", "max", "same top-1",
-                "Δp RMS", "ln PPL ratio", "greedy divergence", "JS", "top-5", "MRR", "cos",
-                "match", "state MiB", "× fp16", "note"):  # fmt: skip
+    for col in (
+        "strategy",
+        "positions",
+        "mean KL",
+        "median",
+        "p99",
+        "max",
+        "same top-1",
+        "Δp RMS",
+        "ln PPL ratio",
+        "greedy divergence",
+        "JS",
+        "top-5",
+        "MRR",
+        "cos",
+        "match",
+        "state MiB",
+        "× fp16",
+        "note",
+    ):
         if col == "strategy":  # never broken inside: a spec has to stay pasteable
             widest = max([len(r.spec) for r in rows] + [len(col)])
             table.add_column(col, no_wrap=True, min_width=widest)
@@ -34,10 +51,12 @@ def fidelity_table(rows: list[Fidelity], text_label: str) -> Table:
             table.add_row(r.spec, *[""] * 16, f"error: {r.error}")
             continue
         divergence = (
-            "—" if not r.greedy_steps
-            else f"none in {r.greedy_steps}" if r.first_divergence is None
+            "—"
+            if not r.greedy_steps
+            else f"none in {r.greedy_steps}"
+            if r.first_divergence is None
             else f"step {r.first_divergence}"
-        )  # fmt: skip
+        )
         table.add_row(
             r.spec,
             str(r.positions),
@@ -73,10 +92,19 @@ def save_frontier_plot(rows: list[Fidelity], path: Path, title: str) -> None:
     figure, axes = plt.subplots(figsize=(8, 5.5))
     for r in points:
         axes.scatter(r.ratio_vs_fp16, r.mean_kl)
-        axes.annotate(r.spec, (r.ratio_vs_fp16, r.mean_kl), fontsize=7,
-                      xytext=(3, 3), textcoords="offset points")  # fmt: skip
-    axes.set(xlabel="state bytes / fp16 full cache (same tokens)", ylabel="mean KL (nats)",
-             yscale="log", title=title)  # fmt: skip
+        axes.annotate(
+            r.spec,
+            (r.ratio_vs_fp16, r.mean_kl),
+            fontsize=7,
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
+    axes.set(
+        xlabel="state bytes / fp16 full cache (same tokens)",
+        ylabel="mean KL (nats)",
+        yscale="log",
+        title=title,
+    )
     axes.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

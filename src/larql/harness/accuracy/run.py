@@ -94,8 +94,12 @@ Corpora = tuple[list[FactPrompt], list[FactPrompt], list[ConflictPrompt]]
 
 def corpora(model: Model, settings: AccuracySettings) -> Corpora:
     parametric = list(PARAMETRIC)
-    needles = [p for _, p in needle_prompts(model.tokenizer, settings.needle_max_tokens,
-                                            model.config.max_positions)]  # fmt: skip
+    needles = [
+        p
+        for _, p in needle_prompts(
+            model.tokenizer, settings.needle_max_tokens, model.config.max_positions
+        )
+    ]
     conflict = list(CONFLICT) if settings.conflict else []
     if settings.quick:
         parametric = parametric[::8][:5]
@@ -138,8 +142,9 @@ def run_accuracy(
         for ffn in ffns.values():  # remote FFN clients hold connections until closed
             if hasattr(ffn, "close"):
                 stack.callback(ffn.close)
-        _score_corpora(model, strategies, ffns, cross, (parametric, needles, conflicts), report,
-                       progress)  # fmt: skip
+        _score_corpora(
+            model, strategies, ffns, cross, (parametric, needles, conflicts), report, progress
+        )
         if settings.fidelity:
             report.fidelity = _fidelity(model, strategies, ffns, cross, settings, progress)
             report.meta["fidelity_method"] = (
@@ -168,17 +173,27 @@ def _score_corpora(
         if progress:
             progress(f"corpora: {labels[2]}")
         for fact in [*parametric, *needles]:
-            score, _ = score_prompt(model, ffn, strategy.engine, fact.prompt, fact.expected, labels,
-                                    fact.category, fact.source)  # fmt: skip
+            score, _ = score_prompt(
+                model,
+                ffn,
+                strategy.engine,
+                fact.prompt,
+                fact.expected,
+                labels,
+                fact.category,
+                fact.source,
+            )
             report.scores.append(score)
         for c in conflicts:
-            score, predicted = score_prompt(model, ffn, strategy.engine, c.prompt, c.override,
-                                            labels, c.category, "conflict")  # fmt: skip
+            score, predicted = score_prompt(
+                model, ffn, strategy.engine, c.prompt, c.override, labels, c.category, "conflict"
+            )
             if predicted is not None:
                 followed = answer_matches(predicted, c.override)
                 fallback = not followed and answer_matches(predicted, c.parametric)
-                score = dataclasses.replace(score, followed_context=followed,
-                                            parametric_fallback=fallback)  # fmt: skip
+                score = dataclasses.replace(
+                    score, followed_context=followed, parametric_fallback=fallback
+                )
             report.scores.append(score)
 
 
@@ -205,8 +220,14 @@ def _fidelity(
     if progress:
         progress("fidelity: reference (standard)")
     reference = reference_run(model, dense, standard, ids, prompt_len)
-    greedy_ref = generate(standard.build(model), model, dense, ids[:prompt_len],
-                          settings.greedy_steps, stop_ids=frozenset()).tokens  # fmt: skip
+    greedy_ref = generate(
+        standard.build(model),
+        model,
+        dense,
+        ids[:prompt_len],
+        settings.greedy_steps,
+        stop_ids=frozenset(),
+    ).tokens
     results = []
     for strategy in strategies:
         if progress:

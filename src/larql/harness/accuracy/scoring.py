@@ -110,9 +110,14 @@ def score_prompt(
     """(score, predicted text). labels = (kv_engine, ffn_backend, strategy)."""
     kv, ffn_name, strategy = labels
     base = dict(
-        prompt=prompt, category=category, source=source, kv_engine=kv, ffn_backend=ffn_name,
-        strategy=strategy, expected=expected,
-    )  # fmt: skip
+        prompt=prompt,
+        category=category,
+        source=source,
+        kv_engine=kv,
+        ffn_backend=ffn_name,
+        strategy=strategy,
+        expected=expected,
+    )
     ids = model.tokenizer.encode(prompt)
     try:
         engine = kind.build(model)

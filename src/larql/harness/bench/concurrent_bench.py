@@ -44,9 +44,13 @@ def _one_kind(
     def run() -> None:
         try:
             session = GenerationSession(
-                kind.build(model), model, ffn, ids, s.warmup + s.new_tokens + 1,
+                kind.build(model),
+                model,
+                ffn,
+                ids,
+                s.warmup + s.new_tokens + 1,
                 stop_ids=frozenset(),
-            )  # fmt: skip
+            )
             session.prefill()
             for _ in range(s.warmup):
                 session.step()
@@ -89,10 +93,12 @@ def bench_concurrent(
             if error is not None:
                 row.error = error
                 break
-            runs.append((
-                concurrent * settings.new_tokens / max(elapsed),
-                1000 * statistics.median(elapsed) / settings.new_tokens,
-            ))  # fmt: skip
+            runs.append(
+                (
+                    concurrent * settings.new_tokens / max(elapsed),
+                    1000 * statistics.median(elapsed) / settings.new_tokens,
+                )
+            )
         if runs and row.error is None:
             row.tok_s = statistics.median(r[0] for r in runs)
             row.ms_per_token = statistics.median(r[1] for r in runs)

@@ -123,14 +123,14 @@ class EngineRow:
             "error": self.error,
             # the fields LARQL's own bench results carry, for readers of that format
             "backend": self.label,
-            "ms_per_tok": None if self.step is None else {
-                "mean": self.step.mean, "p50": self.step.p50, "p99": self.step.p99
-            },
+            "ms_per_tok": None
+            if self.step is None
+            else {"mean": self.step.mean, "p50": self.step.p50, "p99": self.step.p99},
             "tok_per_s": self.tok_s,
             "wire_bytes_per_tok": self.wire_bytes_per_tok,
             "n_steps": 0 if self.step is None else self.step.n,
             "note": self.note(),
-        }  # fmt: skip
+        }
 
     def note(self) -> str:
         """`[dispatch] fwd=… head=…  hot=…MiB cold=…MiB deriv=…MiB reserve=…MiB  R× vs std-kv`:

@@ -25,9 +25,18 @@ def render_table(report: BenchReport) -> Table:
     )
     table = Table(title=title, caption=meta["method"], caption_justify="left")
     columns = [
-        "engine", "context", "prefill ms", "ms/tok mean p50 p99", "tok/s (spread)", "fwd/head ms",
-        "MiB hot/cold/deriv +reserve", "B/token", "× fp16 full", "GB/s (share)", "× HF",
-    ]  # fmt: skip
+        "engine",
+        "context",
+        "prefill ms",
+        "ms/tok mean p50 p99",
+        "tok/s (spread)",
+        "fwd/head ms",
+        "MiB hot/cold/deriv +reserve",
+        "B/token",
+        "× fp16 full",
+        "GB/s (share)",
+        "× HF",
+    ]
     with_peak = any(row.peak_working_bytes for row in report.rows)
     if with_peak:  # CUDA: the allocator's peak above the resident weights
         columns.append("peak working MiB")
@@ -97,8 +106,16 @@ def batch_table(report: BenchReport) -> Table:
         "ahead = each step queued before the one before it was read",
         caption_justify="left",
     )
-    columns = ["engine", "context", "B", "batched", "aggregate tok/s", "× B=1",
-               "ms/token per stream", "MiB per session"]  # fmt: skip
+    columns = [
+        "engine",
+        "context",
+        "B",
+        "batched",
+        "aggregate tok/s",
+        "× B=1",
+        "ms/token per stream",
+        "MiB per session",
+    ]
     for i, name in enumerate(columns):
         table.add_column(name, justify="left" if i == 0 else "right", no_wrap=i == 0)
     single = {(r.spec, r.depth): r.tok_s for r in report.batch_rows if r.batch == 1}
@@ -109,11 +126,15 @@ def batch_table(report: BenchReport) -> Table:
         base = single.get((row.spec, row.depth))
         ratio = f"{row.tok_s / base:.2f}" if base and row.tok_s else "—"
         table.add_row(
-            row.spec, str(row.depth), str(row.batch),
+            row.spec,
+            str(row.depth),
+            str(row.batch),
             ("yes, ahead" if row.ahead else "yes") if row.batched else "no",
-            shown(row.tok_s, ".1f"), ratio, shown(row.ms_per_token, ".2f"),
+            shown(row.tok_s, ".1f"),
+            ratio,
+            shown(row.ms_per_token, ".2f"),
             _mib(row.memory_per_session),
-        )  # fmt: skip
+        )
     return table
 
 
@@ -131,8 +152,13 @@ def concurrent_table(report: BenchReport) -> Table:
         if row.error:
             table.add_row(row.spec, str(row.depth), str(row.concurrent), f"error: {row.error}")
             continue
-        table.add_row(row.spec, str(row.depth), str(row.concurrent), shown(row.tok_s, ".1f"),
-                      shown(row.ms_per_token, ".2f"))  # fmt: skip
+        table.add_row(
+            row.spec,
+            str(row.depth),
+            str(row.concurrent),
+            shown(row.tok_s, ".1f"),
+            shown(row.ms_per_token, ".2f"),
+        )
     return table
 
 
@@ -168,12 +194,21 @@ def save_plot(report: BenchReport, path: Path) -> None:
             continue
         depths = [r.prompt_tokens for r in rows]
         speed.plot(depths, [r.tok_s or 0 for r in rows], marker="o", label=spec)
-        memory.plot(depths, [mib_value(r.memory.state if r.memory else 0) for r in rows],
-                    marker="o", label=spec)  # fmt: skip
+        memory.plot(
+            depths,
+            [mib_value(r.memory.state if r.memory else 0) for r in rows],
+            marker="o",
+            label=spec,
+        )
     if report.peers:
         peers = sorted(report.peers.items())
-        speed.plot([p.prompt_tokens for _, p in peers], [p.tok_s for _, p in peers], "k--",
-                   marker="s", label="hf-transformers")  # fmt: skip
+        speed.plot(
+            [p.prompt_tokens for _, p in peers],
+            [p.tok_s for _, p in peers],
+            "k--",
+            marker="s",
+            label="hf-transformers",
+        )
     speed.set(xlabel="context tokens", ylabel="decode tok/s", title="decode speed vs depth")
     memory.set(xlabel="context tokens", ylabel="engine state (MiB)", title="memory vs depth")
     for ax in (speed, memory):

@@ -55,8 +55,9 @@ def bench_prompts(
     limit = model.config.max_positions
     for d, ids in prompts:
         if len(ids) + reserve > limit:
-            raise InvalidInput(f"depth {d}: {len(ids)} + {reserve} tokens exceed the model's "
-                               f"context of {limit}")  # fmt: skip
+            raise InvalidInput(
+                f"depth {d}: {len(ids)} + {reserve} tokens exceed the model's context of {limit}"
+            )
     return prompts
 
 

@@ -88,11 +88,15 @@ def position_table(curves: list[Curve], label: str) -> Table:
         table.add_column(c.engine, justify="right")
     edges = curves[0].bin_edges
     for i, (a, b) in enumerate(itertools.pairwise(edges)):
-        table.add_row(f"{a}–{b - 1}", *[
-            c.error[:30] if c.error and i == 0 else shown(c.mean_nll[i] if c.mean_nll else None,
-                                                          ".3f")
-            for c in curves
-        ])  # fmt: skip
+        table.add_row(
+            f"{a}–{b - 1}",
+            *[
+                c.error[:30]
+                if c.error and i == 0
+                else shown(c.mean_nll[i] if c.mean_nll else None, ".3f")
+                for c in curves
+            ],
+        )
     return table
 
 

@@ -52,8 +52,15 @@ def longctx_tables(cells: list[Cell]) -> list[Table]:
                 shown(mib_value(max(c.memory_bytes for c in group)), ".2f"),
                 errors[0].error if errors else "",
             )
-        table.add_row("all", "", str(len(mine)), shown(_mean([c.score for c in mine]), ".2f"),
-                      shown(_mean([c.answer_logprob for c in mine]), ".2f"), "", "")  # fmt: skip
+        table.add_row(
+            "all",
+            "",
+            str(len(mine)),
+            shown(_mean([c.score for c in mine]), ".2f"),
+            shown(_mean([c.answer_logprob for c in mine]), ".2f"),
+            "",
+            "",
+        )
         tables.append(table)
     return tables
 
@@ -93,13 +100,29 @@ def save_longctx_plot(cells: list[Cell], path: Path, title: str) -> None:
     for ax in panels[len(engines) + 1 :]:
         ax.axis("off")
     for ax, engine in zip(panels, engines, strict=False):
-        grid = [[_mean([c.score for c in cells if c.engine == engine and c.length == length
-                        and c.depth == depth]) for depth in depths]
-                for length in lengths]  # fmt: skip
+        grid = [
+            [
+                _mean(
+                    [
+                        c.score
+                        for c in cells
+                        if c.engine == engine and c.length == length and c.depth == depth
+                    ]
+                )
+                for depth in depths
+            ]
+            for length in lengths
+        ]
         ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto", origin="lower")
-        ax.set(title=engine, xlabel="needle depth %", ylabel="context tokens",
-               xticks=range(len(depths)), xticklabels=depths, yticks=range(len(lengths)),
-               yticklabels=lengths)  # fmt: skip
+        ax.set(
+            title=engine,
+            xlabel="needle depth %",
+            ylabel="context tokens",
+            xticks=range(len(depths)),
+            xticklabels=depths,
+            yticks=range(len(lengths)),
+            yticklabels=lengths,
+        )
         ax.title.set_fontsize(8)
     last = panels[len(engines)]
     for engine in engines:

@@ -63,8 +63,18 @@ def score_sample(model: Model, ffn: FfnBackend, spec: EngineSpec, sample: Sample
         hidden = teacher_forced_hidden(engine, model, ffn, ids[:-1], prefilled or len(prompt))
         logits = list(logits_of(model, hidden))[-len(answer) :]  # the answer positions
     except (EngineError, ApolloStoreError) as e:
-        return Cell(label, sample.task, sample.length, sample.depth, 0.0, float("nan"), 0,
-                    len(context), "", error=f"{type(e).__name__}: {e}")  # fmt: skip
+        return Cell(
+            label,
+            sample.task,
+            sample.length,
+            sample.depth,
+            0.0,
+            float("nan"),
+            0,
+            len(context),
+            "",
+            error=f"{type(e).__name__}: {e}",
+        )
     log_probs = [torch.log_softmax(row.double(), dim=-1) for row in logits]
     picked = [int(row.argmax()) for row in log_probs]
     return Cell(
@@ -92,7 +102,9 @@ def run_longctx(
     for spec in specs:
         for i, sample in enumerate(samples):
             if progress:
-                progress(f"{spec.spec()}: {sample.task} {sample.length} @{sample.depth}% "
-                         f"({i + 1}/{len(samples)})")  # fmt: skip
+                progress(
+                    f"{spec.spec()}: {sample.task} {sample.length} @{sample.depth}% "
+                    f"({i + 1}/{len(samples)})"
+                )
             cells.append(score_sample(model, ffn, spec, sample))
     return cells

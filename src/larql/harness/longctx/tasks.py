@@ -44,9 +44,25 @@ QUICK_LENGTHS = (512, 1024, 2048)
 DEFAULT_DEPTHS = (0, 25, 50, 75, 100)
 QUICK_DEPTHS = (0, 50, 100)
 _WORDS = (
-    "apple", "violin", "harbor", "lantern", "meadow", "copper", "falcon", "orchid", "glacier",
-    "pepper", "saddle", "thimble", "walnut", "zephyr", "marble", "canyon", "pillow", "rocket",
-)  # fmt: skip
+    "apple",
+    "violin",
+    "harbor",
+    "lantern",
+    "meadow",
+    "copper",
+    "falcon",
+    "orchid",
+    "glacier",
+    "pepper",
+    "saddle",
+    "thimble",
+    "walnut",
+    "zephyr",
+    "marble",
+    "canyon",
+    "pillow",
+    "rocket",
+)
 _NAMES = ("Alice", "Bruno", "Chen", "Dara", "Emeka", "Freya", "Goran", "Hana")
 
 

@@ -106,9 +106,13 @@ class DenseFfn(FfnBackend):
             return self._row_products(layer, h, norm, eps)
         gate_up, down = blocks
         return kernels.residual_ffn(
-            h.contiguous(), norm, eps, *kernel_rows(gate_up, kernels), *kernel_rows(down, kernels),
+            h.contiguous(),
+            norm,
+            eps,
+            *kernel_rows(gate_up, kernels),
+            *kernel_rows(down, kernels),
             activation_bits(gate_up),
-        )  # fmt: skip  # [1, H]
+        )  # [1, H]
 
     def _row_products(
         self, layer: int, h: torch.Tensor, norm: torch.Tensor, eps: float
@@ -129,8 +133,9 @@ class DenseFfn(FfnBackend):
         out = None
         if lw.w_gate_up is not None and lw.w_down is not None:
             gate, up = linear(x, lw.w_gate_up, blocks=lw.blocks.get("w_gate_up")).chunk(2, dim=-1)
-            out = linear(gated_product(gate, up, self._activation), lw.w_down,
-                         blocks=lw.blocks.get("w_down"))  # fmt: skip  # [S, H]
+            out = linear(
+                gated_product(gate, up, self._activation), lw.w_down, blocks=lw.blocks.get("w_down")
+            )  # [S, H]
         if lw.experts is not None and lw.experts_norm is None and self._routing is not None:
             routed = experts_forward(lw.experts, self._routing, x, self._glu)  # [S, H]
             out = routed if out is None else out + routed

@@ -329,12 +329,17 @@ def _remote_experts(spec: FfnSpec, model: Model, remote_timeout_s: float) -> Ffn
 
     assert spec.shards is not None
     shards = [
-        ExpertShard(experts, RemoteWalkFfn(
-            url, wire=spec.wire, hidden_size=model.config.hidden_size,
-            read_timeout_s=spec.timeout if spec.timeout is not None else remote_timeout_s,
-        ))
+        ExpertShard(
+            experts,
+            RemoteWalkFfn(
+                url,
+                wire=spec.wire,
+                hidden_size=model.config.hidden_size,
+                read_timeout_s=spec.timeout if spec.timeout is not None else remote_timeout_s,
+            ),
+        )
         for experts, url in parse_moe_shards(spec.shards)
-    ]  # fmt: skip
+    ]
     try:
         return RemoteExpertsFfn(model, shards, spec.spec())
     except ValueError as e:

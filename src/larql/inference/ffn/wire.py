@@ -252,8 +252,9 @@ def decode_response(
         if seq_len < 1 or count != seq_len * hidden_size:
             raise WireFormatError(f"result for layer {layer}: {count} values for {seq_len} rows")
         size = values_size(seq_len, hidden_size, wire)
-        results.append((layer, decode_values(body[offset : offset + size], seq_len,
-                                             hidden_size, wire)))  # fmt: skip
+        results.append(
+            (layer, decode_values(body[offset : offset + size], seq_len, hidden_size, wire))
+        )
         offset += size
     if offset != len(body):
         raise WireFormatError(f"{len(body) - offset} trailing bytes after the batch response")

@@ -95,9 +95,10 @@ def save_state(
     (where known) into directory `path`."""
     if not engine.spec_string:
         raise SnapshotUnsupported(
-            engine.name, "it was not built from a spec (larql.parse_engine(...)), so nothing "
-            "could rebuild it from the state"
-        )  # fmt: skip
+            engine.name,
+            "it was not built from a spec (larql.parse_engine(...)), so nothing "
+            "could rebuild it from the state",
+        )
     state = declared_state(engine)
     tensors = {ENGINE_PREFIX + name: t for name, t in state.tensors.items()}
     row = hidden.detach().to("cpu", copy=True).contiguous()
@@ -168,8 +169,9 @@ def load_state(
     extra = sorted(set(tensors) - {HIDDEN} - {ENGINE_PREFIX + name for name in own})
     if extra:
         raise SnapshotCorrupt(f"the state holds tensor {extra[0]!r}, which no state has")
-    hidden = StateReader({}, tensors, model.device).tensor(HIDDEN, model.dtype,
-                                                           (1, cfg.hidden_size))  # fmt: skip
+    hidden = StateReader({}, tensors, model.device).tensor(
+        HIDDEN, model.dtype, (1, cfg.hidden_size)
+    )
     reader = StateReader(manifest.fields, own, model.device)
     restore_into(engine, reader, model, manifest.position)
     reader.finish()

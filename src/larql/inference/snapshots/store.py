@@ -128,8 +128,9 @@ def read_manifest(path: str | Path) -> SnapshotManifest:
     try:
         size = where.stat().st_size
         if size > MAX_MANIFEST_BYTES:
-            raise SnapshotCorrupt(f"{where} is {size} bytes; a state manifest is at most "
-                                  f"{MAX_MANIFEST_BYTES}")  # fmt: skip
+            raise SnapshotCorrupt(
+                f"{where} is {size} bytes; a state manifest is at most {MAX_MANIFEST_BYTES}"
+            )
         raw = json.loads(where.read_bytes())
     except (ValueError, RecursionError) as e:  # (JSONDecodeError, UnicodeDecodeError)
         raise SnapshotCorrupt(f"{where} does not read as JSON: {str(e)[:120]}") from None

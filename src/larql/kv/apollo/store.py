@@ -103,8 +103,16 @@ class StoreManifest:
     def from_json(cls, raw: Any, where: Path) -> StoreManifest:
         if not isinstance(raw, dict):
             raise StoreFormatError(f"{where}: the manifest is not a JSON object")
-        ints = ("version", "hidden_size", "num_entries", "num_windows", "num_tokens",
-                "entries_per_window", "crystal_layer", "window_size")  # fmt: skip
+        ints = (
+            "version",
+            "hidden_size",
+            "num_entries",
+            "num_windows",
+            "num_tokens",
+            "entries_per_window",
+            "crystal_layer",
+            "window_size",
+        )
         values: dict[str, Any] = {k: _field(raw, k, int, where) for k in ints}
         if values["version"] != STORE_VERSION:
             raise StoreFormatError(

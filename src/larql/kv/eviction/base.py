@@ -159,8 +159,9 @@ class EvictingEngine(KvEngine):
         if shares(model.config, layer) or model.config.layers[layer].sliding_window is not None:
             return
         q = project_qkv(model, layer, h, start)[0]  # [Hq, n, D], as the layer's attention
-        self._observed[layer] = self._observe(model, layer, self._observed[layer], q, start,
-                                              kv.keys)  # fmt: skip
+        self._observed[layer] = self._observe(
+            model, layer, self._observed[layer], q, start, kv.keys
+        )
 
     def _start(
         self, model: Model, ffn: FfnBackend, rows: torch.Tensor, inputs: torch.Tensor | None

@@ -42,15 +42,28 @@ class _GroupedCodec:
         token, uint8 [S, 2 · Hkv · bytes_per_vector], by the CPU extension (`grouped_encode`):
         the bytes `encode` gives."""
         return kernels.grouped_encode(
-            rows, _EMPTY if mean is None else mean, self._rotation(rows.device), self.bits,
-            self.group, self.padded_dim, self.fp8,
-        )  # fmt: skip
+            rows,
+            _EMPTY if mean is None else mean,
+            self._rotation(rows.device),
+            self.bits,
+            self.group,
+            self.padded_dim,
+            self.fp8,
+        )
 
     def compiled_codes(self, device: torch.device) -> tuple[object, ...]:
         """The codec as the CPU extension's one-call step takes it (`decode_layers_coded`):
         bits, group, width, rotation (or none), no codebook, no norm correction, fp8 or not."""
-        return (self.bits, self.group, self.padded_dim, self._rotation(device), _EMPTY, _EMPTY,
-                False, self.fp8)  # fmt: skip
+        return (
+            self.bits,
+            self.group,
+            self.padded_dim,
+            self._rotation(device),
+            _EMPTY,
+            _EMPTY,
+            False,
+            self.fp8,
+        )
 
     def _rotation(self, device: torch.device) -> torch.Tensor:
         if not self.rotate:

@@ -72,9 +72,17 @@ def attend_grouped(
     rows, codes = rows_in_place(store, k, v)
     rotation = rotation_matrix(codec.coded_dim, torch.float32, q.device) if codec.rotate else _NONE
     out = kernels.grouped_attention(
-        q[:, 0], rotation, codes, store.kv_heads, codec.bits, isinstance(codec, Fp8Codec),
-        codec.group, codec.padded_dim, rows, cfg.attn_scale,
-    )  # fmt: skip  # [Hq, D]
+        q[:, 0],
+        rotation,
+        codes,
+        store.kv_heads,
+        codec.bits,
+        isinstance(codec, Fp8Codec),
+        codec.group,
+        codec.padded_dim,
+        rows,
+        cfg.attn_scale,
+    )  # [Hq, D]
     return out.view(1, cfg.q_dim_of(layer))
 
 

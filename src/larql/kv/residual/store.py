@@ -238,8 +238,13 @@ class ResidualStore:
             assert self.kv is not None
             for layer, buffer in enumerate(self.kv):
                 held = position if self.keeps_kv[layer] else 0
-                buffer.read_state(state.scope(f"kv.{layer}"), held, dtype,
-                                  cfg.kv_heads_of(layer), cfg.head_dim_of(layer))  # fmt: skip
+                buffer.read_state(
+                    state.scope(f"kv.{layer}"),
+                    held,
+                    dtype,
+                    cfg.kv_heads_of(layer),
+                    cfg.head_dim_of(layer),
+                )
         else:
             self.kv = None
         self.next_position, self._pushed = position, 0

@@ -156,8 +156,9 @@ class StandardEngine(KvEngine):
         if all(cache is not None for cache in static):
             first = engines[0]
             assert isinstance(first, StandardEngine) and first.fast_path is not None
-            step = BatchedStaticStep.of(model, first.window, first.fast_path.use_graph,
-                                        first.attention)  # fmt: skip
+            step = BatchedStaticStep.of(
+                model, first.window, first.fast_path.use_graph, first.attention
+            )
             positions = [e.position for e in engines]
             try:
                 return step.step(model, ffn, static, positions, rows, inputs)  # type: ignore[arg-type]

@@ -191,9 +191,19 @@ class BatchedStaticStep:
                 k, v = new[source]
             keys, values = inputs.meta[_META + 2 * layer], inputs.meta[_META + 2 * layer + 1]
             attn = self._kernel(
-                q, k, v, self.anchor, keys, values, positions, capacities, capacity,
-                cfg.attn_scale, window or 0, softcap,
-            )  # fmt: skip  # [Bb, q_dim]
+                q,
+                k,
+                v,
+                self.anchor,
+                keys,
+                values,
+                positions,
+                capacities,
+                capacity,
+                cfg.attn_scale,
+                window or 0,
+                softcap,
+            )  # [Bb, q_dim]
             h = attention_output(model, layer, h, attn)
             h = ffn_block(model, layer, h, ffn, inputs.per_layer)
         return h

@@ -98,9 +98,13 @@ class TurboQuantCodec:
         book = codebook(self.rotated_dim, self.bits)
         rotation = rotation_matrix(self.rotated_dim, torch.float32, rows.device)
         return kernels.coded_encode(
-            rows, _EMPTY if mean is None else mean, rotation, book.boundaries, book.centroids,
+            rows,
+            _EMPTY if mean is None else mean,
+            rotation,
+            book.boundaries,
+            book.centroids,
             self.norm_correction,
-        )  # fmt: skip
+        )
 
     def compiled_codes(self, device: torch.device) -> tuple[object, ...]:
         """The codec as the CPU extension's one-call step takes it (`decode_layers_coded`):
@@ -108,8 +112,16 @@ class TurboQuantCodec:
         not fp8."""
         book = codebook(self.rotated_dim, self.bits)
         rotation = rotation_matrix(self.rotated_dim, torch.float32, device)
-        return (self.bits, 0, self.rotated_dim, rotation, book.centroids, book.boundaries,
-                self.norm_correction, False)  # fmt: skip
+        return (
+            self.bits,
+            0,
+            self.rotated_dim,
+            rotation,
+            book.centroids,
+            book.boundaries,
+            self.norm_correction,
+            False,
+        )
 
     def decode(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """uint8 [N, bytes_per_vector] → [N, dim] in `dtype`."""

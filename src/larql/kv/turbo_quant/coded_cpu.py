@@ -46,9 +46,12 @@ def attends_in_place(model: Model, layer: int, shared: SharedKv) -> bool:
 
 
 def coded_kernels(
-    model: Model, layer: int, store: QuantisedLayer, rotation: torch.Tensor | None,
+    model: Model,
+    layer: int,
+    store: QuantisedLayer,
+    rotation: torch.Tensor | None,
     shared: SharedKv,
-) -> ModuleType | None:  # fmt: skip
+) -> ModuleType | None:
     """The extension where this layer's step attends over its codes in place, else None."""
     if rotation is None or not store.compiled or not attends_in_place(model, layer, shared):
         return None
@@ -72,9 +75,15 @@ def attend_coded(
     rows, codes = rows_in_place(store, k, v)
     centroids = codebook(codec.rotated_dim, codec.bits).centroids
     out = kernels.coded_attention(
-        q[:, 0], rotation, codes, store.kv_heads, centroids, or_empty(store.mean), rows,
+        q[:, 0],
+        rotation,
+        codes,
+        store.kv_heads,
+        centroids,
+        or_empty(store.mean),
+        rows,
         cfg.attn_scale,
-    )  # fmt: skip  # [Hq, D]
+    )  # [Hq, D]
     return out.view(1, cfg.q_dim_of(layer))
 
 

@@ -78,14 +78,21 @@ def coded_layers_step(
     sessions = [p for p in places if p is not None]
     leading, bits = arguments
     per_layer = [
-        [[getattr(s, name)[layer] for s in sessions] if getattr(sessions[0], name) else []
-         for layer in layers]
+        [
+            [getattr(s, name)[layer] for s in sessions] if getattr(sessions[0], name) else []
+            for layer in layers
+        ]
         for name in ("codes", "recent", "scales", "sinks", "means")
-    ]  # fmt: skip
+    ]
     out = kernels.decode_layers_coded(
-        *leading, *per_layer, [n for s in sessions for n in s.places], cfg.num_heads,
-        cfg.attn_scale, bits, *codec.compiled_codes(rows.device),
-    )  # fmt: skip
+        *leading,
+        *per_layer,
+        [n for s in sessions for n in s.places],
+        cfg.num_heads,
+        cfg.attn_scale,
+        bits,
+        *codec.compiled_codes(rows.device),
+    )
     for layers_of, session in zip(stores, sessions, strict=True):
         _commit(layers_of, session.mode)
     return out
@@ -142,8 +149,14 @@ def _session_places(layers: list[QuantisedLayer], codec: RowCodec) -> _Places | 
     def span(store: QuantisedLayer) -> tuple[int, ...]:
         scales = store.recent.scales if int8 else store.recent.codes  # each scale beside its row
         recent = store.recent.codes
-        return (store.codes._start, store.codes._end, recent._start, recent._end,
-                scales._start, scales._end)  # fmt: skip
+        return (
+            store.codes._start,
+            store.codes._end,
+            recent._start,
+            recent._end,
+            scales._start,
+            scales._end,
+        )
 
     spans = {span(s) for s in layers}
     if len(spans) != 1:

@@ -146,7 +146,24 @@ def launch(
     compiled(  # type: ignore[operator]
         grid=(kv_heads, n_splits + 1, batch),
         block=(WARPS * 32, 1, 1),
-        args=[q, rotation, k_new, v_new, codes, exact, centroids, mean_rotated, meta, positions,
-              m, l_sum, acc, n_splits, keep, float(scale), base],
+        args=[
+            q,
+            rotation,
+            k_new,
+            v_new,
+            codes,
+            exact,
+            centroids,
+            mean_rotated,
+            meta,
+            positions,
+            m,
+            l_sum,
+            acc,
+            n_splits,
+            keep,
+            float(scale),
+            base,
+        ],
         shared_mem=shared_bytes(),
-    )  # fmt: skip
+    )

@@ -136,8 +136,12 @@ class TurboQuantEngine(KvEngine):
         parts = [f"bits={self.bits}"]
         if (self.k_bits, self.v_bits) != (self.bits, self.bits):
             parts.append(f"k_bits={self.k_bits},v_bits={self.v_bits}")
-        levers = {"recent": self.recent, "sinks": self.sinks, "norm": int(self.norm_correction),
-                  "center": int(self.center)}  # fmt: skip
+        levers = {
+            "recent": self.recent,
+            "sinks": self.sinks,
+            "norm": int(self.norm_correction),
+            "center": int(self.center),
+        }
         parts += [f"{name}={value}" for name, value in levers.items() if value]
         if self.recent and self.recent_bits != 16:
             parts.append(f"recent_bits={self.recent_bits}")
@@ -245,10 +249,15 @@ class TurboQuantEngine(KvEngine):
     def _torch_layers(self, model: Model, keeps: list[int | None]) -> list[QuantisedLayer]:
         """The torch path's empty layer stores."""
         return [
-            QuantisedLayer(self._layouts[layer], keep, model.config.kv_heads_of(layer),
-                           model.dtype, compiled=self._compiled(model, self._layouts[layer]))
+            QuantisedLayer(
+                self._layouts[layer],
+                keep,
+                model.config.kv_heads_of(layer),
+                model.dtype,
+                compiled=self._compiled(model, self._layouts[layer]),
+            )
             for layer, keep in enumerate(keeps)
-        ]  # fmt: skip
+        ]
 
     def _new_stores(self, model: Model, prompt_tokens: int) -> list[int | None]:
         """Empty stores for a prompt of `prompt_tokens` tokens: the torch path's layers, or the
@@ -509,9 +518,14 @@ class TurboQuantEngine(KvEngine):
         if not KernelPath.supports(kernels, self._layout, keeps):
             return None
         return KernelPath(
-            kernels, self._layout, model, keeps, self.use_graph, self._profiler,
+            kernels,
+            self._layout,
+            model,
+            keeps,
+            self.use_graph,
+            self._profiler,
             use_cuda_partial=self.attention == "auto",
-        )  # fmt: skip
+        )
 
     def _compiled(self, model: Model, layout: KvLayout) -> bool:
         """Whether a layer of this layout is encoded and attended by the CPU extension: for the

@@ -60,9 +60,14 @@ class BatchedKernelStep:
         # the rows past the real ones: a state of one slot per layer, always at position 0
         self.use_cuda_partial = template.partial_in_cuda
         self._pad = KernelPath(
-            self._kernels, template.kv_layout, model, template.keeps, False, EngineProfiler(False),
+            self._kernels,
+            template.kv_layout,
+            model,
+            template.keeps,
+            False,
+            EngineProfiler(False),
             self.use_cuda_partial,
-        )  # fmt: skip
+        )
         self._pad.start(model, 0)
         self._pad_meta = self._pad.batch_meta(self.operands)  # [L, META]
         self._buckets: dict[tuple[int, int], _BucketStep] = {}

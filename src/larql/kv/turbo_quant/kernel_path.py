@@ -216,9 +216,16 @@ class KernelPath:
             return False
         cfg = model.config
         kernel = self._kernels.cuda_partial_kernel(
-            model.device, model.dtype, full[0].exact.dtype, cfg.num_heads, cfg.num_kv_heads,
-            self._tables, full[0], cfg.arch.attn_softcap or 0.0, self._workspace.m.shape[-1],
-        )  # fmt: skip
+            model.device,
+            model.dtype,
+            full[0].exact.dtype,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            self._tables,
+            full[0],
+            cfg.arch.attn_softcap or 0.0,
+            self._workspace.m.shape[-1],
+        )
         return kernel is not None
 
     @property

@@ -287,8 +287,9 @@ def _nibbles(codes_ptr, starts, present, lanes):
 
 
 @triton.jit
-def _nibble_centroids(codes_ptr, starts, present, lanes, table, DOT: tl.constexpr,
-                      LOOKUP: tl.constexpr):  # fmt: skip
+def _nibble_centroids(
+    codes_ptr, starts, present, lanes, table, DOT: tl.constexpr, LOOKUP: tl.constexpr
+):
     """The centroids of 4-bit indices of the vectors whose packed indices begin at byte offsets
     `starts` [B]: (even, odd) [B, DP/2] in DOT's dtype, coordinates 2j and 2j + 1 (0 where not
     `present`).
@@ -349,12 +350,34 @@ def _session_store(codes_ptr, norms_ptr, state, pos_ptr, session):
 
 @triton.jit
 def _exact_state(
-    q_ptr, k_new_ptr, v_new_ptr, exact_ptr, ring_ptr, ring_scale_ptr, m_ptr, l_ptr, acc_ptr,
-    stat, pos, keep, head, scale, softcap,
-    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, HKV: tl.constexpr,
-    SOFTCAP: tl.constexpr, SINKS: tl.constexpr, RECENT: tl.constexpr, RING: tl.constexpr,
-    EP: tl.constexpr, EC: tl.constexpr, RING8: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    exact_ptr,
+    ring_ptr,
+    ring_scale_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    stat,
+    pos,
+    keep,
+    head,
+    scale,
+    softcap,
+    G: tl.constexpr,
+    R: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    HKV: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
+    RECENT: tl.constexpr,
+    RING: tl.constexpr,
+    EP: tl.constexpr,
+    EC: tl.constexpr,
+    RING8: tl.constexpr,
+):
     """The softmax state of K/V head `head`'s R query rows over the exact rows — the new token's,
     the sinks and the recent rows, in the model's basis — stored at state `stat` (their
     weighted values are added after the splits' are rotated back, R·R = I)."""
@@ -370,13 +393,45 @@ def _exact_state(
     for c in tl.static_range(EP // EC):
         e = c * EC + tl.arange(0, EC)
         scores = _exact_scores(
-            q, exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, scale,
-            softcap, SOFTCAP, HKV, D, SINKS, RECENT, RING, RING8, R,
-        )  # fmt: skip  # [R, EC], −inf where absent
+            q,
+            exact_ptr,
+            ring_ptr,
+            ring_scale_ptr,
+            e,
+            pos,
+            keep,
+            head,
+            dims,
+            within,
+            scale,
+            softcap,
+            SOFTCAP,
+            HKV,
+            D,
+            SINKS,
+            RECENT,
+            RING,
+            RING8,
+            R,
+        )  # [R, EC], −inf where absent
         values, _ = _exact_chunk(
-            exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, 1, HKV, D,
-            SINKS, RECENT, RING, RING8,
-        )  # fmt: skip  # [EC, DP]
+            exact_ptr,
+            ring_ptr,
+            ring_scale_ptr,
+            e,
+            pos,
+            keep,
+            head,
+            dims,
+            within,
+            1,
+            HKV,
+            D,
+            SINKS,
+            RECENT,
+            RING,
+            RING8,
+        )  # [EC, DP]
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: the new row is always seen
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])  # 0 where absent
@@ -391,13 +446,40 @@ def _exact_state(
 
 @triton.jit
 def _split_state(
-    q_ptr, q_rot_ptr, codes_ptr, norms_ptr, centroids_ptr, mean_rot_ptr, m_ptr, l_ptr, acc_ptr,
-    stat_slot, split, head, slots, pos, keep, scale, softcap,
-    G: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr, HKV: tl.constexpr,
-    BLOCKS_PER_SPLIT: tl.constexpr, BPV: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-    STAGES: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, RECENT: tl.constexpr,
-    CENTER: tl.constexpr, WRAPS: tl.constexpr, NIBBLES: tl.constexpr, LOOKUP: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    q_rot_ptr,
+    codes_ptr,
+    norms_ptr,
+    centroids_ptr,
+    mean_rot_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    stat_slot,
+    split,
+    head,
+    slots,
+    pos,
+    keep,
+    scale,
+    softcap,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    DP: tl.constexpr,
+    HKV: tl.constexpr,
+    BLOCKS_PER_SPLIT: tl.constexpr,
+    BPV: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
+    RECENT: tl.constexpr,
+    CENTER: tl.constexpr,
+    WRAPS: tl.constexpr,
+    NIBBLES: tl.constexpr,
+    LOOKUP: tl.constexpr,
+):
     """Split `split`'s softmax state over its coded rows of K/V head `head` (q_rot_ptr: its
     group's rotated queries; mean_rot_ptr: the session's), stored at state `stat_slot`."""
     rows = tl.arange(0, GP)
@@ -415,16 +497,27 @@ def _split_state(
     if blocks == 0:
         # no coded row in this split (a short context, or a capacity not yet filled): the empty
         # state, without loading the queries (on an H200 the step at a short context ~6% faster)
-        store_split(m_ptr, l_ptr, acc_ptr, stat_slot, rows, dims,
-                    tl.full([GP], float("-inf"), tl.float32), tl.zeros([GP], tl.float32),
-                    tl.zeros([GP, DP], tl.float32), DP)  # fmt: skip
+        store_split(
+            m_ptr,
+            l_ptr,
+            acc_ptr,
+            stat_slot,
+            rows,
+            dims,
+            tl.full([GP], float("-inf"), tl.float32),
+            tl.zeros([GP], tl.float32),
+            tl.zeros([GP, DP], tl.float32),
+            DP,
+        )
     else:
         dot_dtype = q_ptr.dtype.element_ty
         if NIBBLES:
-            q_even = tl.load(q_rot_ptr + rows[:, None] * DP + (2 * lanes)[None, :], mask=real,
-                             other=0.0)  # fmt: skip  # [GP, DP/2]
-            q_odd = tl.load(q_rot_ptr + rows[:, None] * DP + (2 * lanes + 1)[None, :], mask=real,
-                            other=0.0)  # fmt: skip
+            q_even = tl.load(
+                q_rot_ptr + rows[:, None] * DP + (2 * lanes)[None, :], mask=real, other=0.0
+            )  # [GP, DP/2]
+            q_odd = tl.load(
+                q_rot_ptr + rows[:, None] * DP + (2 * lanes + 1)[None, :], mask=real, other=0.0
+            )
             sixteen = tl.arange(0, 16)[None, :] + tl.zeros([BLOCK, 1], tl.int32)  # [BLOCK, 16]
             table = tl.load(centroids_ptr + sixteen)
             shift = tl.zeros([GP], tl.float32)  # q·μ_K: what centering took off each code's score
@@ -458,11 +551,13 @@ def _split_state(
             value_starts = key_starts + HKV * slots * payload
             read = slot >= 0  # every code byte is read (see above); the norms only where present
             key_norms = tl.load(norms_ptr + norms_at + vector, mask=present, other=0.0)  # [B]
-            value_norms = tl.load(norms_ptr + norms_at + HKV * slots + vector, mask=present,
-                                  other=0.0)  # fmt: skip
+            value_norms = tl.load(
+                norms_ptr + norms_at + HKV * slots + vector, mask=present, other=0.0
+            )
             if NIBBLES:
-                even, odd = _nibble_centroids(codes_ptr, key_starts, read, lanes, table,
-                                              dot_dtype, LOOKUP)  # fmt: skip  # [B, DP/2] each
+                even, odd = _nibble_centroids(
+                    codes_ptr, key_starts, read, lanes, table, dot_dtype, LOOKUP
+                )  # [B, DP/2] each
                 s = tl.dot(q_even, tl.trans(even), input_precision="ieee")
                 s += tl.dot(q_odd, tl.trans(odd), input_precision="ieee")
             else:
@@ -476,10 +571,12 @@ def _split_state(
                 even_values, odd_values = _nibble_centroids(
                     codes_ptr, value_starts, read, lanes, table, dot_dtype, LOOKUP
                 )
-                acc_even = acc_even * alpha[:, None] + tl.dot(weights, even_values,
-                                                              input_precision="ieee")  # fmt: skip
-                acc_odd = acc_odd * alpha[:, None] + tl.dot(weights, odd_values,
-                                                            input_precision="ieee")  # fmt: skip
+                acc_even = acc_even * alpha[:, None] + tl.dot(
+                    weights, even_values, input_precision="ieee"
+                )
+                acc_odd = acc_odd * alpha[:, None] + tl.dot(
+                    weights, odd_values, input_precision="ieee"
+                )
             else:
                 index = _indices(codes_ptr, value_starts, read, dims, BITS, BPV)
                 values = tl.load(centroids_ptr + index).to(dot_dtype)
@@ -570,20 +667,70 @@ def _attention_partial(
     codes_ptr, norms_ptr, slots, pos = _session_store(codes_ptr, norms_ptr, state, pos_ptr, session)
     if split == NS:
         _exact_state(
-            q_ptr + session * (HKV * G * D), k_new_ptr + session * (HKV * D),
-            v_new_ptr + session * (HKV * D), exact_ptr + tl.load(state + AT_EXACT),
-            ring_ptr + tl.load(state + AT_RING), ring_scale_ptr + tl.load(state + AT_RING_SCALES),
-            m_ptr, l_ptr, acc_ptr, (first_state + NS) * GP, pos, keep, head, scale, softcap,
-            G, R, D, DP, HKV, SOFTCAP, SINKS, RECENT, RING, EP, EC, RING8,
-        )  # fmt: skip
+            q_ptr + session * (HKV * G * D),
+            k_new_ptr + session * (HKV * D),
+            v_new_ptr + session * (HKV * D),
+            exact_ptr + tl.load(state + AT_EXACT),
+            ring_ptr + tl.load(state + AT_RING),
+            ring_scale_ptr + tl.load(state + AT_RING_SCALES),
+            m_ptr,
+            l_ptr,
+            acc_ptr,
+            (first_state + NS) * GP,
+            pos,
+            keep,
+            head,
+            scale,
+            softcap,
+            G,
+            R,
+            D,
+            DP,
+            HKV,
+            SOFTCAP,
+            SINKS,
+            RECENT,
+            RING,
+            EP,
+            EC,
+            RING8,
+        )
     else:
         _split_state(
-            q_ptr, q_rot_ptr + (session * HKV * G + head * G) * DP, codes_ptr, norms_ptr,
-            centroids_ptr, mean_rot_ptr + tl.load(state + AT_MEAN_ROTATED), m_ptr, l_ptr,
-            acc_ptr, first_state + split, split, head, slots, pos, keep, scale, softcap,
-            G, GP, DP, HKV, BLOCKS_PER_SPLIT, BPV, BITS, BLOCK, STAGES, SOFTCAP, SINKS, RECENT,
-            CENTER, WRAPS, NIBBLES, LOOKUP,
-        )  # fmt: skip
+            q_ptr,
+            q_rot_ptr + (session * HKV * G + head * G) * DP,
+            codes_ptr,
+            norms_ptr,
+            centroids_ptr,
+            mean_rot_ptr + tl.load(state + AT_MEAN_ROTATED),
+            m_ptr,
+            l_ptr,
+            acc_ptr,
+            first_state + split,
+            split,
+            head,
+            slots,
+            pos,
+            keep,
+            scale,
+            softcap,
+            G,
+            GP,
+            DP,
+            HKV,
+            BLOCKS_PER_SPLIT,
+            BPV,
+            BITS,
+            BLOCK,
+            STAGES,
+            SOFTCAP,
+            SINKS,
+            RECENT,
+            CENTER,
+            WRAPS,
+            NIBBLES,
+            LOOKUP,
+        )
 
 
 @triton.jit
@@ -620,9 +767,16 @@ def _encoded(
 
 @triton.jit
 def _store_encoded(
-    codes_ptr, norms_ptr, start, norm_at, norm, words, write, DP: tl.constexpr,
+    codes_ptr,
+    norms_ptr,
+    start,
+    norm_at,
+    norm,
+    words,
+    write,
+    DP: tl.constexpr,
     BITS: tl.constexpr,
-):  # fmt: skip
+):
     """A vector, where `write`: its packed indices from byte offset `start`, its norm at
     float32 `norm_at`."""
     group = tl.arange(0, DP // 8)
@@ -642,21 +796,45 @@ def _spread(flag, like):
 
 @triton.jit
 def _merged_output(
-    rotation, m_ptr, l_ptr, acc_ptr, out_ptr, pair, head, rows, dims, within,
-    G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    rotation,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    pair,
+    head,
+    rows,
+    dims,
+    within,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    R: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
     NS: tl.constexpr,
-):  # fmt: skip
+):
     """The attention of (session, K/V head) `pair` from its NS + 1 states → out_ptr [G, D]
     (this session's, model dtype). The splits' states are in the rotated basis, the exact rows'
     (state NS) in the model's: its weighted values are added after the rotation back
     (R·R = I)."""
     first = pair * (NS + 1) * GP  # this head's states
-    top = splits_max(m_ptr + first, 0, rows, tl.full([R], float("-inf"), tl.float32),
-                     NS + 1, GP)  # fmt: skip  # finite: the exact rows hold the new one
+    top = splits_max(
+        m_ptr + first, 0, rows, tl.full([R], float("-inf"), tl.float32), NS + 1, GP
+    )  # finite: the exact rows hold the new one
     total, rotated = merge_splits(
-        m_ptr + first, l_ptr + first, acc_ptr + first * DP, 0, rows, dims, top,
-        tl.zeros([R], tl.float32), tl.zeros([R, DP], tl.float32), NS, DP, GP,
-    )  # fmt: skip
+        m_ptr + first,
+        l_ptr + first,
+        acc_ptr + first * DP,
+        0,
+        rows,
+        dims,
+        top,
+        tl.zeros([R], tl.float32),
+        tl.zeros([R, DP], tl.float32),
+        NS,
+        DP,
+        GP,
+    )
     exact = first + NS * GP + rows
     weight = tl.exp(tl.load(m_ptr + exact) - top)
     total += weight * tl.load(l_ptr + exact)
@@ -671,12 +849,35 @@ def _merged_output(
 
 @triton.jit
 def _rows_moved(
-    rotation, boundaries_ptr, centroids_ptr, k_new_ptr, v_new_ptr, codes_ptr, norms_ptr,
-    exact_ptr, ring_ptr, ring_scale_ptr, mean_ptr, slots, pos, head, dims, within,
-    D: tl.constexpr, DP: tl.constexpr, HKV: tl.constexpr, BPV: tl.constexpr,
-    BITS: tl.constexpr, SINKS: tl.constexpr, RECENT: tl.constexpr, RING: tl.constexpr,
-    EP: tl.constexpr, CENTER: tl.constexpr, NORM_FIX: tl.constexpr, RING8: tl.constexpr,
-):  # fmt: skip
+    rotation,
+    boundaries_ptr,
+    centroids_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    codes_ptr,
+    norms_ptr,
+    exact_ptr,
+    ring_ptr,
+    ring_scale_ptr,
+    mean_ptr,
+    slots,
+    pos,
+    head,
+    dims,
+    within,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    HKV: tl.constexpr,
+    BPV: tl.constexpr,
+    BITS: tl.constexpr,
+    SINKS: tl.constexpr,
+    RECENT: tl.constexpr,
+    RING: tl.constexpr,
+    EP: tl.constexpr,
+    CENTER: tl.constexpr,
+    NORM_FIX: tl.constexpr,
+    RING8: tl.constexpr,
+):
     """K/V head `head`'s rows moving between the parts of a session's state: the row that
     leaves the exact ones (the oldest recent row, or the new row itself when none are kept)
     encoded into its slot, and the new row written among the exact ones."""
@@ -710,14 +911,18 @@ def _rows_moved(
     k_at = head * slots + tl.maximum(token, 0) % slots  # the key's vector in the planes
     v_at = k_at + HKV * slots  # (`planes`)
     norms_at = _norms_at(slots, HKV, BPV)
-    k_norm, k_words = _encoded(key, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS,
-                               NORM_FIX)  # fmt: skip
-    v_norm, v_words = _encoded(value, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS,
-                               NORM_FIX)  # fmt: skip
-    _store_encoded(codes_ptr, norms_ptr, k_at * payload, norms_at + k_at, k_norm, k_words,
-                   write, DP, BITS)  # fmt: skip
-    _store_encoded(codes_ptr, norms_ptr, v_at * payload, norms_at + v_at, v_norm, v_words,
-                   write, DP, BITS)  # fmt: skip
+    k_norm, k_words = _encoded(
+        key, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS, NORM_FIX
+    )
+    v_norm, v_words = _encoded(
+        value, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS, NORM_FIX
+    )
+    _store_encoded(
+        codes_ptr, norms_ptr, k_at * payload, norms_at + k_at, k_norm, k_words, write, DP, BITS
+    )
+    _store_encoded(
+        codes_ptr, norms_ptr, v_at * payload, norms_at + v_at, v_norm, v_words, write, DP, BITS
+    )
     # the new row among the exact ones: a sink, or the ring slot of a row already coded
     if EP > 0:
         if RING8:  # a sink at 16 bits, else into the ring at int8
@@ -800,27 +1005,99 @@ def _attention_combine(
     within = dims < D
     rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
     if role == 0:
-        _merged_output(rotation, m_ptr, l_ptr, acc_ptr, out_ptr, pair, head, rows, dims, within,
-                       G, GP, R, D, DP, NS)  # fmt: skip
+        _merged_output(
+            rotation,
+            m_ptr,
+            l_ptr,
+            acc_ptr,
+            out_ptr,
+            pair,
+            head,
+            rows,
+            dims,
+            within,
+            G,
+            GP,
+            R,
+            D,
+            DP,
+            NS,
+        )
     else:
         _rows_moved(
-            rotation, boundaries_ptr, centroids_ptr, k_new_ptr, v_new_ptr, codes_ptr, norms_ptr,
-            exact_ptr, ring_ptr, ring_scale_ptr, mean_ptr, slots, pos, head, dims, within,
-            D, DP, HKV, BPV, BITS, SINKS, RECENT, RING, EP, CENTER, NORM_FIX, RING8,
-        )  # fmt: skip
+            rotation,
+            boundaries_ptr,
+            centroids_ptr,
+            k_new_ptr,
+            v_new_ptr,
+            codes_ptr,
+            norms_ptr,
+            exact_ptr,
+            ring_ptr,
+            ring_scale_ptr,
+            mean_ptr,
+            slots,
+            pos,
+            head,
+            dims,
+            within,
+            D,
+            DP,
+            HKV,
+            BPV,
+            BITS,
+            SINKS,
+            RECENT,
+            RING,
+            EP,
+            CENTER,
+            NORM_FIX,
+            RING8,
+        )
 
 
 @triton.jit
 def _exact_scores(
-    q, exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, scale, softcap,
-    SOFTCAP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SINKS: tl.constexpr,
-    RECENT: tl.constexpr, RING: tl.constexpr, RING8: tl.constexpr, R: tl.constexpr,
-):  # fmt: skip
+    q,
+    exact_ptr,
+    ring_ptr,
+    ring_scale_ptr,
+    e,
+    pos,
+    keep,
+    head,
+    dims,
+    within,
+    scale,
+    softcap,
+    SOFTCAP: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    SINKS: tl.constexpr,
+    RECENT: tl.constexpr,
+    RING: tl.constexpr,
+    RING8: tl.constexpr,
+    R: tl.constexpr,
+):
     """The queries' scores [R, EC] against exact rows e, soft-capped; −inf where absent."""
     keys, present = _exact_chunk(
-        exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within, 0, HKV, D, SINKS,
-        RECENT, RING, RING8,
-    )  # fmt: skip
+        exact_ptr,
+        ring_ptr,
+        ring_scale_ptr,
+        e,
+        pos,
+        keep,
+        head,
+        dims,
+        within,
+        0,
+        HKV,
+        D,
+        SINKS,
+        RECENT,
+        RING,
+        RING8,
+    )
     scores = _product(q, tl.trans(keys), R) * scale
     scores = soft_capped(scores, softcap, SOFTCAP)
     return tl.where(present[None, :], scores, float("-inf"))
@@ -837,10 +1114,23 @@ def _product(a, b, R: tl.constexpr):
 
 @triton.jit
 def _exact_chunk(
-    exact_ptr, ring_ptr, ring_scale_ptr, e, pos, keep, head, dims, within,
-    WHICH: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SINKS: tl.constexpr,
-    RECENT: tl.constexpr, RING: tl.constexpr, RING8: tl.constexpr,
-):  # fmt: skip
+    exact_ptr,
+    ring_ptr,
+    ring_scale_ptr,
+    e,
+    pos,
+    keep,
+    head,
+    dims,
+    within,
+    WHICH: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    SINKS: tl.constexpr,
+    RECENT: tl.constexpr,
+    RING: tl.constexpr,
+    RING8: tl.constexpr,
+):
     """Exact rows e (sink slots, then ring slots) of one K/V head at the query's position:
     the keys (WHICH 0) or values (1) [EC, DP] float32, 0 where absent, and which are
     present [EC] (a sink below the position; a ring slot whose latest token is recent, past
@@ -850,9 +1140,13 @@ def _exact_chunk(
     present = tl.where(
         e < SINKS,
         e < pos,
-        (ring >= 0) & (ring < RING) & (ring <= pos - 1) & (latest >= pos - RECENT)
-        & (latest >= SINKS) & (latest >= pos - keep),
-    )  # fmt: skip
+        (ring >= 0)
+        & (ring < RING)
+        & (ring <= pos - 1)
+        & (latest >= pos - RECENT)
+        & (latest >= SINKS)
+        & (latest >= pos - keep),
+    )
     stride = 2 * HKV * D
     loaded = present[:, None] & within[None, :]
     where = e[:, None] * stride + WHICH * HKV * D + head * D + dims[None, :]
@@ -907,8 +1201,17 @@ def _encode(
         x -= tl.load(mean_ptr + (vector % M) * D + dims, mask=dims < D, other=0.0)
     rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
     norm, words = _encoded(x, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS, NORM_FIX)
-    _store_encoded(codes_ptr, norms_ptr, vector * BPV + NORM, vector * BPV // 4, norm, words,
-                   vector >= 0, DP, BITS)  # fmt: skip
+    _store_encoded(
+        codes_ptr,
+        norms_ptr,
+        vector * BPV + NORM,
+        vector * BPV // 4,
+        norm,
+        words,
+        vector >= 0,
+        DP,
+        BITS,
+    )
 
 
 def centroid_lookup(centroids: torch.Tensor, dtype: torch.dtype, pack: int = LOOKUP_PACK) -> str:
@@ -931,8 +1234,10 @@ def centroid_lookup(centroids: torch.Tensor, dtype: torch.dtype, pack: int = LOO
     magnitudes = bits[8:]
 
     def words(shift: int) -> list[int]:
-        return [sum(((magnitudes[4 * w + i] >> shift) & 0xFF) << (8 * i) for i in range(4))
-                for w in range(2)]  # fmt: skip
+        return [
+            sum(((magnitudes[4 * w + i] >> shift) & 0xFF) << (8 * i) for i in range(4))
+            for w in range(2)
+        ]
 
     (l0, l1), (h0, h1) = words(0), words(8)
     body = [
@@ -1037,15 +1342,26 @@ class Operands:
         """Views of `anchor` (uint8, 16-byte aligned, ≥ 8 bytes) for every base: a batch's
         sessions are reached by their offsets from it (`session_meta`)."""
         f32 = anchor.view(torch.float32)
-        return Operands(anchor, anchor.view(exact_dtype), anchor.view(torch.int8),
-                        anchor.view(torch.float16), f32, f32)  # fmt: skip
+        return Operands(
+            anchor,
+            anchor.view(exact_dtype),
+            anchor.view(torch.int8),
+            anchor.view(torch.float16),
+            f32,
+            f32,
+        )
 
     def offsets(self, codes: torch.Tensor, levers: Levers) -> list[int]:
         """A session's row of `meta`: its tensors' offsets from these bases, in elements (0 for
         the int8 ring it does not have), and its slots."""
         ring = [(self.ring, levers.ring), (self.ring_scales, levers.ring_scales)]
-        pairs = [(self.codes, codes), (self.exact, levers.exact), *ring, (self.mean, levers.mean),
-                 (self.mean_rotated, levers.mean_rotated)]  # fmt: skip
+        pairs = [
+            (self.codes, codes),
+            (self.exact, levers.exact),
+            *ring,
+            (self.mean, levers.mean),
+            (self.mean_rotated, levers.mean_rotated),
+        ]
         row = [0 if mine is None else _elements_from(base, mine) for base, mine in pairs]
         assert row[0] % CODES_ALIGNMENT == 0, "a store must start 16-byte aligned"
         return [*row, codes.shape[0]]
@@ -1168,16 +1484,47 @@ def batched_attention(
         if n_splits is None:
             n_splits = cuda_partial.splits(max_slots, batch * kv_heads)
         cuda_partial.launch(
-            compiled, q, tables.rotation, k_new, v_new, operands.codes, operands.exact,
-            tables.centroids, operands.mean_rotated, meta, positions, workspace.m,
-            workspace.l_sum, workspace.acc, n_splits, levers.keep, scale,
-        )  # fmt: skip
+            compiled,
+            q,
+            tables.rotation,
+            k_new,
+            v_new,
+            operands.codes,
+            operands.exact,
+            tables.centroids,
+            operands.mean_rotated,
+            meta,
+            positions,
+            workspace.m,
+            workspace.l_sum,
+            workspace.acc,
+            n_splits,
+            levers.keep,
+            scale,
+        )
     else:
         n_splits = batch_splits(max_slots, batch * kv_heads) if n_splits is None else n_splits
         _partial_launches(
-            q, k_new, v_new, operands, norms, meta, positions, max_slots, tables, scale, softcap,
-            workspace, levers, n_splits, shape, common, exact_rows, combine_rows, constants,
-        )  # fmt: skip
+            q,
+            k_new,
+            v_new,
+            operands,
+            norms,
+            meta,
+            positions,
+            max_slots,
+            tables,
+            scale,
+            softcap,
+            workspace,
+            levers,
+            n_splits,
+            shape,
+            common,
+            exact_rows,
+            combine_rows,
+            constants,
+        )
     out = torch.empty((batch, heads, dim), dtype=q.dtype, device=q.device)
     _attention_combine[(kv_heads, 2, batch)](
         tables.rotation,
@@ -1245,9 +1592,14 @@ def cuda_partial_kernel(
     if not covered:
         return None
     config = cuda_partial.Config(
-        kv_heads, group, levers.sinks, levers.recent, ring_slots(levers.recent), levers.center,
+        kv_heads,
+        group,
+        levers.sinks,
+        levers.recent,
+        ring_slots(levers.recent),
+        levers.center,
         state_rows,
-    )  # fmt: skip
+    )
     return cuda_partial.kernel(config, device)
 
 
@@ -1278,9 +1630,17 @@ def _partial_launches(
     dim, dp, group, gp = shape["D"], shape["DP"], shape["G"], shape["GP"]
     per_split = _next_power_of_two(max(1, -(-max_slots // (BLOCK_N * n_splits))))
     _rotate_queries[(kv_heads, batch)](
-        q, tables.rotation, workspace.queries, G=group, GP=gp, D=dim, DP=dp, HKV=kv_heads,
-        PRECISION=precision(q.dtype), **dependent_options(q.device),
-    )  # fmt: skip
+        q,
+        tables.rotation,
+        workspace.queries,
+        G=group,
+        GP=gp,
+        D=dim,
+        DP=dp,
+        HKV=kv_heads,
+        PRECISION=precision(q.dtype),
+        **dependent_options(q.device),
+    )
     _attention_partial[(kv_heads, n_splits + 1, batch)](
         q,
         workspace.queries,

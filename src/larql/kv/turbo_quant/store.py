@@ -173,8 +173,11 @@ class QuantisedLayer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The exact rows alone (the sinks, then the recent rows) → keys, values [Hkv, E, D']
         as `keys_values` gives them."""
-        parts = [self._exact(store.rows, dtype, rotation)
-                 for store in (self.sinks, self.recent) if len(store)]  # fmt: skip
+        parts = [
+            self._exact(store.rows, dtype, rotation)
+            for store in (self.sinks, self.recent)
+            if len(store)
+        ]
         if not parts:
             width = self.layout.k_codec.dim if rotation is None else rotation.shape[0]
             empty = torch.zeros((self.kv_heads, 0, width), dtype=dtype, device=self._device())
