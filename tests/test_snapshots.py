@@ -98,6 +98,21 @@ def test_restored_and_forked_states_decode_as_the_original(
     assert restored.position == state.position == len(ids) + 2 + STEPS
 
 
+@pytest.fixture(scope="module")
+def smollm2_cuda() -> Model:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return larql.load_model("smollm2-135m", dtype=torch.float32, weights="float", device="cuda")
+
+
+@pytest.mark.parametrize("spec", SNAPSHOTTING)
+def test_states_on_cuda_restore_and_fork_as_the_original(
+    spec: str, smollm2_cuda: Model, tmp_path: Path
+) -> None:
+    """The same round trip with every tensor on the GPU (its graph and kernel paths included)."""
+    test_restored_and_forked_states_decode_as_the_original(spec, smollm2_cuda, tmp_path)
+
+
 @pytest.mark.parametrize("spec", EXACT)
 def test_restored_exact_engine_matches_a_fresh_prefill(spec: str, smollm2: Model, tmp_path):
     ids = smollm2.tokenizer.encode(PROMPT)
