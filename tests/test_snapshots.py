@@ -98,6 +98,32 @@ def test_restored_and_forked_states_decode_as_the_original(
     assert restored.position == state.position == len(ids) + 2 + STEPS
 
 
+@pytest.mark.parametrize("window", [None, 6], ids=["all", "window"])
+def test_the_static_path_declares_the_eager_state_and_forks(
+    window: int | None, smollm2: Model
+) -> None:
+    """`standard`'s static cache (its CUDA graph path, run eagerly here) declares the rows the
+    eager path holds, and a fork of it is a static cache that decodes as the original."""
+    ids = smollm2.tokenizer.encode(PROMPT)
+    ffn = DenseFfn(smollm2)
+    static, eager = StandardEngine(window=window, static=True), StandardEngine(window=window)
+    with torch.inference_mode():
+        for engine in (static, eager):
+            engine.prefill(smollm2, ffn, ids)
+            for token in (11, 260):
+                engine.decode_step(smollm2, ffn, token)
+    held, reference = declared_state(static).tensors, declared_state(eager).tensors
+    assert held.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(held[name], tensor, rtol=1e-5, atol=1e-5)
+    fork = static.fork(smollm2)
+    assert fork.fast_path is not None and fork.position == static.position
+    continuation = [3575, 11, 260]
+    going_on, forked = decode(static, smollm2, continuation), decode(fork, smollm2, continuation)
+    for a, b in zip(going_on, forked, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.fixture(scope="module")
 def smollm2_cuda() -> Model:
     if not torch.cuda.is_available():

@@ -240,22 +240,30 @@ class StandardEngine(KvEngine):
         for buffer in self._layers or []:
             buffer.truncate(min(len(buffer), held))
 
-    def snapshot_refusal(self) -> str | None:
-        if self.fast_path is not None:
-            return "its static CUDA path holds a captured graph; use standard:graph=0"
-        return None
-
     def write_state(self, state: StateWriter) -> None:
         """Each layer's live K/V rows (`layers.N.k`, `.v`; a sinks layer's under `sink` and
-        `recent`)."""
-        for layer, buffer in enumerate(self._layers or []):
+        `recent`), the same whether the eager or the static CUDA path holds them."""
+        if self.fast_path is not None:
+            layers = self.fast_path.held_rows(self.position)
+        else:
+            layers = list(self._layers or [])
+        for layer, buffer in enumerate(layers):
             buffer.write_state(state.scope(f"layers.{layer}"))
 
     def read_state(self, state: StateReader, model: Model) -> None:
         """Every layer's rows: all the positions, or a window's last rows where the layer keeps
-        a window (none on a layer that shares another's K/V)."""
+        a window (none on a layer that shares another's K/V); on a GPU where a prefill takes
+        the static path, into a static cache (its graph captured again at the first step)."""
         self.fast_path, self._clipping = None, None
         self._layers = self._new_layers(model)
+        self._read_layers(state, model)
+        if self._static(model):
+            self.fast_path = StaticCache(self.window, self.graph, self.compile, self.attention)
+            self.fast_path.hold(model, list(self._layers), self.position)
+            self._layers = None
+
+    def _read_layers(self, state: StateReader, model: Model) -> None:
+        assert self._layers is not None
         cfg = model.config
         for layer, buffer in enumerate(self._layers):
             held = 0 if shares(cfg, layer) else self.position

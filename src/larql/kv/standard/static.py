@@ -31,6 +31,7 @@ from larql.inference.layer import (
     effective_window,
     embed_rows,
     ffn_block,
+    kept_rows,
     layer_step,
     project_q_with_rope,
     project_qkv_with_rope,
@@ -40,6 +41,7 @@ from larql.inference.layer import (
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kernels import DecodeAttention, decode_attention_kernel, elementwise_kernels
+from larql.kv.buffers import KvBuffer
 from larql.kv.captured_step import (
     CapturedStep,
     RopeAtPosition,
@@ -85,6 +87,7 @@ class StaticCache:
         self._graph = CapturedStep()
         self._kernel: DecodeAttention | None = None  # resolved at prefill, for the model's device
         self._offsets: tuple[torch.Tensor, list[int]] | None = None  # `buffer_offsets`' answer
+        self._model: Model | None = None  # the model whose K/V it holds
 
     @property
     def capacity(self) -> int:
@@ -107,6 +110,7 @@ class StaticCache:
         use_kernel = self.attention != "sdpa" and not model.config.arch.attention_sinks
         self._kernel = decode_attention_kernel(model.device) if use_kernel else None
         self._allocate(model, initial_capacity(len(token_ids)))
+        self._model = model
         assert self._keys is not None and self._values is not None
         h, inputs = embed_rows(model, token_tensor(model, token_ids))  # [S, H], …
         shared = SharedKv(model.config)
@@ -145,6 +149,40 @@ class StaticCache:
             offsets = [(t.data_ptr() - base) // size for pair in pairs for t in pair]
             self._offsets = (anchor, offsets)
         return self._offsets[1]
+
+    def held_rows(self, position: int) -> list[KvBuffer]:
+        """Every layer's live rows after `position` tokens as the eager path holds them (all,
+        or its window's last; none on a K/V-sharing layer) — what its state declares."""
+        assert self._model is not None
+        return [self._held_rows(self._model, layer, position) for layer in self._layer_range()]
+
+    def _layer_range(self) -> range:
+        assert self._model is not None
+        return range(self._model.config.num_layers)
+
+    def _held_rows(self, model: Model, layer: int, position: int) -> KvBuffer:
+        window = effective_window(model, layer, self.window)
+        buffer = KvBuffer(keep=kept_rows(window))
+        if not shares(model.config, layer):
+            keys, values = self.layer_buffers(layer)  # [Hkv, capacity, D] each
+            first = 0 if buffer.keep is None else max(0, position - buffer.keep)
+            buffer.append(keys[:, first:position], values[:, first:position])
+        return buffer
+
+    def hold(self, model: Model, layers: list[KvBuffer], position: int) -> None:
+        """Take back every layer's live rows (`held_rows`' buffers) after `position` tokens:
+        row i of a buffer is position i, so each layer's rows go to the positions they end at."""
+        use_kernel = self.attention != "sdpa" and not model.config.arch.attention_sinks
+        self._kernel = decode_attention_kernel(model.device) if use_kernel else None
+        self._allocate(model, initial_capacity(position))
+        self._model = model
+        assert self._keys is not None and self._values is not None
+        for layer, buffer in enumerate(layers):
+            if shares(model.config, layer) or len(buffer) == 0:
+                continue
+            first = position - len(buffer)
+            self._keys[layer][:, first:position] = buffer.keys
+            self._values[layer][:, first:position] = buffer.values
 
     def _step_function(self, model: Model, ffn: FfnBackend) -> Callable[[], torch.Tensor]:
         if not self.compile:
