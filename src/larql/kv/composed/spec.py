@@ -81,6 +81,8 @@ def _role(spec: EngineSpec) -> str:
     """`eviction` (compresses once), `evicts-in-decode`, `quantiser` or `other`."""
     try:
         engine = spec.entry.factory({**spec.params, "profiling": False}, None)
+    except EngineSpecError:
+        raise  # the half itself is wrong (`h2o:budget=64` with its default recent=256)
     except Exception:  # an engine that needs its model (or files) to exist composes with nothing
         return "other"
     if isinstance(engine, EvictingEngine):
