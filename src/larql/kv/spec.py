@@ -316,7 +316,7 @@ class EngineCatalog:
         try:
             return self._parse(spec, policy or SpecPolicy(), 0)
         except MalformedEngineSpec as e:
-            raise MalformedEngineSpec(f"{e} ({self.supported_message()})") from None
+            raise type(e)(f"{e} ({self.supported_message()})") from None
 
     def _parse(self, spec: str, policy: SpecPolicy, depth: int) -> EngineSpec:
         self._extend()

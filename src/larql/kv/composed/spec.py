@@ -34,7 +34,7 @@ SEPARATOR = "+"
 GRAMMAR = "EVICTION+QUANTISER"
 
 
-class CompositionRefused(EngineSpecError):
+class CompositionRefused(MalformedEngineSpec):
     """An `A+B` spec whose halves do not compose (or a `+` with no engine after it)."""
 
 
@@ -107,6 +107,23 @@ def what_composes(entries: Iterable[EngineEntry]) -> str:
     return (
         f"{GRAMMAR} composes an eviction that compresses once ({', '.join(evictions)}) with a "
         f"quantiser ({', '.join(quantisers)})"
+    )
+
+
+def composition_doc(entries: Iterable[EngineEntry]) -> str:
+    """What `larql engines` says of composition (docs/ENGINES.md's section)."""
+    evictions, quantisers = composable(entries)
+    names = ", ".join(f"`{n}`" for n in evictions), ", ".join(f"`{n}`" for n in quantisers)
+    return (
+        f"`{GRAMMAR}` (e.g. `snapkv:budget=256+turbo-quant:bits=4`) runs an eviction that "
+        f"compresses once ({names[0]}) with its kept rows coded by a quantiser ({names[1]}): "
+        "the eviction chooses the rows after an exact prefill, the quantiser's own store codes "
+        "them and every decoded row, and decode attends through the quantiser's own path, so "
+        "the bytes held are the product of the two. Each half takes its own parameters (a "
+        "request's bounds apply to both); in a composition the quantiser's `recent` is 0 unless "
+        "given, so every kept row but its sinks is coded. An eviction that evicts while "
+        "decoding (`h2o`) does not compose. A composed session steps alone in `larql serve` "
+        "and runs the quantiser's torch path on CUDA."
     )
 
 
