@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from helpers import relative_error, teacher_forced
@@ -17,6 +18,8 @@ from larql.kv.composed import ComposedSpec, CompositionRefused
 from larql.kv.composed.storage import KeptCodes
 from larql.kv.spec import BeyondBound, EngineSpecError, SpecPolicy
 from larql.models import Model
+from larql.server.app import create_app
+from larql.server.settings import ServerSettings
 
 PROMPT = "The quick brown fox jumps over the lazy dog because it was tired of waiting for"
 LONG = " ".join(
@@ -166,3 +169,25 @@ def test_a_request_is_bounded_in_both_halves(spec: str, smollm2: Model) -> None:
     parsed = parse_engine(spec)
     with pytest.raises(BeyondBound):
         parsed.check(SpecPolicy.untrusted(smollm2, max_tokens=512))
+
+
+def test_a_request_may_name_a_composition(smollm2: Model) -> None:
+    """It runs (stepping alone: an eviction engine has no batched step); a bad one is a 400
+    naming the engine field."""
+    settings = ServerSettings(max_prompt_tokens=24, max_new_tokens=4)
+    asked = {"prompt": "Once upon a time there was", "max_tokens": 3, "temperature": 0}
+    with TestClient(create_app(smollm2, settings)) as client:
+        ok = client.post(
+            "/v1/completions", json={**asked, "engine": "snapkv:budget=4,window=2+tq4"}
+        )
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["completion_tokens"] == 3
+        for spec, words in [
+            ("snapkv:budget=4+turbo-quant:recent=29", "turbo-quant: recent=29 is more than"),
+            ("snapkv:budget=29+kv-quant", "snapkv: budget=29 is more than"),
+            ("h2o:budget=8,recent=2+kv-quant", "h2o evicts while decoding"),
+        ]:
+            refused = client.post("/v1/completions", json={**asked, "engine": spec})
+            assert refused.status_code == 400, (spec, refused.text)
+            error = refused.json()["error"]
+            assert error["param"] == "engine" and words in error["message"], error
