@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from helpers import relative_error, teacher_forced
 from larql.cli.app import app
+from larql.inference.batching import decode_batch
 from larql.inference.ffn import DenseFfn
 from larql.kv import CATALOG, parse_engine
 from larql.kv.composed import ComposedSpec, CompositionRefused
@@ -172,8 +173,7 @@ def test_a_request_is_bounded_in_both_halves(spec: str, smollm2: Model) -> None:
 
 
 def test_a_request_may_name_a_composition(smollm2: Model) -> None:
-    """It runs (stepping alone: an eviction engine has no batched step); a bad one is a 400
-    naming the engine field."""
+    """It runs; a bad one is a 400 naming the engine field."""
     settings = ServerSettings(max_prompt_tokens=24, max_new_tokens=4)
     asked = {"prompt": "Once upon a time there was", "max_tokens": 3, "temperature": 0}
     with TestClient(create_app(smollm2, settings)) as client:
@@ -191,3 +191,29 @@ def test_a_request_may_name_a_composition(smollm2: Model) -> None:
             assert refused.status_code == 400, (spec, refused.text)
             error = refused.json()["error"]
             assert error["param"] == "engine" and words in error["message"], error
+
+
+@pytest.mark.parametrize("quantiser", ["turbo-quant:bits=4", "kv-quant:bits=4"])
+def test_sessions_of_one_composition_decode_in_a_batch_as_alone(
+    quantiser: str, smollm2: Model
+) -> None:
+    spec = f"snapkv:budget=8,window=4+{quantiser}"
+    prompts = [PROMPT, "Alice put the red ball in the box, and Bob took it out again"]
+    steps = [[11, 260, 3575], [260, 11, 42]]
+    ffn = DenseFfn(smollm2)
+    alone, batched = [], []
+    for prompt, tokens in zip(prompts, steps, strict=True):
+        engine = _prefilled(spec, smollm2, smollm2.tokenizer.encode(prompt))
+        with torch.inference_mode():
+            alone.append(torch.cat([engine.decode_step(smollm2, ffn, t) for t in tokens]))
+        batched.append(_prefilled(spec, smollm2, smollm2.tokenizer.encode(prompt)))
+    assert batched[0].batch_key() == batched[1].batch_key() is not None
+    assert parse_engine("snapkv:budget=8").build(smollm2).batch_key() is None
+    with torch.inference_mode():
+        rows = [decode_batch(batched, smollm2, ffn, list(t)) for t in zip(*steps, strict=True)]
+    # a float rounding apart (the rows' projections in one product) can move a coordinate of a
+    # new row across a code boundary: the states then differ by a code, not the path
+    for i, reference in enumerate(alone):
+        ours = torch.cat([step[i : i + 1] for step in rows])  # [steps, H]
+        assert relative_error(ours, reference) <= 2e-3
+    assert [len(layer) for layer in batched[0]._layers] == [12 + 3] * len(batched[0]._layers)

@@ -122,8 +122,9 @@ def composition_doc(entries: Iterable[EngineEntry]) -> str:
         "the bytes held are the product of the two. Each half takes its own parameters (a "
         "request's bounds apply to both); in a composition the quantiser's `recent` is 0 unless "
         "given, so every kept row but its sinks is coded. An eviction that evicts while "
-        "decoding (`h2o`) does not compose. A composed session steps alone in `larql serve` "
-        "and runs the quantiser's torch path on CUDA."
+        "decoding (`h2o`) does not compose. In `larql serve` a composed session batches with "
+        "sessions of the same composition and parameters; on CUDA it runs the quantiser's "
+        "torch path (not its Triton kernels)."
     )
 
 
@@ -182,4 +183,6 @@ def composed_entry(eviction: EngineEntry, quantiser: EngineEntry) -> EngineEntry
         factory=_unbuilt,
         live_decode=eviction.live_decode and quantiser.live_decode,
         refuses_ffn={**quantiser.refuses_ffn, **eviction.refuses_ffn},
+        batching="yes: with sessions of the same composition and parameters (projections and "
+        "FFN once for every row, each row attending over its own coded rows)",
     )

@@ -6,15 +6,24 @@ torch path over the decoded rows, in the codec's rotated basis for turbo-quant).
 
 Row i of each K/V head is that head's i-th kept row: the heads keep different positions, but a
 decode query sees every kept row (keys carry their rotary position already), so only the count
-and the order matter. Nothing of the prompt's exact K/V outlives the prefill."""
+and the order matter. Nothing of the prompt's exact K/V outlives the prefill. Sessions of one
+composition decode in a batch (`step_batch`): the projections and the FFN once for every row,
+each row attending over its own engine's coded rows."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+from functools import partial
+
 import torch
 
-from larql.inference.layer import attend
+from larql.inference.batching import IsolatedRows
+from larql.inference.ffn import FfnBackend
+from larql.inference.layer import attend, batched_layer_step
 from larql.inference.shared_kv import SharedKv
 from larql.inference.snapshots import StateReader, StateWriter
+from larql.kv.buffers import KvBuffer
+from larql.kv.eviction.base import EvictingEngine
 from larql.kv.kv_quant.compiled import attend_grouped, grouped_kernels
 from larql.kv.kv_quant.engine import KvQuantEngine
 from larql.kv.turbo_quant.codec import TurboQuantCodec
@@ -54,6 +63,56 @@ class QuantisedStorage:
 
     def config(self) -> str:
         return self.quantiser.config()
+
+    def batch_key(self) -> Hashable:
+        return (type(self.quantiser), self.quantiser.config(), self.quantiser.rotated_attention)
+
+    # ------------------------------------------------------------------ batched decode
+
+    def step_batch(
+        self,
+        engines: Sequence[EvictingEngine],
+        model: Model,
+        ffn: FfnBackend,
+        rows: torch.Tensor,
+        inputs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """rows [B, H], row i engine i's next token → [B, H]: projections and FFN once for
+        every row, each row attending over its own engine's rows (`_attend_row`); an engine
+        whose part fails fails alone (`IsolatedRows`)."""
+        shared = [SharedKv(model.config) for _ in engines]  # each session's, for sharing layers
+        positions = [e.position for e in engines]
+        isolated = IsolatedRows()
+        h = rows
+        for layer in range(model.config.num_layers):
+            attend_row = partial(self._attend_row, engines, model, layer, shared)
+            h = batched_layer_step(model, layer, h, positions, isolated(attend_row), ffn, inputs)
+        return isolated.check(h)
+
+    def _attend_row(
+        self,
+        engines: Sequence[EvictingEngine],
+        model: Model,
+        layer: int,
+        shared: list[SharedKv],
+        i: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Engine i's attention for its row at `layer` (q [Hq, 1, D]; k, v [Hkv, 1, D], or None
+        on a layer attending its source's rows) → [1, q_dim], as its own `_step` attends."""
+        engine, held = engines[i], engines[i]._layers[layer]
+        if k is None or v is None:
+            keys, values, allowed = shared[i].of(layer)
+            return attend(model, layer, q, keys, values, engine.position, None, allowed)
+        if isinstance(held, KvBuffer):  # a sliding layer keeps its window exact
+            keys, values = held.append(k, v)
+            shared[i].keep(layer, keys, values)
+            attn = attend(model, layer, q, keys, values, engine.position, None)
+            held.clip()
+            return attn
+        return self.attend(model, layer, held, q, k, v, engine.position, shared[i])
 
     # ------------------------------------------------------------------ the stores
 

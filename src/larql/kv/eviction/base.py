@@ -11,13 +11,13 @@ decoded row and runs the decode attention over what it holds."""
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from functools import partial
 from typing import ClassVar, Protocol
 
 import torch
 
-from larql.inference.engine import EngineInfo, KvEngine, backend_name
+from larql.inference.engine import Engine, EngineInfo, KvEngine, backend_name
 from larql.inference.errors import EmptyPrompt
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
@@ -66,6 +66,19 @@ class KeptStorage(Protocol):
 
     def config(self) -> str: ...
 
+    def batch_key(self) -> Hashable:
+        """What the engines whose rows it holds must agree on to decode one step together."""
+
+    def step_batch(
+        self,
+        engines: Sequence[EvictingEngine],
+        model: Model,
+        ffn: FfnBackend,
+        rows: torch.Tensor,
+        inputs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`Engine._step_batch` for engines whose rows storages of its `batch_key` hold."""
+
 
 # ---------------------------------------------------------------- end of the storage hook
 
@@ -98,6 +111,27 @@ class EvictingEngine(KvEngine):
         config = f"{self.config()}+{self.storage.config()}"
         brief = self.memory().brief()
         return EngineInfo(self.name, f"{described} ({brief})", self._backend, config)
+
+    def batch_key(self) -> Hashable | None:
+        """Sessions whose kept rows storages of one kind hold batch (the storage steps them);
+        the policy's own rows step alone."""
+        if self.storage is None or not self._prefilled:
+            return None
+        return (type(self), self.config(), self.storage.batch_key())
+
+    @classmethod
+    def _step_batch(
+        cls,
+        engines: Sequence[Engine],
+        model: Model,
+        ffn: FfnBackend,
+        rows: torch.Tensor,
+        inputs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        evicting = [e for e in engines if isinstance(e, EvictingEngine)]
+        storage = evicting[0].storage
+        assert storage is not None and len(evicting) == len(engines), "batch_key groups these"
+        return storage.step_batch(evicting, model, ffn, rows, inputs)
 
     def _kept(self, model: Model, layer: int, rows) -> object:
         """The policy's rows of a full-attention layer → what the layer holds."""
