@@ -37,6 +37,7 @@ LONG = " ".join(
         ("snapkv:budget=4096+kv-quant:bits=4,sinks=2", "kv-quant:bits=4,sinks=2"),
     ],
 )
+@pytest.mark.slow
 def test_keeping_every_row_is_the_quantiser_alone(composed: str, alone: str, smollm2: Model):
     """Same stored codes, same attention: the logits agree to float rounding."""
     ids = smollm2.tokenizer.encode(PROMPT)
@@ -76,6 +77,7 @@ def test_bytes_held_are_the_product_and_decode_appends_codes(smollm2: Model) -> 
     assert "turbo-quant" in both.info().description
 
 
+@pytest.mark.slow
 def test_a_real_eviction_stays_close_to_the_eviction_alone(smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode(LONG)
     prompt = len(ids) - 4
@@ -193,6 +195,7 @@ def test_a_request_may_name_a_composition(smollm2: Model) -> None:
             assert error["param"] == "engine" and words in error["message"], error
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantiser", ["turbo-quant:bits=4", "kv-quant:bits=4"])
 def test_sessions_of_one_composition_decode_in_a_batch_as_alone(
     quantiser: str, smollm2: Model
