@@ -16,12 +16,18 @@ from larql.inference.ffn import DenseFfn
 from larql.inference.generation import generate
 from larql.inference.layer import final_logits
 from larql.kv import CATALOG, parse_engine
+from larql.kv.composed.spec import composable
 from larql.models import Model, load_model
 from tiny_models import build_tiny_model, random_ids
 
-# One spec per engine with its default parameters.
-ALL_SPECS = [entry.name for entry in CATALOG.entries]
-LIVE_SPECS = [e.name for e in CATALOG.entries if e.live_decode]
+# Every composition the catalog allows (EVICTION+QUANTISER, defaults), and one that evicts.
+_EVICTIONS, _QUANTISERS = composable(CATALOG.entries)
+COMPOSED_SPECS = [f"{e}+{q}" for e in _EVICTIONS for q in _QUANTISERS] + [
+    "snapkv:budget=4,window=2+turbo-quant:bits=3"
+]
+# One spec per engine with its default parameters, and the compositions.
+ALL_SPECS = [entry.name for entry in CATALOG.entries] + COMPOSED_SPECS
+LIVE_SPECS = [e.name for e in CATALOG.entries if e.live_decode] + COMPOSED_SPECS
 
 # Specs whose contract is exact vs standard for a prompt shorter than 64 tokens and ≤ 32 steps
 # (windowed engines at windows that overflow where the contract still holds).

@@ -55,6 +55,8 @@ SNAPSHOTTING = [
     "boundary-kv:chunk_tokens=4",
     "snapkv:budget=4,window=2",
     "h2o:budget=6,recent=2",
+    "snapkv:budget=4,window=2+turbo-quant",
+    "snapkv:budget=4,window=2+kv-quant:sinks=2,recent=2",
     "semantic-promotion:base=markov-rs-codec:window=4",
 ]
 # exact against `standard` here: a fresh prefill of the same tokens gives the same logits

@@ -23,6 +23,7 @@ def engines(
     """List the engine catalog: names, parameters, what each keeps and its contract."""
     from larql.cli.catalog_markdown import catalog_markdown
     from larql.kv.catalog import CATALOG, catalog_rows
+    from larql.kv.composed import composition_doc
 
     if output == "json":
         print(json.dumps(catalog_rows(), indent=2))
@@ -44,6 +45,7 @@ def engines(
         aliases = ", ".join(e.aliases) or "—"
         table.add_row(name, aliases, params, e.keeps, e.contract, live, batched)
     stdout.print(table)
+    stdout.print(composition_doc(CATALOG.entries).replace("`", ""))
 
 
 @user_errors

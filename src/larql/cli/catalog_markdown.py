@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from larql.kv.composed import composition_doc
 from larql.kv.spec import EngineEntry
 from larql.specs import Param
 
@@ -34,7 +35,7 @@ docs/ARCHITECTURE.md, "Engines in detail".
 
 def catalog_markdown(entries: Sequence[EngineEntry]) -> str:
     """The page: a summary table, then one section per engine in catalog order."""
-    parts = [HEADER, summary_table(entries)]
+    parts = [HEADER, summary_table(entries), composition_section(entries)]
     parts += [engine_section(e) for e in entries]
     return "\n".join(parts)
 
@@ -51,6 +52,10 @@ def summary_table(entries: Iterable[EngineEntry]) -> str:
         batches = "yes" if e.batching else "no"
         lines.append(f"| [`{e.name}`](#{e.name}) | {aliases} | {params} | {live} | {batches} |")
     return "\n".join(lines) + "\n"
+
+
+def composition_section(entries: Sequence[EngineEntry]) -> str:
+    return "\n".join(["## Composing eviction with quantisation", "", composition_doc(entries), ""])
 
 
 def engine_section(e: EngineEntry) -> str:

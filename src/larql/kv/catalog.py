@@ -11,6 +11,7 @@ from typing import Any
 from larql.kv import (
     apollo,
     boundary,
+    composed,
     eviction,
     kv_quant,
     no_cache,
@@ -40,6 +41,7 @@ CATALOG = EngineCatalog(
         semantic_promotion.ENTRY,
     ],
     extensions=plugin_entries,
+    composer=composed.parse_composed,
 )
 
 

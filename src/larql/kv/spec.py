@@ -250,6 +250,18 @@ class EngineSpec:
 # Given the names already taken, the entries to add after the built-ins (the plugins).
 Extensions = Callable[[Iterable[str]], Iterable[EngineEntry]]
 
+# A spec that composes engines (`A+B`, `larql.kv.composed`) → what it names, or None where it
+# composes nothing; given how to parse one half, an entry by name, and every entry.
+Composer = Callable[
+    [
+        str,
+        Callable[[str], EngineSpec],
+        Callable[[str], "EngineEntry | None"],
+        Callable[[], Iterable[EngineEntry]],
+    ],
+    "EngineSpec | None",
+]
+
 
 class EngineCatalog:
     """The engines `parse_engine` knows, in display order: the entries given, then what
@@ -257,8 +269,12 @@ class EngineCatalog:
     larql finds it whole)."""
 
     def __init__(
-        self, entries: Sequence[EngineEntry] = (), extensions: Extensions | None = None
+        self,
+        entries: Sequence[EngineEntry] = (),
+        extensions: Extensions | None = None,
+        composer: Composer | None = None,
     ) -> None:
+        self._composer = composer
         self._entries: list[EngineEntry] = []
         self._by_name: dict[str, EngineEntry] = {}
         for entry in entries:
@@ -300,10 +316,19 @@ class EngineCatalog:
         try:
             return self._parse(spec, policy or SpecPolicy(), 0)
         except MalformedEngineSpec as e:
-            raise MalformedEngineSpec(f"{e} ({self.supported_message()})") from None
+            raise type(e)(f"{e} ({self.supported_message()})") from None
 
     def _parse(self, spec: str, policy: SpecPolicy, depth: int) -> EngineSpec:
         self._extend()
+        if self._composer is not None and "+" in spec:
+            composed = self._composer(
+                spec,
+                lambda half: self._parse(half, policy, depth + 1),
+                self._by_name.get,
+                lambda: self.entries,
+            )
+            if composed is not None:
+                return composed
         written, raw_params, colon = split_name(spec)
         name = written.lower()
         entry = self._by_name.get(name)

@@ -1,17 +1,23 @@
 """What both eviction engines share: the prefill runs exact attention over the whole prompt
 and hands each layer's K/V (and queries) to the policy; decode attends over what each layer
 kept, every K/V head its own rows. A layer with the architecture's own sliding window keeps
-its window like `standard` (it is bounded already)."""
+its window like `standard` (it is bounded already).
+
+A policy that evicts only at the prefill (`compresses_once`) may have its kept rows held by a
+`KeptStorage` instead of in the model's dtype — eviction composed with a quantiser
+(`larql.kv.composed`): the policy still chooses the rows, the storage codes them, appends each
+decoded row and runs the decode attention over what it holds."""
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from functools import partial
+from typing import ClassVar, Protocol
 
 import torch
 
-from larql.inference.engine import KvEngine, backend_name
+from larql.inference.engine import Engine, EngineInfo, KvEngine, backend_name
 from larql.inference.errors import EmptyPrompt
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
@@ -32,9 +38,59 @@ from larql.kv.pass_in_parts import PassInParts
 from larql.models.model import Model
 
 
+# ---------------------------------------------------------------- storage hook (composition)
+class KeptStorage(Protocol):
+    """How a full-attention layer holds the rows its policy keeps, when not as they are."""
+
+    def hold(self, model: Model, layer: int, rows) -> object:
+        """The policy's rows (`.keys`, `.values` [Hkv, n, D]) → what the layer holds."""
+
+    def attend(
+        self,
+        model: Model,
+        layer: int,
+        held,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        position: int,
+        shared: SharedKv,
+    ) -> torch.Tensor:
+        """The decode query q [Hq, 1, D] over `held` and the new row k, v [Hkv, 1, D], which
+        it then appends → [1, q_dim]."""
+
+    def read(self, state: StateReader, model: Model, layer: int, most: int) -> object:
+        """What `hold` gave, back from a saved state of at most `most` rows."""
+
+    def describe(self) -> str: ...
+
+    def config(self) -> str: ...
+
+    def batch_key(self) -> Hashable:
+        """What the engines whose rows it holds must agree on to decode one step together."""
+
+    def step_batch(
+        self,
+        engines: Sequence[EvictingEngine],
+        model: Model,
+        ffn: FfnBackend,
+        rows: torch.Tensor,
+        inputs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`Engine._step_batch` for engines whose rows storages of its `batch_key` hold."""
+
+
+# ---------------------------------------------------------------- end of the storage hook
+
+
 class EvictingEngine(KvEngine):
+    # the policy evicts only at the prefill; decode appends every row (a `KeptStorage` may
+    # then hold the kept rows)
+    compresses_once: ClassVar[bool] = False
+
     def __init__(self, profiling: bool = False) -> None:
         super().__init__(profiling)
+        self.storage: KeptStorage | None = None  # None: the policy's rows as they are
         self._layers: list = []  # per layer: a KvBuffer (sliding layers) or the policy's rows
         self._prompt: PassInParts | None = None  # a prompt part-way in (`prefill_part`)
         self._observed: list[object] = []  # per layer: what the policy keeps of its queries
@@ -47,6 +103,39 @@ class EvictingEngine(KvEngine):
 
     def memory(self) -> MemoryBreakdown:
         return MemoryBreakdown.of(hot=self._layers)
+
+    def info(self) -> EngineInfo:
+        if self.storage is None:
+            return super().info()
+        described = f"{self.describe()}; {self.storage.describe()}"
+        config = f"{self.config()}+{self.storage.config()}"
+        brief = self.memory().brief()
+        return EngineInfo(self.name, f"{described} ({brief})", self._backend, config)
+
+    def batch_key(self) -> Hashable | None:
+        """Sessions whose kept rows storages of one kind hold batch (the storage steps them);
+        the policy's own rows step alone."""
+        if self.storage is None or not self._prefilled:
+            return None
+        return (type(self), self.config(), self.storage.batch_key())
+
+    @classmethod
+    def _step_batch(
+        cls,
+        engines: Sequence[Engine],
+        model: Model,
+        ffn: FfnBackend,
+        rows: torch.Tensor,
+        inputs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        evicting = [e for e in engines if isinstance(e, EvictingEngine)]
+        storage = evicting[0].storage
+        assert storage is not None and len(evicting) == len(engines), "batch_key groups these"
+        return storage.step_batch(evicting, model, ffn, rows, inputs)
+
+    def _kept(self, model: Model, layer: int, rows) -> object:
+        """The policy's rows of a full-attention layer → what the layer holds."""
+        return rows if self.storage is None else self.storage.hold(model, layer, rows)
 
     def prompt_part_way(self) -> bool:
         return self._prompt is not None
@@ -71,6 +160,8 @@ class EvictingEngine(KvEngine):
                 kept = held if buffer.keep is None else min(held, buffer.keep)
                 buffer.read_state(scoped, kept, *shape)
                 self._layers.append(buffer)
+            elif self.storage is not None:
+                self._layers.append(self.storage.read(scoped, model, layer, self.position))
             else:
                 self._layers.append(self._read_kept(scoped, *shape))
 
@@ -150,7 +241,8 @@ class EvictingEngine(KvEngine):
             buffer.clip()
             self._layers.append(buffer)
         else:
-            self._layers.append(self._compressed_from(model, layer, held, exact.keys, exact.values))
+            kept = self._compressed_from(model, layer, held, exact.keys, exact.values)
+            self._layers.append(self._kept(model, layer, kept))
         return len(exact)
 
     def _observe_part(
@@ -187,7 +279,8 @@ class EvictingEngine(KvEngine):
                 buffer.clip()
                 self._layers.append(buffer)
             else:
-                self._layers.append(self._compressed(model, layer, q, k, v))
+                kept = self._compressed(model, layer, q, k, v)
+                self._layers.append(self._kept(model, layer, kept))
         return h
 
     def _step(
@@ -201,6 +294,11 @@ class EvictingEngine(KvEngine):
                 h = ffn_block(model, layer, h, ffn, inputs)
                 continue
             q, k, v = project_qkv(model, layer, h, self.position)
+            sliding = model.config.layers[layer].sliding_window is not None
+            if self.storage is not None and not sliding:
+                attn = self.storage.attend(model, layer, rows, q, k, v, self.position, shared)
+                h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn, inputs)
+                continue
             keys, values = rows.append(k, v)
             shared.keep(layer, keys, values)
             # one query sees every kept row (a sliding layer's KvBuffer holds just its window)

@@ -18,6 +18,7 @@ from larql.models.model import Model
 
 class SnapKvEngine(EvictingEngine):
     name = "snapkv"
+    compresses_once = True
 
     def __init__(
         self, budget: int = 1024, window: int = 32, kernel: int = 7, profiling: bool = False

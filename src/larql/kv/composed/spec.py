@@ -1,0 +1,188 @@
+"""`EVICTION+QUANTISER` specs: an eviction engine that compresses once (after the prefill) whose
+kept rows a quantiser codes — `snapkv:budget=256+turbo-quant:bits=4`. Each half is a spec of the
+catalog, parsed under the same policy (so a request's bounds apply to both), and the pair must
+be an eviction that compresses once, then a quantiser; anything else is a
+`CompositionRefused` naming what composes.
+
+The quantiser's `recent` window: in a composition an unset `recent` is 0, so every kept row
+but the quantiser's sinks is coded and the bytes are the product of the two (kept rows × code
+bits); the quantiser alone keeps its newest rows exact (32 at 4 bits; 160 and 128 int8 at 3 and
+2), which on an evicted cache of a few hundred rows would hold most of it out of the codes. A
+`recent=N` written in the spec is kept."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from larql.inference.engine import Engine
+from larql.kv.composed.storage import QuantisedStorage
+from larql.kv.eviction.base import EvictingEngine
+from larql.kv.spec import (
+    EngineEntry,
+    EngineSpec,
+    EngineSpecError,
+    MalformedEngineSpec,
+    SpecPolicy,
+)
+from larql.kv.turbo_quant.engine import TurboQuantEngine
+from larql.models.model import Model
+from larql.specs import split_name
+
+SEPARATOR = "+"
+GRAMMAR = "EVICTION+QUANTISER"
+
+
+class CompositionRefused(MalformedEngineSpec):
+    """An `A+B` spec whose halves do not compose (or a `+` with no engine after it)."""
+
+
+@dataclass(frozen=True)
+class ComposedSpec(EngineSpec):
+    """`eviction+quantiser`: `entry` is the pair's (its name `snapkv+turbo-quant`, no
+    parameters of its own); the halves hold the parameters."""
+
+    eviction: EngineSpec
+    quantiser: EngineSpec
+
+    def spec(self) -> str:
+        return f"{self.eviction.spec()}{SEPARATOR}{self.quantiser.spec()}"
+
+    def check(self, policy: SpecPolicy) -> None:
+        self.eviction.check(policy)
+        self.quantiser.check(policy)
+
+    def build(self, model: Model | None = None, profiling: bool = False) -> Engine:
+        if model is not None:
+            self.check(SpecPolicy.operator(model))
+        policy = self.eviction.build(model, profiling)
+        quantiser = self._quantiser_spec().build(model, profiling)
+        assert isinstance(policy, EvictingEngine) and isinstance(quantiser, TurboQuantEngine)
+        policy.storage = QuantisedStorage(quantiser)
+        policy.name = self.entry.name  # type: ignore[misc]  # this engine's name, not the class's
+        policy.spec_string = self.spec()
+        if self.entry.refuses_ffn:
+            policy.refused_ffn = self.entry.refuses_ffn
+        return policy
+
+    def _quantiser_spec(self) -> EngineSpec:
+        """The quantiser as composed: `recent` 0 unless the spec sets it (module docstring)."""
+        if "recent" in self.quantiser.params and self.quantiser.params["recent"] is None:
+            return replace(self.quantiser, params={**self.quantiser.params, "recent": 0})
+        return self.quantiser
+
+
+def _unbuilt(params: Mapping[str, Any], model: Model | None) -> Engine:
+    raise MalformedEngineSpec("a composed engine is built from its ComposedSpec")
+
+
+def _role(spec: EngineSpec) -> str:
+    """`eviction` (compresses once), `evicts-in-decode`, `quantiser` or `other`."""
+    try:
+        engine = spec.entry.factory({**spec.params, "profiling": False}, None)
+    except EngineSpecError:
+        raise  # the half itself is wrong (`h2o:budget=64` with its default recent=256)
+    except Exception:  # an engine that needs its model (or files) to exist composes with nothing
+        return "other"
+    if isinstance(engine, EvictingEngine):
+        return "eviction" if engine.compresses_once else "evicts-in-decode"
+    return "quantiser" if isinstance(engine, TurboQuantEngine) else "other"
+
+
+def composable(entries: Iterable[EngineEntry]) -> tuple[list[str], list[str]]:
+    """The catalog's engines that compose: (evictions, quantisers), by name."""
+    evictions, quantisers = [], []
+    for entry in entries:
+        role = _role(EngineSpec(entry, {p.name: p.default for p in entry.params}))
+        if role == "eviction":
+            evictions.append(entry.name)
+        elif role == "quantiser":
+            quantisers.append(entry.name)
+    return evictions, quantisers
+
+
+def what_composes(entries: Iterable[EngineEntry]) -> str:
+    evictions, quantisers = composable(entries)
+    return (
+        f"{GRAMMAR} composes an eviction that compresses once ({', '.join(evictions)}) with a "
+        f"quantiser ({', '.join(quantisers)})"
+    )
+
+
+def composition_doc(entries: Iterable[EngineEntry]) -> str:
+    """What `larql engines` says of composition (docs/ENGINES.md's section)."""
+    evictions, quantisers = composable(entries)
+    names = ", ".join(f"`{n}`" for n in evictions), ", ".join(f"`{n}`" for n in quantisers)
+    return (
+        f"`{GRAMMAR}` (e.g. `snapkv:budget=256+turbo-quant:bits=4`) runs an eviction that "
+        f"compresses once ({names[0]}) with its kept rows coded by a quantiser ({names[1]}): "
+        "the eviction chooses the rows after an exact prefill, the quantiser's own store codes "
+        "them and every decoded row, and decode attends through the quantiser's own path, so "
+        "the bytes held are the product of the two. Each half takes its own parameters (a "
+        "request's bounds apply to both); in a composition the quantiser's `recent` is 0 unless "
+        "given, so every kept row but its sinks is coded. An eviction that evicts while "
+        "decoding (`h2o`) does not compose. In `larql serve` a composed session batches with "
+        "sessions of the same composition and parameters; on CUDA it runs the quantiser's "
+        "torch path (not its Triton kernels)."
+    )
+
+
+def parse_composed(
+    spec: str,
+    parse_half: Callable[[str], EngineSpec],
+    entry_named: Callable[[str], EngineEntry | None],
+    entries: Callable[[], Iterable[EngineEntry]],
+) -> ComposedSpec | None:
+    """`spec` as `A+B`, or None where it composes nothing (no `+`, or a `+` inside a value of
+    an engine that takes paths or names and no engine named after it)."""
+    pieces = spec.split(SEPARATOR)
+    if len(pieces) == 1:
+        return None
+    after = [entry_named(split_name(piece)[0].lower()) for piece in pieces[1:]]
+    first = entry_named(split_name(pieces[0])[0].lower())
+    takes_text = first is not None and any(p.kind != "value" for p in first.params)
+    if not any(after) and takes_text:
+        return None
+    refuse = partial_refusal(entries)
+    if any(not piece.strip() for piece in pieces):
+        refuse(f"{spec.strip()!r}: '+' needs an engine on each side")
+    if len(pieces) > 2:
+        refuse(f"{spec.strip()!r} names {len(pieces)} engines")
+    eviction, quantiser = parse_half(pieces[0]), parse_half(pieces[1])
+    roles = _role(eviction), _role(quantiser)
+    if roles == ("quantiser", "eviction"):
+        refuse(f"{spec.strip()!r}: write the eviction first ({pieces[1]}+{pieces[0]})")
+    if roles[0] == "evicts-in-decode":
+        refuse(
+            f"{eviction.entry.name} evicts while decoding, and a quantised store does not drop rows"
+        )
+    if roles[0] != "eviction":
+        refuse(f"{eviction.entry.name} is not an eviction engine")
+    if roles[1] != "quantiser":
+        refuse(f"{quantiser.entry.name} is not a quantiser")
+    return ComposedSpec(composed_entry(eviction.entry, quantiser.entry), {}, eviction, quantiser)
+
+
+def partial_refusal(entries: Callable[[], Iterable[EngineEntry]]) -> Callable[[str], None]:
+    def refuse(why: str) -> None:
+        raise CompositionRefused(f"{why}; {what_composes(entries())}")
+
+    return refuse
+
+
+def composed_entry(eviction: EngineEntry, quantiser: EngineEntry) -> EngineEntry:
+    """The pair's entry: what it keeps and promises, read from the halves'."""
+    return EngineEntry(
+        name=f"{eviction.name}{SEPARATOR}{quantiser.name}",
+        aliases=(),
+        params=(),
+        keeps=f"the rows {eviction.name} keeps, coded as {quantiser.name} codes them",
+        contract=f"bounded KL vs standard (destructive: {eviction.name}'s eviction, then "
+        f"{quantiser.name}'s codes); prefill output exact",
+        factory=_unbuilt,
+        live_decode=eviction.live_decode and quantiser.live_decode,
+        refuses_ffn={**quantiser.refuses_ffn, **eviction.refuses_ffn},
+        batching="yes: with sessions of the same composition and parameters (projections and "
+        "FFN once for every row, each row attending over its own coded rows)",
+    )

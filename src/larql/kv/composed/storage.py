@@ -1,0 +1,213 @@
+"""The storage side of an eviction composed with a quantiser: the rows the eviction policy keeps
+of a full-attention layer, held in the quantiser's own per-layer store (`QuantisedLayer`: its
+codec, rotation, codebooks, centering, exact sinks and recent rows) and attended through the
+quantiser's own decode attention (over the codes in place where its CPU extension runs, else its
+torch path over the decoded rows, in the codec's rotated basis for turbo-quant).
+
+Row i of each K/V head is that head's i-th kept row: the heads keep different positions, but a
+decode query sees every kept row (keys carry their rotary position already), so only the count
+and the order matter. Nothing of the prompt's exact K/V outlives the prefill. Sessions of one
+composition decode in a batch (`step_batch`): the projections and the FFN once for every row,
+each row attending over its own engine's coded rows."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from functools import partial
+
+import torch
+
+from larql.inference.batching import IsolatedRows
+from larql.inference.ffn import FfnBackend
+from larql.inference.layer import attend, batched_layer_step
+from larql.inference.shared_kv import SharedKv
+from larql.inference.snapshots import StateReader, StateWriter
+from larql.kv.buffers import KvBuffer
+from larql.kv.eviction.base import EvictingEngine
+from larql.kv.kv_quant.compiled import attend_grouped, grouped_kernels
+from larql.kv.kv_quant.engine import KvQuantEngine
+from larql.kv.turbo_quant.codec import TurboQuantCodec
+from larql.kv.turbo_quant.coded_cpu import attend_coded, coded_kernels
+from larql.kv.turbo_quant.engine import TurboQuantEngine
+from larql.kv.turbo_quant.rotation import rotation_matrix
+from larql.kv.turbo_quant.store import KvLayout, QuantisedLayer, rotate
+from larql.models.model import Model
+
+
+class KeptCodes(QuantisedLayer):
+    """One layer's kept rows in a quantiser's store, with the row count a saved state needs
+    (how many rows eviction kept is not a function of the position)."""
+
+    def nbytes(self) -> int:
+        return self.memory().total
+
+    def live_nbytes(self) -> int:
+        return self.memory().state
+
+    def write_state(self, state: StateWriter) -> None:
+        """`rows` (the count), then the store's tensors (`QuantisedLayer.write_state`)."""
+        state.put("rows", len(self))
+        super().write_state(state)
+
+
+class QuantisedStorage:
+    """A `KeptStorage` (`larql.kv.eviction.base`) coding the kept rows with `quantiser`'s
+    layout. It holds no rows itself (each layer's `KeptCodes` does), so forks share it."""
+
+    def __init__(self, quantiser: TurboQuantEngine) -> None:
+        self.quantiser = quantiser
+        self._layouts: dict[int, KvLayout] = {}  # head_dim → the quantiser's layout
+
+    def describe(self) -> str:
+        return f"kept rows coded by {self.quantiser.name}: {self.quantiser.describe()}"
+
+    def config(self) -> str:
+        return self.quantiser.config()
+
+    def batch_key(self) -> Hashable:
+        return (type(self.quantiser), self.quantiser.config(), self.quantiser.rotated_attention)
+
+    # ------------------------------------------------------------------ batched decode
+
+    def step_batch(
+        self,
+        engines: Sequence[EvictingEngine],
+        model: Model,
+        ffn: FfnBackend,
+        rows: torch.Tensor,
+        inputs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """rows [B, H], row i engine i's next token → [B, H]: projections and FFN once for
+        every row, each row attending over its own engine's rows (`_attend_row`); an engine
+        whose part fails fails alone (`IsolatedRows`)."""
+        shared = [SharedKv(model.config) for _ in engines]  # each session's, for sharing layers
+        positions = [e.position for e in engines]
+        isolated = IsolatedRows()
+        h = rows
+        for layer in range(model.config.num_layers):
+            attend_row = partial(self._attend_row, engines, model, layer, shared)
+            h = batched_layer_step(model, layer, h, positions, isolated(attend_row), ffn, inputs)
+        return isolated.check(h)
+
+    def _attend_row(
+        self,
+        engines: Sequence[EvictingEngine],
+        model: Model,
+        layer: int,
+        shared: list[SharedKv],
+        i: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Engine i's attention for its row at `layer` (q [Hq, 1, D]; k, v [Hkv, 1, D], or None
+        on a layer attending its source's rows) → [1, q_dim], as its own `_step` attends."""
+        engine, held = engines[i], engines[i]._layers[layer]
+        if k is None or v is None:
+            keys, values, allowed = shared[i].of(layer)
+            return attend(model, layer, q, keys, values, engine.position, None, allowed)
+        if isinstance(held, KvBuffer):  # a sliding layer keeps its window exact
+            keys, values = held.append(k, v)
+            shared[i].keep(layer, keys, values)
+            attn = attend(model, layer, q, keys, values, engine.position, None)
+            held.clip()
+            return attn
+        return self.attend(model, layer, held, q, k, v, engine.position, shared[i])
+
+    # ------------------------------------------------------------------ the stores
+
+    def _empty(self, model: Model, layer: int) -> KeptCodes:
+        width = model.config.head_dim_of(layer)
+        layout = self._layouts.get(width)
+        if layout is None:
+            layout = self._layouts[width] = self.quantiser._kv_layout(width)
+        compiled = self.quantiser._compiled(model, layout)
+        return KeptCodes(layout, None, model.config.kv_heads_of(layer), model.dtype, compiled)
+
+    def hold(self, model: Model, layer: int, rows) -> KeptCodes:
+        """The policy's rows (`.keys`, `.values` [Hkv, n, D]) coded into a new store."""
+        store = self._empty(model, layer)
+        store.append(rows.keys, rows.values)
+        return store
+
+    def read(self, state: StateReader, model: Model, layer: int, most: int) -> KeptCodes:
+        store = self._empty(model, layer)
+        store.read_state(state, state.integer("rows", 0, most))
+        return store
+
+    # ------------------------------------------------------------------ decode attention
+
+    def attend(
+        self,
+        model: Model,
+        layer: int,
+        held: KeptCodes,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        position: int,
+        shared: SharedKv,
+    ) -> torch.Tensor:
+        """q [Hq, 1, D] over the held rows and the new row k, v [Hkv, 1, D] → [1, q_dim], as
+        the quantiser's own step attends; the new row is then coded into `held`."""
+        # a layer whose K/V a later layer shares hands on rows in the model's basis
+        rotation = None if shared.is_source(layer) else self._rotation(held, model.device)
+        attn = self._in_place(model, layer, held, q, k, v, rotation, shared)
+        if attn is None:
+            keys, values = held.keys_values(model.dtype, rotation)  # [Hkv, n, D']
+            new_k, new_v = k, v
+            if rotation is not None:
+                new_k = rotate(k, rotation).to(model.dtype)
+                new_v = rotate(v, rotation).to(model.dtype)
+            keys, values = torch.cat((keys, new_k), dim=1), torch.cat((values, new_v), dim=1)
+            shared.keep(layer, keys, values)
+            attn = _attend_in_basis(model, layer, q, keys, values, position, rotation)
+        held.append(k, v)  # the exact new row, coded as the quantiser codes it
+        return attn
+
+    def _rotation(self, held: KeptCodes, device: torch.device) -> torch.Tensor | None:
+        """R [D', D'] float32 where the quantiser attends in its codec's rotated basis."""
+        codec = held.layout.k_codec
+        if not (self.quantiser.rotated_attention and isinstance(codec, TurboQuantCodec)):
+            return None
+        return rotation_matrix(codec.rotated_dim, torch.float32, device)
+
+    def _in_place(
+        self,
+        model: Model,
+        layer: int,
+        held: KeptCodes,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotation: torch.Tensor | None,
+        shared: SharedKv,
+    ) -> torch.Tensor | None:
+        """The attention over the codes in the CPU extension, where it applies; else None."""
+        if isinstance(self.quantiser, KvQuantEngine):
+            grouped = grouped_kernels(model, layer, held, shared)
+            return None if grouped is None else attend_grouped(grouped, model, layer, held, q, k, v)
+        coded = coded_kernels(model, layer, held, rotation, shared)
+        if coded is None or rotation is None:
+            return None
+        return attend_coded(coded, model, layer, held, q, k, v, rotation)
+
+
+def _attend_in_basis(
+    model: Model,
+    layer: int,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    position: int,
+    rotation: torch.Tensor | None,
+) -> torch.Tensor:
+    """q [Hq, 1, D] over keys, values [Hkv, n, D'] in the basis `rotation` gives (None: the
+    model's own) → [1, q_dim] (turbo-quant's `_attend_in_basis`)."""
+    if rotation is None:
+        return attend(model, layer, q, keys, values, position, None)
+    cfg, dtype = model.config, model.dtype
+    q_rot = rotate(q, rotation).to(dtype)
+    attn = attend(model, layer, q_rot, keys, values, position, None)  # [1, Hq·D']
+    back = attn.view(cfg.num_heads, -1).float() @ rotation  # [Hq, D'] (R·R = I)
+    return back[:, : cfg.head_dim_of(layer)].to(dtype).reshape(1, cfg.q_dim_of(layer))

@@ -1,0 +1,222 @@
+"""Eviction composed with a quantiser (`snapkv:…+turbo-quant:…`) on the real default model: what
+the eviction keeps is coded by the quantiser's own store and attended by its own path (with
+every row kept, the quantiser alone), the bytes held are the product of the two, decode appends
+coded rows, and only a compress-once eviction followed by a quantiser parses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from helpers import relative_error, teacher_forced
+from larql.cli.app import app
+from larql.inference.batching import decode_batch
+from larql.inference.ffn import DenseFfn
+from larql.kv import CATALOG, parse_engine
+from larql.kv.composed import ComposedSpec, CompositionRefused
+from larql.kv.composed.storage import KeptCodes
+from larql.kv.spec import BeyondBound, EngineSpecError, SpecPolicy
+from larql.models import Model
+from larql.server.app import create_app
+from larql.server.settings import ServerSettings
+
+PROMPT = "The quick brown fox jumps over the lazy dog because it was tired of waiting for"
+LONG = " ".join(
+    ["The Apache License, Version 2.0, governs how the software may be used and shared."] * 6
+)
+
+
+@pytest.mark.parametrize(
+    ("composed", "alone"),
+    [
+        # the quantiser's own recent window, written out: the composition's default is none
+        ("snapkv:budget=4096+turbo-quant:bits=4,recent=8", "turbo-quant:bits=4,recent=8"),
+        ("snapkv:budget=4096+turbo-quant:bits=3", "turbo-quant:bits=3,recent=0"),
+        ("snapkv:budget=4096+kv-quant:bits=4,sinks=2", "kv-quant:bits=4,sinks=2"),
+    ],
+)
+@pytest.mark.slow
+def test_keeping_every_row_is_the_quantiser_alone(composed: str, alone: str, smollm2: Model):
+    """Same stored codes, same attention: the logits agree to float rounding."""
+    ids = smollm2.tokenizer.encode(PROMPT)
+    ours = teacher_forced(smollm2, composed, ids, len(ids) - 6)
+    reference = teacher_forced(smollm2, alone, ids, len(ids) - 6)
+    assert relative_error(ours, reference) <= 1e-5
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+def _prefilled(spec: str, model: Model, ids: list[int]):
+    engine = parse_engine(spec).build(model)
+    with torch.inference_mode():
+        engine.prefill(model, DenseFfn(model), ids)
+    return engine
+
+
+def test_bytes_held_are_the_product_and_decode_appends_codes(smollm2: Model) -> None:
+    ids = smollm2.tokenizer.encode(LONG)
+    kept = 24 + 8  # budget + window of each layer and K/V head
+    assert len(ids) >= 3 * kept
+    both = _prefilled("snapkv:budget=24,window=8+turbo-quant:bits=4", smollm2, ids)
+    evicted = _prefilled("snapkv:budget=24,window=8", smollm2, ids)
+    coded = _prefilled("turbo-quant:bits=4,recent=0", smollm2, ids)
+    state = both.memory().state
+    assert state < evicted.memory().state and state < coded.memory().state
+    # the same sink rows and prompt mean as the quantiser alone; of the codes, the kept rows'
+    row_bytes = sum(layer.row_bytes for layer in both._layers)
+    assert coded.memory().state - state == (len(ids) - kept) * row_bytes
+    assert all(isinstance(layer, KeptCodes) and len(layer) == kept for layer in both._layers)
+    with torch.inference_mode():
+        for token in ids[:3]:
+            hidden = both.decode_step(smollm2, DenseFfn(smollm2), token)
+    assert torch.isfinite(hidden).all()
+    for layer in both._layers:  # each decoded row coded into the store
+        assert len(layer) == kept + 3 and len(layer.codes) == kept + 3 - len(layer.sinks)
+    assert both.info().name == "snapkv+turbo-quant"
+    assert "turbo-quant" in both.info().description
+
+
+@pytest.mark.slow
+def test_a_real_eviction_stays_close_to_the_eviction_alone(smollm2: Model) -> None:
+    ids = smollm2.tokenizer.encode(LONG)
+    prompt = len(ids) - 4
+    both = teacher_forced(smollm2, "snapkv:budget=32,window=8+turbo-quant:bits=4", ids, prompt)
+    evicted = teacher_forced(smollm2, "snapkv:budget=32,window=8", ids, prompt)
+    assert 0 < relative_error(both, evicted) <= 0.25
+    assert (both.argmax(-1) == evicted.argmax(-1)).float().mean() >= 0.8
+
+
+def test_a_prompt_in_parts_keeps_what_one_prefill_keeps(smollm2: Model) -> None:
+    spec = "snapkv:budget=16,window=4+turbo-quant:bits=4"
+    ids = smollm2.tokenizer.encode(LONG)[:60]
+    whole = _prefilled(spec, smollm2, ids)
+    parts = parse_engine(spec).build(smollm2)
+    ffn = DenseFfn(smollm2)
+    with torch.inference_mode():
+        parts.prefill_part(smollm2, ffn, ids[:25], more=True)
+        parts.prefill_part(smollm2, ffn, ids[25:], more=False)
+        parts.finish_prompt(10**6)
+    # the parts' K/V differ from the whole prompt's in float rounding, which moves a code by
+    # one level here and there
+    for a, b in zip(whole._layers, parts._layers, strict=True):
+        assert len(a) == len(b) and (a.codes.rows == b.codes.rows).float().mean() >= 0.95
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "snapkv:budget=64+turbo-quant:bits=4",
+        "snapkv:budget=64,window=16,kernel=5+turbo-quant:bits=3,recent=0,recent_bits=8",
+        "snapkv+kv-quant:bits=2,group=64",
+        "SnapKV:budget=8+TQ3",
+    ],
+)
+def test_specs_round_trip(spec: str) -> None:
+    parsed = parse_engine(spec)
+    assert isinstance(parsed, ComposedSpec)
+    assert parse_engine(parsed.spec()) == parsed
+    assert parsed.display_name == f"{parsed.eviction.entry.name}+{parsed.quantiser.entry.name}"
+
+
+@pytest.mark.parametrize("separator", [",", ";"])
+def test_engine_lists_keep_a_composition_whole(separator: str) -> None:
+    listed = separator.join(
+        ["standard", "snapkv:budget=64,window=16+turbo-quant:bits=4,recent=0", "kv-quant"]
+    )
+    assert [parse_engine(s).spec() for s in CATALOG.split_specs(listed)] == [
+        "standard",
+        "snapkv:budget=64,window=16+turbo-quant:recent=0",
+        "kv-quant",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        ("h2o:budget=64,recent=8+turbo-quant", "h2o evicts while decoding"),
+        ("h2o:budget=64+turbo-quant", "recent must be < budget"),
+        ("turbo-quant+snapkv", "write the eviction first"),
+        ("snapkv+standard", "standard is not a quantiser"),
+        ("standard+turbo-quant", "standard is not an eviction engine"),
+        ("snapkv+", "an engine on each side"),
+        ("+turbo-quant", "an engine on each side"),
+        ("snapkv+turbo-quant+kv-quant", "names 3 engines"),
+        ("snapkv:budget=8+nonsense", "nonsense"),
+    ],
+)
+def test_bad_compositions_are_typed_errors(spec: str, why: str) -> None:
+    with pytest.raises(EngineSpecError, match=why) as raised:
+        parse_engine(spec)
+    if isinstance(raised.value, CompositionRefused):
+        message = str(raised.value)
+        assert "\n" not in message
+        assert "(snapkv" in message and "(turbo-quant, kv-quant)" in message
+
+
+def test_cli_refuses_a_bad_composition_in_one_line(smollm2_default: Model) -> None:
+    result = CliRunner().invoke(app, ["run", "Hello", "-n", "1", "--engine", "h2o+turbo-quant"])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: h2o evicts while decoding")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["snapkv:budget=100000+turbo-quant", "snapkv+turbo-quant:recent=100000,sinks=4"],
+)
+def test_a_request_is_bounded_in_both_halves(spec: str, smollm2: Model) -> None:
+    parse_engine(spec)  # the operator's: accepted
+    with pytest.raises(BeyondBound, match="100000"):
+        parse_engine(spec, SpecPolicy.untrusted(smollm2))
+    parsed = parse_engine(spec)
+    with pytest.raises(BeyondBound):
+        parsed.check(SpecPolicy.untrusted(smollm2, max_tokens=512))
+
+
+def test_a_request_may_name_a_composition(smollm2: Model) -> None:
+    """It runs; a bad one is a 400 naming the engine field."""
+    settings = ServerSettings(max_prompt_tokens=24, max_new_tokens=4)
+    asked = {"prompt": "Once upon a time there was", "max_tokens": 3, "temperature": 0}
+    with TestClient(create_app(smollm2, settings)) as client:
+        ok = client.post(
+            "/v1/completions", json={**asked, "engine": "snapkv:budget=4,window=2+tq4"}
+        )
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["completion_tokens"] == 3
+        for spec, words in [
+            ("snapkv:budget=4+turbo-quant:recent=29", "turbo-quant: recent=29 is more than"),
+            ("snapkv:budget=29+kv-quant", "snapkv: budget=29 is more than"),
+            ("h2o:budget=8,recent=2+kv-quant", "h2o evicts while decoding"),
+        ]:
+            refused = client.post("/v1/completions", json={**asked, "engine": spec})
+            assert refused.status_code == 400, (spec, refused.text)
+            error = refused.json()["error"]
+            assert error["param"] == "engine" and words in error["message"], error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantiser", ["turbo-quant:bits=4", "kv-quant:bits=4"])
+def test_sessions_of_one_composition_decode_in_a_batch_as_alone(
+    quantiser: str, smollm2: Model
+) -> None:
+    spec = f"snapkv:budget=8,window=4+{quantiser}"
+    prompts = [PROMPT, "Alice put the red ball in the box, and Bob took it out again"]
+    steps = [[11, 260, 3575], [260, 11, 42]]
+    ffn = DenseFfn(smollm2)
+    alone, batched = [], []
+    for prompt, tokens in zip(prompts, steps, strict=True):
+        engine = _prefilled(spec, smollm2, smollm2.tokenizer.encode(prompt))
+        with torch.inference_mode():
+            alone.append(torch.cat([engine.decode_step(smollm2, ffn, t) for t in tokens]))
+        batched.append(_prefilled(spec, smollm2, smollm2.tokenizer.encode(prompt)))
+    assert batched[0].batch_key() == batched[1].batch_key() is not None
+    assert parse_engine("snapkv:budget=8").build(smollm2).batch_key() is None
+    with torch.inference_mode():
+        rows = [decode_batch(batched, smollm2, ffn, list(t)) for t in zip(*steps, strict=True)]
+    # a float rounding apart (the rows' projections in one product) can move a coordinate of a
+    # new row across a code boundary: the states then differ by a code, not the path
+    for i, reference in enumerate(alone):
+        ours = torch.cat([step[i : i + 1] for step in rows])  # [steps, H]
+        assert relative_error(ours, reference) <= 2e-3
+    assert [len(layer) for layer in batched[0]._layers] == [12 + 3] * len(batched[0]._layers)
