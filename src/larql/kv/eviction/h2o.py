@@ -17,6 +17,7 @@ from larql.models.model import Model
 class H2oEngine(ScoringEngine):
     name = "h2o"
     evicts_in_decode = True
+    STATE_VERSION = 2  # rows first, `score` for `mass`; packed per head with heads=adaptive
 
     def __init__(
         self,
