@@ -67,7 +67,9 @@ class SnapKvEngine(ScoringEngine):
         self, model: Model, layer: int, held: object, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         assert isinstance(held, torch.Tensor)
-        mass = attention_mass(model, held, k, k.shape[1] - held.shape[1])  # [Hkv, T]
-        return F.max_pool1d(
-            mass.unsqueeze(1), self.kernel, stride=1, padding=self.kernel // 2
-        ).squeeze(1)  # [Hkv, T]
+        observed = k.shape[1] - held.shape[1]  # rows before the window (which is kept)
+        mass = attention_mass(model, held, k, observed)  # [Hkv, T]
+        pooled = F.max_pool1d(
+            mass[:, :observed].unsqueeze(1), self.kernel, stride=1, padding=self.kernel // 2
+        ).squeeze(1)  # [Hkv, observed]: the window's own votes left out of the pooling
+        return torch.cat((pooled, mass[:, observed:]), dim=1)  # [Hkv, T]
