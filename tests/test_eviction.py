@@ -72,7 +72,7 @@ def test_h2o_holds_its_budget_and_the_newest_rows(smollm2: Model) -> None:
         engine.decode_step(smollm2, ffn, ids[6])
     for layer, newest in zip(engine._layers, before, strict=True):
         assert torch.equal(layer.keys[:, -3:-1], newest)  # recent rows are never evicted
-        assert layer.mass.shape == layer.keys.shape[:2] and (layer.mass > 0).all()
+        assert layer.score.shape == layer.keys.shape[:2] and (layer.score > 0).all()
 
 
 @pytest.mark.slow

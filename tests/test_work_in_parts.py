@@ -29,6 +29,9 @@ IN_PARTS = [  # every live engine, with parameters that make its policy act on t
     "kv-quant",
     "snapkv:budget=4,window=3",
     "h2o:budget=6,recent=2",
+    "tova:budget=6,recent=2,sinks=1",
+    "keydiff:budget=6,recent=2,sinks=1,heads=adaptive",
+    "expected-attention:budget=6,recent=2,sinks=1,queries=4",
     "boundary-kv:chunk_tokens=4",
     "semantic-promotion:base=no-cache",
 ]
@@ -44,6 +47,9 @@ FINISHED_IN_PARTS = (
     "boundary-per-layer",
     "snapkv",
     "h2o",
+    "tova",
+    "keydiff",
+    "expected-attention",
 )
 
 

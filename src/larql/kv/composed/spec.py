@@ -161,6 +161,11 @@ def parse_composed(
         refuse(f"{eviction.entry.name} is not an eviction engine")
     if roles[1] != "quantiser":
         refuse(f"{quantiser.entry.name} is not a quantiser")
+    if eviction.params.get("heads") == "adaptive":
+        refuse(
+            f"{eviction.entry.name}: heads=adaptive keeps another count of rows on each head, and "
+            "a quantised store codes the same count for every head (use heads=uniform)"
+        )
     return ComposedSpec(composed_entry(eviction.entry, quantiser.entry), {}, eviction, quantiser)
 
 

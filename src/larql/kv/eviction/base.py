@@ -1,4 +1,4 @@
-"""What both eviction engines share: the prefill runs exact attention over the whole prompt
+"""What every eviction engine shares: the prefill runs exact attention over the whole prompt
 and hands each layer's K/V (and queries) to the policy; decode attends over what each layer
 kept, every K/V head its own rows. A layer with the architecture's own sliding window keeps
 its window like `standard` (it is bounded already).
@@ -34,6 +34,7 @@ from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
 from larql.inference.snapshots import StateReader, StateWriter
 from larql.kv.buffers import KvBuffer
+from larql.kv.eviction.ragged import RaggedRows
 from larql.kv.pass_in_parts import PassInParts
 from larql.models.model import Model
 
@@ -297,6 +298,12 @@ class EvictingEngine(KvEngine):
             sliding = model.config.layers[layer].sliding_window is not None
             if self.storage is not None and not sliding:
                 attn = self.storage.attend(model, layer, rows, q, k, v, self.position, shared)
+                h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn, inputs)
+                continue
+            if isinstance(rows, RaggedRows):  # each K/V head its own rows (never a K/V source)
+                rows.append(k, v)
+                attn = rows.attend(model, layer, q)
+                self._attended(model, layer, rows, q)
                 h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn, inputs)
                 continue
             keys, values = rows.append(k, v)

@@ -1,28 +1,119 @@
-"""The eviction engines' catalog entries."""
+"""The eviction engines' catalog entries. Every one takes the shared selection's parameters
+(`selection_params`: keep= or budget=, sinks, recent, heads) besides its scorer's own."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from larql.kv.eviction.budget import HEADS_MODES, Budget
+from larql.kv.eviction.expected_attention import ExpectedAttentionEngine
 from larql.kv.eviction.h2o import H2oEngine
+from larql.kv.eviction.keydiff import KeyDiffEngine
+from larql.kv.eviction.kvzip import KvZipEngine
 from larql.kv.eviction.snapkv import SnapKvEngine
+from larql.kv.eviction.tova import TovaEngine
 from larql.kv.spec import TOKENS, EngineEntry, MalformedEngineSpec, Sweeps
-from larql.specs import Param, at_least
+from larql.specs import Param, at_least, one_of
+
+DEFAULT_KEEP = 0.5  # of the prompt rows, where a scorer is given neither keep nor budget
 
 
-def _snapkv(p: dict) -> SnapKvEngine:
+def _fraction(value: float) -> str | None:
+    return None if 0 < value <= 1 else "must be in (0, 1] (a fraction of the prompt rows)"
+
+
+KEEP = Param(
+    "keep",
+    float,
+    None,
+    "fraction (0, 1] of the prompt rows each layer keeps, sinks and recent counted in "
+    "(instead of budget)",
+    _fraction,
+    none_word="none",
+)
+HEADS = Param(
+    "heads",
+    str,
+    "uniform",
+    "how a layer's budget is split over its K/V heads: uniform (each the same count) or "
+    "adaptive (one budget for the layer, rows picked across heads by per-head normalised "
+    "score; each head holds its own count)",
+    one_of(*HEADS_MODES),
+    lower=True,
+)
+
+
+def selection_params(sinks: int, recent: int) -> tuple[Param, ...]:
+    """keep, budget, sinks, recent, heads of a new scorer (budget: rows per layer and K/V head,
+    sinks and recent counted in; neither keep nor budget: keep=0.5)."""
+    return (
+        KEEP,
+        Param(
+            "budget",
+            int,
+            None,
+            "rows kept per layer and K/V head, sinks and recent counted in (instead of keep)",
+            at_least(1),
+            none_word="none",
+            bound=TOKENS,
+        ),
+        Param(
+            "sinks", int, sinks, "the prompt's first rows, always kept", at_least(0), bound=TOKENS
+        ),
+        Param(
+            "recent", int, recent, "the prompt's last rows, always kept", at_least(0), bound=TOKENS
+        ),
+        HEADS,
+    )
+
+
+def budget_of(name: str, p: Mapping[str, Any]) -> Budget:
+    """A new scorer's selection from its parameters: keep or budget, not both."""
+    if p["keep"] is not None and p["budget"] is not None:
+        raise MalformedEngineSpec(f"{name}: give keep or budget, not both")
+    keep = DEFAULT_KEEP if p["keep"] is None and p["budget"] is None else p["keep"]
+    return Budget(keep, p["budget"], p["sinks"], p["recent"], p["heads"])
+
+
+def _replaced_budget(name: str, p: Mapping[str, Any], default: int) -> None:
+    """snapkv and h2o: keep, when given, replaces their row budget (left at its default)."""
+    if p["keep"] is not None and p["budget"] != default:
+        raise MalformedEngineSpec(f"{name}: give keep or budget, not both")
+
+
+def _snapkv(p: Mapping[str, Any]) -> SnapKvEngine:
     if p["kernel"] % 2 == 0:
         raise MalformedEngineSpec(
             f"snapkv: kernel must be odd (centred pooling), got {p['kernel']}"
         )
-    return SnapKvEngine(p["budget"], p["window"], p["kernel"], profiling=p["profiling"])
+    _replaced_budget("snapkv", p, 1024)
+    return SnapKvEngine(
+        p["budget"],
+        p["window"],
+        p["kernel"],
+        profiling=p["profiling"],
+        keep=p["keep"],
+        sinks=p["sinks"],
+        heads=p["heads"],
+    )
 
 
-def _h2o(p: dict) -> H2oEngine:
+def _h2o(p: Mapping[str, Any]) -> H2oEngine:
     if p["recent"] >= p["budget"]:
         raise MalformedEngineSpec(
             f"h2o: recent must be < budget (the rest are heavy hitters), got "
             f"budget={p['budget']}, recent={p['recent']}"
         )
-    return H2oEngine(p["budget"], p["recent"], profiling=p["profiling"])
+    _replaced_budget("h2o", p, 512)
+    return H2oEngine(
+        p["budget"],
+        p["recent"],
+        profiling=p["profiling"],
+        keep=p["keep"],
+        sinks=p["sinks"],
+        heads=p["heads"],
+    )
 
 
 SNAPKV = EngineEntry(
@@ -48,12 +139,16 @@ SNAPKV = EngineEntry(
         Param(
             "kernel", int, 7, "max-pooling width over the votes (odd)", at_least(1), bound=TOKENS
         ),
+        KEEP,
+        Param("sinks", int, 0, "the prompt's first rows, always kept", at_least(0), bound=TOKENS),
+        HEADS,
     ),
-    keeps="per layer and K/V head: budget voted prompt rows + the window + every decoded row, "
-    "model dtype (a layer's own sliding window: that window)",
+    keeps="per layer and K/V head: budget voted prompt rows + the window (or keep of the prompt "
+    "rows, the window counted in) + every decoded row, model dtype (heads=adaptive: each head "
+    "its own count, packed; a layer's own sliding window: that window)",
     contract="exact while the prompt fits budget + window; else bounded KL vs standard "
     "(destructive: prompt rows evicted once, after the prefill; SmolLM2, 1,024-token prompt, "
-    "budget 256: mean KL 0.030)",
+    "budget 256: mean KL 0.030); query-aware when the question ends the prompt (the window votes)",
     factory=lambda p, model: _snapkv(p),
     sweeps=Sweeps(bench=("budget=64",), accuracy=("budget=64",), longctx=("budget=512",)),
 )
@@ -71,9 +166,13 @@ H2O = EngineEntry(
             at_least(0),
             bound=TOKENS,
         ),
+        KEEP,
+        Param("sinks", int, 0, "the prompt's first rows, always kept", at_least(0), bound=TOKENS),
+        HEADS,
     ),
-    keeps="per layer and K/V head at most budget rows (recent newest + heavy hitters) and their "
-    "accumulated attention (float32), model dtype (a layer's own sliding window: that window)",
+    keeps="per layer and K/V head at most budget rows (or keep of the positions seen: recent "
+    "newest + heavy hitters) and their accumulated attention (float32), model dtype "
+    "(heads=adaptive: each head its own count, packed; a layer's own sliding window: that window)",
     contract="exact while prompt + decoded rows fit the budget; else bounded KL vs standard "
     "(destructive: evicts as decode proceeds; SmolLM2, budget 256, recent 128: mean KL 0.17)",
     factory=lambda p, model: _h2o(p),
@@ -82,4 +181,81 @@ H2O = EngineEntry(
         accuracy=("budget=64,recent=32",),
         longctx=("budget=512,recent=256",),
     ),
+)
+
+_KEEPS = (
+    "per layer and K/V head: keep of the prompt rows (or budget rows; sinks and recent "
+    "counted in) + every decoded row, model dtype (heads=adaptive: each head its own count, "
+    "packed; a layer's own sliding window: that window)"
+)
+_LOSSY = "exact while the prompt fits the budget (keep=1); else bounded KL vs standard "
+
+EXPECTED_ATTENTION = EngineEntry(
+    name="expected-attention",
+    aliases=(),
+    params=(
+        *selection_params(sinks=4, recent=16),
+        Param(
+            "queries",
+            int,
+            128,
+            "the prompt's last queries whose mean and covariance model the future ones",
+            at_least(2),
+            bound=TOKENS,
+        ),
+        Param(
+            "future",
+            int,
+            512,
+            "coming positions the rotary embedding is averaged over",
+            at_least(1),
+            bound=TOKENS,
+        ),
+        Param("vnorm", int, 1, "weight each row by its value's norm (1) or not (0)", one_of(0, 1)),
+    ),
+    keeps=_KEEPS,
+    contract=_LOSSY + "(destructive: prompt rows evicted once, at the prompt's end, before any "
+    "question is seen; query-aware when the question ends the prompt, within `queries`)",
+    factory=lambda p, model: ExpectedAttentionEngine(
+        budget_of("expected-attention", p),
+        p["queries"],
+        p["future"],
+        bool(p["vnorm"]),
+        profiling=p["profiling"],
+    ),
+)
+
+KVZIP = EngineEntry(
+    name="kvzip",
+    aliases=(),
+    params=selection_params(sinks=4, recent=16),
+    keeps=_KEEPS,
+    contract=_LOSSY + "(destructive: prompt rows evicted once, at the prompt's end, "
+    "query-agnostic); the prefill costs ~2×: a second pass reconstructs the context from the "
+    "cache to score its rows",
+    factory=lambda p, model: KvZipEngine(budget_of("kvzip", p), profiling=p["profiling"]),
+)
+
+KEYDIFF = EngineEntry(
+    name="keydiff",
+    aliases=(),
+    params=selection_params(sinks=4, recent=16),
+    keeps=_KEEPS,
+    contract=_LOSSY + "(destructive: prompt rows evicted once, at the prompt's end; reads no "
+    "query, so query-agnostic whatever the prompt holds)",
+    factory=lambda p, model: KeyDiffEngine(budget_of("keydiff", p), profiling=p["profiling"]),
+)
+
+TOVA = EngineEntry(
+    name="tova",
+    aliases=(),
+    params=selection_params(sinks=4, recent=8),
+    keeps="per layer and K/V head: keep of the positions seen (or budget rows; sinks and "
+    "recent counted in) and each row's current attention (float32), model dtype "
+    "(heads=adaptive: each head its own count, packed; a layer's own sliding window: that "
+    "window)",
+    contract="exact while prompt + decoded rows fit the budget (keep=1); else bounded KL vs "
+    "standard (destructive: evicts at the prompt's end and as decode proceeds, by the newest "
+    "query's attention; query-aware when the question ends the prompt)",
+    factory=lambda p, model: TovaEngine(budget_of("tova", p), profiling=p["profiling"]),
 )

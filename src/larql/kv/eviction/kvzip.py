@@ -1,0 +1,101 @@
+"""`kvzip`: keep the rows the model needs to reconstruct its context. After the prefill the
+model reads a "repeat the context" instruction followed by the context again, each of those
+positions attending over the prompt's exact cached K/V and the reconstruction's own; a prompt
+row's score, per layer and K/V head, is the most any reconstruction query (of any query head of
+the group) attends to it. Rows nothing needs to rebuild the context are the ones it can lose,
+whatever question comes later: query-agnostic by construction.
+
+The reconstruction is a second forward pass over about as many positions as the prompt (the
+instruction's few more), attending over twice the prompt's rows: about 2× the prefill's cost,
+once per prompt, in `reconstruction_chunk`-position chunks. Its K/V are dropped after scoring.
+A prompt is therefore taken whole (not in parts): its rows are needed again at the end."""
+
+from __future__ import annotations
+
+import torch
+
+from larql.inference.ffn import FfnBackend
+from larql.inference.layer import embed_rows, layer_step, project_qkv, token_tensor
+from larql.inference.shared_kv import SharedKv, shares
+from larql.kv.buffers import KvBuffer
+from larql.kv.eviction.budget import Budget
+from larql.kv.eviction.scores import attention_peak
+from larql.kv.eviction.scoring import ScoringEngine
+from larql.models.model import Model
+
+INSTRUCTION = "\n\nRepeat the previous context exactly.\n"
+RECONSTRUCTION_CHUNK = 512  # reconstruction positions per pass through the layers
+
+
+class KvZipEngine(ScoringEngine):
+    name = "kvzip"
+
+    def __init__(self, budget: Budget, profiling: bool = False) -> None:
+        super().__init__(budget, profiling)
+
+    def scorer(self) -> str:
+        return "the rows the model attends to most while reconstructing the context"
+
+    def takes_prompt_in_parts(self, model: Model) -> bool:
+        return False  # the reconstruction re-reads the whole prompt's rows at its end
+
+    def _row_scores(
+        self, model: Model, layer: int, held: object, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        assert isinstance(held, torch.Tensor)
+        return held  # the reconstruction's (`_reconstruction_scores`)
+
+    def _start(
+        self, model: Model, ffn: FfnBackend, rows: torch.Tensor, inputs: torch.Tensor | None
+    ) -> torch.Tensor:
+        """rows: [S, H] → every prompt row's hidden [S, H]: the exact prefill, the
+        reconstruction pass over its K/V, then each layer keeps its best-scored rows."""
+        exact = [KvBuffer() for _ in range(model.config.num_layers)]
+        shared = SharedKv(model.config)
+        h = rows
+        for layer, kv in enumerate(exact):
+            h = layer_step(model, layer, h, 0, kv, ffn, inputs=inputs, shared=shared)
+        scores = self._reconstruction_scores(model, ffn, exact, rows, inputs)
+        self._layers = []
+        for layer, (kv, score) in enumerate(zip(exact, scores, strict=True)):
+            self._keep_prompt_layer(model, layer, kv, score)
+        return h
+
+    def _reconstruction_scores(
+        self,
+        model: Model,
+        ffn: FfnBackend,
+        exact: list[KvBuffer],
+        rows: torch.Tensor,
+        inputs: torch.Tensor | None,
+    ) -> list[torch.Tensor | None]:
+        """The instruction and the context rows [S, H] again, after the prompt's exact K/V
+        `exact` (left as they were) → per layer, each prompt row's peak attention [Hkv, S]
+        (None on a layer that keeps a window or shares another's K/V)."""
+        cfg = model.config
+        prompt = rows.shape[0]
+        ids = token_tensor(model, model.tokenizer.encode(INSTRUCTION))
+        head, head_inputs = embed_rows(model, ids)  # [I, H], [I, L, P] or None
+        queries = torch.cat((head, rows))  # [I + S, H]
+        query_inputs = None if inputs is None else torch.cat((head_inputs, inputs))
+        scored = [
+            not shares(cfg, layer) and cfg.layers[layer].sliding_window is None
+            for layer in range(cfg.num_layers)
+        ]
+        peak: list[torch.Tensor | None] = [None] * cfg.num_layers
+        for first in range(0, queries.shape[0], RECONSTRUCTION_CHUNK):
+            h = queries[first : first + RECONSTRUCTION_CHUNK]
+            part = None if query_inputs is None else query_inputs[first : first + h.shape[0]]
+            start = prompt + first
+            shared = SharedKv(cfg)
+            for layer, kv in enumerate(exact):
+                q = project_qkv(model, layer, h, start)[0] if scored[layer] else None
+                h = layer_step(model, layer, h, start, kv, ffn, inputs=part, shared=shared)
+                if q is not None:
+                    seen = attention_peak(model, q, kv.keys, start)[:, :prompt]  # [Hkv, S]
+                    held = peak[layer]
+                    peak[layer] = seen if held is None else torch.maximum(held, seen)
+        for kv in exact:
+            if len(kv):  # (a layer sharing another's K/V holds none)
+                kv.truncate(prompt)
+        return peak
