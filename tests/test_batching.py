@@ -50,9 +50,9 @@ def _sessions(model: Model, spec: str, steps: int) -> list[GenerationSession]:
     for prompt in PROMPTS:
         ids = model.tokenizer.encode(prompt)
         engine = parse_engine(spec).build(model)
-        session = GenerationSession(engine, model, ffn, ids, steps, stop_ids=frozenset())
-        session.prefill()
-        out.append(session)
+        gen = GenerationSession(engine, model, ffn, ids, steps, stop_ids=frozenset())
+        gen.prefill()
+        out.append(gen)
     return out
 
 
@@ -60,9 +60,9 @@ def _alone_and_batched(
     model: Model, spec: str, steps: int
 ) -> tuple[list[GenerationSession], list[GenerationSession]]:
     alone = _sessions(model, spec, steps)
-    for session in alone:
-        while not session.finished:
-            session.step()
+    for gen in alone:
+        while not gen.finished:
+            gen.step()
     batched = _sessions(model, spec, steps)
     while not batched[0].finished:
         step_together(batched)
@@ -329,19 +329,19 @@ def test_prompts_ride_in_decode_steps_bit_for_bit(smollm2_default: Model) -> Non
     assert len(model.tokenizer.encode(long_text)) <= model_block_rows(model)
 
     def alone(text: str) -> list[torch.Tensor]:
-        session, logits = _fresh(model, text), []
-        session.prefill()
-        logits.append(session.logits)
-        while not session.finished:
-            session.step()
-            logits.append(session.logits)
+        gen, logits = _fresh(model, text), []
+        gen.prefill()
+        logits.append(gen.logits)
+        while not gen.finished:
+            gen.step()
+            logits.append(gen.logits)
         return logits
 
     want = [alone(text) for text in texts]
     sessions = [_fresh(model, text) for text in texts]
     got: list[list[torch.Tensor]] = [[] for _ in texts]
-    for session in sessions[:2]:
-        session.prefill()
+    for gen in sessions[:2]:
+        gen.prefill()
     got[0].append(sessions[0].logits)
     got[1].append(sessions[1].logits)
     chunks = {2: [100], 3: [5, 4, 100]}  # the third whole, the fourth in three chunks
@@ -367,11 +367,11 @@ def test_a_sessions_kv_is_allocated_once_for_its_tokens(smollm2_default: Model) 
     def run(hinted: bool, together: bool) -> tuple[list[torch.Tensor], set[int]]:
         sessions = []
         for prompt in PROMPTS[:2]:
-            session = _fresh(model, prompt)
-            session.budget = steps
-            session.engine.expect_tokens(len(session.prompt_ids) + steps if hinted else 0)
-            session.prefill()
-            sessions.append(session)
+            gen = _fresh(model, prompt)
+            gen.budget = steps
+            gen.engine.expect_tokens(len(gen.prompt_ids) + steps if hinted else 0)
+            gen.prefill()
+            sessions.append(gen)
         first = sessions[0].engine
         assert isinstance(first, StandardEngine) and first._layers is not None
         capacities, logits = set(), [sessions[0].logits]
@@ -379,8 +379,8 @@ def test_a_sessions_kv_is_allocated_once_for_its_tokens(smollm2_default: Model) 
             if together:
                 step_together(sessions)
             else:
-                for session in sessions:
-                    session.step()
+                for gen in sessions:
+                    gen.step()
             capacities.add(first._layers[7]._k.capacity)
             logits.append(sessions[0].logits)
         return logits, capacities

@@ -129,7 +129,7 @@ def _store_rows(
     stores: Sequence[object],
     window: int | None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int], list[int]] | None:
-    """For each row of h [R, H] (session i's counts[i] rows at positions starts[i]..): its
+    """For each row of h [R, H] (sequence i's counts[i] rows at positions starts[i]..): its
     session's K and V storage, the first row its query sees and the slot its K/V goes to —
     room reserved in the stores, nothing committed; None where a store is not float32 rows the
     compiled layer may write."""

@@ -82,8 +82,8 @@ def step_together(sessions: Sequence[GenerationSession]) -> list[int]:
     """One decode step for sessions of one model whose engines batch together
     (`decode_batch`): each session's last token in, each session's next token out, as
     `step()` would give it alone. `SessionsFailed` where some sessions' own parts failed."""
-    for session in sessions:
-        session.check_can_step()
+    for gen in sessions:
+        gen.check_can_step()
     model, ffn = sessions[0].model, sessions[0].ffn
     failures: dict[int, Exception] = {}
     with torch.inference_mode():
@@ -103,10 +103,10 @@ def step_together(sessions: Sequence[GenerationSession]) -> list[int]:
         elapsed = (time.perf_counter() - t0) * 1000
     tokens: list[int | None] = [None] * len(sessions)
     for i, row, token in zip(ok, logits, picked, strict=True):
-        session = sessions[i]
-        session.logits = row
-        session.step_ms.append(elapsed)
-        session._accept(token)
+        gen = sessions[i]
+        gen.logits = row
+        gen.step_ms.append(elapsed)
+        gen._accept(token)
         tokens[i] = token
     if failures:
         raise SessionsFailed(tokens, failures)
@@ -131,12 +131,12 @@ def advance_together(
     compiled layer, for a prompt that fits one compiled call). `SessionsFailed` where some
     sessions' own parts failed."""
     token_lists: list[list[int]] = []
-    for session, chunk in zip(sessions, prompt_tokens, strict=True):
-        if session.started:
-            session.check_can_step()
-            token_lists.append([session.tokens[-1]])
+    for gen, chunk in zip(sessions, prompt_tokens, strict=True):
+        if gen.started:
+            gen.check_can_step()
+            token_lists.append([gen.tokens[-1]])
         else:
-            token_lists.append(session._prompt_chunk(chunk))
+            token_lists.append(gen._prompt_chunk(chunk))
     model, ffn = sessions[0].model, sessions[0].ffn
     failures: dict[int, Exception] = {}
     with torch.inference_mode():
@@ -145,9 +145,9 @@ def advance_together(
             hidden = advance_batch([s.engine for s in sessions], model, ffn, token_lists)
         except RowsFailed as e:
             hidden, failures = e.hidden, e.failures
-        for i, (session, tokens) in enumerate(zip(sessions, token_lists, strict=True)):
-            if not session.started and i not in failures:
-                session.prompt_done += len(tokens)
+        for i, (gen, tokens) in enumerate(zip(sessions, token_lists, strict=True)):
+            if not gen.started and i not in failures:
+                gen.prompt_done += len(tokens)
         picking = [
             i
             for i, s in enumerate(sessions)
@@ -161,18 +161,18 @@ def advance_together(
         elapsed = (time.perf_counter() - t0) * 1000
     tokens: list[int | None] = [None] * len(sessions)
     for i, row, token in zip(picking, rows, picked, strict=True):
-        session = sessions[i]
-        session.logits = row
-        if session.started:
-            session.step_ms.append(elapsed)
+        gen = sessions[i]
+        gen.logits = row
+        if gen.started:
+            gen.step_ms.append(elapsed)
         else:
-            session.last_hidden = hidden[i][-1:]
-            session.prefill_ms += elapsed
-        session._accept(token)
+            gen.last_hidden = hidden[i][-1:]
+            gen.prefill_ms += elapsed
+        gen._accept(token)
         tokens[i] = token
-    for session, token in zip(sessions, tokens, strict=True):
+    for gen, token in zip(sessions, tokens, strict=True):
         if token is None:
-            session.prefill_ms += elapsed
+            gen.prefill_ms += elapsed
     if failures:
         raise SessionsFailed(tokens, failures)
     return tokens
@@ -211,7 +211,7 @@ class GenerationSession:
         limit = model.config.max_positions if max_positions is None else max_positions
         # `max_positions` caps prompt + generated tokens
         held = engine.position if resume_hidden is not None else 0
-        self.held = held  # positions the engine held before this session's first token
+        self.held = held  # positions the engine held before the session's first token
         self.budget = min(max_new_tokens, max(limit - held - len(self.prompt_ids), 0))
         engine.expect_tokens(held + len(self.prompt_ids) + min(self.budget, EXPECTED_AHEAD))
         self.resume_hidden = resume_hidden
@@ -364,7 +364,7 @@ class GenerationSession:
         """The next up to `max_tokens` prompt tokens for a batched step (refused where
         `takes_prompt_in_batch` says no)."""
         if not self.takes_prompt_in_batch(max_tokens):
-            raise InvariantViolation("this session cannot take its prompt in a batched step")
+            raise InvariantViolation("the session cannot take its prompt in a batched step")
         return self.prompt_ids[self.prompt_done : self.prompt_done + max_tokens]
 
     def step_part(self, max_rows: int) -> int | None:
@@ -446,7 +446,7 @@ def generate(
     `max_positions` caps prompt + generated tokens (the model's context by default);
     `resume_hidden` continues a restored state (see `GenerationSession`); `after_prefill` sees
     the session once the prompt is in (e.g. to snapshot the engine)."""
-    session = GenerationSession(
+    gen = GenerationSession(
         engine,
         model,
         ffn,
@@ -457,17 +457,17 @@ def generate(
         max_positions,
         resume_hidden=resume_hidden,
     )
-    if session.finished:
-        return session.result()
-    token = session.prefill()
+    if gen.finished:
+        return gen.result()
+    token = gen.prefill()
     if after_prefill is not None:
-        after_prefill(session)
+        after_prefill(gen)
     while True:
         if on_token is not None and on_token(token):
-            session.stop()
-        if session.finished:
-            return session.result()
-        token = session.step()
+            gen.stop()
+        if gen.finished:
+            return gen.result()
+        token = gen.step()
 
 
 HEAD_ROWS = 64  # hidden rows per LM-head product where many positions' logits are wanted

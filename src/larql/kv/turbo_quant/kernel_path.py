@@ -238,7 +238,7 @@ class KernelPath:
         return self._tables
 
     def batch_meta(self, operands: Operands) -> torch.Tensor:
-        """Every layer's row of a batched launch's `meta` reaching this session's state from
+        """Every layer's row of a batched launch's `meta` reaching the session's state from
         `operands`: int64 [L, META] on the host, kept until the store is reallocated."""
         if self._batch_rows is None or self._batch_rows[0] is not operands:
             rows = [
