@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 KERNELS := $(VENV)/.kernels-built
 PROMPT ?= The capital of France is
 
-.PHONY: setup run test test-all lint clean
+.PHONY: setup run test test-fast test-all lint clean
 
 setup: $(STAMP) $(KERNELS)
 
@@ -33,14 +33,22 @@ run: setup
 test: setup
 	$(VENV)/bin/pytest -q
 
+# the inner loop: the tests not marked `slow`, less the files that load every engine or run the
+# server (FAST_SKIP); TEST_FAST_TIME on 2 cores
+FAST_SKIP := $(foreach f,$(FAST_SKIP_FILES),--ignore=tests/$(f))
+test-fast: setup
+	$(VENV)/bin/pytest -q -m "not slow and not long" $(FAST_SKIP)
+
 # also the tests marked `long` (minutes each: the README's bench and accuracy examples, the
 # Gemma 3 oracle against transformers' GGUF loader)
 test-all: setup
 	$(VENV)/bin/pytest -q -m ""
 
+# mypy checks the typed core (its files are pyproject.toml's [tool.mypy] files)
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
