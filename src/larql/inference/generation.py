@@ -16,11 +16,13 @@ from larql.inference.batching import RowsFailed, advance_batch, decode_batch
 from larql.inference.engine import Engine
 from larql.inference.errors import EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
-from larql.inference.fused import fused_kernels
+from larql.inference.fused import takes_fused
 from larql.inference.layer import final_logits
 from larql.inference.linear import kernel_rows
 from larql.inference.norm import rms_norm
 from larql.inference.sampling import Sampler, greedy_picks
+from larql.kernels.cpu import cpu_extension
+from larql.kernels.ran import recording
 from larql.models.blocks import ACTIVATION_BITS
 from larql.models.model import Model
 
@@ -40,6 +42,8 @@ class GenerationResult:
     finish_reason: FinishReason
     prefill_ms: float  # prefill + first pick
     step_ms: list[float] = field(default_factory=list)  # each later token: forward + pick
+    # the kernel paths the decode steps took (`larql.kernels.ran`; empty: eager torch)
+    decode_kinds: frozenset[str] = frozenset()
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -57,7 +61,7 @@ def rows_logits(model: Model, hidden: torch.Tensor) -> torch.Tensor:
     `next_token_logits` computes it alone (on the CPU an LM head held in blocks is read once
     for all rows by the compiled product, with the one-row call's arithmetic)."""
     blocks = model.weights.lm_head_blocks
-    kernels = fused_kernels(hidden[:1]) if blocks is not None else None
+    kernels = cpu_extension() if blocks is not None and takes_fused(hidden[:1]) else None
     if blocks is None or kernels is None or model.config.arch.final_softcap is not None:
         return final_logits(model, hidden)
     x = rms_norm(hidden, model.weights.final_norm, model.config.norm_eps).contiguous()
@@ -221,6 +225,7 @@ class GenerationSession:
         self.finished = self.budget <= 0
         self.prefill_ms = 0.0
         self.step_ms: list[float] = []
+        self.decode_kinds: set[str] = set()  # what `step` ran (`larql.kernels.ran`)
         self.keep_prompt_rows = keep_prompt_rows
         # the hidden rows the engine returned for the prompt's tokens that went in last, ending
         # with the last of them [S', H] (kept only with `keep_prompt_rows`: scoring the prompt
@@ -402,7 +407,8 @@ class GenerationSession:
         self.check_can_step()
         with torch.inference_mode():
             t0 = time.perf_counter()
-            hidden = self.engine.decode_step(self.model, self.ffn, self.tokens[-1])
+            with recording(self.decode_kinds):  # the engine's step, as bench records it
+                hidden = self.engine.decode_step(self.model, self.ffn, self.tokens[-1])
             self.logits = next_token_logits(self.model, hidden)
             token = self.sampler.pick(self.logits)
             self.step_ms.append((time.perf_counter() - t0) * 1000)
@@ -416,7 +422,11 @@ class GenerationSession:
 
     def result(self) -> GenerationResult:
         return GenerationResult(
-            list(self.tokens), self.finish_reason, self.prefill_ms, list(self.step_ms)
+            list(self.tokens),
+            self.finish_reason,
+            self.prefill_ms,
+            list(self.step_ms),
+            frozenset(self.decode_kinds),
         )
 
     def _accept(self, token: int) -> None:

@@ -39,6 +39,7 @@ from larql.inference.layer import (
 )
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.inference.profiling import EngineProfiler
+from larql.kernels.ran import TRITON, ran
 from larql.kv.captured_step import (
     CapturedStep,
     RopeAtPosition,
@@ -346,6 +347,7 @@ class KernelPath:
     ) -> torch.Tensor:
         """The token `token_id` (or the residual row `hidden` [1, H]) at `position` through every
         layer, its K/V stored. → hidden [1, H]"""
+        ran(TRITON)  # the codec's Triton launches, replayed in a graph or not
         self.ensure_room(model, position)
         self._inputs.set(token_id, position)
         preserve = [s.data for s in self.layers] + [lv.exact for lv in self.levers]
