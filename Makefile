@@ -33,8 +33,16 @@ run: setup
 test: setup
 	$(VENV)/bin/pytest -q
 
-# the inner loop: the tests not marked `slow`, less the files that load every engine or run the
-# server (FAST_SKIP); TEST_FAST_TIME on 2 cores
+# the inner loop: the tests not marked `slow`, less the files that sweep every engine, fuzz
+# states, compare with transformers, run Triton's interpreter, the server or the doc examples
+# (`make test` runs them all). Measured: 1,213 tests, 578 s of CPU (~5 min on 2 idle cores;
+# 27 min wall on a shared, loaded machine) — over the 3-minute aim: trim further by durations
+FAST_SKIP_FILES := test_engine_compliance.py test_state_fuzz.py test_hf_oracle.py \
+	test_readme_examples.py test_api_docs.py test_real_models.py test_snapshots.py test_cli.py \
+	test_server.py test_server_fairness.py test_server_isolation.py test_server_lookahead.py \
+	test_server_logprobs.py test_server_shutdown.py test_server_scheduler.py \
+	test_turbo_quant_kernels.py test_turbo_quant_batching.py test_decode_attention_kernel.py \
+	test_gemv_kernels.py test_elementwise_kernels.py
 FAST_SKIP := $(foreach f,$(FAST_SKIP_FILES),--ignore=tests/$(f))
 test-fast: setup
 	$(VENV)/bin/pytest -q -m "not slow and not long" $(FAST_SKIP)
