@@ -28,9 +28,9 @@ import torch
 
 import larql
 from larql.inference.ffn.backend import DenseFfn
-from larql.inference.fused import fused_kernels
 from larql.inference.generation import GenerationSession, step_together
 from larql.inference.linear import kernel_rows
+from larql.kernels.cpu import cpu_extension
 from larql.models.blocks import ACTIVATION_BITS
 from larql.models.model import Model
 
@@ -64,7 +64,7 @@ def session_steps(model: Model, sessions: int, steps: int) -> list[float]:
 
 def product_passes(model: Model, rows: int, passes: int) -> list[float]:
     """ms of each pass of the compiled block product over every block matrix, `rows` rows."""
-    kernels = fused_kernels(torch.zeros(1, model.config.hidden_size))
+    kernels = cpu_extension()
     if kernels is None:
         raise SystemExit("the compiled CPU kernels are not built: run `make setup`")
     matrices = [b for layer in model.weights.layers for b in layer.blocks.values()]

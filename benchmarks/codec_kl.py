@@ -3,7 +3,7 @@
 Teacher-forces a natural text (the repository's LICENSE by default) through `standard` and
 through `markov-rs-codec:window=W` for a few windows, and prints per window the KL divergence
 KL(standard ‖ codec) over the forced positions (mean / median / p99 / max, nats) and how often
-the two agree on the top-1 token. The contract (issue 3) is mean KL ≤ 0.01 nats over 128
+the two agree on the top-1 token. The contract is mean KL ≤ 0.01 nats over 128
 positions on the default model.
 
     .venv/bin/python benchmarks/codec_kl.py [--windows 4,16,64] [--positions 128]

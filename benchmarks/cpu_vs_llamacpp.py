@@ -6,12 +6,11 @@ the same prompt token ids (the shipped text's first `--prompt-tokens`, as `larql
 --context` cuts them), greedy, `--threads` threads. Prints median decode and prefill tok/s per
 peer and each one's ratios against the first llama.cpp row.
 
-`--cache-types` are llama.cpp's K/V cache types: `f16` (its default, as issue 12's check runs
-it), `f16-fa` (the same with flash attention), or `q8_0` / `q4_0` (its quantised K/V cache,
-which needs and gets flash attention; q4_0 keeps 4.5 bits a coordinate, turbo-quant's bytes
-at 4 bits). With `--engines
-"standard;turbo-quant;kv-quant"` and a long prompt, the quantised K/V caches of both are timed
-side by side.
+`--cache-types` are llama.cpp's K/V cache types: `f16` (its default, the peer
+docs/PERFORMANCE.md compares against), `f16-fa` (the same with flash attention), or `q8_0` /
+`q4_0` (its quantised K/V cache, which needs and gets flash attention; q4_0 keeps 4.5 bits a
+coordinate, turbo-quant's bytes at 4 bits). With `--engines "standard;turbo-quant;kv-quant"` and
+a long prompt, the quantised K/V caches of both are timed side by side.
 
 llama-cpp-python is not a dependency of larql: it builds llama.cpp from source (about 15
 minutes on 2 cores), so it lives in a venv of its own, beside the checkout by default:

@@ -3,7 +3,7 @@
 // coded rows and the CTA merging its warps' softmax states into one split state (m in the
 // natural-log domain, l, acc in the rotated basis, as the Triton launch stores them).
 // Timed against the Triton launch by benchmarks/turbo_quant_cuda_partial.py; not yet wired into
-// the engine (docs/PERFORMANCE.md, issue 16).
+// the engine (docs/PERFORMANCE.md).
 //
 // - Scores as S^T = K · Q^T with mma.sync m16n8k16: the key codes are the A operand (16 rows a
 //   product, none of it padding), the group's queries the B operand (kept in registers).

@@ -33,9 +33,9 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def cpu_kernels():
     """The CPU extension `make setup` builds, or a skip where it was not built here."""
-    from larql.inference.linear import load_block_kernels
+    from larql.kernels.cpu import cpu_extension
 
-    built = load_block_kernels()
+    built = cpu_extension()
     if built is None or not hasattr(built, "grouped_attention"):
         pytest.skip("the CPU kernels are not built")
     return built

@@ -26,7 +26,7 @@ from larql.inference.layer import embed, final_logits, token_tensor
 from larql.kv import parse_engine
 from larql.kv.apollo.builder import BuildOptions, build_store
 from larql.kv.apollo.engine import ApolloEngine
-from larql.kv.apollo.entries import retrieve_entries
+from larql.kv.apollo.retrieval import retrieve_entries
 from larql.kv.apollo.routing import WindowRouter, idf
 from larql.kv.apollo.store import (
     ENTRY_DTYPE,

@@ -28,7 +28,7 @@ from larql.inference.generation import (
     step_together,
 )
 from larql.inference.linear import model_block_rows, rows_per_pass
-from larql.kernels.cpu.build import load as load_block_kernels
+from larql.kernels.cpu import cpu_extension
 from larql.kv import parse_engine
 from larql.kv.standard.engine import StandardEngine
 from larql.models import Model, load_model
@@ -50,9 +50,9 @@ def _sessions(model: Model, spec: str, steps: int) -> list[GenerationSession]:
     for prompt in PROMPTS:
         ids = model.tokenizer.encode(prompt)
         engine = parse_engine(spec).build(model)
-        session = GenerationSession(engine, model, ffn, ids, steps, stop_ids=frozenset())
-        session.prefill()
-        out.append(session)
+        gen = GenerationSession(engine, model, ffn, ids, steps, stop_ids=frozenset())
+        gen.prefill()
+        out.append(gen)
     return out
 
 
@@ -60,9 +60,9 @@ def _alone_and_batched(
     model: Model, spec: str, steps: int
 ) -> tuple[list[GenerationSession], list[GenerationSession]]:
     alone = _sessions(model, spec, steps)
-    for session in alone:
-        while not session.finished:
-            session.step()
+    for gen in alone:
+        while not gen.finished:
+            gen.step()
     batched = _sessions(model, spec, steps)
     while not batched[0].finished:
         step_together(batched)
@@ -74,7 +74,7 @@ def _alone_and_batched(
 def test_batched_steps_are_bit_identical_on_the_default_model(
     smollm2_default: Model, spec: str
 ) -> None:
-    if load_block_kernels() is None:
+    if cpu_extension() is None:
         pytest.skip("the CPU block kernels are not built")
     alone, batched = _alone_and_batched(smollm2_default, spec, 12)
     for a, b in zip(alone, batched, strict=True):
@@ -89,7 +89,7 @@ def test_steps_on_two_threads_are_the_one_thread_steps(smollm2_default: Model) -
     """The compiled layers split their products, attention and rounding over the threads (the
     suite's workers run one thread each): on two, every session's steps, alone and batched,
     give the one-thread logits bit for bit."""
-    if load_block_kernels() is None:
+    if cpu_extension() is None:
         pytest.skip("the CPU block kernels are not built")
     runs = []
     for count in (1, 2):
@@ -106,7 +106,7 @@ def test_steps_on_two_threads_are_the_one_thread_steps(smollm2_default: Model) -
 def test_batched_steps_with_int8_inputs_are_bit_identical() -> None:
     """`--weights blocks-int8` (llama.cpp's int8 inputs; tiled products where the CPU has
     AVX-512 VNNI): a batched step is each session's step alone, bit for bit, too."""
-    if load_block_kernels() is None:
+    if cpu_extension() is None:
         pytest.skip("the CPU block kernels are not built")
     model = load_model("smollm2-135m", weights="blocks-int8")
     alone, batched = _alone_and_batched(model, "standard", 10)
@@ -132,7 +132,7 @@ def test_batched_steps_on_the_float_path_give_the_same_greedy_tokens(
 
 
 def test_block_product_of_many_rows_is_each_rows_product() -> None:
-    kernels = load_block_kernels()
+    kernels = cpu_extension()
     if kernels is None:
         pytest.skip("the CPU block kernels are not built")
     rng = np.random.default_rng(0)
@@ -329,19 +329,19 @@ def test_prompts_ride_in_decode_steps_bit_for_bit(smollm2_default: Model) -> Non
     assert len(model.tokenizer.encode(long_text)) <= model_block_rows(model)
 
     def alone(text: str) -> list[torch.Tensor]:
-        session, logits = _fresh(model, text), []
-        session.prefill()
-        logits.append(session.logits)
-        while not session.finished:
-            session.step()
-            logits.append(session.logits)
+        gen, logits = _fresh(model, text), []
+        gen.prefill()
+        logits.append(gen.logits)
+        while not gen.finished:
+            gen.step()
+            logits.append(gen.logits)
         return logits
 
     want = [alone(text) for text in texts]
     sessions = [_fresh(model, text) for text in texts]
     got: list[list[torch.Tensor]] = [[] for _ in texts]
-    for session in sessions[:2]:
-        session.prefill()
+    for gen in sessions[:2]:
+        gen.prefill()
     got[0].append(sessions[0].logits)
     got[1].append(sessions[1].logits)
     chunks = {2: [100], 3: [5, 4, 100]}  # the third whole, the fourth in three chunks
@@ -367,11 +367,11 @@ def test_a_sessions_kv_is_allocated_once_for_its_tokens(smollm2_default: Model) 
     def run(hinted: bool, together: bool) -> tuple[list[torch.Tensor], set[int]]:
         sessions = []
         for prompt in PROMPTS[:2]:
-            session = _fresh(model, prompt)
-            session.budget = steps
-            session.engine.expect_tokens(len(session.prompt_ids) + steps if hinted else 0)
-            session.prefill()
-            sessions.append(session)
+            gen = _fresh(model, prompt)
+            gen.budget = steps
+            gen.engine.expect_tokens(len(gen.prompt_ids) + steps if hinted else 0)
+            gen.prefill()
+            sessions.append(gen)
         first = sessions[0].engine
         assert isinstance(first, StandardEngine) and first._layers is not None
         capacities, logits = set(), [sessions[0].logits]
@@ -379,8 +379,8 @@ def test_a_sessions_kv_is_allocated_once_for_its_tokens(smollm2_default: Model) 
             if together:
                 step_together(sessions)
             else:
-                for session in sessions:
-                    session.step()
+                for gen in sessions:
+                    gen.step()
             capacities.add(first._layers[7]._k.capacity)
             logits.append(sessions[0].logits)
         return logits, capacities
@@ -433,7 +433,7 @@ def test_a_step_takes_what_fills_its_last_pass_of_rows(
     prompt tokens wait to fill them three quarters, at most `prefill_chunk` tokens; on the
     float matrices, `prefill_chunk`."""
     per_pass = rows_per_pass(smollm2_default)
-    assert per_pass == (16 if load_block_kernels().tiled() else 8)
+    assert per_pass == (16 if cpu_extension().tiled() else 8)
     assert rows_per_pass(smollm2) is None
     limits = SchedulerLimits(prefill_chunk=32)
     blocks = Scheduler(smollm2_default, DenseFfn(smollm2_default), limits, ServerMetrics())
@@ -456,7 +456,7 @@ def test_the_budget_benchmark_reports_each_round(smollm2_default: Model) -> None
     """`benchmarks/batch_budget.py` (the eight-row step against the 4× budget, in
     docs/PERFORMANCE.md) runs on the default model: a line a round with its step times, ratio
     and the products' share of the budget, each derived from the numbers beside it."""
-    if load_block_kernels() is None:
+    if cpu_extension() is None:
         pytest.skip("the CPU block kernels are not built")
     path = Path(__file__).parents[1] / "benchmarks" / "batch_budget.py"
     spec = importlib.util.spec_from_file_location("batch_budget", path)

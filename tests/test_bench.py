@@ -43,6 +43,7 @@ ROW_KEYS = {
     "bandwidth_share",
     "peak_working_bytes",
     "stages",
+    "decode_path",
     "error",
     "vs_hf",
     "backend",

@@ -36,7 +36,7 @@ from larql.inference.linear import (
     reads_blocks,
 )
 from larql.inference.rope import apply_rope
-from larql.kernels.cpu.build import load as load_block_kernels
+from larql.kernels.cpu import cpu_extension
 from larql.kernels.cpu.build import remove_other_builds
 from larql.kv import parse_engine
 from larql.models import Model, load_model
@@ -94,7 +94,7 @@ def test_the_default_models_blocks_are_its_float_weights(
 def test_the_kernels_build_where_a_compiler_is(blocks_smollm2: Model, float_smollm2: Model) -> None:
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler: torch's float products are the path")
-    assert load_block_kernels() is not None, "run `make setup` (python -m larql.kernels.cpu.build)"
+    assert cpu_extension() is not None, "run `make setup` (python -m larql.kernels.cpu.build)"
     assert reads_blocks(blocks_smollm2) and not reads_blocks(float_smollm2)
 
 
@@ -113,7 +113,7 @@ def test_a_build_removes_the_builds_beside_it(tmp_path: Path) -> None:
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("width", [32, 576, 1536])
 def test_block_product_is_the_float_product(qtype: GGMLQuantizationType, width: int) -> None:
-    kernels = load_block_kernels()
+    kernels = cpu_extension()
     if kernels is None:
         pytest.skip("the CPU block kernels are not built")
     rows = _random_rows(qtype, 200, width, width)
@@ -165,7 +165,7 @@ def test_linear_reads_the_blocks_and_falls_back_without_kernels(
     # float32 sums of 128 products in another order: ~1e-5 apart on outputs of ~10
     assert torch.allclose(linear(x, weight, bias, rows), want, rtol=1e-5, atol=1e-4)
     assert linear(x.bfloat16(), weight.bfloat16(), None, rows).dtype == torch.bfloat16
-    monkeypatch.setattr(linear_module, "load_block_kernels", lambda: None)
+    monkeypatch.setattr(linear_module, "cpu_extension", lambda: None)
     assert torch.allclose(linear(x, weight, bias, rows), want, rtol=1e-5, atol=1e-4)
 
 
@@ -205,7 +205,7 @@ def test_float_weights_keep_no_blocks(float_smollm2: Model) -> None:
 
 
 def _kernels_or_skip():
-    kernels = load_block_kernels()
+    kernels = cpu_extension()
     if kernels is None:
         pytest.skip("the CPU block kernels are not built")
     return kernels
@@ -343,10 +343,10 @@ def test_fused_decode_step_matches_the_operator_path(
     logits = []
     for fused in (True, False):
         if not fused:  # the torch operators, still over the blocks' products
-            monkeypatch.setattr(layer_module, "fused_kernels", lambda h, blocks=None: None)
-            monkeypatch.setattr(layer_module, "attention_kernels", lambda q, k, v: None)
-            monkeypatch.setattr(fused_layer_module, "fused_kernels", lambda h, blocks=None: None)
-            monkeypatch.setattr(ffn_backend_module, "fused_kernels", lambda h, blocks=None: None)
+            monkeypatch.setattr(layer_module, "takes_fused", lambda h, blocks=None: False)
+            monkeypatch.setattr(layer_module, "takes_fused_attention", lambda q, k, v: False)
+            monkeypatch.setattr(fused_layer_module, "takes_fused", lambda h, blocks=None: False)
+            monkeypatch.setattr(ffn_backend_module, "takes_fused", lambda h, blocks=None: False)
         ffn, engine = DenseFfn(blocks_smollm2), parse_engine("standard").build(blocks_smollm2)
         with torch.inference_mode():
             engine.prefill(blocks_smollm2, ffn, ids)
@@ -472,7 +472,7 @@ def test_prompts_take_the_blocks_only_where_their_products_beat_blas() -> None:
     """Up to 256 rows go through the block products where they are tiled (int16 or int8 inputs
     on a CPU with AVX-512 VNNI), up to 16 otherwise: the untiled ones, and float inputs, lose
     to BLAS on the float matrix past that."""
-    kernels = load_block_kernels()
+    kernels = cpu_extension()
     tiled = kernels is not None and kernels.tiled()
     assert block_rows("int16") == block_rows("int8") == (TILED_BLOCK_ROWS if tiled else BLOCK_ROWS)
     assert block_rows("float") == BLOCK_ROWS
@@ -497,7 +497,7 @@ def test_tiled_products(qtype: GGMLQuantizationType, outputs: int, bits: int) ->
     its product alone (with AMX: the batch on the tiles, the row alone with VNNI); and it
     refuses float inputs by name — for an even count of 16-row tiles and an odd
     one (AMX then takes the last tile alone), and for batches of more than one pass of inputs."""
-    kernels = load_block_kernels()
+    kernels = cpu_extension()
     if kernels is None or not kernels.tiled():
         pytest.skip("needs the CPU kernels built with AVX-512 VNNI, on a CPU that has it")
     width = 256 if qtype == GGMLQuantizationType.Q4_K else 96
@@ -532,9 +532,9 @@ def test_tiled_products(qtype: GGMLQuantizationType, outputs: int, bits: int) ->
 _PRODUCT_AFTER_TORCH_AMX = """
 import numpy as np, torch
 from gguf import GGMLQuantizationType, quantize
-from larql.kernels.cpu.build import load
+from larql.kernels.cpu import cpu_extension
 from larql.models.blocks import FORMAT_CODES, GGUF_FORMATS, BlockRows
-kernels = load()
+kernels = cpu_extension()
 q = GGMLQuantizationType.Q4_1
 w = np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32)
 rows = BlockRows.from_numpy(GGUF_FORMATS[q], quantize(w, q), (64, 96))
@@ -554,7 +554,7 @@ def test_tiled_products_run_after_torchs_own_amx_kernels() -> None:
     tiled product on the same thread afterwards loads its tile configuration again (a tile
     instruction with none loaded is an illegal instruction: the process died with SIGILL). A
     fresh process, so that such a death fails this test, not the suite's worker."""
-    kernels = load_block_kernels()
+    kernels = cpu_extension()
     if kernels is None or not kernels.tiled():
         pytest.skip("needs the CPU kernels built with AVX-512 VNNI, on a CPU that has it")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -572,7 +572,7 @@ def test_the_tiled_mlp_gates_inside_its_product(qtype: GGMLQuantizationType, bit
     at a time: the result is the composition of the tiled products (torch's SiLU between them,
     within its rounding), and each row of a batch is its row alone, bit for bit — one row, a
     decode step's 8, a prompt's 40 — for int16 and int8 inputs, on one thread or two."""
-    kernels = load_block_kernels()
+    kernels = cpu_extension()
     if kernels is None or not kernels.tiled():
         pytest.skip("needs the CPU kernels built with AVX-512 VNNI, on a CPU that has it")
     code = FORMAT_CODES[GGUF_FORMATS[qtype]] + 16  # tiled

@@ -214,7 +214,7 @@ ACCEPTANCE_SPECS = [
 
 @pytest.mark.slow
 def test_exact_engines_give_standard_tokens_through_the_cli(cli) -> None:
-    """Issue 3's acceptance run: the same 24 tokens from `larql run` for every exact engine."""
+    """The exact engines' contract: the same 24 tokens from `larql run` for every exact engine."""
     prompt = "Alice put the red ball in the box, and Bob"
     reference = run_json(cli, prompt, "-n", "24")["tokens"]
     for spec in ACCEPTANCE_SPECS:

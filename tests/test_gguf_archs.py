@@ -339,9 +339,9 @@ def test_q4_k_matrices_decode_through_their_blocks(tmp_path: Path) -> None:
     """A llama GGUF whose matrices are Q4_K: kept as blocks of 32 (repacked), read by the CPU
     kernels in a decode step, with the float path's greedy tokens (the file's weights are the
     Q4_K bytes; the float path dequantises them)."""
-    from larql.kernels.cpu.build import load as load_block_kernels
+    from larql.kernels.cpu import cpu_extension
 
-    if load_block_kernels() is None:
+    if cpu_extension() is None:
         pytest.skip("the CPU block kernels are not built")
     shape = dict(
         hidden_size=256,

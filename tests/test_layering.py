@@ -6,8 +6,10 @@
 The root package `larql` is the library's face: its names are `larql.api`'s, imported on first
 use, so it sits on the api layer.
 
-Every import counts, at the top of a module or inside a function. A package's `__init__`
-re-exporting its own modules is not a circle."""
+Every import counts, at the top of a module or inside a function, and a circle inside one
+package counts as any other: a module that imports a name from its own package's `__init__`
+while that `__init__` re-exports the module is a circle. `from package import module` reaches
+the module, not the package's `__init__`."""
 
 from __future__ import annotations
 
@@ -51,7 +53,9 @@ def import_graph() -> dict[str, set[str]]:
                 if node.level:
                     parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join([*parts, base] if base else parts)
-                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+                named = [f"{base}.{alias.name}" for alias in node.names]
+                # names that are all modules: an import of those modules, not of `base`'s names
+                targets = named if all(n in mods for n in named) else [base, *named]
             graph[name].update(t for t in targets if t in mods and t != name)
     return graph
 
@@ -64,8 +68,7 @@ def layer_of(module: str) -> int:
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan), leaving out a package
-    together with its own modules only."""
+    """Strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -95,11 +98,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     for v in graph:
         if v not in index:
             visit(v)
-
-    def own_package(component: list[str]) -> bool:
-        return any(all(m == p or m.startswith(p + ".") for m in component) for p in component)
-
-    return [c for c in found if len(c) > 1 and not own_package(c)]
+    return [c for c in found if len(c) > 1]
 
 
 def test_no_import_circle() -> None:
@@ -123,3 +122,22 @@ def test_the_checks_see_a_circle_and_an_upward_import() -> None:
     assert circles(graph) == [["larql.kv.a", "larql.kv.b"]]
     assert layer_of("larql.cli.x") > layer_of("larql.kv.b")
     assert len(import_graph()) > 50  # it read the package
+
+
+def test_a_circle_inside_one_package_is_caught() -> None:
+    """Two engines' modules of one package importing each other, and a package whose
+    `__init__` re-exports a module that imports a name from that `__init__`, are circles."""
+    siblings = {"larql.kv.catalog": {"larql.kv.semantic_promotion"}}
+    siblings["larql.kv.semantic_promotion"] = {"larql.kv.catalog"}
+    assert circles(siblings) == [["larql.kv.catalog", "larql.kv.semantic_promotion"]]
+    through_init = {"larql.kv": {"larql.kv.catalog"}, "larql.kv.catalog": {"larql.kv"}}
+    assert circles(through_init) == [["larql.kv", "larql.kv.catalog"]]
+
+
+def test_importing_a_submodule_through_its_package_is_an_edge_to_the_submodule() -> None:
+    """`from larql.kv.turbo_quant import planes` (in turbo-quant's kernel path) reaches
+    `planes`; it does not make the module depend on the package's `__init__`."""
+    graph = import_graph()
+    kernel_path = graph["larql.kv.turbo_quant.kernel_path"]
+    assert "larql.kv.turbo_quant.planes" in kernel_path
+    assert "larql.kv.turbo_quant" not in kernel_path

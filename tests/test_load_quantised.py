@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from larql.cli.app import app
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import next_token_logits
-from larql.kernels.cpu.build import load as load_block_kernels
+from larql.kernels.cpu import cpu_extension
 from larql.kv import parse_engine
 from larql.models import Model, load_model
 from larql.models.errors import ModelError
@@ -39,7 +39,7 @@ MATRICES = {
 }
 
 needs_kernels = pytest.mark.skipif(
-    load_block_kernels() is None, reason="the CPU block kernels are not built"
+    cpu_extension() is None, reason="the CPU block kernels are not built"
 )
 
 

@@ -76,7 +76,7 @@ def test_sessions_a_step_ahead_get_their_tokens_alone(smollm2: Model) -> None:
 
 @pytest.mark.slow
 def test_a_stop_token_takes_back_the_step_queued_after_it(smollm2: Model) -> None:
-    """A token the first session picks a few steps in (and no session picks before) is made a
+    """A token one session picks a few steps in (and no session picks earlier) is made a
     stop: its next step was queued before the stop was read, and is taken back (its engine
     ends where it ends alone)."""
     free = _alone(smollm2, [10, 10, 10])

@@ -248,12 +248,12 @@ def test_a_new_prompt_rides_in_the_running_steps_bit_for_bit(
         return GenerationSession(engine, model, ffn, ids, 8, stop_ids=frozenset())
 
     def alone(ids: list[int]) -> list[torch.Tensor]:
-        session = fresh(ids)
-        session.prefill()
-        logits = [session.logits]
-        while not session.finished:
-            session.step()
-            logits.append(session.logits)
+        gen = fresh(ids)
+        gen.prefill()
+        logits = [gen.logits]
+        while not gen.finished:
+            gen.step()
+            logits.append(gen.logits)
         return logits
 
     want = [alone(ids) for ids in prompts]

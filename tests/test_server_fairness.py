@@ -53,10 +53,10 @@ def _request(model: Model, text: str, n: int, spec: str = "standard", **kw) -> S
     return SessionRequest(ids, n, SamplingParams(), kind.spec(), kind.entry.name, **kw)
 
 
-async def _events(session: Session) -> list[Event]:
+async def _events(arrival: Session) -> list[Event]:
     out: list[Event] = []
     while not out or isinstance(out[-1], TokenEvent | PromptEvent):
-        out.append(await asyncio.wait_for(session.events.get(), BOUND_S))
+        out.append(await asyncio.wait_for(arrival.events.get(), BOUND_S))
     return out
 
 
@@ -66,7 +66,7 @@ def _beside_a_stream(
     on_submit: Callable[[Scheduler, Session], None] | None = None,
 ) -> tuple[list[Event], Session, Scheduler]:
     """A 40-token `standard` stream decodes; then `second` arrives (`prefill_chunk` 8) →
-    the stream's events, once it ended, and the second session (its events in its queue)."""
+    the stream's events, once it ended, and the second stream (its events in its queue)."""
     stream = _request(model, STREAM, 40, ignore_eos=True)
 
     async def scenario() -> tuple[list[Event], Session, Scheduler]:
@@ -87,11 +87,11 @@ def _beside_a_stream(
     return asyncio.run(scenario())
 
 
-def _drained(session: Session) -> list[Event]:
-    """What the session's queue holds."""
+def _drained(arrival: Session) -> list[Event]:
+    """What the stream's queue holds."""
     out: list[Event] = []
-    while not session.events.empty():
-        out.append(session.events.get_nowait())
+    while not arrival.events.empty():
+        out.append(arrival.events.get_nowait())
     return out
 
 
@@ -136,8 +136,8 @@ def test_scoring_a_prompt_goes_in_parts_between_a_streams_steps(
     turn, the stream stepping between them, and every prompt token is scored as the whole
     prompt's one pass scores it."""
     scored = _request(smollm2, LONG, 0, "no-cache", echo=True, logprobs=2)
-    stream, session, _ = _beside_a_stream(smollm2, scored)
-    other = _drained(session)
+    stream, arrival, _ = _beside_a_stream(smollm2, scored)
+    other = _drained(arrival)
     parts = -(-len(scored.prompt_ids) // CHUNK)
     assert [kind for _, kind, _ in _alternate(turns, "no-cache")] == ["prompt"] * parts
     assert isinstance(other[0], PromptEvent) and isinstance(other[-1], DoneEvent)
@@ -161,8 +161,8 @@ def test_a_step_that_reruns_the_context_goes_in_parts(
     """no-cache after a 41-token prompt: each of its steps re-runs 42+ positions, 8 a turn,
     with the stream's steps between; its tokens are the ones it generates alone."""
     request = _request(smollm2, LONG, 3, "no-cache", ignore_eos=True)
-    stream, session, _ = _beside_a_stream(smollm2, request)
-    other = _drained(session)
+    stream, arrival, _ = _beside_a_stream(smollm2, request)
+    other = _drained(arrival)
     steps = [rows for _, kind, rows in _alternate(turns, "no-cache") if kind == "step"]
     per_step = -(-(len(request.prompt_ids) + 1) // CHUNK)
     assert len(steps) >= 2 * per_step and set(steps) == {CHUNK}  # 2 steps, 8 rows a part
@@ -191,10 +191,10 @@ def _stopped_after_two_parts(
 
     GenerationSession.feed_prompt = after_two  # type: ignore[method-assign]
     try:
-        _, session, s = _beside_a_stream(model, request, lambda s, x: held.append((s, x)))
+        _, arrival, s = _beside_a_stream(model, request, lambda s, x: held.append((s, x)))
     finally:
         GenerationSession.feed_prompt = feed  # type: ignore[method-assign]
-    return _drained(session), s
+    return _drained(arrival), s
 
 
 @pytest.mark.slow
@@ -202,11 +202,11 @@ def _stopped_after_two_parts(
 def test_cancel_deadline_and_shutdown_take_effect_after_the_part_under_way(
     smollm2: Model, turns: list[tuple[str, str, int]], how: str
 ) -> None:
-    def stop(s: Scheduler, session: Session) -> None:
+    def stop(s: Scheduler, arrival: Session) -> None:
         if how == "cancel":
-            s.cancel(session)
+            s.cancel(arrival)
         elif how == "deadline":
-            session.deadline = 0.0
+            arrival.deadline = 0.0
         else:
             s.begin_shutdown(0.0)
 

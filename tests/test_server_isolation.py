@@ -82,7 +82,7 @@ class RaisingRows(KvBuffer):
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.appends += 1
         if self.appends == self.fail_at:
-            raise BackendFailure("injected: this session's own attention failed")
+            raise BackendFailure("injected: this stream's own attention failed")
         return super().append(k, v)
 
 
@@ -161,10 +161,10 @@ def _alone(model: Model, prompt: str, graph: bool = False) -> list[int]:
     return _ALONE[key]
 
 
-async def _events(session) -> list[Event]:  # type: ignore[no-untyped-def]
+async def _events(stream) -> list[Event]:  # type: ignore[no-untyped-def]
     out: list[Event] = []
     while not out or isinstance(out[-1], TokenEvent):
-        out.append(await asyncio.wait_for(session.events.get(), BOUND_S))
+        out.append(await asyncio.wait_for(stream.events.get(), BOUND_S))
     return out
 
 
@@ -235,7 +235,7 @@ def test_a_session_whose_own_part_raises_leaves_the_batch_alone(
 
     def failed(events: list[Event]) -> None:
         assert isinstance(events[-1], ErrorEvent) and events[-1].status == 500
-        assert "this session's own attention failed" in events[-1].message
+        assert "this stream's own attention failed" in events[-1].message
         assert len([e for e in events if isinstance(e, TokenEvent)]) < NEW_TOKENS
 
     _check_the_others(model, results, failed)

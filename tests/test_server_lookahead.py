@@ -44,10 +44,10 @@ def _serve(model: Model, requests: list[SessionRequest], step_ahead: bool) -> li
         loop = asyncio.get_running_loop()
         sessions = [s.submit(r, StandardEngine(static=True), loop) for r in requests]
 
-        async def events_of(session) -> list[Event]:
+        async def events_of(stream) -> list[Event]:
             out: list[Event] = []
             while not out or isinstance(out[-1], TokenEvent):
-                out.append(await asyncio.wait_for(session.events.get(), BOUND_S))
+                out.append(await asyncio.wait_for(stream.events.get(), BOUND_S))
             return out
 
         results = await asyncio.gather(*(events_of(x) for x in sessions))
@@ -115,10 +115,10 @@ def _scheduler(model: Model, sessions: int) -> Scheduler:
     return Scheduler(model, DenseFfn(model), limits, ServerMetrics(), step_ahead=True)
 
 
-async def _events(session) -> list[Event]:
+async def _events(stream) -> list[Event]:
     out: list[Event] = []
     while not out or isinstance(out[-1], TokenEvent):
-        out.append(await asyncio.wait_for(session.events.get(), BOUND_S))
+        out.append(await asyncio.wait_for(stream.events.get(), BOUND_S))
     return out
 
 

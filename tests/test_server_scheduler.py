@@ -63,10 +63,10 @@ def standard(model: Model) -> Engine:
     return parse_engine("standard").build(model)
 
 
-async def events_of(session: Session) -> list[Event]:
+async def events_of(stream: Session) -> list[Event]:
     out: list[Event] = []
     while not out or isinstance(out[-1], TokenEvent):
-        out.append(await asyncio.wait_for(session.events.get(), BOUND_S))
+        out.append(await asyncio.wait_for(stream.events.get(), BOUND_S))
     return out
 
 
@@ -106,8 +106,8 @@ def test_an_engine_failure_ends_only_its_session(smollm2: Model) -> None:
 def test_a_request_past_its_deadline_times_out(smollm2: Model) -> None:
     async def scenario() -> list[Event]:
         s = scheduler(smollm2, request_timeout_s=1e-9)
-        session = s.submit(request(smollm2, 4), standard(smollm2), asyncio.get_running_loop())
-        events = await events_of(session)
+        stream = s.submit(request(smollm2, 4), standard(smollm2), asyncio.get_running_loop())
+        events = await events_of(stream)
         s.close()
         return events
 

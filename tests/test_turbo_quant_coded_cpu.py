@@ -17,7 +17,7 @@ from larql.inference.generation import GenerationSession, step_together
 from larql.kv import parse_engine
 from larql.kv.turbo_quant.codebook import codebook
 from larql.kv.turbo_quant.codec import TurboQuantCodec
-from larql.kv.turbo_quant.coded_cpu import coded_kernels
+from larql.kv.turbo_quant.coded_cpu import codes_in_place
 from larql.kv.turbo_quant.compiled_codec import encode_rows
 from larql.kv.turbo_quant.rotation import rotation_matrix
 from larql.models import Model
@@ -205,7 +205,7 @@ def test_the_torch_path_keeps_what_the_kernel_does_not_cover(smollm2: Model, smo
         engine.prefill(model, DenseFfn(model), ids)
         rotation = engine._rotation(model.device, 0)
         shared = engine_module.SharedKv(model.config)
-        assert coded_kernels(model, 0, engine._layers[0], rotation, shared) is None
+        assert not codes_in_place(model, 0, engine._layers[0], rotation, shared)
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,8 @@ from typing import Any, Literal
 from larql.errors import LarqlError
 
 Check = Callable[[Any], str | None]  # a value → what is wrong with it, or None
+# the error a parse raises (an alias: inside `Param`, `type` is the field)
+ErrorType = type[LarqlError]
 TYPE_NAMES = {int: "an integer", float: "a number", str: "a string"}
 
 # value: plain data; path: a file or directory on the machine; name: becomes a file name (so
@@ -73,7 +75,7 @@ class Param:
         if self.bound is not None and self.type is not int:
             raise ValueError(f"parameter {self.name}: only an integer has a bound")
 
-    def parse(self, raw: str, owner: str, error: type[LarqlError], where: str = "") -> Any:
+    def parse(self, raw: str, owner: str, error: ErrorType, where: str = "") -> Any:
         if self.none_word is not None and raw.lower() == self.none_word:
             return None
         try:
@@ -194,7 +196,9 @@ def _outside_braces(text: str) -> str:
 
 
 def _split_outside_braces(text: str, separator: str) -> list[str]:
-    pieces, depth, current = [], 0, []
+    pieces: list[str] = []
+    current: list[str] = []
+    depth = 0
     for ch in text:
         depth += (ch == "{") - (ch == "}")
         if ch == separator and depth <= 0:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from larql.errors import InvalidInput
+from larql.inference.decode_path import decode_path
 from larql.inference.engine import Engine
 from larql.inference.ffn import build_ffn
 from larql.inference.generation import GenerationSession
@@ -123,6 +124,8 @@ class Generation:
     loaded_state: SavedState | None = None  # what `load_state` read
     saved_state: SavedState | None = None  # what `save_state` wrote
     top: tuple[TopToken, ...] = ()  # with `top=N`: the next-token table after the prompt
+    # what the decode steps ran: device · dtype · weights · kernel path (`larql run -v`)
+    decode_path: str = ""
 
     def as_json(self) -> dict[str, Any]:
         """The object `larql run --output json` prints."""
@@ -272,6 +275,7 @@ class _TextRun:
             loaded_state=self.loaded_state,
             saved_state=self.saved_state,
             top=self.top_rows,
+            decode_path=decode_path(self.model, done.decode_kinds, len(done.step_ms)),
         )
 
 

@@ -9,9 +9,9 @@ from typing import Annotated
 import typer
 from rich.progress import Progress
 
+from larql.cli.accuracy_longctx import SUITES, SuiteGrid
 from larql.cli.common import InvalidInput, open_model, stderr, stdout, user_errors
 from larql.cli.ffn_options import MoeShardsOption, moe_shards_spec
-from larql.cli.longctx_cmd import SUITES, SuiteGrid
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
 from larql.cli.outputs import check_output_file, check_plot_file, write_text, writing
 
@@ -146,7 +146,7 @@ def accuracy(
     check_output_file(output_file, "--output-file")
     check_plot_file(plot)
     if suite != "prompts":
-        from larql.cli.longctx_cmd import run_suite
+        from larql.cli.accuracy_longctx import run_suite
 
         grid = SuiteGrid.parse(suite, quick, tasks, lengths, depths, seed)
         lm = open_model(model, dtype, device, weights=weights)

@@ -172,6 +172,7 @@ def run(
         rate = result.decode_tok_s
         stderr.print(f"engine: {result.engine_summary}  (from {choice.source})")
         stderr.print(f"ffn: {result.ffn}")
+        stderr.print(f"decode path: {result.decode_path}", markup=False)
         stderr.print(
             f"prompt tokens: {len(result.prompt_ids)}   generated: {len(result.token_ids)}"
         )

@@ -7,37 +7,31 @@ pieces are tested against."""
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
 from larql.inference.linear import block_rows
-from larql.kernels.cpu.build import load as load_block_kernels
 from larql.models.blocks import ACTIVATION_BITS, BlockRows
 
 
-def fused_kernels(h: torch.Tensor, blocks: BlockRows | None = None) -> ModuleType | None:
-    """The extension when the residual h: [S, H] is float32 rows on the CPU, no more than the
-    block products of `blocks` take (`block_rows`; one row where no blocks are given), else
-    None."""
+def takes_fused(h: torch.Tensor, blocks: BlockRows | None = None) -> bool:
+    """Whether the residual h: [S, H] goes through the extension's pieces (where
+    `cpu_extension()` has it): float32 rows on the CPU, no more than the block products of
+    `blocks` take (`block_rows`; one row where no blocks are given), outside autograd and
+    compilers."""
     limit = 1 if blocks is None else block_rows(blocks.activation)
     if h.shape[0] > limit or h.dtype != torch.float32 or h.device.type != "cpu":
-        return None
-    if h.requires_grad or torch.compiler.is_compiling():
-        return None
-    return load_block_kernels()
+        return False
+    return not (h.requires_grad or torch.compiler.is_compiling())
 
 
-def attention_kernels(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-) -> ModuleType | None:
-    """The extension when q: [Hq, 1, D] is one float32 query on the CPU over float32 K/V
-    rows [Hkv, T, D] with unit stride over D, else None."""
+def takes_fused_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether q: [Hq, 1, D], one float32 query on the CPU over float32 K/V rows [Hkv, T, D]
+    with unit stride over D, goes through the extension's attention."""
     if q.shape[1] != 1 or keys.dtype != torch.float32 or values.dtype != torch.float32:
-        return None
+        return False
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
-        return None
-    return fused_kernels(q[0])
+        return False
+    return takes_fused(q[0])
 
 
 def activation_bits(blocks: BlockRows) -> int:

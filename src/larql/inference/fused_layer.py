@@ -32,9 +32,11 @@ from typing import Protocol
 import torch
 
 from larql.inference.ffn.backend import FfnBackend
-from larql.inference.fused import activation_bits, fused_kernels
+from larql.inference.fused import activation_bits, takes_fused
 from larql.inference.layer import effective_window, rope_table
 from larql.inference.linear import kernel_rows, model_block_rows
+from larql.kernels.cpu import cpu_extension
+from larql.kernels.ran import FUSED_LAYERS, ran
 from larql.models.model import Model
 
 
@@ -129,7 +131,7 @@ def _store_rows(
     stores: Sequence[object],
     window: int | None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int], list[int]] | None:
-    """For each row of h [R, H] (session i's counts[i] rows at positions starts[i]..): its
+    """For each row of h [R, H] (sequence i's counts[i] rows at positions starts[i]..): its
     session's K and V storage, the first row its query sees and the slot its K/V goes to —
     room reserved in the stores, nothing committed; None where a store is not float32 rows the
     compiled layer may write."""
@@ -171,7 +173,7 @@ def _layer_plans(
 ) -> list[_LayerPlan] | None:
     """Every layer's plan where the compiled layer applies to all of them for the rows h (float32
     rows on the CPU, outside autograd and compilers; one activation rounding), else None."""
-    kernels = fused_kernels(h[:1])
+    kernels = cpu_extension() if takes_fused(h[:1]) else None
     if kernels is None:
         return None
     plans = [_layer_plan(model, layer, ffn, kernels) for layer in layers]
@@ -194,8 +196,8 @@ def rows_kv(
     [capacity, Hkv, D], the first row's slot)), its rows at consecutive positions and slots →
     whether it ran (False: the compiled layer does not take these layers; nothing written)."""
     plans = _layer_plans(model, layers, rows[:1, 0], ffn)
-    kernels = fused_kernels(rows[:1, 0])
-    if plans is None or kernels is None or not hasattr(kernels, "rows_kv"):
+    kernels = cpu_extension() if takes_fused(rows[:1, 0]) else None
+    if plans is None or kernels is None:
         return False
     positions = [first + i for count, first, _ in segments for i in range(count)]
     ropes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per rope table: [N, rotary] each
@@ -282,8 +284,8 @@ def fused_layers_rows(
     arguments = layer_arguments(model, layers, h, ffn, positions)
     if arguments is None:
         return None
-    kernels = fused_kernels(h[:1])
-    assert kernels is not None
+    kernels = cpu_extension()
+    assert kernels is not None  # `layer_arguments` checked `takes_fused`
     if reserved is not None:
         if any(keys[0].dtype != torch.float32 for keys, _, _, _ in reserved):
             return None
@@ -299,6 +301,7 @@ def fused_layers_rows(
                 return None
             per_layer.append(rows)
     leading, bits = arguments
+    ran(FUSED_LAYERS)
     out = kernels.decode_layers_batch(
         *leading,
         *([rows[i] for rows in per_layer] for i in range(4)),

@@ -16,11 +16,13 @@ from larql.inference.batching import RowsFailed, advance_batch, decode_batch
 from larql.inference.engine import Engine
 from larql.inference.errors import EmptyPrompt, InvariantViolation
 from larql.inference.ffn import FfnBackend
-from larql.inference.fused import fused_kernels
+from larql.inference.fused import takes_fused
 from larql.inference.layer import final_logits
 from larql.inference.linear import kernel_rows
 from larql.inference.norm import rms_norm
 from larql.inference.sampling import Sampler, greedy_picks
+from larql.kernels.cpu import cpu_extension
+from larql.kernels.ran import recording
 from larql.models.blocks import ACTIVATION_BITS
 from larql.models.model import Model
 
@@ -40,6 +42,8 @@ class GenerationResult:
     finish_reason: FinishReason
     prefill_ms: float  # prefill + first pick
     step_ms: list[float] = field(default_factory=list)  # each later token: forward + pick
+    # the kernel paths the decode steps took (`larql.kernels.ran`; empty: eager torch)
+    decode_kinds: frozenset[str] = frozenset()
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -57,7 +61,7 @@ def rows_logits(model: Model, hidden: torch.Tensor) -> torch.Tensor:
     `next_token_logits` computes it alone (on the CPU an LM head held in blocks is read once
     for all rows by the compiled product, with the one-row call's arithmetic)."""
     blocks = model.weights.lm_head_blocks
-    kernels = fused_kernels(hidden[:1]) if blocks is not None else None
+    kernels = cpu_extension() if blocks is not None and takes_fused(hidden[:1]) else None
     if blocks is None or kernels is None or model.config.arch.final_softcap is not None:
         return final_logits(model, hidden)
     x = rms_norm(hidden, model.weights.final_norm, model.config.norm_eps).contiguous()
@@ -82,8 +86,8 @@ def step_together(sessions: Sequence[GenerationSession]) -> list[int]:
     """One decode step for sessions of one model whose engines batch together
     (`decode_batch`): each session's last token in, each session's next token out, as
     `step()` would give it alone. `SessionsFailed` where some sessions' own parts failed."""
-    for session in sessions:
-        session.check_can_step()
+    for gen in sessions:
+        gen.check_can_step()
     model, ffn = sessions[0].model, sessions[0].ffn
     failures: dict[int, Exception] = {}
     with torch.inference_mode():
@@ -103,10 +107,10 @@ def step_together(sessions: Sequence[GenerationSession]) -> list[int]:
         elapsed = (time.perf_counter() - t0) * 1000
     tokens: list[int | None] = [None] * len(sessions)
     for i, row, token in zip(ok, logits, picked, strict=True):
-        session = sessions[i]
-        session.logits = row
-        session.step_ms.append(elapsed)
-        session._accept(token)
+        gen = sessions[i]
+        gen.logits = row
+        gen.step_ms.append(elapsed)
+        gen._accept(token)
         tokens[i] = token
     if failures:
         raise SessionsFailed(tokens, failures)
@@ -131,12 +135,12 @@ def advance_together(
     compiled layer, for a prompt that fits one compiled call). `SessionsFailed` where some
     sessions' own parts failed."""
     token_lists: list[list[int]] = []
-    for session, chunk in zip(sessions, prompt_tokens, strict=True):
-        if session.started:
-            session.check_can_step()
-            token_lists.append([session.tokens[-1]])
+    for gen, chunk in zip(sessions, prompt_tokens, strict=True):
+        if gen.started:
+            gen.check_can_step()
+            token_lists.append([gen.tokens[-1]])
         else:
-            token_lists.append(session._prompt_chunk(chunk))
+            token_lists.append(gen._prompt_chunk(chunk))
     model, ffn = sessions[0].model, sessions[0].ffn
     failures: dict[int, Exception] = {}
     with torch.inference_mode():
@@ -145,9 +149,9 @@ def advance_together(
             hidden = advance_batch([s.engine for s in sessions], model, ffn, token_lists)
         except RowsFailed as e:
             hidden, failures = e.hidden, e.failures
-        for i, (session, tokens) in enumerate(zip(sessions, token_lists, strict=True)):
-            if not session.started and i not in failures:
-                session.prompt_done += len(tokens)
+        for i, (gen, tokens) in enumerate(zip(sessions, token_lists, strict=True)):
+            if not gen.started and i not in failures:
+                gen.prompt_done += len(tokens)
         picking = [
             i
             for i, s in enumerate(sessions)
@@ -161,18 +165,18 @@ def advance_together(
         elapsed = (time.perf_counter() - t0) * 1000
     tokens: list[int | None] = [None] * len(sessions)
     for i, row, token in zip(picking, rows, picked, strict=True):
-        session = sessions[i]
-        session.logits = row
-        if session.started:
-            session.step_ms.append(elapsed)
+        gen = sessions[i]
+        gen.logits = row
+        if gen.started:
+            gen.step_ms.append(elapsed)
         else:
-            session.last_hidden = hidden[i][-1:]
-            session.prefill_ms += elapsed
-        session._accept(token)
+            gen.last_hidden = hidden[i][-1:]
+            gen.prefill_ms += elapsed
+        gen._accept(token)
         tokens[i] = token
-    for session, token in zip(sessions, tokens, strict=True):
+    for gen, token in zip(sessions, tokens, strict=True):
         if token is None:
-            session.prefill_ms += elapsed
+            gen.prefill_ms += elapsed
     if failures:
         raise SessionsFailed(tokens, failures)
     return tokens
@@ -211,7 +215,7 @@ class GenerationSession:
         limit = model.config.max_positions if max_positions is None else max_positions
         # `max_positions` caps prompt + generated tokens
         held = engine.position if resume_hidden is not None else 0
-        self.held = held  # positions the engine held before this session's first token
+        self.held = held  # positions the engine held before the session's first token
         self.budget = min(max_new_tokens, max(limit - held - len(self.prompt_ids), 0))
         engine.expect_tokens(held + len(self.prompt_ids) + min(self.budget, EXPECTED_AHEAD))
         self.resume_hidden = resume_hidden
@@ -221,6 +225,7 @@ class GenerationSession:
         self.finished = self.budget <= 0
         self.prefill_ms = 0.0
         self.step_ms: list[float] = []
+        self.decode_kinds: set[str] = set()  # what `step` ran (`larql.kernels.ran`)
         self.keep_prompt_rows = keep_prompt_rows
         # the hidden rows the engine returned for the prompt's tokens that went in last, ending
         # with the last of them [S', H] (kept only with `keep_prompt_rows`: scoring the prompt
@@ -364,7 +369,7 @@ class GenerationSession:
         """The next up to `max_tokens` prompt tokens for a batched step (refused where
         `takes_prompt_in_batch` says no)."""
         if not self.takes_prompt_in_batch(max_tokens):
-            raise InvariantViolation("this session cannot take its prompt in a batched step")
+            raise InvariantViolation("the session cannot take its prompt in a batched step")
         return self.prompt_ids[self.prompt_done : self.prompt_done + max_tokens]
 
     def step_part(self, max_rows: int) -> int | None:
@@ -402,7 +407,8 @@ class GenerationSession:
         self.check_can_step()
         with torch.inference_mode():
             t0 = time.perf_counter()
-            hidden = self.engine.decode_step(self.model, self.ffn, self.tokens[-1])
+            with recording(self.decode_kinds):  # the engine's step, as bench records it
+                hidden = self.engine.decode_step(self.model, self.ffn, self.tokens[-1])
             self.logits = next_token_logits(self.model, hidden)
             token = self.sampler.pick(self.logits)
             self.step_ms.append((time.perf_counter() - t0) * 1000)
@@ -416,7 +422,11 @@ class GenerationSession:
 
     def result(self) -> GenerationResult:
         return GenerationResult(
-            list(self.tokens), self.finish_reason, self.prefill_ms, list(self.step_ms)
+            list(self.tokens),
+            self.finish_reason,
+            self.prefill_ms,
+            list(self.step_ms),
+            frozenset(self.decode_kinds),
         )
 
     def _accept(self, token: int) -> None:
@@ -446,7 +456,7 @@ def generate(
     `max_positions` caps prompt + generated tokens (the model's context by default);
     `resume_hidden` continues a restored state (see `GenerationSession`); `after_prefill` sees
     the session once the prompt is in (e.g. to snapshot the engine)."""
-    session = GenerationSession(
+    gen = GenerationSession(
         engine,
         model,
         ffn,
@@ -457,17 +467,17 @@ def generate(
         max_positions,
         resume_hidden=resume_hidden,
     )
-    if session.finished:
-        return session.result()
-    token = session.prefill()
+    if gen.finished:
+        return gen.result()
+    token = gen.prefill()
     if after_prefill is not None:
-        after_prefill(session)
+        after_prefill(gen)
     while True:
         if on_token is not None and on_token(token):
-            session.stop()
-        if session.finished:
-            return session.result()
-        token = session.step()
+            gen.stop()
+        if gen.finished:
+            return gen.result()
+        token = gen.step()
 
 
 HEAD_ROWS = 64  # hidden rows per LM-head product where many positions' logits are wanted

@@ -22,13 +22,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import FfnBackend
 from larql.inference.ffn.activation import gated_activation
-from larql.inference.fused import activation_bits, attention_kernels, fused_kernels
+from larql.inference.fused import activation_bits, takes_fused, takes_fused_attention
 from larql.inference.linear import kernel_rows, linear
 from larql.inference.norm import LOW_PRECISION, rms_norm
 from larql.inference.rope import RopeTable, apply_rope
 from larql.inference.row_products import normed_linear, normed_linear_rope, residual_linear
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kernels import DecodeAttention
+from larql.kernels.cpu import cpu_extension
+from larql.kernels.ran import FUSED_PIECES, ran
 from larql.models.model import Model
 
 # fused attention on CUDA where shapes vary per call: every backend but cuDNN (see `attend`)
@@ -167,8 +169,10 @@ def project_qkv_with_rope(
     plain = lw.q_norm is None and lw.k_norm is None
     heads, kv_heads, dim = cfg.num_heads, cfg.kv_heads_of(layer), cfg.head_dim_of(layer)
     q_dim, kv_dim = cfg.q_dim_of(layer), cfg.kv_dim_of(layer)
-    if plain and blocks is not None and (kernels := fused_kernels(h, blocks)) is not None:
+    fused = plain and blocks is not None and takes_fused(h, blocks)
+    if fused and (kernels := cpu_extension()) is not None:
         # a few rows: norm, product and RoPE of q and k in one compiled call
+        ran(FUSED_PIECES)
         qkv = kernels.decode_qkv(
             h.contiguous(),
             lw.attn_norm,
@@ -296,7 +300,13 @@ def attend(
         out = _eager_attention(
             q, keys, values, mask, causal, cfg.attn_scale, cfg.arch.attn_softcap, sinks
         )
-    elif s == 1 and mask is None and (kernels := attention_kernels(q, keys, values)) is not None:
+    elif (
+        s == 1
+        and mask is None
+        and takes_fused_attention(q, keys, values)
+        and (kernels := cpu_extension()) is not None
+    ):
+        ran(FUSED_PIECES)
         return kernels.decode_attention(q.contiguous(), keys, values, cfg.attn_scale)  # [1, q_dim]
     elif s == 1 and mask is None and q.device.type == "cpu" and q.dtype in LOW_PRECISION:
         out = _decode_attention_float32(q, keys, values, cfg.attn_scale)
@@ -460,8 +470,10 @@ def attention_output(model: Model, layer: int, h: torch.Tensor, attn: torch.Tens
     """Output projection (+ post-attention norm) added to the residual: [S, H]."""
     lw = model.weights.layers[layer]
     blocks = lw.blocks.get("wo")
-    kernels = fused_kernels(h, blocks) if lw.post_attn_norm is None and blocks is not None else None
+    fused = lw.post_attn_norm is None and blocks is not None and takes_fused(h, blocks)
+    kernels = cpu_extension() if fused else None
     if kernels is not None:
+        ran(FUSED_PIECES)
         attn = attn.contiguous()
         return kernels.residual_gemv(
             h.contiguous(), attn, *kernel_rows(blocks, kernels), lw.bo, activation_bits(blocks)

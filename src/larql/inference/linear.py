@@ -2,7 +2,7 @@
 
 MKL runs a one-row float32/float64 product (a GEMV) on a single core: 16 GB/s on the project's
 2-core machine, where the memory system delivers ~38 GB/s to two cores (the float16 GEMV gets
-there). Split into a batched product over `threads` row blocks, MKL runs one block per core:
+there). Split into a batched product over one row group per thread, MKL runs one group per core:
 SmolLM2's 30 layers go from 26 to 11 ms per token in float32 (benchmarks in
 docs/PERFORMANCE.md). bfloat16/float16 and everything on a GPU keep `F.linear`, which is
 already fast there.
@@ -23,7 +23,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from larql.kernels.cpu.build import load as load_block_kernels
+from larql.kernels.cpu import cpu_extension
+from larql.kernels.ran import BLOCK_PRODUCTS, ran
 from larql.models.blocks import ACTIVATION_BITS, FORMAT_CODES, BlockRows
 from larql.models.model import Model
 
@@ -42,7 +43,7 @@ _TILED_ACTIVATIONS = ("int8", "int16")  # the inputs the tiled products take
 
 @cache
 def _tiled() -> bool:
-    kernels = load_block_kernels()
+    kernels = cpu_extension()
     return kernels is not None and kernels.tiled()
 
 
@@ -86,7 +87,7 @@ def reads_blocks(model: Model) -> bool:
         model.weights.block_bytes > 0
         and model.device.type == "cpu"
         and model.dtype != torch.float64
-        and load_block_kernels() is not None
+        and cpu_extension() is not None
     )
 
 
@@ -97,7 +98,7 @@ def rows_per_pass(model: Model) -> int | None:
     of one row more than a whole number of passes costs a whole pass more (on the default
     model, 8 decode rows and 8 prompt rows took 14.1 ms, one row more 19.7). None: the
     products cost by the row."""
-    kernels = load_block_kernels() if reads_blocks(model) else None
+    kernels = cpu_extension() if reads_blocks(model) else None
     if kernels is None:
         return None
     return 16 if kernels.tiled() else 8
@@ -116,28 +117,29 @@ def linear(
         # decided before asking for the thread count, which torch.compile cannot trace: a
         # compiled step must not break its graph here (a compiler fuses the product itself)
         return F.linear(x, weight, bias)
-    if blocks is not None and x.dtype != torch.float64 and (kernels := load_block_kernels()):
+    if blocks is not None and x.dtype != torch.float64 and (kernels := cpu_extension()):
         # float64 is the precision reference: it keeps the float product
         rows = x.to(torch.float32).contiguous()  # [S, in]
         data, code = kernel_rows(blocks, kernels)
         bits = ACTIVATION_BITS[blocks.activation]
+        ran(BLOCK_PRODUCTS)
         out = kernels.block_gemm(rows, data, code, bits).to(x.dtype)  # [S, out]
         return out if bias is None else out + bias
     if x.shape[0] != 1:
         return F.linear(x, weight, bias)
-    blocks = torch.get_num_threads()
+    groups = torch.get_num_threads()  # row groups: one per thread
     out_features, in_features = weight.shape
     if (
         not x.is_contiguous()
-        or blocks < 2
+        or groups < 2
         or weight.dtype not in _SPLIT_DTYPES
-        or out_features % blocks
+        or out_features % groups
         or not weight.is_contiguous()
     ):
         return F.linear(x, weight, bias)
-    stacked = weight.view(blocks, out_features // blocks, in_features)  # [B, out/B, in]
+    stacked = weight.view(groups, out_features // groups, in_features)  # [G, out/G, in]
     # x.t() keeps a BLAS-compatible leading dimension; a [in, 1] reshape (strides 1, 1) sends
     # bmm to a slow non-BLAS loop (10x).
-    column = x.t().expand(blocks, in_features, 1)  # [B, in, 1]
+    column = x.t().expand(groups, in_features, 1)  # [G, in, 1]
     out = torch.bmm(stacked, column).view(1, out_features)  # [1, out]
     return out if bias is None else out + bias

@@ -37,14 +37,14 @@ class _Launched:
     host: torch.Tensor  # [B] int64 on the host: the picks, once `done`
     done: torch.cuda.Event | None  # recorded after the copy to `host` (None off CUDA)
     withdrawn: set[int] = field(default_factory=set)  # rows taken back: not to be accepted
-    rows: dict[int, int] = field(init=False)  # id(session) → its row
+    rows: dict[int, int] = field(init=False)  # id(gen) → its row
 
     def __post_init__(self) -> None:
         self.rows = {id(s): i for i, s in enumerate(self.sessions)}
 
-    def row_of(self, session: GenerationSession) -> int | None:
+    def row_of(self, gen: GenerationSession) -> int | None:
         """The session's row, None where it has none or it was taken back."""
-        row = self.rows.get(id(session))
+        row = self.rows.get(id(gen))
         return None if row is None or row in self.withdrawn else row
 
 
@@ -98,24 +98,24 @@ class Lookahead:
         self._launched = None
         return read
 
-    def withdraw(self, session: GenerationSession) -> None:
+    def withdraw(self, gen: GenerationSession) -> None:
         """The caller ended `session` (a stop string, a client gone): take back its queued
         step, if it has one."""
         launched = self._launched
-        row = launched.row_of(session) if launched is not None else None
+        row = launched.row_of(gen) if launched is not None else None
         if launched is not None and row is not None:
-            session.engine.withdraw_step()
+            gen.engine.withdraw_step()
             launched.withdrawn.add(row)
 
-    def _steps_left(self, session: GenerationSession) -> int:
-        if session.finished:
+    def _steps_left(self, gen: GenerationSession) -> int:
+        if gen.finished:
             return 0
-        queued = self._launched is not None and self._launched.row_of(session) is not None
-        return session.budget - len(session.tokens) - int(queued)
+        queued = self._launched is not None and self._launched.row_of(gen) is not None
+        return gen.budget - len(gen.tokens) - int(queued)
 
     def _launch(self, sessions: list[GenerationSession]) -> _Launched:
-        for session in sessions:
-            session.check_can_step()
+        for gen in sessions:
+            gen.check_can_step()
         first = sessions[0]
         model, ffn = first.model, first.ffn
         with torch.inference_mode():
@@ -162,16 +162,16 @@ class Lookahead:
         self._read_at = now
         tokens = launched.host.tolist()
         read: list[tuple[GenerationSession, int]] = []
-        for i, (session, token) in enumerate(zip(launched.sessions, tokens, strict=True)):
+        for i, (gen, token) in enumerate(zip(launched.sessions, tokens, strict=True)):
             if i in launched.withdrawn:
                 continue
-            session.logits = launched.logits[i]
-            session.step_ms.append(elapsed)
-            session._accept(token)
-            read.append((session, token))
-            if session.finished and then_queued is not None:
-                row = then_queued.row_of(session)
+            gen.logits = launched.logits[i]
+            gen.step_ms.append(elapsed)
+            gen._accept(token)
+            read.append((gen, token))
+            if gen.finished and then_queued is not None:
+                row = then_queued.row_of(gen)
                 if row is not None:
-                    session.engine.withdraw_step()
+                    gen.engine.withdraw_step()
                     then_queued.withdrawn.add(row)
         return read

@@ -22,6 +22,8 @@ from types import ModuleType
 
 import torch
 
+from larql.kernels.ran import TRITON, ran
+
 DecodeAttention = Callable[..., torch.Tensor]  # as `decode_attention.decode_attention`
 
 
@@ -39,6 +41,7 @@ def decode_attention_kernel(device: torch.device) -> DecodeAttention | None:
         return None
     from larql.kernels import decode_attention as module
 
+    ran(TRITON)
     return module.decode_attention_op if device.type == "cuda" else module.decode_attention
 
 
@@ -49,6 +52,7 @@ def batched_decode_attention_kernel(device: torch.device) -> DecodeAttention | N
         return None
     from larql.kernels.batched_decode_attention import batched_decode_attention
 
+    ran(TRITON)
     return batched_decode_attention
 
 
@@ -71,6 +75,7 @@ def elementwise_kernels(x: torch.Tensor) -> ModuleType | None:
         return None
     from larql.kernels import elementwise
 
+    ran(TRITON)
     return elementwise
 
 
@@ -95,6 +100,7 @@ def gemv_kernels(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
         return None
     from larql.kernels import gemv
 
+    ran(TRITON)
     return gemv
 
 

@@ -10,13 +10,13 @@ replay. One captured graph then serves any set of sessions (up to its batch size
 whose cache grows changes an offset, not the graph.
 
 Three launches per layer:
-1. `_write_kernel`, one program per (session, K/V head): the new row's K and V into row
+1. `_write_kernel`, one program per (sequence, K/V head): the new row's K and V into row
    `position` of the session's buffers.
-2. `_partial_kernel`, one program per (session, K/V head, split of the keys): the
+2. `_partial_kernel`, one program per (sequence, K/V head, split of the keys): the
    flash-decoding split of `decode_attention`, G query heads padded to 16 rows for the matrix
    units; a split walks only the blocks at or below its session's position (and inside the
    window), so a short session costs little beside a long one.
-3. `decode_attention`'s merge, one program per (session, K/V head): → [B, Hq·D].
+3. `decode_attention`'s merge, one program per (sequence, K/V head): → [B, Hq·D].
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def batched_decode_attention(
         ),
         **dependent_options(q.device),
     )
-    # one program per (session, K/V head) = one "head" of a [B·Hkv] decode: out [B, Hq·D] is
+    # one program per (sequence, K/V head) = one "head" of a [B·Hkv] decode: out [B, Hq·D] is
     # [B·Hq, D] with query head b·Hq + h·G + r — the one-session merge, unchanged
     combine_kernel[(batch * kv_heads,)](
         m,

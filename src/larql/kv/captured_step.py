@@ -15,6 +15,7 @@ import torch
 
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import rope_table
+from larql.kernels.ran import CUDA_GRAPH, ran
 from larql.models.model import Model
 
 MIN_CAPACITY = 256
@@ -134,5 +135,6 @@ class CapturedStep:
     def replay(self) -> torch.Tensor:
         """→ the step's hidden [1, H] (a copy: the next replay overwrites the output)."""
         assert self._graph is not None and self._out is not None
+        ran(CUDA_GRAPH)
         self._graph.replay()
         return self._out.clone()

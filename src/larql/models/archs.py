@@ -8,7 +8,7 @@ never branches on a name.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from larql.models.config import Arch
@@ -75,7 +75,10 @@ class ArchPreset:
     unsupported: Callable[[Mapping[str, Any]], str | None] | None = None
 
 
-_GEMMA = dict(activation="gelu_tanh", norm_offset=1.0, post_norms=True, scale_embeddings=True)
+# what every Gemma shares (its presets `replace` the rest)
+_GEMMA = Arch(
+    name="gemma", activation="gelu_tanh", norm_offset=1.0, post_norms=True, scale_embeddings=True
+)
 
 
 def gemma4_unsupported(settings: Mapping[str, Any]) -> str | None:
@@ -149,13 +152,13 @@ ARCHITECTURES: dict[str, ArchPreset] = {
     # fused QKV and gate/up matrices are split at load time; partial RoPE is the file's
     "phi3": ArchPreset(Arch(name="phi3"), every_layer_if_windowed, gguf_name="phi3"),
     "gemma2": ArchPreset(
-        Arch(name="gemma2", **_GEMMA),
+        replace(_GEMMA, name="gemma2"),
         even_layers,
         hf_model_types=("gemma2",),
         tied_embeddings=True,
     ),
     "gemma3": ArchPreset(
-        Arch(name="gemma3", qk_norm=True, **_GEMMA),
+        replace(_GEMMA, name="gemma3", qk_norm=True),
         all_but_every_nth,
         hf_model_types=("gemma3", "gemma3_text"),
         gguf_name="gemma3",
@@ -166,7 +169,7 @@ ARCHITECTURES: dict[str, ArchPreset] = {
     # weight), scores scaled by 1, a learned scalar on each layer's output, global layers with
     # proportional RoPE
     "gemma4": ArchPreset(
-        Arch(name="gemma4", qk_norm=True, v_norm=True, **{**_GEMMA, "norm_offset": 0.0}),
+        replace(_GEMMA, name="gemma4", qk_norm=True, v_norm=True, norm_offset=0.0),
         all_but_every_nth,
         hf_model_types=("gemma4_text",),
         tied_embeddings=True,

@@ -141,7 +141,7 @@ def fuse_layer_blocks(blocks: dict[str, BlockRows], layer: int) -> dict[str, Blo
         ("w_gate_up", ("w_gate", "w_up")),
         ("w_down", ("w_down",)),
     ):
-        found = [blocks.get(p + part) for part in parts]
-        if all(f is not None for f in found) and len({f.format for f in found}) == 1:
+        found = [b for part in parts if (b := blocks.get(p + part)) is not None]
+        if len(found) == len(parts) and len({f.format for f in found}) == 1:
             fused[name] = BlockRows.stack(found) if len(found) > 1 else found[0]
     return fused

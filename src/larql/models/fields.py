@@ -37,7 +37,7 @@ def show(value: object) -> str:
 
 
 class Lookup(Protocol):
-    def get(self, key: str, default: Any = None, /) -> Any: ...
+    def get(self, key: str, /) -> Any: ...
 
 
 class Fields:

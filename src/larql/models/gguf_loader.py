@@ -103,22 +103,6 @@ def gguf_config(gguf: GgufFile, name: str = "") -> ModelConfig:
     rope = _rope_spec(gguf, head_dim)
     check_rope(rope, head_dim)
     vocab = keys.integer("vocab_size", _vocab_size(gguf), low=1, high=MAX_VOCAB)
-    common = dict(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=keys.integer("feed_forward_length", low=1, high=MAX_WIDTH),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        max_positions=keys.integer("context_length", 2048, low=1, high=MAX_CONTEXT),
-        norm_eps=keys.number("attention.layer_norm_rms_epsilon", 1e-5),
-        attn_scale=keys.number("attention.scale", 0.0) or head_dim**-0.5,
-        tie_embeddings="output.weight" not in gguf.tensors,
-        bos_token_id=_token_id(gguf, "bos_token_id", vocab),
-        eos_token_ids=_eos_ids(gguf, vocab),
-        name=name or str(gguf.get("general.name", gguf.path.stem)),
-    )
     window = keys.optional_integer("attention.sliding_window", high=MAX_CONTEXT)
     sliding = preset.sliding_layers({"sliding_window": window}, num_layers)
     base = preset.sliding_rope_base
@@ -137,7 +121,20 @@ def gguf_config(gguf: GgufFile, name: str = "") -> ModelConfig:
             experts=_expert_routing(gguf, keys),
             embedding_multiplier=keys.number("embedding_scale", 1.0),
             extra=multiplier_folds(residual, logits_divisor, preset.arch),
-            **common,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=keys.integer("feed_forward_length", low=1, high=MAX_WIDTH),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            max_positions=keys.integer("context_length", 2048, low=1, high=MAX_CONTEXT),
+            norm_eps=keys.number("attention.layer_norm_rms_epsilon", 1e-5),
+            attn_scale=keys.number("attention.scale", 0.0) or head_dim**-0.5,
+            tie_embeddings="output.weight" not in gguf.tensors,
+            bos_token_id=_token_id(gguf, "bos_token_id", vocab),
+            eos_token_ids=_eos_ids(gguf, vocab),
+            name=name or str(gguf.get("general.name", gguf.path.stem)),
         )
     except ValueError as e:
         raise ModelFormatError(f"inconsistent attention settings: {e}") from None
@@ -276,17 +273,17 @@ def gguf_block_rows(gguf: GgufFile, config: ModelConfig) -> dict[str, BlockRows]
         ]
         if not parts:
             continue
-        whole = BlockRows.from_gguf(info.qtype, gguf.raw_bytes(gguf_name), info.shape)
+        whole = BlockRows.from_gguf(info.qtype, gguf.raw_bytes(gguf_name), (info.shape[0], width))
         for canonical, part in parts:
             order = np.arange(info.shape[0])[part]  # [rows of this part]
             if interleaved_qk and canonical.endswith((".wq", ".wk")):
                 n_head = config.num_heads if canonical.endswith(".wq") else config.num_kv_heads
                 order = _unpermute_rows(order[:, None], n_head)[:, 0]
             if len(order) == info.shape[0] and (order == np.arange(len(order))).all():
-                blocks[canonical] = whole  # type: ignore[assignment]
+                blocks[canonical] = whole
             else:
                 index = torch.from_numpy(np.ascontiguousarray(order))
-                blocks[canonical] = whole.take_rows(index)  # type: ignore[union-attr]
+                blocks[canonical] = whole.take_rows(index)
     return blocks
 
 

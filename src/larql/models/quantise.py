@@ -37,7 +37,9 @@ def quantise_matrix(weight: torch.Tensor, format: str) -> tuple[BlockRows, torch
     array = weight.detach().to(torch.float32).cpu().numpy()  # [out, in]
     raw = quantize(np.ascontiguousarray(array), qtype)  # uint8 [out, in/32 · block bytes]
     values = torch.from_numpy(np.ascontiguousarray(dequantize(raw, qtype), dtype=np.float32))
-    return BlockRows.from_numpy(GGUF_FORMATS[qtype], raw, tuple(weight.shape)), values
+    out_features, in_features = weight.shape
+    blocks = BlockRows.from_numpy(GGUF_FORMATS[qtype], raw, (out_features, in_features))
+    return blocks, values
 
 
 def quantise_state(

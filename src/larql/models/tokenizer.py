@@ -190,9 +190,19 @@ def _token_at(gguf: GgufFile, key: str, tokens: list[str]) -> tuple[int, str] | 
     return None if index is None else (index, tokens[index])
 
 
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """A `tokenizer.ggml.merges` entry ("left right") → (left, right)."""
+    left, space, right = merge.partition(" ")
+    if not space:
+        raise ModelFormatError(
+            f"tokenizer.ggml.merges: {merge!r} is not two tokens separated by a space"
+        )
+    return left, right
+
+
 def _byte_level_bpe(gguf: GgufFile, tokens: list[str], types: list[int]) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in gguf.strings("tokenizer.ggml.merges")]
+    merges = [_merge_pair(m) for m in gguf.strings("tokenizer.ggml.merges")]
     tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=False))
     split = _BPE_SPLITS.get(str(gguf.get("tokenizer.ggml.pre", "default")))
     if split is None:
@@ -225,7 +235,7 @@ def _added_tokens(
 def _sentencepiece_bpe(gguf: GgufFile, tokens: list[str], types: list[int]) -> Tokenizer:
     # llama.cpp stores whitespace-run tokens with real spaces; the vocab wants "▁".
     tokens = [t.replace(" ", "▁") for t in tokens]
-    vocab = {}
+    vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
     # Merges are implied by the vocab: every split of a normal or user-defined token into two

@@ -220,7 +220,9 @@ class ModelWeights:
 
     def _check_shapes(self, config: ModelConfig) -> None:
         h = config.hidden_size
-        expected = {"embed": (self.embed.shape, (config.vocab_size, h))}
+        expected: dict[str, tuple[torch.Size, tuple[int, ...]]] = {
+            "embed": (self.embed.shape, (config.vocab_size, h))
+        }
         for i, lw in enumerate(self.layers):
             own_kv = config.kv_source_of(i) is None
             qkv_rows = config.q_dim_of(i) + (2 * config.kv_dim_of(i) if own_kv else 0)

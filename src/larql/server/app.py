@@ -129,8 +129,8 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
                 loop = asyncio.get_running_loop()
                 sessions.append(scheduler.submit(session_request, engine, loop))
         except QueueFull as e:
-            for session in sessions:
-                scheduler.cancel(session)
+            for stream in sessions:
+                scheduler.cancel(stream)
             raise ApiError(
                 429,
                 f"the server is at capacity ({settings.max_sessions} sessions decoding, "
@@ -140,8 +140,8 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
                 headers={"Retry-After": str(e.retry_after_s)},
             ) from None
         except SchedulerClosed:
-            for session in sessions:
-                scheduler.cancel(session)
+            for stream in sessions:
+                scheduler.cancel(stream)
             raise ApiError(503, "the server is shutting down", "server_error") from None
         return sessions
 
@@ -166,8 +166,8 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
         finally:  # one failed: the others end too
             for task in tasks:
                 task.cancel()
-            for session in sessions:
-                scheduler.cancel(session)
+            for stream in sessions:
+                scheduler.cancel(stream)
         choices = [
             shape.choice(i, o.text, o.done.finish_reason, o.logprobs)
             for i, o in enumerate(outcomes)

@@ -257,19 +257,19 @@ class _turn_events:
         events: list[tuple[Session, Event]] = _turn.events
         _turn.events = None
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Session, Event]]] = {}
-        for session, event in events:
-            by_loop.setdefault(session._loop, []).append((session, event))
+        for stream, event in events:
+            by_loop.setdefault(stream._loop, []).append((stream, event))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the event loop is gone: nobody is listening any more
-                for session, _ in items:
-                    session.cancelled = True
+                for stream, _ in items:
+                    stream.cancelled = True
 
 
 def _put_all(items: list[tuple[Session, Event]]) -> None:
-    for session, event in items:
-        session.events.put_nowait(event)
+    for stream, event in items:
+        stream.events.put_nowait(event)
 
 
 # a live session's held bytes (the memory gauge) are re-read every this many tokens, and when it
@@ -347,32 +347,32 @@ class Scheduler:
         self, request: SessionRequest, engine: Engine, loop: asyncio.AbstractEventLoop
     ) -> Session:
         text = TextAssembler(self.model.tokenizer, request.stop_strings)
-        session = Session(request, engine, loop, text, self.limits.request_timeout_s)
+        stream = Session(request, engine, loop, text, self.limits.request_timeout_s)
         self.start()
         with self._cond:
             if self._closing:
                 raise SchedulerClosed()
             if len(self._active) < self.limits.max_sessions and not self._queue:
-                self._active.append(session)
+                self._active.append(stream)
             elif len(self._queue) < self.limits.max_queue:
-                self._queue.append(session)
+                self._queue.append(stream)
             else:
                 raise QueueFull(self.limits.retry_after_s)
             self._engines_seen.add(request.engine_name)
             self.metrics.prompt_tokens.inc(len(request.prompt_ids))
             self._update_gauges()
             self._cond.notify_all()
-        return session
+        return stream
 
-    def cancel(self, session: Session) -> None:
+    def cancel(self, stream: Session) -> None:
         """The client is gone: a queued session leaves now, an active one before the next step."""
         with self._cond:
-            if session.ended:
+            if stream.ended:
                 return
-            session.cancelled = True
-            if session in self._queue:
-                self._queue.remove(session)
-                self._end(session, "cancelled")
+            stream.cancelled = True
+            if stream in self._queue:
+                self._queue.remove(stream)
+                self._end(stream, "cancelled")
             self._cond.notify_all()
 
     def counts(self) -> tuple[int, int]:
@@ -441,16 +441,16 @@ class Scheduler:
             if alone is not None:
                 return [self._alone(alone, self.limits.prefill_chunk)]
         self._fill_turn = True
-        session = self._alone(decoding[0], 0)
+        stream = self._alone(decoding[0], 0)
         others = len(decoding) > 1 or bool(filling)
-        session.step_rows = self.limits.prefill_chunk if others else solo
-        key = session.engine.batch_key() if session.engine is not None else None
-        if key is None or session.cancelled or _mid_step(session):
-            return [session]
-        batch = [session] + [
+        stream.step_rows = self.limits.prefill_chunk if others else solo
+        key = stream.engine.batch_key() if stream.engine is not None else None
+        if key is None or stream.cancelled or _mid_step(stream):
+            return [stream]
+        batch = [stream] + [
             s
             for s in decoding
-            if s is not session
+            if s is not stream
             and not s.cancelled
             and s.generation is not None
             and not s.generation.finished
@@ -468,13 +468,13 @@ class Scheduler:
                 room -= chunk
         return batch
 
-    def _alone(self, session: Session, prompt_tokens: int) -> Session:
+    def _alone(self, stream: Session, prompt_tokens: int) -> Session:
         """`session` takes this turn (a prompt part of `prompt_tokens` tokens, or a step); the
         next turn of its kind goes to the one after it (lock held)."""
-        session.prefill_chunk = prompt_tokens
-        self._active.remove(session)
-        self._active.append(session)
-        return session
+        stream.prefill_chunk = prompt_tokens
+        self._active.remove(stream)
+        self._active.append(stream)
+        return stream
 
     def _prompt_room(self, decode_rows: int, waiting: int = 0) -> int:
         """The prompt tokens a step of `decode_rows` decode rows takes in: `prefill_chunk` at
@@ -501,11 +501,11 @@ class Scheduler:
         first = filling[0].engine
         key = first.joining_batch_key(self.model) if first is not None else None
         together, room = [], self.limits.prefill_chunk
-        for session in filling if key is not None else ():
-            rest = _prompt_left(session)
-            if rest <= room and self._ride_chunk(session, key, room) == rest:
-                session.prefill_chunk = rest
-                together.append(session)
+        for stream in filling if key is not None else ():
+            rest = _prompt_left(stream)
+            if rest <= room and self._ride_chunk(stream, key, room) == rest:
+                stream.prefill_chunk = rest
+                together.append(stream)
                 room -= rest
         return together
 
@@ -542,8 +542,8 @@ class Scheduler:
         other failure of the shared step ends every session in it."""
         batch = self._ready(batch)
         if len(batch) < 2:
-            for session in batch:
-                self._advance(session)
+            for stream in batch:
+                self._advance(stream)
             return
         generations = [self._generation(s) for s in batch]
         riding = [not g.started for g in generations]
@@ -558,26 +558,26 @@ class Scheduler:
             tokens, failures = e.tokens, e.failures
         except StepRolledBack:
             log.exception("a batched step failed; its sessions step alone")
-            for session in batch:
-                self._advance(session)
+            for stream in batch:
+                self._advance(stream)
             return
         except Exception as e:
             log.exception("batched step failed")
             self._fail_batch(batch, e)
             return
         now = time.perf_counter()
-        for i, (session, token, rode) in enumerate(zip(batch, tokens, riding, strict=True)):
+        for i, (stream, token, rode) in enumerate(zip(batch, tokens, riding, strict=True)):
             if i in failures:
-                self._fail(session, failures[i])
+                self._fail(stream, failures[i])
                 continue
             if token is None:  # a chunk of its prompt went in
                 continue
             if rode:
-                self.metrics.time_to_first_token.observe(now - session.arrived)
+                self.metrics.time_to_first_token.observe(now - stream.arrived)
             else:
-                self.metrics.time_per_output_token.observe(now - session.last_token_at)
-            session.last_token_at = now
-            self._deliver(session, token)
+                self.metrics.time_per_output_token.observe(now - stream.last_token_at)
+            stream.last_token_at = now
+            self._deliver(stream, token)
 
     def _ready(self, batch: list[Session]) -> list[Session]:
         """The sessions of `batch` that can take a shared step; each other one ends now, alone:
@@ -585,26 +585,26 @@ class Scheduler:
         now = time.perf_counter()
         in_flight = {id(g) for g in self._ahead.in_flight}
         ready = []
-        for session in batch:
-            if session.ended:
+        for stream in batch:
+            if stream.ended:
                 continue
-            if session.cancelled:
-                self._retire(session, "cancelled")
+            if stream.cancelled:
+                self._retire(stream, "cancelled")
                 continue
-            if now >= session.deadline:
-                session.emit(self._timeout_event())
-                self._retire(session, "timeout")
+            if now >= stream.deadline:
+                stream.emit(self._timeout_event())
+                self._retire(stream, "timeout")
                 continue
-            generation = session.generation
+            generation = stream.generation
             queued = int(generation is not None and id(generation) in in_flight)
             fault = generation.state_fault(queued) if generation is not None else None
             if fault is not None:
                 log.error("a session left a batched step: %s", fault)
-                message = f"internal error in this session: {fault}"
-                session.emit(ErrorEvent(500, message, "server_error"))
-                self._retire(session, "error")
+                message = f"internal error in this stream: {fault}"
+                stream.emit(ErrorEvent(500, message, "server_error"))
+                self._retire(stream, "error")
                 continue
-            ready.append(session)
+            ready.append(stream)
         return ready
 
     def _goes_ahead(self, batch: list[Session]) -> bool:
@@ -631,9 +631,9 @@ class Scheduler:
         except StepRolledBack:
             log.exception("a step queued ahead failed to launch; its sessions step alone")
             self._drain_ahead()
-            for session in batch:
-                if not session.ended:
-                    self._advance(session)
+            for stream in batch:
+                if not stream.ended:
+                    self._advance(stream)
             return
         except Exception as e:
             self._ahead_failed(batch, e)
@@ -666,137 +666,137 @@ class Scheduler:
         sessions = self._ahead_sessions
         now = time.perf_counter()
         for generation, token in read:
-            session = sessions.get(id(generation))
-            if session is None or session.ended or session.generation is not generation:
+            stream = sessions.get(id(generation))
+            if stream is None or stream.ended or stream.generation is not generation:
                 continue  # ended while its step was queued (cancelled, timed out)
-            self.metrics.time_per_output_token.observe(now - session.last_token_at)
-            session.last_token_at = now
-            self._deliver(session, token)
+            self.metrics.time_per_output_token.observe(now - stream.last_token_at)
+            stream.last_token_at = now
+            self._deliver(stream, token)
             if generation.finished:
                 self._ahead.withdraw(generation)
         self._ahead_sessions = {id(g): sessions[id(g)] for g in self._ahead.in_flight}
 
     def _fail_batch(self, batch: list[Session], error: Exception) -> None:
         """A shared step failed: every session in it ends with the error."""
-        for session in batch:
-            self._fail(session, error)
+        for stream in batch:
+            self._fail(stream, error)
 
-    def _fail(self, session: Session, error: Exception) -> None:
+    def _fail(self, stream: Session, error: Exception) -> None:
         """`session` ends with `error` (a typed one as itself, anything else as a 500)."""
-        if session.ended:
+        if stream.ended:
             return
         if isinstance(error, LarqlError):
-            session.emit(error_event(error))
+            stream.emit(error_event(error))
         else:
-            message = f"internal error in this session: {type(error).__name__}: {error}"
-            session.emit(ErrorEvent(500, message, "server_error"))
-        self._retire(session, "error")
+            message = f"internal error in this stream: {type(error).__name__}: {error}"
+            stream.emit(ErrorEvent(500, message, "server_error"))
+        self._retire(stream, "error")
 
     def _admit(self) -> None:
         """Between two steps: free cancelled sessions, drop timed-out queued ones (every queued
         one once shutdown began), then fill free decode slots in arrival order (lock held)."""
-        for session in [s for s in self._active if s.cancelled]:
-            self._active.remove(session)
-            self._end(session, "cancelled")
+        for stream in [s for s in self._active if s.cancelled]:
+            self._active.remove(stream)
+            self._end(stream, "cancelled")
         now = time.perf_counter()
-        for session in [s for s in self._queue if now >= s.deadline or self._closing]:
-            self._queue.remove(session)
+        for stream in [s for s in self._queue if now >= s.deadline or self._closing]:
+            self._queue.remove(stream)
             if self._closing:
-                session.emit(_SHUTTING_DOWN)
-                self._end(session, "shutdown")
+                stream.emit(_SHUTTING_DOWN)
+                self._end(stream, "shutdown")
             else:
-                session.emit(self._timeout_event())
-                self._end(session, "timeout")
+                stream.emit(self._timeout_event())
+                self._end(stream, "timeout")
         while self._queue and len(self._active) < self.limits.max_sessions:
             self._active.append(self._queue.popleft())
         self._update_gauges()
 
-    def _advance(self, session: Session) -> None:
+    def _advance(self, stream: Session) -> None:
         """One turn of `session` alone: a part of its prompt, or a decode step (or a part of
         one)."""
-        if session.ended:
+        if stream.ended:
             return
-        if session.cancelled:
-            self._retire(session, "cancelled")
+        if stream.cancelled:
+            self._retire(stream, "cancelled")
             return
-        if time.perf_counter() >= session.deadline:
-            session.emit(self._timeout_event())
-            self._retire(session, "timeout")
+        if time.perf_counter() >= stream.deadline:
+            stream.emit(self._timeout_event())
+            self._retire(stream, "timeout")
             return
         try:
-            token = self._next_token(session)
+            token = self._next_token(stream)
         except LarqlError as e:
-            session.emit(error_event(e))
-            self._retire(session, "error")
+            stream.emit(error_event(e))
+            self._retire(stream, "error")
             return
-        except Exception as e:  # a bug: end this session only, keep serving the others
+        except Exception as e:  # a bug: end this stream only, keep serving the others
             log.exception("session failed")
-            message = f"internal error in this session: {type(e).__name__}: {e}"
-            session.emit(ErrorEvent(500, message, "server_error"))
-            self._retire(session, "error")
+            message = f"internal error in this stream: {type(e).__name__}: {e}"
+            stream.emit(ErrorEvent(500, message, "server_error"))
+            self._retire(stream, "error")
             return
         if token is not None:
-            self._deliver(session, token)
+            self._deliver(stream, token)
 
-    def _next_token(self, session: Session) -> int | None:
+    def _next_token(self, stream: Session) -> int | None:
         """The session's next token: its first once its prompt is all in, or a decode step's;
         None when only a part of its prompt (or of a step) went in, or the session only scores
         its prompt (it ends here once that is done)."""
-        generation = self._generation(session)
-        request = session.request
+        generation = self._generation(stream)
+        request = stream.request
         if generation.started:
-            token = generation.step_part(session.step_rows)
+            token = generation.step_part(stream.step_rows)
             if token is None:
                 return None
             now = time.perf_counter()
-            self.metrics.time_per_output_token.observe(now - session.last_token_at)
-            session.last_token_at = now
+            self.metrics.time_per_output_token.observe(now - stream.last_token_at)
+            stream.last_token_at = now
             return token
         if request.max_new_tokens == 0:
-            done = generation.feed_prompt(session.prefill_chunk) is not None
-            self._score(session)
+            done = generation.feed_prompt(stream.prefill_chunk) is not None
+            self._score(stream)
             if done:
-                self._scored(session)
+                self._scored(stream)
             return None
-        token = generation.prefill_part(session.prefill_chunk)
-        self._score(session)
+        token = generation.prefill_part(stream.prefill_chunk)
+        self._score(stream)
         if token is None:
             return None
         if request.echo:
-            scored = tuple(session.scorer.records) if session.scorer is not None else ()
-            session.emit(PromptEvent(scored))
+            scored = tuple(stream.scorer.records) if stream.scorer is not None else ()
+            stream.emit(PromptEvent(scored))
         now = time.perf_counter()
-        self.metrics.time_to_first_token.observe(now - session.arrived)
-        session.last_token_at = now
+        self.metrics.time_to_first_token.observe(now - stream.arrived)
+        stream.last_token_at = now
         return token
 
-    def _score(self, session: Session) -> None:
+    def _score(self, stream: Session) -> None:
         """Score the prompt rows the last part returned (echo with logprobs)."""
-        generation = session.generation
-        if session.scorer is None or generation is None or generation.prompt_rows is None:
+        generation = stream.generation
+        if stream.scorer is None or generation is None or generation.prompt_rows is None:
             return
         start = generation.prompt_rows_start
         rows, generation.prompt_rows = generation.prompt_rows, None
         with torch.inference_mode():
-            session.scorer.add(rows, start, generation.prompt_done - start)
+            stream.scorer.add(rows, start, generation.prompt_done - start)
 
-    def _scored(self, session: Session) -> None:
+    def _scored(self, stream: Session) -> None:
         """Echo with nothing to generate: the prompt is in (and scored): the session is done."""
-        assert session.engine is not None
-        scored = tuple(session.scorer.records) if session.scorer is not None else ()
-        session.memory = session.engine.memory()
-        session.emit(PromptEvent(scored))
-        session.emit(DoneEvent("length", len(session.request.prompt_ids), (), session.memory))
-        self.metrics.e2e_latency.observe(time.perf_counter() - session.arrived)
-        self._retire(session, "finished")
+        assert stream.engine is not None
+        scored = tuple(stream.scorer.records) if stream.scorer is not None else ()
+        stream.memory = stream.engine.memory()
+        stream.emit(PromptEvent(scored))
+        stream.emit(DoneEvent("length", len(stream.request.prompt_ids), (), stream.memory))
+        self.metrics.e2e_latency.observe(time.perf_counter() - stream.arrived)
+        self._retire(stream, "finished")
 
-    def _generation(self, session: Session) -> GenerationSession:
+    def _generation(self, stream: Session) -> GenerationSession:
         """The session's generation, made at its first turn."""
-        if session.generation is None:
-            assert session.engine is not None
-            request = session.request
-            session.generation = GenerationSession(
-                session.engine,
+        if stream.generation is None:
+            assert stream.engine is not None
+            request = stream.request
+            stream.generation = GenerationSession(
+                stream.engine,
                 self.model,
                 self.ffn,
                 request.prompt_ids,
@@ -806,64 +806,64 @@ class Scheduler:
                 keep_prompt_rows=request.scores_prompt,
             )
             if request.logprobs is not None and request.scores_prompt:
-                session.scorer = PromptScorer(self.model, request.prompt_ids, request.logprobs)
-        return session.generation
+                stream.scorer = PromptScorer(self.model, request.prompt_ids, request.logprobs)
+        return stream.generation
 
-    def _deliver(self, session: Session, token: int) -> None:
-        generation = session.generation
-        assert generation is not None and session.engine is not None
+    def _deliver(self, stream: Session, token: int) -> None:
+        generation = stream.generation
+        assert generation is not None and stream.engine is not None
         if generation.finished or len(generation.tokens) % MEMORY_EVERY_TOKENS == 0:
-            session.memory = session.engine.memory()
+            stream.memory = stream.engine.memory()
         self.metrics.completion_tokens.inc()
-        text, top_n = session.text, session.request.logprobs
+        text, top_n = stream.text, stream.request.logprobs
         start = text.decoded
         piece = text.feed(token)
         if top_n is not None:
             assert generation.logits is not None
             record = token_logprob(generation.logits, token, top_n)
-            session.track.add(token, record, start, text.decoded)
+            stream.track.add(token, record, start, text.decoded)
         if text.hit_stop_string:
             generation.stop()
         if piece:
-            session.emit(TokenEvent(piece, session.track.ready(len(text.text))))
+            stream.emit(TokenEvent(piece, stream.track.ready(len(text.text))))
         if not generation.finished:
             return
         tail = text.flush()
         if tail:
-            session.emit(TokenEvent(tail, session.track.ready(len(text.text))))
+            stream.emit(TokenEvent(tail, stream.track.ready(len(text.text))))
         done = DoneEvent(
             generation.finish_reason,
-            len(session.request.prompt_ids),
+            len(stream.request.prompt_ids),
             tuple(generation.tokens),
-            session.memory,
-            session.track.ready(len(text.text), final=True),
+            stream.memory,
+            stream.track.ready(len(text.text), final=True),
         )
-        session.emit(done)
-        self.metrics.e2e_latency.observe(time.perf_counter() - session.arrived)
-        self._retire(session, "finished")
+        stream.emit(done)
+        self.metrics.e2e_latency.observe(time.perf_counter() - stream.arrived)
+        self._retire(stream, "finished")
 
-    def _retire(self, session: Session, outcome: str) -> None:
+    def _retire(self, stream: Session, outcome: str) -> None:
         with self._cond:
-            if session in self._active:
-                self._active.remove(session)
-            self._end(session, outcome)
+            if stream in self._active:
+                self._active.remove(stream)
+            self._end(stream, outcome)
 
-    def _end(self, session: Session, outcome: str) -> None:
+    def _end(self, stream: Session, outcome: str) -> None:
         """Free the session's engine state and count how it ended (lock held)."""
-        if session.ended:
+        if stream.ended:
             return
-        session.ended = True
-        session.generation = None
-        session.engine = None
-        session.memory = MemoryBreakdown()
+        stream.ended = True
+        stream.generation = None
+        stream.engine = None
+        stream.memory = MemoryBreakdown()
         self.metrics.sessions.labels(outcome).inc()
         self._update_gauges()
 
     def _shut_down(self) -> None:
         with self._cond:
-            for session in [*self._active, *self._queue]:
-                session.emit(_SHUTTING_DOWN)
-                self._end(session, "shutdown")
+            for stream in [*self._active, *self._queue]:
+                stream.emit(_SHUTTING_DOWN)
+                self._end(stream, "shutdown")
             self._active.clear()
             self._queue.clear()
             self._update_gauges()
@@ -883,18 +883,18 @@ class Scheduler:
 _SHUTTING_DOWN = ErrorEvent(503, "the server is shutting down", "server_error")
 
 
-def _prompt_left(session: Session) -> int:
+def _prompt_left(stream: Session) -> int:
     """Its prompt tokens not yet in the engine."""
-    generation = session.generation
-    return len(session.request.prompt_ids) - (generation.prompt_done if generation else 0)
+    generation = stream.generation
+    return len(stream.request.prompt_ids) - (generation.prompt_done if generation else 0)
 
 
-def _prefilling(session: Session) -> bool:
+def _prefilling(stream: Session) -> bool:
     """Its prompt is not all in the engine yet (not started, or part-way through a chunked
     prefill)."""
-    return session.generation is None or not session.generation.started
+    return stream.generation is None or not stream.generation.started
 
 
-def _mid_step(session: Session) -> bool:
+def _mid_step(stream: Session) -> bool:
     """It is part-way through a decode step taken in parts."""
-    return session.generation is not None and session.generation.mid_step
+    return stream.generation is not None and stream.generation.mid_step

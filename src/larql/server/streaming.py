@@ -26,11 +26,11 @@ from larql.server.schemas import ResponseShape, usage
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming request checks for its client
 
 
-def larql_extra(session: Session, done: DoneEvent) -> dict[str, Any]:
+def larql_extra(stream: Session, done: DoneEvent) -> dict[str, Any]:
     """What a client can see of its engine: the spec it got, its state's bytes (`memory` splits
     them by tier and adds the growth reserve), the token ids."""
     return {
-        "engine": session.request.engine_spec,
+        "engine": stream.request.engine_spec,
         "memory_bytes": done.memory.state,
         "memory": done.memory.as_json(),
         "token_ids": list(done.token_ids),
@@ -46,9 +46,9 @@ class Logprobs:
     """One response's log-probabilities as they arrive: the echoed prompt (its text is the base
     of every generated token's offset), then the generated tokens."""
 
-    def __init__(self, session: Session, format: LogprobFormat) -> None:
-        self.wanted = session.request.logprobs is not None
-        self.prompt_ids = session.request.prompt_ids
+    def __init__(self, stream: Session, format: LogprobFormat) -> None:
+        self.wanted = stream.request.logprobs is not None
+        self.prompt_ids = stream.request.prompt_ids
         self.format = format
         self.echo_text = ""
 
@@ -67,7 +67,7 @@ class Logprobs:
 
 async def stream_events(
     scheduler: Scheduler,
-    session: Session,
+    stream: Session,
     shape: ResponseShape,
     include_usage: bool,
     format: LogprobFormat,
@@ -75,12 +75,12 @@ async def stream_events(
     """The SSE body. Starlette cancels this generator when the client disconnects; the
     `finally` then cancels the session, which frees its engine. An echoed prompt is the first
     chunk; each chunk carries the log-probabilities of the tokens whose text it carries."""
-    logprobs = Logprobs(session, format)
+    logprobs = Logprobs(stream, format)
     try:
         if shape.chat:
             yield sse(shape.chunk("", role=True))
         while True:
-            event = await session.events.get()
+            event = await stream.events.get()
             if isinstance(event, PromptEvent):
                 text, entries = logprobs.prompt(event)
                 yield sse(shape.chunk(text, logprobs=logprobs.render(entries)))
@@ -92,7 +92,7 @@ async def stream_events(
                 final = shape.chunk(
                     None, event.finish_reason, logprobs=logprobs.render(rest) if rest else None
                 )
-                final["larql"] = larql_extra(session, event)
+                final["larql"] = larql_extra(stream, event)
                 yield sse(final)
                 if include_usage:
                     yield sse(shape.usage_chunk(usage(event.prompt_tokens, len(event.token_ids))))
@@ -103,7 +103,7 @@ async def stream_events(
                 yield sse("[DONE]")
                 return
     finally:
-        scheduler.cancel(session)
+        scheduler.cancel(stream)
 
 
 @dataclass(frozen=True)
@@ -116,10 +116,10 @@ class Outcome:
 
 
 async def collect(
-    request: Request, scheduler: Scheduler, session: Session, format: LogprobFormat
+    request: Request, scheduler: Scheduler, stream: Session, format: LogprobFormat
 ) -> Outcome:
     """Wait for the whole generation; a client that disconnects meanwhile cancels it."""
-    logprobs = Logprobs(session, format)
+    logprobs = Logprobs(stream, format)
     pieces: list[str] = []
     entries: list[Entry] = []
     clock = asyncio.get_running_loop().time
@@ -128,7 +128,7 @@ async def collect(
         while True:
             try:  # (a timeout scope, not `wait_for`: that starts a task per token)
                 async with asyncio.timeout(DISCONNECT_POLL_S):
-                    event = await session.events.get()
+                    event = await stream.events.get()
             except TimeoutError:
                 event = None
             if clock() >= next_check:  # checked on a clock: tokens may never stop arriving
@@ -150,4 +150,4 @@ async def collect(
             elif isinstance(event, ErrorEvent):
                 raise ApiError(event.status, event.message, event.type, None, event.code)
     finally:
-        scheduler.cancel(session)
+        scheduler.cancel(stream)

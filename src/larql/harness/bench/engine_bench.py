@@ -18,12 +18,14 @@ import torch
 from larql.harness.bench.machine import peak_above_resident, sync
 from larql.harness.bench.stats import StepStats
 from larql.harness.bench.step_timer import StepTimer
+from larql.inference.decode_path import decode_path
 from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import next_token_logits
 from larql.inference.linear import reads_blocks
 from larql.inference.memory import MemoryBreakdown, mib_value
 from larql.inference.sampling import greedy_token
+from larql.kernels.ran import recording
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 
@@ -61,6 +63,8 @@ class EngineRow:
     stages: dict[str, float] | None = None
     wire_bytes_per_tok: float = 0.0  # FFN bytes over the network per timed step (0: local)
     dispatch: str | None = None  # the engine's dispatch path (per-layer, cuda-graph, …)
+    # what the timed decode steps ran: device · dtype · weights · kernel path (`decode_path`)
+    decode_path: str | None = None
     error: str | None = None
 
     @property
@@ -120,6 +124,7 @@ class EngineRow:
             "bandwidth_share": self.bandwidth_share,
             "peak_working_bytes": self.peak_working_bytes,
             "stages": self.stages,
+            "decode_path": self.decode_path,
             "error": self.error,
             # the fields LARQL's own bench results carry, for readers of that format
             "backend": self.label,
@@ -168,6 +173,8 @@ class _Samples:
     label: str = ""
     dispatch: str | None = None
     stages: dict[str, float] | None = None
+    decode_kinds: set[str] = field(default_factory=set)  # what the timed steps ran
+    decode_steps: int = 0
 
 
 def bench_engine(
@@ -244,7 +251,12 @@ def _run_once(
             if i == settings.warmup:
                 wire_before = ffn.wire_bytes()
             timer.start()
-            hidden = engine.decode_step(model, ffn, token)
+            if i >= settings.warmup:
+                with recording(sample.decode_kinds):
+                    hidden = engine.decode_step(model, ffn, token)
+                sample.decode_steps += 1
+            else:
+                hidden = engine.decode_step(model, ffn, token)
             timer.split()
             picked = greedy_token(next_token_logits(model, hidden))
             timer.end()
@@ -281,4 +293,5 @@ def _summarise(
     row.label = sample.label
     row.stages = sample.stages
     row.dispatch = sample.dispatch
+    row.decode_path = decode_path(model, sample.decode_kinds, sample.decode_steps)
     row.wire_bytes_per_tok = statistics.median(sample.wire) if sample.wire else 0.0

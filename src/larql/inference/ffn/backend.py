@@ -15,11 +15,13 @@ import torch
 from larql.inference.errors import BackendUnavailable
 from larql.inference.ffn.activation import gated_product
 from larql.inference.ffn.experts import expert_glu, experts_forward
-from larql.inference.fused import activation_bits, fused_kernels
+from larql.inference.fused import activation_bits, takes_fused
 from larql.inference.linear import kernel_rows, linear
 from larql.inference.norm import rms_norm
 from larql.inference.row_products import gated_residual_linear, normed_linear
 from larql.kernels import gemv_kernels
+from larql.kernels.cpu import cpu_extension
+from larql.kernels.ran import FUSED_PIECES, ran
 from larql.models.blocks import BlockRows
 from larql.models.model import Model
 
@@ -101,10 +103,11 @@ class DenseFfn(FfnBackend):
         self, layer: int, h: torch.Tensor, norm: torch.Tensor, eps: float
     ) -> torch.Tensor | None:
         blocks = self.silu_blocks(layer)
-        kernels = fused_kernels(h, blocks[0]) if blocks is not None else None
+        kernels = cpu_extension() if blocks is not None and takes_fused(h, blocks[0]) else None
         if blocks is None or kernels is None:
             return self._row_products(layer, h, norm, eps)
         gate_up, down = blocks
+        ran(FUSED_PIECES)
         return kernels.residual_ffn(
             h.contiguous(),
             norm,

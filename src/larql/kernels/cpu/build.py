@@ -4,8 +4,8 @@
 `make setup` builds it (`python -m larql.kernels.cpu.build`) into a folder of the venv keyed
 by the source, torch's version and this CPU's instruction-set flags, with `-O3 -march=native`:
 the machine that runs it is the one that built it; a build removes the older ones beside it.
-At run time `load()` imports that build or returns None — it never compiles — and the callers
-fall back to torch's float products.
+At run time `cpu_extension()` imports that build or returns None — it never compiles — and the
+callers fall back to torch's float products.
 """
 
 from __future__ import annotations
@@ -78,9 +78,25 @@ def remove_other_builds(kept: Path) -> list[Path]:
     return others
 
 
+# the calls larql makes; a module without one of them is not this source's build
+CALLS = (
+    "block_gemm",
+    "tile_rows",
+    "decode_layers_batch",
+    "rows_kv",
+    "coded_encode",
+    "grouped_encode",
+    "coded_attention",
+    "grouped_attention",
+    "decode_layers_coded",
+)
+
+
 @cache
-def load() -> ModuleType | None:
-    """The built extension, or None when `make setup` did not build it for this machine."""
+def cpu_extension() -> ModuleType | None:
+    """The CPU extension: the one way larql reaches it. None where `make setup` did not build
+    it for this machine (or the build lacks a call larql makes): the callers then run torch's
+    operators and float products."""
     library = next(build_dir().glob(f"{NAME}*.so"), None) if build_dir().is_dir() else None
     if library is None:
         return None
@@ -92,7 +108,7 @@ def load() -> ModuleType | None:
         spec.loader.exec_module(module)
     except ImportError:
         return None
-    return module
+    return module if all(hasattr(module, call) for call in CALLS) else None
 
 
 def main() -> None:

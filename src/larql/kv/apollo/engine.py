@@ -34,7 +34,7 @@ from larql.inference.forward import run_layers
 from larql.inference.layer import embed, embed_rows, token_tensor
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.kv.apollo.builder import build_store
-from larql.kv.apollo.entries import ScoredEntry, retrieve_entries
+from larql.kv.apollo.retrieval import ScoredEntry, retrieve_entries
 from larql.kv.apollo.routing import WindowRouter
 from larql.kv.apollo.store import ApolloStore
 from larql.kv.spec import EngineBuildError

@@ -18,12 +18,12 @@ from types import ModuleType
 
 import torch
 
-from larql.inference.linear import load_block_kernels
 from larql.inference.shared_kv import SharedKv
+from larql.kernels.cpu import cpu_extension
+from larql.kernels.ran import FUSED_PIECES, ran
 from larql.kv.kv_quant.codecs import Fp8Codec, IntCodec
 from larql.kv.turbo_quant.codec import RowCodec
 from larql.kv.turbo_quant.coded_cpu import attends_in_place, rows_in_place
-from larql.kv.turbo_quant.compiled_codec import compiled_kernels
 from larql.kv.turbo_quant.rotation import rotation_matrix
 from larql.kv.turbo_quant.store import QuantisedLayer
 from larql.models.model import Model
@@ -37,23 +37,19 @@ def grouped_codes(model: Model, k_codec: RowCodec, v_codec: RowCodec) -> bool:
         return False
     if not isinstance(k_codec, IntCodec | Fp8Codec) or v_codec is not k_codec:
         return False
-    return k_codec.padded_dim % 8 == 0 and compiled_kernels() is not None
+    return k_codec.padded_dim % 8 == 0 and cpu_extension() is not None
 
 
-def grouped_kernels(
-    model: Model, layer: int, store: QuantisedLayer, shared: SharedKv
-) -> ModuleType | None:
-    """The extension where this layer's step attends over its integer codes in place."""
+def grouped_in_place(model: Model, layer: int, store: QuantisedLayer, shared: SharedKv) -> bool:
+    """Whether this layer's step attends over its integer codes in place (in the extension,
+    where `cpu_extension()` has it)."""
     codec, v_codec = store.layout.k_codec, store.layout.v_codec
     # one configuration for K and V (a restored state holds two equal codec objects)
     if not isinstance(codec, IntCodec | Fp8Codec) or type(v_codec) is not type(codec):
-        return None
+        return False
     if vars(codec) != vars(v_codec):
-        return None
-    if codec.padded_dim % 8 or not attends_in_place(model, layer, shared):
-        return None
-    kernels = load_block_kernels()
-    return kernels if kernels is not None and hasattr(kernels, "grouped_attention") else None
+        return False
+    return codec.padded_dim % 8 == 0 and attends_in_place(model, layer, shared)
 
 
 def attend_grouped(
@@ -71,6 +67,7 @@ def attend_grouped(
     codec: IntCodec | Fp8Codec = store.layout.k_codec  # type: ignore[assignment]
     rows, codes = rows_in_place(store, k, v)
     rotation = rotation_matrix(codec.coded_dim, torch.float32, q.device) if codec.rotate else _NONE
+    ran(FUSED_PIECES)
     out = kernels.grouped_attention(
         q[:, 0],
         rotation,

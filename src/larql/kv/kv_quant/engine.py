@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from larql.inference.shared_kv import SharedKv
+from larql.kernels.cpu import cpu_extension
 from larql.kv.kv_quant.codecs import Fp8Codec, IntCodec
-from larql.kv.kv_quant.compiled import attend_grouped, grouped_codes, grouped_kernels
+from larql.kv.kv_quant.compiled import attend_grouped, grouped_codes, grouped_in_place
 from larql.kv.turbo_quant.codec import RowCodec
 from larql.kv.turbo_quant.engine import TurboQuantEngine, exact_rows_label
 from larql.kv.turbo_quant.store import KvLayout
@@ -87,7 +88,7 @@ class KvQuantEngine(TurboQuantEngine):
         None."""
         assert self._layers is not None
         store = self._layers[layer]
-        kernels = grouped_kernels(model, layer, store, shared)
+        kernels = cpu_extension() if grouped_in_place(model, layer, store, shared) else None
         if kernels is None:
             return None
         with self._profiler.stage("attention", model.device):

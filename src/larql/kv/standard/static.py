@@ -41,6 +41,7 @@ from larql.inference.layer import (
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kernels import DecodeAttention, decode_attention_kernel, elementwise_kernels
+from larql.kernels.ran import COMPILED, ran
 from larql.kv.buffers import KvBuffer
 from larql.kv.captured_step import (
     CapturedStep,
@@ -188,7 +189,12 @@ class StaticCache:
         if not self.compile:
             return lambda: self.static_step(model, ffn)
         compiled = _compiled_static_step()
-        return lambda: compiled(self, model, ffn)
+
+        def step() -> torch.Tensor:
+            ran(COMPILED)
+            return compiled(self, model, ffn)
+
+        return step
 
     def static_step(self, model: Model, ffn: FfnBackend) -> torch.Tensor:
         """One token at the position in `self._inputs`, every shape static. → hidden [1, H]."""

@@ -13,7 +13,7 @@ torch path's up to float rounding. A leaving row is encoded by one call too
 Used where it applies: a float32 model on the CPU with the extension built, the rotated-basis
 attention (not `attention=sdpa`, the torch reference), `TurboQuantCodec` codes of one codec
 for K and V (`compiled_codec.compiled_codes`); the attention also needs a full-attention layer
-without soft caps or attention sinks whose K/V no other layer shares (`coded_kernels`).
+without soft caps or attention sinks whose K/V no other layer shares (`codes_in_place`).
 Everything else keeps the torch path.
 """
 
@@ -25,9 +25,10 @@ import torch
 
 from larql.inference.layer import effective_window
 from larql.inference.shared_kv import SharedKv
+from larql.kernels.ran import FUSED_PIECES, ran
 from larql.kv.turbo_quant.codebook import codebook
 from larql.kv.turbo_quant.codec import TurboQuantCodec
-from larql.kv.turbo_quant.compiled_codec import compiled_kernels, or_empty
+from larql.kv.turbo_quant.compiled_codec import or_empty
 from larql.kv.turbo_quant.store import QuantisedLayer
 from larql.models.model import Model
 
@@ -45,17 +46,16 @@ def attends_in_place(model: Model, layer: int, shared: SharedKv) -> bool:
     return effective_window(model, layer, None) is None
 
 
-def coded_kernels(
+def codes_in_place(
     model: Model,
     layer: int,
     store: QuantisedLayer,
     rotation: torch.Tensor | None,
     shared: SharedKv,
-) -> ModuleType | None:
-    """The extension where this layer's step attends over its codes in place, else None."""
-    if rotation is None or not store.compiled or not attends_in_place(model, layer, shared):
-        return None
-    return compiled_kernels()
+) -> bool:
+    """Whether this layer's step attends over its codes in place (in the extension, where
+    `cpu_extension()` has it)."""
+    return rotation is not None and store.compiled and attends_in_place(model, layer, shared)
 
 
 def attend_coded(
@@ -74,6 +74,7 @@ def attend_coded(
     codec: TurboQuantCodec = store.layout.k_codec  # type: ignore[assignment]
     rows, codes = rows_in_place(store, k, v)
     centroids = codebook(codec.rotated_dim, codec.bits).centroids
+    ran(FUSED_PIECES)
     out = kernels.coded_attention(
         q[:, 0],
         rotation,

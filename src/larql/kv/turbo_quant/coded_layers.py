@@ -26,10 +26,11 @@ import torch
 from larql.inference.ffn import FfnBackend
 from larql.inference.fused_layer import layer_arguments
 from larql.inference.shared_kv import SharedKv
+from larql.kernels.cpu import cpu_extension
+from larql.kernels.ran import FUSED_LAYERS, ran
 from larql.kv.rows import GrowableRows
 from larql.kv.turbo_quant.codec import RowCodec
 from larql.kv.turbo_quant.coded_cpu import attends_in_place
-from larql.kv.turbo_quant.compiled_codec import compiled_kernels
 from larql.kv.turbo_quant.store import QuantisedLayer
 from larql.models.model import Model
 
@@ -57,7 +58,7 @@ def coded_layers_step(
     [B, H], each engine's stores updated with its row; None where the one call does not apply
     (nothing is changed). `engines`: turbo-quant (or kv-quant) engines on the torch path, of
     one layout."""
-    kernels = compiled_kernels()
+    kernels = cpu_extension()
     if kernels is None:
         return None
     cfg = model.config
@@ -84,6 +85,7 @@ def coded_layers_step(
         ]
         for name in ("codes", "recent", "scales", "sinks", "means")
     ]
+    ran(FUSED_LAYERS)
     out = kernels.decode_layers_coded(
         *leading,
         *per_layer,

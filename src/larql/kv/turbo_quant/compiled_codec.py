@@ -9,20 +9,11 @@ codec's bytes.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
-from larql.inference.linear import load_block_kernels
+from larql.kernels.cpu import cpu_extension
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
 from larql.models.model import Model
-
-
-def compiled_kernels() -> ModuleType | None:
-    """The built extension where it has the quantised engines' calls, else None."""
-    kernels = load_block_kernels()
-    newest = ("coded_encode", "grouped_encode", "decode_layers_coded")
-    return kernels if kernels is not None and all(hasattr(kernels, n) for n in newest) else None
 
 
 def compiled_codes(model: Model, k_codec: RowCodec, v_codec: RowCodec) -> bool:
@@ -34,14 +25,14 @@ def compiled_codes(model: Model, k_codec: RowCodec, v_codec: RowCodec) -> bool:
         return False
     if k_codec.rotated_dim % 8:  # whole bytes per 8 indices at every width (2, 3 or 4 bits)
         return False
-    return compiled_kernels() is not None
+    return cpu_extension() is not None
 
 
 def encode_rows(codec: RowCodec, rows: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor:
     """rows [S, 2, Hkv, D] (float32 or float16) minus `mean` [2, Hkv, D] → one code row per
     token, uint8 [S, row_bytes] ([K heads ; V heads]), by the codec's compiled encoding
     (`compiled_encode`; the torch codec where the extension is not built)."""
-    kernels = compiled_kernels()
+    kernels = cpu_extension()
     if kernels is None:
         s = rows.shape[0]
         x = rows.float() if mean is None else rows.float() - mean

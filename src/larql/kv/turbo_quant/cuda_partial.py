@@ -4,7 +4,7 @@ NVRTC through torch (`torch.cuda._compile_kernel`: torch's CUDA wheels carry lib
 It replaces two of the Triton launches of a layer's step — the queries' rotation and the partial
 launch — with one, writing the split and exact-rows states where the Triton combine launch reads
 them. On an H200 its coded rows run ~1.5× faster than the Triton partial launch's at depth
-32,000 (docs/PERFORMANCE.md, issue 16): Triton has no per-lane loads from shared memory, so its
+32,000 (docs/PERFORMANCE.md): Triton has no per-lane loads from shared memory, so its
 loop decodes each code byte with a dozen integer instructions where this one uses a table
 lookup.
 
@@ -32,7 +32,7 @@ MAX_GROUP = 8  # query heads a K/V head: the products' 8 columns
 TABLE_BYTES = 256 * 256  # the codebook table, one copy per lane
 LUT_BASE = 1024  # the table's address in the shared window (sm_80 on reserve the first 1 KB)
 TARGET_CTAS = 128  # split CTAs a launch aims at (one an SM on an H200's 132)
-MAX_SPLITS = 64  # the workspace's states a (session, K/V head), less the exact rows'
+MAX_SPLITS = 64  # the workspace's states a (sequence, K/V head), less the exact rows'
 
 
 def shared_bytes() -> int:
@@ -76,7 +76,7 @@ def unavailable() -> str | None:
 
 
 def splits(max_slots: int, pairs: int) -> int:
-    """Split CTAs a (session, K/V head) for `pairs` of them over stores of up to `max_slots`
+    """Split CTAs a (sequence, K/V head) for `pairs` of them over stores of up to `max_slots`
     slots: about TARGET_CTAS in all, none with less than a load group a warp. Each session's
     coded rows are shared out evenly among them at run time, whatever its store's capacity."""
     wanted = max(1, min(MAX_SPLITS, TARGET_CTAS // max(1, pairs)))

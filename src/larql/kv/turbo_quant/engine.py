@@ -66,11 +66,12 @@ from larql.inference.layer import (
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
 from larql.inference.snapshots import StateReader, StateWriter
+from larql.kernels.cpu import cpu_extension
 from larql.kv.buffers import KvBuffer
 from larql.kv.pass_in_parts import PassInParts
 from larql.kv.reserved_rows import prompt_in_one_call
 from larql.kv.turbo_quant.codec import RowCodec, TurboQuantCodec
-from larql.kv.turbo_quant.coded_cpu import attend_coded, coded_kernels
+from larql.kv.turbo_quant.coded_cpu import attend_coded, codes_in_place
 from larql.kv.turbo_quant.coded_layers import coded_layers_step
 from larql.kv.turbo_quant.compiled_codec import compiled_codes
 from larql.kv.turbo_quant.kernel_batch import BatchedKernelStep
@@ -408,7 +409,8 @@ class TurboQuantEngine(KvEngine):
         → [1, q_dim], or None where it does not apply."""
         assert self._layers is not None
         store = self._layers[layer]
-        kernels = coded_kernels(model, layer, store, rotation, shared)
+        in_place = codes_in_place(model, layer, store, rotation, shared)
+        kernels = cpu_extension() if in_place else None
         if kernels is None or rotation is None:
             return None
         with self._profiler.stage("attention", model.device):

@@ -74,7 +74,7 @@ class BatchedKernelStep:
 
     @staticmethod
     def of(model: Model, key: Hashable, template: KernelPath) -> BatchedKernelStep:
-        """The step for engines of batch key `key` (the first session's path a template)."""
+        """The step for engines of batch key `key` (its first engine's path a template)."""
         step = model.runtime.get(("turbo-quant-batch", key))
         if not isinstance(step, BatchedKernelStep):
             step = BatchedKernelStep(model, template)

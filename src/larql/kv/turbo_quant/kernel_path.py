@@ -39,6 +39,7 @@ from larql.inference.layer import (
 )
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.inference.profiling import EngineProfiler
+from larql.kernels.ran import TRITON, ran
 from larql.kv.captured_step import (
     CapturedStep,
     RopeAtPosition,
@@ -238,7 +239,7 @@ class KernelPath:
         return self._tables
 
     def batch_meta(self, operands: Operands) -> torch.Tensor:
-        """Every layer's row of a batched launch's `meta` reaching this session's state from
+        """Every layer's row of a batched launch's `meta` reaching the session's state from
         `operands`: int64 [L, META] on the host, kept until the store is reallocated."""
         if self._batch_rows is None or self._batch_rows[0] is not operands:
             rows = [
@@ -346,6 +347,7 @@ class KernelPath:
     ) -> torch.Tensor:
         """The token `token_id` (or the residual row `hidden` [1, H]) at `position` through every
         layer, its K/V stored. → hidden [1, H]"""
+        ran(TRITON)  # the codec's Triton launches, replayed in a graph or not
         self.ensure_room(model, position)
         self._inputs.set(token_id, position)
         preserve = [s.data for s in self.layers] + [lv.exact for lv in self.levers]

@@ -215,7 +215,7 @@ class Workspace:
     """The launches' scratch, reused by every layer (they run in stream order): the rotated
     queries [B, Hq, D'] and the partial softmax states m, l [B·Hkv, MAX_SPLITS + 1, GP],
     acc [B·Hkv, MAX_SPLITS + 1, GP, D'] float32 for launches of up to B sessions. A launch of NS
-    splits uses the first NS + 1 states of each (session, K/V head) — the splits', then the
+    splits uses the first NS + 1 states of each (sequence, K/V head) — the splits', then the
     exact rows' — packed at the front (`state_slots`)."""
 
     m: torch.Tensor
@@ -237,7 +237,7 @@ class Workspace:
 
 
 def state_slots(n_splits: int) -> int:
-    """States a launch of `n_splits` splits keeps per (session, K/V head): one per split, and
+    """States a launch of `n_splits` splits keeps per (sequence, K/V head): one per split, and
     the exact rows' after them."""
     return n_splits + 1
 
@@ -327,24 +327,24 @@ def _rotate_queries(
     with this launch, 4,096 rows 15.6 → 14.5)."""
     wait_for_previous(PDL)
     head = tl.program_id(0)
-    session = tl.program_id(1)
+    seq = tl.program_id(1)
     rows = tl.arange(0, GP)
     dims = tl.arange(0, DP)
-    q = _queries(q_ptr + session * (HKV * G * D), head, rows, dims, G, D)  # [GP, DP]
+    q = _queries(q_ptr + seq * (HKV * G * D), head, rows, dims, G, D)  # [GP, DP]
     rotation = tl.load(rot_ptr + dims[:, None] * DP + dims[None, :])  # [DP, DP]
     rotated = tl.dot(q, rotation, input_precision=PRECISION)
-    at = (session * HKV * G + head * G + rows)[:, None] * DP + dims[None, :]
+    at = (seq * HKV * G + head * G + rows)[:, None] * DP + dims[None, :]
     tl.store(out_ptr + at, rotated, mask=(rows < G)[:, None])
 
 
 @triton.jit
-def _session_store(codes_ptr, norms_ptr, state, pos_ptr, session):
+def _session_store(codes_ptr, norms_ptr, state, pos_ptr, seq):
     """A session's store (its codes and their float32 view), its slots and its new token's
     position, from its `meta` row `state`. The slots and position as 32-bit integers: 64-bit
     index arithmetic costs a division subroutine per slot (`launch_indices_fit`)."""
     codes_at = tl.multiple_of(tl.load(state + AT_CODES), 16)
     slots = tl.load(state + AT_SLOTS).to(tl.int32)
-    pos = tl.load(pos_ptr + session).to(tl.int32)
+    pos = tl.load(pos_ptr + seq).to(tl.int32)
     return codes_ptr + codes_at, norms_ptr + codes_at // 4, slots, pos
 
 
@@ -660,16 +660,16 @@ def _attention_partial(
     wait_for_previous(PDL)
     head = tl.program_id(0)
     split = tl.program_id(1)
-    session = tl.program_id(2)
-    pair = session * HKV + head  # the workspace's (session, K/V head)
+    seq = tl.program_id(2)
+    pair = seq * HKV + head  # the workspace's (sequence, K/V head)
     first_state = pair * (NS + 1)  # its states: the NS splits', then the exact rows'
-    state = meta_ptr + session * META
-    codes_ptr, norms_ptr, slots, pos = _session_store(codes_ptr, norms_ptr, state, pos_ptr, session)
+    state = meta_ptr + seq * META
+    codes_ptr, norms_ptr, slots, pos = _session_store(codes_ptr, norms_ptr, state, pos_ptr, seq)
     if split == NS:
         _exact_state(
-            q_ptr + session * (HKV * G * D),
-            k_new_ptr + session * (HKV * D),
-            v_new_ptr + session * (HKV * D),
+            q_ptr + seq * (HKV * G * D),
+            k_new_ptr + seq * (HKV * D),
+            v_new_ptr + seq * (HKV * D),
             exact_ptr + tl.load(state + AT_EXACT),
             ring_ptr + tl.load(state + AT_RING),
             ring_scale_ptr + tl.load(state + AT_RING_SCALES),
@@ -698,7 +698,7 @@ def _attention_partial(
     else:
         _split_state(
             q_ptr,
-            q_rot_ptr + (session * HKV * G + head * G) * DP,
+            q_rot_ptr + (seq * HKV * G + head * G) * DP,
             codes_ptr,
             norms_ptr,
             centroids_ptr,
@@ -813,8 +813,8 @@ def _merged_output(
     DP: tl.constexpr,
     NS: tl.constexpr,
 ):
-    """The attention of (session, K/V head) `pair` from its NS + 1 states → out_ptr [G, D]
-    (this session's, model dtype). The splits' states are in the rotated basis, the exact rows'
+    """The attention of (sequence, K/V head) `pair` from its NS + 1 states → out_ptr [G, D]
+    (the sequence's, model dtype). The splits' states are in the rotated basis, the exact rows'
     (state NS) in the model's: its weighted values are added after the rotation back
     (R·R = I)."""
     first = pair * (NS + 1) * GP  # this head's states
@@ -989,17 +989,17 @@ def _attention_combine(
     wait_for_previous(PDL)
     head = tl.program_id(0)
     role = tl.program_id(1)  # 0: the attention; 1: the rows moving between the parts
-    session = tl.program_id(2)
-    pair = session * HKV + head  # the workspace's (session, K/V head)
-    state = meta_ptr + session * META
-    codes_ptr, norms_ptr, slots, pos = _session_store(codes_ptr, norms_ptr, state, pos_ptr, session)
+    seq = tl.program_id(2)
+    pair = seq * HKV + head  # the workspace's (sequence, K/V head)
+    state = meta_ptr + seq * META
+    codes_ptr, norms_ptr, slots, pos = _session_store(codes_ptr, norms_ptr, state, pos_ptr, seq)
     exact_ptr += tl.load(state + AT_EXACT)
     ring_ptr += tl.load(state + AT_RING)
     ring_scale_ptr += tl.load(state + AT_RING_SCALES)
     mean_ptr += tl.load(state + AT_MEAN)
-    out_ptr += session * (HKV * G * D)
-    k_new_ptr += session * (HKV * D)
-    v_new_ptr += session * (HKV * D)
+    out_ptr += seq * (HKV * G * D)
+    k_new_ptr += seq * (HKV * D)
+    v_new_ptr += seq * (HKV * D)
     rows = tl.arange(0, R)
     dims = tl.arange(0, DP)
     within = dims < D
@@ -1277,7 +1277,7 @@ def splits(slots: int) -> int:
 
 
 def batch_splits(slots: int, pairs: int) -> int:
-    """Programs per (session, K/V head) for a launch over `pairs` of them, stores of up to
+    """Programs per (sequence, K/V head) for a launch over `pairs` of them, stores of up to
     `slots` slots: `splits(slots)` for one session; fewer as sessions add programs, down to
     one, keeping about BATCH_PROGRAMS in all. The partial launch is bound by its instructions
     once the GPU is full, and every split costs the combine a merge: on an H200, 130 sessions
@@ -1448,7 +1448,7 @@ def batched_attention(
     ≤ max_slots, which fixes the launch's shape), its position positions[b]. q: [B, Hq, D],
     k_new, v_new: [B, Hkv, D]; `levers`: the layer's (their tensors are not read here — the
     operands are — but their counts and flags are every session's); `n_splits`: programs per
-    (session, K/V head), a power of two ≤ MAX_SPLITS (None: `splits(max_slots)`);
+    (sequence, K/V head), a power of two ≤ MAX_SPLITS (None: `splits(max_slots)`);
     `use_cuda_partial`: the queries' rotation and the partial launch in one CUDA C++ launch where it
     covers the layer and builds here (`cuda_partial_kernel`), else (and with False) the Triton
     launches. → [B, Hq, D]."""

@@ -504,14 +504,14 @@ turbo_quant_partial(const u16* __restrict__ q,  // [B, HKV * G, D] bfloat16
     if (threadIdx.x == 0) *base_out = (u32)__cvta_generic_to_shared(smem);
     return;
   }
-  const int head = blockIdx.x, split = blockIdx.y, session = blockIdx.z;
-  const long long* row = meta + session * META;
-  const int pos = (int)positions[session];
-  const int state_index = (session * HKV + head) * (ns + 1) + split;
+  const int head = blockIdx.x, split = blockIdx.y, seq = blockIdx.z;
+  const long long* row = meta + seq * META;
+  const int pos = (int)positions[seq];
+  const int state_index = (seq * HKV + head) * (ns + 1) + split;
   const float scale_log2 = (float)(scale * 1.4426950408889634);
-  const u16* q_session = q + ((size_t)session * HKV + head) * G * D;
+  const u16* q_session = q + ((size_t)seq * HKV + head) * G * D;
   if (split == ns) {
-    exact_state(q_session, k_new + (size_t)session * HKV * D, v_new + (size_t)session * HKV * D,
+    exact_state(q_session, k_new + (size_t)seq * HKV * D, v_new + (size_t)seq * HKV * D,
                 exact_base + row[AT_EXACT], head, pos, keep, scale_log2, state_index, m_out, l_out,
                 acc_out);
     return;
