@@ -27,6 +27,7 @@ def _h2o(p: dict) -> H2oEngine:
 
 SNAPKV = EngineEntry(
     name="snapkv",
+    purpose="evicts prompt rows attention skips",
     aliases=(),
     params=(
         Param(
@@ -60,6 +61,7 @@ SNAPKV = EngineEntry(
 
 H2O = EngineEntry(
     name="h2o",
+    purpose="keeps recent rows + heavy hitters",
     aliases=("heavy-hitter",),
     params=(
         Param("budget", int, 512, "rows kept per layer and K/V head", at_least(1), bound=TOKENS),
