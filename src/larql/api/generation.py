@@ -101,6 +101,9 @@ def top_tokens(model: Model, logits: torch.Tensor, n: int) -> tuple[TopToken, ..
     )
 
 
+REPR_TEXT = 60  # characters of the text a Generation's repr shows
+
+
 @dataclass(frozen=True)
 class Generation:
     """One generation. `token_ids`: every generated id (an end-of-turn id that ended the run
@@ -123,6 +126,16 @@ class Generation:
     loaded_state: SavedState | None = None  # what `load_state` read
     saved_state: SavedState | None = None  # what `save_state` wrote
     top: tuple[TopToken, ...] = ()  # with `top=N`: the next-token table after the prompt
+
+    def __repr__(self) -> str:
+        """One short line (the token lists and the memory tables left out): the counts, the
+        engine and the head of the text."""
+        head = self.text if len(self.text) <= REPR_TEXT else self.text[:REPR_TEXT] + "…"
+        return (
+            f"Generation(model={self.model!r}, engine={self.engine!r}, "
+            f"prompt_tokens={len(self.prompt_ids)}, tokens={len(self.token_ids)}, "
+            f"finish_reason={self.finish_reason!r}, memory={self.memory}, text={head!r})"
+        )
 
     def as_json(self) -> dict[str, Any]:
         """The object `larql run --output json` prints."""

@@ -97,17 +97,6 @@ def bench(
     threads: ThreadsOption = None,
 ) -> None:
     """Time every engine (whole tokens), report memory and roofline, optionally vs HF."""
-    from larql.api import bench as run_bench
-    from larql.api import parse_engines
-    from larql.harness.bench.report import (
-        batch_table,
-        concurrent_table,
-        render_table,
-        save_plot,
-        stage_tables,
-    )
-    from larql.harness.bench.run import default_specs
-
     if output not in ("table", "json"):
         raise InvalidInput(f"unknown --output {output!r}; accepted: table, json")
     given = [
@@ -125,6 +114,18 @@ def bench(
     for name, value, low in checked:
         if value < low:
             raise InvalidInput(f"{name} must be ≥ {low}, got {value}")
+    # the checks above need no torch: a typo is answered at once
+    from larql.api import bench as run_bench
+    from larql.api import parse_engines
+    from larql.harness.bench.report import (
+        batch_table,
+        concurrent_table,
+        render_table,
+        save_plot,
+        stage_tables,
+    )
+    from larql.harness.bench.run import default_specs
+
     kinds = parse_engines(engine or default_specs())
     depth_list = parse_int_list(depths, "--depths", 0)
     batch_sizes = parse_int_list(batch, "--batch", 1)

@@ -94,16 +94,17 @@ def run(
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Generate text from PROMPT with the chosen KV engine."""
-    from larql.api import generate
-    from larql.inference.sampling import SamplingParams
-    from larql.kv.resolve import resolve_engine
-
+    # the checks that need no torch first: a typo is answered at once
     if output not in OUTPUTS:
         raise InvalidInput(f"unknown --output {output!r}; accepted: {', '.join(OUTPUTS)}")
     if max_tokens < 1:
         raise InvalidInput(f"-n/--max-tokens must be ≥ 1, got {max_tokens}")
     if top < 0:
         raise InvalidInput(f"--top must be ≥ 0, got {top}")
+    from larql.api import generate
+    from larql.inference.sampling import SamplingParams
+    from larql.kv.resolve import resolve_engine
+
     SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # checks early
     check_state_directory(save_state)
     ffn_spec = ffn_policy_spec(
@@ -158,16 +159,17 @@ def run(
             sys.stdout.write("\n")
         sys.stdout.flush()
         raise
+    if output == "text":  # the text's line ends before any notice on stderr
+        sys.stdout.write("\n")
+        sys.stdout.flush()
     if result.loaded_state is not None:
         stderr.print(describe_state("loaded", result.loaded_state))
     if result.saved_state is not None:
         stderr.print(describe_state("saved", result.saved_state))
     if output == "json":
         print(json.dumps(result.as_json()))
-    else:
-        sys.stdout.write("\n")
-        if result.top:
-            stdout.print(top_table(result.top))
+    elif result.top:
+        stdout.print(top_table(result.top))
     if verbose:
         rate = result.decode_tok_s
         stderr.print(f"engine: {result.engine_summary}  (from {choice.source})")

@@ -69,6 +69,13 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 }
 
 
+HOW_TO_GET_A_MODEL = (
+    "`larql models` lists the known models and how to install each; or pass -m "
+    "path/to/model.gguf (a llama.cpp GGUF file) or -m path/to/dir (a Hugging Face model "
+    "directory: config.json, *.safetensors, tokenizer.json)"
+)
+
+
 def resolve_model_path(model: str | None) -> tuple[str, Path]:
     """(display name, path to a .gguf file or an HF directory) for a `-m` value."""
     name = model or DEFAULT_MODEL
@@ -86,10 +93,14 @@ def resolve_model_path(model: str | None) -> tuple[str, Path]:
     if path.is_dir():
         if (path / "config.json").exists():
             return path.name, path
-        raise ModelNotFound(f"{path} is a directory without config.json (not an HF model dir)")
+        raise ModelNotFound(
+            f"{path} is a directory without config.json (not an HF model dir). {HOW_TO_GET_A_MODEL}"
+        )
     if path.exists():
-        raise ModelNotFound(f"{path} is neither a .gguf file nor an HF model directory")
+        raise ModelNotFound(
+            f"{path} is neither a .gguf file nor an HF model directory. {HOW_TO_GET_A_MODEL}"
+        )
     raise ModelNotFound(
         f"unknown model {name!r}: not a known name ({', '.join(KNOWN_MODELS)}), "
-        "and no such .gguf file or HF directory"
+        f"and no such .gguf file or HF directory. {HOW_TO_GET_A_MODEL}"
     )
