@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 import larql
 from larql.cli.app import app
+from larql.cli.progress import progress_lines
 from larql.kv.resolve import ENV_VAR, resolve_engine
 from larql.kv.spec import UnknownEngine
 from larql.models.model import Model
@@ -104,3 +105,37 @@ def test_the_load_state_notice_has_a_line_of_its_own(
     text = loaded.stdout
     assert text.endswith("\n") and loaded.output.startswith(text.rstrip("\n") + "\n")
     assert "\nloaded state: " in loaded.output
+
+
+def test_progress_is_a_line_per_item_where_stderr_is_not_a_terminal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with progress_lines("accuracy", 3) as advance:
+        for label in ("corpora: standard", "fidelity: reference (standard)", "fidelity: h2o"):
+            advance(label)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split("] ")[1] for line in lines] == [
+        "corpora: standard",
+        "fidelity: reference (standard)",
+        "fidelity: h2o",
+    ]
+    assert [line.split(" [")[0] for line in lines] == [f"accuracy: {i}/3" for i in (1, 2, 3)]
+    with progress_lines("accuracy", 3, quiet=True) as advance:
+        advance("corpora: standard")
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+def test_bench_reports_progress_unless_quiet(
+    smollm2_default: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    args = ["bench", "--engine", "standard", "-n", "1", "--repeats", "1", "--warmup", "0"]
+    args += ["--depths", "0,4", "--output", "json"]
+    done = CliRunner().invoke(app, args)
+    assert done.exit_code == 0, done.output
+    lines = [line for line in done.stderr.splitlines() if line.startswith("bench: ")]
+    assert [line.split(" [")[0] for line in lines] == ["bench: 1/2", "bench: 2/2"]
+    assert lines[0].endswith("standard @ depth 0 (1 interleaved rounds)")
+    quiet = CliRunner().invoke(app, [*args, "--quiet"])
+    assert quiet.exit_code == 0 and "bench: " not in quiet.stderr

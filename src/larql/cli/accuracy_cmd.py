@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import Progress
 
-from larql.cli.common import InvalidInput, open_model, stderr, stdout, user_errors
+from larql.cli.common import InvalidInput, open_model, stdout, user_errors
 from larql.cli.ffn_options import MoeShardsOption, moe_shards_spec
 from larql.cli.longctx_cmd import SUITES, SuiteGrid
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
 from larql.cli.outputs import check_output_file, check_plot_file, write_text, writing
+from larql.cli.progress import progress_lines
 
 
 def default_engines(suite: str = "prompts") -> str:
@@ -113,6 +113,15 @@ def accuracy(
     weights: WeightsOption = "auto",
     device: DeviceOption = "cpu",
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "-q",
+            "--quiet",
+            help="No progress on stderr (else a bar, or a line per item "
+            "where stderr is not a terminal).",
+        ),
+    ] = False,
 ) -> None:
     """What each engine changes: prompt corpora scores and teacher-forced fidelity.
 
@@ -153,8 +162,10 @@ def accuracy(
         run_suite(lm, specs, ffn_specs, grid, text, output_file, plot)
         return
     lm = open_model(model, dtype, device, weights=weights)
-    with Progress(console=stderr, transient=True) as bar:
-        task = bar.add_task("accuracy", total=None)
+    # the corpora, one item per strategy; the fidelity reference, then one per strategy
+    strategies = len(kinds) * len(ffn_specs)
+    total = strategies + (0 if no_fidelity else strategies + 1)
+    with progress_lines("accuracy", total, quiet) as advance:
         report = run_accuracy(
             lm,
             kinds,
@@ -167,7 +178,7 @@ def accuracy(
             text_file=text,
             positions=positions,
             prompt_tokens=prompt_tokens,
-            progress=lambda s: bar.update(task, description=s),
+            progress=advance,
         )
     stdout.print(split_table(report.splits))
     for line in served_lines(report.splits):

@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import Progress
 
-from larql.cli.common import InvalidInput, open_model, stderr, stdout, user_errors
+from larql.cli.common import InvalidInput, open_model, stdout, user_errors
 from larql.cli.engine_names import engines_help
 from larql.cli.ffn_options import (
     FfnPolicyOption,
@@ -20,6 +19,7 @@ from larql.cli.ffn_options import (
 )
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption, WeightsOption
 from larql.cli.outputs import check_output_file, check_plot_file, write_text, writing
+from larql.cli.progress import progress_lines
 
 
 def parse_int_list(value: str | None, option: str, minimum: int) -> list[int]:
@@ -95,6 +95,15 @@ def bench(
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
     threads: ThreadsOption = None,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "-q",
+            "--quiet",
+            help="No progress on stderr (else a bar, or a line per item "
+            "where stderr is not a terminal).",
+        ),
+    ] = False,
 ) -> None:
     """Time every engine (whole tokens), report memory and roofline, optionally vs HF."""
     if output not in ("table", "json"):
@@ -134,14 +143,11 @@ def bench(
     check_output_file(output_file, "--output-file")
     check_plot_file(plot)
     lm = open_model(model, dtype, device, threads, weights)
-    total = (1 if prompt is not None else len(depth_list) or 1) * (len(kinds) + (1 if vs_hf else 0))
-    with Progress(console=stderr, transient=True) as bar:
-        task = bar.add_task("bench", total=total)
-
-        def advance(label: str) -> None:
-            bar.update(task, description=label)
-            bar.advance(task)
-
+    # one item per depth for the engines (interleaved), and one each for --batch,
+    # --concurrent and --vs-hf
+    contexts = 1 if prompt is not None else len(depth_list) or 1
+    total = contexts * (1 + bool(batch_sizes) + bool(concurrent) + vs_hf)
+    with progress_lines("bench", total, quiet) as advance:
         report = run_bench(
             lm,
             kinds,
