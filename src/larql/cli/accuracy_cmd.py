@@ -14,6 +14,7 @@ from larql.cli.longctx_cmd import SUITES, SuiteGrid
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
 from larql.cli.outputs import check_output_file, check_plot_file, write_text, writing
 from larql.cli.progress import progress_lines
+from larql.cli.renamed import renamed
 
 
 def default_engines(suite: str = "prompts") -> str:
@@ -33,18 +34,24 @@ def accuracy(
     engines: Annotated[
         str | None,
         typer.Option(
-            "--engines",
+            "--engine",
             help="Engine specs (; or , separated); the default depends on --suite.",
         ),
+    ] = None,
+    old_engines: Annotated[
+        str | None, typer.Option("--engines", hidden=True, help="Old spelling of --engine.")
     ] = None,
     ffn: Annotated[
         str,
         typer.Option(
-            "--ffn",
+            "--ffn-policy",
             help="FFN policies, comma separated (braces keep their commas), e.g. "
             "'dense,walk:k=100'; more than one (or not dense) labels strategies kv@ffn.",
         ),
     ] = "dense",
+    old_ffn: Annotated[
+        str | None, typer.Option("--ffn", hidden=True, help="Old spelling of --ffn-policy.")
+    ] = None,
     moe_shards: MoeShardsOption = None,
     quick: Annotated[
         bool,
@@ -127,6 +134,8 @@ def accuracy(
 
     Every engine is scored on parametric facts, needles and conflicts, and its next-token
     distributions are compared with the full cache's over a text."""
+    engines = renamed(engines, old_engines, "--engine", "--engines", None)
+    ffn = renamed(ffn, old_ffn, "--ffn-policy", "--ffn", "dense")
     from larql.api import accuracy as run_accuracy
     from larql.harness.accuracy.aggregate import served_lines, split_table
     from larql.harness.accuracy.report import fidelity_table
@@ -136,11 +145,11 @@ def accuracy(
     specs = CATALOG.split_specs(engines or default_engines(suite))
     kinds = [CATALOG.parse(s) for s in specs]
     if not kinds:
-        raise InvalidInput(f"--engines lists no engine; {CATALOG.supported_message()}")
+        raise InvalidInput(f"--engine lists no engine; {CATALOG.supported_message()}")
     ffn_specs = split_specs(ffn) or ["dense"]
     if moe_shards is not None:
         if ffn != "dense":
-            raise InvalidInput("give --ffn or --moe-shards, not both")
+            raise InvalidInput("give --ffn-policy or --moe-shards, not both")
         ffn_specs = [moe_shards_spec(moe_shards)]
     for spec in ffn_specs:
         FfnLayerPolicy.from_spec(spec)  # a typo fails before the model loads

@@ -20,6 +20,7 @@ from larql.cli.ffn_options import (
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption, WeightsOption
 from larql.cli.outputs import check_output_file, check_plot_file, write_text, writing
 from larql.cli.progress import progress_lines
+from larql.cli.renamed import renamed
 
 
 def parse_int_list(value: str | None, option: str, minimum: int) -> list[int]:
@@ -54,7 +55,15 @@ def bench(
     text: Annotated[
         Path | None, typer.Option("--text", help="Text to cut contexts from (default: shipped).")
     ] = None,
-    tokens: Annotated[int, typer.Option("-n", "--tokens", help="Timed decode steps.")] = 32,
+    tokens: Annotated[
+        int, typer.Option("-n", "--max-tokens", help="New tokens: the timed decode steps.")
+    ] = 32,
+    old_tokens: Annotated[
+        int | None, typer.Option("--tokens", hidden=True, help="Old spelling of --max-tokens.")
+    ] = None,
+    old_engines: Annotated[
+        str | None, typer.Option("--engines", hidden=True, help="Spelling of --engine.")
+    ] = None,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed steps first.")] = 3,
     repeats: Annotated[int, typer.Option("--repeats", help="Fresh runs per engine.")] = 3,
     depths: Annotated[
@@ -106,6 +115,8 @@ def bench(
     ] = False,
 ) -> None:
     """Time every engine (whole tokens), report memory and roofline, optionally vs HF."""
+    tokens = renamed(tokens, old_tokens, "-n/--max-tokens", "--tokens", 32)
+    engine = renamed(engine, old_engines, "--engine", "--engines", None)
     if output not in ("table", "json"):
         raise InvalidInput(f"unknown --output {output!r}; accepted: table, json")
     given = [
@@ -115,7 +126,7 @@ def bench(
     ]
     if len(given) > 1:
         raise InvalidInput(f"give one of --context, --depths, --prompt (got {' and '.join(given)})")
-    checked = [("-n/--tokens", tokens, 1), ("--repeats", repeats, 1), ("--warmup", warmup, 0)]
+    checked = [("-n/--max-tokens", tokens, 1), ("--repeats", repeats, 1), ("--warmup", warmup, 0)]
     if context is not None:
         checked.append(("--context", context, 1))
     if concurrent is not None:

@@ -18,6 +18,7 @@ from larql.cli.options import (
     WeightsOption,
     parse_layer_range,
 )
+from larql.cli.renamed import renamed
 
 OUTPUTS = ("table", "json")
 
@@ -38,7 +39,7 @@ def walk_policy(k: int | None, policy: str | None, url: str | None = None) -> st
     if policy is not None or url is not None:
         return ffn_policy_spec(policy, url)
     if k is not None and k < 1:
-        raise InvalidInput(f"-k/--top-k must be ≥ 1, got {k}")
+        raise InvalidInput(f"-k/--features must be ≥ 1, got {k}")
     return "walk" if k is None else f"walk:k={k}"
 
 
@@ -48,7 +49,10 @@ def walk(
     model: ModelOption = None,
     k: Annotated[
         int | None,
-        typer.Option("-k", "--top-k", help="Features kept per layer (walk:k=N); default all."),
+        typer.Option("-k", "--features", help="Features kept per layer (walk:k=N); default all."),
+    ] = None,
+    old_k: Annotated[
+        int | None, typer.Option("--top-k", hidden=True, help="Old spelling of -k/--features.")
     ] = None,
     layers: Annotated[
         str | None, typer.Option("--layers", help="Layers to show, A-B inclusive (default all).")
@@ -87,6 +91,7 @@ def walk(
     with -k only the k features the walk keeps) and the tokens its down vector writes most
     strongly through the unembedding (top of lm_head · down column; a negative activation
     pushes those tokens down)."""
+    k = renamed(k, old_k, "-k/--features", "--top-k", None)
     if output not in OUTPUTS:
         raise InvalidInput(f"unknown --output {output!r}; accepted: {', '.join(OUTPUTS)}")
     if predict and compare:
