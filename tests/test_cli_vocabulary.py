@@ -62,3 +62,23 @@ def test_top_k_is_sampling_only(cli) -> None:
     helps = {command: cli(command, "--help").stdout for command in ("run", "walk", "bench")}
     assert "--top-k" in helps["run"]
     assert "--top-k" not in helps["walk"] and "--features" in helps["walk"]
+
+
+@pytest.mark.parametrize("command", ["run", "walk", "serve", "bench", "accuracy"])
+def test_every_model_loading_command_takes_threads(cli, command: str) -> None:
+    prompt = ["Hello"] if command in ("run", "walk") else []
+    refused = cli(command, *prompt, "--threads", "0")
+    assert refused.exit_code == 2 and "--threads must be ≥ 1, got 0" in refused.stderr
+
+
+@pytest.mark.slow
+def test_run_uses_the_threads_given(cli) -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        done = cli("run", "Hello", "-n", "1", "--threads", "1")
+        assert done.exit_code == 0, done.output
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

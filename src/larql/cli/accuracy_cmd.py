@@ -11,7 +11,7 @@ import typer
 from larql.cli.common import InvalidInput, open_model, stdout, user_errors
 from larql.cli.ffn_options import MoeShardsOption, moe_shards_spec
 from larql.cli.longctx_cmd import SUITES, SuiteGrid
-from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
+from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption, WeightsOption
 from larql.cli.outputs import check_output_file, check_plot_file, write_text, writing
 from larql.cli.progress import progress_lines
 from larql.cli.renamed import renamed
@@ -119,6 +119,7 @@ def accuracy(
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
     device: DeviceOption = "cpu",
+    threads: ThreadsOption = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
     quiet: Annotated[
         bool,
@@ -167,10 +168,10 @@ def accuracy(
         from larql.cli.longctx_cmd import run_suite
 
         grid = SuiteGrid.parse(suite, quick, tasks, lengths, depths, seed)
-        lm = open_model(model, dtype, device, weights=weights)
+        lm = open_model(model, dtype, device, threads, weights)
         run_suite(lm, specs, ffn_specs, grid, text, output_file, plot)
         return
-    lm = open_model(model, dtype, device, weights=weights)
+    lm = open_model(model, dtype, device, threads, weights)
     # the corpora, one item per strategy; the fidelity reference, then one per strategy
     strategies = len(kinds) * len(ffn_specs)
     total = strategies + (0 if no_fidelity else strategies + 1)

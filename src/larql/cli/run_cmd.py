@@ -19,7 +19,7 @@ from larql.cli.ffn_options import (
     check_policy,
     ffn_policy_spec,
 )
-from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
+from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption, WeightsOption
 from larql.cli.state_options import (
     LoadStateOption,
     SaveStateOption,
@@ -75,6 +75,7 @@ def run(
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
+    threads: ThreadsOption = None,
     output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
     ffn_policy: FfnPolicyOption = None,
     ffn: FfnUrlOption = None,
@@ -116,7 +117,7 @@ def run(
     for warning in choice.warnings:
         stderr.print(f"warning: {warning}")
     text = read_prompt(prompt) if load_state_dir is None or prompt.strip() else ""
-    lm = open_model(model, dtype, device, weights=weights)
+    lm = open_model(model, dtype, device, threads, weights)
     # a loaded state keeps the engine it was saved with unless --engine names one
     asked = choice.engine if load_state_dir is None or choice.source != "default" else None
 

@@ -15,6 +15,7 @@ from larql.cli.options import (
     DeviceOption,
     DtypeOption,
     ModelOption,
+    ThreadsOption,
     WeightsOption,
     parse_layer_range,
 )
@@ -84,6 +85,7 @@ def walk(
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
     device: DeviceOption = "cpu",
+    threads: ThreadsOption = None,
 ) -> None:
     """Which FFN features fire at the last position of PROMPT, and what each one writes.
 
@@ -116,7 +118,7 @@ def walk(
         for warning in choice.warnings:
             stderr.print(f"warning: {warning}")
     text = read_prompt(prompt)
-    lm = open_model(model, dtype, device, weights=weights)
+    lm = open_model(model, dtype, device, threads, weights)
     ids = lm.tokenizer.encode(text)
     check_context(lm, len(ids))
     shown = walk_layers(layers, lm.config.num_layers)
