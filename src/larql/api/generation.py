@@ -143,7 +143,8 @@ class Generation:
             "model": self.model,
             "engine": self.engine,
             "prompt_tokens": len(self.prompt_ids),
-            "tokens": self.token_ids,
+            "token_ids": self.token_ids,
+            "tokens": self.token_ids,  # the old name of token_ids, kept for scripts
             "text": self.text,
             "finish_reason": self.finish_reason,
             "prefill_ms": round(self.prefill_ms, 3),

@@ -157,7 +157,7 @@ def _print_features(data: dict[str, Any]) -> None:
     predicted = data["prediction"][0]
     table = Table(
         title=f"{data['model']}: features firing at position {data['position']} "
-        f"(ffn {data['ffn']}; next token {predicted['token']!r})",
+        f"(ffn {data['ffn']}; next token {predicted['text']!r})",
         caption="activation = act(gate·x)·(up·x); writes = top of lm_head · down column",
     )
     for column, justify in (
@@ -189,7 +189,11 @@ def _print_compare(data: dict[str, Any]) -> None:
         table.add_column(column)
     for i, (d, w) in enumerate(zip(data["dense"], data["walk"], strict=True), start=1):
         table.add_row(
-            str(i), repr(d["token"]), f"{d['prob']:.4f}", repr(w["token"]), f"{w['prob']:.4f}"
+            str(i),
+            repr(d["text"]),
+            f"{d['probability']:.4f}",
+            repr(w["text"]),
+            f"{w['probability']:.4f}",
         )
     stdout.print(table)
     stdout.print(
