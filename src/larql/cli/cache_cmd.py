@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import typer
 
-from larql.cli.common import stdout, user_errors
+from larql.cli.common import user_errors
 
 cache_app = typer.Typer(
     help="The cache of dequantised weights: where it is and its size (clear: remove it).",
@@ -33,14 +33,15 @@ def show(context: typer.Context) -> None:
     from larql.models.cache import CACHE_PARTS, cache_dir, cache_usage
 
     usage = cache_usage()
-    stdout.print(
+    # plain lines: a path is never wrapped
+    print(
         f"cache: {cache_dir()}  (LARQL_CACHE_DIR, else $XDG_CACHE_HOME/larql, else ~/.cache/larql)"
     )
     for part, held in usage.items():
-        stdout.print(f"  {part:<12} {size(held):>10}  {CACHE_PARTS[part]}")
+        print(f"  {part:<12} {size(held):>10}  {CACHE_PARTS[part]}")
     total = sum(usage.values())
     tail = "; larql cache clear removes it (rebuilt when next needed)" if total else " (empty)"
-    stdout.print(f"total {size(total)}{tail}")
+    print(f"total {size(total)}{tail}")
 
 
 @cache_app.command()
@@ -51,5 +52,5 @@ def clear() -> None:
 
     removed = clear_cache()
     for part, held in removed.items():
-        stdout.print(f"removed {cache_dir() / part} ({size(held)})")
-    stdout.print(f"freed {size(sum(removed.values()))}")
+        print(f"removed {cache_dir() / part} ({size(held)})")
+    print(f"freed {size(sum(removed.values()))}")
