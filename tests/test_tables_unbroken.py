@@ -5,8 +5,6 @@ at any terminal width (columns are left out, and named, where the terminal is to
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -159,11 +157,24 @@ def test_a_table_too_narrow_even_so_cuts_no_line() -> None:
 
 
 def engines_at(width: int, *args: str) -> list[str]:
-    env = {**os.environ, "COLUMNS": str(width)}
-    done = subprocess.run(
-        [str(LARQL), "engines", *args], capture_output=True, text=True, env=env, check=True
-    )
-    return done.stdout.splitlines()
+    """`larql engines ARGS` as a terminal of `width` columns shows it."""
+    import io
+
+    from typer.testing import CliRunner
+
+    from larql.cli import catalog_cmd
+    from larql.cli.app import app
+
+    shown = io.StringIO()
+    terminal = Console(file=shown, width=width, highlight=False, markup=False)
+    original = catalog_cmd.stdout
+    catalog_cmd.stdout = terminal
+    try:
+        done = CliRunner().invoke(app, ["engines", *args])
+    finally:
+        catalog_cmd.stdout = original
+    assert done.exit_code == 0, done.output
+    return (shown.getvalue() + done.stdout).splitlines()
 
 
 def test_engines_is_compact_and_whole_at_80_columns() -> None:

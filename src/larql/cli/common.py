@@ -4,7 +4,6 @@ model / engine / prompt options are read the same way everywhere."""
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -20,13 +19,8 @@ if TYPE_CHECKING:  # torch and the models load in the commands' bodies, not for 
 F = TypeVar("F", bound=Callable[..., Any])
 
 stderr = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
-# Piped output gets wide tables instead of rich's 80-column default, unless COLUMNS says the
-# width (rich reads it).
-stdout = Console(
-    highlight=False,
-    markup=False,
-    width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 180,
-)
+# Piped output gets wide tables instead of rich's 80-column default.
+stdout = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 180)
 
 EXIT_USER_ERROR = 2
 
