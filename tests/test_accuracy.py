@@ -189,7 +189,7 @@ def test_cli_report(tmp_path: Path) -> None:
         [
             "accuracy",
             "--quick",
-            "--engines",
+            "--engine",
             "standard;standard:window=16",
             "--positions",
             "16",
@@ -218,5 +218,5 @@ def test_cli_report(tmp_path: Path) -> None:
 
 
 def test_cli_rejects_unknown_engines() -> None:
-    result = CliRunner().invoke(app, ["accuracy", "--engines", "standard,bogus"])
+    result = CliRunner().invoke(app, ["accuracy", "--engine", "standard,bogus"])
     assert result.exit_code == 2 and "unknown engine 'bogus'" in result.stderr

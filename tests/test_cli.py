@@ -22,6 +22,7 @@ RUN_KEYS = {
     "model",
     "engine",
     "prompt_tokens",
+    "token_ids",
     "tokens",
     "text",
     "finish_reason",
@@ -55,7 +56,7 @@ def test_json_output_schema(cli, smollm2: Model) -> None:
     assert out["model"] == "smollm2-135m"
     assert out["engine"] == "standard"
     assert out["prompt_tokens"] == len(smollm2.tokenizer.encode("The capital of France is"))
-    assert len(out["tokens"]) == 6
+    assert len(out["token_ids"]) == 6 and out["tokens"] == out["token_ids"]
     assert out["finish_reason"] == "length"
     assert out["text"].startswith(" Paris")
     assert out["prefill_ms"] > 0 and out["decode_tok_s"] > 0

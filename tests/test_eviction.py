@@ -119,7 +119,7 @@ def test_fidelity_with_a_long_prompt_sees_snapkv_compress(tmp_path) -> None:
             "40",
             "--positions",
             "8",
-            "--engines",
+            "--engine",
             "standard;snapkv:budget=4,window=4;snapkv:budget=64",
             "--output-file",
             str(out),
@@ -137,6 +137,6 @@ def test_fidelity_with_a_long_prompt_sees_snapkv_compress(tmp_path) -> None:
 @pytest.mark.slow
 def test_bad_prompt_tokens_are_refused(value: str, message: str) -> None:
     result = CliRunner().invoke(
-        app, ["accuracy", "--quick", "--engines", "standard", "--prompt-tokens", value]
+        app, ["accuracy", "--quick", "--engine", "standard", "--prompt-tokens", value]
     )
     assert result.exit_code == 2 and message in result.stderr, result.output

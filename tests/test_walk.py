@@ -167,7 +167,7 @@ def test_walk_json(cli, smollm2: Model) -> None:
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["ffn"] == "walk" and data["position"] == 4
-    assert data["prediction"][0]["token"] == " Paris"
+    assert data["prediction"][0]["text"] == " Paris"
     (layer,) = data["layers"]
     assert layer["layer"] == 29 and len(layer["features"]) == 4
     first = layer["features"][0]
@@ -198,7 +198,8 @@ def test_walk_compare(cli) -> None:
     result = cli("The capital of France is", "-k", "100", "--compare", "-o", "json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert data["dense"][0]["token"] == " Paris" and len(data["walk"]) == 5
+    assert data["dense"][0]["text"] == " Paris" and len(data["walk"]) == 5
+    assert set(data["dense"][0]) == {"id", "text", "probability"}  # as run --top names them
     assert data["kl_dense_walk"] > 0
     same = json.loads(cli("The capital of France is", "--compare", "-o", "json").stdout)
     assert same["kl_dense_walk"] == 0 and same["same_top1"]

@@ -102,6 +102,9 @@ def top_tokens(model: Model, logits: torch.Tensor, n: int) -> tuple[TopToken, ..
     )
 
 
+REPR_TEXT = 60  # characters of the text a Generation's repr shows
+
+
 @dataclass(frozen=True)
 class Generation:
     """One generation. `token_ids`: every generated id (an end-of-turn id that ended the run
@@ -127,13 +130,24 @@ class Generation:
     # what the decode steps ran: device · dtype · weights · kernel path (`larql run -v`)
     decode_path: str = ""
 
+    def __repr__(self) -> str:
+        """One short line (the token lists and the memory tables left out): the counts, the
+        engine and the head of the text."""
+        head = self.text if len(self.text) <= REPR_TEXT else self.text[:REPR_TEXT] + "…"
+        return (
+            f"Generation(model={self.model!r}, engine={self.engine!r}, "
+            f"prompt_tokens={len(self.prompt_ids)}, tokens={len(self.token_ids)}, "
+            f"finish_reason={self.finish_reason!r}, memory={self.memory}, text={head!r})"
+        )
+
     def as_json(self) -> dict[str, Any]:
         """The object `larql run --output json` prints."""
         return {
             "model": self.model,
             "engine": self.engine,
             "prompt_tokens": len(self.prompt_ids),
-            "tokens": self.token_ids,
+            "token_ids": self.token_ids,
+            "tokens": self.token_ids,  # the old name of token_ids, kept for scripts
             "text": self.text,
             "finish_reason": self.finish_reason,
             "prefill_ms": round(self.prefill_ms, 3),

@@ -7,13 +7,14 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import Progress
 
 from larql.cli.accuracy_longctx import SUITES, SuiteGrid
-from larql.cli.common import InvalidInput, open_model, stderr, stdout, user_errors
+from larql.cli.common import InvalidInput, open_model, stdout, user_errors
 from larql.cli.ffn_options import MoeShardsOption, moe_shards_spec
-from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
+from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption, WeightsOption
 from larql.cli.outputs import check_output_file, check_plot_file, write_text, writing
+from larql.cli.progress import progress_lines
+from larql.cli.renamed import renamed
 
 
 def default_engines(suite: str = "prompts") -> str:
@@ -33,18 +34,24 @@ def accuracy(
     engines: Annotated[
         str | None,
         typer.Option(
-            "--engines",
+            "--engine",
             help="Engine specs (; or , separated); the default depends on --suite.",
         ),
+    ] = None,
+    old_engines: Annotated[
+        str | None, typer.Option("--engines", hidden=True, help="Old spelling of --engine.")
     ] = None,
     ffn: Annotated[
         str,
         typer.Option(
-            "--ffn",
+            "--ffn-policy",
             help="FFN policies, comma separated (braces keep their commas), e.g. "
             "'dense,walk:k=100'; more than one (or not dense) labels strategies kv@ffn.",
         ),
     ] = "dense",
+    old_ffn: Annotated[
+        str | None, typer.Option("--ffn", hidden=True, help="Old spelling of --ffn-policy.")
+    ] = None,
     moe_shards: MoeShardsOption = None,
     quick: Annotated[
         bool,
@@ -112,12 +119,24 @@ def accuracy(
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
     device: DeviceOption = "cpu",
+    threads: ThreadsOption = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "-q",
+            "--quiet",
+            help="No progress on stderr (else a bar, or a line per item "
+            "where stderr is not a terminal).",
+        ),
+    ] = False,
 ) -> None:
     """What each engine changes: prompt corpora scores and teacher-forced fidelity.
 
     Every engine is scored on parametric facts, needles and conflicts, and its next-token
     distributions are compared with the full cache's over a text."""
+    engines = renamed(engines, old_engines, "--engine", "--engines", None)
+    ffn = renamed(ffn, old_ffn, "--ffn-policy", "--ffn", "dense")
     from larql.api import accuracy as run_accuracy
     from larql.harness.accuracy.aggregate import served_lines, split_table
     from larql.harness.accuracy.report import fidelity_table
@@ -127,11 +146,11 @@ def accuracy(
     specs = CATALOG.split_specs(engines or default_engines(suite))
     kinds = [CATALOG.parse(s) for s in specs]
     if not kinds:
-        raise InvalidInput(f"--engines lists no engine; {CATALOG.supported_message()}")
+        raise InvalidInput(f"--engine lists no engine; {CATALOG.supported_message()}")
     ffn_specs = split_specs(ffn) or ["dense"]
     if moe_shards is not None:
         if ffn != "dense":
-            raise InvalidInput("give --ffn or --moe-shards, not both")
+            raise InvalidInput("give --ffn-policy or --moe-shards, not both")
         ffn_specs = [moe_shards_spec(moe_shards)]
     for spec in ffn_specs:
         FfnLayerPolicy.from_spec(spec)  # a typo fails before the model loads
@@ -149,12 +168,14 @@ def accuracy(
         from larql.cli.accuracy_longctx import run_suite
 
         grid = SuiteGrid.parse(suite, quick, tasks, lengths, depths, seed)
-        lm = open_model(model, dtype, device, weights=weights)
+        lm = open_model(model, dtype, device, threads, weights)
         run_suite(lm, specs, ffn_specs, grid, text, output_file, plot)
         return
-    lm = open_model(model, dtype, device, weights=weights)
-    with Progress(console=stderr, transient=True) as bar:
-        task = bar.add_task("accuracy", total=None)
+    lm = open_model(model, dtype, device, threads, weights)
+    # the corpora, one item per strategy; the fidelity reference, then one per strategy
+    strategies = len(kinds) * len(ffn_specs)
+    total = strategies + (0 if no_fidelity else strategies + 1)
+    with progress_lines("accuracy", total, quiet) as advance:
         report = run_accuracy(
             lm,
             kinds,
@@ -167,7 +188,7 @@ def accuracy(
             text_file=text,
             positions=positions,
             prompt_tokens=prompt_tokens,
-            progress=lambda s: bar.update(task, description=s),
+            progress=advance,
         )
     stdout.print(split_table(report.splits))
     for line in served_lines(report.splits):

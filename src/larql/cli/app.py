@@ -12,6 +12,7 @@ from larql.cli.accuracy_cmd import accuracy
 from larql.cli.apollo_cmd import apollo_app
 from larql.cli.bench_cmd import bench
 from larql.cli.boundary_cmd import boundary_app
+from larql.cli.cache_cmd import cache_app
 from larql.cli.catalog_cmd import engines, models
 from larql.cli.environment import unread_warning
 from larql.cli.memory_cmd import memory
@@ -60,6 +61,7 @@ app.command()(bench)
 app.command()(accuracy)
 app.add_typer(apollo_app, name="apollo")
 app.add_typer(boundary_app, name="boundary")
+app.add_typer(cache_app, name="cache")
 
 
 def main() -> None:

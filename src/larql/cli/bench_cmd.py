@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import Progress
 
-from larql.cli.common import InvalidInput, open_model, stderr, stdout, user_errors
+from larql.cli.common import InvalidInput, open_model, stdout, user_errors
 from larql.cli.engine_names import engines_help
 from larql.cli.ffn_options import (
     FfnPolicyOption,
@@ -20,6 +19,8 @@ from larql.cli.ffn_options import (
 )
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption, WeightsOption
 from larql.cli.outputs import check_output_file, check_plot_file, write_text, writing
+from larql.cli.progress import progress_lines
+from larql.cli.renamed import renamed
 
 
 def parse_int_list(value: str | None, option: str, minimum: int) -> list[int]:
@@ -54,7 +55,15 @@ def bench(
     text: Annotated[
         Path | None, typer.Option("--text", help="Text to cut contexts from (default: shipped).")
     ] = None,
-    tokens: Annotated[int, typer.Option("-n", "--tokens", help="Timed decode steps.")] = 32,
+    tokens: Annotated[
+        int, typer.Option("-n", "--max-tokens", help="New tokens: the timed decode steps.")
+    ] = 32,
+    old_tokens: Annotated[
+        int | None, typer.Option("--tokens", hidden=True, help="Old spelling of --max-tokens.")
+    ] = None,
+    old_engines: Annotated[
+        str | None, typer.Option("--engines", hidden=True, help="Spelling of --engine.")
+    ] = None,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed steps first.")] = 3,
     repeats: Annotated[int, typer.Option("--repeats", help="Fresh runs per engine.")] = 3,
     depths: Annotated[
@@ -95,8 +104,37 @@ def bench(
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
     threads: ThreadsOption = None,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "-q",
+            "--quiet",
+            help="No progress on stderr (else a bar, or a line per item "
+            "where stderr is not a terminal).",
+        ),
+    ] = False,
 ) -> None:
     """Time every engine (whole tokens), report memory and roofline, optionally vs HF."""
+    tokens = renamed(tokens, old_tokens, "-n/--max-tokens", "--tokens", 32)
+    engine = renamed(engine, old_engines, "--engine", "--engines", None)
+    if output not in ("table", "json"):
+        raise InvalidInput(f"unknown --output {output!r}; accepted: table, json")
+    given = [
+        name
+        for name, value in (("--context", context), ("--prompt", prompt), ("--depths", depths))
+        if value is not None
+    ]
+    if len(given) > 1:
+        raise InvalidInput(f"give one of --context, --depths, --prompt (got {' and '.join(given)})")
+    checked = [("-n/--max-tokens", tokens, 1), ("--repeats", repeats, 1), ("--warmup", warmup, 0)]
+    if context is not None:
+        checked.append(("--context", context, 1))
+    if concurrent is not None:
+        checked.append(("--concurrent", concurrent, 1))
+    for name, value, low in checked:
+        if value < low:
+            raise InvalidInput(f"{name} must be ≥ {low}, got {value}")
+    # the checks above need no torch: a typo is answered at once
     from larql.api import bench as run_bench
     from larql.api import parse_engines
     from larql.harness.bench.report import (
@@ -108,23 +146,6 @@ def bench(
     )
     from larql.harness.bench.run import default_specs
 
-    if output not in ("table", "json"):
-        raise InvalidInput(f"unknown --output {output!r}; accepted: table, json")
-    given = [
-        name
-        for name, value in (("--context", context), ("--prompt", prompt), ("--depths", depths))
-        if value is not None
-    ]
-    if len(given) > 1:
-        raise InvalidInput(f"give one of --context, --depths, --prompt (got {' and '.join(given)})")
-    checked = [("-n/--tokens", tokens, 1), ("--repeats", repeats, 1), ("--warmup", warmup, 0)]
-    if context is not None:
-        checked.append(("--context", context, 1))
-    if concurrent is not None:
-        checked.append(("--concurrent", concurrent, 1))
-    for name, value, low in checked:
-        if value < low:
-            raise InvalidInput(f"{name} must be ≥ {low}, got {value}")
     kinds = parse_engines(engine or default_specs())
     depth_list = parse_int_list(depths, "--depths", 0)
     batch_sizes = parse_int_list(batch, "--batch", 1)
@@ -133,14 +154,11 @@ def bench(
     check_output_file(output_file, "--output-file")
     check_plot_file(plot)
     lm = open_model(model, dtype, device, threads, weights)
-    total = (1 if prompt is not None else len(depth_list) or 1) * (len(kinds) + (1 if vs_hf else 0))
-    with Progress(console=stderr, transient=True) as bar:
-        task = bar.add_task("bench", total=total)
-
-        def advance(label: str) -> None:
-            bar.update(task, description=label)
-            bar.advance(task)
-
+    # one item per depth for the engines (interleaved), and one each for --batch,
+    # --concurrent and --vs-hf
+    contexts = 1 if prompt is not None else len(depth_list) or 1
+    total = contexts * (1 + bool(batch_sizes) + bool(concurrent) + vs_hf)
+    with progress_lines("bench", total, quiet) as advance:
         report = run_bench(
             lm,
             kinds,

@@ -11,6 +11,13 @@ from rich.table import Table
 from larql.cli.common import InvalidInput, stdout, user_errors
 
 
+def spelling_variants(name: str, aliases: tuple[str, ...]) -> list[str]:
+    """The aliases that are more than the name (or another alias) with `_` for `-`: the
+    compact table leaves those out (the catalog accepts them all)."""
+    dashed = {name, *(a for a in aliases if "_" not in a)}
+    return [a for a in aliases if a.replace("_", "-") not in dashed or "_" not in a]
+
+
 @user_errors
 def engines(
     output: Annotated[
@@ -19,9 +26,18 @@ def engines(
             "--output", "-o", help="table, json or markdown (the page docs/ENGINES.md is)."
         ),
     ] = "table",
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "-v",
+            "--verbose",
+            help="The full catalog: parameters and defaults, what each keeps, its contract.",
+        ),
+    ] = False,
 ) -> None:
-    """List the engine catalog: names, parameters, what each keeps and its contract."""
+    """List the engines: name, aliases and what each is for (-v: the full catalog)."""
     from larql.cli.catalog_markdown import catalog_markdown
+    from larql.harness.formatting import Unbroken
     from larql.kv.catalog import CATALOG, catalog_rows
     from larql.kv.composed import composition_doc
 
@@ -33,18 +49,35 @@ def engines(
         return
     if output != "table":
         raise InvalidInput(f"unknown --output {output!r}; accepted: table, json, markdown")
-    table = Table(title="KV engines", show_lines=True)
-    columns = ("engine", "aliases", "parameters (default)", "keeps", "contract", "live", "batched")
-    for column in columns:
-        table.add_column(column, overflow="fold")
-    for e in CATALOG.entries:
-        params = "\n".join(p.describe() for p in e.params) or "—"
-        live = "yes" if e.live_decode else "no (bench/accuracy)"
-        name = e.name if e.plugin is None else f"{e.name}\n(plugin: {e.plugin})"
-        batched = e.batching or "no: steps alone"
-        aliases = ", ".join(e.aliases) or "—"
-        table.add_row(name, aliases, params, e.keeps, e.contract, live, batched)
-    stdout.print(table)
+    if not verbose:
+        table = Table(
+            title="KV engines (--engine NAME[:key=value,…])",
+            caption="larql engines -v: parameters, what each keeps, its contract",
+            caption_justify="left",
+        )
+        for column in ("engine", "what it is for", "aliases"):
+            table.add_column(column)
+        for e in CATALOG.entries:
+            name = e.name if e.plugin is None else f"{e.name} (plugin)"
+            aliases = ", ".join(spelling_variants(e.name, e.aliases)) or "—"
+            table.add_row(name, e.summary, aliases)
+        stdout.print(Unbroken(table, ("aliases",)))
+        stdout.print(composition_doc(CATALOG.entries).replace("`", ""))
+        return
+    for e in CATALOG.entries:  # one small table per engine: it fits 80 columns
+        table = Table(title=e.name, show_header=False, title_justify="left")
+        table.add_column("field", style="bold")
+        table.add_column("value")
+        if e.plugin is not None:
+            table.add_row("plugin", e.plugin)
+        table.add_row("for", e.summary)
+        table.add_row("aliases", ", ".join(e.aliases) or "—")
+        table.add_row("parameters", "\n".join(p.describe() for p in e.params) or "—")
+        table.add_row("keeps", e.keeps)
+        table.add_row("contract", e.contract)
+        table.add_row("live decode", "yes" if e.live_decode else "no (bench and accuracy only)")
+        table.add_row("batches", e.batching or "no: each session steps alone")
+        stdout.print(Unbroken(table))
     stdout.print(composition_doc(CATALOG.entries).replace("`", ""))
 
 

@@ -13,6 +13,7 @@ from rich.text import Text
 from larql.cli.common import InvalidInput, stdout, user_errors
 from larql.cli.engine_names import engines_help
 from larql.cli.options import DtypeOption, ModelOption
+from larql.harness.formatting import Unbroken
 
 if TYPE_CHECKING:  # torch loads in the command's body, not for `--help`
     from larql.harness.memory import MemoryPrediction
@@ -82,7 +83,7 @@ def memory(
     stdout.print(memory_table(rows, title, per_token))
 
 
-def memory_table(rows: list[MemoryPrediction], title: str, per_token: int) -> Table:
+def memory_table(rows: list[MemoryPrediction], title: str, per_token: int) -> Unbroken:
     caption = (
         "state = hot + cold + derivative (rebuildable caches); held = state + reserve (capacity "
         "allocated ahead); × fp16 full = state over a full fp16 K/V cache of the same positions "
@@ -102,7 +103,7 @@ def memory_table(rows: list[MemoryPrediction], title: str, per_token: int) -> Ta
         "× fp16 full",
     )
     for i, name in enumerate(columns):
-        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
+        table.add_column(name, justify="left" if i == 0 else "right")
     for row in rows:
         if row.memory is None:
             table.add_row(row.spec, Text(row.error or "", style="red"))
@@ -113,4 +114,5 @@ def memory_table(rows: list[MemoryPrediction], title: str, per_token: int) -> Ta
         ]
         ratio = row.ratio_vs_fp16_full
         table.add_row(row.spec, f"{row.tokens:,}", *cells, "—" if ratio is None else f"{ratio:.3f}")
-    return table
+    # no number or word split at a narrow terminal: the least telling columns go first
+    return Unbroken(table, ("held", "derivative", "cold", "hot", "positions"))

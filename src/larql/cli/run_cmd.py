@@ -19,7 +19,7 @@ from larql.cli.ffn_options import (
     check_policy,
     ffn_policy_spec,
 )
-from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
+from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption, WeightsOption
 from larql.cli.state_options import (
     LoadStateOption,
     SaveStateOption,
@@ -75,6 +75,7 @@ def run(
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
+    threads: ThreadsOption = None,
     output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
     ffn_policy: FfnPolicyOption = None,
     ffn: FfnUrlOption = None,
@@ -94,16 +95,17 @@ def run(
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Generate text from PROMPT with the chosen KV engine."""
-    from larql.api import generate
-    from larql.inference.sampling import SamplingParams
-    from larql.kv.resolve import resolve_engine
-
+    # the checks that need no torch first: a typo is answered at once
     if output not in OUTPUTS:
         raise InvalidInput(f"unknown --output {output!r}; accepted: {', '.join(OUTPUTS)}")
     if max_tokens < 1:
         raise InvalidInput(f"-n/--max-tokens must be ≥ 1, got {max_tokens}")
     if top < 0:
         raise InvalidInput(f"--top must be ≥ 0, got {top}")
+    from larql.api import generate
+    from larql.inference.sampling import SamplingParams
+    from larql.kv.resolve import resolve_engine
+
     SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # checks early
     check_state_directory(save_state)
     ffn_spec = ffn_policy_spec(
@@ -115,7 +117,7 @@ def run(
     for warning in choice.warnings:
         stderr.print(f"warning: {warning}")
     text = read_prompt(prompt) if load_state_dir is None or prompt.strip() else ""
-    lm = open_model(model, dtype, device, weights=weights)
+    lm = open_model(model, dtype, device, threads, weights)
     # a loaded state keeps the engine it was saved with unless --engine names one
     asked = choice.engine if load_state_dir is None or choice.source != "default" else None
 
@@ -158,16 +160,17 @@ def run(
             sys.stdout.write("\n")
         sys.stdout.flush()
         raise
+    if output == "text":  # the text's line ends before any notice on stderr
+        sys.stdout.write("\n")
+        sys.stdout.flush()
     if result.loaded_state is not None:
         stderr.print(describe_state("loaded", result.loaded_state))
     if result.saved_state is not None:
         stderr.print(describe_state("saved", result.saved_state))
     if output == "json":
         print(json.dumps(result.as_json()))
-    else:
-        sys.stdout.write("\n")
-        if result.top:
-            stdout.print(top_table(result.top))
+    elif result.top:
+        stdout.print(top_table(result.top))
     if verbose:
         rate = result.decode_tok_s
         stderr.print(f"engine: {result.engine_summary}  (from {choice.source})")

@@ -61,6 +61,15 @@ def serve(
             "an error event (new requests are refused at once; a second signal ends them now).",
         ),
     ] = 10.0,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "-q",
+            "--quiet",
+            help="No access log (else one line on stderr per request: method, path, status, "
+            "milliseconds, engine).",
+        ),
+    ] = False,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
@@ -119,6 +128,7 @@ def serve(
         prefill_chunk=prefill_chunk,
         shutdown_timeout_s=shutdown_timeout,
         model_aliases=(model,) if model and model != lm.name else (),
+        access_log=not quiet,
     )
 
     def announce(url: str) -> None:

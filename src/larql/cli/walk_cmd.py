@@ -15,9 +15,11 @@ from larql.cli.options import (
     DeviceOption,
     DtypeOption,
     ModelOption,
+    ThreadsOption,
     WeightsOption,
     parse_layer_range,
 )
+from larql.cli.renamed import renamed
 
 OUTPUTS = ("table", "json")
 
@@ -38,7 +40,7 @@ def walk_policy(k: int | None, policy: str | None, url: str | None = None) -> st
     if policy is not None or url is not None:
         return ffn_policy_spec(policy, url)
     if k is not None and k < 1:
-        raise InvalidInput(f"-k/--top-k must be ≥ 1, got {k}")
+        raise InvalidInput(f"-k/--features must be ≥ 1, got {k}")
     return "walk" if k is None else f"walk:k={k}"
 
 
@@ -48,7 +50,10 @@ def walk(
     model: ModelOption = None,
     k: Annotated[
         int | None,
-        typer.Option("-k", "--top-k", help="Features kept per layer (walk:k=N); default all."),
+        typer.Option("-k", "--features", help="Features kept per layer (walk:k=N); default all."),
+    ] = None,
+    old_k: Annotated[
+        int | None, typer.Option("--top-k", hidden=True, help="Old spelling of -k/--features.")
     ] = None,
     layers: Annotated[
         str | None, typer.Option("--layers", help="Layers to show, A-B inclusive (default all).")
@@ -80,6 +85,7 @@ def walk(
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
     device: DeviceOption = "cpu",
+    threads: ThreadsOption = None,
 ) -> None:
     """Which FFN features fire at the last position of PROMPT, and what each one writes.
 
@@ -87,6 +93,7 @@ def walk(
     with -k only the k features the walk keeps) and the tokens its down vector writes most
     strongly through the unembedding (top of lm_head · down column; a negative activation
     pushes those tokens down)."""
+    k = renamed(k, old_k, "-k/--features", "--top-k", None)
     if output not in OUTPUTS:
         raise InvalidInput(f"unknown --output {output!r}; accepted: {', '.join(OUTPUTS)}")
     if predict and compare:
@@ -111,7 +118,7 @@ def walk(
         for warning in choice.warnings:
             stderr.print(f"warning: {warning}")
     text = read_prompt(prompt)
-    lm = open_model(model, dtype, device, weights=weights)
+    lm = open_model(model, dtype, device, threads, weights)
     ids = lm.tokenizer.encode(text)
     check_context(lm, len(ids))
     shown = walk_layers(layers, lm.config.num_layers)
@@ -150,7 +157,7 @@ def _print_features(data: dict[str, Any]) -> None:
     predicted = data["prediction"][0]
     table = Table(
         title=f"{data['model']}: features firing at position {data['position']} "
-        f"(ffn {data['ffn']}; next token {predicted['token']!r})",
+        f"(ffn {data['ffn']}; next token {predicted['text']!r})",
         caption="activation = act(gate·x)·(up·x); writes = top of lm_head · down column",
     )
     for column, justify in (
@@ -182,7 +189,11 @@ def _print_compare(data: dict[str, Any]) -> None:
         table.add_column(column)
     for i, (d, w) in enumerate(zip(data["dense"], data["walk"], strict=True), start=1):
         table.add_row(
-            str(i), repr(d["token"]), f"{d['prob']:.4f}", repr(w["token"]), f"{w['prob']:.4f}"
+            str(i),
+            repr(d["text"]),
+            f"{d['probability']:.4f}",
+            repr(w["text"]),
+            f"{w['probability']:.4f}",
         )
     stdout.print(table)
     stdout.print(

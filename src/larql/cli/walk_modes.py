@@ -31,10 +31,16 @@ def forward_logits(model: Model, ffn: Any, ids: list[int]) -> torch.Tensor:
 
 
 def top_tokens(model: Model, logits: torch.Tensor, n: int) -> list[dict[str, Any]]:
+    """The n most likely next tokens as `larql run --top` names them: `{id, text,
+    probability}`."""
     probs = torch.softmax(logits.double(), dim=-1)
     values, indices = probs.topk(n)
     return [
-        {"id": int(i), "token": model.tokenizer.decode([int(i)]), "prob": round(float(p), 6)}
+        {
+            "id": int(i),
+            "text": model.tokenizer.decode([int(i)]),
+            "probability": round(float(p), 6),
+        }
         for p, i in zip(values, indices, strict=True)
     ]
 

@@ -66,6 +66,7 @@ def catalog_rows() -> list[dict[str, Any]]:
                 }
                 for p in e.params
             ],
+            "purpose": e.summary,
             "keeps": e.keeps,
             "contract": e.contract,
             "kind": e.kind,

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 
 from larql.kv.catalog import parse_engine
-from larql.kv.spec import EngineSpec, MalformedEngineSpec
+from larql.kv.spec import EngineSpec, EngineSpecError, MalformedEngineSpec
 
 ENV_VAR = "LARQL_KV_ENGINE"
 KV_CACHE_CHOICES = ("standard", "markov-bounded", "none")
@@ -31,6 +31,20 @@ class EngineChoice:
     engine: EngineSpec
     source: str  # "--engine", "LARQL_KV_ENGINE", "--kv-cache" or "default"
     warnings: tuple[str, ...] = ()
+
+
+def parse_from(spec: str, source: str) -> EngineSpec:
+    """`parse_engine`, a bad spec from the environment named as such: the user did not type
+    it on this command line, and may have forgotten the variable is set."""
+    if source != ENV_VAR:
+        return parse_engine(spec)
+    try:
+        return parse_engine(spec)
+    except EngineSpecError as e:
+        raise type(e)(
+            f"the environment variable {ENV_VAR}={spec!r} is not an engine spec "
+            f"(unset it, or pass --engine to override it): {e}"
+        ) from None
 
 
 def resolve_engine(
@@ -55,7 +69,7 @@ def resolve_engine(
             warnings = (f"--kv-cache {kv_cache} is ignored: {source} {spec!r} wins",)
         if context_window > 0:
             warnings += (f"--context-window {context_window} is ignored: {source} {spec!r} wins",)
-        return EngineChoice(parse_engine(spec), source, warnings)
+        return EngineChoice(parse_from(spec, source), source, warnings)
     if legacy == "markov-bounded":
         if context_window > 0:
             return EngineChoice(parse_engine(f"standard:window={context_window}"), "--kv-cache")

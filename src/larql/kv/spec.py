@@ -173,6 +173,8 @@ class EngineEntry:
     keeps: str
     contract: str
     factory: Factory
+    # what it is for, in one short line (`larql engines`' compact table)
+    purpose: str = ""
     kind: Literal["kv", "retrieval"] = "kv"
     live_decode: bool = True
     # aliases that fix parameters, e.g. tq3 → bits=3
@@ -193,6 +195,11 @@ class EngineEntry:
     @property
     def all_names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
+
+    @property
+    def summary(self) -> str:
+        """`purpose`, or (an entry that declares none) what it keeps up to the first `;`."""
+        return self.purpose or self.keeps.split(";")[0]
 
     def param(self, name: str) -> Param | None:
         return next((p for p in self.params if p.name == name), None)

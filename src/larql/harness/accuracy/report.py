@@ -7,11 +7,30 @@ from pathlib import Path
 from rich.table import Table
 
 from larql.harness.accuracy.fidelity import Fidelity
-from larql.harness.formatting import shown
+from larql.harness.formatting import Unbroken, shown
 from larql.inference.memory import mib_value
 
+# At a narrow terminal the columns go in this order, the least telling first.
+FIDELITY_DROP = (
+    "cos",
+    "MRR",
+    "JS",
+    "top-5",
+    "Δp RMS",
+    "median",
+    "p99",
+    "max",
+    "× fp16",
+    "greedy divergence",
+    "ln PPL ratio",
+    "match",
+    "positions",
+    "state MiB",
+    "same top-1",
+)
 
-def fidelity_table(rows: list[Fidelity], text_label: str) -> Table:
+
+def fidelity_table(rows: list[Fidelity], text_label: str) -> Unbroken:
     table = Table(
         title=f"Teacher-forced fidelity vs standard (full cache) — {text_label}",
         caption="KL(standard‖engine) in nats per position; Δp = change in p(true next token); "
@@ -41,11 +60,7 @@ def fidelity_table(rows: list[Fidelity], text_label: str) -> Table:
         "× fp16",
         "note",
     ):
-        if col == "strategy":  # never broken inside: a spec has to stay pasteable
-            widest = max([len(r.spec) for r in rows] + [len(col)])
-            table.add_column(col, no_wrap=True, min_width=widest)
-            continue
-        table.add_column(col, justify="left" if col == "note" else "right", overflow="fold")
+        table.add_column(col, justify="left" if col in ("strategy", "note") else "right")
     for r in rows:
         if r.error:
             table.add_row(r.spec, *[""] * 16, f"error: {r.error}")
@@ -77,7 +92,7 @@ def fidelity_table(rows: list[Fidelity], text_label: str) -> Table:
             shown(r.ratio_vs_fp16, ".3f"),
             r.note,
         )
-    return table
+    return Unbroken(table, FIDELITY_DROP)
 
 
 def save_frontier_plot(rows: list[Fidelity], path: Path, title: str) -> None:

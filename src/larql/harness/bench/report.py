@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from larql.harness.bench.run import BenchReport
-from larql.harness.formatting import shown
+from larql.harness.formatting import Unbroken, shown
 from larql.inference.memory import mib_value
 
 
@@ -16,7 +16,21 @@ def _mib(n: int | None) -> str:
     return "—" if not n else f"{mib_value(n):.2f}"
 
 
-def render_table(report: BenchReport) -> Table:
+# At a narrow terminal the columns go in this order, the least telling first.
+MAIN_DROP = (
+    "× HF",
+    "GB/s (share)",
+    "fwd/head ms",
+    "B/token",
+    "peak working MiB",
+    "prefill ms",
+    "ms/tok mean p50 p99",
+    "× fp16 full",
+    "context",
+)
+
+
+def render_table(report: BenchReport) -> Unbroken:
     meta = report.meta
     title = (
         f"{meta['model']} · {meta['dtype']} · {meta['device']} · {meta['threads']} threads · "
@@ -40,16 +54,16 @@ def render_table(report: BenchReport) -> Table:
     with_peak = any(row.peak_working_bytes for row in report.rows)
     if with_peak:  # CUDA: the allocator's peak above the resident weights
         columns.append("peak working MiB")
-    # A spec is never broken inside (the numbers wrap instead): it has to stay pasteable.
-    widest = max([len(row.spec) for row in report.rows] + [len("hf-transformers")])
-    table.add_column(columns[0], no_wrap=True, min_width=widest)
+    table.add_column(columns[0])
     for name in columns[1:]:
-        table.add_column(name, justify="right", overflow="fold")
+        table.add_column(name, justify="right")
     for row in report.rows:
         if row.error:
-            blanks = [""] * (len(columns) - 3)
-            # a styled cell: the console prints text as given, markup included
-            table.add_row(row.spec, str(row.prompt_tokens), Text(row.error, style="red"), *blanks)
+            blanks = [""] * (len(columns) - 5)
+            # a styled cell: the console prints text as given, markup included; in the tok/s
+            # column, which a narrow terminal keeps
+            error = Text(row.error, style="red")
+            table.add_row(row.spec, str(row.prompt_tokens), "", "", error, *blanks)
             continue
         step = row.step
         memory = row.memory
@@ -94,10 +108,10 @@ def render_table(report: BenchReport) -> Table:
             "1.00",
             *([""] if with_peak else []),
         )
-    return table
+    return Unbroken(table, MAIN_DROP)
 
 
-def batch_table(report: BenchReport) -> Table:
+def batch_table(report: BenchReport) -> Unbroken:
     """`--batch`: B sessions of each engine decoding at once."""
     table = Table(
         title="batched decode: B sessions of one engine at once",
@@ -117,7 +131,7 @@ def batch_table(report: BenchReport) -> Table:
         "MiB per session",
     ]
     for i, name in enumerate(columns):
-        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=i == 0)
+        table.add_column(name, justify="left" if i == 0 else "right")
     single = {(r.spec, r.depth): r.tok_s for r in report.batch_rows if r.batch == 1}
     for row in report.batch_rows:
         if row.error:
@@ -135,10 +149,10 @@ def batch_table(report: BenchReport) -> Table:
             shown(row.ms_per_token, ".2f"),
             _mib(row.memory_per_session),
         )
-    return table
+    return Unbroken(table, ("MiB per session", "ms/token per stream", "batched", "× B=1"))
 
 
-def concurrent_table(report: BenchReport) -> Table:
+def concurrent_table(report: BenchReport) -> Unbroken:
     """`--concurrent N`: N sessions of each engine on N threads, each stepping alone."""
     table = Table(
         title="concurrent sessions: N engines decoding at once, one thread each, no batching",
@@ -147,7 +161,7 @@ def concurrent_table(report: BenchReport) -> Table:
         caption_justify="left",
     )
     for i, name in enumerate(("engine", "context", "N", "aggregate tok/s", "ms/token per stream")):
-        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=i == 0)
+        table.add_column(name, justify="left" if i == 0 else "right")
     for row in report.concurrent_rows:
         if row.error:
             table.add_row(row.spec, str(row.depth), str(row.concurrent), f"error: {row.error}")
@@ -159,10 +173,10 @@ def concurrent_table(report: BenchReport) -> Table:
             shown(row.tok_s, ".1f"),
             shown(row.ms_per_token, ".2f"),
         )
-    return table
+    return Unbroken(table, ("ms/token per stream",))
 
 
-def stage_tables(report: BenchReport) -> list[Table]:
+def stage_tables(report: BenchReport) -> list[Unbroken]:
     tables = []
     for row in report.rows:
         if not row.stages:
@@ -174,7 +188,7 @@ def stage_tables(report: BenchReport) -> list[Table]:
         table.add_column("share", justify="right")
         for stage, us in row.stages.items():
             table.add_row(stage, f"{us:.1f}", f"{100 * us / total:.1f}%" if total else "0.0%")
-        tables.append(table)
+        tables.append(Unbroken(table))
     return tables
 
 

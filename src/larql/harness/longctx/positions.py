@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from larql.harness.formatting import shown
+from larql.harness.formatting import Unbroken, shown
 from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import logits_of, teacher_forced_hidden
@@ -77,7 +77,7 @@ def run_positions(
     return curves
 
 
-def position_table(curves: list[Curve], label: str) -> Table:
+def position_table(curves: list[Curve], label: str) -> Unbroken:
     table = Table(
         title=f"Log-perplexity (nats per token) by position — {label}",
         caption="each column one engine; rows are position bins",
@@ -97,7 +97,7 @@ def position_table(curves: list[Curve], label: str) -> Table:
                 for c in curves
             ],
         )
-    return table
+    return Unbroken(table, [c.engine for c in reversed(curves[1:])])
 
 
 def position_report(curves: list[Curve], model: str, label: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.table import Table
 
-from larql.harness.formatting import shown
+from larql.harness.formatting import Unbroken, shown
 from larql.harness.longctx.run import SCHEMA, Cell
 from larql.inference.memory import mib_value
 
@@ -25,7 +25,7 @@ def engines_of(cells: list[Cell]) -> list[str]:
     return list(dict.fromkeys(c.engine for c in cells))
 
 
-def longctx_tables(cells: list[Cell]) -> list[Table]:
+def longctx_tables(cells: list[Cell]) -> list[Unbroken]:
     tables = []
     for engine in engines_of(cells):
         mine = [c for c in cells if c.engine == engine]
@@ -61,7 +61,7 @@ def longctx_tables(cells: list[Cell]) -> list[Table]:
             "",
             "",
         )
-        tables.append(table)
+        tables.append(Unbroken(table, ("depths", "ln p(answer)")))
     return tables
 
 

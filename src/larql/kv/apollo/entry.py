@@ -10,6 +10,7 @@ from larql.specs import Param, at_least
 
 ENTRY = EngineEntry(
     name="apollo",
+    purpose="retrieval from a prebuilt store",
     aliases=(),
     params=(
         Param(

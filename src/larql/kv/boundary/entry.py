@@ -10,6 +10,7 @@ from larql.specs import Param, at_least
 
 ENTRY = EngineEntry(
     name="boundary-kv",
+    purpose="standard, boundary frames archived",
     aliases=("boundary",),
     params=(
         Param(

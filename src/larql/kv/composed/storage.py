@@ -22,12 +22,13 @@ from larql.inference.ffn import FfnBackend
 from larql.inference.layer import attend, batched_layer_step
 from larql.inference.shared_kv import SharedKv
 from larql.inference.snapshots import StateReader, StateWriter
+from larql.kernels.cpu import cpu_extension
 from larql.kv.buffers import KvBuffer
 from larql.kv.eviction.base import EvictingEngine
-from larql.kv.kv_quant.compiled import attend_grouped, grouped_kernels
+from larql.kv.kv_quant.compiled import attend_grouped, grouped_in_place
 from larql.kv.kv_quant.engine import KvQuantEngine
 from larql.kv.turbo_quant.codec import TurboQuantCodec
-from larql.kv.turbo_quant.coded_cpu import attend_coded, coded_kernels
+from larql.kv.turbo_quant.coded_cpu import attend_coded, codes_in_place
 from larql.kv.turbo_quant.engine import TurboQuantEngine
 from larql.kv.turbo_quant.rotation import rotation_matrix
 from larql.kv.turbo_quant.store import KvLayout, QuantisedLayer, rotate
@@ -185,9 +186,9 @@ class QuantisedStorage:
     ) -> torch.Tensor | None:
         """The attention over the codes in the CPU extension, where it applies; else None."""
         if isinstance(self.quantiser, KvQuantEngine):
-            grouped = grouped_kernels(model, layer, held, shared)
+            grouped = cpu_extension() if grouped_in_place(model, layer, held, shared) else None
             return None if grouped is None else attend_grouped(grouped, model, layer, held, q, k, v)
-        coded = coded_kernels(model, layer, held, rotation, shared)
+        coded = cpu_extension() if codes_in_place(model, layer, held, rotation, shared) else None
         if coded is None or rotation is None:
             return None
         return attend_coded(coded, model, layer, held, q, k, v, rotation)

@@ -118,6 +118,7 @@ def _h2o(p: Mapping[str, Any]) -> H2oEngine:
 
 SNAPKV = EngineEntry(
     name="snapkv",
+    purpose="evicts prompt rows attention skips",
     aliases=(),
     params=(
         Param(
@@ -155,6 +156,7 @@ SNAPKV = EngineEntry(
 
 H2O = EngineEntry(
     name="h2o",
+    purpose="keeps recent rows + heavy hitters",
     aliases=("heavy-hitter",),
     params=(
         Param("budget", int, 512, "rows kept per layer and K/V head", at_least(1), bound=TOKENS),
@@ -192,6 +194,7 @@ _LOSSY = "exact while the prompt fits the budget (keep=1); else bounded KL vs st
 
 EXPECTED_ATTENTION = EngineEntry(
     name="expected-attention",
+    purpose="evicts rows future queries will skip",
     aliases=(),
     params=(
         *selection_params(sinks=4, recent=16),
@@ -227,6 +230,7 @@ EXPECTED_ATTENTION = EngineEntry(
 
 KVZIP = EngineEntry(
     name="kvzip",
+    purpose="evicts rows a re-read of the context skips",
     aliases=(),
     params=selection_params(sinks=4, recent=16),
     keeps=_KEEPS,
@@ -238,6 +242,7 @@ KVZIP = EngineEntry(
 
 KEYDIFF = EngineEntry(
     name="keydiff",
+    purpose="evicts rows whose keys look like the rest",
     aliases=(),
     params=selection_params(sinks=4, recent=16),
     keeps=_KEEPS,
@@ -248,6 +253,7 @@ KEYDIFF = EngineEntry(
 
 TOVA = EngineEntry(
     name="tova",
+    purpose="evicts the rows the newest query skips",
     aliases=(),
     params=selection_params(sinks=4, recent=8),
     keeps="per layer and K/V head: keep of the positions seen (or budget rows; sinks and "

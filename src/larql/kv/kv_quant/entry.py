@@ -8,6 +8,7 @@ from larql.specs import Param, at_least, one_of
 
 ENTRY = EngineEntry(
     name="kv-quant",
+    purpose="K/V as int or fp8 codes, per group",
     aliases=("kv_quant", "kivi"),
     params=(
         Param("bits", int, 4, "integer code bits: 2, 4 or 8 (format=int)", one_of(2, 4, 8)),

@@ -7,6 +7,7 @@ from larql.kv.spec import EngineEntry, Sweeps
 
 ENTRY = EngineEntry(
     name="no-cache",
+    purpose="no K/V: re-runs the whole context",
     aliases=("no_cache", "none", "off"),
     params=(),
     keeps="token ids only; re-runs the whole forward pass each step (O(N²))",

@@ -28,6 +28,7 @@ KV_CACHE_DOC = (
 
 MARKOV_RS = EngineEntry(
     name="markov-rs",
+    purpose="residuals, not K/V; exact",
     aliases=("markov_rs", "markov-residual", "markov_residual"),
     params=(
         Param("window", int, None, HOT_WINDOW_DOC, at_least(1), bound=TOKENS),
@@ -46,6 +47,7 @@ MARKOV_RS = EngineEntry(
 
 MARKOV_RS_CODEC = EngineEntry(
     name="markov-rs-codec",
+    purpose="markov-rs, cold residuals in bf16",
     aliases=("markov_rs_codec", "markov-residual-codec", "markov_residual_codec"),
     params=(Param("window", int, None, HOT_WINDOW_DOC, at_least(1), bound=TOKENS),),
     keeps="as markov-rs, cold residuals as bf16 (2 bytes/element); cold K/V recomputed "
@@ -61,6 +63,7 @@ MARKOV_RS_CODEC = EngineEntry(
 
 BOUNDARY_PER_LAYER = EngineEntry(
     name="boundary-per-layer",
+    purpose="markov-rs-codec, a codec per layer",
     aliases=("boundary_per_layer", "boundary-pl"),
     params=(
         Param("window", int, None, HOT_WINDOW_DOC, at_least(1), bound=TOKENS),

@@ -34,6 +34,7 @@ def _build(p: Mapping[str, Any], model: Model | None) -> SemanticPromotionEngine
 
 ENTRY = EngineEntry(
     name="semantic-promotion",
+    purpose="observes a base engine (identical)",
     aliases=("semantic_promotion", "promotion"),
     params=(
         Param("base", str, "standard", BASE_DOC, kind="spec"),

@@ -30,6 +30,7 @@ ATTENTION_DOC = (
 
 ENTRY = EngineEntry(
     name="standard",
+    purpose="the full K/V cache: the reference",
     aliases=("full", "fp32", "markov-bounded", "bounded", "sliding"),
     params=(
         Param("window", int, None, WINDOW_DOC, at_least(1), bound=TOKENS),

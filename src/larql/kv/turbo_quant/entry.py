@@ -28,6 +28,7 @@ DEFAULT_RECENT_BITS = {4: 16, 3: 8, 2: 8}
 
 ENTRY = EngineEntry(
     name="turbo-quant",
+    purpose="K/V rotated, quantised to 2–4 bits",
     aliases=("turbo_quant", "turboquant", "tq4", "tq3", "tq2"),
     params=(
         Param("bits", int, 4, "bits per K/V coordinate: 2, 3 or 4", one_of(2, 3, 4)),

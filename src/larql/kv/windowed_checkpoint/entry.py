@@ -8,6 +8,7 @@ from larql.specs import Param, at_least
 
 ENTRY = EngineEntry(
     name="windowed-checkpoint",
+    purpose="a window of K/V + checkpoint rows",
     aliases=("unlimited-context", "unlimited", "unlimited_context", "windowed_checkpoint"),
     params=(
         Param(
