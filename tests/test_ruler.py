@@ -57,7 +57,7 @@ def test_the_families_ask_what_they_name(smollm2: Model) -> None:
     multivalue = by_task["niah-multivalue"].queries[0]
     assert len(multivalue.answers) == 2 and len(set(multivalue.answers)) == 2
     multiquery = by_task["niah-multiquery"]
-    assert len(multiquery.queries) == 2
+    assert len(multiquery.queries) == 2 and multiquery.context.count("special magic") == 2
     assert multiquery.queries[0].answers != multiquery.queries[1].answers
     tracking = by_task["variable-tracking"]
     asked = tracking.queries[0]
@@ -162,3 +162,21 @@ def test_samples_is_for_ruler_and_json_for_two_suites() -> None:
     assert result.exit_code == 2 and "--samples is for --suite ruler" in result.stderr
     result = CliRunner().invoke(app, ["accuracy", "--suite", "longctx", "--output", "json"])
     assert result.exit_code == 2 and "--output-file" in result.stderr
+
+
+@pytest.mark.slow
+def test_the_kvpress_comparison_skips_without_its_venv(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "vs_kvpress.py")],
+        env={**os.environ, "KVPRESS_PY": str(tmp_path / "none" / "python")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("\n") == 1 and "no kvpress venv" in result.stdout

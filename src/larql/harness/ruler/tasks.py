@@ -9,9 +9,10 @@ quoted text a small model copies.
 
 Families (RULER's names in brackets):
 - `niah-single` [niah_single]: one needle `The special magic number for KEY is "NNNNN".`;
-- `niah-multikey` [niah_multikey]: the asked needle among three with other keys;
+- `niah-multikey` [niah_multikey]: the asked needle among three with other keys (each needle in
+  its own quarter of the context, the asked one in the first);
 - `niah-multivalue` [niah_multivalue]: four values under one key, all asked in one query;
-- `niah-multiquery` [niah_multiquery]: four needles, two of them asked, each query on the same
+- `niah-multiquery` [niah_multiquery]: two needles, both asked, each query on the same
   compressed cache (compress once, ask many);
 - `variable-tracking` [vt]: two chains `VAR ABCDE = "12345".` `VAR FGHIJ = ABCDE.`, one chain's
   last variable asked with its hop written out (a 135M model does not follow a hop itself);
@@ -202,12 +203,14 @@ def _niah_multivalue(rng: random.Random) -> _Facts:
     )
 
 
+_QUERIED = 2  # RULER hides four and asks all four; SmolLM2-135M mixes up four needles' values
+
+
 def _niah_multiquery(rng: random.Random) -> _Facts:
-    keys, values = rng.sample(WORDS, 4), _numbers(rng, 4)
-    asked = rng.sample(range(4), 2)
+    keys, values = rng.sample(WORDS, _QUERIED), _numbers(rng, _QUERIED)
     return _Facts(
         tuple(_needle(k, v) for k, v in zip(keys, values, strict=True)),
-        tuple(_ask(keys[i], values[i]) for i in asked),
+        tuple(_ask(k, v) for k, v in zip(keys, values, strict=True)),
     )
 
 
@@ -276,7 +279,13 @@ def _haystack_sample(
         sentence = pool[(start + len(hay)) % len(pool)]
         hay.append(sentence)
         used += _token_count(tokenizer, sentence)
-    places = sorted(rng.randint(0, len(hay)) for _ in facts.sentences)
+    # one fact at a random place in each of len(facts) equal stretches: far enough apart that
+    # a small model does not read the value next to the asked key as its own
+    stretch = len(hay) / len(facts.sentences)
+    places = [
+        rng.randint(round(i * stretch), round((i + 1) * stretch))
+        for i in range(len(facts.sentences))
+    ]
     for offset, (where, sentence) in enumerate(zip(places, facts.sentences, strict=True)):
         hay.insert(where + offset, sentence)
     return Sample(task, length, index, " ".join(hay), facts.queries)
