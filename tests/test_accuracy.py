@@ -212,7 +212,7 @@ def test_cli_report(tmp_path: Path) -> None:
     standard = report["fidelity"][0]
     assert standard["mean_kl"] == 0.0 and standard["positions"] == 16
     assert standard["ratio_vs_fp16"] == pytest.approx(2.0)  # float32 K/V over an fp16 cache
-    assert report["fidelity"][1]["ratio_vs_fp16"] < 2.0  # the window keeps 15 of 32 rows
+    assert report["fidelity"][1]["ratio_vs_fp16"] < 2.0  # the window keeps 16 of 272 rows
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the KL-against-bytes frontier
     assert "Apache License" in report["fidelity_text"]
 
@@ -220,3 +220,28 @@ def test_cli_report(tmp_path: Path) -> None:
 def test_cli_rejects_unknown_engines() -> None:
     result = CliRunner().invoke(app, ["accuracy", "--engine", "standard,bogus"])
     assert result.exit_code == 2 and "unknown engine 'bogus'" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_quick_fidelity_scores_the_quantisers_codes(smollm2: Model, bits: int) -> None:
+    """`--quick` scores positions behind a prompt long enough that turbo-quant's defaults hold
+    most rows as codes, not in their exact or int8 newest rows (behind the 16-token prompt
+    that the full run takes, 128 positions would leave the 3-bit default no code at all)."""
+    from larql.data import default_text
+    from larql.harness.accuracy.run import QUICK_FIDELITY_POSITIONS, QUICK_FIDELITY_PROMPT
+
+    ids = smollm2.tokenizer.encode(default_text())
+    spec = parse_engine(f"turbo-quant:bits={bits}")
+
+    def codes_after(tokens: int) -> int:
+        engine = spec.build(smollm2)
+        engine.prefill(smollm2, DenseFfn(smollm2), ids[:tokens])
+        try:
+            return int(engine.stored_codes(0).shape[0])
+        except ValueError:  # the store has no coded row yet
+            return 0
+
+    assert codes_after(QUICK_FIDELITY_PROMPT) >= QUICK_FIDELITY_PROMPT // 4  # the first scored
+    if bits == 3:
+        assert codes_after(16 + QUICK_FIDELITY_POSITIONS) == 0

@@ -9,7 +9,13 @@ from pathlib import Path
 from larql.api.generation import EngineLike, engine_spec
 from larql.data import read_text
 from larql.errors import InvalidInput
-from larql.harness.accuracy.run import AccuracyReport, AccuracySettings, run_accuracy
+from larql.harness.accuracy.run import (
+    QUICK_FIDELITY_POSITIONS,
+    QUICK_FIDELITY_PROMPT,
+    AccuracyReport,
+    AccuracySettings,
+    run_accuracy,
+)
 from larql.harness.accuracy.run import default_specs as accuracy_specs
 from larql.harness.bench.engine_bench import BenchSettings
 from larql.harness.bench.run import BenchReport, bench_prompts, run_bench
@@ -115,14 +121,15 @@ def accuracy(
     fidelity: bool = True,
     text_file: str | Path | None = None,
     positions: int | None = None,
-    prompt_tokens: int = 16,
+    prompt_tokens: int | None = None,
     progress: Progress | None = None,
 ) -> AccuracyReport:
     """`larql accuracy` (prompts suite): every engine × FFN policy on the three prompt corpora,
     then its teacher-forced fidelity against `standard` over `text_file` (default: the shipped
     licence text). `ffn`: policies as `--ffn` takes them (comma separated) or a list;
     `quick`, `parametric_n`, `positions`, `prompt_tokens`, `needle_max_tokens` as the command's
-    options;
+    options (`prompt_tokens` None: 16, or under `quick` a prompt long enough that the
+    quantisers' exact recent rows are left behind: `QUICK_FIDELITY_PROMPT`);
     `conflict=False` / `fidelity=False` leave those parts out."""
     kinds = parse_engines(engines if engines is not None else accuracy_specs())
     ffn_specs = (split_specs(ffn) if isinstance(ffn, str) else list(ffn)) or ["dense"]
@@ -130,6 +137,8 @@ def accuracy(
         FfnLayerPolicy.from_spec(spec)
     if positions is not None:
         _at_least("positions", positions, 1)
+    if prompt_tokens is None:
+        prompt_tokens = QUICK_FIDELITY_PROMPT if quick else 16
     _at_least("prompt_tokens", prompt_tokens, 1)
     if parametric_n is not None:
         _at_least("parametric_n", parametric_n, 1)
@@ -140,7 +149,7 @@ def accuracy(
         needle_max_tokens=needle_max_tokens,
         conflict=conflict,
         fidelity=fidelity,
-        fidelity_positions=128 if quick and positions is None else positions,
+        fidelity_positions=QUICK_FIDELITY_POSITIONS if quick and positions is None else positions,
         **({"quadratic_positions": 64, "greedy_steps": 32} if quick else {}),
         text=body,
         text_label=label,

@@ -57,8 +57,9 @@ def accuracy(
         bool,
         typer.Option(
             "--quick",
-            help="5 parametric, 2 needles, 5 conflicts; 128 positions (64 for O(N²) engines), "
-            "32 greedy steps.",
+            help="5 parametric, 2 needles, 5 conflicts; 128 positions (64 for O(N²) engines) "
+            "after a 256-token prompt, 32 greedy steps; --suite longctx / ruler: fewer tasks, "
+            "lengths and samples.",
         ),
     ] = False,
     parametric_n: Annotated[
@@ -77,13 +78,14 @@ def accuracy(
         int | None, typer.Option("--positions", help="Teacher-forced positions (default: all).")
     ] = None,
     prompt_tokens: Annotated[
-        int,
+        int | None,
         typer.Option(
             "--prompt-tokens",
             help="Fidelity: the text's first N tokens are the prompt (prefilled), the rest "
-            "teacher-forced; a long prompt shows what an engine compresses after its prefill.",
+            "teacher-forced; a long prompt shows what an engine compresses after its prefill "
+            "(default 16; --quick 256, past the quantisers' exact recent rows).",
         ),
-    ] = 16,
+    ] = None,
     output_file: Annotated[Path | None, typer.Option("--output-file", help="JSON report.")] = None,
     plot: Annotated[
         Path | None, typer.Option("--plot", help="PNG of each engine's mean KL against its bytes.")
@@ -93,19 +95,21 @@ def accuracy(
         typer.Option(
             "--suite",
             help="prompts (corpora + teacher-forced fidelity), longctx (long-context tasks, "
-            "compress-then-ask) or ppl-position (log-perplexity by position over a long text).",
+            "compress-then-ask), ruler (RULER's task families, compress-then-ask) or "
+            "ppl-position (log-perplexity by position over a long text).",
         ),
     ] = "prompts",
     tasks: Annotated[
-        str | None, typer.Option("--tasks", help="longctx tasks, comma separated (default: all).")
+        str | None,
+        typer.Option("--tasks", help="longctx / ruler tasks, comma separated (default: all)."),
     ] = None,
     lengths: Annotated[
         str | None,
         typer.Option(
             "--lengths",
-            help="longctx / ppl-position context lengths in tokens, "
+            help="longctx / ruler / ppl-position context lengths in tokens, "
             "comma separated (default 512,1024,2048,4096,8192 within the model's "
-            "context; --quick 512,1024,2048).",
+            "context; --quick 512,1024,2048; ruler: 1024 up to 16384, --quick 1024).",
         ),
     ] = None,
     depths: Annotated[
@@ -115,7 +119,15 @@ def accuracy(
             help="longctx needle depths in percent (default 0,25,50,75,100; --quick 0,50,100).",
         ),
     ] = None,
-    seed: Annotated[int, typer.Option("--seed", help="longctx dataset seed.")] = 0,
+    samples: Annotated[
+        int | None,
+        typer.Option("--samples", help="ruler samples per task and length (default 4; --quick 1)."),
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="longctx / ruler dataset seed.")] = 0,
+    output: Annotated[
+        str,
+        typer.Option("--output", "-o", help="table or json (--suite prompts or ruler)."),
+    ] = "table",
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
     device: DeviceOption = "cpu",
@@ -156,14 +168,33 @@ def accuracy(
         FfnLayerPolicy.from_spec(spec)  # a typo fails before the model loads
     if positions is not None and positions < 1:
         raise InvalidInput(f"--positions must be ≥ 1, got {positions}")
-    if prompt_tokens < 1:
+    if prompt_tokens is not None and prompt_tokens < 1:
         raise InvalidInput(f"--prompt-tokens must be ≥ 1, got {prompt_tokens}")
     if suite not in SUITES:
         raise InvalidInput(f"--suite must be one of {', '.join(SUITES)}, got {suite!r}")
+    if output not in ("table", "json"):
+        raise InvalidInput(f"unknown --output {output!r}; accepted: table, json")
+    if output == "json" and suite not in ("prompts", "ruler"):
+        raise InvalidInput(
+            f"--output json prints --suite prompts or ruler; for --suite {suite} give --output-file"
+        )
+    if suite != "ruler" and samples is not None:
+        raise InvalidInput("--samples is for --suite ruler")
     if plot is not None and suite == "prompts" and no_fidelity:
         raise InvalidInput("--plot draws the fidelity results: leave out --no-fidelity")
     check_output_file(output_file, "--output-file")
     check_plot_file(plot)
+    if suite == "ruler":
+        from larql.cli.ruler_cmd import RulerGrid, run_ruler_suite
+
+        if ffn_specs != ["dense"]:
+            raise InvalidInput("--suite ruler runs the dense FFN; leave out --ffn-policy")
+        if depths is not None:
+            raise InvalidInput("--suite ruler places its facts at random depths; drop --depths")
+        ruler_grid = RulerGrid.parse(quick, tasks, lengths, samples, seed)
+        lm = open_model(model, dtype, device, threads, weights)
+        run_ruler_suite(lm, specs, ruler_grid, output, output_file, plot)
+        return
     if suite != "prompts":
         from larql.cli.accuracy_longctx import run_suite
 
@@ -190,6 +221,17 @@ def accuracy(
             prompt_tokens=prompt_tokens,
             progress=advance,
         )
+    if output_file is not None:
+        write_text(output_file, json.dumps(report.as_dict(), indent=2), "--output-file")
+    if plot is not None:
+        from larql.harness.accuracy.report import save_frontier_plot
+
+        label = report.meta["fidelity_text"]
+        with writing(plot, "--plot"):
+            save_frontier_plot(report.fidelity, plot, f"{lm.name}: KL vs bytes ({label})")
+    if output == "json":
+        print(json.dumps(report.as_dict(), indent=2))
+        return
     stdout.print(split_table(report.splits))
     for line in served_lines(report.splits):
         stdout.print(line)
@@ -216,11 +258,3 @@ def accuracy(
             )
     if report.fidelity:
         stdout.print(fidelity_table(report.fidelity, report.meta["fidelity_text"]))
-    if output_file is not None:
-        write_text(output_file, json.dumps(report.as_dict(), indent=2), "--output-file")
-    if plot is not None:
-        from larql.harness.accuracy.report import save_frontier_plot
-
-        label = report.meta["fidelity_text"]
-        with writing(plot, "--plot"):
-            save_frontier_plot(report.fidelity, plot, f"{lm.name}: KL vs bytes ({label})")

@@ -15,7 +15,7 @@ from larql.cli.outputs import write_text, writing
 if TYPE_CHECKING:  # the CLI answers --help without importing torch
     from larql.models.model import Model
 
-SUITES = ("prompts", "longctx", "ppl-position")
+SUITES = ("prompts", "longctx", "ruler", "ppl-position")
 
 
 def _ints(option: str, text: str, low: int, high: int | None = None) -> tuple[int, ...]:

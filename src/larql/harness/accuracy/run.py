@@ -34,6 +34,13 @@ from larql.models.model import Model
 
 SCHEMA = "larql.accuracy/1"
 
+# `--quick` fidelity: 128 teacher-forced positions after a 256-token prompt. The quantisers keep
+# their newest rows exact or int8 (turbo-quant's 2- and 3-bit defaults: 128 and 160 rows), so
+# behind a 16-token prompt every scored row would still sit in that window and the quick table
+# would show the window, not the codes; 256 leaves most rows coded from the first position on.
+QUICK_FIDELITY_PROMPT = 256
+QUICK_FIDELITY_POSITIONS = 128
+
 
 def default_specs() -> list[str]:
     """Every engine as its catalog entry says the prompts suite runs it (`Sweeps.accuracy`:
