@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from larql.cli.common import InvalidInput, stderr, stdout
 from larql.cli.accuracy_longctx import _ints
+from larql.cli.common import InvalidInput, stderr, stdout
 from larql.cli.outputs import write_text, writing
 
 if TYPE_CHECKING:  # the CLI answers --help without importing torch
