@@ -117,7 +117,7 @@ def test_the_static_path_declares_the_eager_state_and_forks(
     held, reference = declared_state(static).tensors, declared_state(eager).tensors
     assert held.keys() == reference.keys()
     for name, tensor in reference.items():
-        torch.testing.assert_close(held[name], tensor, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(held[name], tensor, rtol=1e-3, atol=1e-4)  # masked vs windowed
     fork = static.fork(smollm2)
     assert fork.fast_path is not None and fork.position == static.position
     continuation = [3575, 11, 260]

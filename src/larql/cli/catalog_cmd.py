@@ -61,8 +61,11 @@ def engines(
             name = e.name if e.plugin is None else f"{e.name} (plugin)"
             aliases = ", ".join(spelling_variants(e.name, e.aliases)) or "—"
             table.add_row(name, e.summary, aliases)
+        stdout.print(
+            "An eviction composes with a quantiser: EVICTION+QUANTISER, e.g. "
+            "snapkv:keep=0.5+turbo-quant:bits=4 (-v: which compose)."
+        )
         stdout.print(Unbroken(table, ("aliases",)))
-        stdout.print(composition_doc(CATALOG.entries).replace("`", ""))
         return
     for e in CATALOG.entries:  # one small table per engine: it fits 80 columns
         table = Table(title=e.name, show_header=False, title_justify="left")

@@ -230,7 +230,7 @@ EXPECTED_ATTENTION = EngineEntry(
 
 KVZIP = EngineEntry(
     name="kvzip",
-    purpose="evicts rows a re-read of the context skips",
+    purpose="evicts what re-reading the context skips",
     aliases=(),
     params=selection_params(sinks=4, recent=16),
     keeps=_KEEPS,
@@ -242,7 +242,7 @@ KVZIP = EngineEntry(
 
 KEYDIFF = EngineEntry(
     name="keydiff",
-    purpose="evicts rows whose keys look like the rest",
+    purpose="evicts keys that look like the rest",
     aliases=(),
     params=selection_params(sinks=4, recent=16),
     keeps=_KEEPS,
