@@ -50,7 +50,8 @@ $(KERNELS): $(RUNTIME) $(wildcard src/larql/kernels/cpu/*.cpp src/larql/kernels/
 run: setup
 	$(VENV)/bin/larql run "$(PROMPT)" -n 24
 
-test: setup-dev
+# the suite covers the second model too (its oracle and architecture tests), so it installs it
+test: setup-dev gemma
 	$(VENV)/bin/pytest -q
 
 # the inner loop: the tests not marked `slow`, less the files that sweep every engine, fuzz

