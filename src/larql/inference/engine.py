@@ -369,6 +369,21 @@ class Engine(ABC):
         clone._profiler = EngineProfiler(enabled=self._profiler.enabled)
         return clone
 
+    def fork_prefix(self, model: Model, tokens: int) -> Engine | None:
+        """An independent copy holding this engine's state of its first `tokens` positions, for
+        a prefix cache; None where it cannot make one. An exact engine's copy is the state a
+        prefill of those tokens leaves; a lossy engine's is what it kept of them (rows coded or
+        evicted over the longer context stay so). By default only the whole state:
+        `tokens` == `position`, where a snapshot can be taken."""
+        if tokens != self.position or not self._prefilled or self._finishing:
+            return None
+        if self.snapshot_refusal() is not None or self.prompt_part_way():
+            return None
+        try:
+            return self.fork(model)
+        except SnapshotUnsupported:
+            return None
+
     def restored(self, model: Model) -> None:
         """After `read_state`: the state now lives on `model`'s device."""
         self._backend = backend_name(model)

@@ -240,6 +240,23 @@ class StandardEngine(KvEngine):
         for buffer in self._layers or []:
             buffer.truncate(min(len(buffer), held))
 
+    def fork_prefix(self, model: Model, tokens: int) -> Engine | None:
+        """Where every layer keeps every row (no window, no sliding layer), the first `tokens`
+        rows of each are exactly the state a prefill of those tokens leaves."""
+        if tokens == self.position or not 0 < tokens < self.position:
+            return super().fork_prefix(model, tokens)
+        layers = range(model.config.num_layers)
+        if any(effective_window(model, layer, self.window) is not None for layer in layers):
+            return None
+        clone = super().fork_prefix(model, self.position)
+        if not isinstance(clone, StandardEngine):
+            return None
+        clone.position = tokens
+        if clone.fast_path is None:
+            clone._cut_back()
+        # the static path holds rows in fixed slots by position: those past it are overwritten
+        return clone
+
     def write_state(self, state: StateWriter) -> None:
         """Each layer's live K/V rows (`layers.N.k`, `.v`; a sinks layer's under `sink` and
         `recent`), the same whether the eager or the static CUDA path holds them."""

@@ -192,6 +192,22 @@ class TurboQuantEngine(KvEngine):
     def prompt_part_way(self) -> bool:
         return self._prompt is not None
 
+    def fork_prefix(self, model: Model, tokens: int) -> Engine | None:
+        """On the torch path, every layer's rows of the first `tokens` tokens as this engine
+        keeps them: rows coded over the longer context stay coded, and the mean a centred
+        codec subtracts stays the longer prompt's (what it kept of them, not a fresh prefill)."""
+        if tokens == self.position or not 0 < tokens < self.position:
+            return super().fork_prefix(model, tokens)
+        if any(shares(model.config, layer) for layer in range(model.config.num_layers)):
+            return None
+        clone = super().fork_prefix(model, self.position)
+        if not isinstance(clone, TurboQuantEngine) or clone._layers is None:
+            return None
+        if not all(layer.cut_back(tokens) for layer in clone._layers):
+            return None
+        clone.position = tokens
+        return clone
+
     def write_state(self, state: StateWriter) -> None:
         """Each layer's stored rows (`layers.N.*`: sinks, codes, recent rows, mean)."""
         for layer, store in enumerate(self._layers or []):

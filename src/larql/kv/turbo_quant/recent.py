@@ -82,6 +82,11 @@ class RecentRows:
         self.codes.append(codes)
         self.scales.append(scales)
 
+    def truncate(self, n: int) -> None:
+        """Keep the n oldest rows."""
+        self.codes.truncate(n)
+        self.scales.truncate(n)
+
     def pop_front(self, n: int) -> torch.Tensor:
         """Remove the n oldest rows → [n, 2, Hkv, D] as `rows` gives them."""
         codes = self.codes.pop_front(n)

@@ -91,10 +91,12 @@ class QuantisedLayer:
 
     def read_state(self, state: StateReader, tokens: int) -> None:
         """Take back the rows of `tokens` tokens into this empty layer: the first into the
-        sinks, the newest `recent` exact, the rest as codes (on a sliding layer, only the
-        rows a query can still see)."""
+        sinks, the newest (up to `recent` of them: fewer in a state cut back to a prefix,
+        `cut_back`) exact, the rest as codes (on a sliding layer, only the rows a query can
+        still see)."""
         sinks = min(tokens, self.sink_room)
-        recent = min(tokens - sinks, self.recent_room)
+        most_recent = min(tokens - sinks, self.recent_room)
+        recent = state.scope("recent").row_count("codes", 0, most_recent)
         codes = tokens - sinks - recent
         if self.codes.keep is not None:
             codes = min(codes, self.codes.keep)
@@ -105,6 +107,19 @@ class QuantisedLayer:
         self.recent.read_state(state.scope("recent"), recent, (2, heads, dim))
         if self.layout.center and tokens:
             self.mean = state.tensor("mean", torch.float32, (2, heads, dim))
+
+    def cut_back(self, tokens: int) -> bool:
+        """Keep only the rows of the first `tokens` tokens (sinks, then codes, then recent rows,
+        in token order) → whether it could: a sliding layer no longer holds the older rows.
+        The rows that stay keep their form: a row already coded stays coded."""
+        if self.codes.keep is not None or tokens > len(self):
+            return False
+        sinks = min(tokens, len(self.sinks))
+        codes = min(tokens - sinks, len(self.codes))
+        self.sinks.truncate(sinks)
+        self.codes.truncate(codes)
+        self.recent.truncate(tokens - sinks - codes)
+        return True
 
     # ------------------------------------------------------------------ writing
 
