@@ -200,10 +200,13 @@ class GenerationSession:
         max_positions: int | None = None,
         keep_prompt_rows: bool = False,
         resume_hidden: torch.Tensor | None = None,
+        resumes: bool = False,
     ) -> None:
-        """`resume_hidden` [1, H]: the engine holds a state already (a restored snapshot)
-        whose last output row that is; `prompt_ids` (possibly none) then continue it as
-        decode steps instead of a prefill."""
+        """`resumes`: the engine holds a state already (a restored snapshot, a prefix cache's
+        copy) that `prompt_ids` continue — in one pass per part where the engine extends a
+        prefill exactly, else as decode steps. `resume_hidden` [1, H]: that state's last
+        output row, which lets `prompt_ids` be empty (implies `resumes`)."""
+        self.resumes = resumes or resume_hidden is not None
         if not prompt_ids and resume_hidden is None:
             raise EmptyPrompt()
         self.engine = engine
@@ -214,7 +217,7 @@ class GenerationSession:
         self.stop_ids = model.tokenizer.stop_ids if stop_ids is None else stop_ids
         limit = model.config.max_positions if max_positions is None else max_positions
         # `max_positions` caps prompt + generated tokens
-        held = engine.position if resume_hidden is not None else 0
+        held = engine.position if self.resumes else 0
         self.held = held  # positions the engine held before the session's first token
         self.budget = min(max_new_tokens, max(limit - held - len(self.prompt_ids), 0))
         engine.expect_tokens(held + len(self.prompt_ids) + min(self.budget, EXPECTED_AHEAD))
@@ -248,10 +251,8 @@ class GenerationSession:
             raise InvariantViolation("prefill called twice or after the session finished")
         with torch.inference_mode():
             t0 = time.perf_counter()
-            if self.resume_hidden is not None:
-                hidden = self.resume_hidden
-                for token in self.prompt_ids:
-                    hidden = self.engine.decode_step(self.model, self.ffn, token)
+            if self.resumes:
+                hidden = self._continue(self.prompt_ids, self.resume_hidden)
             elif self.keep_prompt_rows:
                 self.prompt_rows = self.engine.prefill_all(self.model, self.ffn, self.prompt_ids)
                 hidden = self.prompt_rows[-1:]
@@ -319,7 +320,7 @@ class GenerationSession:
         if self.started or self.prompt_done == len(self.prompt_ids) > 0:
             raise InvariantViolation("the prompt is in already")
         start, rest = self.prompt_done, len(self.prompt_ids) - self.prompt_done
-        resumed = self.resume_hidden is not None
+        resumed = self.resumes
         in_parts = resumed or self.engine.takes_prompt_in_parts(self.model)
         count = min(rest, max(max_tokens, 1)) if in_parts else rest
         chunk = self.prompt_ids[start : start + count]
@@ -328,9 +329,9 @@ class GenerationSession:
         with torch.inference_mode():
             t0 = time.perf_counter()
             if resumed:
-                hidden = self.resume_hidden if start == 0 else self.last_hidden
-                for token in chunk:
-                    hidden = self.engine.decode_step(self.model, self.ffn, token)
+                hidden = self._continue(
+                    chunk, self.resume_hidden if start == 0 else self.last_hidden
+                )
             elif in_parts:
                 rows = self.engine.prefill_part(self.model, self.ffn, chunk, more)
                 hidden = rows[-1:]
@@ -349,18 +350,30 @@ class GenerationSession:
         self._finishing = self.budget > 0 and not self.engine.finish_prompt(0)
         return None if self._finishing else hidden
 
+    def _continue(self, tokens: Sequence[int], hidden: torch.Tensor | None) -> torch.Tensor:
+        """Put `tokens` after the state the engine holds → the last one's hidden [1, H] (the
+        state's own last row, `hidden`, where there are none)."""
+        if tokens and self.engine.extends_exactly(self.model):
+            return self.engine.extend(self.model, self.ffn, tokens)
+        for token in tokens:
+            hidden = self.engine.decode_step(self.model, self.ffn, token)
+        assert hidden is not None
+        return hidden
+
     def takes_prompt_in_batch(self, max_tokens: int) -> bool:
         """Whether up to `max_tokens` more of its prompt may go in through `advance_together`
         (a batched step): not started, its engine takes prompts in batched steps, the prompt's
-        rows need not be kept nor a restored state resumed, and (a chunk short of the rest, or
-        after parts of it went in on their own) only where the engine extends a prefill
-        exactly."""
+        rows need not be kept nor a restored state's last row given, and (a chunk short of the
+        rest, after parts of it went in on their own, or after a state it resumes) only where
+        the engine extends a prefill exactly."""
         if self.started or self.finished or max_tokens < 1:
             return False
         if self.keep_prompt_rows or self.resume_hidden is not None:
             return False
         if self.engine.joining_batch_key(self.model) is None:
             return False
+        if self.resumes:  # its rows continue a held state, as a prefill's next chunk does
+            return self.engine.extends_exactly(self.model)
         rest = len(self.prompt_ids) - self.prompt_done
         whole = rest <= max_tokens and self.prompt_done == 0
         return whole or self.engine.extends_exactly(self.model)
