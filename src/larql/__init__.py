@@ -22,6 +22,7 @@ _API = (
     "InvalidInput",
     "LarqlError",
     "Model",
+    "PrefixCache",
     "SnapshotError",
     "State",
     "accuracy",

@@ -17,6 +17,7 @@ from larql.api.generation import (
 )
 from larql.api.measure import accuracy, bench, parse_engines
 from larql.errors import InvalidInput, LarqlError
+from larql.inference.prefix_cache import PrefixCache
 from larql.inference.snapshots import SnapshotError
 from larql.kv.snapshots import State
 from larql.kv.spec import EngineSpec, EngineSpecError
@@ -29,6 +30,7 @@ __all__ = [
     "InvalidInput",
     "LarqlError",
     "Model",
+    "PrefixCache",
     "SnapshotError",
     "State",
     "accuracy",

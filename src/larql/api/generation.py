@@ -18,6 +18,7 @@ from larql.inference.ffn import build_ffn
 from larql.inference.generation import GenerationSession
 from larql.inference.generation import teacher_forced_logits as teacher_forced_run
 from larql.inference.memory import MemoryBreakdown
+from larql.inference.prefix_cache import PrefixCache
 from larql.inference.prompt import check_context, encode_prompt
 from larql.inference.sampling import Sampler, SamplingParams
 from larql.inference.snapshots import SavedState, model_fingerprint, save_state
@@ -129,6 +130,8 @@ class Generation:
     top: tuple[TopToken, ...] = ()  # with `top=N`: the next-token table after the prompt
     # what the decode steps ran: device · dtype · weights · kernel path (`larql run -v`)
     decode_path: str = ""
+    # prompt tokens whose state came from the prefix cache (`prefix_cache=`): not computed
+    cached_prompt_tokens: int = 0
 
     def __repr__(self) -> str:
         """One short line (the token lists and the memory tables left out): the counts, the
@@ -174,6 +177,7 @@ class _TextRun:
         load_state: str | Path | None = None,
         save_state: str | Path | None = None,
         top: int = 0,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if max_new_tokens < 1:
             raise InvalidInput(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
@@ -183,6 +187,7 @@ class _TextRun:
         self.model, self.sampling, self.ffn_spec = model, sampling, ffn
         self.save_state, self.saved_state = save_state, None
         self.loaded_state: SavedState | None = None
+        self.prefix_cache, self.cached_tokens = prefix_cache, 0
         start = self._start_state(model, engine, load_state)
         if start is None:
             self.spec = engine_spec(engine)  # type: ignore[arg-type]
@@ -191,6 +196,7 @@ class _TextRun:
             self.engine = self.spec.build(model)
             self.resume_hidden: torch.Tensor | None = None
             self.held_ids: list[int] = []
+            self._cached_start()
         else:  # continue a state through a fork of it: the prompt (may be empty) as decode steps
             self.spec = parse_catalog_spec(start.spec)
             self.engine = start.fork().engine
@@ -198,11 +204,23 @@ class _TextRun:
             self.held_ids = list(start.token_ids)
             empty = prompt.strip() == "" if isinstance(prompt, str) else not prompt
             self.prompt_ids = [] if empty else prompt_ids(model, prompt, chat)
-        check_context(model, self.engine.position + len(self.prompt_ids))
+        check_context(model, self.engine.position - self.cached_tokens + len(self.prompt_ids))
         self.max_new_tokens = max_new_tokens
         self.ffn_name = ""
         self.text = ""
         self.session: GenerationSession | None = None
+
+    def _cached_start(self) -> None:
+        """Start from the prefix cache's state for the longest start of the prompt it has."""
+        if self.prefix_cache is None:
+            return
+        resumed = self.prefix_cache.lookup(self.model, self._cache_key(), self.prompt_ids)
+        if resumed is not None:
+            self.engine, self.cached_tokens = resumed.engine, resumed.tokens
+
+    def _cache_key(self) -> str:
+        """A state depends on the engine and on the FFN that computed it."""
+        return f"{self.spec.spec()} · ffn {self.ffn_spec}"
 
     def _start_state(
         self, model: Model, engine: EngineLike | State | None, path: str | Path | None
@@ -237,14 +255,17 @@ class _TextRun:
                 self.engine,
                 self.model,
                 router,
-                self.prompt_ids,
+                self.prompt_ids[self.cached_tokens :],
                 self.max_new_tokens,
                 sampler,
                 resume_hidden=self.resume_hidden,
+                resumes=self.cached_tokens > 0,
             )
             self.session = session
             decoder = tokenizer.stream_decoder()
             token = None if session.finished else session.prefill()
+            if token is not None and self.prefix_cache is not None:
+                self.prefix_cache.store(self.model, self._cache_key(), self.prompt_ids, self.engine)
             if token is not None and self.top and session.logits is not None:
                 self.top_rows = top_tokens(self.model, session.logits, self.top)
             if token is not None and self.save_state is not None:
@@ -290,6 +311,7 @@ class _TextRun:
             saved_state=self.saved_state,
             top=self.top_rows,
             decode_path=decode_path(self.model, done.decode_kinds, len(done.step_ms)),
+            cached_prompt_tokens=self.cached_tokens,
         )
 
 
@@ -329,6 +351,7 @@ def generate(
     load_state: str | Path | None = None,
     save_state: str | Path | None = None,
     top: int = 0,
+    prefix_cache: PrefixCache | None = None,
 ) -> Generation:
     """Generate up to `max_new_tokens` tokens from `prompt` (text, or token ids) through a fresh
     engine built from `engine` (a spec string or an `EngineSpec`); an end-of-turn token ends
@@ -340,7 +363,10 @@ def generate(
     `save_state`: a directory the engine's state is written to once the prompt is in.
     `load_state`: start from a state saved there instead of a fresh engine (`engine` None or
     the spec it was saved with).
-    `top=N`: also the N most likely first tokens with their probabilities (`Generation.top`)."""
+    `top=N`: also the N most likely first tokens with their probabilities (`Generation.top`).
+    `prefix_cache`: a `PrefixCache` the run starts from (the state of the longest start of the
+    prompt an earlier run with that cache, engine and FFN had) and offers its prompt's state
+    to (`Generation.cached_prompt_tokens` says how many tokens it saved)."""
     run = _TextRun(
         model,
         engine,
@@ -352,6 +378,7 @@ def generate(
         load_state,
         save_state,
         top,
+        prefix_cache,
     )
     for piece in run.pieces():
         if on_text is not None:
@@ -371,6 +398,7 @@ def stream(
     seed: int | None = None,
     chat: bool = False,
     ffn: str = "dense",
+    prefix_cache: PrefixCache | None = None,
 ) -> Iterator[str]:
     """`generate`, yielding the text as it is decoded; the pieces join to `generate`'s text.
     Arguments are checked when this is called, before the first piece is asked for."""
@@ -382,6 +410,7 @@ def stream(
         SamplingParams(temperature, top_k, top_p, seed),
         chat,
         ffn,
+        prefix_cache=prefix_cache,
     )
     return run.pieces()
 

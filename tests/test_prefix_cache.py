@@ -1,0 +1,163 @@
+"""The prefix cache: its radix tree against a brute-force search, and on the default model the
+states it hands out — a prefix cut from a longer prompt's state continues exactly as a prefill
+of the whole prompt for `standard`, a lossy engine keeps what it had of the prefix, copies are
+independent of the cached state, and memory stays within its bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from larql.inference.ffn import DenseFfn
+from larql.inference.generation import GenerationSession, generate
+from larql.inference.prefix_cache import PrefixCache, PrefixCacheError, PrefixTree, _Entry
+from larql.kv import parse_engine
+from larql.models import Model
+
+DOC = " ".join(f"Clause {i}: the licensee keeps every notice intact." for i in range(12))
+
+
+def _ids(model: Model, question: str) -> list[int]:
+    return model.tokenizer.encode(DOC + "\nQuestion: " + question + "\nAnswer:")
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+sequences = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(stored=sequences, probe=st.lists(st.integers(0, 3), max_size=10), drop=st.data())
+def test_the_tree_matches_as_a_brute_force_search(stored, probe, drop) -> None:
+    tree, nodes = PrefixTree(), {}
+    for tokens in stored:
+        node = tree.insert(tokens)
+        node.entry = _Entry(tuple(tokens), None, 0, node, "s")  # type: ignore[arg-type]
+        nodes[tuple(tokens)] = node
+    gone = drop.draw(st.sets(st.sampled_from(sorted(nodes)))) if nodes else set()
+    for tokens in gone:
+        tree.remove(nodes.pop(tokens))
+    kept = list(nodes)
+    match = tree.match(probe, below_limit=100)
+    # depth: the longest prefix of the probe that some kept sequence starts with (the tree may
+    # keep more paths than the kept entries; it never forgets one)
+    assert match.depth >= max((_common(list(k), probe) for k in kept), default=0)
+    on_path = sorted(k for k in kept if len(k) <= len(probe) and list(k) == probe[: len(k)])
+    assert sorted(e.tokens for e in match.path) == on_path
+    below = sorted(
+        k for k in kept if len(k) > match.depth and list(k[: match.depth]) == probe[: match.depth]
+    )
+    assert sorted(e.tokens for e in match.below) == below
+    for entry in match.path + match.below:
+        assert nodes[entry.tokens] is entry.node
+
+
+def test_a_cut_prefix_of_standard_continues_as_the_whole_prefill(smollm2: Model) -> None:
+    ffn, first, second = DenseFfn(smollm2), _ids(smollm2, "What is kept?"), _ids(smollm2, "Why?")
+    engine = parse_engine("standard").build(smollm2)
+    engine.prefill(smollm2, ffn, first)
+    cache = PrefixCache(2**30, min_tokens=8)
+    assert cache.store(smollm2, "standard", first, engine)
+    resumed = cache.lookup(smollm2, "standard", second)
+    assert resumed is not None and resumed.tokens == _common(first, second) < len(second)
+    with torch.inference_mode():
+        cached = resumed.engine.extend(smollm2, ffn, second[resumed.tokens :])
+        whole = parse_engine("standard").build(smollm2).prefill(smollm2, ffn, second)
+    torch.testing.assert_close(cached, whole, atol=1e-4, rtol=1e-4)
+    stats = cache.stats()
+    assert (stats.hits, stats.misses, stats.tokens_saved) == (1, 0, resumed.tokens)
+
+
+def test_a_session_from_the_cache_gives_the_tokens_of_a_fresh_one(smollm2: Model) -> None:
+    ffn, prompt = DenseFfn(smollm2), _ids(smollm2, "Which notice?")
+    cache = PrefixCache(2**30, min_tokens=8)
+    engine = parse_engine("standard").build(smollm2)
+    fresh = generate(engine, smollm2, ffn, prompt, 6, stop_ids=frozenset()).tokens
+    cache.store(smollm2, "standard", prompt, _prefilled(smollm2, "standard", prompt))
+    for _ in range(2):  # twice from the same cached state: the first run must not change it
+        resumed = cache.lookup(smollm2, "standard", prompt)
+        assert resumed is not None and resumed.tokens == len(prompt) - 1
+        session = GenerationSession(
+            resumed.engine,
+            smollm2,
+            ffn,
+            prompt[resumed.tokens :],
+            6,
+            stop_ids=frozenset(),
+            resumes=True,
+        )
+        tokens = [session.prefill()] + [session.step() for _ in range(5)]
+        assert tokens == fresh
+
+
+def test_a_lossy_engine_keeps_its_coded_rows_of_the_prefix(smollm2: Model) -> None:
+    spec, prompt = "turbo-quant:bits=4", _ids(smollm2, "What is kept?")
+    engine = _prefilled(smollm2, spec, prompt)
+    cut = engine.fork_prefix(smollm2, 100)
+    assert cut is not None and cut.position == 100
+    for layer in (0, smollm2.config.num_layers - 1):
+        assert cut.stored_rows(layer) == 100  # type: ignore[attr-defined]
+        codes = cut.stored_codes(layer)  # type: ignore[attr-defined]
+        full = engine.stored_codes(layer)  # type: ignore[attr-defined]
+        assert torch.equal(codes, full[: codes.shape[0]])
+    ffn = DenseFfn(smollm2)
+    session = GenerationSession(
+        cut, smollm2, ffn, prompt[100:], 4, stop_ids=frozenset(), resumes=True
+    )
+    assert len([session.prefill()] + [session.step() for _ in range(3)]) == 4
+    assert engine.position == len(prompt)  # the original is untouched
+
+
+def test_least_recently_used_states_go_first_within_the_bytes(smollm2: Model) -> None:
+    prompts = [_ids(smollm2, q) for q in ("One?", "Two, then?")]
+    engines = [_prefilled(smollm2, "standard", p) for p in prompts]
+    one = engines[0].fork_prefix(smollm2, len(prompts[0]))
+    assert one is not None
+    size = one.memory().total
+    cache = PrefixCache(int(size * 1.5), min_tokens=8)
+    assert cache.store(smollm2, "standard", prompts[0], engines[0])
+    assert cache.store(smollm2, "standard", prompts[1], engines[1])
+    stats = cache.stats()
+    assert stats.entries == 1 and stats.evictions == 1 and stats.bytes <= cache.max_bytes
+    resumed = cache.lookup(smollm2, "standard", prompts[1] + [13])
+    assert resumed is not None and resumed.tokens == len(prompts[1])
+    assert cache.lookup(smollm2, "turbo-quant", prompts[1]) is None  # another engine's tree
+    assert PrefixCache(0).lookup(smollm2, "standard", prompts[1]) is None
+    assert not PrefixCache(2**30).store(smollm2, "standard", prompts[0][:4], engines[0])
+
+
+def test_one_cache_one_model(smollm2: Model, smollm2_f64: Model) -> None:
+    cache = PrefixCache(2**20)
+    cache.lookup(smollm2, "standard", [1, 2, 3])
+    with pytest.raises(PrefixCacheError, match="one model"):
+        cache.lookup(smollm2_f64, "standard", [1, 2, 3])
+    with pytest.raises(PrefixCacheError, match=">= 0"):
+        PrefixCache(-1)
+
+
+def _prefilled(model: Model, spec: str, prompt: list[int]):  # type: ignore[no-untyped-def]
+    engine = parse_engine(spec).build(model)
+    with torch.inference_mode():
+        engine.prefill(model, DenseFfn(model), prompt)
+    return engine
+
+
+def test_the_api_starts_from_the_cache_and_says_so(smollm2: Model) -> None:
+    import larql
+
+    cache = larql.PrefixCache(2**30)
+    prompts = [DOC + "\nQuestion: What is kept?\nAnswer:", DOC + "\nQuestion: Why?\nAnswer:"]
+    runs = [
+        larql.generate(smollm2, "standard", p, max_new_tokens=4, prefix_cache=cache)
+        for p in prompts
+    ]
+    plain = larql.generate(smollm2, "standard", prompts[1], max_new_tokens=4)
+    assert runs[0].cached_prompt_tokens == 0 and runs[1].cached_prompt_tokens > 100
+    assert runs[1].token_ids == plain.token_ids and runs[1].prompt_ids == plain.prompt_ids
