@@ -61,6 +61,15 @@ def serve(
             "an error event (new requests are refused at once; a second signal ends them now).",
         ),
     ] = 10.0,
+    prefix_cache_bytes: Annotated[
+        str | None,
+        typer.Option(
+            "--prefix-cache-bytes",
+            help="Bytes of engine states kept for prompts that start alike (e.g. 1G, 512M; "
+            "0: no prefix cache; default: an eighth of the memory the states live in — the "
+            "GPU's or the host's).",
+        ),
+    ] = None,
     quiet: Annotated[
         bool,
         typer.Option(
@@ -107,6 +116,7 @@ def serve(
         raise InvalidInput(f"--prefill-chunk must be ≥ 1, got {prefill_chunk}")
     if not 0 <= shutdown_timeout < float("inf"):
         raise InvalidInput(f"--shutdown-timeout must be ≥ 0 seconds, got {shutdown_timeout}")
+    cache_bytes = parse_size(prefix_cache_bytes) if prefix_cache_bytes is not None else None
     from larql.kv.resolve import resolve_engine
 
     choice = resolve_engine(engine)
@@ -129,6 +139,7 @@ def serve(
         shutdown_timeout_s=shutdown_timeout,
         model_aliases=(model,) if model and model != lm.name else (),
         access_log=not quiet,
+        prefix_cache_bytes=cache_bytes,
     )
 
     def announce(url: str) -> None:
@@ -138,6 +149,25 @@ def serve(
         )
 
     serve_forever(create_app(lm, settings), host, port, announce)
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'0', '123456', '512M', '1G', '1.5GiB' → bytes (K/M/G/T are powers of 1024)."""
+    raw = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = raw[-1:] if raw[-1:] in _UNITS else ""
+    try:
+        value = float(raw[: len(raw) - len(unit)])
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise InvalidInput(
+            f"--prefix-cache-bytes: not a size: {text!r} (accepted: bytes, or a number with "
+            "K, M, G or T, e.g. 512M; 0 turns the cache off)"
+        )
+    return int(value * _UNITS[unit])
 
 
 def check_limits(

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from larql.inference.engine import Engine
 from larql.inference.ffn import DenseFfn
+from larql.inference.prefix_cache import PrefixCache, default_size
 from larql.kv.catalog import catalog_rows
 from larql.models.model import Model
 from larql.server.access_log import ENGINE_KEY, AccessLog
@@ -56,7 +57,11 @@ ENDPOINTS = (
 def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     metrics = ServerMetrics()
-    scheduler = Scheduler(model, DenseFfn(model), settings.scheduler_limits(), metrics)
+    cache_bytes = settings.prefix_cache_bytes
+    cache = PrefixCache(default_size(model) if cache_bytes is None else cache_bytes)
+    scheduler = Scheduler(
+        model, DenseFfn(model), settings.scheduler_limits(), metrics, prefix_cache=cache
+    )
     started = int(time.time())
 
     @asynccontextmanager

@@ -16,8 +16,10 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from larql.inference.prefix_cache import PrefixCache
 
 LATENCY_BUCKETS = (
     0.005,
@@ -58,6 +60,43 @@ class _EngineMemory(Collector):
         for engine, held in sorted(self._source().items()):
             family.add_metric([engine], held)
         yield family
+
+
+class _PrefixCacheStats(Collector):
+    """The prefix cache's counts, read at scrape."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self._cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._cache.stats()
+        counters = (
+            ("hits", "Prompts that started from a cached state", stats.hits),
+            ("misses", "Prompts that found no cached state to start from", stats.misses),
+            (
+                "tokens_saved",
+                "Prompt tokens not computed: they came from the cache",
+                stats.tokens_saved,
+            ),
+            (
+                "evictions",
+                "Cached states dropped to stay within the cache's bytes",
+                stats.evictions,
+            ),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(f"larql_prefix_cache_{name}", doc, value=value)
+        gauges = (
+            ("bytes", "Bytes of engine state in the prefix cache", stats.bytes),
+            (
+                "capacity_bytes",
+                "The prefix cache's size (--prefix-cache-bytes)",
+                self._cache.max_bytes,
+            ),
+            ("entries", "Engine states in the prefix cache", stats.entries),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(f"larql_prefix_cache_{name}", doc, value=value)
 
 
 class ServerMetrics:
@@ -103,6 +142,9 @@ class ServerMetrics:
 
     def watch_engine_memory(self, source: Callable[[], Mapping[str, int]]) -> None:
         self.registry.register(_EngineMemory(source))
+
+    def watch_prefix_cache(self, cache: PrefixCache) -> None:
+        self.registry.register(_PrefixCacheStats(cache))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -84,6 +84,7 @@ from larql.inference.linear import rows_per_pass
 from larql.inference.logprobs import PromptScorer, TokenLogprob, token_logprob
 from larql.inference.lookahead import Lookahead, goes_ahead
 from larql.inference.memory import MemoryBreakdown
+from larql.inference.prefix_cache import PrefixCache, Resumed
 from larql.inference.sampling import Sampler, SamplingParams
 from larql.models.model import Model
 from larql.server.logprobs import Entry, GeneratedTrack
@@ -285,11 +286,17 @@ class Scheduler:
         limits: SchedulerLimits,
         metrics: ServerMetrics,
         step_ahead: bool | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         """`step_ahead`: batched greedy decode steps are queued before the step before them is
         read (`larql.inference.lookahead`); None: where the model is on CUDA (on the CPU the
-        host does the computing, so there is nothing to overlap)."""
+        host does the computing, so there is nothing to overlap). `prefix_cache`: a prompt
+        starts from the state of the longest prefix it shares with earlier prompts of its
+        engine, and each prompt's state is offered to it once it is in."""
         self.model = model
+        self.prefix_cache = (
+            prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
+        )
         self.ffn = ffn
         self.limits = limits
         self.metrics = metrics
@@ -307,6 +314,8 @@ class Scheduler:
         self._ahead = Lookahead()
         self._ahead_sessions: dict[int, Session] = {}  # id(generation) → its session
         metrics.watch_engine_memory(self.memory_by_engine)
+        if self.prefix_cache is not None:
+            metrics.watch_prefix_cache(self.prefix_cache)
 
     # ------------------------------------------------------------------ called from the event loop
 
@@ -795,23 +804,47 @@ class Scheduler:
         if stream.generation is None:
             assert stream.engine is not None
             request = stream.request
+            prompt, resumed = request.prompt_ids, self._cached_start(request)
+            if resumed is not None:
+                stream.engine, prompt = resumed.engine, prompt[resumed.tokens :]
             stream.generation = GenerationSession(
                 stream.engine,
                 self.model,
                 self.ffn,
-                request.prompt_ids,
+                prompt,
                 request.max_new_tokens,
                 Sampler(request.sampling),
                 stop_ids=frozenset() if request.ignore_eos else None,
                 keep_prompt_rows=request.scores_prompt,
+                resumes=resumed is not None,
             )
             if request.logprobs is not None and request.scores_prompt:
                 stream.scorer = PromptScorer(self.model, request.prompt_ids, request.logprobs)
         return stream.generation
 
+    def _cached_start(self, request: SessionRequest) -> Resumed | None:
+        """A copy of the cached state its prompt starts from, if any (a prompt whose rows
+        are scored needs them all, so it starts afresh)."""
+        if self.prefix_cache is None or request.scores_prompt or request.max_new_tokens == 0:
+            return None
+        return self.prefix_cache.lookup(self.model, request.engine_spec, request.prompt_ids)
+
+    def _offer_to_cache(self, stream: Session) -> None:
+        """The state after its prompt, kept for later prompts that start the same way."""
+        if self.prefix_cache is None or stream.engine is None:
+            return
+        try:
+            self.prefix_cache.store(
+                self.model, stream.request.engine_spec, stream.request.prompt_ids, stream.engine
+            )
+        except Exception:  # the cache is a saving, never a reason for a stream to fail
+            log.exception("a prompt's state could not be cached")
+
     def _deliver(self, stream: Session, token: int) -> None:
         generation = stream.generation
         assert generation is not None and stream.engine is not None
+        if len(generation.tokens) == 1:  # its prompt is in: the engine holds the prompt's state
+            self._offer_to_cache(stream)
         if generation.finished or len(generation.tokens) % MEMORY_EVERY_TOKENS == 0:
             stream.memory = stream.engine.memory()
         self.metrics.completion_tokens.inc()
@@ -884,9 +917,11 @@ _SHUTTING_DOWN = ErrorEvent(503, "the server is shutting down", "server_error")
 
 
 def _prompt_left(stream: Session) -> int:
-    """Its prompt tokens not yet in the engine."""
+    """Its prompt tokens not yet in the engine (after a cached start: of the rest)."""
     generation = stream.generation
-    return len(stream.request.prompt_ids) - (generation.prompt_done if generation else 0)
+    if generation is None:
+        return len(stream.request.prompt_ids)
+    return len(generation.prompt_ids) - generation.prompt_done
 
 
 def _prefilling(stream: Session) -> bool:
