@@ -7,6 +7,8 @@ throughput; failures) and the server's RSS before and after a fixed number of re
         [--rss-requests 200]
         [--rss-max-tokens 8]
         [--url URL --server-pid PID] [--json PATH]
+    .venv/bin/python benchmarks/serve_load.py --shared-prefix WORDS …  (the prefix cache:
+        questions about shared documents, with and without it; benchmarks/serve_prefix.py)
 
 Phases (each bounded; the script stops by itself):
   1. start `larql serve --port 0` (or use --url; --server-pid lets it read the RSS);
@@ -171,7 +173,9 @@ def prompts(words: int, count: int = 8) -> list[str]:
     return [" ".join(text[i * step : i * step + words]) for i in range(count)]
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
+def start_server(
+    args: argparse.Namespace, extra: list[str] | None = None
+) -> tuple[subprocess.Popen[str], str]:
     larql = Path(sys.executable).with_name("larql")
     command = [
         str(larql),
@@ -190,6 +194,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
         args.engine,
         "--weights",
         args.weights,
+        *(extra or []),
     ]
     env = {**os.environ, "LARQL_KV_ENGINE": ""}
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
@@ -322,6 +327,11 @@ def _yes(ok: bool | None) -> str:
 
 
 def main() -> None:
+    if "--shared-prefix" in sys.argv:
+        import serve_prefix
+
+        serve_prefix.run(serve_prefix.parser().parse_args())
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", "-c", type=int, default=4)
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of the load phase")
