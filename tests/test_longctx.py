@@ -81,7 +81,7 @@ def test_cli_longctx_report(tmp_path: Path) -> None:
             "needle-number",
             "--lengths",
             "256",
-            "--depths",
+            "--depth-percent",
             "0,100",
             "--engine",
             "standard;standard:window=32",
@@ -108,7 +108,10 @@ def test_cli_longctx_report(tmp_path: Path) -> None:
     [
         (["--suite", "longest"], "--suite must be one of"),
         (["--suite", "longctx", "--tasks", "needle-color"], "unknown needle-color"),
-        (["--suite", "longctx", "--depths", "150"], "--depths takes integers in 0..100"),
+        (
+            ["--suite", "longctx", "--depth-percent", "150"],
+            "--depth-percent takes integers in 0..100",
+        ),
         (["--suite", "longctx", "--lengths", "1k"], "--lengths takes comma-separated"),
     ],
 )
