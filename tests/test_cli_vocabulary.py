@@ -147,10 +147,19 @@ def test_every_model_loading_command_takes_threads(cli, command: str, tmp_path: 
     assert refused.exit_code == 2 and "--threads must be ≥ 1, got 0" in refused.stderr
 
 
-@pytest.mark.parametrize("command", ["run", "walk", "bench", "accuracy", "engines"])
+@pytest.mark.parametrize("command", ["run", "walk", "bench", "accuracy", "engines", "models"])
 def test_every_command_that_runs_or_lists_has_verbose(cli, command: str) -> None:
     shown = cli(command, "--help").stdout
     assert "-v" in shown and "--verbose" in shown
+
+
+def test_models_verbose_adds_each_description(cli) -> None:
+    from larql.models.registry import KNOWN_MODELS
+
+    plain, verbose = cli("models").stdout, cli("models", "-v").stdout
+    assert "description" in verbose and "description" not in plain
+    for known in KNOWN_MODELS.values():  # a table wraps between words, never inside one
+        assert all(word in verbose for word in known.description.split()), known.name
 
 
 @pytest.mark.slow

@@ -87,6 +87,9 @@ def engines(
 @user_errors
 def models(
     output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
+    verbose: Annotated[
+        bool, typer.Option("-v", "--verbose", help="Also what each model is (its description).")
+    ] = False,
 ) -> None:
     """List the models larql knows by name and whether each is installed."""
     from larql.models.registry import DEFAULT_MODEL, KNOWN_MODELS
@@ -111,10 +114,12 @@ def models(
         print(json.dumps(rows, indent=2))
         return
     table = Table(title="Models (-m NAME; or -m path/to/model.gguf, or an HF directory)")
-    for column in ("name", "architecture", "licence", "installed"):
+    columns = ("name", "architecture", "licence", "installed", *(("description",) * verbose))
+    for column in columns:
         table.add_column(column, overflow="fold")
     for r in rows:
         name = r["name"] + (" (default)" if r["default"] else "")
         status = f"yes: {r['path']}" if r["installed"] else f"no — {r['install']}"
-        table.add_row(name, r["architecture"], r["licence"], status)
+        cells = (name, r["architecture"], r["licence"], status, *((r["description"],) * verbose))
+        table.add_row(*cells)
     stdout.print(table)
