@@ -81,7 +81,7 @@ def test_cli_longctx_report(tmp_path: Path) -> None:
             "needle-number",
             "--lengths",
             "256",
-            "--depths",
+            "--depth-percent",
             "0,100",
             "--engine",
             "standard;standard:window=32",
@@ -93,8 +93,8 @@ def test_cli_longctx_report(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
-    assert report["schema"] == "larql.longctx/1" and len(report["dataset_hash"]) == 16
-    cells = {(c["engine"], c["depth"]): c for c in report["cells"]}
+    assert report["schema"] == "larql.longctx/2" and len(report["dataset_hash"]) == 16
+    cells = {(c["engine"], c["depth_percent"]): c for c in report["cells"]}
     assert set(cells) == {(e, d) for e in ("standard", "standard:window=32") for d in (0, 100)}
     assert all(cells[("standard", d)]["score"] == 1.0 for d in (0, 100))
     assert cells[("standard:window=32", 0)]["score"] == 0.0  # 250 tokens before the question
@@ -108,7 +108,10 @@ def test_cli_longctx_report(tmp_path: Path) -> None:
     [
         (["--suite", "longest"], "--suite must be one of"),
         (["--suite", "longctx", "--tasks", "needle-color"], "unknown needle-color"),
-        (["--suite", "longctx", "--depths", "150"], "--depths takes integers in 0..100"),
+        (
+            ["--suite", "longctx", "--depth-percent", "150"],
+            "--depth-percent takes integers in 0..100",
+        ),
         (["--suite", "longctx", "--lengths", "1k"], "--lengths takes comma-separated"),
     ],
 )

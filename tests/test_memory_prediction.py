@@ -58,8 +58,8 @@ def test_the_prediction_is_the_run_report(spec: str, structure: Model, smollm2_d
     assert predicted.error is None
     assert predicted.memory == run.memory_breakdown
     assert predicted.memory.as_json() == run.as_json()["memory"]
-    assert predicted.tokens == PROMPT + NEW - 1
-    fp16 = smollm2_default.config.kv_bytes_per_token(2) * predicted.tokens
+    assert predicted.positions == PROMPT + NEW - 1
+    fp16 = smollm2_default.config.kv_bytes_per_token(2) * predicted.positions
     assert predicted.fp16_full_bytes == fp16
 
 
@@ -142,13 +142,14 @@ def test_a_70b_config_is_counted_in_seconds_without_weights(tmp_path: Path) -> N
 def test_the_command(tmp_path: Path) -> None:
     runner = CliRunner()
     done = runner.invoke(
-        app, ["memory", "--tokens", "64", "--engines", "standard;no-cache", "--output", "json"]
+        app,
+        ["memory", "--prompt-tokens", "64", "--engine", "standard;no-cache", "--output", "json"],
     )
     assert done.exit_code == 0, done.output
     report = json.loads(done.stdout)
     assert [row["engine"] for row in report["engines"]] == ["standard", "no-cache"]
     standard = report["engines"][0]
-    assert standard["tokens"] == 64 and standard["memory"]["state_bytes"] > 0
+    assert standard["positions"] == 64 and standard["memory"]["state_bytes"] > 0
     assert set(standard["memory"]) == {
         "state_bytes",
         "hot_bytes",
@@ -157,13 +158,16 @@ def test_the_command(tmp_path: Path) -> None:
         "reserve_bytes",
         "held_bytes",
     }
-    table = runner.invoke(app, ["memory", "--tokens", "64", "-n", "4", "--engine", "standard"])
+    table = runner.invoke(
+        app, ["memory", "--prompt-tokens", "64", "-n", "4", "--engine", "standard"]
+    )
     assert table.exit_code == 0 and "standard" in table.stdout and "67" in table.stdout
     for bad in (
-        ["--tokens", "0"],
-        ["--tokens", "8", "--output", "yaml"],
-        ["--tokens", "100000"],
-        ["--tokens", "8", "--engines", "nope"],
+        [],
+        ["--prompt-tokens", "0"],
+        ["--prompt-tokens", "8", "--output", "yaml"],
+        ["--prompt-tokens", "100000"],
+        ["--prompt-tokens", "8", "--engine", "nope"],
     ):
         refused = runner.invoke(app, ["memory", *bad])
         assert refused.exit_code == EXIT_USER_ERROR, (bad, refused.output)

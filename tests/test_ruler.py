@@ -165,7 +165,7 @@ def test_the_command_reports_json_table_and_plot(tmp_path: Path) -> None:
     [
         (["--tasks", "needle-number"], "known for --suite ruler"),
         (["--samples", "0"], "--samples must be ≥ 1"),
-        (["--depths", "50"], "drop --depths"),
+        (["--depth-percent", "50"], "drop --depth-percent"),
         (["--lengths", "64"], "integers ≥ 128"),
     ],
 )

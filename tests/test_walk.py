@@ -171,7 +171,10 @@ def test_walk_json(cli, smollm2: Model) -> None:
     (layer,) = data["layers"]
     assert layer["layer"] == 29 and len(layer["features"]) == 4
     first = layer["features"][0]
-    assert set(first) == {"feature", "activation", "gate", "tokens"} and len(first["tokens"]) == 5
+    assert set(first) == {"feature", "activation", "gate", "writes"} and len(first["writes"]) == 5
+    # a token is {id, text} as everywhere in the JSON: the text is the id's
+    tokenizer = smollm2.tokenizer
+    assert all(w["text"] == tokenizer.decode([w["id"]]) for w in first["writes"])
     assert abs(first["activation"]) >= abs(layer["features"][-1]["activation"])
 
 
@@ -181,7 +184,7 @@ def test_walk_predict_goes_through_the_engine(cli, smollm2: Model) -> None:
     dense = json.loads(cli(*args, "--ffn-policy", "dense").stdout)
     walked = json.loads(cli(*args, "-k", "1536", "--engine", "markov-rs").stdout)
     assert walked["ffn"] == "walk:k=1536" and walked["engine"] == "markov-rs"
-    assert walked["tokens"] == dense["tokens"] and len(dense["tokens"]) == 4
+    assert walked["token_ids"] == dense["token_ids"] and len(dense["token_ids"]) == 4
     assert dense["text"].startswith(" Paris")
     sparse = json.loads(cli(*args, "--ffn-policy", "{walk:k=50}@layers=0-29").stdout)
     assert sparse["ffn"] == "{walk:k=50}@layers=0-29"

@@ -14,7 +14,7 @@ from larql.cli.ffn_options import MoeShardsOption, moe_shards_spec
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption, WeightsOption
 from larql.cli.outputs import check_output_file, check_plot_file, write_text, writing
 from larql.cli.progress import progress_lines
-from larql.cli.renamed import renamed
+from larql.cli.renamed import output_format, renamed
 
 
 def default_engines(suite: str = "prompts") -> str:
@@ -115,9 +115,13 @@ def accuracy(
     depths: Annotated[
         str | None,
         typer.Option(
-            "--depths",
-            help="longctx needle depths in percent (default 0,25,50,75,100; --quick 0,50,100).",
+            "--depth-percent",
+            help="longctx needle depths, in percent of the context (default 0,25,50,75,100; "
+            "--quick 0,50,100).",
         ),
+    ] = None,
+    old_depths: Annotated[
+        str | None, typer.Option("--depths", hidden=True, help="Old spelling of --depth-percent.")
     ] = None,
     samples: Annotated[
         int | None,
@@ -126,8 +130,8 @@ def accuracy(
     seed: Annotated[int, typer.Option("--seed", help="longctx / ruler dataset seed.")] = 0,
     output: Annotated[
         str,
-        typer.Option("--output", "-o", help="table or json (--suite prompts or ruler)."),
-    ] = "table",
+        typer.Option("--output", "-o", help="text or json (--suite prompts or ruler)."),
+    ] = "text",
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
     device: DeviceOption = "cpu",
@@ -149,6 +153,7 @@ def accuracy(
     distributions are compared with the full cache's over a text."""
     engines = renamed(engines, old_engines, "--engine", "--engines", None)
     ffn = renamed(ffn, old_ffn, "--ffn-policy", "--ffn", "dense")
+    depths = renamed(depths, old_depths, "--depth-percent", "--depths", None)
     from larql.api import accuracy as run_accuracy
     from larql.harness.accuracy.aggregate import served_lines, split_table
     from larql.harness.accuracy.report import fidelity_table
@@ -172,8 +177,7 @@ def accuracy(
         raise InvalidInput(f"--prompt-tokens must be ≥ 1, got {prompt_tokens}")
     if suite not in SUITES:
         raise InvalidInput(f"--suite must be one of {', '.join(SUITES)}, got {suite!r}")
-    if output not in ("table", "json"):
-        raise InvalidInput(f"unknown --output {output!r}; accepted: table, json")
+    output = output_format(output, ("text", "json"))
     if output == "json" and suite not in ("prompts", "ruler"):
         raise InvalidInput(
             f"--output json prints --suite prompts or ruler; for --suite {suite} give --output-file"
@@ -190,7 +194,9 @@ def accuracy(
         if ffn_specs != ["dense"]:
             raise InvalidInput("--suite ruler runs the dense FFN; leave out --ffn-policy")
         if depths is not None:
-            raise InvalidInput("--suite ruler places its facts at random depths; drop --depths")
+            raise InvalidInput(
+                "--suite ruler places its facts at random depths; drop --depth-percent"
+            )
         ruler_grid = RulerGrid.parse(quick, tasks, lengths, samples, seed)
         lm = open_model(model, dtype, device, threads, weights)
         run_ruler_suite(lm, specs, ruler_grid, output, output_file, plot)

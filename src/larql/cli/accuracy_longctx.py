@@ -65,7 +65,7 @@ class SuiteGrid:
             suite=suite,
             tasks=chosen,
             lengths=_ints("--lengths", lengths, 16) if lengths else default_lengths,
-            depths=_ints("--depths", depths, 0, 100) if depths else default_depths,
+            depths=_ints("--depth-percent", depths, 0, 100) if depths else default_depths,
             seed=seed,
         )
 

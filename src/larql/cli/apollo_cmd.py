@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from larql.cli.common import InvalidInput, open_model, stdout, user_errors
-from larql.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
+from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption, WeightsOption
 
 apollo_app = typer.Typer(
     name="apollo",
@@ -50,6 +50,7 @@ def build_store_command(
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
+    threads: ThreadsOption = None,
 ) -> None:
     """Build an apollo store from a text file: windows of tokens, each window's boundary
     residual at the crystal layer, and fact entries weighted by rarity."""
@@ -63,7 +64,7 @@ def build_store_command(
         text = corpus.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise InvalidInput(f"--corpus {corpus} is not UTF-8 text ({e.reason})") from None
-    lm = open_model(model, dtype, device, weights=weights)
+    lm = open_model(model, dtype, device, threads, weights)
     sizes = {"window": window, "entries_per_window": entries_per_window}
     options = BuildOptions(
         crystal_layer=crystal_layer,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from larql.cli.common import InvalidInput, open_model, stdout, user_errors
+from larql.cli.common import InvalidInput, open_model, stderr, stdout, user_errors
 from larql.cli.engine_names import engines_help
 from larql.cli.ffn_options import (
     FfnPolicyOption,
@@ -20,7 +20,10 @@ from larql.cli.ffn_options import (
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption, WeightsOption
 from larql.cli.outputs import check_output_file, check_plot_file, write_text, writing
 from larql.cli.progress import progress_lines
-from larql.cli.renamed import renamed
+from larql.cli.renamed import output_format, renamed
+
+if TYPE_CHECKING:  # torch loads in the command's body, not for `--help`
+    from larql.harness.bench.engine_bench import EngineRow
 
 
 def parse_int_list(value: str | None, option: str, minimum: int) -> list[int]:
@@ -92,7 +95,7 @@ def bench(
     ] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Per-stage breakdown.")] = False,
     vs_hf: Annotated[bool, typer.Option("--vs-hf", help="Add HF transformers generate.")] = False,
-    output: Annotated[str, typer.Option("--output", "-o", help="table or json.")] = "table",
+    output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
     output_file: Annotated[Path | None, typer.Option("--output-file", help="Write JSON.")] = None,
     plot: Annotated[
         Path | None, typer.Option("--plot", help="PNG of tok/s, memory vs depth.")
@@ -104,6 +107,14 @@ def bench(
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
     threads: ThreadsOption = None,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "-v",
+            "--verbose",
+            help="Each row's decode path (device · dtype · weights · kernels) and note on stderr.",
+        ),
+    ] = False,
     quiet: Annotated[
         bool,
         typer.Option(
@@ -117,8 +128,7 @@ def bench(
     """Time every engine (whole tokens), report memory and roofline, optionally vs HF."""
     tokens = renamed(tokens, old_tokens, "-n/--max-tokens", "--tokens", 32)
     engine = renamed(engine, old_engines, "--engine", "--engines", None)
-    if output not in ("table", "json"):
-        raise InvalidInput(f"unknown --output {output!r}; accepted: table, json")
+    output = output_format(output, ("text", "json"))
     given = [
         name
         for name, value in (("--context", context), ("--prompt", prompt), ("--depths", depths))
@@ -184,11 +194,22 @@ def bench(
             save_plot(report, plot)
     if output == "json":
         print(json.dumps(data, indent=2))
-        return
-    stdout.print(render_table(report))
-    if report.batch_rows:
-        stdout.print(batch_table(report))
-    if report.concurrent_rows:
-        stdout.print(concurrent_table(report))
-    for table in stage_tables(report):
-        stdout.print(table)
+    else:
+        stdout.print(render_table(report))
+        if report.batch_rows:
+            stdout.print(batch_table(report))
+        if report.concurrent_rows:
+            stdout.print(concurrent_table(report))
+        for table in stage_tables(report):
+            stdout.print(table)
+    if verbose:
+        verbose_rows(report.rows)
+
+
+def verbose_rows(rows: list[EngineRow]) -> None:
+    """`-v`: what each row ran and its note, one line each on stderr (JSON has them too)."""
+    for row in rows:
+        ran = row.error if row.decode_path is None else f"decode path: {row.decode_path}"
+        stderr.print(f"{row.label} @ depth {row.depth}: {ran}", markup=False)
+        if row.error is None:
+            stderr.print(f"  note: {row.note()}", markup=False)

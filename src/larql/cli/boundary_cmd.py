@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from larql.cli.common import InvalidInput, stderr, stdout, user_errors
+from larql.cli.common import stderr, stdout, user_errors
+from larql.cli.renamed import output_format
 
 if TYPE_CHECKING:
     from larql.kv.boundary import BoundaryFrame
 
-OUTPUTS = ("table", "json")
+OUTPUTS = ("text", "json")
 
 boundary_app = typer.Typer(
     help="Inspect boundary-frame archives written by the boundary-kv engine.",
@@ -55,11 +56,10 @@ def frame_row(frame: BoundaryFrame) -> dict[str, object]:
 @user_errors
 def ls(
     directory: Annotated[Path, typer.Argument(help="Archive directory (boundary-kv:archive=DIR).")],
-    output: Annotated[str, typer.Option("--output", "-o", help="table or json.")] = "table",
+    output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
 ) -> None:
     """List the boundary frames in DIRECTORY, by sequence and token range."""
-    if output not in OUTPUTS:
-        raise InvalidInput(f"unknown --output {output!r}; accepted: {', '.join(OUTPUTS)}")
+    output = output_format(output, OUTPUTS)
     from larql.kv.boundary import DirectoryBoundaryArchive
 
     frames = DirectoryBoundaryArchive(directory).frames()

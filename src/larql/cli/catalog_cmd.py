@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from larql.cli.common import InvalidInput, stdout, user_errors
+from larql.cli.common import stdout, user_errors
+from larql.cli.renamed import output_format
 
 
 def spelling_variants(name: str, aliases: tuple[str, ...]) -> list[str]:
@@ -23,9 +24,9 @@ def engines(
     output: Annotated[
         str,
         typer.Option(
-            "--output", "-o", help="table, json or markdown (the page docs/ENGINES.md is)."
+            "--output", "-o", help="text, json or markdown (the page docs/ENGINES.md is)."
         ),
-    ] = "table",
+    ] = "text",
     verbose: Annotated[
         bool,
         typer.Option(
@@ -41,14 +42,13 @@ def engines(
     from larql.kv.catalog import CATALOG, catalog_rows
     from larql.kv.composed import composition_doc
 
+    output = output_format(output, ("text", "json", "markdown"))
     if output == "json":
         print(json.dumps(catalog_rows(), indent=2))
         return
     if output == "markdown":
         print(catalog_markdown(CATALOG.entries), end="")
         return
-    if output != "table":
-        raise InvalidInput(f"unknown --output {output!r}; accepted: table, json, markdown")
     if not verbose:
         table = Table(
             title="KV engines (--engine NAME[:key=value,…])",
@@ -86,7 +86,10 @@ def engines(
 
 @user_errors
 def models(
-    output: Annotated[str, typer.Option("--output", "-o", help="table or json.")] = "table",
+    output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
+    verbose: Annotated[
+        bool, typer.Option("-v", "--verbose", help="Also what each model is (its description).")
+    ] = False,
 ) -> None:
     """List the models larql knows by name and whether each is installed."""
     from larql.models.registry import DEFAULT_MODEL, KNOWN_MODELS
@@ -106,16 +109,17 @@ def models(
                 "install": known.install,
             }
         )
+    output = output_format(output, ("text", "json"))
     if output == "json":
         print(json.dumps(rows, indent=2))
         return
-    if output != "table":
-        raise InvalidInput(f"unknown --output {output!r}; accepted: table, json")
     table = Table(title="Models (-m NAME; or -m path/to/model.gguf, or an HF directory)")
-    for column in ("name", "architecture", "licence", "installed"):
+    columns = ("name", "architecture", "licence", "installed", *(("description",) * verbose))
+    for column in columns:
         table.add_column(column, overflow="fold")
     for r in rows:
         name = r["name"] + (" (default)" if r["default"] else "")
         status = f"yes: {r['path']}" if r["installed"] else f"no — {r['install']}"
-        table.add_row(name, r["architecture"], r["licence"], status)
+        cells = (name, r["architecture"], r["licence"], status, *((r["description"],) * verbose))
+        table.add_row(*cells)
     stdout.print(table)

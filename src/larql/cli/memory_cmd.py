@@ -13,6 +13,7 @@ from rich.text import Text
 from larql.cli.common import InvalidInput, stdout, user_errors
 from larql.cli.engine_names import engines_help
 from larql.cli.options import DtypeOption, ModelOption
+from larql.cli.renamed import output_format, renamed
 from larql.harness.formatting import Unbroken
 
 if TYPE_CHECKING:  # torch loads in the command's body, not for `--help`
@@ -23,9 +24,12 @@ OUTPUTS = ("text", "json")
 
 @user_errors
 def memory(
-    tokens: Annotated[
-        int, typer.Option("--tokens", help="Prompt tokens: the length to count the engines at.")
-    ],
+    prompt_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--prompt-tokens", help="The prompt's length in tokens: the length to count at."
+        ),
+    ] = None,
     model: ModelOption = None,
     max_tokens: Annotated[
         int,
@@ -33,27 +37,35 @@ def memory(
             "-n",
             "--max-tokens",
             help="New tokens of the run counted, as larql run's -n (the engine then holds "
-            "tokens + n − 1 positions; the growth reserve follows what the run expects).",
+            "prompt tokens + n − 1 positions; the growth reserve follows what the run expects).",
         ),
     ] = 1,
     engines: Annotated[
         str | None,
         typer.Option(
-            "--engines",
             "--engine",
             help="Engine specs (; or , separated); default: every live engine with its "
             f"defaults and as the long-context suites run it. {engines_help()}",
         ),
+    ] = None,
+    old_tokens: Annotated[
+        int | None, typer.Option("--tokens", hidden=True, help="Old spelling of --prompt-tokens.")
+    ] = None,
+    old_engines: Annotated[
+        str | None, typer.Option("--engines", hidden=True, help="Old spelling of --engine.")
     ] = None,
     dtype: DtypeOption = "float32",
     output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
 ) -> None:
     """Predict every engine's bytes (state by tier, growth reserve) for a model and a length,
     without reading the weights: the engines' own code counts them over the model's shapes."""
-    if output not in OUTPUTS:
-        raise InvalidInput(f"unknown --output {output!r}; accepted: {', '.join(OUTPUTS)}")
+    output = output_format(output, OUTPUTS)
+    tokens = renamed(prompt_tokens, old_tokens, "--prompt-tokens", "--tokens", None)
+    engines = renamed(engines, old_engines, "--engine", "--engines", None)
+    if tokens is None:
+        raise InvalidInput("give --prompt-tokens N: the prompt's length in tokens to count at")
     if tokens < 1:
-        raise InvalidInput(f"--tokens must be ≥ 1, got {tokens}")
+        raise InvalidInput(f"--prompt-tokens must be ≥ 1, got {tokens}")
     if max_tokens < 1:
         raise InvalidInput(f"-n/--max-tokens must be ≥ 1, got {max_tokens}")
     from larql.api import parse_engines
@@ -113,6 +125,8 @@ def memory_table(rows: list[MemoryPrediction], title: str, per_token: int) -> Un
             f"{n / 2**20:,.2f}" for n in (m.state, m.hot, m.cold, m.derivative, m.reserved, m.total)
         ]
         ratio = row.ratio_vs_fp16_full
-        table.add_row(row.spec, f"{row.tokens:,}", *cells, "—" if ratio is None else f"{ratio:.3f}")
+        table.add_row(
+            row.spec, f"{row.positions:,}", *cells, "—" if ratio is None else f"{ratio:.3f}"
+        )
     # no number or word split at a narrow terminal: the least telling columns go first
     return Unbroken(table, ("held", "derivative", "cold", "hot", "positions"))

@@ -20,6 +20,7 @@ from larql.cli.ffn_options import (
     ffn_policy_spec,
 )
 from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOption, WeightsOption
+from larql.cli.renamed import output_format
 from larql.cli.state_options import (
     LoadStateOption,
     SaveStateOption,
@@ -96,8 +97,7 @@ def run(
 ) -> None:
     """Generate text from PROMPT with the chosen KV engine."""
     # the checks that need no torch first: a typo is answered at once
-    if output not in OUTPUTS:
-        raise InvalidInput(f"unknown --output {output!r}; accepted: {', '.join(OUTPUTS)}")
+    output = output_format(output, OUTPUTS)
     if max_tokens < 1:
         raise InvalidInput(f"-n/--max-tokens must be ≥ 1, got {max_tokens}")
     if top < 0:

@@ -19,9 +19,9 @@ from larql.cli.options import (
     WeightsOption,
     parse_layer_range,
 )
-from larql.cli.renamed import renamed
+from larql.cli.renamed import output_format, renamed
 
-OUTPUTS = ("table", "json")
+OUTPUTS = ("text", "json")
 
 
 def walk_layers(value: str | None, num_layers: int) -> range:
@@ -81,11 +81,20 @@ def walk(
     compare: Annotated[
         bool, typer.Option("--compare", help="Dense vs walk next-token top-5 and their KL.")
     ] = False,
-    output: Annotated[str, typer.Option("--output", "-o", help="table or json.")] = "table",
+    output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
     device: DeviceOption = "cpu",
     threads: ThreadsOption = None,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "-v",
+            "--verbose",
+            help="Prompt tokens and the FFN on stderr; with --predict also the engine, the "
+            "decode path, prefill ms and decode tok/s.",
+        ),
+    ] = False,
 ) -> None:
     """Which FFN features fire at the last position of PROMPT, and what each one writes.
 
@@ -94,8 +103,7 @@ def walk(
     strongly through the unembedding (top of lm_head · down column; a negative activation
     pushes those tokens down)."""
     k = renamed(k, old_k, "-k/--features", "--top-k", None)
-    if output not in OUTPUTS:
-        raise InvalidInput(f"unknown --output {output!r}; accepted: {', '.join(OUTPUTS)}")
+    output = output_format(output, OUTPUTS)
     if predict and compare:
         raise InvalidInput("give --predict or --compare, not both")
     if top < 1 or max_tokens < 1:
@@ -133,7 +141,7 @@ def walk(
                 choice.engine.spec(),
                 ids,
                 max_tokens,
-                output == "table",
+                output == "text",
             )
         elif compare:
             data = compare_walk(lm, router, ids)
@@ -148,6 +156,8 @@ def walk(
         _print_compare(data)
     elif not predict:
         _print_features(data)
+    if verbose:
+        _print_verbose(data)
 
 
 # ---------------------------------------------------------------------------- rendering
@@ -177,10 +187,26 @@ def _print_features(data: dict[str, Any]) -> None:
                 str(f["feature"]),
                 f"{f['activation']:+.3f}",
                 f"{f['gate']:+.3f}",
-                "  ".join(repr(t) for t in f["tokens"]),
+                "  ".join(repr(t["text"]) for t in f["writes"]),
                 end_section=i == len(row["features"]) - 1,
             )
     stdout.print(table)
+
+
+def _print_verbose(data: dict[str, Any]) -> None:
+    """`-v`: what ran, on stderr, as `larql run -v` says it."""
+    stderr.print(f"model: {data['model']}   prompt tokens: {data['prompt_tokens']}", markup=False)
+    stderr.print(f"ffn: {data['ffn']}", markup=False)
+    if "decode_path" not in data:
+        return
+    rate = data["decode_tok_s"]
+    stderr.print(f"engine: {data['engine']}", markup=False)
+    stderr.print(f"decode path: {data['decode_path']}", markup=False)
+    stderr.print(
+        f"prefill: {data['prefill_ms']:.1f} ms   decode: "
+        + (f"{rate:.1f} tok/s" if rate else "n/a (one token)")
+    )
+    stderr.print(f"finish: {data['finish_reason']}")
 
 
 def _print_compare(data: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from larql.cli.common import stderr
+from larql.inference.decode_path import decode_path
 from larql.inference.ffn import NullFfn, build_ffn
 from larql.inference.ffn.introspect import LastRowRecorder, down_tokens, firing_features
 from larql.inference.ffn.policy import LayerFfnRouter
@@ -68,8 +69,8 @@ def feature_rows(
                         "feature": f.feature,
                         "activation": round(f.activation, 5),
                         "gate": round(f.gate, 5),
-                        "tokens": [
-                            model.tokenizer.decode([t])
+                        "writes": [
+                            {"id": t, "text": model.tokenizer.decode([t])}
                             for t in down_tokens(model, layer, f.feature, TOKENS_PER_FEATURE)
                         ],
                     }
@@ -118,8 +119,10 @@ def predict_tokens(
     visible = [t for t in result.tokens if t not in stop_ids]
     return {
         "engine": engine_spec,
-        "tokens": result.tokens,
+        "token_ids": result.tokens,
         "text": model.tokenizer.decode(visible),
         "finish_reason": result.finish_reason,
+        "prefill_ms": round(result.prefill_ms, 3),
         "decode_tok_s": result.decode_tok_s,
+        "decode_path": decode_path(model, result.decode_kinds, len(result.step_ms)),
     }

@@ -42,11 +42,11 @@ def default_memory_specs() -> list[str]:
 @dataclass(frozen=True)
 class MemoryPrediction:
     """One engine's bytes after a run of `prompt_tokens` and `max_tokens` new tokens: it holds
-    `tokens` positions (the last new token is never fed back). `fp16_full_bytes`: a full fp16
+    `positions` positions (the last new token is never fed back). `fp16_full_bytes`: a full fp16
     K/V cache of those positions (the `× fp16 full` of `larql bench`)."""
 
     spec: str
-    tokens: int
+    positions: int
     memory: MemoryBreakdown | None
     fp16_full_bytes: int
     error: str | None = None
@@ -62,7 +62,7 @@ class MemoryPrediction:
         """`memory` as `larql run --output json` reports it (`MemoryBreakdown.as_json`)."""
         return {
             "engine": self.spec,
-            "tokens": self.tokens,
+            "positions": self.positions,
             "memory": None if self.memory is None else self.memory.as_json(),
             "fp16_full_bytes": self.fp16_full_bytes,
             "ratio_vs_fp16_full": self.ratio_vs_fp16_full,

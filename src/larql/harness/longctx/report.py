@@ -92,7 +92,7 @@ def save_longctx_plot(cells: list[Cell], path: Path, title: str) -> None:
 
     engines = engines_of(cells)
     lengths = sorted({c.length for c in cells})
-    depths = sorted({c.depth for c in cells})
+    depths = sorted({c.depth_percent for c in cells})
     columns = min(4, len(engines) + 1)
     rows = -(-(len(engines) + 1) // columns)
     figure, axes = plt.subplots(rows, columns, figsize=(3.4 * columns, 3.0 * rows), squeeze=False)
@@ -106,7 +106,7 @@ def save_longctx_plot(cells: list[Cell], path: Path, title: str) -> None:
                     [
                         c.score
                         for c in cells
-                        if c.engine == engine and c.length == length and c.depth == depth
+                        if c.engine == engine and c.length == length and c.depth_percent == depth
                     ]
                 )
                 for depth in depths

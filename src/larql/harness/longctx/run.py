@@ -24,7 +24,7 @@ from larql.kv.apollo.store import ApolloStoreError
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 
-SCHEMA = "larql.longctx/1"
+SCHEMA = "larql.longctx/2"
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Cell:
     engine: str
     task: str
     length: int
-    depth: int
+    depth_percent: int  # where the needle sits, in percent of the context
     score: float  # 1.0: greedy decoding writes the gold answer; else 0.0
     answer_logprob: float  # ln p(gold answer | context, question), summed over its tokens
     memory_bytes: int  # the engine's state after the answer
@@ -81,7 +81,7 @@ def score_sample(model: Model, ffn: FfnBackend, spec: EngineSpec, sample: Sample
         engine=label,
         task=sample.task,
         length=sample.length,
-        depth=sample.depth,
+        depth_percent=sample.depth,
         score=float(picked == answer),
         answer_logprob=sum(float(row[token]) for row, token in zip(log_probs, answer, strict=True)),
         memory_bytes=engine.memory().state,
