@@ -2,13 +2,13 @@
 side, one with the cache (`--prefix-cache-bytes`, default the server's) and one without (0),
 measured in turn.
 
-    .venv/bin/python benchmarks/serve_load.py --shared-prefix 1100 [--engine standard]
+    .venv/bin/python benchmarks/serve_load.py --shared-prefix 1160 [--engine standard]
         [--concurrency 8] [--duration 30] [--rounds 3] [--max-tokens 8] [--threads 2]
         [--questions 4] [--json PATH]
 
 (or `benchmarks/serve_prefix.py` with the same arguments). The shared prefix is a document of
-that many words of the Apache-2.0 text (~1.35 tokens a word on SmolLM2); each request is the
-document and a question of its own. Each round takes a new document, so its first question
+that many words of the Apache-2.0 text (on SmolLM2 1,160 words are ~1,500 tokens); each request
+is the document and a question of its own. Each round takes a new document, so its first question
 finds nothing cached:
   1. questions one at a time: on the cached server the document's first question (cold) and
      then `--questions - 1` more (warm); the same questions on the uncached server;
@@ -132,7 +132,12 @@ def print_report(r: dict[str, Any]) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shared-prefix", type=int, default=1100, help="words of each document")
+    p.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=1160,
+        help="words of each document (1,160: ~1,500 tokens)",
+    )
     p.add_argument("--engine", default="standard")
     p.add_argument("--concurrency", "-c", type=int, default=8)
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load per server")

@@ -381,3 +381,17 @@ def test_the_device_is_warmed_up_before_any_row_is_timed(smollm2: Model) -> None
     report = run_bench(smollm2, DenseFfn(smollm2), kinds, [(0, ids)], BenchSettings(2, 0, 1))
     assert log == ["markov-rs", "markov-rs", "standard"]  # the warm-up, then the round
     assert [len(row.tok_s_runs) for row in report.rows] == [1, 1]
+
+
+def test_cli_shared_prefix_rows_time_a_question_from_the_cache() -> None:
+    args = ["bench", "--engine", "standard;turbo-quant:bits=4", "-n", "1", "--warmup", "0"]
+    args += ["--repeats", "1", "--context", "4", "--shared-prefix", "96", "--output", "json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["prefix_rows"]
+    assert [r["spec"] for r in rows] == ["standard", "turbo-quant"]
+    for row in rows:
+        assert row["error"] is None and row["cached_tokens"] >= 96
+        assert row["cold_ms"] > 0 and row["warm_ms"] > 0 and row["cache_bytes"] > 0
+    bad = CliRunner().invoke(app, ["bench", "--shared-prefix", "9000"])
+    assert bad.exit_code == 2 and "context" in bad.stderr

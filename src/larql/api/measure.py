@@ -18,6 +18,7 @@ from larql.harness.accuracy.run import (
 )
 from larql.harness.accuracy.run import default_specs as accuracy_specs
 from larql.harness.bench.engine_bench import BenchSettings
+from larql.harness.bench.prefix_bench import QUESTION_TOKENS
 from larql.harness.bench.run import BenchReport, bench_prompts, run_bench
 from larql.harness.bench.run import default_specs as bench_specs
 from larql.inference.ffn import build_ffn
@@ -62,10 +63,13 @@ def bench(
     progress: Progress | None = None,
     batch: Sequence[int] | None = None,
     concurrent: int | None = None,
+    shared_prefix: int | None = None,
 ) -> BenchReport:
     """`larql bench`: time every engine (whole tokens) at each depth and report its memory;
     `batch` (e.g. [1, 4, 16]) also times that many sessions of each engine decoding at once
-    (batched); `concurrent=N`, N sessions of each engine on N threads, each stepping alone.
+    (batched); `concurrent=N`, N sessions of each engine on N threads, each stepping alone;
+    `shared_prefix=N`, each engine's time to first token for a second question about a
+    document of N tokens, started from the prefix cache, against the first question's.
 
     One of `context` (a prompt of N tokens cut from `text_file`, default the shipped licence
     text; 128 when none is given), `depths` (several such contexts) or `prompt` (text).
@@ -86,6 +90,14 @@ def bench(
         _at_least("a batch size", b, 1)
     if concurrent is not None:
         _at_least("concurrent", concurrent, 1)
+    if shared_prefix is not None:
+        _at_least("shared_prefix", shared_prefix, 1)
+        room = model.config.max_positions - 2 * QUESTION_TOKENS
+        if shared_prefix > room:
+            raise InvalidInput(
+                f"shared_prefix {shared_prefix} and two questions of {QUESTION_TOKENS} tokens "
+                f"exceed {model.name}'s context of {model.config.max_positions} (at most {room})"
+            )
     FfnLayerPolicy.from_spec(ffn)
     source_text, text_label = read_text(text_file)
     chosen = list(depths) if depths else [context] if context is not None else []
@@ -104,6 +116,7 @@ def bench(
             progress,
             list(batch) if batch else None,
             concurrent,
+            (shared_prefix, source_text) if shared_prefix is not None else None,
         )
     finally:
         router.close()

@@ -93,6 +93,14 @@ def bench(
             "stepping alone (contention, not batching).",
         ),
     ] = None,
+    shared_prefix: Annotated[
+        int | None,
+        typer.Option(
+            "--shared-prefix",
+            help="Also time a second question about a document of N tokens, started from the "
+            "prefix cache, against the first question's time to first token.",
+        ),
+    ] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Per-stage breakdown.")] = False,
     vs_hf: Annotated[bool, typer.Option("--vs-hf", help="Add HF transformers generate.")] = False,
     output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
@@ -141,6 +149,8 @@ def bench(
         checked.append(("--context", context, 1))
     if concurrent is not None:
         checked.append(("--concurrent", concurrent, 1))
+    if shared_prefix is not None:
+        checked.append(("--shared-prefix", shared_prefix, 1))
     for name, value, low in checked:
         if value < low:
             raise InvalidInput(f"{name} must be ≥ {low}, got {value}")
@@ -150,6 +160,7 @@ def bench(
     from larql.harness.bench.report import (
         batch_table,
         concurrent_table,
+        prefix_table,
         render_table,
         save_plot,
         stage_tables,
@@ -165,9 +176,10 @@ def bench(
     check_plot_file(plot)
     lm = open_model(model, dtype, device, threads, weights)
     # one item per depth for the engines (interleaved), and one each for --batch,
-    # --concurrent and --vs-hf
+    # --concurrent and --vs-hf; one for --shared-prefix
     contexts = 1 if prompt is not None else len(depth_list) or 1
     total = contexts * (1 + bool(batch_sizes) + bool(concurrent) + vs_hf)
+    total += shared_prefix is not None
     with progress_lines("bench", total, quiet) as advance:
         report = run_bench(
             lm,
@@ -185,6 +197,7 @@ def bench(
             progress=advance,
             batch=batch_sizes or None,
             concurrent=concurrent,
+            shared_prefix=shared_prefix,
         )
     data = report.as_dict()
     if output_file is not None:
@@ -200,6 +213,8 @@ def bench(
             stdout.print(batch_table(report))
         if report.concurrent_rows:
             stdout.print(concurrent_table(report))
+        if report.prefix_rows:
+            stdout.print(prefix_table(report))
         for table in stage_tables(report):
             stdout.print(table)
     if verbose:

@@ -176,6 +176,34 @@ def concurrent_table(report: BenchReport) -> Unbroken:
     return Unbroken(table, ("ms/token per stream",))
 
 
+def prefix_table(report: BenchReport) -> Unbroken:
+    """`--shared-prefix N`: a second question about a document, from the prefix cache."""
+    table = Table(
+        title="prefix cache: a second question about the same document",
+        caption="time to first token (prefill + first pick), medians over rounds; cold: the "
+        "first question, all computed; warm: the second, from the cached document; copy: the "
+        "cache taking the state",
+        caption_justify="left",
+    )
+    columns = ("engine", "shared", "cold ms", "warm ms", "× faster", "copy ms", "cached MiB")
+    for i, name in enumerate(columns):
+        table.add_column(name, justify="left" if i == 0 else "right")
+    for row in report.prefix_rows:
+        if row.error:
+            table.add_row(row.spec, str(row.shared_tokens), f"error: {row.error}")
+            continue
+        table.add_row(
+            row.spec,
+            str(row.cached_tokens if row.cached_tokens is not None else row.shared_tokens),
+            shown(row.cold_ms, ".1f"),
+            shown(row.warm_ms, ".1f"),
+            shown(row.speedup, ".1f"),
+            shown(row.store_ms, ".1f"),
+            _mib(row.cache_bytes),
+        )
+    return Unbroken(table, ("cold ms", "warm ms", "cached MiB"))
+
+
 def stage_tables(report: BenchReport) -> list[Unbroken]:
     tables = []
     for row in report.rows:

@@ -16,6 +16,12 @@ from larql.harness.bench.concurrent_bench import ConcurrentRow, bench_concurrent
 from larql.harness.bench.engine_bench import BenchSettings, EngineRow, bench_engines
 from larql.harness.bench.hf_peer import PeerRow, bench_hf, load_hf_model
 from larql.harness.bench.machine import copy_bandwidth_gbs, git_commit, ids_hash, sync
+from larql.harness.bench.prefix_bench import (
+    QUESTION_TOKENS,
+    ROUND_STRIDE,
+    PrefixRow,
+    bench_prefix,
+)
 from larql.harness.contexts import context_ids
 from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend
@@ -68,6 +74,7 @@ class BenchReport:
     peers: dict[int, PeerRow] = field(default_factory=dict)  # depth → HF row
     batch_rows: list[BatchRow] = field(default_factory=list)  # --batch
     concurrent_rows: list[ConcurrentRow] = field(default_factory=list)  # --concurrent
+    prefix_rows: list[PrefixRow] = field(default_factory=list)  # --shared-prefix
 
     def peer_ratio(self, row: EngineRow) -> float | None:
         peer = self.peers.get(row.depth)
@@ -87,6 +94,7 @@ class BenchReport:
             "hf": {str(depth): peer.as_dict() for depth, peer in self.peers.items()},
             "batch_rows": [row.as_dict() for row in self.batch_rows],
             "concurrent_rows": [row.as_dict() for row in self.concurrent_rows],
+            "prefix_rows": [row.as_dict() for row in self.prefix_rows],
         }
 
 
@@ -123,9 +131,12 @@ def run_bench(
     progress: Progress | None = None,
     batches: list[int] | None = None,
     concurrent: int | None = None,
+    shared_prefix: tuple[int, str] | None = None,
 ) -> BenchReport:
     """`prompts`: (depth, prompt ids) pairs; every engine runs at every depth, and with
-    `batches` also as that many sessions decoding at once."""
+    `batches` also as that many sessions decoding at once. `shared_prefix` (N, text): also
+    each engine's time to first token for a second question about a document of N tokens cut
+    from the text, from the prefix cache, against the first's."""
     bandwidth = copy_bandwidth_gbs(model.device.type)
     report = BenchReport(
         meta={
@@ -173,6 +184,13 @@ def run_bench(
             report.concurrent_rows += bench_concurrent(
                 model, ffn, kinds, ids, settings, depth, concurrent
             )
+    if shared_prefix is not None:
+        shared, text = shared_prefix
+        if progress:
+            progress(f"shared prefix of {shared} tokens ({settings.repeats} rounds)")
+        needed = shared + 2 * QUESTION_TOKENS + ROUND_STRIDE * (settings.repeats + 1)
+        ids = context_ids(model, needed, text)
+        report.prefix_rows = bench_prefix(model, ffn, kinds, ids, shared, settings.repeats)
     if vs_hf:
         hf_model = load_hf_model(model)
         for depth, ids in prompts:
