@@ -23,6 +23,7 @@ _API = (
     "LarqlError",
     "Model",
     "SnapshotError",
+    "Resumed",
     "State",
     "accuracy",
     "bench",
@@ -32,6 +33,7 @@ _API = (
     "parse_engine",
     "parse_engines",
     "prefill",
+    "resume",
     "stream",
     "teacher_forced_logits",
 )

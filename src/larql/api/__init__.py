@@ -16,6 +16,7 @@ from larql.api.generation import (
     teacher_forced_logits,
 )
 from larql.api.measure import accuracy, bench, parse_engines
+from larql.api.resume import Resumed, resume
 from larql.errors import InvalidInput, LarqlError
 from larql.inference.snapshots import SnapshotError
 from larql.kv.snapshots import State
@@ -29,6 +30,7 @@ __all__ = [
     "InvalidInput",
     "LarqlError",
     "Model",
+    "Resumed",
     "SnapshotError",
     "State",
     "accuracy",
@@ -39,6 +41,7 @@ __all__ = [
     "parse_engine",
     "parse_engines",
     "prefill",
+    "resume",
     "stream",
     "teacher_forced_logits",
 ]

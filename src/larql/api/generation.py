@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from larql.api.resume import Resumed, rebuild
 from larql.errors import InvalidInput
 from larql.inference.decode_path import decode_path
 from larql.inference.engine import Engine
@@ -129,6 +130,7 @@ class Generation:
     top: tuple[TopToken, ...] = ()  # with `top=N`: the next-token table after the prompt
     # what the decode steps ran: device · dtype · weights · kernel path (`larql run -v`)
     decode_path: str = ""
+    resumed: Resumed | None = None  # with `resume=`: the archived sequence it continued
 
     def __repr__(self) -> str:
         """One short line (the token lists and the memory tables left out): the counts, the
@@ -155,6 +157,7 @@ class Generation:
             "memory_bytes": self.memory,
             "memory": self.memory_breakdown.as_json(),
             **({"top": [t.as_json() for t in self.top]} if self.top else {}),
+            **({"resumed": self.resumed.as_json()} if self.resumed else {}),
         }
 
 
@@ -174,6 +177,7 @@ class _TextRun:
         load_state: str | Path | None = None,
         save_state: str | Path | None = None,
         top: int = 0,
+        resume: str | None = None,
     ) -> None:
         if max_new_tokens < 1:
             raise InvalidInput(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
@@ -183,8 +187,18 @@ class _TextRun:
         self.model, self.sampling, self.ffn_spec = model, sampling, ffn
         self.save_state, self.saved_state = save_state, None
         self.loaded_state: SavedState | None = None
+        self.resumed: Resumed | None = None
         start = self._start_state(model, engine, load_state)
-        if start is None:
+        if resume is not None:  # the rebuilt engine is this run's own: no fork
+            if start is not None:
+                raise InvalidInput("give resume= or a State / load_state, not both")
+            self.spec = engine_spec(engine)  # type: ignore[arg-type]
+            start, self.resumed = rebuild(model, self.spec, resume, ffn=ffn)
+            self.engine = start.engine
+            self.resume_hidden = start.hidden
+            self.held_ids = list(start.token_ids)
+            self.prompt_ids = self._continuation(model, prompt, chat)
+        elif start is None:
             self.spec = engine_spec(engine)  # type: ignore[arg-type]
             self.spec.require_live_decode()
             self.prompt_ids = prompt_ids(model, prompt, chat)
@@ -196,13 +210,18 @@ class _TextRun:
             self.engine = start.fork().engine
             self.resume_hidden = start.hidden
             self.held_ids = list(start.token_ids)
-            empty = prompt.strip() == "" if isinstance(prompt, str) else not prompt
-            self.prompt_ids = [] if empty else prompt_ids(model, prompt, chat)
+            self.prompt_ids = self._continuation(model, prompt, chat)
         check_context(model, self.engine.position + len(self.prompt_ids))
         self.max_new_tokens = max_new_tokens
         self.ffn_name = ""
         self.text = ""
         self.session: GenerationSession | None = None
+
+    @staticmethod
+    def _continuation(model: Model, prompt: Prompt, chat: bool) -> list[int]:
+        """The ids a continued state takes as decode steps (none for an empty prompt)."""
+        empty = prompt.strip() == "" if isinstance(prompt, str) else not prompt
+        return [] if empty else prompt_ids(model, prompt, chat)
 
     def _start_state(
         self, model: Model, engine: EngineLike | State | None, path: str | Path | None
@@ -290,6 +309,7 @@ class _TextRun:
             saved_state=self.saved_state,
             top=self.top_rows,
             decode_path=decode_path(self.model, done.decode_kinds, len(done.step_ms)),
+            resumed=self.resumed,
         )
 
 
@@ -329,6 +349,7 @@ def generate(
     load_state: str | Path | None = None,
     save_state: str | Path | None = None,
     top: int = 0,
+    resume: str | None = None,
 ) -> Generation:
     """Generate up to `max_new_tokens` tokens from `prompt` (text, or token ids) through a fresh
     engine built from `engine` (a spec string or an `EngineSpec`); an end-of-turn token ends
@@ -340,7 +361,10 @@ def generate(
     `save_state`: a directory the engine's state is written to once the prompt is in.
     `load_state`: start from a state saved there instead of a fresh engine (`engine` None or
     the spec it was saved with).
-    `top=N`: also the N most likely first tokens with their probabilities (`Generation.top`)."""
+    `top=N`: also the N most likely first tokens with their probabilities (`Generation.top`).
+    `resume`: a sequence `engine` (`boundary-kv:archive=DIR`) archived — its tokens are run
+    through a fresh engine of that spec again (`larql.resume`), then `prompt` (may be empty)
+    continues them (`Generation.resumed` says what was resumed)."""
     run = _TextRun(
         model,
         engine,
@@ -352,6 +376,7 @@ def generate(
         load_state,
         save_state,
         top,
+        resume,
     )
     for piece in run.pieces():
         if on_text is not None:
