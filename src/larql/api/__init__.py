@@ -16,7 +16,7 @@ from larql.api.generation import (
     teacher_forced_logits,
 )
 from larql.api.measure import accuracy, bench, parse_engines
-from larql.api.resume import Resumed, resume
+from larql.api.resume_archive import Resumed, resume
 from larql.errors import InvalidInput, LarqlError
 from larql.inference.snapshots import SnapshotError
 from larql.kv.snapshots import State

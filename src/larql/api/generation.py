@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from larql.api.resume import Resumed, rebuild
+from larql.api.resume_archive import Resumed, rebuild
 from larql.errors import InvalidInput
 from larql.inference.decode_path import decode_path
 from larql.inference.engine import Engine
