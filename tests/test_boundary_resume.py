@@ -175,6 +175,28 @@ def test_an_unknown_sequence_names_those_there_are(written: Written, smollm2: Mo
     assert "'nope'" in message and written.sequence in message
 
 
+def test_names_from_a_file_are_shown_on_one_line(
+    written: Written, smollm2: Model, tmp_path: Path
+) -> None:
+    archive = copy_of(written, tmp_path)
+    first = chain(archive, written.sequence)[0]
+    rewrite(archive, dataclasses.replace(first, sequence_id="evil\n[/bold]"))
+    with pytest.raises(UnknownSequence) as error:
+        larql.resume(smollm2, "standard", "nope", archive=archive)
+    assert "'evil\\n(/bold)'" in one_line(error)
+
+
+def test_a_refused_rebuild_leaves_no_frames_behind(
+    written: Written, smollm2: Model, tmp_path: Path
+) -> None:
+    archive = copy_of(written, tmp_path)
+    before = DirectoryBoundaryArchive(archive).sequences()
+    windowed = f"boundary-kv:chunk_tokens={CHUNK},window=4,archive={archive}"
+    with pytest.raises(ArchiveMismatch):
+        larql.generate(smollm2, windowed, "x", max_new_tokens=1, resume=written.sequence)
+    assert DirectoryBoundaryArchive(archive).sequences() == before
+
+
 def test_a_missing_or_empty_archive(smollm2: Model, tmp_path: Path) -> None:
     with pytest.raises(BoundaryArchiveError, match="no boundary archive") as error:
         larql.resume(smollm2, "standard", "s", archive=tmp_path / "nowhere")
@@ -201,7 +223,7 @@ def test_frames_of_another_model_are_refused(
     last = chain(archive, written.sequence)[-1]
     other = BoundaryModelIdentity("smollm2-135m", "other.gguf@0123", "sha256:x", "llama")
     rewrite(archive, dataclasses.replace(last, identity=other))
-    with pytest.raises(ArchiveMismatch, match=r"model_revision 'other\.gguf@0123'") as error:
+    with pytest.raises(ArchiveMismatch, match=r"model_revision other\.gguf@0123\)") as error:
         larql.resume(smollm2, "standard", written.sequence, archive=archive)
     one_line(error)
 

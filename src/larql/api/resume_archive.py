@@ -74,12 +74,12 @@ def archive_of(spec: EngineSpec, archive: str | Path | None) -> Path:
     )
 
 
-def archived_sequence_of(engine: Engine) -> str | None:
-    """The sequence a boundary-kv engine writes to a directory archive; None for any other."""
+def archiving(engine: Engine) -> BoundaryKvEngine | None:
+    """The engine, where it is a boundary-kv engine writing to a directory archive."""
     if isinstance(engine, BoundaryKvEngine) and isinstance(
         engine.archive, DirectoryBoundaryArchive
     ):
-        return engine.sequence_id
+        return engine
     return None
 
 
@@ -99,15 +99,22 @@ def rebuild(
     ids = chain.token_ids
     check_context(model, len(ids))
     built = spec.build(model)
+    onward = archiving(built)
     router = build_ffn(model, ffn)
     try:
         with torch.inference_mode():
             rows = built.prefill_all(model, router, ids)  # [S, H] (or its last rows)
+        distance = check_residuals(chain, rows) if verify else None
+    except BaseException:
+        if onward is not None:  # the frames a refused rebuild wrote are no sequence of anyone's
+            onward.archive.discard(onward.sequence_id)
+        raise
     finally:
         router.close()
-    distance = check_residuals(chain, rows) if verify else None
-    onward = archived_sequence_of(built)
-    resumed = Resumed(chain.archive, sequence, chain.tokens, len(chain.frames), distance, onward)
+    continued_as = onward.sequence_id if onward is not None else None
+    resumed = Resumed(
+        chain.archive, sequence, chain.tokens, len(chain.frames), distance, continued_as
+    )
     return State(model, built, rows[-1:].clone(), tuple(ids)), resumed
 
 

@@ -12,6 +12,7 @@ never framed: a rebuild holds the tokens up to the last frame's `token_end`."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,15 @@ from larql.models.model import Model
 # compared after clipping the rebuilt row as the codec clipped the stored one
 RESIDUAL_TOLERANCE = {"bf16": 0.02, "int8_clip3sigma": 0.05}
 NAMES_SHOWN = 8
+_PLAIN = re.compile(r"[\w.:@+/-]{1,120}")
+
+
+def shown(text: str) -> str:
+    """A string read from an archive file, safe in a one-line message: as it is where plain,
+    else escaped and cut (no line breaks, no brackets a terminal renderer would take as markup)."""
+    if _PLAIN.fullmatch(text):
+        return text
+    return ascii(text[:60]).replace("[", "(").replace("]", ")")
 
 
 class ArchiveResumeError(BoundaryArchiveError):
@@ -76,11 +86,11 @@ def archived_sequence(archive: BoundaryArchive, sequence_id: str, model: Model) 
         held = sorted({f.sequence_id for f in frames})
         if not held:
             raise UnknownSequence(f"the boundary archive {where} holds no frames")
-        shown = ", ".join(held[:NAMES_SHOWN])
+        names = ", ".join(shown(name) for name in held[:NAMES_SHOWN])
         more = f" and {len(held) - NAMES_SHOWN} more" if len(held) > NAMES_SHOWN else ""
         raise UnknownSequence(
             f"the boundary archive {where} holds no sequence {sequence_id!r}; it holds "
-            f"{shown}{more} (larql boundary ls {where})"
+            f"{names}{more} (larql boundary ls {where})"
         )
     _check_chain(chain, sequence_id)
     _check_model(chain, sequence_id, model)
@@ -91,13 +101,15 @@ def _check_chain(chain: tuple[BoundaryFrame, ...], sequence_id: str) -> None:
     old = next((f for f in chain if f.token_ids is None), None)
     if old is not None:
         raise NotResumable(
-            f"frame {old.boundary_id} is version {old.version}, written before frames carried "
-            f"their token ids; only frames of version {TOKEN_IDS_SINCE} or later can be resumed"
+            f"frame {shown(old.boundary_id)} is version {old.version}, written before frames "
+            f"carried their token ids; only frames of version {TOKEN_IDS_SINCE} or later can be "
+            "resumed"
         )
     runs = sorted({f.run_id for f in chain})
     if len(runs) > 1:
         raise NotResumable(
-            f"sequence {sequence_id!r} holds frames of {len(runs)} runs ({', '.join(runs[:2])}); "
+            f"sequence {sequence_id!r} holds frames of {len(runs)} runs "
+            f"({', '.join(shown(run) for run in runs[:2])}); "
             "a resumable sequence is one run's"
         )
     expected = 0
@@ -118,20 +130,20 @@ def _check_model(chain: tuple[BoundaryFrame, ...], sequence_id: str, model: Mode
         for field in ("model_id", "model_revision", "tokenizer_revision", "architecture"):
             if getattr(theirs, field) != getattr(ours, field):
                 raise ArchiveMismatch(
-                    f"sequence {sequence_id!r} was written by model {theirs.model_id!r} "
-                    f"({field} {getattr(theirs, field)!r}); this is {ours.model_id!r} "
-                    f"({field} {getattr(ours, field)!r})"
+                    f"sequence {sequence_id!r} was written by model {shown(theirs.model_id)} "
+                    f"({field} {shown(getattr(theirs, field))}); this is {ours.model_id} "
+                    f"({field} {getattr(ours, field)})"
                 )
         if frame.hidden_size != cfg.hidden_size or frame.layer != cfg.num_layers - 1:
             raise ArchiveMismatch(
-                f"frame {frame.boundary_id} holds layer {frame.layer} of width "
+                f"frame {shown(frame.boundary_id)} holds layer {frame.layer} of width "
                 f"{frame.hidden_size}; {model.name} has {cfg.num_layers} layers of width "
                 f"{cfg.hidden_size}"
             )
         bad = next((t for t in frame.token_ids or () if t >= cfg.vocab_size), None)
         if bad is not None:
             raise NotResumable(
-                f"frame {frame.boundary_id} holds token id {bad}, outside {model.name}'s "
+                f"frame {shown(frame.boundary_id)} holds token id {bad}, outside {model.name}'s "
                 f"vocabulary (0..{cfg.vocab_size - 1})"
             )
     if chain[-1].token_end > cfg.max_positions:
@@ -174,7 +186,8 @@ def check_residuals(sequence: ArchivedSequence, rows: torch.Tensor) -> float:
         tolerance = RESIDUAL_TOLERANCE[frame.payload.codec]
         if not distance <= tolerance:  # (a NaN row fails too)
             raise ArchiveMismatch(
-                f"the rebuilt context does not reproduce frame {frame.boundary_id}: its residual "
+                f"the rebuilt context does not reproduce frame {shown(frame.boundary_id)}: its "
+                f"residual "
                 f"is {distance:.3g} away (relative L2; {frame.payload.codec} allows "
                 f"{tolerance}) — the archive was written with another dtype, window or engine, "
                 "or its token ids were changed"
