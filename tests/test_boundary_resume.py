@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
@@ -260,6 +262,22 @@ def test_malformed_token_ids_are_format_errors(
     doc = first.to_json() | {"token_ids": token_ids}
     with pytest.raises(BoundaryFormatError, match="'token_ids' must list the chunk's 8"):
         BoundaryFrame.from_json(doc, first.payload.data)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ids=st.lists(st.integers(0, 2**40), max_size=24), cut=st.booleans())
+def test_token_ids_survive_the_file_format_and_their_count_is_checked(
+    written: Written, ids: list[int], cut: bool
+) -> None:
+    first = chain(written.archive, written.sequence)[0]
+    frame = dataclasses.replace(first, token_start=3, token_end=3 + len(ids), token_ids=tuple(ids))
+    doc = json.loads(json.dumps(frame.to_json()))  # as the directory archive stores it
+    assert BoundaryFrame.from_json(doc, frame.payload.data) == frame
+    doc["token_ids"] = ids[:-1] if cut else [*ids, 0]
+    if cut and not ids:
+        doc["token_ids"] = None
+    with pytest.raises(BoundaryFormatError, match=f"chunk's {len(ids)} token ids"):
+        BoundaryFrame.from_json(doc, frame.payload.data)
 
 
 def test_ids_outside_the_vocabulary_and_changed_ids(
