@@ -153,7 +153,8 @@ def test_calibration_mode_stores_bf16_and_flags_fragile_boundaries(run: Run) -> 
 
 def test_identity_and_layout(run: Run, smollm2: Model) -> None:
     for frame in run.engine.frames():
-        assert frame.version == 2 and frame.run_id == run.engine.run_id
+        assert frame.version == 3 and frame.run_id == run.engine.run_id
+        assert frame.token_ids == tuple(run.ids[frame.token_start : frame.token_end])
         assert frame.identity.model_id == smollm2.name
         assert frame.identity.architecture == smollm2.config.arch.name
         assert frame.identity.model_revision.startswith(smollm2.source.name + "@")

@@ -24,6 +24,7 @@ _API = (
     "Model",
     "PrefixCache",
     "SnapshotError",
+    "Resumed",
     "State",
     "accuracy",
     "bench",
@@ -33,6 +34,7 @@ _API = (
     "parse_engine",
     "parse_engines",
     "prefill",
+    "resume",
     "stream",
     "teacher_forced_logits",
 )

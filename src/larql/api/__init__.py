@@ -16,6 +16,7 @@ from larql.api.generation import (
     teacher_forced_logits,
 )
 from larql.api.measure import accuracy, bench, parse_engines
+from larql.api.resume_archive import Resumed, resume
 from larql.errors import InvalidInput, LarqlError
 from larql.inference.prefix_cache import PrefixCache
 from larql.inference.snapshots import SnapshotError
@@ -31,6 +32,7 @@ __all__ = [
     "LarqlError",
     "Model",
     "PrefixCache",
+    "Resumed",
     "SnapshotError",
     "State",
     "accuracy",
@@ -41,6 +43,7 @@ __all__ = [
     "parse_engine",
     "parse_engines",
     "prefill",
+    "resume",
     "stream",
     "teacher_forced_logits",
 ]

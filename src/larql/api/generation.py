@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from larql.api.resume_archive import Resumed, rebuild
 from larql.errors import InvalidInput
 from larql.inference.decode_path import decode_path
 from larql.inference.engine import Engine
@@ -132,6 +133,7 @@ class Generation:
     decode_path: str = ""
     # prompt tokens whose state came from the prefix cache (`prefix_cache=`): not computed
     cached_prompt_tokens: int = 0
+    resumed: Resumed | None = None  # with `resume=`: the archived sequence it continued
 
     def __repr__(self) -> str:
         """One short line (the token lists and the memory tables left out): the counts, the
@@ -158,6 +160,7 @@ class Generation:
             "memory_bytes": self.memory,
             "memory": self.memory_breakdown.as_json(),
             **({"top": [t.as_json() for t in self.top]} if self.top else {}),
+            **({"resumed": self.resumed.as_json()} if self.resumed else {}),
         }
 
 
@@ -178,6 +181,7 @@ class _TextRun:
         save_state: str | Path | None = None,
         top: int = 0,
         prefix_cache: PrefixCache | None = None,
+        resume: str | None = None,
     ) -> None:
         if max_new_tokens < 1:
             raise InvalidInput(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
@@ -188,8 +192,18 @@ class _TextRun:
         self.save_state, self.saved_state = save_state, None
         self.loaded_state: SavedState | None = None
         self.prefix_cache, self.cached_tokens = prefix_cache, 0
+        self.resumed: Resumed | None = None
         start = self._start_state(model, engine, load_state)
-        if start is None:
+        if resume is not None:  # the rebuilt engine is this run's own: no fork
+            if start is not None:
+                raise InvalidInput("give resume= or a State / load_state, not both")
+            self.spec = engine_spec(engine)  # type: ignore[arg-type]
+            start, self.resumed = rebuild(model, self.spec, resume, ffn=ffn)
+            self.engine = start.engine
+            self.resume_hidden = start.hidden
+            self.held_ids = list(start.token_ids)
+            self.prompt_ids = self._continuation(model, prompt, chat)
+        elif start is None:
             self.spec = engine_spec(engine)  # type: ignore[arg-type]
             self.spec.require_live_decode()
             self.prompt_ids = prompt_ids(model, prompt, chat)
@@ -202,8 +216,7 @@ class _TextRun:
             self.engine = start.fork().engine
             self.resume_hidden = start.hidden
             self.held_ids = list(start.token_ids)
-            empty = prompt.strip() == "" if isinstance(prompt, str) else not prompt
-            self.prompt_ids = [] if empty else prompt_ids(model, prompt, chat)
+            self.prompt_ids = self._continuation(model, prompt, chat)
         check_context(model, self.engine.position - self.cached_tokens + len(self.prompt_ids))
         self.max_new_tokens = max_new_tokens
         self.ffn_name = ""
@@ -221,6 +234,12 @@ class _TextRun:
     def _cache_key(self) -> str:
         """A state depends on the engine and on the FFN that computed it."""
         return f"{self.spec.spec()} · ffn {self.ffn_spec}"
+
+    @staticmethod
+    def _continuation(model: Model, prompt: Prompt, chat: bool) -> list[int]:
+        """The ids a continued state takes as decode steps (none for an empty prompt)."""
+        empty = prompt.strip() == "" if isinstance(prompt, str) else not prompt
+        return [] if empty else prompt_ids(model, prompt, chat)
 
     def _start_state(
         self, model: Model, engine: EngineLike | State | None, path: str | Path | None
@@ -312,6 +331,7 @@ class _TextRun:
             top=self.top_rows,
             decode_path=decode_path(self.model, done.decode_kinds, len(done.step_ms)),
             cached_prompt_tokens=self.cached_tokens,
+            resumed=self.resumed,
         )
 
 
@@ -352,6 +372,7 @@ def generate(
     save_state: str | Path | None = None,
     top: int = 0,
     prefix_cache: PrefixCache | None = None,
+    resume: str | None = None,
 ) -> Generation:
     """Generate up to `max_new_tokens` tokens from `prompt` (text, or token ids) through a fresh
     engine built from `engine` (a spec string or an `EngineSpec`); an end-of-turn token ends
@@ -366,7 +387,10 @@ def generate(
     `top=N`: also the N most likely first tokens with their probabilities (`Generation.top`).
     `prefix_cache`: a `PrefixCache` the run starts from (the state of the longest start of the
     prompt an earlier run with that cache, engine and FFN had) and offers its prompt's state
-    to (`Generation.cached_prompt_tokens` says how many tokens it saved)."""
+    to (`Generation.cached_prompt_tokens` says how many tokens it saved).
+    `resume`: a sequence `engine` (`boundary-kv:archive=DIR`) archived — its tokens are run
+    through a fresh engine of that spec again (`larql.resume`), then `prompt` (may be empty)
+    continues them (`Generation.resumed` says what was resumed)."""
     run = _TextRun(
         model,
         engine,
@@ -379,6 +403,7 @@ def generate(
         save_state,
         top,
         prefix_cache,
+        resume,
     )
     for piece in run.pieces():
         if on_text is not None:

@@ -23,6 +23,7 @@ from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOpt
 from larql.cli.renamed import output_format
 from larql.cli.state_options import (
     LoadStateOption,
+    ResumeOption,
     SaveStateOption,
     check_state_directory,
     describe_state,
@@ -52,7 +53,8 @@ def run(
     prompt: Annotated[
         str,
         typer.Argument(
-            help="Prompt text, or - to read it from stdin (may be empty with --load-state)."
+            help="Prompt text, or - to read it from stdin (may be empty with --load-state or "
+            "--resume)."
         ),
     ] = "",
     model: ModelOption = None,
@@ -93,6 +95,7 @@ def run(
     ] = 0,
     save_state: SaveStateOption = None,
     load_state_dir: LoadStateOption = None,
+    resume: ResumeOption = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Generate text from PROMPT with the chosen KV engine."""
@@ -102,6 +105,8 @@ def run(
         raise InvalidInput(f"-n/--max-tokens must be ≥ 1, got {max_tokens}")
     if top < 0:
         raise InvalidInput(f"--top must be ≥ 0, got {top}")
+    if resume is not None and load_state_dir is not None:
+        raise InvalidInput("give --resume or --load-state, not both")
     from larql.api import generate
     from larql.inference.sampling import SamplingParams
     from larql.kv.resolve import resolve_engine
@@ -116,7 +121,8 @@ def run(
     choice.engine.require_live_decode()
     for warning in choice.warnings:
         stderr.print(f"warning: {warning}")
-    text = read_prompt(prompt) if load_state_dir is None or prompt.strip() else ""
+    continues = load_state_dir is not None or resume is not None
+    text = read_prompt(prompt) if not continues or prompt.strip() else ""
     lm = open_model(model, dtype, device, threads, weights)
     # a loaded state keeps the engine it was saved with unless --engine names one
     asked = choice.engine if load_state_dir is None or choice.source != "default" else None
@@ -145,6 +151,7 @@ def run(
             load_state=load_state_dir,
             save_state=save_state,
             top=top,
+            resume=resume,
         )
     except KeyboardInterrupt:  # Ctrl-C: what was generated so far, then exit 130
         if output == "json":
@@ -165,6 +172,8 @@ def run(
         sys.stdout.flush()
     if result.loaded_state is not None:
         stderr.print(describe_state("loaded", result.loaded_state))
+    if result.resumed is not None:
+        stderr.print(result.resumed.describe(), markup=False)
     if result.saved_state is not None:
         stderr.print(describe_state("saved", result.saved_state))
     if output == "json":

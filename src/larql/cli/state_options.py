@@ -32,6 +32,16 @@ LoadStateOption = Annotated[
     ),
 ]
 
+ResumeOption = Annotated[
+    str | None,
+    typer.Option(
+        "--resume",
+        help="Continue SEQUENCE of the --engine boundary-kv:archive=DIR archive (as `larql "
+        "boundary ls DIR` lists it): its tokens are run again, then the prompt (may be empty).",
+        metavar="SEQUENCE",
+    ),
+]
+
 
 def check_state_directory(path: Path | None) -> None:
     """Refuse a `--save-state` path that is a file, or under no writable directory (it is

@@ -186,7 +186,7 @@ class CacheStats:
 
 
 @dataclass(frozen=True)
-class Resumed:
+class CachedStart:
     """A prompt's start, from the cache: `engine` (a fresh fork) holds the state after the
     prompt's first `tokens` tokens."""
 
@@ -223,7 +223,7 @@ class PrefixCache:
                 self._hits, self._misses, self._saved, len(self._lru), self._bytes, self._evictions
             )
 
-    def lookup(self, model: Model, spec: str, prompt: Sequence[int]) -> Resumed | None:
+    def lookup(self, model: Model, spec: str, prompt: Sequence[int]) -> CachedStart | None:
         """The deepest stored state of engine `spec` that starts `prompt`, as a fresh fork
         holding at most `len(prompt) - 1` of its tokens; None (a miss) where there is none."""
         if not self.enabled or len(prompt) < 2:
@@ -281,18 +281,18 @@ class PrefixCache:
 
     def _find(
         self, model: Model, tree: PrefixTree, tokens: Sequence[int]
-    ) -> tuple[_Entry, Resumed] | None:
+    ) -> tuple[_Entry, CachedStart] | None:
         """The deepest state for `tokens`: a deeper one cut back to where they leave the tree,
         else the deepest on their path (lock held)."""
         match = tree.match(tokens)
         for entry in sorted(match.below, key=lambda e: -e.used):
             engine = entry.engine.fork_prefix(model, match.depth)
             if engine is not None:
-                return entry, Resumed(engine, match.depth)
+                return entry, CachedStart(engine, match.depth)
         for entry in reversed(match.path):
             engine = entry.engine.fork_prefix(model, len(entry.tokens))
             if engine is not None:
-                return entry, Resumed(engine, len(entry.tokens))
+                return entry, CachedStart(engine, len(entry.tokens))
         return None
 
     def _touch(self, entry: _Entry) -> None:

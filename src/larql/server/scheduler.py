@@ -84,7 +84,7 @@ from larql.inference.linear import rows_per_pass
 from larql.inference.logprobs import PromptScorer, TokenLogprob, token_logprob
 from larql.inference.lookahead import Lookahead, goes_ahead
 from larql.inference.memory import MemoryBreakdown
-from larql.inference.prefix_cache import PrefixCache, Resumed
+from larql.inference.prefix_cache import CachedStart, PrefixCache
 from larql.inference.sampling import Sampler, SamplingParams
 from larql.models.model import Model
 from larql.server.logprobs import Entry, GeneratedTrack
@@ -822,7 +822,7 @@ class Scheduler:
                 stream.scorer = PromptScorer(self.model, request.prompt_ids, request.logprobs)
         return stream.generation
 
-    def _cached_start(self, request: SessionRequest) -> Resumed | None:
+    def _cached_start(self, request: SessionRequest) -> CachedStart | None:
         """A copy of the cached state its prompt starts from, if any (a prompt whose rows
         are scored needs them all, so it starts afresh)."""
         if self.prefix_cache is None or request.scores_prompt or request.max_new_tokens == 0:

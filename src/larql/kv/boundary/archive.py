@@ -51,6 +51,10 @@ class BoundaryArchive(ABC):
         """Whether there is anything to read yet."""
         return True
 
+    def discard(self, sequence_id: str) -> None:
+        """Remove every frame of one sequence (a run that was refused before it was done)."""
+        raise BoundaryArchiveError(f"{self.describe()} cannot remove frames")
+
     def load_chain(self, sequence_id: str) -> list[BoundaryFrame]:
         """The frames of one sequence in token order."""
         return [f for f in self.frames() if f.sequence_id == sequence_id]
@@ -81,6 +85,10 @@ class InMemoryBoundaryArchive(BoundaryArchive):
 
     def total_frames(self) -> int:
         return len(self._frames)
+
+    def discard(self, sequence_id: str) -> None:
+        for key in [key for key in self._frames if key[0] == sequence_id]:
+            del self._frames[key]
 
     def describe(self) -> str:
         return "in-memory"
@@ -125,6 +133,14 @@ class DirectoryBoundaryArchive(BoundaryArchive):
             raise BoundaryArchiveError(f"{self.root} is not a directory")
         frames = [load_frame(p) for p in sorted(self.root.glob(f"*{FRAME_SUFFIX}"))]
         return sorted(frames, key=_order)
+
+    def discard(self, sequence_id: str) -> None:
+        stem = frame_file_name(sequence_id, 0).split(".")[0]  # unique to the id (hashed if odd)
+        try:
+            for path in self.root.glob(f"{stem}.*{FRAME_SUFFIX}"):
+                path.unlink(missing_ok=True)
+        except OSError as e:
+            raise BoundaryArchiveError(f"cannot remove sequence {sequence_id!r}: {e}") from e
 
     def describe(self) -> str:
         return str(self.root)

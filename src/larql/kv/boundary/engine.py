@@ -6,7 +6,8 @@ Decoding is done entirely by the inner `StandardEngine`, so the output is the st
 Frames are emitted at every multiple of `chunk_tokens` the sequence reaches, including those
 crossed inside the prompt at prefill (the reference emits one only when the prompt length itself
 is a multiple). The frame for token_end = e carries the hidden of position e − 1 (the last layer's
-output, before the final norm). Frames live in the archive, not in the engine's memory.
+output, before the final norm) and the chunk's token ids. Frames live in the archive, not in the
+engine's memory; the engine holds only the ids of the chunk under way.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def fresh_sequence_id() -> str:
 
 class BoundaryKvEngine(KvEngine):
     name = "boundary-kv"
+    STATE_VERSION = 2  # 2 added `chunk_ids`
 
     def __init__(
         self,
@@ -80,6 +82,7 @@ class BoundaryKvEngine(KvEngine):
         self.verify_agreement = verify_agreement
         self.frames_emitted = 0
         self.payload_bytes_emitted = 0
+        self.chunk_ids: list[int] = []  # the ids since the last multiple of chunk_tokens
 
     def snapshot_refusal(self) -> str | None:
         if not isinstance(self.archive, InMemoryBoundaryArchive):
@@ -90,12 +93,13 @@ class BoundaryKvEngine(KvEngine):
         return self.inner.prompt_part_way()
 
     def write_state(self, state: StateWriter) -> None:
-        """The inner standard engine's state (`inner.*`), the sequence and run ids, and the
-        frames emitted so far: their metadata (`frames`, plain data) and payloads
-        (`frames.N`, uint8)."""
+        """The inner standard engine's state (`inner.*`), the sequence and run ids, the ids of
+        the chunk under way (`chunk_ids`), and the frames emitted so far: their metadata
+        (`frames`, plain data) and payloads (`frames.N`, uint8)."""
         self.inner.write_state(state.scope("inner"))
         state.put("sequence_id", self.sequence_id)
         state.put("run_id", self.run_id)
+        state.put("chunk_ids", list(self.chunk_ids))
         frames = self.frames()
         state.put("frames", [frame.to_json() for frame in frames])
         for index, frame in enumerate(frames):
@@ -112,6 +116,7 @@ class BoundaryKvEngine(KvEngine):
             )
         self.sequence_id = sequence
         self.run_id = state.text("run_id", r"[0-9a-f]{1,64}")
+        self.chunk_ids = self._read_chunk_ids(state, model)
         documents = state.plain("frames")
         if not isinstance(documents, list) or len(documents) > self.position // self.chunk_tokens:
             raise SnapshotCorrupt(
@@ -123,6 +128,20 @@ class BoundaryKvEngine(KvEngine):
         frames = self.frames()
         self.frames_emitted = len(frames)
         self.payload_bytes_emitted = sum(frame.payload.nbytes for frame in frames)
+
+    def _read_chunk_ids(self, state: StateReader, model: Model) -> list[int]:
+        ids = state.plain("chunk_ids")
+        vocab = model.config.vocab_size
+        if (
+            not isinstance(ids, list)
+            or len(ids) != self.position % self.chunk_tokens
+            or not all(type(t) is int and 0 <= t < vocab for t in ids)
+        ):
+            raise SnapshotCorrupt(
+                f"state field 'chunk_ids' must list the {self.position % self.chunk_tokens} "
+                f"token ids (below {vocab}) since the last multiple of {self.chunk_tokens}"
+            )
+        return ids
 
     def _restore_frame(
         self, state: StateReader, index: int, document: object, model: Model
@@ -169,9 +188,21 @@ class BoundaryKvEngine(KvEngine):
 
     def _start_tokens(self, model: Model, ffn: FfnBackend, token_ids: list[int]) -> torch.Tensor:
         rows = self.inner.prefill_all(model, ffn, token_ids)  # [S, H]
-        for end in range(self.chunk_tokens, rows.shape[0] + 1, self.chunk_tokens):
-            self._emit(model, rows[end - 1 : end], end)
+        self.chunk_ids = []
+        self._take(model, rows, token_ids, 0)
         return rows
+
+    def _take(
+        self, model: Model, rows: torch.Tensor, token_ids: Sequence[int], before: int
+    ) -> None:
+        """Tokens `token_ids` went in at positions before.. with hidden rows [n, H]: a frame at
+        every multiple of `chunk_tokens` they reach."""
+        for index, token_id in enumerate(token_ids):
+            self.chunk_ids.append(int(token_id))
+            end = before + index + 1
+            if end % self.chunk_tokens == 0:
+                self._emit(model, rows[index : index + 1], end, tuple(self.chunk_ids))
+                self.chunk_ids = []
 
     def extends_exactly(self, model: Model) -> bool:
         return self.inner.extends_exactly(model)
@@ -182,16 +213,13 @@ class BoundaryKvEngine(KvEngine):
         self._require_prefill()
         before = self.inner.position
         rows = self.inner.extend_all(model, ffn, token_ids)  # [n, H]
-        first = before + self.chunk_tokens - before % self.chunk_tokens
-        for end in range(first, self.inner.position + 1, self.chunk_tokens):
-            self._emit(model, rows[end - before - 1 : end - before], end)
+        self._take(model, rows, token_ids, before)
         self.position = self.inner.position
         return rows
 
     def _step_token(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
         hidden = self.inner.decode_step(model, ffn, token_id)  # [1, H]
-        if self.inner.position % self.chunk_tokens == 0:
-            self._emit(model, hidden, self.inner.position)
+        self._take(model, hidden, [token_id], self.inner.position - 1)
         return hidden
 
     def frames(self) -> list[BoundaryFrame]:
@@ -214,7 +242,9 @@ class BoundaryKvEngine(KvEngine):
                 f"or use another archive="
             )
 
-    def _emit(self, model: Model, row: torch.Tensor, token_end: int) -> None:
+    def _emit(
+        self, model: Model, row: torch.Tensor, token_end: int, token_ids: tuple[int, ...]
+    ) -> None:
         if row.is_meta:  # a model's structure (`larql memory`): no values to frame, nothing held
             return
         if self.identity is None:
@@ -229,6 +259,7 @@ class BoundaryKvEngine(KvEngine):
             gate=self.gate,
             verify_agreement=self.verify_agreement,
             run_id=self.run_id,
+            token_ids=token_ids,
         )
         try:
             self.archive.append(frame)
@@ -279,9 +310,10 @@ def build_frame(
     gate: GateConfig,
     verify_agreement: bool = True,
     run_id: str = "",
+    token_ids: tuple[int, ...] | None = None,
 ) -> BoundaryFrame:
     """The frame for the chunk [token_start, token_end) from the hidden row [1, H] of position
-    token_end − 1."""
+    token_end − 1 and the chunk's token ids."""
     metadata = boundary_metadata(model, row, gate, verify_agreement)
     codec, contract = payload_plan(gate.decide(metadata.agreement, metadata.boundary_fragile))
     data = b"" if codec == "none" else codecs.encode(codec, row[0])
@@ -297,4 +329,5 @@ def build_frame(
         metadata=metadata,
         payload=BoundaryPayload(codec, data, contract),
         run_id=run_id,
+        token_ids=token_ids,
     )

@@ -2,6 +2,9 @@
 reader needs to trust it — which model produced it, how confident the model was there, whether
 the compressed residual still predicts the same token, and how the payload is encoded.
 
+A version-3 frame also carries the token ids of its chunk, so a sequence's chain of frames holds
+every token up to its last frame and can be re-run (`larql.kv.boundary.resume`).
+
 Frames are plain data; `to_json` / `from_json` give the metadata document the directory archive
 stores next to the payload bytes."""
 
@@ -17,8 +20,11 @@ import torch
 from larql.errors import LarqlError
 from larql.kv.boundary import codecs
 
-FRAME_VERSION = 2  # 2 added `run_id`; version 1 frames still read (their run_id is "")
-READABLE_VERSIONS = (1, 2)
+# 2 added `run_id` (version 1 frames read with run_id ""); 3 added `token_ids` (versions 1 and 2
+# read with None: they cannot be resumed)
+FRAME_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+TOKEN_IDS_SINCE = 3
 
 
 class BoundaryFormatError(LarqlError):
@@ -96,6 +102,8 @@ class BoundaryFrame:
     payload: BoundaryPayload
     fallback_policy: str = "cold_replay"  # what a reader does without a usable payload
     run_id: str = ""  # the engine run that wrote the frame
+    # the chunk's token ids, token_end − token_start of them (None: a frame of version < 3)
+    token_ids: tuple[int, ...] | None = None
 
     def residual(self) -> torch.Tensor:
         """The decoded residual, float32 [hidden_size]."""
@@ -113,6 +121,10 @@ class BoundaryFrame:
             "bytes": self.payload.nbytes,
         }
         doc["metadata"]["agreement"] = self.metadata.agreement.value
+        if self.token_ids is None:
+            del doc["token_ids"]
+        else:
+            doc["token_ids"] = list(self.token_ids)
         return doc
 
     @classmethod
@@ -173,6 +185,9 @@ class BoundaryFrame:
             ),
             fallback_policy=doc.text("fallback_policy", "cold_replay"),
             run_id=doc.text("run_id", ""),
+            token_ids=doc.token_ids("token_ids", token_end - token_start)
+            if version >= TOKEN_IDS_SINCE
+            else None,
         )
 
 
@@ -232,6 +247,19 @@ class _Doc:
         if not isinstance(value, str):
             raise self._wrong(key, "a string")
         return value
+
+    def token_ids(self, key: str, count: int) -> tuple[int, ...]:
+        """Exactly `count` integers ≥ 0 (the vocabulary is the reader's to check)."""
+        value = self._get(key, _MISSING)
+        if (
+            not isinstance(value, list)
+            or len(value) != count
+            or not all(type(t) is int and t >= 0 for t in value)
+        ):
+            raise BoundaryFormatError(
+                f"{self.where}: {key!r} must list the chunk's {count} token ids (integers ≥ 0)"
+            )
+        return tuple(value)
 
     def choice(self, key: str, accepted: Sequence[str]) -> str:
         value = self._get(key, _MISSING)
