@@ -161,3 +161,20 @@ def test_the_api_starts_from_the_cache_and_says_so(smollm2: Model) -> None:
     plain = larql.generate(smollm2, "standard", prompts[1], max_new_tokens=4)
     assert runs[0].cached_prompt_tokens == 0 and runs[1].cached_prompt_tokens > 100
     assert runs[1].token_ids == plain.token_ids and runs[1].prompt_ids == plain.prompt_ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("spec", ["standard", "turbo-quant:bits=4,attention=sdpa"])
+def test_a_cut_prefix_on_cuda_continues_as_a_fresh_prompt(spec: str) -> None:
+    import larql
+
+    model = larql.load_model("smollm2-135m", dtype=torch.float32, weights="float", device="cuda")
+    prompts = [DOC + "\nQuestion: What is kept?\nAnswer:", DOC + "\nQuestion: Why?\nAnswer:"]
+    cache = larql.PrefixCache(2**30)
+    runs = [larql.generate(model, spec, p, max_new_tokens=6, prefix_cache=cache) for p in prompts]
+    plain = larql.generate(model, spec, prompts[1], max_new_tokens=6)
+    assert runs[1].cached_prompt_tokens > 100
+    if spec == "standard":  # exact: the tokens of a run without the cache
+        assert runs[1].token_ids == plain.token_ids
+    else:  # the question attends what the engine kept of the cached document
+        assert runs[1].token_ids and plain.token_ids

@@ -284,7 +284,9 @@ class _TextRun:
             decoder = tokenizer.stream_decoder()
             token = None if session.finished else session.prefill()
             if token is not None and self.prefix_cache is not None:
-                self.prefix_cache.store(self.model, self._cache_key(), self.prompt_ids, self.engine)
+                self.prefix_cache.store(
+                    self.model, self._cache_key(), self.prompt_ids, self.engine, self.cached_tokens
+                )
             if token is not None and self.top and session.logits is not None:
                 self.top_rows = top_tokens(self.model, session.logits, self.top)
             if token is not None and self.save_state is not None:

@@ -241,11 +241,18 @@ class PrefixCache:
             self._saved += resumed.tokens
             return resumed
 
-    def store(self, model: Model, spec: str, prompt: Sequence[int], engine: Engine) -> bool:
+    def store(
+        self, model: Model, spec: str, prompt: Sequence[int], engine: Engine, from_cache: int = 0
+    ) -> bool:
         """Keep a copy of `engine`'s state after `prompt` (its whole state: its position is
-        the prompt's length) → whether it was stored (too short, too big, or an engine that
-        cannot fork is not)."""
-        if not self.enabled or len(prompt) < self.min_tokens or engine.position != len(prompt):
+        the prompt's length), whose first `from_cache` tokens came from this cache → whether it
+        was stored. Not stored: a state that would save fewer than `min_tokens` tokens beyond
+        what the cache gives already (a question after a cached document: a copy of the whole
+        document to save the question's few tokens), one too big for the cache, or one of an
+        engine that cannot fork."""
+        if not self.enabled or engine.position != len(prompt):
+            return False
+        if len(prompt) - from_cache < self.min_tokens:
             return False
         with self._lock:
             self._check_model(model)

@@ -833,9 +833,11 @@ class Scheduler:
         """The state after its prompt, kept for later prompts that start the same way."""
         if self.prefix_cache is None or stream.engine is None:
             return
+        request, generation = stream.request, stream.generation
+        from_cache = generation.held if generation is not None else 0
         try:
             self.prefix_cache.store(
-                self.model, stream.request.engine_spec, stream.request.prompt_ids, stream.engine
+                self.model, request.engine_spec, request.prompt_ids, stream.engine, from_cache
             )
         except Exception:  # the cache is a saving, never a reason for a stream to fail
             log.exception("a prompt's state could not be cached")

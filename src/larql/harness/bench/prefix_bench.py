@@ -79,7 +79,7 @@ def _first_token_ms(
     session.prefill()
     sync(model.device)
     t1 = time.perf_counter()
-    cache.store(model, key, prompt, engine)
+    cache.store(model, key, prompt, engine, held)
     sync(model.device)
     return (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000, held
 
