@@ -5,12 +5,12 @@ teacher-forced logits, and run the bench and accuracy harnesses — the same cod
 An engine *spec* (`parse_engine`'s `EngineSpec`) is an immutable description; every call builds
 a fresh engine from it, so one spec serves any number of calls."""
 
+from larql.api.engine_specs import parse_engine
 from larql.api.generation import (
     Generation,
     generate,
     load_model,
     load_state,
-    parse_engine,
     prefill,
     stream,
     teacher_forced_logits,

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
+from larql.api.engine_specs import EngineLike, engine_spec
 from larql.api.resume_archive import Resumed, rebuild
 from larql.errors import InvalidInput
 from larql.inference.decode_path import decode_path
-from larql.inference.engine import Engine
 from larql.inference.ffn import build_ffn
 from larql.inference.generation import GenerationSession
 from larql.inference.generation import teacher_forced_logits as teacher_forced_run
@@ -25,11 +25,9 @@ from larql.inference.sampling import Sampler, SamplingParams
 from larql.inference.snapshots import SavedState, model_fingerprint, save_state
 from larql.kv.catalog import parse_engine as parse_catalog_spec
 from larql.kv.snapshots import State, load_state_dir
-from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 from larql.models.model import load_model as load_weights
 
-EngineLike = EngineSpec | str
 Prompt = str | Sequence[int]
 
 
@@ -49,30 +47,6 @@ def load_model(
             raise InvalidInput(f"threads must be ≥ 1, got {threads}")
         torch.set_num_threads(threads)
     return load_weights(name_or_path, dtype=dtype, device=device, weights=weights)
-
-
-def parse_engine(spec: str) -> EngineSpec:
-    """An engine spec string (`turbo-quant:bits=4`) → its `EngineSpec`, by the parser behind
-    `--engine`; a bad spec raises `EngineSpecError` naming what is wrong and what is accepted."""
-    return parse_catalog_spec(spec)
-
-
-def engine_spec(engine: EngineLike) -> EngineSpec:
-    if isinstance(engine, EngineSpec):
-        return engine
-    if isinstance(engine, str):
-        return parse_engine(engine)
-    if isinstance(engine, Engine):
-        raise InvalidInput(
-            "a built engine holds one sequence's state; pass its spec (a string or "
-            "larql.parse_engine(...)) and each call builds a fresh engine, or a larql.State "
-            "(larql.prefill, larql.load_state) to continue a sequence"
-        )
-    if isinstance(engine, State):
-        raise InvalidInput("this call starts from a prompt: pass an engine spec, not a State")
-    raise InvalidInput(
-        f"engine must be a spec string or an EngineSpec, got {type(engine).__name__}"
-    )
 
 
 @dataclass(frozen=True)

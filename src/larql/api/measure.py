@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from larql.api.generation import EngineLike, engine_spec
+from larql.api.engine_specs import EngineLike, engine_spec
 from larql.data import read_text
 from larql.errors import InvalidInput
 from larql.harness.accuracy.run import (

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from larql.api.engine_specs import engine_spec
 from larql.errors import InvalidInput
 from larql.inference.engine import Engine
 from larql.inference.ffn import build_ffn
@@ -134,8 +135,6 @@ def resume(
     sequence's last frame were never archived); `verify` checks each stored residual against
     the rebuilt row at its position (turn it off for an engine that does not compute the
     context as the archiving run did: another window, a lossy prefill)."""
-    from larql.api.generation import engine_spec
-
     state, _ = rebuild(
         model, engine_spec(engine), sequence, archive=archive, ffn=ffn, verify=verify
     )
