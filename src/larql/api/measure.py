@@ -15,6 +15,7 @@ from larql.harness.accuracy.run import (
     AccuracyReport,
     AccuracySettings,
     run_accuracy,
+    run_accuracy_in_workers,
 )
 from larql.harness.accuracy.run import default_specs as accuracy_specs
 from larql.harness.bench.engine_bench import BenchSettings
@@ -136,6 +137,7 @@ def accuracy(
     positions: int | None = None,
     prompt_tokens: int | None = None,
     progress: Progress | None = None,
+    workers: int = 1,
 ) -> AccuracyReport:
     """`larql accuracy` (prompts suite): every engine × FFN policy on the three prompt corpora,
     then its teacher-forced fidelity against `standard` over `text_file` (default: the shipped
@@ -143,7 +145,9 @@ def accuracy(
     `quick`, `parametric_n`, `positions`, `prompt_tokens`, `needle_max_tokens` as the command's
     options (`prompt_tokens` None: 16, or under `quick` a prompt long enough that the
     quantisers' exact recent rows are left behind: `QUICK_FIDELITY_PROMPT`);
-    `conflict=False` / `fidelity=False` leave those parts out."""
+    `conflict=False` / `fidelity=False` leave those parts out. `workers=N` spreads the engines
+    over N processes (each loads the model again and takes a share of the threads); the report
+    is the one one process gives."""
     kinds = parse_engines(engines if engines is not None else accuracy_specs())
     ffn_specs = (split_specs(ffn) if isinstance(ffn, str) else list(ffn)) or ["dense"]
     for spec in ffn_specs:
@@ -168,4 +172,7 @@ def accuracy(
         text_label=label,
         fidelity_prompt_tokens=prompt_tokens,
     )
+    _at_least("workers", workers, 1)
+    if workers > 1:
+        return run_accuracy_in_workers(model, kinds, ffn_specs, settings, workers, progress)
     return run_accuracy(model, kinds, ffn_specs, settings, progress)

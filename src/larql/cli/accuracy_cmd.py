@@ -132,6 +132,15 @@ def accuracy(
         str,
         typer.Option("--output", "-o", help="text or json (--suite prompts or ruler)."),
     ] = "text",
+    workers: Annotated[
+        int,
+        typer.Option(
+            "--workers",
+            help="Spread the engines over N processes (--suite prompts), each loading the model "
+            "and running --threads threads (give cores/N); the same table and JSON as one "
+            "process with those threads.",
+        ),
+    ] = 1,
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
     device: DeviceOption = "cpu",
@@ -182,6 +191,12 @@ def accuracy(
         raise InvalidInput(
             f"--output json prints --suite prompts or ruler; for --suite {suite} give --output-file"
         )
+    if workers < 1:
+        raise InvalidInput(f"--workers must be ≥ 1, got {workers}")
+    if workers > 1 and suite != "prompts":
+        raise InvalidInput(
+            f"--workers spreads --suite prompts; --suite {suite} runs in one process"
+        )
     if suite != "ruler" and samples is not None:
         raise InvalidInput("--samples is for --suite ruler")
     if plot is not None and suite == "prompts" and no_fidelity:
@@ -212,6 +227,8 @@ def accuracy(
     # the corpora, one item per strategy; the fidelity reference, then one per strategy
     strategies = len(kinds) * len(ffn_specs)
     total = strategies + (0 if no_fidelity else strategies + 1)
+    if workers > 1:  # a line as each worker's share comes back
+        total = min(workers, len(kinds))
     with progress_lines("accuracy", total, quiet) as advance:
         report = run_accuracy(
             lm,
@@ -226,6 +243,7 @@ def accuracy(
             positions=positions,
             prompt_tokens=prompt_tokens,
             progress=advance,
+            workers=workers,
         )
     if output_file is not None:
         write_text(output_file, json.dumps(report.as_dict(), indent=2), "--output-file")

@@ -39,6 +39,16 @@ DTYPES = {
 }
 
 
+@dataclass(frozen=True)
+class LoadArgs:
+    """What `load_model` was called with: another process loads the same model from them."""
+
+    model: str
+    dtype: str
+    device: str
+    weights: str
+
+
 @dataclass
 class Model:
     name: str
@@ -48,6 +58,7 @@ class Model:
     tokenizer: TextTokenizer
     # Derived per-model artefacts (RoPE tables, ...) that the forward pass builds on first use.
     runtime: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
+    load_args: LoadArgs | None = field(default=None, repr=False, compare=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -141,7 +152,11 @@ def load_model(
             blocks = gguf_block_rows(GgufFile(path), config)
         if blocks:
             held.attach_blocks(blocks, activation)
-    return Model(name=name, source=path, config=config, weights=held, tokenizer=tokenizer)
+    given = name if model is None else model  # what resolves to this model again
+    args = LoadArgs(given, str(dtype).removeprefix("torch."), str(device), weights)
+    return Model(
+        name=name, source=path, config=config, weights=held, tokenizer=tokenizer, load_args=args
+    )
 
 
 @contextmanager

@@ -25,6 +25,7 @@ from larql.harness.accuracy.fidelity import (
     reference_run,
 )
 from larql.harness.accuracy.scoring import PromptScore, answer_matches, score_prompt
+from larql.harness.workers import in_workers
 from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend, build_ffn
 from larql.inference.generation import generate
@@ -162,6 +163,44 @@ def run_accuracy(
                 f"{settings.greedy_steps} free-running steps"
             )
     return report
+
+
+def run_accuracy_in_workers(
+    model: Model,
+    kinds: list[EngineSpec],
+    ffn_specs: list[str],
+    settings: AccuracySettings,
+    workers: int,
+    progress: Progress | None = None,
+) -> AccuracyReport:
+    """`run_accuracy` with the engines spread over `workers` processes (`harness.workers`):
+    each runs its share of the engines (every FFN policy of each), and the reports are joined
+    in the order one process gives — the same values, each computed as one process would."""
+    groups = [kinds[w::workers] for w in range(workers) if kinds[w::workers]]
+    jobs = [([k.spec() for k in group], ffn_specs, settings) for group in groups]
+
+    def finished(i: int) -> None:
+        if progress:
+            progress(f"worker {i + 1} of {len(jobs)}: {', '.join(jobs[i][0])}")
+
+    parts = in_workers(model, _accuracy_job, jobs, len(jobs), finished)
+    cross = len(ffn_specs) > 1 or ffn_specs != ["dense"]
+    order = [Strategy(k, f).strategy(cross) for k in kinds for f in ffn_specs]
+    scores = {
+        label: [s for part in parts for s in part.scores if s.strategy == label] for label in order
+    }
+    fidelity = {f.spec: f for part in parts for f in part.fidelity}
+    report = AccuracyReport(meta={**parts[0].meta, "kv_engines": [k.spec() for k in kinds]})
+    report.scores = [score for label in order for score in scores[label]]
+    report.fidelity = [fidelity[label] for label in order if label in fidelity]
+    return report
+
+
+def _accuracy_job(
+    model: Model, job: tuple[list[str], list[str], AccuracySettings]
+) -> AccuracyReport:
+    specs, ffn_specs, settings = job
+    return run_accuracy(model, [parse_engine(s) for s in specs], ffn_specs, settings)
 
 
 def _score_corpora(
