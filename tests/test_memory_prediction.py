@@ -49,6 +49,7 @@ def structure() -> Model:
 
 
 @pytest.mark.parametrize("spec", live_specs())
+@pytest.mark.slow
 def test_the_prediction_is_the_run_report(spec: str, structure: Model, smollm2_default: Model):
     """The default model as `larql run` loads it: the same bytes in every tier and reserve."""
     ids = prompt_ids(PROMPT)
@@ -79,6 +80,7 @@ def test_the_structure_has_the_loaded_model_shapes(structure: Model, smollm2_def
     assert meta.embed.shape == real.embed.shape and meta.lm_head.shape == real.lm_head.shape
 
 
+@pytest.mark.slow
 def test_the_second_model_too(gemma3: Model) -> None:
     """Gemma 3's GGUF: sliding layers beside global ones, one K/V head."""
     structure, ids = load_structure("gemma3-270m"), prompt_ids(PROMPT)

@@ -110,6 +110,7 @@ def test_corrupt_cache_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert model.weights.embed.shape == (49152, 576)
 
 
+@pytest.mark.slow
 def test_dtype_conversion_keeps_the_model(smollm2: Model) -> None:
     bf16 = smollm2.to(dtype=torch.bfloat16)
     assert bf16.dtype == torch.bfloat16

@@ -97,6 +97,7 @@ def test_a_session_from_the_cache_gives_the_tokens_of_a_fresh_one(smollm2: Model
         assert tokens == fresh
 
 
+@pytest.mark.slow
 def test_a_lossy_engine_keeps_its_coded_rows_of_the_prefix(smollm2: Model) -> None:
     spec, prompt = "turbo-quant:bits=4", _ids(smollm2, "What is kept?")
     engine = _prefilled(smollm2, spec, prompt)
@@ -149,6 +150,7 @@ def _prefilled(model: Model, spec: str, prompt: list[int]):  # type: ignore[no-u
     return engine
 
 
+@pytest.mark.slow
 def test_the_api_starts_from_the_cache_and_says_so(smollm2: Model) -> None:
     import larql
 

@@ -46,6 +46,7 @@ def _greedy(engines, model: Model, ffn, prompts, steps: int, batched: bool) -> t
 
 
 @pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.slow
 def test_a_batch_is_each_session_alone(
     cpu_kernels, smollm2_default: Model, spec: str, monkeypatch
 ) -> None:
@@ -94,6 +95,7 @@ def test_a_batch_on_two_threads_is_the_one_thread_batch(
     assert torch.equal(runs[0], runs[1])
 
 
+@pytest.mark.slow
 def test_without_the_compiled_layer_the_sessions_step_in_turn(smollm2: Model) -> None:
     model, ffn = smollm2, DenseFfn(smollm2)
     prompts = [context_ids(model, n, default_text()) for n in (12, 30)]
@@ -221,6 +223,7 @@ def test_a_short_prompt_is_standards_prefill_in_one_call(
 
 
 @pytest.mark.parametrize("spec", [spec.replace("16", "8") for spec in SPECS])
+@pytest.mark.slow
 def test_a_new_prompt_rides_in_the_running_steps_bit_for_bit(
     cpu_kernels, smollm2_default: Model, spec: str, monkeypatch
 ) -> None:

@@ -97,6 +97,7 @@ def standard_f64(smollm2_f64: Model, long_ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.slow
 def test_markov_rs_logits_match_standard_in_float64(
     window: int | None, smollm2_f64: Model, long_ids: list[int], standard_f64: torch.Tensor
 ) -> None:
@@ -156,6 +157,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.slow
 def test_markov_rs_exact_on_tiny_architectures(window: int | None, tiny: Model) -> None:
     ids = random_ids(44, seed=3)
     reference = teacher_forced(tiny, "standard", ids, 10)
@@ -341,6 +343,7 @@ def test_codec_mean_kl_vs_standard_over_64_positions(smollm2: Model) -> None:
     "spec",
     ["markov-rs", "markov-rs:window=4", "markov-rs-codec:window=4", "boundary-per-layer:window=2"],
 )
+@pytest.mark.slow
 def test_dropped_kv_is_rebuilt_from_residuals(spec: str, smollm2_f64: Model) -> None:
     """The residuals are a sufficient state: forget every K/V mid-run and the outputs stay."""
     model, ffn = smollm2_f64, DenseFfn(smollm2_f64)
@@ -474,6 +477,7 @@ def test_profiling_does_not_change_outputs(spec: str, tiny: Model) -> None:
     assert summary.avg_total_decode_us >= summary.avg_attention_us + summary.avg_ffn_us
 
 
+@pytest.mark.slow
 def test_memory_is_counted_from_the_tensors_held(smollm2: Model) -> None:
     model, ffn = smollm2, DenseFfn(smollm2)
     layers, hidden, kv_dim = model.config.num_layers, model.config.hidden_size, model.config.kv_dim

@@ -139,6 +139,7 @@ def test_cached_decode_matches_transformers_cache(tiny: TinyModel, prompt_len: i
 
 
 @pytest.mark.parametrize("prompt_len", [48, 10])
+@pytest.mark.slow
 def test_greedy_tokens_match_transformers_generate(tiny: TinyModel, prompt_len: int) -> None:
     prompt = random_ids(prompt_len, seed=3)
     model = load_model(str(tiny.directory))

@@ -91,6 +91,7 @@ def test_one_call_is_the_layer_by_layer_step(
 @pytest.mark.parametrize(
     "spec", ["turbo-quant", "turbo-quant:bits=3", "kv-quant", "kv-quant:format=fp8"]
 )
+@pytest.mark.slow
 def test_a_batch_in_one_call_is_each_session_alone(
     cpu_kernels, smollm2_default: Model, spec: str
 ) -> None:
@@ -127,6 +128,7 @@ def test_a_batch_in_one_call_is_each_session_alone(
 
 
 @pytest.mark.parametrize("spec", ["turbo-quant", "kv-quant", "kv-quant:format=fp8"])
+@pytest.mark.slow
 def test_a_batch_on_two_threads_is_the_one_thread_batch(
     cpu_kernels, smollm2_default: Model, spec: str
 ) -> None:
