@@ -74,6 +74,7 @@ META_KEYS = {
     "hf",
     "batch_rows",
     "concurrent_rows",
+    "prefix_rows",
 }
 
 
