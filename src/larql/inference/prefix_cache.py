@@ -290,13 +290,18 @@ class PrefixCache:
         self, model: Model, tree: PrefixTree, tokens: Sequence[int]
     ) -> tuple[_Entry, CachedStart] | None:
         """The deepest state for `tokens`: a deeper one cut back to where they leave the tree,
-        else the deepest on their path (lock held)."""
+        else the deepest on their path; none where they share fewer than `min_tokens` with
+        the tree (lock held)."""
         match = tree.match(tokens)
+        if match.depth < self.min_tokens:  # a few shared tokens save less than a copy costs
+            return None
         for entry in sorted(match.below, key=lambda e: -e.used):
             engine = entry.engine.fork_prefix(model, match.depth)
             if engine is not None:
                 return entry, CachedStart(engine, match.depth)
         for entry in reversed(match.path):
+            if len(entry.tokens) < self.min_tokens:
+                break
             engine = entry.engine.fork_prefix(model, len(entry.tokens))
             if engine is not None:
                 return entry, CachedStart(engine, len(entry.tokens))
