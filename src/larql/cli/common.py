@@ -15,6 +15,7 @@ from larql.errors import InvalidInput, LarqlError
 
 if TYPE_CHECKING:  # torch and the models load in the commands' bodies, not for `--help`
     from larql.models.model import Model
+    from larql.parallel.shard import TensorShard
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -64,9 +65,19 @@ def open_model(
     device: str,
     threads: int | None = None,
     weights: str = "auto",
+    shard: TensorShard | None = None,
 ) -> Model:
+    """The model a command runs (`shard`: this rank's share of it, in a tensor-parallel run)."""
     from larql.api import load_model
 
     if threads is not None and threads < 1:
         raise InvalidInput(f"--threads must be ≥ 1, got {threads}")
-    return load_model(model, dtype=dtype, device=device, weights=weights, threads=threads)
+    if shard is None:
+        return load_model(model, dtype=dtype, device=device, weights=weights, threads=threads)
+    import torch
+
+    from larql.models.model import load_model as load_share
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return load_share(model, dtype=dtype, device=device, weights=weights, shard=shard)
