@@ -1,0 +1,57 @@
+"""What the tensor-parallel tests run on each rank (`larql.parallel.launch.run_ranks` spawns
+the ranks and imports this module in each): a rank loads its share of a model, runs engines on
+it, and rank 0 saves what they produced for the test to compare with one process's."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from helpers import teacher_forced
+from larql.inference.ffn import DenseFfn
+from larql.inference.generation import generate
+from larql.kv import parse_engine
+from larql.models.model import load_model
+from larql.parallel.shard import TensorShard
+
+
+def engines_logits(shard: TensorShard, options: dict[str, Any]) -> None:
+    """Each of options['specs'] teacher-forced over options['ids'] on this rank's share of
+    options['model'] (float64); rank 0 saves {spec: logits [N, V]} to options['out']."""
+    torch.set_num_threads(1)
+    model = load_model(options["model"], dtype=torch.float64, shard=shard)
+    results = {}
+    for spec in options["specs"]:
+        results[spec] = teacher_forced(model, spec, options["ids"], options["prompt_len"])
+    if shard.rank == 0:
+        torch.save(results, options["out"])
+
+
+def greedy_tokens(shard: TensorShard, options: dict[str, Any]) -> None:
+    """Each of options['specs']'s greedy tokens and teacher-forced logits over them on this
+    rank's share of the default model, loaded with each of options['weights'] (`larql run`'s
+    `--weights`); rank 0 saves {(weights, spec): (tokens, logits)} to options['out']."""
+    torch.set_num_threads(1)
+    results = {}
+    for weights in options["weights"]:
+        model = load_model(options["model"], weights=weights, shard=shard)
+        ids = model.tokenizer.encode(options["prompt"])
+        for spec in options["specs"]:
+            engine = parse_engine(spec).build(model)
+            ffn = DenseFfn(model)
+            tokens = generate(engine, model, ffn, ids, options["n"], stop_ids=frozenset()).tokens
+            logits = teacher_forced(model, spec, ids + tokens, len(ids))
+            results[weights, spec] = (tokens, logits)
+    if shard.rank == 0:
+        torch.save(results, options["out"])
+
+
+def one_rank_dies(shard: TensorShard, options: dict[str, Any]) -> None:
+    """Rank 1 ends at once, without a word; rank 0 waits for it in an all-reduce."""
+    if shard.rank == 1:
+        os._exit(9)
+    time.sleep(0.5)
+    shard.all_reduce(torch.ones(4))
