@@ -15,7 +15,7 @@ from larql.inference.ffn import DenseFfn
 from larql.inference.generation import generate
 from larql.kv import parse_engine
 from larql.models.model import load_model
-from larql.parallel.shard import TensorShard
+from larql.models.shard import TensorShard
 
 
 def engines_logits(shard: TensorShard, options: dict[str, Any]) -> None:

@@ -25,8 +25,7 @@ from larql.kv import parse_engine
 from larql.models import Model, load_model
 from larql.models.gguf_file import GgufFile
 from larql.models.gguf_loader import gguf_block_rows
-from larql.parallel.launch import run_ranks
-from larql.parallel.shard import (
+from larql.models.shard import (
     TensorParallelError,
     check_splits,
     shard_blocks,
@@ -34,6 +33,7 @@ from larql.parallel.shard import (
     shard_state,
     valid_sizes,
 )
+from larql.parallel.launch import run_ranks
 from test_engine_compliance import LIVE_SPECS
 from tiny_models import build_tiny_model, random_ids
 

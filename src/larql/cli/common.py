@@ -15,7 +15,7 @@ from larql.errors import InvalidInput, LarqlError
 
 if TYPE_CHECKING:  # torch and the models load in the commands' bodies, not for `--help`
     from larql.models.model import Model
-    from larql.parallel.shard import TensorShard
+    from larql.models.shard import TensorShard
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -34,7 +34,7 @@ from larql.cli.tensor_parallel import wanted as tensor_parallel_wanted
 
 if TYPE_CHECKING:  # torch loads in the command's body, not for `--help`
     from larql.api.generation import Generation
-    from larql.parallel.shard import TensorShard
+    from larql.models.shard import TensorShard
 
 OUTPUTS = ("text", "json")
 
@@ -133,7 +133,7 @@ def run(
 def _check_tensor_parallel(options: dict, size: int) -> None:
     """What a tensor-parallel run refuses, before any process starts."""
     from larql.kv.resolve import resolve_engine
-    from larql.parallel.shard import TensorParallelError
+    from larql.models.shard import TensorParallelError
 
     for flag, key in (
         ("--save-state", "save_state"),

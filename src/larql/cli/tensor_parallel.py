@@ -23,8 +23,8 @@ TensorParallelOption = Annotated[
 
 def wanted(size: int) -> bool:
     """Whether the command runs tensor-parallel: N > 1, or started by torchrun."""
+    from larql.models.shard import TensorParallelError
     from larql.parallel.launch import under_torchrun
-    from larql.parallel.shard import TensorParallelError
 
     if size < 1:
         raise TensorParallelError(f"--tensor-parallel must be ≥ 1, got {size}")
@@ -34,7 +34,7 @@ def wanted(size: int) -> bool:
 def check_model(model: str | None, size: int) -> None:
     """The model's heads and MLP split `size` ways (its header read, not its weights)."""
     from larql.models.model import load_config
-    from larql.parallel.shard import check_splits
+    from larql.models.shard import check_splits
 
     check_splits(load_config(model), size)
 

@@ -6,7 +6,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +18,7 @@ from larql.models.gguf_loader import gguf_block_rows, gguf_config, gguf_state_di
 from larql.models.hf_loader import hf_config, hf_state_dict, read_hf_config
 from larql.models.quantise import LOAD_FORMATS, quantise_state
 from larql.models.registry import resolve_model_path
+from larql.models.shard import TensorShard, shard_blocks, shard_config, shard_state
 from larql.models.tokenizer import (
     TextTokenizer,
     chat_template_from_dir,
@@ -27,9 +27,6 @@ from larql.models.tokenizer import (
     tokenizer_from_gguf,
 )
 from larql.models.weights import ExpertWeights, ModelWeights
-
-if TYPE_CHECKING:  # (larql.parallel reads the models' blocks and config)
-    from larql.parallel.shard import TensorShard
 
 DTYPES = {
     "float32": torch.float32,
@@ -131,7 +128,7 @@ def load_model(
     too and read as `blocks-int16` reads a GGUF's.
 
     shard: this process's rank in a tensor-parallel group; the model is then that rank's share
-    of the heads and MLP (`larql.parallel.shard`), its blocks cut alike."""
+    of the heads and MLP (`larql.models.shard`), its blocks cut alike."""
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     device = parse_device(device) if isinstance(device, str) else device
     if weights not in WEIGHT_MODES:
@@ -146,8 +143,6 @@ def load_model(
         state, blocks = quantise_state(state, weights)
     whole = config
     if shard is not None and shard.world > 1:
-        from larql.parallel.shard import shard_blocks, shard_config, shard_state
-
         config = shard_config(whole, shard.world)
         state = shard_state(whole, state, shard.rank, shard.world)
     with reading(path):

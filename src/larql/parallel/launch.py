@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from larql.errors import LarqlError
-from larql.parallel.shard import DEFAULT_TIMEOUT, RankFailed, TensorParallelError, TensorShard
+from larql.models.shard import DEFAULT_TIMEOUT, RankFailed, TensorParallelError, TensorShard
 
 EXIT_USER_ERROR = 2
 EXIT_FAILED = 1

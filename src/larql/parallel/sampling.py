@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from larql.inference.sampling import Sampler
-from larql.parallel.shard import TensorShard
+from larql.models.shard import TensorShard
 
 
 class AgreedSampler(Sampler):
