@@ -13,6 +13,7 @@ import torch
 from helpers import teacher_forced
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import generate
+from larql.inference.sampling import Sampler, SamplingParams
 from larql.kv import parse_engine
 from larql.models.model import load_model
 from larql.models.shard import TensorShard
@@ -20,12 +21,19 @@ from larql.models.shard import TensorShard
 
 def engines_logits(shard: TensorShard, options: dict[str, Any]) -> None:
     """Each of options['specs'] teacher-forced over options['ids'] on this rank's share of
-    options['model'] (float64); rank 0 saves {spec: logits [N, V]} to options['out']."""
+    options['model'] (float64); rank 0 saves {spec: logits [N, V]} to options['out'], and
+    every rank the tokens it fed in a sampled generation to options['out'].sampled.RANK."""
     torch.set_num_threads(1)
     model = load_model(options["model"], dtype=torch.float64, shard=shard)
     results = {}
     for spec in options["specs"]:
         results[spec] = teacher_forced(model, spec, options["ids"], options["prompt_len"])
+    # sampled without a seed, so each rank's own draws would differ: the ranks feed rank 0's
+    engine = parse_engine("standard").build(model)
+    sampler = Sampler(SamplingParams(temperature=1.0))
+    ffn = DenseFfn(model)
+    sampled = generate(engine, model, ffn, options["ids"], 12, sampler, stop_ids=frozenset())
+    torch.save(sampled.tokens, f"{options['out']}.sampled.{shard.rank}")
     if shard.rank == 0:
         torch.save(results, options["out"])
 

@@ -137,6 +137,9 @@ def test_every_live_engine_gives_one_process_logits_under_two_ranks(
     for spec in LIVE_SPECS:
         reference = teacher_forced(whole, spec, ids, prompt_len)
         assert relative_error(ranks[spec], reference) <= 1e-9, spec
+    # a sampled run (no seed: each rank's own draws would differ) fed both ranks rank 0's tokens
+    sampled = [torch.load(f"{out}.sampled.{rank}") for rank in range(2)]
+    assert len(sampled[0]) == 12 and sampled[0] == sampled[1]
 
 
 @pytest.mark.long  # ~75 s on a loaded 2-core machine; the CLI's acceptance run checks it too
