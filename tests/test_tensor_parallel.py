@@ -56,6 +56,26 @@ def test_run_refuses_a_size_that_does_not_divide_the_heads_before_starting() -> 
     assert time.perf_counter() - started < 30  # the header read, no model and no process
 
 
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--ffn-policy", "walk"], "--ffn-policy"),
+        (["--save-state", "state-dir"], "--save-state"),
+        (["--engine", "boundary-kv:archive=frames"], "writes files"),
+        (["--engine", "apollo"], "apollo"),
+    ],
+)
+def test_run_refuses_what_ranks_cannot_split_before_starting(
+    args: list[str], named: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["run", "Hi", "-n", "2", "--tensor-parallel", "3", *args])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0]
+    assert not any(tmp_path.iterdir())  # nothing written, nothing started
+
+
 @settings(max_examples=6, deadline=None)
 @given(rank=st.integers(0, 2), rows=st.integers(1, 3))
 def test_the_ranks_partial_products_sum_to_the_whole(smollm2: Model, rank: int, rows: int) -> None:

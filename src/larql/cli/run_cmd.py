@@ -132,7 +132,9 @@ def run(
 
 def _check_tensor_parallel(options: dict, size: int) -> None:
     """What a tensor-parallel run refuses, before any process starts."""
+    from larql.kv.catalog import parse_engine
     from larql.kv.resolve import resolve_engine
+    from larql.kv.spec import OperatorOnlyParameter, SpecPolicy
     from larql.models.shard import TensorParallelError
 
     for flag, key in (
@@ -153,6 +155,13 @@ def _check_tensor_parallel(options: dict, size: int) -> None:
             )
     choice = resolve_engine(options["engine"], options["kv_cache"], options["context_window"])
     choice.engine.require_live_decode()
+    try:  # every rank would write the same files
+        parse_engine(choice.engine.spec(), SpecPolicy(files=False))
+    except OperatorOnlyParameter:
+        raise TensorParallelError(
+            f"--tensor-parallel does not run an engine that writes files "
+            f"({choice.engine.spec()}): every rank would write them"
+        ) from None
     check_model(options["model"], size)
 
 
