@@ -20,15 +20,20 @@ from larql.models.shard import TensorShard
 
 
 def engines_logits(shard: TensorShard, options: dict[str, Any]) -> None:
-    """Each of options['specs'] teacher-forced over options['ids'] on this rank's share of
-    options['model'] (float64); rank 0 saves {spec: logits [N, V]} to options['out'], and
-    every rank the tokens it fed in a sampled generation to options['out'].sampled.RANK."""
+    """options['runs']: {model directory: [specs]}; each spec teacher-forced over
+    options['ids'] on this rank's share of its model (float64). Rank 0 saves
+    {(directory, spec): logits [N, V]} to options['out'], and every rank the tokens it fed in a
+    sampled generation on the first model to options['out'].sampled.RANK."""
     torch.set_num_threads(1)
-    model = load_model(options["model"], dtype=torch.float64, shard=shard)
     results = {}
-    for spec in options["specs"]:
-        results[spec] = teacher_forced(model, spec, options["ids"], options["prompt_len"])
+    for directory, specs in options["runs"].items():
+        model = load_model(directory, dtype=torch.float64, shard=shard)
+        for spec in specs:
+            results[directory, spec] = teacher_forced(
+                model, spec, options["ids"], options["prompt_len"]
+            )
     # sampled without a seed, so each rank's own draws would differ: the ranks feed rank 0's
+    model = load_model(next(iter(options["runs"])), dtype=torch.float64, shard=shard)
     engine = parse_engine("standard").build(model)
     sampler = Sampler(SamplingParams(temperature=1.0))
     ffn = DenseFfn(model)

@@ -133,30 +133,39 @@ def test_block_matrices_are_cut_on_whole_blocks(smollm2_default: Model) -> None:
             assert torch.equal(part.dequantize(), expected), name
 
 
+# beside the Llama every engine runs on: biases on Q/K/V (Qwen2), soft-caps and post-norms
+# (Gemma 2), K/V shared across layers, v-norm and per-layer inputs (Gemma 4)
+OTHER_ARCHITECTURES = ["qwen2", "gemma2", "gemma4_shared"]
+
+
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama whose 4 query / 2 K/V heads and 80-wide MLP split two ways."""
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Tiny random models whose 4 query / 2 K/V heads and 80-wide MLP split two ways."""
     pytest.importorskip("transformers")
-    directory = tmp_path_factory.mktemp("tp-llama")
-    build_tiny_model("llama", directory)
-    return directory
+    directories = {}
+    for arch in ["llama", *OTHER_ARCHITECTURES]:
+        directory = tmp_path_factory.mktemp(f"tp-{arch}")
+        build_tiny_model(arch, directory)
+        directories[arch] = str(directory)
+    return directories
 
 
 @pytest.mark.slow
 def test_every_live_engine_gives_one_process_logits_under_two_ranks(
-    tiny_llama: Path, tmp_path: Path
+    tiny_models: dict[str, str], tmp_path: Path
 ) -> None:
     ids, prompt_len = random_ids(20, seed=7), 10
+    runs = {tiny_models["llama"]: LIVE_SPECS}
+    runs.update({tiny_models[arch]: ["standard"] for arch in OTHER_ARCHITECTURES})
     out = tmp_path / "ranks.pt"
-    options = dict(
-        model=str(tiny_llama), specs=LIVE_SPECS, ids=ids, prompt_len=prompt_len, out=str(out)
-    )
+    options = dict(runs=runs, ids=ids, prompt_len=prompt_len, out=str(out))
     assert run_ranks(2, tensor_parallel_ranks.engines_logits, options) == 0
     ranks = torch.load(out)
-    whole = load_model(str(tiny_llama), dtype=torch.float64)
-    for spec in LIVE_SPECS:
-        reference = teacher_forced(whole, spec, ids, prompt_len)
-        assert relative_error(ranks[spec], reference) <= 1e-9, spec
+    for directory, specs in runs.items():
+        whole = load_model(directory, dtype=torch.float64)
+        for spec in specs:
+            reference = teacher_forced(whole, spec, ids, prompt_len)
+            assert relative_error(ranks[directory, spec], reference) <= 1e-9, (directory, spec)
     # a sampled run (no seed: each rank's own draws would differ) fed both ranks rank 0's tokens
     sampled = [torch.load(f"{out}.sampled.{rank}") for rank in range(2)]
     assert len(sampled[0]) == 12 and sampled[0] == sampled[1]
