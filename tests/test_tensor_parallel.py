@@ -6,6 +6,9 @@ ends the run instead of hanging it."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -133,6 +136,8 @@ def test_block_matrices_are_cut_on_whole_blocks(smollm2_default: Model) -> None:
             assert torch.equal(part.dequantize(), expected), name
 
 
+LARQL = [sys.executable, "-m", "larql"]
+
 # beside the Llama every engine runs on: biases on Q/K/V (Qwen2), soft-caps and post-norms
 # (Gemma 2), K/V shared across layers, v-norm and per-layer inputs (Gemma 4)
 OTHER_ARCHITECTURES = ["qwen2", "gemma2", "gemma4_shared"]
@@ -169,6 +174,27 @@ def test_every_live_engine_gives_one_process_logits_under_two_ranks(
     # a sampled run (no seed: each rank's own draws would differ) fed both ranks rank 0's tokens
     sampled = [torch.load(f"{out}.sampled.{rank}") for rank in range(2)]
     assert len(sampled[0]) == 12 and sampled[0] == sampled[1]
+
+
+@pytest.mark.slow
+def test_bench_times_every_engine_on_two_ranks(tiny_models: dict[str, str], tmp_path: Path) -> None:
+    """`larql bench --tensor-parallel 2` on the tiny Llama: one report (rank 0's), a row per
+    engine and none failed, the engines' state no more than one process's."""
+    engines = "standard;turbo-quant:bits=4;markov-rs"
+    args = ["bench", "-m", tiny_models["llama"], "--engine", engines, "--context", "8", "-n", "2"]
+    args += ["--repeats", "1", "--warmup", "0", "--output", "json", "-q"]
+    one = subprocess.run([*LARQL, *args], capture_output=True, text=True, timeout=300)
+    two = subprocess.run(
+        [*LARQL, *args, "--tensor-parallel", "2"], capture_output=True, text=True, timeout=300
+    )
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    alone, ranks = json.loads(one.stdout)["rows"], json.loads(two.stdout)["rows"]
+    assert [r["spec"] for r in ranks] == [r["spec"] for r in alone]
+    for whole, share in zip(alone, ranks, strict=True):
+        assert share["error"] is None
+        assert 0 < share["memory"]["state"] <= whole["memory"]["state"]
+    # standard keeps K/V of its rank's heads alone (markov-rs keeps the whole residual too)
+    assert ranks[0]["memory"]["state"] * 2 == alone[0]["memory"]["state"]
 
 
 @pytest.mark.long  # ~75 s on a loaded 2-core machine; the CLI's acceptance run checks it too

@@ -67,11 +67,14 @@ def open_model(
     weights: str = "auto",
     shard: TensorShard | None = None,
 ) -> Model:
-    """The model a command runs (`shard`: this rank's share of it, in a tensor-parallel run)."""
+    """The model a command runs; in a tensor-parallel run, this rank's share of it (`shard`,
+    else the group this process joined)."""
     from larql.api import load_model
+    from larql.parallel.launch import current_shard
 
     if threads is not None and threads < 1:
         raise InvalidInput(f"--threads must be ≥ 1, got {threads}")
+    shard = shard or current_shard()
     if shard is None:
         return load_model(model, dtype=dtype, device=device, weights=weights, threads=threads)
     import torch

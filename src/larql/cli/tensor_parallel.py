@@ -22,13 +22,14 @@ TensorParallelOption = Annotated[
 
 
 def wanted(size: int) -> bool:
-    """Whether the command runs tensor-parallel: N > 1, or started by torchrun."""
+    """Whether the command starts (or, under torchrun, joins) a tensor-parallel run: N > 1,
+    or started by torchrun — and not already on a rank of one."""
     from larql.models.shard import TensorParallelError
-    from larql.parallel.launch import under_torchrun
+    from larql.parallel.launch import current_shard, under_torchrun
 
     if size < 1:
         raise TensorParallelError(f"--tensor-parallel must be ≥ 1, got {size}")
-    return size > 1 or under_torchrun()
+    return (size > 1 or under_torchrun()) and current_shard() is None
 
 
 def check_model(model: str | None, size: int) -> None:
@@ -49,12 +50,15 @@ def threads_per_rank(threads: int | None, size: int) -> int:
 def launch(size: int, task: Any, options: dict[str, Any], device: str) -> None:
     """Run `task` on every rank: here under torchrun, else on `size` new local processes;
     a failed run exits with its first failing rank's status (its error already written)."""
-    from larql.parallel.launch import join_from_environment, run_ranks, under_torchrun
+    from larql.models.shard import RankFailed
+    from larql.parallel.launch import join_from_environment, leave_group, run_ranks, under_torchrun
 
     if under_torchrun():
         if device == "cuda":  # one GPU per process on each host
             device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
         task(join_from_environment(size, device), {**options, "device": device})
+        if not leave_group():
+            raise RankFailed("another rank of the tensor-parallel run did not finish")
         return
     status = run_ranks(size, task, options, device)
     if status:

@@ -32,6 +32,20 @@ _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # A rank's work: given its shard and the command's options, run and write (rank 0) the result.
 RankTask = Callable[[TensorShard, dict[str, Any]], None]
 
+_current: TensorShard | None = None  # this process's shard, once it joined a group
+
+
+def current_shard() -> TensorShard | None:
+    """This process's place in the tensor-parallel group it joined (None: it runs alone): a
+    command run again on a rank loads its share of the model through it."""
+    return _current
+
+
+def _joined(shard: TensorShard) -> TensorShard:
+    global _current
+    _current = shard
+    return shard
+
 
 def backend_for(device: str) -> str:
     """NCCL for CUDA devices, gloo for the CPU."""
@@ -53,7 +67,19 @@ def join_from_environment(world: int, device: str, timeout: timedelta = DEFAULT_
             f"torchrun started {size} (--nnodes × --nproc-per-node)"
         )
     _init_group(backend_for(device), "env://", rank, size, timeout, device)
-    return TensorShard(rank, size, dist.group.WORLD)
+    return _joined(TensorShard(rank, size, dist.group.WORLD))
+
+
+def leave_group() -> bool:
+    """Wait until every rank is done, then close the group → whether all were there."""
+    if not dist.is_initialized():
+        return True
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except (RuntimeError, dist.DistError):
+        return False
+    return True
 
 
 def _init_group(
@@ -149,22 +175,31 @@ def _rank_main(
         if own.startswith("cuda"):
             os.environ["LOCAL_RANK"] = str(rank)
         timeout = timedelta(seconds=timeout_s)
+        if rank != 0:  # rank 0 alone writes the command's output
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's life)
         _init_group(backend_for(own), f"tcp://127.0.0.1:{port}", rank, world, timeout, own)
-        task(TensorShard(rank, world, dist.group.WORLD), {**options, "device": own})
+        task(_joined(TensorShard(rank, world, dist.group.WORLD)), {**options, "device": own})
     except KeyboardInterrupt:
         status = 130
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else EXIT_FAILED
     except LarqlError as e:
         sys.stderr.write(f"error: {e}\n" if rank == 0 else f"error: rank {rank}: {e}\n")
         status = EXIT_USER_ERROR
     except Exception as e:  # a rank's failure is one line, never a traceback
-        sys.stderr.write(f"error: tensor-parallel rank {rank} failed: {type(e).__name__}: {e}\n")
+        code = getattr(e, "exit_code", None)  # a command's own exit (typer's), its line written
+        if isinstance(code, int):
+            status = code
+        else:
+            sys.stderr.write(
+                f"error: tensor-parallel rank {rank} failed: {type(e).__name__}: {e}\n"
+            )
+            status = EXIT_FAILED
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if status == 0 and not leave_group():
         status = EXIT_FAILED
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if dist.is_initialized():
-            if status == 0:
-                dist.destroy_process_group()
-            else:  # the others may be waiting in a collective: leave without a goodbye
-                os._exit(status)
-    sys.exit(status)
+    # no interpreter teardown: the group's threads may still be closing their connections
+    # (a teardown then aborts the process), and after an error the others may be waiting in a
+    # collective: leave at once
+    os._exit(status)
