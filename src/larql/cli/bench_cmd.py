@@ -137,12 +137,7 @@ def bench(
     ] = False,
 ) -> None:
     """Time every engine (whole tokens), report memory and roofline, optionally vs HF."""
-    if tensor_parallel_wanted(tensor_parallel):
-        options = {name: value for name, value in locals().items() if name != "tensor_parallel"}
-        _check_tensor_parallel(options, tensor_parallel)
-        options["threads"] = threads_per_rank(threads, tensor_parallel)
-        launch(tensor_parallel, _rank_bench, options, device)
-        return
+    options = {name: value for name, value in locals().items() if name != "tensor_parallel"}
     tokens = renamed(tokens, old_tokens, "-n/--max-tokens", "--tokens", 32)
     engine = renamed(engine, old_engines, "--engine", "--engines", None)
     output = output_format(output, ("text", "json"))
@@ -183,6 +178,11 @@ def bench(
     check_policy(ffn_spec)
     check_output_file(output_file, "--output-file")
     check_plot_file(plot)
+    if tensor_parallel_wanted(tensor_parallel):
+        _check_tensor_parallel(options, tensor_parallel)
+        options["threads"] = threads_per_rank(threads, tensor_parallel)
+        launch(tensor_parallel, _rank_bench, options, device)
+        return
     lm = open_model(model, dtype, device, threads, weights)
     # one item per depth for the engines (interleaved), and one each for --batch,
     # --concurrent and --vs-hf; one for --shared-prefix
