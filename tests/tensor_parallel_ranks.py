@@ -68,3 +68,11 @@ def one_rank_dies(shard: TensorShard, options: dict[str, Any]) -> None:
         os._exit(9)
     time.sleep(0.5)
     shard.all_reduce(torch.ones(4))
+
+
+def one_rank_stalls(shard: TensorShard, options: dict[str, Any]) -> None:
+    """Rank 1 stops answering (alive, silent) past the collectives' timeout; rank 0 waits for
+    it in an all-reduce."""
+    if shard.rank == 1:
+        time.sleep(options["stall_s"])
+    shard.all_reduce(torch.ones(4))

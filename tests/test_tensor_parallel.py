@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -48,6 +49,14 @@ def test_the_default_model_splits_three_ways_or_not_at_all(smollm2: Model) -> No
     share = shard_config(smollm2.config, 3)
     assert (share.num_heads, share.num_kv_heads, share.intermediate_size) == (3, 1, 512)
     assert share.attn_scale == smollm2.config.attn_scale  # the head width's, not the count's
+
+
+def test_valid_sizes_divide_every_layers_kv_heads(smollm2: Model) -> None:
+    """A layer of its own K/V head count (Gemma 4's global layers) limits the sizes too."""
+    layers = (replace(smollm2.config.layers[0], num_kv_heads=1), *smollm2.config.layers[1:])
+    assert valid_sizes(replace(smollm2.config, layers=layers)) == [1]
+    wider = replace(smollm2.config, num_heads=12, num_kv_heads=6, intermediate_size=1536)
+    assert valid_sizes(wider) == [1, 2, 3, 6]
 
 
 def test_run_refuses_a_size_that_does_not_divide_the_heads_before_starting() -> None:
@@ -233,3 +242,17 @@ def test_a_rank_that_dies_ends_the_run_instead_of_hanging_it() -> None:
     status = run_ranks(2, tensor_parallel_ranks.one_rank_dies, {}, timeout=timedelta(seconds=60))
     assert status != 0
     assert time.perf_counter() - started < 45  # well before the collectives' timeout
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_answering_ends_the_run_at_the_collectives_timeout(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    started = time.perf_counter()
+    options = {"stall_s": 120}
+    status = run_ranks(
+        2, tensor_parallel_ranks.one_rank_stalls, options, timeout=timedelta(seconds=3)
+    )
+    assert status == 2  # rank 0's typed error, written by it
+    assert time.perf_counter() - started < 60  # the timeout, not the stalled rank's two minutes
+    assert "all-reduce failed" in capfd.readouterr().err
