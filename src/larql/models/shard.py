@@ -59,8 +59,10 @@ class TensorShard:
         summed = partial.contiguous()
         try:
             dist.all_reduce(summed, group=self.group)
-        except (RuntimeError, dist.DistBackendError) as e:
-            raise RankFailed(f"rank {self.rank}: a tensor-parallel all-reduce failed: {e}") from e
+        except RuntimeError as e:  # (torch.distributed's errors are RuntimeErrors)
+            raise RankFailed(
+                f"rank {self.rank}: a tensor-parallel all-reduce failed: {_line(e)}"
+            ) from e
         return summed
 
     def agree(self, token: int) -> int:
@@ -71,9 +73,15 @@ class TensorShard:
         held = torch.tensor([token], dtype=torch.long)
         try:
             dist.broadcast(held, src=0, group=self.group)
-        except (RuntimeError, dist.DistBackendError) as e:
-            raise RankFailed(f"rank {self.rank}: the token broadcast failed: {e}") from e
+        except RuntimeError as e:
+            raise RankFailed(f"rank {self.rank}: the token broadcast failed: {_line(e)}") from e
         return int(held.item())
+
+
+def _line(error: Exception, limit: int = 240) -> str:
+    """A collective's error on one line (gloo's run over several)."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def valid_sizes(config: ModelConfig) -> list[int]:
