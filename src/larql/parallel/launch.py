@@ -58,7 +58,9 @@ def under_torchrun() -> bool:
     return all(name in os.environ for name in _TORCHRUN_VARIABLES)
 
 
-def join_from_environment(world: int, device: str, timeout: timedelta = DEFAULT_TIMEOUT):
+def join_from_environment(
+    world: int, device: str, timeout: timedelta = DEFAULT_TIMEOUT
+) -> TensorShard:
     """This process's shard in the group torchrun set up (its WORLD_SIZE must be `world`)."""
     size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if size != world:
@@ -66,8 +68,15 @@ def join_from_environment(world: int, device: str, timeout: timedelta = DEFAULT_
             f"--tensor-parallel {world} under torchrun needs {world} processes in all, "
             f"torchrun started {size} (--nnodes × --nproc-per-node)"
         )
+    _quiet_unless_first(rank)
     _init_group(backend_for(device), "env://", rank, size, timeout, device)
     return _joined(TensorShard(rank, size, dist.group.WORLD))
+
+
+def _quiet_unless_first(rank: int) -> None:
+    """Rank 0 alone writes the command's output: another rank's stdout goes nowhere."""
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's life)
 
 
 def leave_group() -> bool:
@@ -175,8 +184,7 @@ def _rank_main(
         if own.startswith("cuda"):
             os.environ["LOCAL_RANK"] = str(rank)
         timeout = timedelta(seconds=timeout_s)
-        if rank != 0:  # rank 0 alone writes the command's output
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's life)
+        _quiet_unless_first(rank)
         _init_group(backend_for(own), f"tcp://127.0.0.1:{port}", rank, world, timeout, own)
         task(_joined(TensorShard(rank, world, dist.group.WORLD)), {**options, "device": own})
     except KeyboardInterrupt:
