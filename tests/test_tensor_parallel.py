@@ -206,7 +206,7 @@ def test_bench_times_every_engine_on_two_ranks(tiny_models: dict[str, str], tmp_
     assert ranks[0]["memory"]["state"] * 2 == alone[0]["memory"]["state"]
 
 
-@pytest.mark.long  # ~75 s on a loaded 2-core machine; the CLI's acceptance run checks it too
+@pytest.mark.long  # ~100 s on a loaded 2-core machine (three ranks, two weight modes)
 def test_the_default_model_under_three_ranks_decodes_one_process_tokens(tmp_path: Path) -> None:
     """The default model, three ranks, float weights and `larql run`'s GGUF blocks: one
     process's greedy tokens for standard, turbo-quant and markov-rs. The exact engines' logits
