@@ -1,6 +1,7 @@
 """The package's imports point down the layers and never go round in a circle:
 
-    larql (errors, specs, data) ← models ← inference, kernels ← kv ← harness, server ← api ← cli
+    larql (errors, specs, data) ← models ← inference, kernels, parallel ← kv ← harness, server
+        ← api ← cli
                                                                         (and `python -m larql`)
 
 The root package `larql` is the library's face: its names are `larql.api`'s, imported on first
@@ -21,6 +22,7 @@ LAYER = {
     "models": 1,
     "inference": 2,
     "kernels": 2,
+    "parallel": 2,
     "kv": 3,
     "harness": 4,
     "server": 4,

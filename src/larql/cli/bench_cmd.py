@@ -21,6 +21,8 @@ from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOpt
 from larql.cli.outputs import check_output_file, check_plot_file, write_text, writing
 from larql.cli.progress import progress_lines
 from larql.cli.renamed import output_format, renamed
+from larql.cli.tensor_parallel import TensorParallelOption, check_model, launch, threads_per_rank
+from larql.cli.tensor_parallel import wanted as tensor_parallel_wanted
 
 if TYPE_CHECKING:  # torch loads in the command's body, not for `--help`
     from larql.harness.bench.engine_bench import EngineRow
@@ -115,6 +117,7 @@ def bench(
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
     threads: ThreadsOption = None,
+    tensor_parallel: TensorParallelOption = 1,
     verbose: Annotated[
         bool,
         typer.Option(
@@ -134,6 +137,7 @@ def bench(
     ] = False,
 ) -> None:
     """Time every engine (whole tokens), report memory and roofline, optionally vs HF."""
+    options = {name: value for name, value in locals().items() if name != "tensor_parallel"}
     tokens = renamed(tokens, old_tokens, "-n/--max-tokens", "--tokens", 32)
     engine = renamed(engine, old_engines, "--engine", "--engines", None)
     output = output_format(output, ("text", "json"))
@@ -174,6 +178,11 @@ def bench(
     check_policy(ffn_spec)
     check_output_file(output_file, "--output-file")
     check_plot_file(plot)
+    if tensor_parallel_wanted(tensor_parallel):
+        _check_tensor_parallel(options, tensor_parallel)
+        options["threads"] = threads_per_rank(threads, tensor_parallel)
+        launch(tensor_parallel, _rank_bench, options, device)
+        return
     lm = open_model(model, dtype, device, threads, weights)
     # one item per depth for the engines (interleaved), and one each for --batch,
     # --concurrent and --vs-hf; one for --shared-prefix
@@ -219,6 +228,30 @@ def bench(
             stdout.print(table)
     if verbose:
         verbose_rows(report.rows)
+
+
+def _check_tensor_parallel(options: dict, size: int) -> None:
+    """What a tensor-parallel bench refuses, before any process starts."""
+    from larql.models.shard import TensorParallelError
+
+    for flag, key in (
+        ("--vs-hf", "vs_hf"),
+        ("--concurrent", "concurrent"),
+        ("--ffn-policy", "ffn_policy"),
+        ("--ffn", "ffn"),
+        ("--moe-shards", "moe_shards"),
+    ):
+        if options[key]:
+            raise TensorParallelError(f"--tensor-parallel does not take {flag} on larql bench")
+    check_model(options["model"], size)
+
+
+def _rank_bench(shard: object, options: dict) -> None:
+    """One rank of `larql bench --tensor-parallel`: the same bench on its share of the model
+    (`open_model` loads it); rank 0 alone reports."""
+    if getattr(shard, "rank", 0) != 0:
+        options = {**options, "output_file": None, "plot": None, "quiet": True, "verbose": False}
+    bench(**options)
 
 
 def verbose_rows(rows: list[EngineRow]) -> None:

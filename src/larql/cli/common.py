@@ -15,6 +15,7 @@ from larql.errors import InvalidInput, LarqlError
 
 if TYPE_CHECKING:  # torch and the models load in the commands' bodies, not for `--help`
     from larql.models.model import Model
+    from larql.models.shard import TensorShard
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -64,9 +65,22 @@ def open_model(
     device: str,
     threads: int | None = None,
     weights: str = "auto",
+    shard: TensorShard | None = None,
 ) -> Model:
+    """The model a command runs; in a tensor-parallel run, this rank's share of it (`shard`,
+    else the group this process joined)."""
     from larql.api import load_model
+    from larql.parallel.launch import current_shard
 
     if threads is not None and threads < 1:
         raise InvalidInput(f"--threads must be ≥ 1, got {threads}")
-    return load_model(model, dtype=dtype, device=device, weights=weights, threads=threads)
+    shard = shard or current_shard()
+    if shard is None:
+        return load_model(model, dtype=dtype, device=device, weights=weights, threads=threads)
+    import torch
+
+    from larql.models.model import load_model as load_share
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return load_share(model, dtype=dtype, device=device, weights=weights, shard=shard)

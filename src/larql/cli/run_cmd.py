@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -28,6 +29,12 @@ from larql.cli.state_options import (
     check_state_directory,
     describe_state,
 )
+from larql.cli.tensor_parallel import TensorParallelOption, check_model, launch, threads_per_rank
+from larql.cli.tensor_parallel import wanted as tensor_parallel_wanted
+
+if TYPE_CHECKING:  # torch loads in the command's body, not for `--help`
+    from larql.api.generation import Generation
+    from larql.models.shard import TensorShard
 
 OUTPUTS = ("text", "json")
 
@@ -96,34 +103,119 @@ def run(
     save_state: SaveStateOption = None,
     load_state_dir: LoadStateOption = None,
     resume: ResumeOption = None,
+    tensor_parallel: TensorParallelOption = 1,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Generate text from PROMPT with the chosen KV engine."""
+    options = dict(locals())
+    del options["tensor_parallel"]
     # the checks that need no torch first: a typo is answered at once
-    output = output_format(output, OUTPUTS)
+    options["output"] = output_format(output, OUTPUTS)
     if max_tokens < 1:
         raise InvalidInput(f"-n/--max-tokens must be ≥ 1, got {max_tokens}")
     if top < 0:
         raise InvalidInput(f"--top must be ≥ 0, got {top}")
     if resume is not None and load_state_dir is not None:
         raise InvalidInput("give --resume or --load-state, not both")
-    from larql.api import generate
     from larql.inference.sampling import SamplingParams
-    from larql.kv.resolve import resolve_engine
 
     SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # checks early
     check_state_directory(save_state)
+    if tensor_parallel_wanted(tensor_parallel):
+        _check_tensor_parallel(options, tensor_parallel)
+        options["threads"] = threads_per_rank(threads, tensor_parallel)
+        options["prompt"] = read_prompt(prompt)  # stdin is this process's
+        launch(tensor_parallel, _rank_run, options, device)
+        return
+    _run(None, **options)
+
+
+def _check_tensor_parallel(options: dict, size: int) -> None:
+    """What a tensor-parallel run refuses, before any process starts."""
+    from larql.kv.catalog import parse_engine
+    from larql.kv.resolve import resolve_engine
+    from larql.kv.spec import OperatorOnlyParameter, SpecPolicy
+    from larql.models.shard import TensorParallelError
+
+    for flag, key in (
+        ("--save-state", "save_state"),
+        ("--load-state", "load_state_dir"),
+        ("--resume", "resume"),
+    ):
+        if options[key] is not None:
+            raise TensorParallelError(f"--tensor-parallel does not take {flag} (a state is whole)")
+    for flag, key in (
+        ("--ffn-policy", "ffn_policy"),
+        ("--ffn", "ffn"),
+        ("--moe-shards", "moe_shards"),
+    ):
+        if options[key] is not None:
+            raise TensorParallelError(
+                f"--tensor-parallel runs the model's own dense MLP, split; it does not take {flag}"
+            )
+    choice = resolve_engine(options["engine"], options["kv_cache"], options["context_window"])
+    choice.engine.require_live_decode()
+    try:  # every rank would write the same files
+        parse_engine(choice.engine.spec(), SpecPolicy(files=False))
+    except OperatorOnlyParameter:
+        raise TensorParallelError(
+            f"--tensor-parallel does not run an engine that writes files "
+            f"({choice.engine.spec()}): every rank would write them"
+        ) from None
+    check_model(options["model"], size)
+
+
+def _rank_run(shard: TensorShard, options: dict) -> None:
+    """One rank of `larql run --tensor-parallel`."""
+    _run(shard, **options)
+
+
+def _run(
+    shard: TensorShard | None,
+    prompt: str,
+    model: str | None,
+    max_tokens: int,
+    engine: str | None,
+    kv_cache: str,
+    context_window: int,
+    chat: bool,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    device: str,
+    dtype: str,
+    weights: str,
+    threads: int | None,
+    output: str,
+    ffn_policy: str | None,
+    ffn: str | None,
+    ffn_timeout_secs: float | None,
+    ffn_dispatch: str | None,
+    moe_shards: str | None,
+    top: int,
+    save_state: Path | None,
+    load_state_dir: Path | None,
+    resume: str | None,
+    verbose: bool,
+) -> None:
+    """The command's body, in one process or on one rank of a tensor-parallel run (whose
+    rank 0 alone writes)."""
+    writes = shard is None or shard.rank == 0
+    from larql.api import generate
+    from larql.kv.resolve import resolve_engine
+
     ffn_spec = ffn_policy_spec(
         ffn_policy, ffn, timeout=ffn_timeout_secs, moe_shards=moe_shards, dispatch=ffn_dispatch
     )
     check_policy(ffn_spec)
     choice = resolve_engine(engine, kv_cache, context_window)
     choice.engine.require_live_decode()
-    for warning in choice.warnings:
+    for warning in choice.warnings if writes else ():
         stderr.print(f"warning: {warning}")
     continues = load_state_dir is not None or resume is not None
     text = read_prompt(prompt) if not continues or prompt.strip() else ""
-    lm = open_model(model, dtype, device, threads, weights)
+    lm = open_model(model, dtype, device, threads, weights, shard)
     # a loaded state keeps the engine it was saved with unless --engine names one
     asked = choice.engine if load_state_dir is None or choice.source != "default" else None
 
@@ -131,7 +223,7 @@ def run(
 
     def write(piece: str) -> None:
         pieces.append(piece)
-        if output == "text":
+        if output == "text" and writes:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
@@ -154,6 +246,8 @@ def run(
             resume=resume,
         )
     except KeyboardInterrupt:  # Ctrl-C: what was generated so far, then exit 130
+        if not writes:
+            raise
         if output == "json":
             engine_shown = asked.spec() if asked is not None else "(the loaded state's)"
             partial = {
@@ -167,6 +261,12 @@ def run(
             sys.stdout.write("\n")
         sys.stdout.flush()
         raise
+    if writes:
+        _write_result(result, output, verbose, choice.source)
+
+
+def _write_result(result: Generation, output: str, verbose: bool, source: str) -> None:
+    """The run's end: the text's line end or the JSON, the state notices, --top, -v."""
     if output == "text":  # the text's line ends before any notice on stderr
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -182,7 +282,7 @@ def run(
         stdout.print(top_table(result.top))
     if verbose:
         rate = result.decode_tok_s
-        stderr.print(f"engine: {result.engine_summary}  (from {choice.source})")
+        stderr.print(f"engine: {result.engine_summary}  (from {source})")
         stderr.print(f"ffn: {result.ffn}")
         stderr.print(f"decode path: {result.decode_path}", markup=False)
         stderr.print(

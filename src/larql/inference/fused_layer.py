@@ -231,7 +231,7 @@ def rows_kv(
 def layers_compile(model: Model, layers: Sequence[int], h: torch.Tensor, ffn: FfnBackend) -> bool:
     """Whether `fused_layers_rows` takes these layers for the rows h (before any store is
     touched: a caller reserving rows itself asks first)."""
-    return _layer_plans(model, layers, h, ffn) is not None
+    return model.shard is None and _layer_plans(model, layers, h, ffn) is not None
 
 
 def layer_arguments(
@@ -240,7 +240,10 @@ def layer_arguments(
     """The compiled layer calls' arguments that come before each row's store (h, the norms,
     eps, the four matrices, their formats, the biases, each layer's cos / sin at the rows'
     `positions`) and the products' `activation_bits`, where the compiled layer applies to all
-    of `layers` for the rows h; else None."""
+    of `layers` for the rows h; else None (a tensor-parallel rank's layers, which sum their
+    partial outputs with the other ranks' between the calls' pieces)."""
+    if model.shard is not None:
+        return None
     plans = _layer_plans(model, layers, h, ffn)
     if plans is None:
         return None

@@ -25,6 +25,7 @@ from larql.kernels.cpu import cpu_extension
 from larql.kernels.ran import recording
 from larql.models.blocks import ACTIVATION_BITS
 from larql.models.model import Model
+from larql.parallel.sampling import AgreedSampler
 
 FinishReason = Literal["stop", "length"]
 # New tokens a session tells its engine to expect room for at once (`Engine.expect_tokens`): a
@@ -214,6 +215,8 @@ class GenerationSession:
         self.ffn = ffn
         self.prompt_ids = list(prompt_ids)
         self.sampler = sampler or Sampler()
+        if model.shard is not None:  # a tensor-parallel rank feeds rank 0's picks
+            self.sampler = AgreedSampler(self.sampler, model.shard)
         self.stop_ids = model.tokenizer.stop_ids if stop_ids is None else stop_ids
         limit = model.config.max_positions if max_positions is None else max_positions
         # `max_positions` caps prompt + generated tokens

@@ -470,6 +470,15 @@ def attention_output(model: Model, layer: int, h: torch.Tensor, attn: torch.Tens
     """Output projection (+ post-attention norm) added to the residual: [S, H]."""
     lw = model.weights.layers[layer]
     blocks = lw.blocks.get("wo")
+    if model.shard is not None:
+        # this rank's heads' share of the projection, summed over the ranks, then the bias,
+        # norm and residual add every rank applies to the same sum
+        out = model.shard.all_reduce(linear(attn, lw.wo, None, blocks))  # [S, H]
+        if lw.bo is not None:
+            out = out + lw.bo
+        if lw.post_attn_norm is not None:
+            out = rms_norm(out, lw.post_attn_norm, model.config.norm_eps)
+        return h + out
     fused = lw.post_attn_norm is None and blocks is not None and takes_fused(h, blocks)
     kernels = cpu_extension() if fused else None
     if kernels is not None:
@@ -520,11 +529,13 @@ def _ffn_residual(model: Model, layer: int, h: torch.Tensor, ffn: FfnBackend) ->
     """The FFN's half of `ffn_block` (with the layer scalar, unless per-layer inputs follow)."""
     lw = model.weights.layers[layer]
     eps = model.config.norm_eps
-    plain = lw.post_ffn_norm is None and lw.layer_scalar is None
+    plain = lw.post_ffn_norm is None and lw.layer_scalar is None and model.shard is None
     fused = ffn.fused_block(layer, h, lw.ffn_norm, eps) if plain else None
     if fused is not None:
         return fused
     out = ffn.forward(layer, rms_norm(h, lw.ffn_norm, eps))
+    if model.shard is not None:  # this rank's share of the MLP's units, summed over the ranks
+        out = model.shard.all_reduce(out)  # [S, H]
     if lw.experts_norm is not None:  # experts beside the MLP: each output normed, then summed
         assert lw.post_mlp_norm is not None and lw.post_experts_norm is not None
         routed = rms_norm(ffn.parallel_experts(layer, h), lw.post_experts_norm, eps)

@@ -108,11 +108,12 @@ class CapturedStep:
     ) -> bool:
         """Capture `step` for this backend unless it is; False where it cannot be captured
         (not CUDA, or an FFN backend that does not say it is `graph_safe`: a remote shard, a
-        sparse walk). Capturing runs the step once first (a warm-up, outside the capture):
-        `preserve` are the state tensors that run must leave as they were (a ring buffer whose
-        new row overwrites one the step reads); state the replay rewrites identically (a row
-        at the position) needs nothing."""
-        if not (model.device.type == "cuda" and ffn.graph_safe):
+        sparse walk; a tensor-parallel rank, whose all-reduces stay outside graphs until
+        they are measured captured on GPUs). Capturing runs the step once first (a warm-up,
+        outside the capture): `preserve` are the state tensors that run must leave as they
+        were (a ring buffer whose new row overwrites one the step reads); state the replay
+        rewrites identically (a row at the position) needs nothing."""
+        if not (model.device.type == "cuda" and ffn.graph_safe and model.shard is None):
             return False
         if self._graph is not None and self._ffn is ffn:
             return True

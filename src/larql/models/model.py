@@ -18,6 +18,7 @@ from larql.models.gguf_loader import gguf_block_rows, gguf_config, gguf_state_di
 from larql.models.hf_loader import hf_config, hf_state_dict, read_hf_config
 from larql.models.quantise import LOAD_FORMATS, quantise_state
 from larql.models.registry import resolve_model_path
+from larql.models.shard import TensorShard, shard_blocks, shard_config, shard_state
 from larql.models.tokenizer import (
     TextTokenizer,
     chat_template_from_dir,
@@ -59,6 +60,9 @@ class Model:
     # Derived per-model artefacts (RoPE tables, ...) that the forward pass builds on first use.
     runtime: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
     load_args: LoadArgs | None = field(default=None, repr=False, compare=False)
+    # this process's place in a tensor-parallel group (`larql.parallel`): the config and weights
+    # are then the rank's share, and the layers add the ranks' partial outputs; None: whole
+    shard: TensorShard | None = field(default=None, repr=False, compare=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -76,7 +80,7 @@ class Model:
         )
         if weights.device.type == "cpu" and weights.dtype != torch.float64:
             weights.share_blocks(self.weights)  # float64, the precision reference, has none
-        return Model(self.name, self.source, self.config, weights, self.tokenizer)
+        return Model(self.name, self.source, self.config, weights, self.tokenizer, shard=self.shard)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -118,6 +122,7 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
     weights: str = "auto",
+    shard: TensorShard | None = None,
 ) -> Model:
     """Load a registry model, a `.gguf` file or an HF directory.
 
@@ -131,7 +136,10 @@ def load_model(
     layer matrix and the LM head (of any model: a quantised GGUF's are re-quantised from their
     dequantised floats) to that GGUF format at load and replace the float weights by the blocks'
     dequantised values, on every device and dtype; on the CPU below float64 the blocks are kept
-    too and read as `blocks-int16` reads a GGUF's."""
+    too and read as `blocks-int16` reads a GGUF's.
+
+    shard: this process's rank in a tensor-parallel group; the model is then that rank's share
+    of the heads and MLP (`larql.models.shard`), its blocks cut alike."""
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     device = parse_device(device) if isinstance(device, str) else device
     if weights not in WEIGHT_MODES:
@@ -144,19 +152,40 @@ def load_model(
     blocks = None
     if weights in LOAD_FORMATS:
         state, blocks = quantise_state(state, weights)
+    whole = config
+    if shard is not None and shard.world > 1:
+        config = shard_config(whole, shard.world)
+        state = shard_state(whole, state, shard.rank, shard.world)
     with reading(path):
         held = ModelWeights.from_state(config, state, dtype, device)
     activation = WEIGHT_MODES[weights]
     if activation is not None and _reads_blocks(device, dtype):
         if blocks is None and not path.is_dir():
-            blocks = gguf_block_rows(GgufFile(path), config)
+            blocks = gguf_block_rows(GgufFile(path), whole)
+        if blocks and shard is not None and shard.world > 1:
+            blocks = shard_blocks(whole, blocks, shard.rank, shard.world)
         if blocks:
             held.attach_blocks(blocks, activation)
     given = name if model is None else model  # what resolves to this model again
     args = LoadArgs(given, str(dtype).removeprefix("torch."), str(device), weights)
     return Model(
-        name=name, source=path, config=config, weights=held, tokenizer=tokenizer, load_args=args
+        name=name,
+        source=path,
+        config=config,
+        weights=held,
+        tokenizer=tokenizer,
+        load_args=None if shard is not None else args,
+        shard=shard,
     )
+
+
+def load_config(model: str | None = None) -> ModelConfig:
+    """The config alone of what `load_model` would load (its header, not its weights)."""
+    name, path = resolve_model_path(model)
+    with reading(path):
+        if path.is_dir():
+            return hf_config(read_hf_config(path), name)
+        return gguf_config(GgufFile(path), name)
 
 
 @contextmanager

@@ -1,0 +1,78 @@
+"""What the tensor-parallel tests run on each rank (`larql.parallel.launch.run_ranks` spawns
+the ranks and imports this module in each): a rank loads its share of a model, runs engines on
+it, and rank 0 saves what they produced for the test to compare with one process's."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from helpers import teacher_forced
+from larql.inference.ffn import DenseFfn
+from larql.inference.generation import generate
+from larql.inference.sampling import Sampler, SamplingParams
+from larql.kv import parse_engine
+from larql.models.model import load_model
+from larql.models.shard import TensorShard
+
+
+def engines_logits(shard: TensorShard, options: dict[str, Any]) -> None:
+    """options['runs']: {model directory: [specs]}; each spec teacher-forced over
+    options['ids'] on this rank's share of its model (float64). Rank 0 saves
+    {(directory, spec): logits [N, V]} to options['out'], and every rank the tokens it fed in a
+    sampled generation on the first model to options['out'].sampled.RANK."""
+    torch.set_num_threads(1)
+    results = {}
+    for directory, specs in options["runs"].items():
+        model = load_model(directory, dtype=torch.float64, shard=shard)
+        for spec in specs:
+            results[directory, spec] = teacher_forced(
+                model, spec, options["ids"], options["prompt_len"]
+            )
+    # sampled without a seed, so each rank's own draws would differ: the ranks feed rank 0's
+    model = load_model(next(iter(options["runs"])), dtype=torch.float64, shard=shard)
+    engine = parse_engine("standard").build(model)
+    sampler = Sampler(SamplingParams(temperature=1.0))
+    ffn = DenseFfn(model)
+    sampled = generate(engine, model, ffn, options["ids"], 12, sampler, stop_ids=frozenset())
+    torch.save(sampled.tokens, f"{options['out']}.sampled.{shard.rank}")
+    if shard.rank == 0:
+        torch.save(results, options["out"])
+
+
+def greedy_tokens(shard: TensorShard, options: dict[str, Any]) -> None:
+    """Each of options['specs']'s greedy tokens and teacher-forced logits over them on this
+    rank's share of the default model, loaded with each of options['weights'] (`larql run`'s
+    `--weights`); rank 0 saves {(weights, spec): (tokens, logits)} to options['out']."""
+    torch.set_num_threads(1)
+    results = {}
+    for weights in options["weights"]:
+        model = load_model(options["model"], weights=weights, shard=shard)
+        ids = model.tokenizer.encode(options["prompt"])
+        for spec in options["specs"]:
+            engine = parse_engine(spec).build(model)
+            ffn = DenseFfn(model)
+            tokens = generate(engine, model, ffn, ids, options["n"], stop_ids=frozenset()).tokens
+            logits = teacher_forced(model, spec, ids + tokens, len(ids))
+            results[weights, spec] = (tokens, logits)
+    if shard.rank == 0:
+        torch.save(results, options["out"])
+
+
+def one_rank_dies(shard: TensorShard, options: dict[str, Any]) -> None:
+    """Rank 1 ends at once, without a word; rank 0 waits for it in an all-reduce."""
+    if shard.rank == 1:
+        os._exit(9)
+    time.sleep(0.5)
+    shard.all_reduce(torch.ones(4))
+
+
+def one_rank_stalls(shard: TensorShard, options: dict[str, Any]) -> None:
+    """Rank 1 stops answering (alive, silent) past the collectives' timeout; rank 0 waits for
+    it in an all-reduce."""
+    if shard.rank == 1:
+        time.sleep(options["stall_s"])
+    shard.all_reduce(torch.ones(4))

@@ -1,0 +1,258 @@
+"""Tensor parallelism (`larql.parallel`): a rank's share of the weights rebuilds the whole
+model's products, the sizes that do not split a model are refused by name before anything
+starts, every live engine gives one process's logits under two ranks (gloo, a tiny random
+model), the default model's greedy tokens are one process's under three, and a rank that dies
+ends the run instead of hanging it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+import tensor_parallel_ranks
+from helpers import relative_error, teacher_forced
+from larql.cli.app import app
+from larql.inference.ffn import DenseFfn
+from larql.inference.generation import generate
+from larql.kv import parse_engine
+from larql.models import Model, load_model
+from larql.models.gguf_file import GgufFile
+from larql.models.gguf_loader import gguf_block_rows
+from larql.models.shard import (
+    TensorParallelError,
+    check_splits,
+    shard_blocks,
+    shard_config,
+    shard_state,
+    valid_sizes,
+)
+from larql.parallel.launch import run_ranks
+from test_engine_compliance import LIVE_SPECS
+from tiny_models import build_tiny_model, random_ids
+
+
+def test_the_default_model_splits_three_ways_or_not_at_all(smollm2: Model) -> None:
+    assert valid_sizes(smollm2.config) == [1, 3]
+    with pytest.raises(TensorParallelError, match=r"valid sizes: 1, 3"):
+        check_splits(smollm2.config, 2)
+    share = shard_config(smollm2.config, 3)
+    assert (share.num_heads, share.num_kv_heads, share.intermediate_size) == (3, 1, 512)
+    assert share.attn_scale == smollm2.config.attn_scale  # the head width's, not the count's
+
+
+def test_valid_sizes_divide_every_layers_kv_heads(smollm2: Model) -> None:
+    """A layer of its own K/V head count (Gemma 4's global layers) limits the sizes too."""
+    layers = (replace(smollm2.config.layers[0], num_kv_heads=1), *smollm2.config.layers[1:])
+    assert valid_sizes(replace(smollm2.config, layers=layers)) == [1]
+    wider = replace(smollm2.config, num_heads=12, num_kv_heads=6, intermediate_size=1536)
+    assert valid_sizes(wider) == [1, 2, 3, 6]
+
+
+def test_run_refuses_a_size_that_does_not_divide_the_heads_before_starting() -> None:
+    started = time.perf_counter()
+    result = CliRunner().invoke(app, ["run", "Hi", "-n", "2", "--tensor-parallel", "2"])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "valid sizes: 1, 3" in lines[0] and "Traceback" not in lines[0]
+    assert time.perf_counter() - started < 30  # the header read, no model and no process
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--ffn-policy", "walk"], "--ffn-policy"),
+        (["--save-state", "state-dir"], "--save-state"),
+        (["--engine", "boundary-kv:archive=frames"], "writes files"),
+        (["--engine", "apollo"], "apollo"),
+    ],
+)
+def test_run_refuses_what_ranks_cannot_split_before_starting(
+    args: list[str], named: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["run", "Hi", "-n", "2", "--tensor-parallel", "3", *args])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0]
+    assert not any(tmp_path.iterdir())  # nothing written, nothing started
+
+
+@settings(max_examples=6, deadline=None)
+@given(rank=st.integers(0, 2), rows=st.integers(1, 3))
+def test_the_ranks_partial_products_sum_to_the_whole(smollm2: Model, rank: int, rows: int) -> None:
+    """Layer 0 of the default model cut three ways: a rank's Q/K/V rows are its heads' rows of
+    the whole projection, and the three ranks' output-projection and MLP partial products sum
+    to the whole ones."""
+    cfg, lw = smollm2.config, smollm2.weights.layers[0]
+    q_dim, kv_dim = cfg.q_dim, cfg.kv_dim
+    state = {
+        "layers.0.wq": lw.wqkv[:q_dim],
+        "layers.0.wk": lw.wqkv[q_dim : q_dim + kv_dim],
+        "layers.0.wo": lw.wo,
+        "layers.0.w_gate": lw.w_gate_up.chunk(2)[0],
+        "layers.0.w_down": lw.w_down,
+    }
+    shares = [shard_state(cfg, state, r, 3) for r in range(3)]
+    mine = shares[rank]
+    heads = slice(rank * 3 * cfg.head_dim, (rank + 1) * 3 * cfg.head_dim)
+    assert torch.equal(mine["layers.0.wq"], lw.wqkv[heads])
+    kv = slice(q_dim + rank * cfg.head_dim, q_dim + (rank + 1) * cfg.head_dim)
+    assert torch.equal(mine["layers.0.wk"], lw.wqkv[kv])
+    g = torch.Generator().manual_seed(rank * 10 + rows)
+    attn = torch.randn(rows, q_dim, generator=g, dtype=torch.float64)  # [S, q_dim]
+    parts = [attn[:, r * q_dim // 3 : (r + 1) * q_dim // 3] for r in range(3)]
+    summed = sum(p @ s["layers.0.wo"].double().T for p, s in zip(parts, shares, strict=True))
+    assert relative_error(summed, attn @ lw.wo.double().T) < 1e-12
+    x = torch.randn(rows, cfg.hidden_size, generator=g, dtype=torch.float64)
+    act = [torch.nn.functional.silu(x @ s["layers.0.w_gate"].double().T) for s in shares]
+    whole_act = torch.nn.functional.silu(x @ state["layers.0.w_gate"].double().T)
+    assert torch.equal(torch.cat(act, dim=-1), whole_act)
+    down = sum(a @ s["layers.0.w_down"].double().T for a, s in zip(act, shares, strict=True))
+    assert relative_error(down, whole_act @ lw.w_down.double().T) < 1e-12
+
+
+def test_block_matrices_are_cut_on_whole_blocks(smollm2_default: Model) -> None:
+    """The default model's GGUF blocks, cut three ways: each rank's rows and columns are the
+    whole matrix's (dequantised), so a rank's block products read one process's weights."""
+    cfg = smollm2_default.config
+    blocks = {
+        name: rows
+        for name, rows in gguf_block_rows(GgufFile(smollm2_default.source), cfg).items()
+        if name.startswith("layers.0.")
+    }
+    for rank in range(3):
+        share = shard_blocks(cfg, blocks, rank, 3)
+        assert set(share) == set(blocks)
+        for name, part in share.items():
+            whole = blocks[name].dequantize()
+            if name.endswith(("wo", "w_down")):
+                width = whole.shape[1] // 3
+                expected = whole[:, rank * width : (rank + 1) * width]
+            else:
+                height = whole.shape[0] // 3
+                expected = whole[rank * height : (rank + 1) * height]
+            assert torch.equal(part.dequantize(), expected), name
+
+
+LARQL = [sys.executable, "-m", "larql"]
+
+# beside the Llama every engine runs on: biases on Q/K/V (Qwen2), soft-caps and post-norms
+# (Gemma 2), K/V shared across layers, v-norm and per-layer inputs (Gemma 4)
+OTHER_ARCHITECTURES = ["qwen2", "gemma2", "gemma4_shared"]
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Tiny random models whose 4 query / 2 K/V heads and 80-wide MLP split two ways."""
+    pytest.importorskip("transformers")
+    directories = {}
+    for arch in ["llama", *OTHER_ARCHITECTURES]:
+        directory = tmp_path_factory.mktemp(f"tp-{arch}")
+        build_tiny_model(arch, directory)
+        directories[arch] = str(directory)
+    return directories
+
+
+@pytest.mark.slow
+def test_every_live_engine_gives_one_process_logits_under_two_ranks(
+    tiny_models: dict[str, str], tmp_path: Path
+) -> None:
+    ids, prompt_len = random_ids(20, seed=7), 10
+    runs = {tiny_models["llama"]: LIVE_SPECS}
+    runs.update({tiny_models[arch]: ["standard"] for arch in OTHER_ARCHITECTURES})
+    out = tmp_path / "ranks.pt"
+    options = dict(runs=runs, ids=ids, prompt_len=prompt_len, out=str(out))
+    assert run_ranks(2, tensor_parallel_ranks.engines_logits, options) == 0
+    ranks = torch.load(out)
+    for directory, specs in runs.items():
+        whole = load_model(directory, dtype=torch.float64)
+        for spec in specs:
+            reference = teacher_forced(whole, spec, ids, prompt_len)
+            assert relative_error(ranks[directory, spec], reference) <= 1e-9, (directory, spec)
+    # a sampled run (no seed: each rank's own draws would differ) fed both ranks rank 0's tokens
+    sampled = [torch.load(f"{out}.sampled.{rank}") for rank in range(2)]
+    assert len(sampled[0]) == 12 and sampled[0] == sampled[1]
+
+
+@pytest.mark.slow
+def test_bench_times_every_engine_on_two_ranks(tiny_models: dict[str, str], tmp_path: Path) -> None:
+    """`larql bench --tensor-parallel 2` on the tiny Llama: one report (rank 0's), a row per
+    engine and none failed, the engines' state no more than one process's."""
+    engines = "standard;turbo-quant:bits=4;markov-rs"
+    args = ["bench", "-m", tiny_models["llama"], "--engine", engines, "--context", "8", "-n", "2"]
+    args += ["--repeats", "1", "--warmup", "0", "--output", "json", "-q"]
+    one = subprocess.run([*LARQL, *args], capture_output=True, text=True, timeout=300)
+    two = subprocess.run(
+        [*LARQL, *args, "--tensor-parallel", "2"], capture_output=True, text=True, timeout=300
+    )
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    alone, ranks = json.loads(one.stdout)["rows"], json.loads(two.stdout)["rows"]
+    assert [r["spec"] for r in ranks] == [r["spec"] for r in alone]
+    for whole, share in zip(alone, ranks, strict=True):
+        assert share["error"] is None
+        assert 0 < share["memory"]["state"] <= whole["memory"]["state"]
+    # standard keeps K/V of its rank's heads alone (markov-rs keeps the whole residual too)
+    assert ranks[0]["memory"]["state"] * 2 == alone[0]["memory"]["state"]
+
+
+@pytest.mark.long  # ~100 s on a loaded 2-core machine (three ranks, two weight modes)
+def test_the_default_model_under_three_ranks_decodes_one_process_tokens(tmp_path: Path) -> None:
+    """The default model, three ranks, float weights and `larql run`'s GGUF blocks: one
+    process's greedy tokens for standard, turbo-quant and markov-rs. The exact engines' logits
+    on float weights are one process's up to the order of the ranks' sums; turbo-quant's codes
+    and the blocks' int16 input codes round at steps, where that order may tip a value into the
+    next step."""
+    specs, prompt, n = (
+        ["standard", "turbo-quant:bits=4", "markov-rs"],
+        "The capital of France is",
+        8,
+    )
+    modes = ["float", "auto"]
+    out = tmp_path / "ranks.pt"
+    options = dict(model="smollm2-135m", weights=modes, specs=specs, prompt=prompt, n=n, out=out)
+    assert run_ranks(3, tensor_parallel_ranks.greedy_tokens, options) == 0
+    ranks = torch.load(out)
+    for weights in modes:
+        model = load_model("smollm2-135m", weights=weights)
+        ids = model.tokenizer.encode(prompt)
+        for spec in specs:
+            engine = parse_engine(spec).build(model)
+            tokens = generate(engine, model, DenseFfn(model), ids, n, stop_ids=frozenset()).tokens
+            logits = teacher_forced(model, spec, ids + tokens, len(ids))
+            assert ranks[weights, spec][0] == tokens, (weights, spec)
+            exact = weights == "float" and spec != "turbo-quant:bits=4"
+            bound = 1e-5 if exact else 1e-3
+            assert relative_error(ranks[weights, spec][1], logits) <= bound, (weights, spec)
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_ends_the_run_instead_of_hanging_it() -> None:
+    started = time.perf_counter()
+    status = run_ranks(2, tensor_parallel_ranks.one_rank_dies, {}, timeout=timedelta(seconds=60))
+    assert status != 0
+    assert time.perf_counter() - started < 45  # well before the collectives' timeout
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_answering_ends_the_run_at_the_collectives_timeout(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    started = time.perf_counter()
+    options = {"stall_s": 120}
+    status = run_ranks(
+        2, tensor_parallel_ranks.one_rank_stalls, options, timeout=timedelta(seconds=3)
+    )
+    assert status == 2  # rank 0's typed error, written by it
+    assert time.perf_counter() - started < 60  # the timeout, not the stalled rank's two minutes
+    assert "all-reduce failed" in capfd.readouterr().err
