@@ -20,7 +20,7 @@ float rows.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
@@ -182,7 +182,9 @@ def _layer_and_key(name: str) -> tuple[int, str] | None:
     return int(index), key
 
 
-def _cut(config: ModelConfig, name: str, rank: int, world: int):  # -> a slicer or None
+def _cut(
+    config: ModelConfig, name: str, rank: int, world: int
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """How the canonical tensor `name` splits: a function of the full tensor, or None (kept)."""
     found = _layer_and_key(name)
     if found is None:
