@@ -197,3 +197,26 @@ def test_the_kvpress_comparison_skips_without_its_venv(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("\n") == 1 and "no kvpress venv" in result.stdout
+
+
+def test_the_table_grows_down_with_the_engines_and_never_breaks_a_name() -> None:
+    from rich.console import Console
+
+    from larql.harness.ruler.report import ruler_table
+    from larql.harness.ruler.run import Cell
+    from larql.harness.ruler.tasks import DEFAULT_TASKS
+
+    engines = [f"{name}:keep=0.5,heads=adaptive" for name in ("snapkv", "kvzip", "keydiff")]
+    engines += ["standard", "expected-attention:keep=0.25", "tova:keep=0.1"]
+    cells = [
+        Cell(e, t, n, 0, 0.5, 2**20, n, ["x"])
+        for e in engines
+        for t in DEFAULT_TASKS
+        for n in (1024, 2048)
+    ]
+    console = Console(width=100, record=True)
+    console.print(ruler_table(cells))
+    text = console.export_text()
+    for engine in engines:  # each engine's rows: one a length, and its mean over them
+        assert sum(1 for line in text.splitlines() if f" {engine} " in line) == 3
+    assert "niah-single" in text and "left out at 100 columns" in text

@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.table import Table
 
-from larql.harness.formatting import shown
+from larql.harness.formatting import Unbroken, shown
 from larql.harness.ruler.run import SCHEMA, Cell, mean
 from larql.inference.memory import mib_value
 
@@ -67,39 +67,47 @@ def ruler_report(cells: list[Cell], model: str, seed: int, dataset: str) -> dict
     }
 
 
-def ruler_table(cells: list[Cell]) -> Table:
-    engines = engines_of(cells)
+def ruler_table(cells: list[Cell]) -> Unbroken:
+    """A row per engine and length, a column per task: the rows grow with the engines, so the
+    table keeps its width however many are compared; a console too narrow for every task leaves
+    out the last tasks' columns first (the JSON and a wider console have them), never the
+    engine, its length, the mean or the state."""
+    tasks = list(dict.fromkeys(c.task for c in cells))
     table = Table(
         title="RULER (compress-then-ask, greedy)",
         caption="score = share of the gold answers the greedy answer contains, mean over samples; "
         "MiB = the engine's state after the context, before the question (mean over samples)",
         caption_justify="left",
     )
-    table.add_column("task")
+    table.add_column("engine")
     table.add_column("length", justify="right")
-    for e in engines:
-        table.add_column(f"{e}\nscore", justify="right", overflow="fold")
-        table.add_column("MiB", justify="right")
-    rows = task_rows(cells)
-    keys = list(dict.fromkeys((r["task"], r["length"]) for r in rows))
-    by = {(r["engine"], r["task"], r["length"]): r for r in rows}
-    for task, length in keys:
-        values = []
-        for e in engines:
-            r = by.get((e, task, length))
-            values += (
-                [shown(r["score"], ".2f"), shown(mib_value(r["memory_bytes"]), ".1f")]
-                if r
-                else ["", ""]
-            )
-        table.add_row(task, str(length), *values)
+    for task in tasks:
+        table.add_column(task, justify="right")
+    table.add_column("mean", justify="right")
+    table.add_column("MiB", justify="right")
+    by = {(r["engine"], r["task"], r["length"]): r for r in task_rows(cells)}
+    lengths = sorted({c.length for c in cells})
     summary = {r["engine"]: r for r in engine_rows(cells)}
-    values = []
-    for e in engines:
-        r = summary[e]
-        values += [shown(r["score"], ".2f"), shown(mib_value(r["memory_bytes"]), ".1f")]
-    table.add_row("all", "", *values)
-    return table
+    for engine in engines_of(cells):
+        for length in lengths:
+            mine = [c for c in cells if c.engine == engine and c.length == length]
+            if not mine:
+                continue
+            scores = [by.get((engine, task, length)) for task in tasks]
+            whole = _summary(mine)
+            table.add_row(
+                engine,
+                str(length),
+                *[shown(r["score"], ".2f") if r else "" for r in scores],
+                shown(whole["score"], ".2f"),
+                shown(mib_value(whole["memory_bytes"]), ".1f"),
+            )
+        if len(lengths) > 1:
+            r = summary[engine]
+            row = [shown(r["score"], ".2f"), shown(mib_value(r["memory_bytes"]), ".1f")]
+            table.add_row(engine, "all", *[""] * len(tasks), *row)
+        table.rows[-1].end_section = True
+    return Unbroken(table, tuple(reversed(tasks)))
 
 
 def save_ruler_plot(cells: list[Cell], path: Path, title: str) -> None:
