@@ -9,8 +9,9 @@ from typer.testing import CliRunner
 
 from larql.cli.app import app
 
-ARGS = ["accuracy", "--engine", "standard;standard:window=8;no-cache", "--no-conflict"]
-ARGS += ["--parametric-n", "2", "--positions", "8", "--threads", "1", "--output", "json", "-q"]
+ARGS = ["accuracy", "--engine", "standard;standard:window=8", "--no-conflict"]
+ARGS += ["--parametric-n", "1", "--needle-max-tokens", "64", "--positions", "8"]
+ARGS += ["--threads", "1", "--output", "json", "-q"]
 
 
 def test_workers_give_the_report_of_one_process() -> None:

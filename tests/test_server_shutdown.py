@@ -120,8 +120,11 @@ def test_a_bad_shutdown_timeout_is_refused() -> None:
 
 @pytest.mark.slow
 def test_ctrl_c_in_larql_run_prints_what_was_generated_and_exits_130() -> None:
+    counting = (
+        "Count from 1 to 1000: 1, 2, 3, 4, 5, 6, 7,"  # no end-of-turn for thousands of tokens
+    )
     proc = subprocess.Popen(
-        [LARQL, "run", PROMPT, "-n", "4000"],
+        [LARQL, "run", counting, "-n", "4000"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=_environment(),
