@@ -118,7 +118,10 @@ def test_a_bad_shutdown_timeout_is_refused() -> None:
     assert result.exit_code == 2 and "--shutdown-timeout" in result.output
 
 
+# `long` (make test-all): in the whole suite on a loaded 2-core machine the process was twice
+# seen to have ended (exit 0) before the signal went out; alone it passes every time
 @pytest.mark.slow
+@pytest.mark.long
 def test_ctrl_c_in_larql_run_prints_what_was_generated_and_exits_130() -> None:
     counting = (
         "Count from 1 to 1000: 1, 2, 3, 4, 5, 6, 7,"  # no end-of-turn for thousands of tokens
@@ -136,9 +139,11 @@ def test_ctrl_c_in_larql_run_prints_what_was_generated_and_exits_130() -> None:
     while len(printed.split()) < 4 and proc.poll() is None and time.monotonic() < deadline:
         printed += proc.stdout.read() or b""
         time.sleep(0.02)
+    running = proc.poll() is None
     proc.send_signal(signal.SIGINT)
     rest, err = proc.communicate(timeout=SETTLE_S)
     out = (printed + (rest or b"")).decode()
+    assert running, f"the run ended before the signal: {out[-300:]!r} {err.decode()[-300:]!r}"
     assert proc.returncode == 130
     assert out.endswith("\n") and len(out.split()) >= 4  # the text so far, its line ended
     assert err.decode().strip().splitlines()[-1] == "interrupted"
