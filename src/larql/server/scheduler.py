@@ -549,7 +549,7 @@ class Scheduler:
         first (`_ready`); one whose own part fails ends alone (`SessionsFailed`); where a
         shared part fails and the engines rolled the step back, each takes it alone; any
         other failure of the shared step ends every session in it."""
-        batch = self._ready(batch)
+        batch = self._fitting(self._ready(batch))
         if len(batch) < 2:
             for stream in batch:
                 self._advance(stream)
@@ -587,6 +587,32 @@ class Scheduler:
                 self.metrics.time_per_output_token.observe(now - stream.last_token_at)
             stream.last_token_at = now
             self._deliver(stream, token)
+
+    def _fitting(self, batch: list[Session]) -> list[Session]:
+        """The sessions of `batch` that can still take this shared step as it was picked:
+        the same batch key as the first, and a new prompt's chunk that may still go into a
+        batched step. One that cannot (its state moved since it was picked) is left for a
+        turn of its own instead of failing the step for all (lock not held)."""
+        first = batch[0].engine if batch else None
+        key = first.joining_batch_key(self.model) if first is not None else None
+        fitting = []
+        for stream in batch:
+            generation = self._generation(stream)
+            engine = stream.engine
+            same = engine is not None and engine.joining_batch_key(self.model) == key
+            rides = generation.started or generation.takes_prompt_in_batch(stream.prefill_chunk)
+            if same and rides:
+                fitting.append(stream)
+            else:
+                log.warning(
+                    "a session left a shared step before it ran: %s (same key %s, takes its "
+                    "prompt chunk of %d: %s)",
+                    stream.request.engine_spec,
+                    same,
+                    stream.prefill_chunk,
+                    rides,
+                )
+        return fitting
 
     def _ready(self, batch: list[Session]) -> list[Session]:
         """The sessions of `batch` that can take a shared step; each other one ends now, alone:
