@@ -21,7 +21,7 @@ from larql.harness.bench.step_timer import StepTimer
 from larql.inference.ffn import DenseFfn
 from larql.inference.memory import MemoryBreakdown
 from larql.kv import parse_engine
-from larql.models import Model
+from larql.models import Model, load_model
 
 ROW_KEYS = {
     "spec",
@@ -42,6 +42,7 @@ ROW_KEYS = {
     "achieved_gbs",
     "bandwidth_share",
     "peak_working_bytes",
+    "held_bytes",
     "stages",
     "decode_path",
     "error",
@@ -166,6 +167,7 @@ def test_rounds_do_not_keep_engines_alive(smollm2: Model) -> None:
         row.memory.total > 0 and row.label.startswith(row.spec.split(":")[0]) for row in rows
     )
     assert all(row.peak_working_bytes is None for row in rows)  # the CPU keeps no peak
+    assert all(row.held_bytes is None for row in rows)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -174,9 +176,26 @@ def test_peak_above_resident_leaves_out_what_was_allocated_before() -> None:
     resident = torch.empty(64 << 20, dtype=torch.uint8, device=device)
     with peak_above_resident(device) as peak:
         scratch = torch.empty(16 << 20, dtype=torch.uint8, device=device)
+        kept = torch.empty(4 << 20, dtype=torch.uint8, device=device)
         del scratch
-    assert peak.bytes == 16 << 20
-    del resident
+        held = peak.held_now()
+    assert peak.bytes == 20 << 20 and held == 4 << 20
+    del resident, kept
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_evicting_session_holds_less_cuda_memory_than_the_full_cache() -> None:
+    """What eviction frees is really freed: the rows it drops leave the allocator."""
+    model = load_model("smollm2-135m", device="cuda", dtype=torch.bfloat16)
+    ids = model.tokenizer.encode(" ".join(["Every rule here is written down once."] * 120))
+    settings = BenchSettings(4, 0, 1)
+    held = {}
+    for spec in ("standard", "keydiff:keep=0.25", "keydiff:keep=0.25+turbo-quant:bits=4"):
+        row = bench_engine(model, DenseFfn(model), parse_engine(spec), ids, settings)
+        assert row.error is None and row.held_bytes is not None
+        held[spec] = row.held_bytes
+    assert held["keydiff:keep=0.25"] <= 0.35 * held["standard"]
+    assert held["keydiff:keep=0.25+turbo-quant:bits=4"] < 0.5 * held["keydiff:keep=0.25"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

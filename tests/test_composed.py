@@ -16,6 +16,7 @@ from larql.inference.batching import decode_batch
 from larql.inference.ffn import DenseFfn
 from larql.kv import CATALOG, parse_engine
 from larql.kv.composed import ComposedSpec, CompositionRefused
+from larql.kv.composed.ragged import RaggedCodes
 from larql.kv.composed.storage import KeptCodes
 from larql.kv.spec import BeyondBound, EngineSpecError, SpecPolicy
 from larql.models import Model
@@ -220,3 +221,75 @@ def test_sessions_of_one_composition_decode_in_a_batch_as_alone(
         ours = torch.cat([step[i : i + 1] for step in rows])  # [steps, H]
         assert relative_error(ours, reference) <= 2e-3
     assert [len(layer) for layer in batched[0]._layers] == [12 + 3] * len(batched[0]._layers)
+
+
+# ---------------------------------------------------------------- heads=adaptive composed
+
+
+@pytest.mark.slow
+def test_adaptive_keeping_every_row_is_the_quantiser_alone(smollm2: Model) -> None:
+    """Each head's rows in a store of its own, the decoded rows in one more: with every row
+    kept, the same codes and the same attention as the quantiser's one store."""
+    ids = smollm2.tokenizer.encode(PROMPT)
+    composed = "snapkv:budget=4096,heads=adaptive+turbo-quant:bits=4,center=1"
+    ours = teacher_forced(smollm2, composed, ids, len(ids) - 6)
+    reference = teacher_forced(smollm2, "turbo-quant:bits=4,recent=0,center=1", ids, len(ids) - 6)
+    assert relative_error(ours, reference) <= 1e-4
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+def test_adaptive_composition_holds_each_heads_own_rows_coded(smollm2: Model) -> None:
+    ids = smollm2.tokenizer.encode(LONG)
+    spec = "kvzip:keep=0.25,heads=adaptive"
+    both = _prefilled(f"{spec}+turbo-quant:bits=4", smollm2, ids)
+    evicted = _prefilled(spec, smollm2, ids)
+    uniform = _prefilled("kvzip:keep=0.25+turbo-quant:bits=4", smollm2, ids)
+    for coded, rows in zip(both._layers, evicted._layers, strict=True):
+        assert isinstance(coded, RaggedCodes)
+        assert coded.counts() == rows.counts()  # the policy's rows, each head its own count
+    assert len(set(both._layers[0].counts())) > 1  # the heads really keep different counts
+    # the same count of rows coded as with one count per head: within what each head's store
+    # holds of its own (its prompt mean, the tail's beside them; 120 tokens make it show)
+    assert both.memory().state < 0.3 * evicted.memory().state
+    assert uniform.memory().state < both.memory().state <= 1.2 * uniform.memory().state
+    ffn = DenseFfn(smollm2)
+    fork = both.fork(smollm2)  # through the saved state: every store written and read back
+    with torch.inference_mode():
+        for token in ids[:3]:
+            ours = both.decode_step(smollm2, ffn, token)
+            theirs = fork.decode_step(smollm2, ffn, token)
+            assert torch.equal(ours, theirs)
+    assert [c.counts() for c in both._layers] == [
+        [n + 3 for n in r.counts()] for r in evicted._layers
+    ]
+    assert both.memory().state > 0 and torch.isfinite(ours).all()
+
+
+@pytest.mark.slow
+def test_adaptive_composition_stays_close_to_the_eviction_alone(smollm2: Model) -> None:
+    ids = smollm2.tokenizer.encode(LONG)
+    prompt = len(ids) - 4
+    spec = "kvzip:keep=0.5,heads=adaptive"
+    both = teacher_forced(smollm2, f"{spec}+turbo-quant:bits=4", ids, prompt)
+    evicted = teacher_forced(smollm2, spec, ids, prompt)
+    assert 0 < relative_error(both, evicted) <= 0.25
+    assert (both.argmax(-1) == evicted.argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.slow
+def test_adaptive_sessions_decode_in_a_batch_as_alone(smollm2: Model) -> None:
+    spec = "kvzip:budget=8,heads=adaptive+kv-quant:bits=4"
+    prompts = [PROMPT, "Alice put the red ball in the box, and Bob took it out again"]
+    steps = [[11, 260, 3575], [260, 11, 42]]
+    ffn = DenseFfn(smollm2)
+    alone, batched = [], []
+    for prompt, tokens in zip(prompts, steps, strict=True):
+        engine = _prefilled(spec, smollm2, smollm2.tokenizer.encode(prompt))
+        with torch.inference_mode():
+            alone.append(torch.cat([engine.decode_step(smollm2, ffn, t) for t in tokens]))
+        batched.append(_prefilled(spec, smollm2, smollm2.tokenizer.encode(prompt)))
+    with torch.inference_mode():
+        rows = [decode_batch(batched, smollm2, ffn, list(t)) for t in zip(*steps, strict=True)]
+    for i, reference in enumerate(alone):
+        ours = torch.cat([step[i : i + 1] for step in rows])  # [steps, H]
+        assert relative_error(ours, reference) <= 2e-3

@@ -60,6 +60,9 @@ class EngineRow:
     # CUDA: the highest a run's allocations rose above what was resident when it began (state,
     # growth reserve, workspace, captured graphs, activations; weights excluded), over the runs
     peak_working_bytes: int | None = None
+    # CUDA: what stays allocated above the resident weights once the run has decoded (the
+    # engine's live state: what eviction really frees shows here), the largest over the runs
+    held_bytes: int | None = None
     stages: dict[str, float] | None = None
     wire_bytes_per_tok: float = 0.0  # FFN bytes over the network per timed step (0: local)
     dispatch: str | None = None  # the engine's dispatch path (per-layer, cuda-graph, …)
@@ -123,6 +126,7 @@ class EngineRow:
             "achieved_gbs": self.achieved_gbs,
             "bandwidth_share": self.bandwidth_share,
             "peak_working_bytes": self.peak_working_bytes,
+            "held_bytes": self.held_bytes,
             "stages": self.stages,
             "decode_path": self.decode_path,
             "error": self.error,
@@ -266,6 +270,9 @@ def _run_once(
                 sample.fwd.append(took.forward_ms)
                 sample.head.append(took.head_ms)
                 run_whole.append(took.whole_ms)
+        held = peak.held_now()
+        if held is not None:
+            row.held_bytes = max(row.held_bytes or 0, held)
     sample.whole += run_whole
     if run_whole:
         sample.wire.append((ffn.wire_bytes() - wire_before) / len(run_whole))

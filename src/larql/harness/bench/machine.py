@@ -45,6 +45,16 @@ class PeakAbove:
     CUDA (the CPU allocator keeps no peak)."""
 
     bytes: int | None = None
+    resident: int = 0
+    device: torch.device | None = None
+
+    def held_now(self) -> int | None:
+        """CUDA: what is allocated now above what was resident when the block began (an
+        engine's live state and whatever it keeps beside it; freed temporaries not counted)."""
+        if self.device is None or self.device.type != "cuda":
+            return None
+        sync(self.device)
+        return torch.cuda.memory_allocated(self.device) - self.resident
 
 
 @contextmanager
@@ -54,11 +64,12 @@ def peak_above_resident(device: torch.device) -> Iterator[PeakAbove]:
         yield measured
         return
     sync(device)
-    resident = torch.cuda.memory_allocated(device)
+    measured.device = device
+    measured.resident = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     yield measured
     sync(device)
-    measured.bytes = torch.cuda.max_memory_allocated(device) - resident
+    measured.bytes = torch.cuda.max_memory_allocated(device) - measured.resident
 
 
 def git_commit() -> str | None:

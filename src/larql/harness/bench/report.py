@@ -52,8 +52,8 @@ def render_table(report: BenchReport) -> Unbroken:
         "× HF",
     ]
     with_peak = any(row.peak_working_bytes for row in report.rows)
-    if with_peak:  # CUDA: the allocator's peak above the resident weights
-        columns.append("peak working MiB")
+    if with_peak:  # CUDA: the allocator's peak above the resident weights, and what stays held
+        columns += ["peak working MiB", "held MiB"]
     table.add_column(columns[0])
     for name in columns[1:]:
         table.add_column(name, justify="right")
@@ -90,7 +90,7 @@ def render_table(report: BenchReport) -> Unbroken:
             shown(row.ratio_vs_fp16_full, ".2f"),
             f"{shown(gbs, '.1f')} ({shown(share * 100 if share else None, '.0f')}%)",
             shown(report.peer_ratio(row), ".2f"),
-            *([_mib(row.peak_working_bytes)] if with_peak else []),
+            *([_mib(row.peak_working_bytes), _mib(row.held_bytes)] if with_peak else []),
         )
     for peer in report.peers.values():
         runs = peer.tok_s_runs
@@ -106,7 +106,7 @@ def render_table(report: BenchReport) -> Unbroken:
             "",
             "",
             "1.00",
-            *([""] if with_peak else []),
+            *(["", ""] if with_peak else []),
         )
     return Unbroken(table, MAIN_DROP)
 

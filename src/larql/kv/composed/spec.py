@@ -59,7 +59,8 @@ class ComposedSpec(EngineSpec):
         policy = self.eviction.build(model, profiling)
         quantiser = self._quantiser_spec().build(model, profiling)
         assert isinstance(policy, EvictingEngine) and isinstance(quantiser, TurboQuantEngine)
-        policy.storage = QuantisedStorage(quantiser)
+        adaptive = self.eviction.params.get("heads") == "adaptive"
+        policy.storage = QuantisedStorage(quantiser, adaptive)
         policy.name = self.entry.name  # type: ignore[misc]  # this engine's name, not the class's
         policy.spec_string = self.spec()
         if self.entry.refuses_ffn:
@@ -121,7 +122,10 @@ def composition_doc(entries: Iterable[EngineEntry]) -> str:
         "them and every decoded row, and decode attends through the quantiser's own path, so "
         "the bytes held are the product of the two. Each half takes its own parameters (a "
         "request's bounds apply to both); in a composition the quantiser's `recent` is 0 unless "
-        "given, so every kept row but its sinks is coded. An eviction that evicts while "
+        "given, so every kept row but its sinks is coded. With `heads=adaptive` each K/V head "
+        "keeps its own count of rows, each head's in a store of its own (its own sinks and "
+        "mean), so the layer codes exactly the rows its heads kept; decode then reads them "
+        "through the quantiser's torch path on every device. An eviction that evicts while "
         "decoding (`h2o`) does not compose. In `larql serve` a composed session batches with "
         "sessions of the same composition and parameters; on CUDA it runs the quantiser's "
         "torch path (not its Triton kernels)."
@@ -161,11 +165,6 @@ def parse_composed(
         refuse(f"{eviction.entry.name} is not an eviction engine")
     if roles[1] != "quantiser":
         refuse(f"{quantiser.entry.name} is not a quantiser")
-    if eviction.params.get("heads") == "adaptive":
-        refuse(
-            f"{eviction.entry.name}: heads=adaptive keeps another count of rows on each head, and "
-            "a quantised store codes the same count for every head (use heads=uniform)"
-        )
     return ComposedSpec(composed_entry(eviction.entry, quantiser.entry), {}, eviction, quantiser)
 
 

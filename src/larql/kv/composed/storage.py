@@ -24,7 +24,9 @@ from larql.inference.shared_kv import SharedKv
 from larql.inference.snapshots import StateReader, StateWriter
 from larql.kernels.cpu import cpu_extension
 from larql.kv.buffers import KvBuffer
+from larql.kv.composed.ragged import RaggedCodes
 from larql.kv.eviction.base import EvictingEngine
+from larql.kv.eviction.ragged import RaggedRows
 from larql.kv.kv_quant.compiled import attend_grouped, grouped_in_place
 from larql.kv.kv_quant.engine import KvQuantEngine
 from larql.kv.turbo_quant.codec import TurboQuantCodec
@@ -55,8 +57,11 @@ class QuantisedStorage:
     """A `KeptStorage` (`larql.kv.eviction.base`) coding the kept rows with `quantiser`'s
     layout. It holds no rows itself (each layer's `KeptCodes` does), so forks share it."""
 
-    def __init__(self, quantiser: TurboQuantEngine) -> None:
+    def __init__(self, quantiser: TurboQuantEngine, adaptive: bool = False) -> None:
         self.quantiser = quantiser
+        # the policy keeps another count of rows on each head (`heads=adaptive`): its layers'
+        # rows are `RaggedCodes`, except a layer whose K/V a later layer shares (kept uniform)
+        self.adaptive = adaptive
         self._layouts: dict[int, KvLayout] = {}  # head_dim → the quantiser's layout
 
     def describe(self) -> str:
@@ -117,21 +122,31 @@ class QuantisedStorage:
 
     # ------------------------------------------------------------------ the stores
 
-    def _empty(self, model: Model, layer: int) -> KeptCodes:
+    def _empty(self, model: Model, layer: int, heads: int | None = None) -> KeptCodes:
+        """A new store of the layer's K/V heads (or of `heads` of them)."""
         width = model.config.head_dim_of(layer)
         layout = self._layouts.get(width)
         if layout is None:
             layout = self._layouts[width] = self.quantiser._kv_layout(width)
         compiled = self.quantiser._compiled(model, layout)
-        return KeptCodes(layout, None, model.config.kv_heads_of(layer), model.dtype, compiled)
+        kv_heads = model.config.kv_heads_of(layer) if heads is None else heads
+        return KeptCodes(layout, None, kv_heads, model.dtype, compiled)
 
-    def hold(self, model: Model, layer: int, rows) -> KeptCodes:
-        """The policy's rows (`.keys`, `.values` [Hkv, n, D]) coded into a new store."""
+    def hold(self, model: Model, layer: int, rows) -> KeptCodes | RaggedCodes:
+        """The policy's rows (`.keys`, `.values` [Hkv, n, D], or a `RaggedRows` of each head's
+        own count) coded into new stores."""
+        if isinstance(rows, RaggedRows):
+            return RaggedCodes.held(rows, partial(self._empty, model, layer))
         store = self._empty(model, layer)
         store.append(rows.keys, rows.values)
         return store
 
-    def read(self, state: StateReader, model: Model, layer: int, most: int) -> KeptCodes:
+    def read(
+        self, state: StateReader, model: Model, layer: int, most: int
+    ) -> KeptCodes | RaggedCodes:
+        if self.adaptive and not SharedKv(model.config).is_source(layer):
+            make = partial(self._empty, model, layer)
+            return RaggedCodes.read_state(state, make, model.config.kv_heads_of(layer), most)
         store = self._empty(model, layer)
         store.read_state(state, state.integer("rows", 0, most))
         return store
@@ -142,7 +157,7 @@ class QuantisedStorage:
         self,
         model: Model,
         layer: int,
-        held: KeptCodes,
+        held: KeptCodes | RaggedCodes,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -151,6 +166,9 @@ class QuantisedStorage:
     ) -> torch.Tensor:
         """q [Hq, 1, D] over the held rows and the new row k, v [Hkv, 1, D] → [1, q_dim], as
         the quantiser's own step attends; the new row is then coded into `held`."""
+        if isinstance(held, RaggedCodes):  # never a K/V source: each head its own rows
+            rotation = self._rotation(held.tail, model.device)
+            return held.attend(model, layer, q, k, v, rotation)
         # a layer whose K/V a later layer shares hands on rows in the model's basis
         rotation = None if shared.is_source(layer) else self._rotation(held, model.device)
         attn = self._in_place(model, layer, held, q, k, v, rotation, shared)
