@@ -6,6 +6,7 @@ restore to the same decode."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,32 @@ def test_adaptive_heads_share_one_budget_in_no_more_bytes(name: str, smollm2: Mo
             ).all()
 
 
+@pytest.mark.parametrize("spec", ["keydiff:keep=0.25", "snapkv:keep=0.25,heads=adaptive"])
+def test_a_pyramid_moves_the_budget_down_the_layers_in_the_same_bytes(
+    spec: str, smollm2: Model
+) -> None:
+    ids = smollm2.tokenizer.encode(" ".join([TEXT] * 4))  # the floors (sinks + recent) far below
+
+    def kept(spec: str):
+        engine = parse_engine(spec).build(smollm2)
+        with torch.inference_mode():
+            engine.prefill(smollm2, DenseFfn(smollm2), ids)
+        return engine
+
+    even, pyramid = kept(spec), kept(f"{spec},layers=pyramid")
+    rows = [len(layer) for layer in pyramid._layers]  # per head (on average, adaptive)
+    assert rows[0] > len(even._layers[0]) > rows[-1]
+    assert all(a >= b for a, b in pairwise(rows))  # never more higher up
+    assert rows[0] >= 2.5 * rows[-1]  # 1.5× the budget at the bottom, 0.5× at the top
+    # the same rows in all, up to rounding each layer's share up to a whole row
+    assert 0 <= sum(rows) - sum(len(layer) for layer in even._layers) <= len(rows)
+    assert pyramid.memory().state <= 1.05 * even.memory().state
+    assert "layers=pyramid" in pyramid.config() and "layers" not in even.config()
+    with torch.inference_mode():
+        hidden = pyramid.decode_step(smollm2, DenseFfn(smollm2), 11)
+    assert torch.isfinite(final_logits(smollm2, hidden)).all()
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_packed_attention_is_a_per_head_loop(seed: int, smollm2: Model) -> None:
     """Each head attends over its own rows only: packed rows of unequal counts, then a decoded
@@ -169,6 +196,7 @@ def decode(engine, model: Model, tokens: list[int]) -> list[torch.Tensor]:
         "expected-attention:keep=0.5",
         "kvzip:keep=0.5,heads=adaptive",
         "h2o:keep=0.5,recent=8,heads=adaptive",
+        "tova:keep=0.5,layers=pyramid",
     ],
 )
 def test_a_restored_state_decodes_as_the_original(spec: str, smollm2: Model, tmp_path: Path):
@@ -208,6 +236,7 @@ def test_packed_offsets_are_checked_on_load(smollm2: Model) -> None:
         ("snapkv:keep=0.5,budget=64", "keep or budget, not both"),
         ("expected-attention:heads=mixed", "must be one of uniform, adaptive"),
         ("expected-attention:queries=1", "must be ≥ 2"),
+        ("keydiff:layers=cone", "must be one of uniform, pyramid"),
     ],
 )
 def test_bad_selections_are_refused(spec: str, message: str) -> None:
@@ -220,6 +249,6 @@ def test_the_catalog_states_kvzip_s_second_pass() -> None:
     rows = {row["name"]: row for row in catalog_rows()}
     assert "~2×" in rows["kvzip"]["contract"]
     for name in SCORERS:
-        assert {"keep", "budget", "sinks", "recent", "heads"} <= {
+        assert {"keep", "budget", "sinks", "recent", "heads", "layers"} <= {
             p["name"] for p in rows[name]["params"]
         }

@@ -9,6 +9,13 @@ counted in; the first `sinks` rows and the last `recent` are always kept. `heads
   normalised to sum to 1 over the rows it may drop, and the layer's best rows are picked across
   heads, so a head whose attention is concentrated keeps fewer rows and a diffuse one more.
   The protected rows (sinks, recent) give every head a floor.
+
+`layers` (PyramidKV-style): `uniform` gives every layer the same budget; `pyramid` gives the
+lower layers more and the upper ones less on a straight line, layer 0 (1 + SPREAD)× the
+budget and the last (1 − SPREAD)×, so the mean over the layers is the budget: the bytes are the
+uniform schedule's, less where a lower layer's share is more than its whole prompt, more where
+an upper layer's falls below the sinks and recent rows every layer keeps. Lower
+layers attend broadly and upper ones to few rows, so the rows go where they are read.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ import torch
 
 HeadsMode = Literal["uniform", "adaptive"]
 HEADS_MODES = ("uniform", "adaptive")
+LayersMode = Literal["uniform", "pyramid"]
+LAYERS_MODES = ("uniform", "pyramid")
+SPREAD = 0.5  # pyramid: layer 0 keeps 1.5× the budget, the last layer 0.5×
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,7 @@ class Budget:
     sinks: int = 0
     recent: int = 0
     heads: HeadsMode = "uniform"
+    layers: LayersMode = "uniform"
 
     def __post_init__(self) -> None:
         if (self.keep is None) == (self.rows is None):
@@ -41,27 +52,46 @@ class Budget:
             raise ValueError(f"keep must be in (0, 1], got {self.keep}")
         if self.rows is not None and self.rows < 1:
             raise ValueError(f"rows must be ≥ 1, got {self.rows}")
-        if self.sinks < 0 or self.recent < 0 or self.heads not in HEADS_MODES:
+        if (
+            self.sinks < 0
+            or self.recent < 0
+            or self.heads not in HEADS_MODES
+            or self.layers not in LAYERS_MODES
+        ):
             raise ValueError(f"bad budget {self}")
 
-    def per_head(self, prompt: int) -> int:
-        """Rows each K/V head keeps of a `prompt`-row prompt (adaptive: on average): at least
-        sinks + recent, at most all of them."""
-        wanted = self.rows or 0
+    def per_head(self, prompt: int, layer: int = 0, num_layers: int = 1) -> int:
+        """Rows each K/V head of layer `layer` (of `num_layers`) keeps of a `prompt`-row
+        prompt (adaptive: on average): at least sinks + recent, at most all of them."""
+        wanted = float(self.rows or 0)
         if self.keep is not None:
-            wanted = math.ceil(self.keep * prompt - 1e-9)
-        return min(prompt, max(wanted, self.sinks + self.recent, 1))
+            wanted = self.keep * prompt
+        wanted *= self.layer_share(layer, num_layers)
+        return min(prompt, max(math.ceil(wanted - 1e-9), self.sinks + self.recent, 1))
+
+    def layer_share(self, layer: int, num_layers: int) -> float:
+        """The layer's budget over the mean layer's (`layers`)."""
+        if self.layers == "uniform" or num_layers < 2:
+            return 1.0
+        return 1.0 + SPREAD * (1.0 - 2.0 * layer / (num_layers - 1))
 
     def describe(self) -> str:
         size = f"{self.keep:g} of the prompt rows" if self.keep else f"{self.rows} rows"
+        schedule = (
+            "per layer"
+            if self.layers == "uniform"
+            else f"per layer on average ({1 + SPREAD:g}× at the first layer to "
+            f"{1 - SPREAD:g}× at the last)"
+        )
         return (
-            f"{size} per layer ({self.heads} over its K/V heads), the first {self.sinks} and the "
-            f"last {self.recent} always"
+            f"{size} {schedule} ({self.heads} over its K/V heads), the first {self.sinks} and "
+            f"the last {self.recent} always"
         )
 
     def config(self) -> str:
         size = f"keep={self.keep:g}" if self.keep is not None else f"budget={self.rows}"
-        return f"{size},sinks={self.sinks},recent={self.recent},heads={self.heads}"
+        layers = "" if self.layers == "uniform" else f",layers={self.layers}"
+        return f"{size},sinks={self.sinks},recent={self.recent},heads={self.heads}{layers}"
 
     def protected(self, scores: torch.Tensor) -> torch.Tensor:
         """scores [Hkv, T] → the same with the sinks and recent rows at +inf."""

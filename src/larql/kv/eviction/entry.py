@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from larql.kv.eviction.budget import HEADS_MODES, Budget
+from larql.kv.eviction.budget import HEADS_MODES, LAYERS_MODES, SPREAD, Budget
 from larql.kv.eviction.expected_attention import ExpectedAttentionEngine
 from larql.kv.eviction.h2o import H2oEngine
 from larql.kv.eviction.keydiff import KeyDiffEngine
@@ -42,6 +42,16 @@ HEADS = Param(
     one_of(*HEADS_MODES),
     lower=True,
 )
+LAYERS = Param(
+    "layers",
+    str,
+    "uniform",
+    "how the budget is split over the layers: uniform (each the same) or pyramid (the lower "
+    f"layers more, the upper less, on a line from {1 + SPREAD:g}× to {1 - SPREAD:g}×; the same "
+    "bytes)",
+    one_of(*LAYERS_MODES),
+    lower=True,
+)
 
 
 def selection_params(sinks: int, recent: int) -> tuple[Param, ...]:
@@ -65,6 +75,7 @@ def selection_params(sinks: int, recent: int) -> tuple[Param, ...]:
             "recent", int, recent, "the prompt's last rows, always kept", at_least(0), bound=TOKENS
         ),
         HEADS,
+        LAYERS,
     )
 
 
@@ -73,7 +84,7 @@ def budget_of(name: str, p: Mapping[str, Any]) -> Budget:
     if p["keep"] is not None and p["budget"] is not None:
         raise MalformedEngineSpec(f"{name}: give keep or budget, not both")
     keep = DEFAULT_KEEP if p["keep"] is None and p["budget"] is None else p["keep"]
-    return Budget(keep, p["budget"], p["sinks"], p["recent"], p["heads"])
+    return Budget(keep, p["budget"], p["sinks"], p["recent"], p["heads"], p["layers"])
 
 
 def _replaced_budget(name: str, p: Mapping[str, Any], default: int) -> None:
@@ -96,6 +107,7 @@ def _snapkv(p: Mapping[str, Any]) -> SnapKvEngine:
         keep=p["keep"],
         sinks=p["sinks"],
         heads=p["heads"],
+        layers=p["layers"],
     )
 
 
@@ -113,6 +125,7 @@ def _h2o(p: Mapping[str, Any]) -> H2oEngine:
         keep=p["keep"],
         sinks=p["sinks"],
         heads=p["heads"],
+        layers=p["layers"],
     )
 
 
@@ -143,6 +156,7 @@ SNAPKV = EngineEntry(
         KEEP,
         Param("sinks", int, 0, "the prompt's first rows, always kept", at_least(0), bound=TOKENS),
         HEADS,
+        LAYERS,
     ),
     keeps="per layer and K/V head: budget voted prompt rows + the window (or keep of the prompt "
     "rows, the window counted in) + every decoded row, model dtype (heads=adaptive: each head "
@@ -171,6 +185,7 @@ H2O = EngineEntry(
         KEEP,
         Param("sinks", int, 0, "the prompt's first rows, always kept", at_least(0), bound=TOKENS),
         HEADS,
+        LAYERS,
     ),
     keeps="per layer and K/V head at most budget rows (or keep of the positions seen: recent "
     "newest + heavy hitters) and their accumulated attention (float32), model dtype "

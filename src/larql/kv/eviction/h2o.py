@@ -28,11 +28,12 @@ class H2oEngine(ScoringEngine):
         keep: float | None = None,
         sinks: int = 0,
         heads: str = "uniform",
+        layers: str = "uniform",
     ) -> None:
         if not 0 <= recent < budget:
             raise ValueError(f"h2o needs 0 ≤ recent < budget, got budget={budget}, recent={recent}")
         rows = None if keep is not None else budget
-        super().__init__(Budget(keep, rows, sinks, recent, heads), profiling)  # type: ignore[arg-type]
+        super().__init__(Budget(keep, rows, sinks, recent, heads, layers), profiling)  # type: ignore[arg-type]
 
     def scorer(self) -> str:
         return "the heaviest rows by attention accumulated over every query so far"

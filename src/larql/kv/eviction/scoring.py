@@ -94,7 +94,7 @@ class ScoringEngine(EvictingEngine):
     ):
         """The rows kept of the prompt's k, v [Hkv, T, D]: all where they fit the budget."""
         t = k.shape[1]
-        count = self.budget.per_head(t)
+        count = self.budget.per_head(t, layer, model.config.num_layers)
         if count >= t and not self.evicts_in_decode:
             return _buffer(k, v)
         scores = self._row_scores(model, layer, held, k, v).float()  # [Hkv, T]
@@ -116,7 +116,7 @@ class ScoringEngine(EvictingEngine):
         and holds the layer to its budget of the positions seen."""
         if not self.evicts_in_decode:
             return
-        count = self.budget.per_head(self.position + 1)
+        count = self.budget.per_head(self.position + 1, layer, model.config.num_layers)
         if isinstance(rows, RaggedRows):
             self._evict_ragged(rows, count)
             return

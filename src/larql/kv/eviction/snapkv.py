@@ -31,6 +31,7 @@ class SnapKvEngine(ScoringEngine):
         keep: float | None = None,
         sinks: int = 0,
         heads: str = "uniform",
+        layers: str = "uniform",
     ) -> None:
         if budget < 1 or window < 1 or kernel < 1 or kernel % 2 == 0:
             raise ValueError(
@@ -38,7 +39,7 @@ class SnapKvEngine(ScoringEngine):
                 f"budget={budget}, window={window}, kernel={kernel}"
             )
         rows = None if keep is not None else budget + window
-        super().__init__(Budget(keep, rows, sinks, window, heads), profiling)  # type: ignore[arg-type]
+        super().__init__(Budget(keep, rows, sinks, window, heads, layers), profiling)  # type: ignore[arg-type]
         self.window, self.kernel = window, kernel
 
     def scorer(self) -> str:
