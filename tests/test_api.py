@@ -235,9 +235,12 @@ def test_an_old_argument_name_warns_and_means_the_same(
         warnings.simplefilter("error", DeprecationWarning)  # the new name: no warning
         with pytest.raises(larql.LarqlError, match=refusal) as current:
             call(model, **{new: value})
-    with pytest.warns(DeprecationWarning, match=rf"\({old}=…\) is deprecated; use {new}="):
-        with pytest.raises(type(current.value)) as previous:
-            call(model, **{old: value})
+    warned = rf"\({old}=…\) is deprecated; use {new}="
+    with (
+        pytest.warns(DeprecationWarning, match=warned),
+        pytest.raises(type(current.value)) as previous,
+    ):
+        call(model, **{old: value})
     assert str(previous.value) == str(current.value)  # the same argument got the value
     with pytest.raises(larql.InvalidInput, match=rf"give {new}= only \({old}= is its old name\)"):
         call(model, **{old: value, new: value})
