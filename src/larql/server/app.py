@@ -4,6 +4,7 @@ model and one scheduler."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -43,6 +44,7 @@ from larql.server.schemas import (
 )
 from larql.server.settings import ServerSettings
 from larql.server.streaming import collect, larql_extra, stream_events
+from larql.server.tokenize import TOKENIZER_ENDPOINTS, add_tokenizer_routes
 
 ENDPOINTS = (
     "/v1/completions",
@@ -51,6 +53,7 @@ ENDPOINTS = (
     "/v1/engines",
     "/health",
     "/metrics",
+    *TOKENIZER_ENDPOINTS,
 )
 
 
@@ -220,6 +223,10 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
         body, prepared = await asyncio.to_thread(read_chat, await request.body())
         return await answer(request, body, prepared, True)
 
+    # text to tokenize may be longer than a prompt this server takes (a client counting it
+    # learns that), but no longer than the model's context could hold
+    most_tokenized = TextBound(model, dataclasses.replace(settings, max_prompt_tokens=None))
+    add_tokenizer_routes(app, model, settings, most_tokenized.check, parse_body)
     return app
 
 
