@@ -148,7 +148,9 @@ def test_every_model_loading_command_takes_threads(cli, command: str, tmp_path: 
     assert refused.exit_code == 2 and "--threads must be ≥ 1, got 0" in refused.stderr
 
 
-@pytest.mark.parametrize("command", ["run", "walk", "bench", "accuracy", "engines", "models"])
+@pytest.mark.parametrize(
+    "command", ["run", "walk", "serve", "bench", "accuracy", "engines", "models"]
+)
 def test_every_command_that_runs_or_lists_has_verbose(cli, command: str) -> None:
     shown = cli(command, "--help").stdout
     assert "-v" in shown and "--verbose" in shown

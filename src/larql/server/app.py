@@ -23,7 +23,7 @@ from larql.inference.ffn import DenseFfn
 from larql.inference.prefix_cache import PrefixCache, default_size
 from larql.kv.catalog import catalog_rows
 from larql.models.model import Model
-from larql.server.access_log import ENGINE_KEY, AccessLog
+from larql.server.access_log import ENGINE_KEY, SESSIONS_KEY, AccessLog
 from larql.server.errors import ApiError, bad_request, error_body, install_error_handlers
 from larql.server.logprobs import LogprobFormat
 from larql.server.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
@@ -90,7 +90,7 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
     app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
     app.add_middleware(CountRequests, metrics=metrics)
     if settings.access_log:  # the outermost: its time is the whole answer's
-        app.add_middleware(AccessLog)
+        app.add_middleware(AccessLog, verbose=settings.verbose)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -164,6 +164,7 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
     ) -> Response:
         sessions = submit(prepared)
         setattr(request.state, ENGINE_KEY, prepared[0][0].engine_spec)
+        setattr(request.state, SESSIONS_KEY, sessions)
         shape = ResponseShape(chat, model.name)
         format = LogprobFormat(model.tokenizer, chat)
         if body.stream:
