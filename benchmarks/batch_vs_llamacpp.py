@@ -4,7 +4,7 @@ GGUF, in interleaved rounds of fresh processes.
 Each round runs llama.cpp (llama-cpp-python's low-level API: one `llama_decode` per step over
 a batch of B sequences, each its own sequence id in one unified K/V cache) and then `larql
 bench --batch` (`step_together` over B sessions, as `larql serve` steps them), both on the same
-prompt token ids (the shipped text's first `--prompt-tokens`, as `larql bench --context` cuts
+prompt token ids (the shipped text's first `--prompt-tokens`, as `larql bench --prompt-tokens` cuts
 them) for every stream, greedy (the argmax of each stream's logits), `--threads` threads.
 Both time the decode steps only, after `--warmup` steps: aggregate tok/s = B × steps / time.
 Prints, per B, each peer's aggregate tok/s, its ratio over its own B = 1 and larql's ratio
@@ -111,7 +111,7 @@ def larql_round(args: argparse.Namespace, prompt_tokens: int) -> dict[int, float
             "standard",
             "--batch",
             args.batch,
-            "--context",
+            "--prompt-tokens",
             str(prompt_tokens),
             "-n",
             str(args.new_tokens),

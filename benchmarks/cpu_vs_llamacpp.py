@@ -3,7 +3,7 @@
 Each round runs llama.cpp (llama-cpp-python) once per `--cache-types` entry and then `larql
 bench` once per `--engines` × `--dtypes` × `--weights`, every one in a process of its own, on
 the same prompt token ids (the shipped text's first `--prompt-tokens`, as `larql bench
---context` cuts them), greedy, `--threads` threads. Prints median decode and prefill tok/s per
+--prompt-tokens` cuts them), greedy, `--threads` threads. Prints median decode and prefill tok/s per
 peer and each one's ratios against the first llama.cpp row.
 
 `--cache-types` are llama.cpp's K/V cache types: `f16` (its default, the peer
@@ -115,7 +115,7 @@ def larql_round(
             dtype,
             "--weights",
             weights,
-            "--context",
+            "--prompt-tokens",
             str(prompt_tokens),
             "-n",
             str(new_tokens),

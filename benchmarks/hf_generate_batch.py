@@ -1,10 +1,10 @@
 """HF transformers' `generate` at several batch sizes: the peer for `larql bench --batch` on the
-same HF directory. Every row gets the same prompt of `--context` tokens; greedy, exactly `-n`
+same HF directory. Every row gets the same prompt of `--prompt-tokens` tokens; greedy, exactly `-n`
 new tokens. The decode rate is taken from two timed calls, one of 1 new token and one of n, so
 the prefill is left out: aggregate tok/s = B · (n − 1) / (t_n − t_1); medians over repeats,
 batch sizes interleaved.
 
-    python benchmarks/hf_generate_batch.py DIR [--batch 1,16,64] [-n 32] [--context 128]
+    python benchmarks/hf_generate_batch.py DIR [--batch 1,16,64] [-n 32] [--prompt-tokens 128]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def main() -> None:
     parser.add_argument("model", help="an HF model directory")
     parser.add_argument("--batch", default="1,16,64")
     parser.add_argument("-n", "--new-tokens", type=int, default=32)
-    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--prompt-tokens", "--context", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
@@ -32,7 +32,9 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
     vocab = model.config.vocab_size
-    prompt = torch.randint(0, vocab, (1, args.context), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(
+        0, vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0)
+    )
     batches = [int(b) for b in args.batch.split(",")]
 
     def timed(batch: int, new: int) -> float:
@@ -49,7 +51,7 @@ def main() -> None:
                 pad_token_id=0,
             )
         torch.cuda.synchronize()
-        assert out.shape[1] == args.context + new
+        assert out.shape[1] == args.prompt_tokens + new
         return time.perf_counter() - t0
 
     for batch in batches:  # warm-up: kernels, allocator

@@ -3,8 +3,8 @@ at batch 1 an eager step costs host time per operator, so this count is what an 
 speed relative to `standard` comes down to there — measurable on any machine, unlike the GPU
 host's timings, which drift between passes.
 
-    .venv/bin/python benchmarks/ops_per_step.py [--engines "standard;markov-rs"] [--context 300]
-        [--steps 4] [--dtype bfloat16] [--device cpu]
+    .venv/bin/python benchmarks/ops_per_step.py [--engines "standard;markov-rs"]
+        [--prompt-tokens 300] [--steps 4] [--dtype bfloat16] [--device cpu]
 
 Counts `aten::` operators (views and copies included: each is a dispatch) per decode step,
 after the engine's window has filled, and prints each engine's count over the first engine's.
@@ -49,13 +49,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--engines", default=DEFAULT_ENGINES)
-    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--prompt-tokens", "--context", type=int, default=300)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     model = load_model(args.model, dtype=args.dtype, device=args.device)
-    ids = context_ids(model, args.context, default_text())
+    ids = context_ids(model, args.prompt_tokens, default_text())
     first = None
     for spec in split_specs(args.engines):
         total, top = aten_ops_per_step(model, spec, ids, args.steps)

@@ -152,12 +152,12 @@ def test_a_bad_spec_is_the_error_the_cli_gives(
             "prompt_tokens must be in 1..2",
         ),
         (
-            lambda m: larql.bench(m, "standard", context=8, prompt="x"),
+            lambda m: larql.bench(m, "standard", prompt_tokens=8, prompt="x"),
             larql.InvalidInput,
-            "give one of context, depths, prompt",
+            "give one of prompt_tokens, depths, prompt",
         ),
         (lambda m: larql.bench(m, ";"), larql.InvalidInput, "engine list is empty"),
-        (lambda m: larql.accuracy(m, "standard", ffn="walk:k=0"), larql.LarqlError, "k"),
+        (lambda m: larql.accuracy(m, "standard", ffn_policy="walk:k=0"), larql.LarqlError, "k"),
         (lambda m: larql.load_model("no-such-model"), larql.LarqlError, "unknown model"),
         (lambda m: larql.load_model(threads=0), larql.InvalidInput, "threads must be ≥ 1"),
     ],
@@ -179,7 +179,7 @@ def test_bench_and_accuracy_return_the_cli_reports(model: Model) -> None:
         model,
         ["standard", larql.parse_engine("no-cache")],
         depths=[0, 8],
-        tokens=2,
+        max_new_tokens=2,
         warmup=0,
         repeats=1,
     )
@@ -200,3 +200,73 @@ def test_bench_and_accuracy_return_the_cli_reports(model: Model) -> None:
     by_spec = {f.spec: f for f in report.fidelity}
     assert by_spec["standard"].mean_kl == 0.0 < by_spec[lossy].mean_kl
     assert torch.isfinite(torch.tensor(by_spec[lossy].mean_kl))
+
+
+# (call with the renamed argument, old name, new name, a value both refuse, the refusal)
+RENAMED = [
+    (lambda m, **kw: larql.bench(m, "standard", **kw), "context", "prompt_tokens", 0, "≥ 1"),
+    (lambda m, **kw: larql.bench(m, "standard", **kw), "tokens", "max_new_tokens", 0, "≥ 1"),
+    (lambda m, **kw: larql.bench(m, "standard", **kw), "ffn", "ffn_policy", "walk:k=0", "k"),
+    (lambda m, **kw: larql.accuracy(m, "standard", **kw), "ffn", "ffn_policy", "walk:k=0", "k"),
+    (lambda m, **kw: larql.generate(m, "standard", PROMPT, **kw), "ffn", "ffn_policy", "x", "x"),
+    (lambda m, **kw: larql.stream(m, "standard", PROMPT, **kw), "ffn", "ffn_policy", "x", "x"),
+    (lambda m, **kw: larql.prefill(m, "standard", PROMPT, **kw), "ffn", "ffn_policy", "x", "x"),
+    (
+        lambda m, **kw: larql.teacher_forced_logits(m, "standard", PROMPT, **kw),
+        "ffn",
+        "ffn_policy",
+        "x",
+        "x",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "call, old, new, value, refusal", RENAMED, ids=lambda x: x if isinstance(x, str) else None
+)
+def test_an_old_argument_name_warns_and_means_the_same(
+    model: Model, call, old: str, new: str, value: object, refusal: str
+) -> None:
+    """The API speaks the CLI's vocabulary (`prompt_tokens`, `max_new_tokens`, `ffn_policy`);
+    an old name still reaches the same argument, with a DeprecationWarning naming the new."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # the new name: no warning
+        with pytest.raises(larql.LarqlError, match=refusal) as current:
+            call(model, **{new: value})
+    warned = rf"\({old}=…\) is deprecated; use {new}="
+    with (
+        pytest.warns(DeprecationWarning, match=warned),
+        pytest.raises(type(current.value)) as previous,
+    ):
+        call(model, **{old: value})
+    assert str(previous.value) == str(current.value)  # the same argument got the value
+    with pytest.raises(larql.InvalidInput, match=rf"give {new}= only \({old}= is its old name\)"):
+        call(model, **{old: value, new: value})
+
+
+def test_the_signatures_show_only_the_new_names() -> None:
+    import inspect
+
+    for function, names in [
+        (larql.bench, {"prompt_tokens", "max_new_tokens", "ffn_policy"}),
+        (larql.accuracy, {"prompt_tokens", "ffn_policy"}),
+        (larql.generate, {"max_new_tokens", "ffn_policy"}),
+        (larql.stream, {"max_new_tokens", "ffn_policy"}),
+        (larql.prefill, {"ffn_policy"}),
+        (larql.teacher_forced_logits, {"prompt_tokens", "ffn_policy"}),
+        (larql.resume, {"ffn_policy"}),
+    ]:
+        parameters = set(inspect.signature(function).parameters)
+        assert names <= parameters, function.__name__
+        assert not {"context", "ffn"} & parameters, function.__name__
+        # (teacher_forced_logits' `tokens` is the sequence it is given, not a count)
+        assert "tokens" not in parameters or function is larql.teacher_forced_logits
+
+
+def test_an_old_name_gives_the_same_generation(model: Model) -> None:
+    current = larql.generate(model, "standard", PROMPT, max_new_tokens=3, ffn_policy="dense")
+    with pytest.warns(DeprecationWarning, match="use ffn_policy="):
+        previous = larql.generate(model, "standard", PROMPT, max_new_tokens=3, ffn="dense")
+    assert previous.token_ids == current.token_ids and previous.ffn == current.ffn

@@ -278,12 +278,15 @@ def test_cli_rejects_unknown_engines_and_bad_options() -> None:
     runner = CliRunner()
     result = runner.invoke(app, ["bench", "--engine", "standard;warp-drive"])
     assert result.exit_code == 2 and "supported: standard" in result.stderr
-    for options in (["--context", "8", "--prompt", "hi"], ["--context", "8", "--depths", "8"]):
+    for options in (
+        ["--prompt-tokens", "8", "--prompt", "hi"],
+        ["--prompt-tokens", "8", "--depths", "8"],
+    ):
         result = runner.invoke(app, ["bench", *options])
         assert result.exit_code == 2
-        assert "give one of --context, --depths, --prompt" in result.stderr
-    result = runner.invoke(app, ["bench", "--context", "0"])
-    assert result.exit_code == 2 and "--context must be ≥ 1" in result.stderr
+        assert "give one of --prompt-tokens, --depths, --prompt" in result.stderr
+    result = runner.invoke(app, ["bench", "--prompt-tokens", "0"])
+    assert result.exit_code == 2 and "--prompt-tokens must be ≥ 1" in result.stderr
     result = runner.invoke(app, ["bench", "--depths", "1,x"])
     assert result.exit_code == 2 and "--depths" in result.stderr
     for bad in ("0,4", "2,x"):
@@ -304,7 +307,7 @@ def test_cli_concurrent_rows_time_threads_stepping_alone() -> None:
             "1",
             "--repeats",
             "1",
-            "--context",
+            "--prompt-tokens",
             "8",
             "--concurrent",
             "2",
@@ -334,7 +337,7 @@ def test_cli_batch_rows_time_sessions_decoding_at_once() -> None:
             "0",
             "--repeats",
             "1",
-            "--context",
+            "--prompt-tokens",
             "8",
             "--batch",
             "1,3",
@@ -375,7 +378,7 @@ def test_vs_hf_adds_a_peer_row_and_ratios(tmp_path: Path) -> None:
             "0",
             "--repeats",
             "1",
-            "--context",
+            "--prompt-tokens",
             "8",
             "--vs-hf",
             "--output",
@@ -405,7 +408,7 @@ def test_the_device_is_warmed_up_before_any_row_is_timed(smollm2: Model) -> None
 
 def test_cli_shared_prefix_rows_time_a_question_from_the_cache() -> None:
     args = ["bench", "--engine", "standard;turbo-quant:bits=4", "-n", "1", "--warmup", "0"]
-    args += ["--repeats", "1", "--context", "4", "--shared-prefix", "96", "--output", "json"]
+    args += ["--repeats", "1", "--prompt-tokens", "4", "--shared-prefix", "96", "--output", "json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)["prefix_rows"]

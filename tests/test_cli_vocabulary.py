@@ -2,9 +2,9 @@
 policies, `-n/--max-tokens` new tokens, `--prompt-tokens` a prompt's length, `--top-k` is
 sampling's only, a bare `--depths` counts tokens and `--depth-percent` says its unit, `--output`
 is `text|json` (and `markdown` for the catalog page); `-v` and `--threads` wherever a model runs.
-The old spellings (`accuracy --engines` / `--ffn` / `--depths`, `bench --tokens`, `walk --top-k`,
-`memory --tokens` / `--engines`, `--output table`) still work, hidden from --help, with a
-warning that names the new one."""
+The old spellings (`accuracy --engines` / `--ffn` / `--depths`, `bench --tokens` / `--context`,
+`walk --top-k`, `memory --tokens` / `--engines`, `--output table`) still work, hidden from
+--help, with a warning that names the new one."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ OLD_AND_NEW = [
     # (command, its other arguments, old spelling, new spelling, a value both refuse, the refusal)
     ("bench", [], "--tokens", "--max-tokens", "0", "-n/--max-tokens must be ≥ 1"),
     ("bench", [], "--engines", "--engine", "nope", "unknown engine 'nope'"),
+    ("bench", [], "--context", "--prompt-tokens", "0", "--prompt-tokens must be ≥ 1"),
     ("accuracy", [], "--engines", "--engine", "nope", "unknown engine 'nope'"),
     ("accuracy", [], "--ffn", "--ffn-policy", "nope", "nope"),
     (
@@ -147,7 +148,9 @@ def test_every_model_loading_command_takes_threads(cli, command: str, tmp_path: 
     assert refused.exit_code == 2 and "--threads must be ≥ 1, got 0" in refused.stderr
 
 
-@pytest.mark.parametrize("command", ["run", "walk", "bench", "accuracy", "engines", "models"])
+@pytest.mark.parametrize(
+    "command", ["run", "walk", "serve", "bench", "accuracy", "engines", "models"]
+)
 def test_every_command_that_runs_or_lists_has_verbose(cli, command: str) -> None:
     shown = cli(command, "--help").stdout
     assert "-v" in shown and "--verbose" in shown
@@ -174,7 +177,7 @@ def test_walk_verbose_names_what_ran(cli) -> None:
 
 @pytest.mark.slow
 def test_bench_verbose_names_each_rows_decode_path(cli) -> None:
-    args = ["bench", "--engine", "standard", "--context", "4", "-n", "2", "--repeats", "1"]
+    args = ["bench", "--engine", "standard", "--prompt-tokens", "4", "-n", "2", "--repeats", "1"]
     done = cli(*args, "--warmup", "0", "-q", "-v", "-o", "json")
     assert done.exit_code == 0, done.output
     (row,) = json.loads(done.stdout)["rows"]

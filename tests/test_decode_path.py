@@ -104,3 +104,31 @@ def test_bench_rows_carry_the_decode_path(smollm2_default: Model) -> None:
     path = row.as_dict()["decode_path"]
     assert path == _session_path(smollm2_default, "standard")
     assert path.startswith("cpu · float32 · ")
+
+
+def test_a_batched_step_notes_its_path_in_each_session(smollm2_default: Model) -> None:
+    """The server steps sessions together (`step_together`, `advance_together`): each session's
+    path is what the shared step ran, as a lone session's is (`larql serve -v` logs it)."""
+    from larql.inference.generation import advance_together, step_together
+
+    model = smollm2_default
+    prompts = [model.tokenizer.encode(text) for text in ("The capital of France is", "Hi")]
+
+    def session(ids: list[int]) -> GenerationSession:
+        engine = parse_engine("standard").build(model)
+        return GenerationSession(engine, model, DenseFfn(model), ids, 4, stop_ids=frozenset())
+
+    alone = _session_path(model, "standard", steps=4)
+    together = [session(ids) for ids in prompts]
+    for gen in together:
+        gen.prefill()
+    step_together(together)
+    step_together(together)
+    late = session(prompts[1])  # its prompt rides in the others' step
+    if late.takes_prompt_in_batch(len(prompts[1])):
+        advance_together([*together, late], [0, 0, len(prompts[1])])
+        assert late.decode_kinds == set()  # a prompt's chunk is no decode step
+    for gen in together:
+        assert gen.decode_kinds or not BUILT, "a batched step noted nothing"
+        done = gen.result()
+        assert decode_path(model, done.decode_kinds, len(done.step_ms)) == alone

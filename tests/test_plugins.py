@@ -143,7 +143,9 @@ def test_a_plugin_engine_runs_in_bench_and_accuracy(
 ) -> None:
     catalog = catalog_with(("echo-standard", "larql_plugin_example:ENTRY"))
     echo = catalog.parse("echo:window=4")
-    bench = larql.bench(smollm2_default, [echo], context=8, tokens=2, warmup=0, repeats=1)
+    bench = larql.bench(
+        smollm2_default, [echo], prompt_tokens=8, max_new_tokens=2, warmup=0, repeats=1
+    )
     assert [r.spec for r in bench.rows] == ["echo-standard:window=4"]
     assert bench.rows[0].tok_s and bench.rows[0].memory.state > 0
     report = larql.accuracy(

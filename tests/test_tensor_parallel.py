@@ -190,7 +190,17 @@ def test_bench_times_every_engine_on_two_ranks(tiny_models: dict[str, str], tmp_
     """`larql bench --tensor-parallel 2` on the tiny Llama: one report (rank 0's), a row per
     engine and none failed, the engines' state no more than one process's."""
     engines = "standard;turbo-quant:bits=4;markov-rs"
-    args = ["bench", "-m", tiny_models["llama"], "--engine", engines, "--context", "8", "-n", "2"]
+    args = [
+        "bench",
+        "-m",
+        tiny_models["llama"],
+        "--engine",
+        engines,
+        "--prompt-tokens",
+        "8",
+        "-n",
+        "2",
+    ]
     args += ["--repeats", "1", "--warmup", "0", "--output", "json", "-q"]
     one = subprocess.run([*LARQL, *args], capture_output=True, text=True, timeout=300)
     two = subprocess.run(

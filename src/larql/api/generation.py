@@ -12,10 +12,12 @@ from typing import Any
 import torch
 
 from larql.api.engine_specs import EngineLike, engine_spec
+from larql.api.renamed import renamed_arguments
 from larql.api.resume_archive import Resumed, rebuild
 from larql.errors import InvalidInput
 from larql.inference.decode_path import decode_path
 from larql.inference.ffn import build_ffn
+from larql.inference.ffn.policy import FfnLayerPolicy
 from larql.inference.generation import GenerationSession
 from larql.inference.generation import teacher_forced_logits as teacher_forced_run
 from larql.inference.memory import MemoryBreakdown
@@ -161,6 +163,7 @@ class _TextRun:
             raise InvalidInput(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
         if top < 0:
             raise InvalidInput(f"top must be ≥ 0, got {top}")
+        FfnLayerPolicy.from_spec(ffn)  # a bad policy fails here, before `stream` yields
         self.top, self.top_rows = top, ()
         self.model, self.sampling, self.ffn_spec = model, sampling, ffn
         self.save_state, self.saved_state = save_state, None
@@ -331,6 +334,7 @@ def prompt_ids(model: Model, prompt: Prompt, chat: bool = False) -> list[int]:
     return ids
 
 
+@renamed_arguments(ffn="ffn_policy")
 def generate(
     model: Model,
     engine: EngineLike | State | None,
@@ -342,7 +346,7 @@ def generate(
     top_k: int = 0,
     seed: int | None = None,
     chat: bool = False,
-    ffn: str = "dense",
+    ffn_policy: str = "dense",
     on_text: Callable[[str], None] | None = None,
     load_state: str | Path | None = None,
     save_state: str | Path | None = None,
@@ -352,8 +356,8 @@ def generate(
 ) -> Generation:
     """Generate up to `max_new_tokens` tokens from `prompt` (text, or token ids) through a fresh
     engine built from `engine` (a spec string or an `EngineSpec`); an end-of-turn token ends
-    the run early. Sampling as `larql run` (temperature 0 = greedy); `ffn` an FFN policy
-    (`--ffn-policy`); `on_text` gets each text piece as it is decoded.
+    the run early. Sampling as `larql run` (temperature 0 = greedy); `ffn_policy` the FFN
+    policy of every layer (`--ffn-policy`); `on_text` gets each text piece as it is decoded.
 
     `engine` may also be a `State` (`prefill`, `load_state`): the run continues a fork of it,
     `prompt` (may be empty) fed as decode steps, and the state itself is left as it was.
@@ -374,7 +378,7 @@ def generate(
         max_new_tokens,
         SamplingParams(temperature, top_k, top_p, seed),
         chat,
-        ffn,
+        ffn_policy,
         load_state,
         save_state,
         top,
@@ -387,6 +391,7 @@ def generate(
     return run.result()
 
 
+@renamed_arguments(ffn="ffn_policy")
 def stream(
     model: Model,
     engine: EngineLike | State,
@@ -398,7 +403,7 @@ def stream(
     top_k: int = 0,
     seed: int | None = None,
     chat: bool = False,
-    ffn: str = "dense",
+    ffn_policy: str = "dense",
     prefix_cache: PrefixCache | None = None,
 ) -> Iterator[str]:
     """`generate`, yielding the text as it is decoded; the pieces join to `generate`'s text.
@@ -410,14 +415,20 @@ def stream(
         max_new_tokens,
         SamplingParams(temperature, top_k, top_p, seed),
         chat,
-        ffn,
+        ffn_policy,
         prefix_cache=prefix_cache,
     )
     return run.pieces()
 
 
+@renamed_arguments(ffn="ffn_policy")
 def prefill(
-    model: Model, engine: EngineLike, prompt: Prompt, *, chat: bool = False, ffn: str = "dense"
+    model: Model,
+    engine: EngineLike,
+    prompt: Prompt,
+    *,
+    chat: bool = False,
+    ffn_policy: str = "dense",
 ) -> State:
     """Run `prompt` (text, or token ids; `chat=True` wraps text in the chat template) through a
     fresh engine built from `engine` → the `State` after it: save it (`State.save`), fork it,
@@ -427,7 +438,7 @@ def prefill(
     ids = prompt_ids(model, prompt, chat)
     check_context(model, len(ids))
     built = spec.build(model)
-    router = build_ffn(model, ffn)
+    router = build_ffn(model, ffn_policy)
     try:
         with torch.inference_mode():
             hidden = built.prefill(model, router, ids)  # [1, H]
@@ -448,13 +459,14 @@ def load_state(model: Model, path: str | Path, *, engine: EngineLike | None = No
     return state
 
 
+@renamed_arguments(ffn="ffn_policy")
 def teacher_forced_logits(
     model: Model,
     engine: EngineLike,
     tokens: Prompt,
     *,
     prompt_tokens: int = 1,
-    ffn: str = "dense",
+    ffn_policy: str = "dense",
 ) -> torch.Tensor:
     """Prefill the first `prompt_tokens` ids through a fresh engine, then feed every later id as
     a decode step whatever the model would pick → next-token logits after the prompt and after
@@ -470,7 +482,7 @@ def teacher_forced_logits(
             f"{len(ids)} ids exceed {model.name}'s context of {model.config.max_positions} tokens"
         )
     built = engine_spec(engine).build(model)
-    router = build_ffn(model, ffn)
+    router = build_ffn(model, ffn_policy)
     try:
         return teacher_forced_run(built, model, router, ids, prompt_tokens)
     finally:

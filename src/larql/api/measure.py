@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from larql.api.engine_specs import EngineLike, engine_spec
+from larql.api.renamed import renamed_arguments
 from larql.data import read_text
 from larql.errors import InvalidInput
 from larql.harness.accuracy.run import (
@@ -47,20 +48,21 @@ def _at_least(name: str, value: int, low: int) -> None:
         raise InvalidInput(f"{name} must be ≥ {low}, got {value}")
 
 
+@renamed_arguments(context="prompt_tokens", tokens="max_new_tokens", ffn="ffn_policy")
 def bench(
     model: Model,
     engines: Engines | None = None,
     *,
-    context: int | None = None,
+    prompt_tokens: int | None = None,
     depths: Sequence[int] | None = None,
     prompt: str | None = None,
     text_file: str | Path | None = None,
-    tokens: int = 32,
+    max_new_tokens: int = 32,
     warmup: int = 3,
     repeats: int = 3,
     profile: bool = False,
     vs_hf: bool = False,
-    ffn: str = "dense",
+    ffn_policy: str = "dense",
     progress: Progress | None = None,
     batch: Sequence[int] | None = None,
     concurrent: int | None = None,
@@ -72,17 +74,19 @@ def bench(
     `shared_prefix=N`, each engine's time to first token for a second question about a
     document of N tokens, started from the prefix cache, against the first question's.
 
-    One of `context` (a prompt of N tokens cut from `text_file`, default the shipped licence
-    text; 128 when none is given), `depths` (several such contexts) or `prompt` (text).
-    `engines` None = the bench's default list. `progress` gets a line per stage."""
+    One of `prompt_tokens` (a prompt of N tokens cut from `text_file`, default the shipped
+    licence text; 128 when none is given), `depths` (several such contexts) or `prompt`
+    (text). `max_new_tokens`: the timed decode steps of each repeat, after `warmup` untimed
+    ones. `engines` None = the bench's default list. `progress` gets a line per stage."""
     kinds = parse_engines(engines if engines is not None else bench_specs())
-    named = (("context", context), ("depths", depths), ("prompt", prompt))
+    named = (("prompt_tokens", prompt_tokens), ("depths", depths), ("prompt", prompt))
     given = [n for n, v in named if v is not None]
     if len(given) > 1:
-        raise InvalidInput(f"give one of context, depths, prompt (got {' and '.join(given)})")
-    checked = [("tokens", tokens, 1), ("repeats", repeats, 1), ("warmup", warmup, 0)]
-    if context is not None:
-        checked.append(("context", context, 1))
+        raise InvalidInput(f"give one of prompt_tokens, depths, prompt (got {' and '.join(given)})")
+    checked = [("max_new_tokens", max_new_tokens, 1), ("repeats", repeats, 1)]
+    checked.append(("warmup", warmup, 0))
+    if prompt_tokens is not None:
+        checked.append(("prompt_tokens", prompt_tokens, 1))
     for name, value, low in checked:
         _at_least(name, value, low)
     for d in depths or []:
@@ -99,12 +103,14 @@ def bench(
                 f"shared_prefix {shared_prefix} and two questions of {QUESTION_TOKENS} tokens "
                 f"exceed {model.name}'s context of {model.config.max_positions} (at most {room})"
             )
-    FfnLayerPolicy.from_spec(ffn)
+    FfnLayerPolicy.from_spec(ffn_policy)
     source_text, text_label = read_text(text_file)
-    chosen = list(depths) if depths else [context] if context is not None else []
-    prompts = bench_prompts(model, source_text, chosen, prompt, warmup + tokens)
-    router = build_ffn(model, ffn)
-    settings = BenchSettings(new_tokens=tokens, warmup=warmup, repeats=repeats, profile=profile)
+    chosen = list(depths) if depths else [prompt_tokens] if prompt_tokens is not None else []
+    prompts = bench_prompts(model, source_text, chosen, prompt, warmup + max_new_tokens)
+    router = build_ffn(model, ffn_policy)
+    settings = BenchSettings(
+        new_tokens=max_new_tokens, warmup=warmup, repeats=repeats, profile=profile
+    )
     try:
         return run_bench(
             model,
@@ -123,11 +129,12 @@ def bench(
         router.close()
 
 
+@renamed_arguments(ffn="ffn_policy")
 def accuracy(
     model: Model,
     engines: Engines | None = None,
     *,
-    ffn: str | Sequence[str] = "dense",
+    ffn_policy: str | Sequence[str] = "dense",
     quick: bool = False,
     parametric_n: int | None = None,
     needle_max_tokens: int = 8192,
@@ -141,7 +148,8 @@ def accuracy(
 ) -> AccuracyReport:
     """`larql accuracy` (prompts suite): every engine × FFN policy on the three prompt corpora,
     then its teacher-forced fidelity against `standard` over `text_file` (default: the shipped
-    licence text). `ffn`: policies as `--ffn` takes them (comma separated) or a list;
+    licence text). `ffn_policy`: policies as `--ffn-policy` takes them (comma separated) or a
+    list;
     `quick`, `parametric_n`, `positions`, `prompt_tokens`, `needle_max_tokens` as the command's
     options (`prompt_tokens` None: 16, or under `quick` a prompt long enough that the
     quantisers' exact recent rows are left behind: `QUICK_FIDELITY_PROMPT`);
@@ -149,7 +157,9 @@ def accuracy(
     over N processes (each loads the model again and takes a share of the threads); the report
     is the one one process gives."""
     kinds = parse_engines(engines if engines is not None else accuracy_specs())
-    ffn_specs = (split_specs(ffn) if isinstance(ffn, str) else list(ffn)) or ["dense"]
+    ffn_specs = (split_specs(ffn_policy) if isinstance(ffn_policy, str) else list(ffn_policy)) or [
+        "dense"
+    ]
     for spec in ffn_specs:
         FfnLayerPolicy.from_spec(spec)
     if positions is not None:

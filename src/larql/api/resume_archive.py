@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from larql.api.engine_specs import engine_spec
+from larql.api.renamed import renamed_arguments
 from larql.errors import InvalidInput
 from larql.inference.engine import Engine
 from larql.inference.ffn import build_ffn
@@ -119,13 +120,14 @@ def rebuild(
     return State(model, built, rows[-1:].clone(), tuple(ids)), resumed
 
 
+@renamed_arguments(ffn="ffn_policy")
 def resume(
     model: Model,
     engine: EngineSpec | str,
     sequence: str,
     *,
     archive: str | Path | None = None,
-    ffn: str = "dense",
+    ffn_policy: str = "dense",
     verify: bool = True,
 ) -> State:
     """The context of `sequence`, as a `boundary-kv:archive=DIR` run archived it, rebuilt in a
@@ -136,6 +138,6 @@ def resume(
     the rebuilt row at its position (turn it off for an engine that does not compute the
     context as the archiving run did: another window, a lossy prefill)."""
     state, _ = rebuild(
-        model, engine_spec(engine), sequence, archive=archive, ffn=ffn, verify=verify
+        model, engine_spec(engine), sequence, archive=archive, ffn=ffn_policy, verify=verify
     )
     return state

@@ -233,7 +233,7 @@ def accuracy(
         report = run_accuracy(
             lm,
             kinds,
-            ffn=ffn_specs,
+            ffn_policy=ffn_specs,
             quick=quick,
             parametric_n=parametric_n,
             needle_max_tokens=needle_max_tokens,

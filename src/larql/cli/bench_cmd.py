@@ -52,9 +52,12 @@ def bench(
             f"catalog entry says a bench runs it). {engines_help()}",
         ),
     ] = None,
-    context: Annotated[
+    prompt_tokens: Annotated[
         int | None,
-        typer.Option("--context", help="Prompt of N tokens cut from --text (default 128)."),
+        typer.Option("--prompt-tokens", help="Prompt of N tokens cut from --text (default 128)."),
+    ] = None,
+    old_context: Annotated[
+        int | None, typer.Option("--context", hidden=True, help="Old spelling of --prompt-tokens.")
     ] = None,
     prompt: Annotated[str | None, typer.Option("--prompt", help="Prompt text instead.")] = None,
     text: Annotated[
@@ -140,17 +143,24 @@ def bench(
     options = {name: value for name, value in locals().items() if name != "tensor_parallel"}
     tokens = renamed(tokens, old_tokens, "-n/--max-tokens", "--tokens", 32)
     engine = renamed(engine, old_engines, "--engine", "--engines", None)
+    prompt_tokens = renamed(prompt_tokens, old_context, "--prompt-tokens", "--context", None)
     output = output_format(output, ("text", "json"))
     given = [
         name
-        for name, value in (("--context", context), ("--prompt", prompt), ("--depths", depths))
+        for name, value in (
+            ("--prompt-tokens", prompt_tokens),
+            ("--prompt", prompt),
+            ("--depths", depths),
+        )
         if value is not None
     ]
     if len(given) > 1:
-        raise InvalidInput(f"give one of --context, --depths, --prompt (got {' and '.join(given)})")
+        raise InvalidInput(
+            f"give one of --prompt-tokens, --depths, --prompt (got {' and '.join(given)})"
+        )
     checked = [("-n/--max-tokens", tokens, 1), ("--repeats", repeats, 1), ("--warmup", warmup, 0)]
-    if context is not None:
-        checked.append(("--context", context, 1))
+    if prompt_tokens is not None:
+        checked.append(("--prompt-tokens", prompt_tokens, 1))
     if concurrent is not None:
         checked.append(("--concurrent", concurrent, 1))
     if shared_prefix is not None:
@@ -193,16 +203,16 @@ def bench(
         report = run_bench(
             lm,
             kinds,
-            context=context,
+            prompt_tokens=prompt_tokens,
             depths=depth_list or None,
             prompt=prompt,
             text_file=text,
-            tokens=tokens,
+            max_new_tokens=tokens,
             warmup=warmup,
             repeats=repeats,
             profile=profile,
             vs_hf=vs_hf,
-            ffn=ffn_spec,
+            ffn_policy=ffn_spec,
             progress=advance,
             batch=batch_sizes or None,
             concurrent=concurrent,

@@ -238,7 +238,7 @@ def _run(
             top_k=top_k,
             seed=seed,
             chat=chat,
-            ffn=ffn_spec,
+            ffn_policy=ffn_spec,
             on_text=write,
             load_state=load_state_dir,
             save_state=save_state,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import logging
+import sys
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -15,6 +17,11 @@ from larql.cli.options import (
     WeightsOption,
     parse_layer_range,
 )
+
+if TYPE_CHECKING:  # torch loads in the command's body, not for `--help`
+    from larql.inference.engine import Engine
+    from larql.models.model import Model
+    from larql.server.settings import ServerSettings
 
 
 @user_errors
@@ -79,6 +86,16 @@ def serve(
             "milliseconds, engine).",
         ),
     ] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "-v",
+            "--verbose",
+            help="At start, the model and engine served and the limits; each access-log line "
+            "adds what the request ran (prompt, cached and new tokens, decode path); the "
+            "server's debug log (sessions starting and ending) on stderr.",
+        ),
+    ] = False,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
     weights: WeightsOption = "auto",
@@ -105,6 +122,9 @@ def serve(
         layer_range = parse_layer_range(layers) if layers is not None else None
         expert_range = parse_layer_range(experts, "--experts") if experts is not None else None
         lm = open_model(model, dtype, device, threads, weights)
+        if verbose:
+            debug_log()
+            stderr.print(model_line(lm), markup=False)
         from larql.server.ffn_shard import run_ffn_shard
 
         run_ffn_shard(lm, layer_range, host, port, expert_range)
@@ -122,7 +142,7 @@ def serve(
     choice = resolve_engine(engine)
     choice.engine.require_live_decode()
     lm = open_model(model, dtype, device, threads, weights)
-    choice.engine.build(lm)  # a spec that cannot be built for this model fails now, not per request
+    built = choice.engine.build(lm)  # a spec that cannot be built fails now, not per request
 
     from larql.server.app import create_app
     from larql.server.runner import serve_forever
@@ -139,16 +159,63 @@ def serve(
         shutdown_timeout_s=shutdown_timeout,
         model_aliases=(model,) if model and model != lm.name else (),
         access_log=not quiet,
+        verbose=verbose,
         prefix_cache_bytes=cache_bytes,
     )
+    if verbose:
+        debug_log()
 
     def announce(url: str) -> None:
         stderr.print(
             f"larql serve: {lm.name} on {url}  (engine {choice.engine.spec()} from "
             f"{choice.source}, {max_sessions} sessions, queue {max_queue})"
         )
+        if verbose:
+            for line in served_facts(lm, built, settings):
+                stderr.print(line, markup=False)
 
     serve_forever(create_app(lm, settings), host, port, announce)
+
+
+def debug_log() -> None:
+    """`-v`: larql's own log (the server's sessions, the scheduler's notes) at debug level."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+    logger = logging.getLogger("larql")
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+
+
+def model_line(lm: Model) -> str:
+    """The model and how its weights are read, as `larql run -v`'s decode path names them."""
+    from larql.inference.linear import reads_blocks
+
+    dtype = str(lm.dtype).removeprefix("torch.")
+    weights = "weights in GGUF blocks" if reads_blocks(lm) else "weights dequantised"
+    config = lm.config
+    return (
+        f"model: {lm.name} · {config.num_layers} layers · context {config.max_positions} · "
+        f"{lm.device.type} · {dtype} · {weights}"
+    )
+
+
+def served_facts(lm: Model, engine: Engine, settings: ServerSettings) -> list[str]:
+    """`-v`'s lines at start: the model, the default engine, the limits, the prefix cache."""
+    from larql.inference.memory import mib
+    from larql.inference.prefix_cache import default_size
+
+    cache = settings.prefix_cache_bytes
+    cache = default_size(lm) if cache is None else cache
+    longest = settings.max_prompt_tokens or lm.config.max_positions - 1
+    return [
+        model_line(lm),
+        f"engine: {engine.info().label}: {engine.describe()}",
+        f"limits: prompts up to {longest} tokens, up to {settings.max_new_tokens} new tokens, "
+        f"{settings.request_timeout_s:g} s a request; beside decoding streams a prompt goes "
+        f"in {settings.prefill_chunk} tokens a step",
+        f"prefix cache: {mib(cache)} of engine states" if cache else "prefix cache: off",
+        "log: each request's line adds prompt=, cached=, new= and its decode path",
+    ]
 
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}

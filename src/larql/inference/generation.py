@@ -94,10 +94,14 @@ def step_together(sessions: Sequence[GenerationSession]) -> list[int]:
     with torch.inference_mode():
         t0 = time.perf_counter()
         engines = [s.engine for s in sessions]
+        kinds: set[str] = set()
         try:
-            hidden = decode_batch(engines, model, ffn, [s.tokens[-1] for s in sessions])  # [B, H]
+            with recording(kinds):  # what the shared step ran is what each session's ran
+                hidden = decode_batch(engines, model, ffn, [s.tokens[-1] for s in sessions])
         except RowsFailed as e:
             hidden, failures = e.hidden, e.failures
+        for gen in sessions:
+            gen.decode_kinds |= kinds
         ok = [i for i in range(len(sessions)) if i not in failures]
         if not ok:
             raise SessionsFailed([None] * len(sessions), failures)
@@ -146,10 +150,15 @@ def advance_together(
     failures: dict[int, Exception] = {}
     with torch.inference_mode():
         t0 = time.perf_counter()
+        kinds: set[str] = set()
         try:
-            hidden = advance_batch([s.engine for s in sessions], model, ffn, token_lists)
+            with recording(kinds):
+                hidden = advance_batch([s.engine for s in sessions], model, ffn, token_lists)
         except RowsFailed as e:
             hidden, failures = e.hidden, e.failures
+        for gen in sessions:
+            if gen.started:  # a decode row of the step (a prompt's chunk is no decode step)
+                gen.decode_kinds |= kinds
         for i, (gen, tokens) in enumerate(zip(sessions, token_lists, strict=True)):
             if not gen.started and i not in failures:
                 gen.prompt_done += len(tokens)

@@ -25,6 +25,7 @@ from larql.inference.batching import decode_batch
 from larql.inference.generation import GenerationSession, rows_logits
 from larql.inference.host_copy import ints_to_device
 from larql.inference.sampling import greedy_tokens
+from larql.kernels.ran import recording
 
 
 @dataclass
@@ -120,7 +121,11 @@ class Lookahead:
         model, ffn = first.model, first.ffn
         with torch.inference_mode():
             tokens = self._inputs(sessions)  # [B] on the device
-            hidden = decode_batch([s.engine for s in sessions], model, ffn, tokens)  # [B, H]
+            kinds: set[str] = set()
+            with recording(kinds):
+                hidden = decode_batch([s.engine for s in sessions], model, ffn, tokens)  # [B, H]
+            for gen in sessions:
+                gen.decode_kinds |= kinds
             logits = rows_logits(model, hidden)  # [B, V]
             picks = greedy_tokens(logits)  # [B]
             done = None

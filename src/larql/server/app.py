@@ -4,6 +4,7 @@ model and one scheduler."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from larql.inference.ffn import DenseFfn
 from larql.inference.prefix_cache import PrefixCache, default_size
 from larql.kv.catalog import catalog_rows
 from larql.models.model import Model
-from larql.server.access_log import ENGINE_KEY, AccessLog
+from larql.server.access_log import ENGINE_KEY, SESSIONS_KEY, AccessLog
 from larql.server.errors import ApiError, bad_request, error_body, install_error_handlers
 from larql.server.logprobs import LogprobFormat
 from larql.server.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
@@ -43,6 +44,7 @@ from larql.server.schemas import (
 )
 from larql.server.settings import ServerSettings
 from larql.server.streaming import collect, larql_extra, stream_events
+from larql.server.tokenize import TOKENIZER_ENDPOINTS, add_tokenizer_routes
 
 ENDPOINTS = (
     "/v1/completions",
@@ -51,6 +53,7 @@ ENDPOINTS = (
     "/v1/engines",
     "/health",
     "/metrics",
+    *TOKENIZER_ENDPOINTS,
 )
 
 
@@ -87,7 +90,7 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
     app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
     app.add_middleware(CountRequests, metrics=metrics)
     if settings.access_log:  # the outermost: its time is the whole answer's
-        app.add_middleware(AccessLog)
+        app.add_middleware(AccessLog, verbose=settings.verbose)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -161,6 +164,7 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
     ) -> Response:
         sessions = submit(prepared)
         setattr(request.state, ENGINE_KEY, prepared[0][0].engine_spec)
+        setattr(request.state, SESSIONS_KEY, sessions)
         shape = ResponseShape(chat, model.name)
         format = LogprobFormat(model.tokenizer, chat)
         if body.stream:
@@ -220,6 +224,10 @@ def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
         body, prepared = await asyncio.to_thread(read_chat, await request.body())
         return await answer(request, body, prepared, True)
 
+    # text to tokenize may be longer than a prompt this server takes (a client counting it
+    # learns that), but no longer than the model's context could hold
+    most_tokenized = TextBound(model, dataclasses.replace(settings, max_prompt_tokens=None))
+    add_tokenizer_routes(app, model, settings, most_tokenized.check, parse_body)
     return app
 
 

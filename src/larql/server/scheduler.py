@@ -70,6 +70,7 @@ import torch
 
 from larql.errors import LarqlError
 from larql.inference.batching import StepRolledBack
+from larql.inference.decode_path import decode_path
 from larql.inference.engine import Engine
 from larql.inference.errors import BackendUnavailable, EngineError
 from larql.inference.ffn import FfnBackend
@@ -215,7 +216,16 @@ class Session:
         self.step_rows = 1  # rows of work this turn's decode step may do (a step in parts)
         self.scorer: PromptScorer | None = None  # an echoed prompt's scores, as parts go in
         self.held: list[TokenEvent] = []  # an unstreamed request's pieces, until its end
+        # what ran, noted as it ends (`larql serve -v` logs it): prompt tokens taken from the
+        # prefix cache, tokens generated, the decode path of its steps
+        self.cached_tokens = 0
+        self.generated = 0
+        self.decode_path: str | None = None
         self._loop = loop
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
 
     def emit(self, event: Event) -> None:
         """Hand `event` to the request's coroutine. An unstreamed request's text pieces wait
@@ -820,6 +830,7 @@ class Scheduler:
         assert stream.engine is not None
         scored = tuple(stream.scorer.records) if stream.scorer is not None else ()
         stream.memory = stream.engine.memory()
+        self._note_what_ran(stream)
         stream.emit(PromptEvent(scored))
         stream.emit(DoneEvent("length", len(stream.request.prompt_ids), (), stream.memory))
         self.metrics.e2e_latency.observe(time.perf_counter() - stream.arrived)
@@ -846,6 +857,15 @@ class Scheduler:
             )
             if request.logprobs is not None and request.scores_prompt:
                 stream.scorer = PromptScorer(self.model, request.prompt_ids, request.logprobs)
+            log.debug(
+                "session starts: %s, %d prompt tokens (%d from the prefix cache), up to %d "
+                "new, after %.1f ms waiting",
+                request.engine_spec,
+                len(request.prompt_ids),
+                resumed.tokens if resumed is not None else 0,
+                request.max_new_tokens,
+                1000 * (time.perf_counter() - stream.arrived),
+            )
         return stream.generation
 
     def _cached_start(self, request: SessionRequest) -> CachedStart | None:
@@ -892,6 +912,7 @@ class Scheduler:
         tail = text.flush()
         if tail:
             stream.emit(TokenEvent(tail, stream.track.ready(len(text.text))))
+        self._note_what_ran(stream)  # before its end reaches the request (and its log line)
         done = DoneEvent(
             generation.finish_reason,
             len(stream.request.prompt_ids),
@@ -909,10 +930,27 @@ class Scheduler:
                 self._active.remove(stream)
             self._end(stream, outcome)
 
+    def _note_what_ran(self, stream: Session) -> None:
+        generation = stream.generation
+        if generation is None or stream.decode_path is not None:
+            return
+        stream.cached_tokens = generation.held
+        stream.generated = len(generation.tokens)
+        stream.decode_path = decode_path(
+            self.model, generation.decode_kinds, len(generation.step_ms)
+        )
+        log.debug(
+            "session ends: %s, %d generated, decode path: %s",
+            stream.request.engine_spec,
+            stream.generated,
+            stream.decode_path,
+        )
+
     def _end(self, stream: Session, outcome: str) -> None:
         """Free the session's engine state and count how it ended (lock held)."""
         if stream.ended:
             return
+        self._note_what_ran(stream)
         stream.ended = True
         stream.generation = None
         stream.engine = None

@@ -24,6 +24,7 @@ class ServerSettings:
     # names the `model` field may carry besides the model's own (e.g. the -m path it came from)
     model_aliases: tuple[str, ...] = ()
     access_log: bool = False  # a line on stderr per request (`larql serve` unless --quiet)
+    verbose: bool = False  # the access log says what each request ran (`larql serve -v`)
     # bytes of engine state the prefix cache keeps (0: no cache; None: a share of the memory,
     # `prefix_cache.default_size`)
     prefix_cache_bytes: int | None = None
