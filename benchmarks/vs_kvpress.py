@@ -6,20 +6,34 @@ token ids go to a kvpress worker as JSON, so both sides see the same tokens. kvp
 its pipeline's own compress-then-ask path (`KVPressTextGenerationPipeline._forward`: the
 context prefilled under the press, then each question greedily on the compressed cache, the
 answer removed after it) on the model transformers loads from the same GGUF (dequantised to
-float32). Both continuations are cut and scored by the same function
-(`larql.harness.ruler.tasks.answer_text` / `query_score`). Bytes: kvpress's the K/V tensors its
-cache holds after the context; larql's the engine's state after the context (float32 both).
+`--dtype`, float32 by default); larql's side loads the same GGUF with its float weights
+(`weights="float"`) in that dtype. Both run on `--device` (cpu or cuda). Both continuations are
+cut and scored by the same function (`larql.harness.ruler.tasks.answer_text` / `query_score`).
+Bytes: kvpress's the K/V tensors its cache holds after the context; larql's the engine's state
+after it.
 
-kvpress is not a dependency of larql (it pins its own transformers), so it lives in a venv of its
-own, beside the checkout by default:
+The contexts are raw text (no chat template) on both sides; kvpress's KVzip reads its tokenizer
+again from `model.config.name_or_path`, so the worker saves the loaded GGUF tokenizer (its chat
+template left out, as larql's `kvzip` reconstructs a raw context: "Repeat the previous context
+exactly." then a newline) to a temporary folder and points the config there.
+
+kvpress is not a dependency of larql (it pins its own transformers), so it runs in a Python of
+its own: a venv beside the checkout by default,
 
     python3 -m venv ../kvpress-venv && ../kvpress-venv/bin/pip install kvpress==0.5.5 \\
         transformers==4.57.6 gguf --extra-index-url https://download.pytorch.org/whl/cpu
     .venv/bin/python benchmarks/vs_kvpress.py [--quick] [--tasks niah-single,niah-multikey]
         [--lengths 1024] [--samples 2] [--keeps 0.5,0.25,0.1] [--presses snapkv,tova]
-        [--engines "snapkv:budget={budget}"] [--kvpress-python PATH] [--json]
+        [--engines "snapkv:budget={budget}"] [--device cpu|cuda] [--dtype float32]
+        [--kvpress-python PYTHON] [--kvpress-pythonpath DIR] [--json]
 
-Without that venv the script says how to make it and exits 0. `--engines` are larql specs in
+or any Python with the packages unpacked in a folder (`pip install --target DIR kvpress==0.5.5
+transformers==4.57.6 gguf`): `--kvpress-python python3 --kvpress-pythonpath DIR` (DIR goes first
+on the worker's PYTHONPATH; several folders are joined by the path separator). `--kvpress-python`
+is a path or a command on PATH (`KVPRESS_PY` sets its default). The worker runs with the Hugging
+Face libraries offline (`HF_HUB_OFFLINE=1`, `TRANSFORMERS_OFFLINE=1`): it reads the GGUF only.
+
+Without that Python the script says how to make it and exits 0. `--engines` are larql specs in
 which `{keep}` becomes the keep fraction, `{budget}` the rows it keeps of each sample's
 context and `{half}` half of them; a template whose engine the catalog lacks is left out (the
 default lists every eviction engine that takes `keep=` where the catalog has it, and `snapkv` /
@@ -31,6 +45,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -57,6 +73,7 @@ INSTALL = (
     "transformers==4.57.6 gguf --extra-index-url https://download.pytorch.org/whl/cpu"
 )
 PRESSES = ("snapkv", "expected-attention", "kvzip", "keydiff", "tova")
+DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = (
     "snapkv:budget={budget}",
     "h2o:budget={budget},recent={half}",
@@ -66,30 +83,39 @@ ENGINES = (
     "tova:keep={keep}",
 )
 
-# Runs in the kvpress venv: argv = the GGUF's directory and file name; stdin = {"presses":
-# [[name, keep]...], "samples": [{"context": [ids], "questions": [[ids]...], "max_new": n}]};
-# one JSON line per sample × press on stdout.
+# Runs in the kvpress Python: argv = the GGUF's directory and file name, the device, the dtype;
+# stdin = {"presses": [[name, keep]...], "samples": [{"context": [ids], "questions": [[ids]...],
+# "max_new": n}]}; one JSON line per sample × press on stdout.
 WORKER = r"""
-import json, sys, time, traceback
+import json, sys, tempfile, time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, pipeline
 import kvpress
 
 torch.set_grad_enabled(False)
-folder, name = sys.argv[1], sys.argv[2]
+folder, name, device, dtype = sys.argv[1:5]
 job = json.loads(sys.stdin.read())
-model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))
+model = model.to(device).eval()
 tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+# KVzip loads a tokenizer from model.config.name_or_path (without the gguf_file): give it this
+# one, saved without its chat template (the contexts here are raw text, no template's prefix)
+plain = tempfile.TemporaryDirectory(prefix="kvpress-tokenizer-")
+template, tokenizer.chat_template = tokenizer.chat_template, None
+tokenizer.save_pretrained(plain.name)
+model.config.save_pretrained(plain.name)
+tokenizer.chat_template = template
+model.config.name_or_path = plain.name
+pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device=device)
 CLASSES = {"snapkv": "SnapKVPress", "expected-attention": "ExpectedAttentionPress",
            "kvzip": "KVzipPress", "keydiff": "KeyDiffPress", "tova": "TOVAPress"}
 for i, sample in enumerate(job["samples"]):
-    for name, keep in job["presses"]:
-        row = {"sample": i, "press": name, "keep": keep}
+    for press_name, keep in job["presses"]:
+        row = {"sample": i, "press": press_name, "keep": keep}
         try:
             press = None
-            if name != "none":
-                press = getattr(kvpress, CLASSES[name])(compression_ratio=1.0 - keep)
+            if press_name != "none":
+                press = getattr(kvpress, CLASSES[press_name])(compression_ratio=1.0 - keep)
             cache = DynamicCache()
             inputs = {"context_ids": torch.tensor([sample["context"]]),
                       "questions_ids": [torch.tensor([q]) for q in sample["questions"]]}
@@ -101,7 +127,26 @@ for i, sample in enumerate(job["samples"]):
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         print(json.dumps(row), flush=True)
+plain.cleanup()
 """
+
+
+def _worker_env(pythonpath: str | None) -> dict[str, str]:
+    """The worker's environment: `--kvpress-pythonpath` first on PYTHONPATH, the Hugging Face
+    libraries offline (it reads the local GGUF only)."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    return env
+
+
+def _kvpress_command(python: str) -> list[str] | None:
+    """`--kvpress-python` (a path or a command on PATH, with any arguments of its own) → its
+    argv with the executable resolved, or None where there is no such executable."""
+    words = shlex.split(python)
+    found = shutil.which(words[0]) if words else None
+    return None if found is None else [found, *words[1:]]
 
 
 @dataclass
@@ -121,10 +166,11 @@ def _kvpress_rows(
     job = json.dumps({"presses": presses, "samples": ids})
     started = time.perf_counter()
     proc = subprocess.Popen(
-        [str(args.kvpress_python), "-c", WORKER, str(gguf.parent), gguf.name],
+        [*args.kvpress_command, "-c", WORKER, str(gguf.parent), gguf.name, args.device, args.dtype],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        env=_worker_env(args.kvpress_pythonpath),
     )
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(job)
@@ -167,7 +213,7 @@ def _larql_rows(args: argparse.Namespace, model, samples: list[Sample]) -> list[
         for sample in samples:
             tokens = len(model.tokenizer.encode(sample.context))
             budget = max(2, round(keep * tokens))
-            method = "larql " + template.split(":")[0]
+            method = "larql " + _label(template)
             row = rows.setdefault(
                 (sample.task, method, keep), Row(sample.task, method, keep, [], [])
             )
@@ -188,6 +234,14 @@ def _larql_rows(args: argparse.Namespace, model, samples: list[Sample]) -> list[
                 file=sys.stderr,
             )
     return list(rows.values())
+
+
+def _label(template: str) -> str:
+    """A template's row name: the engine and the parameters it fixes (`kvzip:heads=adaptive`),
+    not the ones filled per keep."""
+    name, _, params = template.partition(":")
+    fixed = [p for p in params.split(",") if p and "{" not in p]
+    return name + (":" + ",".join(fixed) if fixed else "")
 
 
 def _available(template: str) -> bool:
@@ -229,15 +283,25 @@ def main() -> None:
     parser.add_argument("--keeps", default="0.5,0.25,0.1")
     parser.add_argument("--presses", default=",".join(PRESSES))
     parser.add_argument("--engines", default=";".join(ENGINES), help="larql spec templates")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N), both sides")
+    parser.add_argument(
+        "--dtype", default="float32", choices=DTYPES, help="both sides' weights and K/V"
+    )
     parser.add_argument(
         "--kvpress-python",
-        type=Path,
-        default=Path(os.environ.get("KVPRESS_PY", DEFAULT_KVPRESS_PYTHON)),
+        default=os.environ.get("KVPRESS_PY", str(DEFAULT_KVPRESS_PYTHON)),
+        help="the Python that has kvpress: a path or a command on PATH",
+    )
+    parser.add_argument(
+        "--kvpress-pythonpath",
+        default=None,
+        help="folder(s) put first on the kvpress Python's PYTHONPATH (a `pip install --target`)",
     )
     parser.add_argument("--json", action="store_true", help="the rows as JSON, not a table")
     args = parser.parse_args()
-    if not os.access(args.kvpress_python, os.X_OK):
-        print(f"no kvpress venv at {args.kvpress_python}; make it with: {INSTALL}")
+    args.kvpress_command = _kvpress_command(args.kvpress_python)
+    if args.kvpress_command is None:
+        print(f"no kvpress Python at {args.kvpress_python}; make it with: {INSTALL}")
         return
     if args.quick:
         args.tasks, args.lengths, args.samples, args.keeps = (
@@ -257,7 +321,10 @@ def main() -> None:
     _, gguf = resolve_model_path(args.model)
     if gguf.is_dir():
         sys.exit(f"{args.model} is an HF directory; name its .gguf")
-    model = load_model(args.model)
+    try:
+        model = load_model(args.model, dtype=args.dtype, device=args.device, weights="float")
+    except LarqlError as e:
+        sys.exit(f"{args.model}: {e}")
     lengths = tuple(int(n) for n in args.lengths.split(","))
     samples = generate_samples(model.tokenizer, args.tasks, lengths, args.samples, args.seed)
     ids = [
@@ -276,7 +343,7 @@ def main() -> None:
         return
     print(
         f"{model.name}, {len(samples)} samples ({', '.join(args.tasks)} × {args.lengths} "
-        f"tokens × {args.samples}), seed {args.seed}"
+        f"tokens × {args.samples}), seed {args.seed}, {args.device}, {args.dtype}"
     )
     print(_table(rows))
 

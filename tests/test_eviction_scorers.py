@@ -15,7 +15,16 @@ import torch
 import larql
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import generate
-from larql.inference.layer import attend, embed_rows, final_logits, project_qkv, token_tensor
+from larql.inference.layer import (
+    attend,
+    embed_rows,
+    final_logits,
+    project_qkv,
+    project_qkv_with_rope,
+    rope_table,
+    token_tensor,
+)
+from larql.inference.rope import apply_rope
 from larql.inference.snapshots import SnapshotCorrupt, StateReader, StateWriter
 from larql.kv import parse_engine
 from larql.kv.catalog import catalog_rows
@@ -181,6 +190,43 @@ def test_packed_attention_is_a_per_head_loop(seed: int, smollm2: Model) -> None:
         assert torch.allclose(rows.attend(model, 0, q[:, -2:-1]), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("queries", [0, 32])
+def test_expected_attention_scores_are_the_published_formula(queries: int, smollm2: Model):
+    """Layer 0's scores on a prompt longer than 128 tokens against the method written out:
+    the statistics of the queries after the 4 sinks (or the last `queries`) before RoPE, the
+    rotation averaged over the next 512 positions, a softmax per query head over the non-sink
+    rows, the group's mean, × ‖v‖; the sinks scored as the best row."""
+    model, sinks, future = smollm2, 4, 512
+    ids = model.tokenizer.encode(TEXT + " " + TEXT)
+    assert len(ids) > 128
+    engine = parse_engine(f"expected-attention:keep=0.5,queries={queries}").build(model)
+    with torch.inference_mode():
+        h, _ = embed_rows(model, token_tensor(model, ids))
+        q, k, v = project_qkv(model, 0, h, 0)
+        got = engine._row_scores(model, 0, engine._observe(model, 0, None, q, 0, k), k, v)
+        cos, sin = rope_table(model, 0).slice(0, len(ids))
+        plain = project_qkv_with_rope(model, 0, h, torch.ones_like(cos), torch.zeros_like(sin))[0]
+        plain = plain[:, sinks:][:, -queries:].double()  # [Hq, n, D], unrotated
+        mean = plain.mean(dim=1, keepdim=True)
+        cov = (plain - mean).transpose(1, 2) @ (plain - mean) / plain.shape[1]
+        cos, sin = rope_table(model, 0).slice(len(ids), future)
+        dim = q.shape[-1]
+        basis = torch.eye(dim, dtype=cos.dtype).expand(future, dim, dim)
+        rotation = apply_rope(basis, cos[:, None], sin[:, None]).double().mean(0).T  # mean R(p)
+        mu, sigma = mean @ rotation.T, rotation @ cov @ rotation.T
+        keys, s = k[:, sinks:].double(), model.config.attn_scale
+        group = q.shape[0] // k.shape[0]
+        want = []
+        for head in range(q.shape[0]):
+            kv = keys[head // group]
+            z = s * kv @ mu[head, 0] + s * s / 2 * ((kv @ sigma[head]) * kv).sum(-1)
+            want.append(torch.softmax(z, dim=0))
+        want = torch.stack(want).view(k.shape[0], group, -1).mean(1)
+        want = want * v[:, sinks:].double().norm(dim=-1)
+    assert torch.allclose(got[:, sinks:].double(), want, rtol=1e-4, atol=1e-9)
+    assert torch.equal(got[:, :sinks], got.amax(dim=-1, keepdim=True).expand(-1, sinks))
+
+
 def decode(engine, model: Model, tokens: list[int]) -> list[torch.Tensor]:
     ffn = DenseFfn(model)
     with torch.inference_mode():
@@ -235,7 +281,7 @@ def test_packed_offsets_are_checked_on_load(smollm2: Model) -> None:
         ("kvzip:keep=0.5,budget=64", "keep or budget, not both"),
         ("snapkv:keep=0.5,budget=64", "keep or budget, not both"),
         ("expected-attention:heads=mixed", "must be one of uniform, adaptive"),
-        ("expected-attention:queries=1", "must be ≥ 2"),
+        ("expected-attention:queries=1", "must be 0 (every query) or ≥ 2"),
         ("keydiff:layers=cone", "must be one of uniform, pyramid"),
     ],
 )

@@ -196,7 +196,45 @@ def test_the_kvpress_comparison_skips_without_its_venv(tmp_path: Path) -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("\n") == 1 and "no kvpress venv" in result.stdout
+    assert result.stdout.count("\n") == 1 and "no kvpress Python" in result.stdout
+
+
+def _vs_kvpress():
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "vs_kvpress.py"
+    spec = importlib.util.spec_from_file_location("vs_kvpress", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_kvpress_worker_takes_a_command_a_pythonpath_and_stays_offline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+    import shutil
+    import sys
+
+    bench = _vs_kvpress()
+    python = Path(sys.executable)
+    monkeypatch.setenv("PATH", str(python.parent))
+    assert bench._kvpress_command(python.name) == [shutil.which(python.name)]
+    assert bench._kvpress_command(f"{python} -X utf8") == [str(python), "-X", "utf8"]
+    assert bench._kvpress_command("no-such-python-here") is None
+    monkeypatch.setenv("PYTHONPATH", "/already")
+    env = bench._worker_env("/target")
+    assert env["PYTHONPATH"].split(os.pathsep) == ["/target", "/already"]
+    assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == "1"
+    monkeypatch.delenv("PYTHONPATH")
+    assert bench._worker_env("/target")["PYTHONPATH"] == "/target"
+    assert "PYTHONPATH" not in bench._worker_env(None)
+    # two templates of one engine are two rows
+    assert bench._label("kvzip:keep={keep},heads=adaptive") == "kvzip:heads=adaptive"
+    assert bench._label("kvzip:keep={keep}") == "kvzip"
 
 
 def test_the_table_grows_down_with_the_engines_and_never_breaks_a_name() -> None:

@@ -32,6 +32,7 @@ IN_PARTS = [  # every live engine, with parameters that make its policy act on t
     "tova:budget=6,recent=2,sinks=1",
     "keydiff:budget=6,recent=2,sinks=1,heads=adaptive",
     "expected-attention:budget=6,recent=2,sinks=1,queries=4",
+    "expected-attention:budget=6,recent=2,sinks=3",
     "boundary-kv:chunk_tokens=4",
     "semantic-promotion:base=no-cache",
 ]

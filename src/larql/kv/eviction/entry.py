@@ -207,6 +207,12 @@ _KEEPS = (
 )
 _LOSSY = "exact while the prompt fits the budget (keep=1); else bounded KL vs standard "
 
+
+def _zero_or_at_least_two(value: int) -> str | None:
+    # one query has no covariance; 0 is every query after the sinks
+    return None if value == 0 or value >= 2 else "must be 0 (every query) or ≥ 2"
+
+
 EXPECTED_ATTENTION = EngineEntry(
     name="expected-attention",
     purpose="evicts rows future queries will skip",
@@ -216,9 +222,10 @@ EXPECTED_ATTENTION = EngineEntry(
         Param(
             "queries",
             int,
-            128,
-            "the prompt's last queries whose mean and covariance model the future ones",
-            at_least(2),
+            0,
+            "the prompt queries whose mean and covariance model the future ones: 0, every one "
+            "after the sinks; N, the last N of them",
+            _zero_or_at_least_two,
             bound=TOKENS,
         ),
         Param(
@@ -233,7 +240,8 @@ EXPECTED_ATTENTION = EngineEntry(
     ),
     keeps=_KEEPS,
     contract=_LOSSY + "(destructive: prompt rows evicted once, at the prompt's end, before any "
-    "question is seen; query-aware when the question ends the prompt, within `queries`)",
+    "question is seen; query-aware when the question ends the prompt and `queries` is about its "
+    "length)",
     factory=lambda p, model: ExpectedAttentionEngine(
         budget_of("expected-attention", p),
         p["queries"],
