@@ -143,6 +143,27 @@ def test_a_pyramid_moves_the_budget_down_the_layers_in_the_same_bytes(
     assert torch.isfinite(final_logits(smollm2, hidden)).all()
 
 
+def test_kvzip_across_layers_keeps_one_budget_for_the_model(smollm2: Model) -> None:
+    """layers=adaptive: the rows picked across every layer and head by raw score — the layers'
+    and heads' counts differ, their sum is the uniform budget's, the protected rows stay."""
+    ids = smollm2.tokenizer.encode(" ".join([TEXT] * 4))
+    engines = {}
+    for spec in ("kvzip:keep=0.25", "kvzip:keep=0.25,layers=adaptive"):
+        engines[spec] = engine = parse_engine(spec).build(smollm2)
+        with torch.inference_mode():
+            engine.prefill(smollm2, DenseFfn(smollm2), ids)
+    even, across = engines.values()
+    counts = [layer.counts() for layer in across._layers]
+    assert sum(map(sum, counts)) == sum(len(layer) * 3 for layer in even._layers)
+    assert len({sum(c) for c in counts}) > 5  # the layers hold different shares
+    floor = across.budget.sinks + across.budget.recent
+    assert min(min(c) for c in counts) >= floor
+    fork = across.fork(smollm2)
+    ffn = DenseFfn(smollm2)
+    with torch.inference_mode():
+        assert torch.equal(across.decode_step(smollm2, ffn, 11), fork.decode_step(smollm2, ffn, 11))
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_packed_attention_is_a_per_head_loop(seed: int, smollm2: Model) -> None:
     """Each head attends over its own rows only: packed rows of unequal counts, then a decoded
@@ -282,7 +303,9 @@ def test_packed_offsets_are_checked_on_load(smollm2: Model) -> None:
         ("snapkv:keep=0.5,budget=64", "keep or budget, not both"),
         ("expected-attention:heads=mixed", "must be one of uniform, adaptive"),
         ("expected-attention:queries=1", "must be 0 (every query) or ≥ 2"),
-        ("keydiff:layers=cone", "must be one of uniform, pyramid"),
+        ("keydiff:layers=cone", "must be one of uniform, pyramid, adaptive"),
+        ("keydiff:layers=adaptive", "needs every layer's scores before any is cut"),
+        ("snapkv:layers=adaptive", "needs every layer's scores before any is cut"),
     ],
 )
 def test_bad_selections_are_refused(spec: str, message: str) -> None:

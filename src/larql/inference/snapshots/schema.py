@@ -84,6 +84,10 @@ class StateReader:
         self._read.add(key)
         return self.fields[key]
 
+    def has_field(self, name: str) -> bool:
+        """Whether the state holds field `name` (a layout the engine may write either way)."""
+        return self.prefix + name in self.fields
+
     def integer(self, name: str, least: int = 0, most: int | None = None) -> int:
         value = self._field(name)
         if type(value) is not int:

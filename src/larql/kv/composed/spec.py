@@ -59,7 +59,8 @@ class ComposedSpec(EngineSpec):
         policy = self.eviction.build(model, profiling)
         quantiser = self._quantiser_spec().build(model, profiling)
         assert isinstance(policy, EvictingEngine) and isinstance(quantiser, TurboQuantEngine)
-        adaptive = self.eviction.params.get("heads") == "adaptive"
+        params = self.eviction.params
+        adaptive = params.get("heads") == "adaptive" or params.get("layers") == "adaptive"
         policy.storage = QuantisedStorage(quantiser, adaptive)
         policy.name = self.entry.name  # type: ignore[misc]  # this engine's name, not the class's
         policy.spec_string = self.spec()

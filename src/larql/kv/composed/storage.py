@@ -144,7 +144,8 @@ class QuantisedStorage:
     def read(
         self, state: StateReader, model: Model, layer: int, most: int
     ) -> KeptCodes | RaggedCodes:
-        if self.adaptive and not SharedKv(model.config).is_source(layer):
+        # a layer the policy kept whole is held as one store even under heads=adaptive
+        if self.adaptive and state.has_field("ragged.tail.rows"):
             make = partial(self._empty, model, layer)
             return RaggedCodes.read_state(state, make, model.config.kv_heads_of(layer), most)
         store = self._empty(model, layer)

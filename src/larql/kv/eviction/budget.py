@@ -28,8 +28,8 @@ import torch
 
 HeadsMode = Literal["uniform", "adaptive"]
 HEADS_MODES = ("uniform", "adaptive")
-LayersMode = Literal["uniform", "pyramid"]
-LAYERS_MODES = ("uniform", "pyramid")
+LayersMode = Literal["uniform", "pyramid", "adaptive"]
+LAYERS_MODES = ("uniform", "pyramid", "adaptive")
 SPREAD = 0.5  # pyramid: layer 0 keeps 1.5× the budget, the last layer 0.5×
 
 
@@ -99,6 +99,21 @@ class Budget:
         position = torch.arange(t, device=scores.device)
         always = (position < self.sinks) | (position >= t - self.recent)  # [T]
         return scores.masked_fill(always, float("inf"))
+
+    def across_layers(self, scores: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+        """Each layer's scores [Hkv, T] (one prompt) → the rows each keeps, picked across every
+        layer and head by raw score, `count` per head on average: per layer the kept flat
+        indices head·T + position [N_l], in order (head-major, position order in a head)."""
+        marked = [self.protected(s.float()).reshape(-1) for s in scores]  # [Hkv·T] each
+        total = sum(m.shape[0] for m in marked) // scores[0].shape[-1] * count
+        chosen = torch.cat(marked).topk(total).indices.sort().values  # [total]
+        kept, start = [], 0
+        for m in marked:
+            end = start + m.shape[0]
+            lo, hi = torch.searchsorted(chosen, torch.tensor([start, end], device=chosen.device))
+            kept.append(chosen[lo:hi] - start)
+            start = end
+        return kept
 
     def uniform(self, scores: torch.Tensor, count: int) -> torch.Tensor:
         """scores [Hkv, T] → the `count` rows each head keeps, in position order [Hkv, count]."""

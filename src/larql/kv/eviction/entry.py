@@ -46,9 +46,10 @@ LAYERS = Param(
     "layers",
     str,
     "uniform",
-    "how the budget is split over the layers: uniform (each the same) or pyramid (the lower "
+    "how the budget is split over the layers: uniform (each the same), pyramid (the lower "
     f"layers more, the upper less, on a line from {1 + SPREAD:g}× to {1 - SPREAD:g}×; the same "
-    "bytes)",
+    "bytes) or adaptive (kvzip: one budget for the model, rows picked across every layer and "
+    "head by score, each head its own count)",
     one_of(*LAYERS_MODES),
     lower=True,
 )
@@ -79,10 +80,19 @@ def selection_params(sinks: int, recent: int) -> tuple[Param, ...]:
     )
 
 
+def _check_layers(name: str, p: Mapping[str, Any]) -> None:
+    if p["layers"] == "adaptive" and name != "kvzip":
+        raise MalformedEngineSpec(
+            f"{name}: layers=adaptive picks rows across every layer at once, which needs every "
+            "layer's scores before any is cut (kvzip's); use layers=uniform or layers=pyramid"
+        )
+
+
 def budget_of(name: str, p: Mapping[str, Any]) -> Budget:
     """A new scorer's selection from its parameters: keep or budget, not both."""
     if p["keep"] is not None and p["budget"] is not None:
         raise MalformedEngineSpec(f"{name}: give keep or budget, not both")
+    _check_layers(name, p)
     keep = DEFAULT_KEEP if p["keep"] is None and p["budget"] is None else p["keep"]
     return Budget(keep, p["budget"], p["sinks"], p["recent"], p["heads"], p["layers"])
 
@@ -99,6 +109,7 @@ def _snapkv(p: Mapping[str, Any]) -> SnapKvEngine:
             f"snapkv: kernel must be odd (centred pooling), got {p['kernel']}"
         )
     _replaced_budget("snapkv", p, 1024)
+    _check_layers("snapkv", p)
     return SnapKvEngine(
         p["budget"],
         p["window"],
@@ -118,6 +129,7 @@ def _h2o(p: Mapping[str, Any]) -> H2oEngine:
             f"budget={p['budget']}, recent={p['recent']}"
         )
     _replaced_budget("h2o", p, 512)
+    _check_layers("h2o", p)
     return H2oEngine(
         p["budget"],
         p["recent"],

@@ -19,6 +19,7 @@ from larql.inference.layer import embed_rows, layer_step, project_qkv, token_ten
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.buffers import KvBuffer
 from larql.kv.eviction.budget import Budget
+from larql.kv.eviction.ragged import RaggedRows
 from larql.kv.eviction.scores import attention_peak
 from larql.kv.eviction.scoring import ScoringEngine
 from larql.models.model import Model
@@ -29,6 +30,7 @@ RECONSTRUCTION_CHUNK = 512  # reconstruction positions per pass through the laye
 
 class KvZipEngine(ScoringEngine):
     name = "kvzip"
+    across_layers = True  # every layer scored before any is cut: layers=adaptive applies
 
     def __init__(self, budget: Budget, profiling: bool = False) -> None:
         super().__init__(budget, profiling)
@@ -57,9 +59,38 @@ class KvZipEngine(ScoringEngine):
             h = layer_step(model, layer, h, 0, kv, ffn, inputs=inputs, shared=shared)
         scores = self._reconstruction_scores(model, ffn, exact, rows, inputs)
         self._layers = []
+        across = self._across_layers(model, exact, scores)
         for layer, (kv, score) in enumerate(zip(exact, scores, strict=True)):
-            self._keep_prompt_layer(model, layer, kv, score)
+            if across[layer] is None:
+                self._keep_prompt_layer(model, layer, kv, score)
+            else:
+                self._layers.append(self._kept(model, layer, across[layer]))
         return h
+
+    def _across_layers(
+        self, model: Model, exact: list[KvBuffer], scores: list[torch.Tensor | None]
+    ) -> list[RaggedRows | None]:
+        """`layers=adaptive`: each scored layer's rows picked across every layer and head
+        (`Budget.across_layers`), packed per head; None where a layer keeps its own way (not
+        scored, the schedule is another, or the budget holds the whole prompt)."""
+        # a layer whose K/V a later layer reads keeps every head alike (`_adaptive`)
+        scored = [
+            layer
+            for layer, score in enumerate(scores)
+            if score is not None and not SharedKv(model.config).is_source(layer)
+        ]
+        across: list[RaggedRows | None] = [None] * len(scores)
+        if self.budget.layers != "adaptive" or not scored:
+            return across
+        t = len(exact[scored[0]])
+        count = self.budget.per_head(t)
+        if count >= t:
+            return across
+        picked = self.budget.across_layers([scores[layer] for layer in scored], count)
+        for layer, flat in zip(scored, picked, strict=True):
+            kv = exact[layer]
+            across[layer] = RaggedRows.picked(kv.keys, kv.values, flat // t, flat % t)
+        return across
 
     def _reconstruction_scores(
         self,

@@ -18,6 +18,7 @@ budget (adaptive: across heads, as the prompt's selection). The others keep ever
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import ClassVar
 
 import torch
 
@@ -35,8 +36,17 @@ from larql.models.model import Model
 class ScoringEngine(EvictingEngine):
     evicts_in_decode = False
     compresses_once = True  # unless it evicts while decoding
+    # every layer's scores are known before any layer is cut, and compare across layers (the
+    # budget may then be one for the whole model: `layers=adaptive`)
+    across_layers: ClassVar[bool] = False
 
     def __init__(self, budget: Budget, profiling: bool = False) -> None:
+        if budget.layers == "adaptive" and not self.across_layers:
+            raise ValueError(
+                f"{self.name}: layers=adaptive picks rows across every layer at once, which "
+                "needs every layer's scores before any is cut (kvzip); use layers=uniform or "
+                "pyramid"
+            )
         super().__init__(profiling)
         self.budget = budget
 
