@@ -129,6 +129,22 @@ class ResidualStreamEngine(KvEngine):
         """The residual store's rows (`store.*`)."""
         self.store.write_state(state.scope("store"))
 
+    def fork_prefix(self, model: Model, tokens: int) -> Engine | None:
+        """The rows of the first `tokens` positions, copied alone: each position's residuals are
+        those a prefill of the first `tokens` tokens computes (a row depends only on the rows
+        before it), and the derivative K/V rows of those positions are theirs, so with a
+        lossless cold tier (`markov-rs`; the codec engines without a window, or on a bfloat16
+        model) the copy is exactly the state such a prefill leaves. Rows the longer context
+        had moved to the cold tier stay there as they are stored — coded by a lossy tier, their
+        K/V the ones re-derived from the coded rows — where a prefill of the prefix alone would
+        have kept the last `window` of them hot and exact: what the engine kept of them. Every
+        codec codes a row on its own, so no row of the prefix depends on those cut off."""
+        if tokens == self.position or not 0 < tokens < self.position or not self._forkable():
+            return super().fork_prefix(model, tokens)
+        state = StateWriter(keep_device=True)
+        self.store.write_state(state.scope("store"), tokens)
+        return self._fork_holding(model, state, tokens)
+
     def read_state(self, state: StateReader, model: Model) -> None:
         store = self._new_store(model)
         store.read_state(state.scope("store"), model, self.position)
