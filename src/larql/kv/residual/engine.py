@@ -263,9 +263,11 @@ class ResidualStreamEngine(KvEngine):
 
     def extends_exactly(self, model: Model) -> bool:
         """Where every layer's cold tier is lossless for the model's dtype (`markov-rs`; the bf16
-        tier on a bfloat16 model): a later chunk then attends over the K/V a whole prefill
-        computes. A lossy tier re-derives an evicted row's K/V from its stored form, which a
-        whole prefill's later rows never see."""
+        tier on a bfloat16 model), or no row ever goes cold (no window): a later chunk then
+        attends over the K/V a whole prefill computes. A lossy tier re-derives an evicted row's
+        K/V from its stored form, which a whole prefill's later rows never see."""
+        if self.window is None:
+            return True
         labels = set(self.codec_labels(model))
         return all(new_codec(label).lossless_for(model.dtype) for label in labels)
 
@@ -275,7 +277,8 @@ class ResidualStreamEngine(KvEngine):
         """rows [S, H] at the next positions (a prefill's next chunk) → their hidden [S, H]."""
         if not self.extends_exactly(model):
             raise BackendUnavailable(
-                f"{self.name} extends a prefill only with a lossless cold tier on this model"
+                f"{self.name} extends a prefill only with a lossless cold tier on this model "
+                f"(or no window)"
             )
         return self._rows(model, ffn, rows, inputs)
 
