@@ -1,7 +1,8 @@
 """The prefix cache: its radix tree against a brute-force search, and on the default model the
 states it hands out — a prefix cut from a longer prompt's state continues exactly as a prefill
-of the whole prompt for `standard`, a lossy engine keeps what it had of the prefix, copies are
-independent of the cached state, and memory stays within its bytes."""
+of the prefix for `standard` and the residual-stream engines (a lossless cold tier), a lossy
+engine keeps what it had of the prefix, copies are independent of the cached state, and memory
+stays within its bytes."""
 
 from __future__ import annotations
 
@@ -59,6 +60,47 @@ def test_the_tree_matches_as_a_brute_force_search(stored, probe, drop) -> None:
         assert nodes[entry.tokens] is entry.node
 
 
+# cut exactly: every row of the prefix is the one a prefill of it computes (the codec engines
+# code nothing without a window)
+EXACT_CUTS = [
+    "standard",
+    "markov-rs",
+    "markov-rs:window=16",
+    "markov-rs:kv_cache=0",
+    "markov-rs-codec",
+    "boundary-per-layer",
+]
+
+
+@pytest.mark.parametrize("spec", EXACT_CUTS)
+def test_a_cut_prefix_continues_as_a_prefill_of_the_prefix(smollm2: Model, spec: str) -> None:
+    first, second = _ids(smollm2, "What is kept?"), _ids(smollm2, "Why?")
+    cache = PrefixCache(2**30, min_tokens=8)
+    assert cache.store(smollm2, spec, first, _prefilled(smollm2, spec, first))
+    resumed = cache.lookup(smollm2, spec, second)
+    assert resumed is not None and resumed.tokens == _common(first, second) < len(second)
+    fresh = _prefilled(smollm2, spec, second[: resumed.tokens])
+    rest = second[resumed.tokens :]
+    cut_logits, cut_tokens = _answer(smollm2, resumed.engine, rest)
+    fresh_logits, fresh_tokens = _answer(smollm2, fresh, rest)
+    torch.testing.assert_close(cut_logits, fresh_logits, atol=1e-4, rtol=1e-4)
+    assert cut_tokens == fresh_tokens
+    engine = parse_engine(spec).build(smollm2)
+    whole = generate(engine, smollm2, DenseFfn(smollm2), second, 6, stop_ids=frozenset())
+    assert cut_tokens == whole.tokens
+
+
+def _answer(model: Model, engine, rest: list[int]) -> tuple[torch.Tensor, list[int]]:  # type: ignore[no-untyped-def]
+    """`rest` after the state `engine` holds → the first pick's logits [V] and 6 greedy tokens."""
+    session = GenerationSession(
+        engine, model, DenseFfn(model), rest, 6, stop_ids=frozenset(), resumes=True
+    )
+    tokens = [session.prefill()]
+    assert session.logits is not None
+    logits = session.logits.clone()
+    return logits, tokens + [session.step() for _ in range(5)]
+
+
 def test_a_cut_prefix_of_standard_continues_as_the_whole_prefill(smollm2: Model) -> None:
     ffn, first, second = DenseFfn(smollm2), _ids(smollm2, "What is kept?"), _ids(smollm2, "Why?")
     engine = parse_engine("standard").build(smollm2)
@@ -114,6 +156,35 @@ def test_a_lossy_engine_keeps_its_coded_rows_of_the_prefix(smollm2: Model) -> No
     )
     assert len([session.prefill()] + [session.step() for _ in range(3)]) == 4
     assert engine.position == len(prompt)  # the original is untouched
+
+
+@pytest.mark.parametrize("spec", ["markov-rs:window=16", "markov-rs-codec:window=16"])
+def test_a_residual_cut_keeps_its_cold_rows_as_they_are_stored(smollm2: Model, spec: str) -> None:
+    prompt = _ids(smollm2, "What is kept?")
+    engine = _prefilled(smollm2, spec, prompt)
+    store = engine.store
+    assert store.cold_len == len(prompt) - 16
+    for tokens, hot in ((100, 0), (len(prompt) - 6, 10)):  # a cut in the cold tier, in the hot
+        cut = engine.fork_prefix(smollm2, tokens)
+        assert cut is not None and cut.position == tokens
+        again = cut.fork(smollm2)  # a cut's split (fewer hot rows than the window) forks too
+        for copy in (cut, again):
+            kept = copy.store
+            assert (kept.cold_len, kept.hot_len) == (tokens - hot, hot)
+            for layer in (0, smollm2.config.num_layers - 1):
+                cold = store.cold_rows(layer)[: tokens - hot]
+                assert torch.equal(kept.cold_rows(layer), cold)  # coded rows stay as coded
+                if hot:
+                    assert torch.equal(kept.hot_rows(layer), store.hot_rows(layer)[:hot])
+                assert kept.kv is not None and store.kv is not None
+                assert torch.equal(kept.kv[layer].keys, store.kv[layer].keys[:, :tokens])
+    assert engine.position == len(prompt) and store.cold_len == len(prompt) - 16
+    ffn = DenseFfn(smollm2)
+    session = GenerationSession(
+        cut, smollm2, ffn, prompt[cut.position :], 4, stop_ids=frozenset(), resumes=True
+    )
+    assert len([session.prefill()] + [session.step() for _ in range(3)]) == 4
+    assert (cut.store.cold_len, cut.store.hot_len) == (len(prompt) + 3 - 16, 16)
 
 
 def test_least_recently_used_states_go_first_within_the_bytes(smollm2: Model) -> None:

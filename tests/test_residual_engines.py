@@ -598,6 +598,26 @@ def test_a_lossless_tier_extends_a_prefill_as_one_longer_prefill(smollm2: Model)
             codec.extend(model, ffn, ids[10:])
 
 
+@pytest.mark.parametrize("spec", ["markov-rs-codec", "boundary-per-layer"])
+def test_a_lossy_tier_no_row_reaches_extends_a_prefill(smollm2: Model, spec: str) -> None:
+    """Without a window no row goes cold, so a bf16 tier on a float32 model codes nothing and
+    a prompt in chunks gives the rows and K/V of the whole prompt at once."""
+    model, ffn = smollm2, DenseFfn(smollm2)
+    ids = model.tokenizer.encode(LONG_TEXT)[:23]
+    whole, chunked = residual_engine(spec, model), residual_engine(spec, model)
+    assert chunked.extends_exactly(model)
+    assert not residual_engine(f"{spec}:window=8", model).extends_exactly(model)
+    with torch.inference_mode():
+        expected = whole.prefill_all(model, ffn, ids)
+        chunked.prefill(model, ffn, ids[:10])
+        last = chunked.extend(model, ffn, ids[10:])
+    assert relative_error(last, expected[-1:]) <= 1e-5
+    assert chunked.store.cold_len == 0 and chunked.store.hot_len == 23
+    assert relative_error(chunked.store.hot.rows, whole.store.hot.rows) <= 1e-5
+    for layer in (0, 29):
+        assert relative_error(chunked.store.kv[layer].keys, whole.store.kv[layer].keys) <= 1e-5
+
+
 def test_a_store_of_two_codecs_keeps_each_layers_rows_in_its_tier() -> None:
     """Layers 0 and 2 lossless, 1 and 3 in bf16, layer 4 holding nothing (it shares K/V): one
     position's rows of every layer go in and out together; each layer's cold rows come back

@@ -364,7 +364,14 @@ class Engine(ABC):
     def fork(self, model: Model) -> Engine:
         """An independent copy of this engine and its state on `model` (decoding one leaves
         the other)."""
-        clone = fork_state(self, model)
+        return self._fork_holding(model)
+
+    def _fork_holding(
+        self, model: Model, state: StateWriter | None = None, position: int | None = None
+    ) -> Engine:
+        """`fork`; with `state`, a state this engine wrote of its first `position` positions
+        (on its device), a copy holding that instead of the whole state."""
+        clone = fork_state(self, model, state, position)
         clone._finishing = []
         clone._profiler = EngineProfiler(enabled=self._profiler.enabled)
         return clone
@@ -375,14 +382,19 @@ class Engine(ABC):
         prefill of those tokens leaves; a lossy engine's is what it kept of them (rows coded or
         evicted over the longer context stay so). By default only the whole state:
         `tokens` == `position`, where a snapshot can be taken."""
-        if tokens != self.position or not self._prefilled or self._finishing:
-            return None
-        if self.snapshot_refusal() is not None or self.prompt_part_way():
+        if tokens != self.position or not self._forkable():
             return None
         try:
             return self.fork(model)
         except SnapshotUnsupported:
             return None
+
+    def _forkable(self) -> bool:
+        """Whether the state now is one a fork can take: a prompt whole in, the work its policy
+        does on it done, and nothing that refuses a snapshot."""
+        if not self._prefilled or self._finishing or self.prompt_part_way():
+            return False
+        return self.snapshot_refusal() is None
 
     def restored(self, model: Model) -> None:
         """After `read_state`: the state now lives on `model`'s device."""

@@ -81,10 +81,14 @@ class KvBuffer:
         """Bytes allocated (what the process actually holds), not just the live rows."""
         return self._k.nbytes() + self._v.nbytes()
 
-    def write_state(self, state: StateWriter) -> None:
-        """Its live rows: `k`, `v` [n, Hkv, D] (nothing where it never held a row)."""
-        state.tensor("k", self._k.live_rows())
-        state.tensor("v", self._v.live_rows())
+    def write_state(self, state: StateWriter, rows: int | None = None) -> None:
+        """Its live rows: `k`, `v` [n, Hkv, D] (nothing where it never held a row); with
+        `rows`, only the first that many (the state of a prefix)."""
+        keys, values = self._k.live_rows(), self._v.live_rows()
+        if rows is not None and keys is not None and values is not None:
+            keys, values = keys[:rows], values[:rows]
+        state.tensor("k", keys)
+        state.tensor("v", values)
 
     def read_state(
         self, state: StateReader, count: int, dtype: torch.dtype, heads: int, dim: int

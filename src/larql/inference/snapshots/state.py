@@ -186,12 +186,16 @@ def restore_into(engine: Engine, reader: StateReader, model: Model, position: in
     engine.restored(model)
 
 
-def fork_state(engine: E, model: Model) -> E:
+def fork_state(
+    engine: E, model: Model, state: StateWriter | None = None, position: int | None = None
+) -> E:
     """An independent copy: the state's tensors copied where they are, everything the engine
-    rebuilds from its spec shared."""
-    state = declared_state(engine, keep_device=True)
+    rebuilds from its spec shared. `state` and `position`: a state the engine wrote of its
+    first `position` tokens (kept on its device), taken instead of its whole one."""
+    if state is None:
+        state = declared_state(engine, keep_device=True)
     clone = copy.copy(engine)
     reader = StateReader(state.fields, state.tensors, model.device)
-    restore_into(clone, reader, model, engine.position)
+    restore_into(clone, reader, model, engine.position if position is None else position)
     reader.finish()
     return clone

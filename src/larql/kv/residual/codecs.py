@@ -57,8 +57,9 @@ class ColdCodec(Protocol):
 
     def nbytes(self) -> int: ...
 
-    def write_state(self, state: StateWriter) -> None:
-        """Its stored rows as tensor `rows`."""
+    def write_state(self, state: StateWriter, count: int | None = None) -> None:
+        """Its stored rows as tensor `rows`; with `count`, the oldest that many only (each row
+        is coded on its own, so those are what it holds of a prefix)."""
         ...
 
     def read_state(
@@ -96,8 +97,8 @@ class IdentityCodec:
     def live_nbytes(self) -> int:
         return self._rows.live_nbytes()
 
-    def write_state(self, state: StateWriter) -> None:
-        state.tensor("rows", self._rows.live_rows())
+    def write_state(self, state: StateWriter, count: int | None = None) -> None:
+        state.tensor("rows", _first(self._rows.live_rows(), count))
 
     def read_state(
         self, state: StateReader, count: int, row_shape: tuple[int, ...], dtype: torch.dtype
@@ -136,14 +137,20 @@ class Bf16Codec:
     def live_nbytes(self) -> int:
         return self._payload.live_nbytes()
 
-    def write_state(self, state: StateWriter) -> None:
-        state.tensor("rows", self._payload.live_rows())  # uint16 bfloat16 bit patterns
+    def write_state(self, state: StateWriter, count: int | None = None) -> None:
+        # uint16 bfloat16 bit patterns
+        state.tensor("rows", _first(self._payload.live_rows(), count))
 
     def read_state(
         self, state: StateReader, count: int, row_shape: tuple[int, ...], dtype: torch.dtype
     ) -> None:
         payload = state.rows("rows", torch.uint16, count, row_shape)
         self._payload, self._dtype = GrowableRows.holding(payload), dtype
+
+
+def _first(rows: torch.Tensor | None, count: int | None) -> torch.Tensor | None:
+    """The oldest `count` of `rows` (all of them for None)."""
+    return rows if rows is None or count is None else rows[:count]
 
 
 CODECS: dict[str, type[IdentityCodec] | type[Bf16Codec]] = {

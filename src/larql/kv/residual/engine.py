@@ -129,6 +129,22 @@ class ResidualStreamEngine(KvEngine):
         """The residual store's rows (`store.*`)."""
         self.store.write_state(state.scope("store"))
 
+    def fork_prefix(self, model: Model, tokens: int) -> Engine | None:
+        """The rows of the first `tokens` positions, copied alone: each position's residuals are
+        those a prefill of the first `tokens` tokens computes (a row depends only on the rows
+        before it), and the derivative K/V rows of those positions are theirs, so with a
+        lossless cold tier (`markov-rs`; the codec engines without a window, or on a bfloat16
+        model) the copy is exactly the state such a prefill leaves. Rows the longer context
+        had moved to the cold tier stay there as they are stored — coded by a lossy tier, their
+        K/V the ones re-derived from the coded rows — where a prefill of the prefix alone would
+        have kept the last `window` of them hot and exact: what the engine kept of them. Every
+        codec codes a row on its own, so no row of the prefix depends on those cut off."""
+        if tokens == self.position or not 0 < tokens < self.position or not self._forkable():
+            return super().fork_prefix(model, tokens)
+        state = StateWriter(keep_device=True)
+        self.store.write_state(state.scope("store"), tokens)
+        return self._fork_holding(model, state, tokens)
+
     def read_state(self, state: StateReader, model: Model) -> None:
         store = self._new_store(model)
         store.read_state(state.scope("store"), model, self.position)
@@ -247,9 +263,11 @@ class ResidualStreamEngine(KvEngine):
 
     def extends_exactly(self, model: Model) -> bool:
         """Where every layer's cold tier is lossless for the model's dtype (`markov-rs`; the bf16
-        tier on a bfloat16 model): a later chunk then attends over the K/V a whole prefill
-        computes. A lossy tier re-derives an evicted row's K/V from its stored form, which a
-        whole prefill's later rows never see."""
+        tier on a bfloat16 model), or no row ever goes cold (no window): a later chunk then
+        attends over the K/V a whole prefill computes. A lossy tier re-derives an evicted row's
+        K/V from its stored form, which a whole prefill's later rows never see."""
+        if self.window is None:
+            return True
         labels = set(self.codec_labels(model))
         return all(new_codec(label).lossless_for(model.dtype) for label in labels)
 
@@ -259,7 +277,8 @@ class ResidualStreamEngine(KvEngine):
         """rows [S, H] at the next positions (a prefill's next chunk) → their hidden [S, H]."""
         if not self.extends_exactly(model):
             raise BackendUnavailable(
-                f"{self.name} extends a prefill only with a lossless cold tier on this model"
+                f"{self.name} extends a prefill only with a lossless cold tier on this model "
+                f"(or no window)"
             )
         return self._rows(model, ffn, rows, inputs)
 

@@ -15,8 +15,8 @@ HOT_WINDOW_DOC = (
 BATCHING = (
     "yes: with sessions of the same engine and parameters that keep their K/V (kv_cache=1), "
     "every layer of the step in one call on the CPU's compiled layer (the weights read once for "
-    "all), a new prompt riding in it (in chunks with a lossless cold tier, else whole); "
-    "elsewhere each steps in turn"
+    "all), a new prompt riding in it (in chunks with a lossless cold tier or no window, else "
+    "whole); elsewhere each steps in turn"
 )
 KV_CACHE_DOC = (
     "1: keep every position's K/V beside the residuals (fast; residuals + K/V: more bytes than "

@@ -214,21 +214,35 @@ class ResidualStore:
 
     # ------------------------------------------------------------------ saved state
 
-    def write_state(self, state: StateWriter) -> None:
+    def write_state(self, state: StateWriter, positions: int | None = None) -> None:
         """`hot` [hot_len, layers kept, H]; each cold tier's rows (`cold.N.rows`); whether the
-        derivative K/V is kept (`derivative`) and, if so, each layer's (`kv.N.k`, `.v`)."""
-        state.tensor("hot", self.hot.live_rows())
+        derivative K/V is kept (`derivative`) and, if so, each layer's (`kv.N.k`, `.v`).
+        With `positions`, the rows of the first that many positions only: those cold stay
+        cold as they are stored, the K/V rows past them are left out."""
+        if positions is None or positions == self.next_position:
+            hot, cold, kv_rows = self.hot.live_rows(), None, None
+        else:
+            if not 0 <= positions < self.next_position:
+                raise InvariantViolation(f"{positions} of {self.next_position} positions asked")
+            cold = min(positions, self.cold_len)
+            held = self.hot.live_rows()
+            hot = None if held is None else held[: positions - cold]
+            kv_rows = positions
+        state.tensor("hot", hot)
         for index, tier in enumerate(self.cold):
-            tier.codec.write_state(state.scope(f"cold.{index}"))
+            tier.codec.write_state(state.scope(f"cold.{index}"), cold)
         state.put("derivative", self.kv is not None)
         for layer, buffer in enumerate(self.kv or []):
-            buffer.write_state(state.scope(f"kv.{layer}"))
+            buffer.write_state(state.scope(f"kv.{layer}"), kv_rows)
 
     def read_state(self, state: StateReader, model: Model, position: int) -> None:
-        """Take back the rows of `position` positions into this empty store: the last `window`
-        hot, the rest cold, the K/V of every position where it was kept."""
+        """Take back the rows of `position` positions into this empty store: at most the last
+        `window` hot (fewer where the state is a longer one's prefix, whose rows cold then
+        stay so), the rest cold, the K/V of every position where it was kept."""
         cfg, dtype = model.config, model.dtype
-        hot_len = position if self.window is None else min(position, self.window)
+        hot_len = position
+        if self.window is not None:
+            hot_len = state.row_count("hot", 0, min(position, self.window))
         width = (len(self.layers), cfg.hidden_size)
         self.hot = GrowableRows.holding(state.rows("hot", dtype, hot_len, width))
         for index, tier in enumerate(self.cold):
