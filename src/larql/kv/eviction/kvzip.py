@@ -86,7 +86,13 @@ class KvZipEngine(ScoringEngine):
         count = self.budget.per_head(t)
         if count >= t:
             return across
-        picked = self.budget.across_layers([scores[layer] for layer in scored], count)
+        chosen = [scores[layer] for layer in scored]
+        if chosen[0].device.type == "meta":  # `larql memory`: the same rows in all, packed
+            heads = chosen[0].shape[0]
+            even = torch.arange(heads)[:, None] * t + torch.arange(count)[None, :]
+            picked = [even.reshape(-1).to(score.device) for score in chosen]
+        else:
+            picked = self.budget.across_layers(chosen, count)
         for layer, flat in zip(scored, picked, strict=True):
             kv = exact[layer]
             across[layer] = RaggedRows.picked(kv.keys, kv.values, flat // t, flat % t)
