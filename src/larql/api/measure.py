@@ -21,7 +21,13 @@ from larql.harness.accuracy.run import (
 from larql.harness.accuracy.run import default_specs as accuracy_specs
 from larql.harness.bench.engine_bench import BenchSettings
 from larql.harness.bench.prefix_bench import QUESTION_TOKENS
-from larql.harness.bench.run import BenchReport, bench_prompts, run_bench
+from larql.harness.bench.run import (
+    BenchJob,
+    BenchReport,
+    bench_prompts,
+    run_bench,
+    run_bench_in_workers,
+)
 from larql.harness.bench.run import default_specs as bench_specs
 from larql.inference.ffn import build_ffn
 from larql.inference.ffn.policy import FfnLayerPolicy, split_specs
@@ -67,6 +73,7 @@ def bench(
     batch: Sequence[int] | None = None,
     concurrent: int | None = None,
     shared_prefix: int | None = None,
+    workers: int = 1,
 ) -> BenchReport:
     """`larql bench`: time every engine (whole tokens) at each depth and report its memory;
     `batch` (e.g. [1, 4, 16]) also times that many sessions of each engine decoding at once
@@ -77,7 +84,13 @@ def bench(
     One of `prompt_tokens` (a prompt of N tokens cut from `text_file`, default the shipped
     licence text; 128 when none is given), `depths` (several such contexts) or `prompt`
     (text). `max_new_tokens`: the timed decode steps of each repeat, after `warmup` untimed
-    ones. `engines` None = the bench's default list. `progress` gets a line per stage."""
+    ones. `engines` None = the bench's default list. `progress` gets a line per stage.
+
+    `workers=N` spreads the engines over N processes, each loading the model again and timing
+    its share: on the CPU each pinned to its own 1/N of the cores with 1/N of the threads, on
+    CUDA (a model on `cuda`) worker i on cuda:(i mod the GPUs); the report has one process's
+    shape, and `meta["workers"]` says what ran where. Workers that share a CPU or a GPU time
+    each other's load too: compare such rows with each other only as a sweep's rough figures."""
     kinds = parse_engines(engines if engines is not None else bench_specs())
     named = (("prompt_tokens", prompt_tokens), ("depths", depths), ("prompt", prompt))
     given = [n for n, v in named if v is not None]
@@ -107,10 +120,26 @@ def bench(
     source_text, text_label = read_text(text_file)
     chosen = list(depths) if depths else [prompt_tokens] if prompt_tokens is not None else []
     prompts = bench_prompts(model, source_text, chosen, prompt, warmup + max_new_tokens)
-    router = build_ffn(model, ffn_policy)
     settings = BenchSettings(
         new_tokens=max_new_tokens, warmup=warmup, repeats=repeats, profile=profile
     )
+    prefix = (shared_prefix, source_text) if shared_prefix is not None else None
+    batches = list(batch) if batch else None
+    _at_least("workers", workers, 1)
+    if workers > 1 and len(kinds) > 1:
+        job = BenchJob(
+            [k.spec() for k in kinds],
+            ffn_policy,
+            prompts,
+            settings,
+            vs_hf,
+            text_label,
+            batches,
+            concurrent,
+            prefix,
+        )
+        return run_bench_in_workers(model, job, workers, progress)
+    router = build_ffn(model, ffn_policy)
     try:
         return run_bench(
             model,
@@ -121,9 +150,9 @@ def bench(
             vs_hf,
             text_label,
             progress,
-            list(batch) if batch else None,
+            batches,
             concurrent,
-            (shared_prefix, source_text) if shared_prefix is not None else None,
+            prefix,
         )
     finally:
         router.close()

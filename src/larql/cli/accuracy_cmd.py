@@ -136,9 +136,10 @@ def accuracy(
         int,
         typer.Option(
             "--workers",
-            help="Spread the engines over N processes (--suite prompts), each loading the model "
-            "and running --threads threads (give cores/N); the same table and JSON as one "
-            "process with those threads.",
+            help="Spread the work over N processes, each loading the model and running "
+            "--threads threads (give cores/N): the engines (--suite prompts), engine × sample "
+            "cells (longctx, ruler) or engines (ppl-position); the same table and JSON as one "
+            "process with those threads. --device cuda: worker i on cuda:(i mod GPUs).",
         ),
     ] = 1,
     dtype: DtypeOption = "float32",
@@ -193,10 +194,6 @@ def accuracy(
         )
     if workers < 1:
         raise InvalidInput(f"--workers must be ≥ 1, got {workers}")
-    if workers > 1 and suite != "prompts":
-        raise InvalidInput(
-            f"--workers spreads --suite prompts; --suite {suite} runs in one process"
-        )
     if suite != "ruler" and samples is not None:
         raise InvalidInput("--samples is for --suite ruler")
     if plot is not None and suite == "prompts" and no_fidelity:
@@ -214,14 +211,14 @@ def accuracy(
             )
         ruler_grid = RulerGrid.parse(quick, tasks, lengths, samples, seed)
         lm = open_model(model, dtype, device, threads, weights)
-        run_ruler_suite(lm, specs, ruler_grid, output, output_file, plot)
+        run_ruler_suite(lm, specs, ruler_grid, output, output_file, plot, workers, quiet)
         return
     if suite != "prompts":
         from larql.cli.accuracy_longctx import run_suite
 
         grid = SuiteGrid.parse(suite, quick, tasks, lengths, depths, seed)
         lm = open_model(model, dtype, device, threads, weights)
-        run_suite(lm, specs, ffn_specs, grid, text, output_file, plot)
+        run_suite(lm, specs, ffn_specs, grid, text, output_file, plot, workers, quiet)
         return
     lm = open_model(model, dtype, device, threads, weights)
     # the corpora, one item per strategy; the fidelity reference, then one per strategy

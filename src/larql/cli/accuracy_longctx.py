@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-from rich.progress import Progress
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from larql.cli.common import InvalidInput, stderr, stdout
 from larql.cli.outputs import write_text, writing
+from larql.cli.progress import Advance, progress_lines
 
 if TYPE_CHECKING:  # the CLI answers --help without importing torch
     from larql.models.model import Model
+
+Cell = TypeVar("Cell")  # what one engine on one unit of a suite gives
 
 SUITES = ("prompts", "longctx", "ruler", "ppl-position")
 
@@ -74,14 +76,48 @@ class SuiteGrid:
         fits = tuple(n for n in self.lengths if n + margin < model.config.max_positions)
         for n in sorted(set(self.lengths) - set(fits)):
             stderr.print(
-                f"[yellow]skipping length {n}: the model's context is "
-                f"{model.config.max_positions} tokens[/yellow]"
+                f"skipping length {n}: the model's context is {model.config.max_positions} tokens"
             )
         if not fits:
             raise InvalidInput(
                 f"no --lengths fits the model's context of {model.config.max_positions} tokens"
             )
         return fits
+
+
+def gather(
+    model: Model,
+    work: Callable[[Model, tuple[str, Any]], Cell],
+    specs: list[str],
+    units: list[Any],
+    workers: int,
+    progress: Advance,
+    label: Callable[[Cell], str],
+    engine_done: Callable[[list[Cell], list[Cell]], None] | None = None,
+) -> list[Cell]:
+    """`work(model, (spec, unit))` for every engine × unit, engine by engine, on `workers`
+    processes (`harness.workers.spread`: one runs here), → the cells in that order.
+    `progress(label(cell))` as each cell comes in; `engine_done(its cells, every cell so far)`
+    as each engine's last cell comes in after every earlier engine's, so that an engine's table
+    and the JSON so far come out in one process's order."""
+    from larql.harness.workers import spread
+
+    jobs = [(spec, unit) for spec in specs for unit in units]
+    cells: dict[int, Cell] = {}
+    per = len(units)
+    ready = 0  # engines handed to engine_done
+
+    def done(i: int, cell: Cell) -> None:
+        nonlocal ready
+        cells[i] = cell
+        progress(label(cell))
+        while ready < len(specs) and all(j in cells for j in range(ready * per, (ready + 1) * per)):
+            ready += 1
+            if engine_done is not None:
+                so_far = [cells[j] for j in range(ready * per)]
+                engine_done(so_far[-per:], so_far)
+
+    return spread(model, work, jobs, workers, done)
 
 
 def run_suite(
@@ -92,62 +128,71 @@ def run_suite(
     text: Path | None,
     output_file: Path | None,
     plot: Path | None,
+    workers: int = 1,
+    quiet: bool = False,
 ) -> None:
-    from larql.inference.ffn import build_ffn
-    from larql.kv.catalog import CATALOG
-
     if ffn_specs != ["dense"]:
         raise InvalidInput(f"--suite {grid.suite} runs the dense FFN; leave out --ffn")
-    kinds = [CATALOG.parse(s) for s in specs]
-    ffn = build_ffn(model, "dense")
     if grid.suite == "longctx":
-        _longctx(model, ffn, kinds, grid, output_file, plot)
+        _longctx(model, specs, grid, output_file, plot, workers, quiet)
     else:
-        _ppl_position(model, ffn, kinds, grid, text, output_file, plot)
+        _ppl_position(model, specs, grid, text, output_file, plot, workers, quiet)
 
 
-def _longctx(model, ffn, kinds, grid: SuiteGrid, output_file, plot) -> None:
+def _longctx(model, specs, grid: SuiteGrid, output_file, plot, workers, quiet) -> None:
     from larql.harness.longctx.report import longctx_report, longctx_tables, save_longctx_plot
-    from larql.harness.longctx.run import run_longctx
+    from larql.harness.longctx.run import score_job
     from larql.harness.longctx.tasks import dataset_hash, generate_samples
 
     lengths = grid.fitting(model, margin=96)
     samples = generate_samples(model.tokenizer, grid.tasks, lengths, grid.depths, grid.seed)
     digest = dataset_hash(samples)
     stdout.print(f"longctx dataset: seed {grid.seed}, {len(samples)} samples, hash {digest}")
-    cells = []
-    with Progress(console=stderr, transient=True) as bar:
-        task = bar.add_task("longctx", total=None)
-        for kind in kinds:  # each engine's table (and the JSON so far) as soon as it is done
-            mine = run_longctx(
-                model, ffn, [kind], samples, progress=lambda s: bar.update(task, description=s)
-            )
-            cells += mine
-            for table in longctx_tables(mine):
-                stdout.print(table)
-            if output_file is not None:
-                report = longctx_report(cells, model.name, grid.seed, digest)
-                write_text(output_file, json.dumps(report, indent=2), "--output-file")
+
+    def engine_done(mine, cells) -> None:  # its table (and the JSON so far) as soon as it is in
+        for table in longctx_tables(mine):
+            stdout.print(table)
+        if output_file is not None:
+            report = longctx_report(cells, model.name, grid.seed, digest)
+            write_text(output_file, json.dumps(report, indent=2), "--output-file")
+
+    with progress_lines("longctx", len(specs) * len(samples), quiet) as advance:
+        cells = gather(
+            model,
+            score_job,
+            specs,
+            samples,
+            workers,
+            advance,
+            lambda c: f"{c.engine}: {c.task} {c.length} @{c.depth_percent}%",
+            engine_done,
+        )
     if plot is not None:
         with writing(plot, "--plot"):
             save_longctx_plot(cells, plot, f"{model.name}: long-context score (hash {digest})")
 
 
-def _ppl_position(model, ffn, kinds, grid: SuiteGrid, text, output_file, plot) -> None:
+def _ppl_position(model, specs, grid: SuiteGrid, text, output_file, plot, workers, quiet) -> None:
     from larql.data import read_text
     from larql.harness.longctx.positions import (
+        cycled_ids,
+        position_job,
         position_report,
         position_table,
-        run_positions,
         save_position_plot,
     )
 
     body, label = read_text(text)
-    length = max(grid.fitting(model, margin=1))
-    with Progress(console=stderr, transient=True) as bar:
-        task = bar.add_task("ppl-position", total=None)
-        curves = run_positions(
-            model, ffn, kinds, body, length, progress=lambda s: bar.update(task, description=s)
+    ids = cycled_ids(model, body, max(grid.fitting(model, margin=1)))
+    with progress_lines("ppl-position", len(specs), quiet) as advance:
+        curves = gather(
+            model,
+            position_job,
+            specs,
+            [ids],
+            workers,
+            advance,
+            lambda c: f"{c.engine}: {len(ids)} positions",
         )
     stdout.print(position_table(curves, label))
     if output_file is not None:

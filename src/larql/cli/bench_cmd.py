@@ -26,6 +26,7 @@ from larql.cli.tensor_parallel import wanted as tensor_parallel_wanted
 
 if TYPE_CHECKING:  # torch loads in the command's body, not for `--help`
     from larql.harness.bench.engine_bench import EngineRow
+    from larql.models.model import Model
 
 
 def parse_int_list(value: str | None, option: str, minimum: int) -> list[int]:
@@ -121,6 +122,17 @@ def bench(
     weights: WeightsOption = "auto",
     threads: ThreadsOption = None,
     tensor_parallel: TensorParallelOption = 1,
+    workers: Annotated[
+        int,
+        typer.Option(
+            "--workers",
+            help="Spread the engines over N processes, each loading the model and timing its "
+            "share (interleaved as one process does): on the CPU each pinned to 1/N of the cores "
+            "with 1/N of --threads; --device cuda: worker i on cuda:(i mod GPUs). Workers that "
+            "share a CPU or a GPU slow each other (a warning says so).",
+            metavar="N",
+        ),
+    ] = 1,
     verbose: Annotated[
         bool,
         typer.Option(
@@ -140,7 +152,11 @@ def bench(
     ] = False,
 ) -> None:
     """Time every engine (whole tokens), report memory and roofline, optionally vs HF."""
-    options = {name: value for name, value in locals().items() if name != "tensor_parallel"}
+    options = {
+        name: value
+        for name, value in locals().items()
+        if name not in ("tensor_parallel", "workers")
+    }
     tokens = renamed(tokens, old_tokens, "-n/--max-tokens", "--tokens", 32)
     engine = renamed(engine, old_engines, "--engine", "--engines", None)
     prompt_tokens = renamed(prompt_tokens, old_context, "--prompt-tokens", "--context", None)
@@ -163,6 +179,7 @@ def bench(
         checked.append(("--prompt-tokens", prompt_tokens, 1))
     if concurrent is not None:
         checked.append(("--concurrent", concurrent, 1))
+    checked.append(("--workers", workers, 1))
     if shared_prefix is not None:
         checked.append(("--shared-prefix", shared_prefix, 1))
     for name, value, low in checked:
@@ -189,6 +206,8 @@ def bench(
     check_output_file(output_file, "--output-file")
     check_plot_file(plot)
     if tensor_parallel_wanted(tensor_parallel):
+        if workers > 1:
+            raise InvalidInput("give --workers or --tensor-parallel, not both")
         _check_tensor_parallel(options, tensor_parallel)
         options["threads"] = threads_per_rank(threads, tensor_parallel)
         launch(tensor_parallel, _rank_bench, options, device)
@@ -199,6 +218,9 @@ def bench(
     contexts = 1 if prompt is not None else len(depth_list) or 1
     total = contexts * (1 + bool(batch_sizes) + bool(concurrent) + vs_hf)
     total += shared_prefix is not None
+    if workers > 1 and len(kinds) > 1:  # a line as each worker's share comes back
+        total = min(workers, len(kinds))
+        _warn_shared(lm, total)
     with progress_lines("bench", total, quiet) as advance:
         report = run_bench(
             lm,
@@ -217,6 +239,7 @@ def bench(
             batch=batch_sizes or None,
             concurrent=concurrent,
             shared_prefix=shared_prefix,
+            workers=workers,
         )
     data = report.as_dict()
     if output_file is not None:
@@ -238,6 +261,23 @@ def bench(
             stdout.print(table)
     if verbose:
         verbose_rows(report.rows)
+
+
+def _warn_shared(model: Model, workers: int) -> None:
+    """Workers on one CPU (or GPU) time each other's load: say so, once, before they start."""
+    import torch
+
+    from larql.harness.workers import shares_hardware
+
+    device = model.load_args.device if model.load_args else str(model.device)
+    gpus = torch.cuda.device_count() if model.device.type == "cuda" else 0
+    if shares_hardware(device, workers, gpus):
+        where = "GPU" if model.device.type == "cuda" else "machine's memory and caches"
+        stderr.print(
+            f"warning: {workers} bench workers share this {where}: each row is timed "
+            "while other workers run, so rows are not comparable with one process's (nor, "
+            "strictly, with each other's); one GPU per worker (--device cuda) avoids it"
+        )
 
 
 def _check_tensor_parallel(options: dict, size: int) -> None:

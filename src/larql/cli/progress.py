@@ -1,7 +1,7 @@
 """Progress of a long command (bench, accuracy) on stderr: a transient bar on a terminal;
-where stderr is a file or a pipe (CI, `2> log`, `| tee`), one line per item as it starts,
-`bench: 2/5 [41 s] markov-rs @ depth 512` (the time since the first), so that a long run shows
-it is alive and how far it got. `--quiet`: nothing."""
+where stderr is a file or a pipe (CI, `2> log`, `| tee`), one line per item as it starts (or
+finishes), `bench: 2/5 [41 s] markov-rs @ depth 512` (the time since the first), so that a long
+run shows it is alive and how far it got. `--quiet`: nothing."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ Advance = Callable[[str], None]
 
 @contextmanager
 def progress_lines(command: str, total: int | None, quiet: bool = False) -> Iterator[Advance]:
-    """Yields `advance(label)`, called as each item starts."""
+    """Yields `advance(label)`, called as each item starts — or, where items run on several
+    processes (`--workers`) or each is done in one go, as each finishes."""
     if quiet:
         yield lambda label: None
         return

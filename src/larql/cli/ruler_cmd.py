@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from larql.cli.accuracy_longctx import _ints
+from larql.cli.accuracy_longctx import _ints, gather
 from larql.cli.common import InvalidInput, stderr, stdout
 from larql.cli.outputs import write_text, writing
+from larql.cli.progress import progress_lines
 
 if TYPE_CHECKING:  # the CLI answers --help without importing torch
     from larql.models.model import Model
@@ -71,15 +71,13 @@ def run_ruler_suite(
     output: str,
     output_file: Path | None,
     plot: Path | None,
+    workers: int = 1,
+    quiet: bool = False,
 ) -> None:
     from larql.harness.ruler.report import ruler_report, ruler_table, save_ruler_plot
-    from larql.harness.ruler.run import run_ruler
+    from larql.harness.ruler.run import score_job
     from larql.harness.ruler.tasks import dataset_hash, generate_samples
-    from larql.inference.ffn import build_ffn
-    from larql.kv.catalog import CATALOG
 
-    kinds = [CATALOG.parse(s) for s in specs]
-    ffn = build_ffn(model, "dense")
     lengths = grid.fitting(model)
     samples = generate_samples(model.tokenizer, grid.tasks, lengths, grid.samples, grid.seed)
     digest = dataset_hash(samples)
@@ -87,19 +85,23 @@ def run_ruler_suite(
         f"ruler dataset: seed {grid.seed}, {len(samples)} samples "
         f"({len(grid.tasks)} tasks × {len(lengths)} lengths × {grid.samples}), hash {digest}"
     )
-    cells = []
-    start = time.perf_counter()
-    for kind in kinds:  # the JSON so far is written as each engine finishes
-        cells += run_ruler(
-            model,
-            ffn,
-            kind,
-            samples,
-            progress=lambda s: stderr.print(f"[{time.perf_counter() - start:6.0f} s] {s}"),
-        )
+
+    def engine_done(_, cells) -> None:  # the JSON so far, as each engine is in
         if output_file is not None:
             report = ruler_report(cells, model.name, grid.seed, digest)
             write_text(output_file, json.dumps(report, indent=2), "--output-file")
+
+    with progress_lines("ruler", len(specs) * len(samples), quiet) as advance:
+        cells = gather(
+            model,
+            score_job,
+            specs,
+            samples,
+            workers,
+            advance,
+            lambda c: f"{c.engine}: {c.task} {c.length} #{c.index}",
+            engine_done,
+        )
     report = ruler_report(cells, model.name, grid.seed, digest)
     if plot is not None:
         with writing(plot, "--plot"):

@@ -179,7 +179,7 @@ def run_accuracy_in_workers(
     groups = [kinds[w::workers] for w in range(workers) if kinds[w::workers]]
     jobs = [([k.spec() for k in group], ffn_specs, settings) for group in groups]
 
-    def finished(i: int) -> None:
+    def finished(i: int, _: AccuracyReport) -> None:
         if progress:
             progress(f"worker {i + 1} of {len(jobs)}: {', '.join(jobs[i][0])}")
 

@@ -3,10 +3,11 @@ about the machine the numbers came from."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,11 +24,12 @@ from larql.harness.bench.prefix_bench import (
     bench_prefix,
 )
 from larql.harness.contexts import context_ids
+from larql.harness.workers import in_workers
 from larql.inference.errors import EngineError
-from larql.inference.ffn import FfnBackend
+from larql.inference.ffn import FfnBackend, build_ffn
 from larql.inference.generation import next_token_logits
 from larql.inference.sampling import greedy_token
-from larql.kv.catalog import CATALOG
+from larql.kv.catalog import CATALOG, parse_engine
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 
@@ -198,3 +200,96 @@ def run_bench(
                 progress(f"hf-transformers @ depth {depth}")
             report.peers[depth] = bench_hf(hf_model, ids, settings.new_tokens, settings.repeats)
     return report
+
+
+@dataclass(frozen=True)
+class BenchJob:
+    """What a bench worker runs: `run_bench` on its share of the engines (spec texts)."""
+
+    specs: list[str]
+    ffn: str
+    prompts: list[tuple[int, list[int]]]
+    settings: BenchSettings
+    vs_hf: bool
+    text_label: str
+    batches: list[int] | None
+    concurrent: int | None
+    shared_prefix: tuple[int, str] | None
+
+
+def _bench_job(model: Model, job: BenchJob) -> BenchReport:
+    router = build_ffn(model, job.ffn)
+    try:
+        return run_bench(
+            model,
+            router,
+            [parse_engine(s) for s in job.specs],
+            job.prompts,
+            job.settings,
+            job.vs_hf,
+            job.text_label,
+            None,
+            job.batches,
+            job.concurrent,
+            job.shared_prefix,
+        )
+    finally:
+        router.close()
+
+
+def run_bench_in_workers(
+    model: Model, job: BenchJob, workers: int, progress: Progress | None = None
+) -> BenchReport:
+    """`run_bench` with the engines spread over `workers` processes (`harness.workers`, each on
+    its own slice of the cores, or on CUDA its own GPU where there are enough): each times its
+    share, interleaved as one process interleaves them (the HF peer in the first), and the rows
+    are joined in one process's order. Timings taken while the other workers run are not those
+    of one process."""
+    seen = set()
+    for spec in job.specs:
+        if spec in seen:
+            raise InvalidInput(f"{spec} is listed twice; with workers, list each engine once")
+        seen.add(spec)
+    count = len(job.specs)
+    groups = [list(range(w, count, workers)) for w in range(workers) if w < count]
+    jobs = [
+        dataclasses.replace(job, specs=[job.specs[k] for k in group], vs_hf=job.vs_hf and w == 0)
+        for w, group in enumerate(groups)
+    ]
+
+    def finished(i: int, _: BenchReport) -> None:
+        if progress:
+            progress(f"worker {i + 1} of {len(jobs)}: {', '.join(jobs[i].specs)}")
+
+    parts = in_workers(model, _bench_job, jobs, len(jobs), finished, split_cores=True)
+    batch = len(job.batches or [])
+    report = BenchReport(
+        meta={
+            **parts[0].meta,
+            "workers": [
+                {"engines": j.specs, "device": p.meta["device"], "threads": p.meta["threads"]}
+                for j, p in zip(jobs, parts, strict=True)
+            ],
+        },
+        rows=_in_order([p.rows for p in parts], groups, 1),
+        peers=parts[0].peers,
+        batch_rows=_in_order([p.batch_rows for p in parts], groups, batch),
+        concurrent_rows=_in_order([p.concurrent_rows for p in parts], groups, 1),
+        prefix_rows=_in_order([p.prefix_rows for p in parts], groups, 1),
+    )
+    return report
+
+
+Row = TypeVar("Row")
+
+
+def _in_order(parts: list[list[Row]], groups: list[list[int]], per_kind: int) -> list[Row]:
+    """Each worker's rows — per depth, its engines in order, `per_kind` rows each — joined in
+    one process's order: by depth, then by the engine's place in the whole list."""
+    keyed = []
+    for rows, group in zip(parts, groups, strict=True):
+        for j, row in enumerate(rows):
+            block, within = divmod(j, len(group) * per_kind)
+            kind, sub = divmod(within, per_kind)
+            keyed.append(((block, group[kind], sub), row))
+    return [row for _, row in sorted(keyed, key=lambda pair: pair[0])]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,8 +18,9 @@ from rich.table import Table
 
 from larql.harness.formatting import Unbroken, shown
 from larql.inference.errors import EngineError
-from larql.inference.ffn import FfnBackend
+from larql.inference.ffn import FfnBackend, build_ffn
 from larql.inference.generation import logits_of, teacher_forced_hidden
+from larql.kv.catalog import parse_engine
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 
@@ -48,33 +48,28 @@ def cycled_ids(model: Model, text: str, length: int) -> list[int]:
     return ids[:length]
 
 
-def run_positions(
-    model: Model,
-    ffn: FfnBackend,
-    specs: list[EngineSpec],
-    text: str,
-    length: int,
-    progress: Callable[[str], None] | None = None,
-) -> list[Curve]:
-    ids = cycled_ids(model, text, length)
+def position_curve(model: Model, ffn: FfnBackend, spec: EngineSpec, ids: list[int]) -> Curve:
+    """One engine's curve over `ids`: the first token the prompt, every later one fed as a
+    decode step."""
     edges = [round(i * (len(ids) - 1) / BINS) + 1 for i in range(BINS + 1)]
-    curves = []
-    for spec in specs:
-        if progress:
-            progress(f"{spec.spec()}: {len(ids)} positions")
-        try:
-            engine = spec.build(model)
-            rows = logits_of(model, teacher_forced_hidden(engine, model, ffn, ids[:-1], 1))
-            nll = [
-                -float(torch.log_softmax(row.double(), dim=-1)[target])
-                for row, target in zip(rows, ids[1:], strict=True)
-            ]  # nll[i] predicts position i + 1
-        except EngineError as e:
-            curves.append(Curve(spec.spec(), edges, [], 0, f"{type(e).__name__}: {e}"))
-            continue
-        means = [sum(nll[a - 1 : b - 1]) / max(1, b - a) for a, b in itertools.pairwise(edges)]
-        curves.append(Curve(spec.spec(), edges, means, engine.memory().state))
-    return curves
+    try:
+        engine = spec.build(model)
+        rows = logits_of(model, teacher_forced_hidden(engine, model, ffn, ids[:-1], 1))
+        nll = [
+            -float(torch.log_softmax(row.double(), dim=-1)[target])
+            for row, target in zip(rows, ids[1:], strict=True)
+        ]  # nll[i] predicts position i + 1
+    except EngineError as e:
+        return Curve(spec.spec(), edges, [], 0, f"{type(e).__name__}: {e}")
+    means = [sum(nll[a - 1 : b - 1]) / max(1, b - a) for a, b in itertools.pairwise(edges)]
+    return Curve(spec.spec(), edges, means, engine.memory().state)
+
+
+def position_job(model: Model, job: tuple[str, list[int]]) -> Curve:
+    """One engine's curve from its spec's text and the ids: what one process runs for every
+    engine in turn and a worker (`harness.workers`) for its share."""
+    spec, ids = job
+    return position_curve(model, build_ffn(model, "dense"), parse_engine(spec), ids)
 
 
 def position_table(curves: list[Curve], label: str) -> Unbroken:

@@ -9,7 +9,6 @@ answer — and `answer_logprob` is the gold answer's total log-probability (a gr
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +17,10 @@ import torch
 from larql.harness.longctx.tasks import Sample
 from larql.inference.engine import RetrievalEngine
 from larql.inference.errors import EngineError
-from larql.inference.ffn import FfnBackend
+from larql.inference.ffn import FfnBackend, build_ffn
 from larql.inference.generation import logits_of, teacher_forced_hidden
 from larql.kv.apollo.store import ApolloStoreError
+from larql.kv.catalog import parse_engine
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 
@@ -90,21 +90,8 @@ def score_sample(model: Model, ffn: FfnBackend, spec: EngineSpec, sample: Sample
     )
 
 
-def run_longctx(
-    model: Model,
-    ffn: FfnBackend,
-    specs: list[EngineSpec],
-    samples: list[Sample],
-    progress: Callable[[str], None] | None = None,
-) -> list[Cell]:
-    """Every engine on every sample, engine by engine."""
-    cells = []
-    for spec in specs:
-        for i, sample in enumerate(samples):
-            if progress:
-                progress(
-                    f"{spec.spec()}: {sample.task} {sample.length} @{sample.depth}% "
-                    f"({i + 1}/{len(samples)})"
-                )
-            cells.append(score_sample(model, ffn, spec, sample))
-    return cells
+def score_job(model: Model, job: tuple[str, Sample]) -> Cell:
+    """One cell of the grid from an engine spec's text and a sample: what one process runs for
+    every cell in turn and a worker (`harness.workers`) for its share."""
+    spec, sample = job
+    return score_sample(model, build_ffn(model, "dense"), parse_engine(spec), sample)

@@ -10,7 +10,6 @@ its gold answers the continuation contains (RULER's string_match_all).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +18,10 @@ import torch
 from larql.harness.ruler.tasks import Query, Sample, answer_text, query_score
 from larql.inference.engine import Engine, RetrievalEngine
 from larql.inference.errors import EngineError
-from larql.inference.ffn import FfnBackend
+from larql.inference.ffn import FfnBackend, build_ffn
 from larql.inference.generation import generate
 from larql.inference.snapshots.errors import SnapshotError
+from larql.kv.catalog import parse_engine
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 
@@ -123,23 +123,11 @@ def _fork(
         return again, again.prefill(model, ffn, context)
 
 
-def run_ruler(
-    model: Model,
-    ffn: FfnBackend,
-    spec: EngineSpec,
-    samples: list[Sample],
-    progress: Callable[[str], None] | None = None,
-) -> list[Cell]:
-    """One engine on every sample."""
-    cells = []
-    for i, sample in enumerate(samples):
-        if progress:
-            progress(
-                f"{spec.spec()}: {sample.task} {sample.length} #{sample.index} "
-                f"({i + 1}/{len(samples)})"
-            )
-        cells.append(score_sample(model, ffn, spec, sample))
-    return cells
+def score_job(model: Model, job: tuple[str, Sample]) -> Cell:
+    """One cell of the grid from an engine spec's text and a sample: what one process runs for
+    every cell in turn and a worker (`harness.workers`) for its share."""
+    spec, sample = job
+    return score_sample(model, build_ffn(model, "dense"), parse_engine(spec), sample)
 
 
 def mean(values: list[float]) -> float:
