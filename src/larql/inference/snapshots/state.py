@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import sys
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
 from typing import ClassVar, Protocol, TypeVar
 
@@ -111,7 +110,7 @@ def save_state(
         model_fingerprint=model_fingerprint(model),
         dtype=str(model.dtype).removeprefix("torch."),
         position=engine.position,
-        larql_version=version("larql"),
+        larql_version=_larql_version(),
         token_ids=list(token_ids or []),
         fields=dict(state.fields),
     )
@@ -199,3 +198,10 @@ def fork_state(
     restore_into(clone, reader, model, engine.position if position is None else position)
     reader.finish()
     return clone
+
+
+def _larql_version() -> str:
+    """The package's own version, also where it runs from a source tree no installer recorded."""
+    from larql import __version__  # the package imports this module: read it when saving
+
+    return __version__
