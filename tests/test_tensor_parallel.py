@@ -179,7 +179,11 @@ def test_every_live_engine_gives_one_process_logits_under_two_ranks(
         whole = load_model(directory, dtype=torch.float64)
         for spec in specs:
             reference = teacher_forced(whole, spec, ids, prompt_len)
-            assert relative_error(ranks[directory, spec], reference) <= 1e-9, (directory, spec)
+            # a quantiser codes float32 values: a rank's shard sums its products in another
+            # order, which on some CPUs moves a coordinate on a level boundary by one level
+            quantises = "turbo-quant" in spec or "kv-quant" in spec  # alone or composed
+            bound = 1e-6 if quantises else 1e-9
+            assert relative_error(ranks[directory, spec], reference) <= bound, (directory, spec)
     # a sampled run (no seed: each rank's own draws would differ) fed both ranks rank 0's tokens
     sampled = [torch.load(f"{out}.sampled.{rank}") for rank in range(2)]
     assert len(sampled[0]) == 12 and sampled[0] == sampled[1]

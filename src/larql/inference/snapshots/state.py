@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import sys
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import ClassVar, Protocol, TypeVar
 
@@ -201,7 +202,9 @@ def fork_state(
 
 
 def _larql_version() -> str:
-    """The package's own version, also where it runs from a source tree no installer recorded."""
-    from larql import __version__  # the package imports this module: read it when saving
-
-    return __version__
+    """The installed package's version; where larql runs from a source folder no installer
+    recorded, says so (the version is a label in the manifest, never checked on load)."""
+    try:
+        return version("larql")
+    except PackageNotFoundError:
+        return "source tree (not installed)"
