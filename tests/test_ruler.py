@@ -72,6 +72,22 @@ def test_the_families_ask_what_they_name(smollm2: Model) -> None:
         assert by_task[task].queries[0].answers == (top,) and top_count > second_count, task
 
 
+def test_past_a_short_context_the_defaults_follow_the_calibration(smollm2: Model) -> None:
+    from larql.harness.ruler.tasks import DEFAULT_TASKS, SHORT_CONTEXT
+
+    long = SHORT_CONTEXT + 512
+    made = generate_samples(smollm2.tokenizer, None, (1024, long), 1, 0)
+    by_length = {n: {s.task: s for s in made if s.length == n} for n in (1024, long)}
+    assert tuple(by_length[1024]) == DEFAULT_TASKS  # every default task up to the short context
+    assert "frequent-words" not in by_length[long]  # the full cache misses it past it
+    assert set(by_length[long]) == set(DEFAULT_TASKS) - {"frequent-words"}
+    assert by_length[1024]["niah-multikey"].context.count("special magic number") == 4
+    assert by_length[long]["niah-multikey"].context.count("special magic number") == 2
+    # asked for by name, a family runs at every length
+    asked = generate_samples(smollm2.tokenizer, ("frequent-words",), (long,), 1, 0)
+    assert [s.task for s in asked] == ["frequent-words"]
+
+
 def test_scoring_matches_whole_values_and_counts_each_answer() -> None:
     one = Query("q", ("12345",), 8)
     assert query_score(one, "12345") == 1.0

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # the CLI answers --help without importing torch
 
 @dataclass(frozen=True)
 class RulerGrid:
-    tasks: tuple[str, ...]
+    tasks: tuple[str, ...] | None  # None: each length's default tasks
     lengths: tuple[int, ...]
     samples: int
     seed: int
@@ -33,9 +33,8 @@ class RulerGrid:
     ) -> RulerGrid:
         from larql.harness.ruler import tasks as catalog
 
-        if tasks is None:
-            chosen = catalog.DEFAULT_TASKS
-        else:
+        chosen: tuple[str, ...] | None = None
+        if tasks is not None:
             chosen = tuple(t.strip() for t in tasks.split(",") if t.strip())
             unknown = [t for t in chosen if t not in catalog.TASKS]
             if unknown or not chosen:
@@ -81,9 +80,10 @@ def run_ruler_suite(
     lengths = grid.fitting(model)
     samples = generate_samples(model.tokenizer, grid.tasks, lengths, grid.samples, grid.seed)
     digest = dataset_hash(samples)
+    tasks = len({s.task for s in samples})
     stderr.print(
         f"ruler dataset: seed {grid.seed}, {len(samples)} samples "
-        f"({len(grid.tasks)} tasks × {len(lengths)} lengths × {grid.samples}), hash {digest}"
+        f"({tasks} tasks × {len(lengths)} lengths × {grid.samples}), hash {digest}"
     )
 
     def engine_done(_, cells) -> None:  # the JSON so far, as each engine is in
