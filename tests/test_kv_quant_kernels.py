@@ -12,11 +12,19 @@ from types import ModuleType
 import pytest
 import torch
 
-from helpers import kernel_module, model_for_kernels, relative_error, steps_on_shared_state
+import larql.kv.turbo_quant.kernel_path as kernel_path_module
+from helpers import (
+    greedy_streams,
+    kernel_module,
+    model_for_kernels,
+    relative_error,
+    steps_on_shared_state,
+)
 from larql.inference.decode_path import decode_path
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import generate
 from larql.kv import parse_engine
+from larql.kv.captured_step import next_power_of_two
 from larql.kv.kv_quant import KvQuantEngine
 from larql.kv.kv_quant.codecs import IntCodec
 from larql.kv.turbo_quant import planes
@@ -210,6 +218,26 @@ def test_spec_picks_the_path_and_says_so(smollm2: Model, monkeypatch) -> None:
         assert ("triton kernels" in description) == on_kernels, description
         if not on_kernels and "sdpa" not in spec:
             assert "torch path: the Triton kernels take" in description
+
+
+@pytest.mark.slow
+def test_kernel_path_sessions_batched_give_their_tokens_alone(
+    kernels, smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three sessions of three lengths (stores that grow at different steps, rings that wrap)
+    decoded in one batched step (turbo-quant's `BatchedKernelStep` over these launches) get
+    the tokens and logits they get alone."""
+    model = model_for_kernels(smollm2, monkeypatch, interpreted_layers=1)
+    monkeypatch.setattr(kernel_path_module, "initial_capacity", lambda n: next_power_of_two(n + 1))
+    prompts = ["The capital of France is", PROMPT, "One two"]
+    levers = {"bits": 4, "recent": 3, "sinks": 2}
+    alone = [KvQuantEngine(**levers) for _ in prompts]
+    alone_tokens, alone_logits = greedy_streams(model, alone, prompts, 4, batched=False)
+    engines = [KvQuantEngine(**levers) for _ in prompts]
+    tokens, logits = greedy_streams(model, engines, prompts, 4, batched=True)
+    assert all(isinstance(e._fast, KernelPath) for e in engines)
+    assert tokens == alone_tokens
+    assert torch.allclose(logits, alone_logits, atol=1e-3, rtol=0)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -136,10 +136,13 @@ def _affine(header_ptr, at, present, group_of, NG: tl.constexpr, B: tl.constexpr
     not `present` (so an absent row decodes to 0 whatever its slot holds). group_of [W]: each
     lane's group. Few groups: each lane picks its group's (loaded once a row); many: gathered."""
     if NG <= SELECT_GROUPS:
-        scale = tl.zeros([B, W], tl.float32)
-        zero = tl.zeros([B, W], tl.float32)
-        for g in tl.static_range(NG):
-            s = tl.load(header_ptr + at + g, mask=present, other=0.0).to(tl.float32)  # [B]
+        last = header_ptr + at + NG - 1  # the last group's, then each other group picks its own
+        s = tl.load(last, mask=present, other=0.0).to(tl.float32)  # [B]
+        z = tl.load(last + NG, mask=present, other=0.0).to(tl.float32)
+        scale = tl.broadcast_to(s[:, None], [B, W])
+        zero = tl.broadcast_to(z[:, None], [B, W])
+        for g in tl.static_range(NG - 1):
+            s = tl.load(header_ptr + at + g, mask=present, other=0.0).to(tl.float32)
             z = tl.load(header_ptr + at + NG + g, mask=present, other=0.0).to(tl.float32)
             pick = (group_of == g)[None, :]
             scale = tl.where(pick, s[:, None], scale)
