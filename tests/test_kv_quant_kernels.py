@@ -175,7 +175,8 @@ def test_engine_on_the_kernels_equals_its_torch_path(
 ) -> None:
     """From one shared state each step, the kernel path's logits are the torch path's (same
     greedy tokens, float rounding apart), and both store the same bytes: the prompt's codes by
-    the torch codec, each step's leaving row by the kernel (bit for bit without rotation)."""
+    the torch codec, each step's leaving row by the kernel (but for a code on a rounding
+    boundary: the two paths project the new row in different products)."""
     model = model_for_kernels(smollm2, monkeypatch)
     ids = model.tokenizer.encode(PROMPT + " took it out again")
     engine = KvQuantEngine(bits=bits, **LEVERS[levers])
@@ -190,12 +191,20 @@ def test_engine_on_the_kernels_equals_its_torch_path(
     with torch.inference_mode():
         twin.decode_step(model, ffn, token)
         engine.decode_step(model, ffn, token)
-    assert twin._layers is not None
+    assert twin._layers is not None and engine._layout is not None
+    codec = engine._layout.k_codec
+    assert isinstance(codec, IntCodec)
     for layer in range(model.config.num_layers):
         mine, reference = engine.stored_codes(layer), twin.stored_codes(layer)
         assert mine.shape == reference.shape
-        if not LEVERS[levers].get("rotate"):
-            assert torch.equal(mine, reference)
+        same = (mine == reference).float().mean().item()
+        assert same >= (0.98 if codec.rotate else 0.999)  # a code on a rounding boundary
+        decoded, expected = (
+            codec.decode(c.reshape(-1, codec.bytes_per_vector), torch.float32)
+            for c in (mine, reference)
+        )
+        step = expected.abs().max() * 2 / ((1 << codec.bits) - 1)  # about a code's width
+        assert (decoded - expected).abs().max().item() <= 1.5 * step.item()
     assert engine.memory().state == twin.memory().state  # (the slots not yet filled: reserve)
 
 
@@ -243,20 +252,23 @@ def test_kernel_path_sessions_batched_give_their_tokens_alone(
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_cuda_graph_step_on_the_codes_in_bfloat16() -> None:
     """SmolLM2 in bfloat16 on CUDA with kv-quant:bits=4: the captured step replays the eager
-    kernel step's launches (the same 64 greedy tokens), the decode path reported is the graph
-    and the Triton kernels, and the torch path's greedy tokens agree for the first steps."""
+    kernel step's launches (the same 64 greedy tokens); the decode path reported is the CUDA
+    graph (the torch path's is not); from one shared state each step, the kernel path's logits
+    are the torch path's to bfloat16 rounding."""
     model = load_model("smollm2-135m", dtype=torch.bfloat16, device="cuda")
     ids = model.tokenizer.encode(PROMPT)
     ffn = DenseFfn(model)
     specs = ("kv-quant:bits=4", "kv-quant:bits=4,graph=0", "kv-quant:bits=4,attention=sdpa")
     engines = [parse_engine(spec).build(model) for spec in specs]
     runs = [generate(e, model, ffn, ids, 64, stop_ids=frozenset()) for e in engines]
-    assert engines[0].dispatch_path() == "cuda-graph"
-    assert engines[1].dispatch_path() == "static"
-    assert engines[2].dispatch_path() is None
+    assert [e.dispatch_path() for e in engines] == ["cuda-graph", "static", None]
     assert runs[0].tokens == runs[1].tokens
-    assert runs[0].tokens[:8] == runs[2].tokens[:8]
-    path = decode_path(model, runs[0].decode_kinds, 63)
-    assert path.endswith("CUDA graph + Triton kernels"), path
+    paths = [decode_path(model, run.decode_kinds, 63) for run in runs]
+    assert paths[0].endswith("CUDA graph + Triton kernels"), paths
+    assert "CUDA graph" not in paths[1] and "CUDA graph" not in paths[2], paths
     assert "triton kernels, cuda-graph step" in engines[0].info().description
-    assert decode_path(model, runs[2].decode_kinds, 63).endswith("eager torch")
+    assert "decoded attention" in engines[2].info().description
+    long_ids = model.tokenizer.encode(PROMPT + " took it out again and gave it to Carol")
+    ours, theirs = steps_on_shared_state(model, long_ids, 8, KvQuantEngine(bits=4), torch_twin)
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= 0.9
+    assert relative_error(ours.float(), theirs.float()) <= 5e-2

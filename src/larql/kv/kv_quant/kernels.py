@@ -473,9 +473,12 @@ def _store_grouped(
     ratio = tl.math.div_rn(grouped - zero16.to(tl.float32)[:, None], scale[:, None] + grouped * 0.0)
     codes = tl.minimum(tl.maximum(_nearest_even(ratio), 0.0), levels * 1.0).to(tl.int32)
     per_byte: tl.constexpr = 8 // BITS
-    packed = tl.reshape(codes, [DP // per_byte, per_byte])
-    shift = tl.arange(0, per_byte) * BITS
-    packed_bytes = tl.sum(packed << shift[None, :], axis=1)  # disjoint bits: sum = or
+    if per_byte == 1:
+        packed_bytes = tl.reshape(codes, [DP])
+    else:
+        packed = tl.reshape(codes, [DP // per_byte, per_byte])
+        shift = tl.arange(0, per_byte) * BITS
+        packed_bytes = tl.sum(packed << shift[None, :], axis=1)  # disjoint bits: sum = or
     lanes = tl.arange(0, DP // per_byte)
     tl.store(codes_ptr + start + lanes, packed_bytes.to(tl.uint8), mask=_spread(write, lanes))
     groups = tl.arange(0, NG)
