@@ -481,7 +481,8 @@ def test_spec_picks_the_path(smollm2: Model, monkeypatch) -> None:
         ("turbo-quant:recent=0,sinks=0,norm=0,center=0", True),
         ("turbo-quant:attention=sdpa", False),
         ("turbo-quant:k_bits=4,v_bits=2", False),  # one codec for K and V only
-        ("kv-quant", False),
+        ("kv-quant", True),  # its integer codes: the same path, its own launches
+        ("kv-quant:format=fp8", False),
     ):
         engine = parse_engine(spec).build(model)
         assert isinstance(engine, TurboQuantEngine)

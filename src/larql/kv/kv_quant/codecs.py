@@ -103,9 +103,11 @@ class IntCodec(_GroupedCodec):
         scale = ((high - low) / levels).half().float().clamp_min(_TINY)  # as stored
         zero = low.half().float()
         codes = torch.round((g - zero) / scale).clamp(0, levels).to(torch.int64)
-        packed = pack_indices(codes.view(g.shape[0], -1), self.bits)
+        packed = pack_indices(codes.view(g.shape[0], self.padded_dim), self.bits)
         header = torch.cat((scale, zero), dim=1).squeeze(-1).half()  # [N, 2G]
-        return torch.cat((header.view(torch.uint8).view(g.shape[0], -1), packed), dim=1)
+        return torch.cat(
+            (header.view(torch.uint8).view(g.shape[0], 4 * self.groups), packed), dim=1
+        )
 
     def decode(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """uint8 [N, bytes_per_vector] → [N, dim] in `dtype`."""
@@ -128,8 +130,10 @@ class Fp8Codec(_GroupedCodec):
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         g = self._groups_of(x)  # [N, G, g]
         scale = (g.abs().amax(dim=-1, keepdim=True) / FP8_MAX).half().float().clamp_min(_TINY)
-        codes = (g / scale).to(torch.float8_e4m3fn).view(torch.uint8).view(g.shape[0], -1)
-        header = scale.squeeze(-1).half().view(torch.uint8).view(g.shape[0], -1)
+        codes = (
+            (g / scale).to(torch.float8_e4m3fn).view(torch.uint8).view(g.shape[0], self.padded_dim)
+        )
+        header = scale.squeeze(-1).half().view(torch.uint8).view(g.shape[0], 2 * self.groups)
         return torch.cat((header, codes), dim=1)
 
     def decode(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -138,3 +142,26 @@ class Fp8Codec(_GroupedCodec):
         codes = data[:, 2 * self.groups :].contiguous().view(torch.float8_e4m3fn).float()
         g = codes.view(n, self.groups, self.group) * scale.unsqueeze(-1)
         return self._rows_of(g, dtype)
+
+
+def triton_codes(codec: object) -> bool:
+    """Whether kv-quant's Triton kernels (`kernels`) take these codes: `IntCodec` codes of 2, 4
+    or 8 bits whose coded width (the head width, or its power of two when rotated) is a power
+    of two ≥ 16, cut into power-of-two groups of at least 2 coordinates with no padding."""
+    if not isinstance(codec, IntCodec) or codec.bits not in (2, 4, 8):
+        return False
+    width, group = codec.coded_dim, codec.group
+    return (
+        width >= _MIN_KERNEL_WIDTH
+        and _power_of_two(width)
+        and codec.padded_dim == width
+        and group >= 2
+        and _power_of_two(group)
+    )
+
+
+_MIN_KERNEL_WIDTH = 16  # tl.dot needs every dimension ≥ 16
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0

@@ -31,6 +31,25 @@ ENTRY = EngineEntry(
             one_of(8, 16),
         ),
         Param("sinks", int, 0, "first rows kept exact (16-bit)", at_least(0), bound=TOKENS),
+        Param(
+            "attention",
+            str,
+            "auto",
+            "auto: on CUDA attend straight from int2/int4/int8 codes (of a power-of-two width, "
+            "in power-of-two groups) and encode through larql's Triton kernels, the step in a "
+            "CUDA graph; on the CPU a float32 model's codes in place in larql's C++ kernels; "
+            "sdpa: decode every stored row with torch and attend over them, everywhere",
+            one_of("auto", "sdpa"),
+            lower=True,
+        ),
+        Param(
+            "graph",
+            int,
+            1,
+            "with the Triton kernels on CUDA, capture the decode step in a CUDA graph (1) or run "
+            "it eagerly (0)",
+            one_of(0, 1),
+        ),
     ),
     keeps="K/V as per-token groups of integer (scale + zero point) or fp8 (scale) codes; "
     "optional exact recent and sink rows; every scale and zero point counted",
@@ -44,7 +63,11 @@ ENTRY = EngineEntry(
         recent_bits=p["recent_bits"],
         sinks=p["sinks"],
         profiling=p["profiling"],
+        attention=p["attention"],
+        use_graph=bool(p["graph"]),
     ),
-    batching="yes: with kv-quant sessions of the same parameters",
+    batching="yes: with kv-quant sessions of the same parameters and path; on CUDA the kernel "
+    "path runs every session's attention in each layer's launches and replays one captured "
+    "graph per batch size",
     sweeps=Sweeps(bench=("bits=4",), accuracy=("bits=4",), longctx=("bits=4",)),
 )

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
+from types import ModuleType
 
 import torch
 
@@ -290,7 +291,7 @@ class TurboQuantEngine(KvEngine):
     def takes_prompt_in_parts(self, model: Model) -> bool:
         """On the torch path (where the kernels run, their step is sized from the prompt)."""
         kernels = larql.kernels.triton_available(model.device) and self.attention != "sdpa"
-        return not kernels or not self.rotated_attention or self._codec_factory is not None
+        return not kernels or not self._kernels_for_codec()
 
     def prefill_part(
         self, model: Model, ffn: FfnBackend, token_ids: Sequence[int], more: bool
@@ -519,10 +520,21 @@ class TurboQuantEngine(KvEngine):
                     batch[i]._layers[layer].append(k, v)  # type: ignore[index]
         return isolated.check(h)
 
+    def _kernels_for_codec(self) -> bool:
+        """Whether this engine's codec has Triton kernels (`_triton_kernels`): the TurboQuant
+        codec attending in its rotated basis."""
+        return self.rotated_attention and self._codec_factory is None
+
+    def _triton_kernels(self) -> ModuleType:
+        """The module of the codec's Triton launches (imports Triton: only where it runs)."""
+        from larql.kv.turbo_quant import kernels
+
+        return kernels
+
     def _kernel_path(self, model: Model, keeps: list[int | None]) -> KernelPath | None:
-        """The Triton kernels' path when asked (auto/triton), where they run, for the
-        TurboQuant codec attending in its rotated basis; else None (the torch path)."""
-        if self.attention == "sdpa" or not self.rotated_attention or self._codec_factory:
+        """The Triton kernels' path when asked (auto/triton), where they run, for a codec that
+        has them (`_kernels_for_codec`) and a layout they take; else None (the torch path)."""
+        if self.attention == "sdpa" or not self._kernels_for_codec():
             return None
         if model.config.arch.attention_sinks:  # the kernels have no attention sinks
             return None
@@ -530,8 +542,7 @@ class TurboQuantEngine(KvEngine):
             return None  # its captured step has neither per-layer inputs nor shared K/V
         if not larql.kernels.triton_available(model.device):
             return None
-        from larql.kv.turbo_quant import kernels  # imports Triton: only where it runs
-
+        kernels = self._triton_kernels()
         assert self._layout is not None
         if not KernelPath.supports(kernels, self._layout, keeps):
             return None

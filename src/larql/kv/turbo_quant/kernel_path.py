@@ -48,7 +48,7 @@ from larql.kv.captured_step import (
     reserve_rope,
 )
 from larql.kv.turbo_quant import planes
-from larql.kv.turbo_quant.codec import TurboQuantCodec
+from larql.kv.turbo_quant.codec import NORM_BYTES
 from larql.kv.turbo_quant.layout import ring_slots, token_vectors
 from larql.kv.turbo_quant.recent import int8_decode, int8_encode
 from larql.kv.turbo_quant.store import KvLayout, exact_dtype, rotate
@@ -59,14 +59,21 @@ if TYPE_CHECKING:  # the kernels import Triton: only where they run
 
 
 class CodeSlots:
-    """One layer's encoded rows: uint8 [slots, row_bytes] by plane (`planes`), token t in
-    slot t mod slots. `keep`: the coded rows a sliding layer retains (None: every row)."""
+    """One layer's encoded rows: uint8 [slots, row_bytes] by plane (`planes`, vectors of
+    `header` bytes before their codes), token t in slot t mod slots. `keep`: the coded rows a
+    sliding layer retains (None: every row)."""
 
     def __init__(
-        self, keep: int | None, bytes_per_vector: int, kv_heads: int, device: torch.device
+        self,
+        keep: int | None,
+        bytes_per_vector: int,
+        kv_heads: int,
+        device: torch.device,
+        header: int = NORM_BYTES,
     ) -> None:
         self.keep = keep
         self.bytes_per_vector = bytes_per_vector
+        self.header = header
         self.row_bytes = 2 * kv_heads * bytes_per_vector
         self.device = device
         self.data = torch.zeros((0, self.row_bytes), dtype=torch.uint8, device=device)
@@ -86,11 +93,10 @@ class CodeSlots:
             return
         data = torch.zeros((slots, self.row_bytes), dtype=torch.uint8, device=self.device)
         held = self.slots  # every plane's first `held` slots move
-        planes.code_planes(data, self.bytes_per_vector)[:, :held] = planes.code_planes(
-            self.data, self.bytes_per_vector
-        )
-        planes.norm_planes(data, self.bytes_per_vector)[:, :held] = planes.norm_planes(
-            self.data, self.bytes_per_vector
+        bpv, header = self.bytes_per_vector, self.header
+        planes.code_planes(data, bpv, header)[:, :held] = planes.code_planes(self.data, bpv, header)
+        planes.header_planes(data, bpv, header)[:, :held] = planes.header_planes(
+            self.data, bpv, header
         )
         self.data = data
 
@@ -100,13 +106,16 @@ class CodeSlots:
         s = rows.shape[0]
         kept = min(s, self.slots)
         tokens = torch.arange(first + s - kept, first + s, device=self.device)
-        planes.write_rows(self.data, tokens % self.slots, rows[s - kept :], self.bytes_per_vector)
+        planes.write_rows(
+            self.data, tokens % self.slots, rows[s - kept :], self.bytes_per_vector, self.header
+        )
 
     def tokens(self, first: int, end: int) -> torch.Tensor:
         """The rows of tokens first … end − 1, oldest first, in the codec's row format: uint8
         [end − first, row_bytes]."""
         tokens = torch.arange(first, end, device=self.device)
-        return planes.read_rows(self.data, tokens % max(self.slots, 1), self.bytes_per_vector)
+        slots = tokens % max(self.slots, 1)
+        return planes.read_rows(self.data, slots, self.bytes_per_vector, self.header)
 
 
 @dataclass(frozen=True)
@@ -136,7 +145,11 @@ class LayerLayout:
 
 
 class KernelPath:
-    """The decode state and step of a `TurboQuantEngine` on the Triton kernels."""
+    """The decode state and step of a `TurboQuantEngine` on the Triton kernels. `kernels`: the
+    module of the codec's launches — turbo-quant's (`turbo_quant.kernels`) or kv-quant's
+    grouped integer codes (`kv_quant.kernels`), which share its workspace, levers, operands and
+    launch signatures (`supports`, `CodecTables.of`, `attention`, `batched_attention`,
+    `encode`, `cuda_partial_kernel`)."""
 
     def __init__(
         self,
@@ -151,7 +164,7 @@ class KernelPath:
         """`use_cuda_partial`: full-attention layers take the CUDA C++ partial launch where it
         covers them and builds here (False: the Triton launches everywhere)."""
         codec = layout.k_codec
-        assert isinstance(codec, TurboQuantCodec)
+        assert kernels.supports(codec)
         self._kernels = kernels
         self.kv_layout, self.keeps = layout, keeps
         self._tables = kernels.CodecTables.of(codec, model.device)
@@ -168,6 +181,7 @@ class KernelPath:
                 codec.bytes_per_vector,
                 cfg.num_kv_heads,
                 model.device,
+                self._tables.header_bytes,
             )
             for keep, where in zip(keeps, self.layouts, strict=True)
         ]
@@ -192,11 +206,9 @@ class KernelPath:
         """The kernels handle this codec (one for K and V), and every sliding layer keeps at
         least one coded row."""
         codec, values = layout.k_codec, layout.v_codec
-        if not (isinstance(codec, TurboQuantCodec) and isinstance(values, TurboQuantCodec)):
+        if not (kernels.supports(codec) and kernels.supports(values)):
             return False
-        if values.bits != codec.bits:
-            return False
-        if not kernels.supports(codec):
+        if values is not codec and (type(values) is not type(codec) or values.bits != codec.bits):
             return False
         return all(keep is None or keep > layer_layout(layout, keep).recent for keep in keeps)
 

@@ -117,9 +117,11 @@ META = tl.constexpr(7)
 CODES_ALIGNMENT = 16  # bytes: a session's store starts this aligned from the codes base
 
 
-def supports(codec: TurboQuantCodec) -> bool:
-    """The kernels take head widths tl.dot takes (D' ≥ 16) and vectors whose float32 norms stay
-    4-byte aligned in the store."""
+def supports(codec: object) -> bool:
+    """The kernels take a `TurboQuantCodec` of a head width tl.dot takes (D' ≥ 16) and vectors
+    whose float32 norms stay 4-byte aligned in the store."""
+    if not isinstance(codec, TurboQuantCodec):
+        return False
     return codec.rotated_dim >= _MIN_DOT and codec.bytes_per_vector % NORM_BYTES == 0
 
 
@@ -137,6 +139,7 @@ class CodecTables:
     norm_correction: bool = False
     # 4-bit codes on CUDA: `centroid_lookup`'s PTX per 16-bit dtype (else none: tl.gather)
     lookups: dict[torch.dtype, str] = field(default_factory=dict)
+    header_bytes: int = NORM_BYTES  # a vector's bytes before its codes in the store (`planes`)
 
     @staticmethod
     def of(codec: TurboQuantCodec, device: torch.device) -> CodecTables:
@@ -812,11 +815,13 @@ def _merged_output(
     D: tl.constexpr,
     DP: tl.constexpr,
     NS: tl.constexpr,
+    ROTATED: tl.constexpr = True,
 ):
     """The attention of (sequence, K/V head) `pair` from its NS + 1 states → out_ptr [G, D]
     (the sequence's, model dtype). The splits' states are in the rotated basis, the exact rows'
     (state NS) in the model's: its weighted values are added after the rotation back
-    (R·R = I)."""
+    (R·R = I). Without ROTATED (codes in the model's basis) the splits' are added as they are
+    and `rotation` is not read."""
     first = pair * (NS + 1) * GP  # this head's states
     top = splits_max(
         m_ptr + first, 0, rows, tl.full([R], float("-inf"), tl.float32), NS + 1, GP
@@ -840,8 +845,10 @@ def _merged_output(
     total += weight * tl.load(l_ptr + exact)
     plain = weight[:, None] * tl.load(acc_ptr + exact[:, None] * DP + dims[None, :])
     # float32 products here: tf32 measured slower (10.1 → 14.0 µs at depth 32,000, H200)
-    out = _product(rotated, rotation, R) + plain  # back: ·R
-    out = out / total[:, None]
+    out = rotated
+    if ROTATED:
+        out = _product(rotated, rotation, R)  # back: ·R
+    out = (out + plain) / total[:, None]
     offsets = (head * G + rows)[:, None] * D + dims[None, :]
     mask = (rows < G)[:, None] & within[None, :]
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -881,10 +888,89 @@ def _rows_moved(
     """K/V head `head`'s rows moving between the parts of a session's state: the row that
     leaves the exact ones (the oldest recent row, or the new row itself when none are kept)
     encoded into its slot, and the new row written among the exact ones."""
-    exact_stride = 2 * HKV * D  # elements per token in the exact rows
     k_new = tl.load(k_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
     v_new = tl.load(v_new_ptr + head * D + dims, mask=within, other=0.0).to(tl.float32)
-    # the row that leaves the exact ones: the oldest recent row, or the new row itself
+    token, key, value = _leaving_row(
+        k_new,
+        v_new,
+        exact_ptr,
+        ring_ptr,
+        ring_scale_ptr,
+        mean_ptr,
+        pos,
+        head,
+        dims,
+        within,
+        D,
+        HKV,
+        SINKS,
+        RECENT,
+        RING,
+        CENTER,
+        RING8,
+    )
+    write = (token >= SINKS) & (token >= 0)  # a scalar
+    payload: tl.constexpr = BPV - NORM
+    k_at = head * slots + tl.maximum(token, 0) % slots  # the key's vector in the planes
+    v_at = k_at + HKV * slots  # (`planes`)
+    norms_at = _norms_at(slots, HKV, BPV)
+    k_norm, k_words = _encoded(
+        key, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS, NORM_FIX
+    )
+    v_norm, v_words = _encoded(
+        value, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS, NORM_FIX
+    )
+    _store_encoded(
+        codes_ptr, norms_ptr, k_at * payload, norms_at + k_at, k_norm, k_words, write, DP, BITS
+    )
+    _store_encoded(
+        codes_ptr, norms_ptr, v_at * payload, norms_at + v_at, v_norm, v_words, write, DP, BITS
+    )
+    _row_into_exact(
+        k_new,
+        v_new,
+        exact_ptr,
+        ring_ptr,
+        ring_scale_ptr,
+        pos,
+        head,
+        dims,
+        within,
+        D,
+        HKV,
+        SINKS,
+        RECENT,
+        RING,
+        EP,
+        RING8,
+    )
+
+
+@triton.jit
+def _leaving_row(
+    k_new,
+    v_new,
+    exact_ptr,
+    ring_ptr,
+    ring_scale_ptr,
+    mean_ptr,
+    pos,
+    head,
+    dims,
+    within,
+    D: tl.constexpr,
+    HKV: tl.constexpr,
+    SINKS: tl.constexpr,
+    RECENT: tl.constexpr,
+    RING: tl.constexpr,
+    CENTER: tl.constexpr,
+    RING8: tl.constexpr,
+):
+    """The row of K/V head `head` that leaves the exact ones at position `pos` — the oldest
+    recent row, or the new row k_new, v_new [DP] float32 itself when none are kept — → (its
+    token, its key and value [DP] float32, minus the layer's mean with CENTER). It is coded
+    where token ≥ max(SINKS, 0)."""
+    exact_stride = 2 * HKV * D  # elements per token in the exact rows
     if RECENT == 0:
         token = pos
         key, value = k_new, v_new
@@ -906,24 +992,31 @@ def _rows_moved(
     if CENTER:
         key -= tl.load(mean_ptr + head * D + dims, mask=within, other=0.0)
         value -= tl.load(mean_ptr + (HKV + head) * D + dims, mask=within, other=0.0)
-    write = (token >= SINKS) & (token >= 0)  # a scalar
-    payload: tl.constexpr = BPV - NORM
-    k_at = head * slots + tl.maximum(token, 0) % slots  # the key's vector in the planes
-    v_at = k_at + HKV * slots  # (`planes`)
-    norms_at = _norms_at(slots, HKV, BPV)
-    k_norm, k_words = _encoded(
-        key, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS, NORM_FIX
-    )
-    v_norm, v_words = _encoded(
-        value, rotation, boundaries_ptr, centroids_ptr, dims, DP, BITS, NORM_FIX
-    )
-    _store_encoded(
-        codes_ptr, norms_ptr, k_at * payload, norms_at + k_at, k_norm, k_words, write, DP, BITS
-    )
-    _store_encoded(
-        codes_ptr, norms_ptr, v_at * payload, norms_at + v_at, v_norm, v_words, write, DP, BITS
-    )
-    # the new row among the exact ones: a sink, or the ring slot of a row already coded
+    return token, key, value
+
+
+@triton.jit
+def _row_into_exact(
+    k_new,
+    v_new,
+    exact_ptr,
+    ring_ptr,
+    ring_scale_ptr,
+    pos,
+    head,
+    dims,
+    within,
+    D: tl.constexpr,
+    HKV: tl.constexpr,
+    SINKS: tl.constexpr,
+    RECENT: tl.constexpr,
+    RING: tl.constexpr,
+    EP: tl.constexpr,
+    RING8: tl.constexpr,
+):
+    """The new row k_new, v_new [DP] float32 of K/V head `head` among the exact ones: a sink,
+    or the ring slot of a row already coded (at int8 with RING8)."""
+    exact_stride = 2 * HKV * D  # elements per token in the exact rows
     if EP > 0:
         if RING8:  # a sink at 16 bits, else into the ring at int8
             sink = within & _spread(pos < SINKS, dims)
