@@ -163,7 +163,7 @@ LEVERS = {
 @pytest.mark.parametrize(
     ("bits", "levers"),
     [
-        (4, "plain"),
+        pytest.param(4, "plain", marks=pytest.mark.long),  # the rotated case runs its steps too
         (4, "rotated, sinks and recent rows"),
         pytest.param(8, "int8 ring", marks=pytest.mark.long),
         pytest.param(2, "plain", marks=pytest.mark.long),

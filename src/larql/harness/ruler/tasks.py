@@ -69,6 +69,8 @@ def default_tasks(length: int) -> tuple[str, ...]:
 def multikey_needles(length: int) -> int:
     """niah-multikey's needles at `length`, the asked one first (see SHORT_CONTEXT)."""
     return _MULTIKEY_NEEDLES if length <= SHORT_CONTEXT else _MULTIKEY_NEEDLES_LONG
+
+
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384)  # those that fit the model's context run
 QUICK_LENGTHS = (1024,)
 DEFAULT_SAMPLES = 4  # per task and length
