@@ -14,6 +14,7 @@ from helpers import relative_error, teacher_forced
 from larql.cli.app import app
 from larql.inference.batching import decode_batch
 from larql.inference.ffn import DenseFfn
+from larql.inference.layer import final_logits
 from larql.kv import CATALOG, parse_engine
 from larql.kv.composed import ComposedSpec, CompositionRefused
 from larql.kv.composed.ragged import RaggedCodes
@@ -135,7 +136,6 @@ def test_engine_lists_keep_a_composition_whole(separator: str) -> None:
 @pytest.mark.parametrize(
     ("spec", "why"),
     [
-        ("h2o:budget=64,recent=8+turbo-quant", "h2o evicts while decoding"),
         ("h2o:budget=64+turbo-quant", "recent must be < budget"),
         ("turbo-quant+snapkv", "write the eviction first"),
         ("snapkv+standard", "standard is not a quantiser"),
@@ -156,10 +156,10 @@ def test_bad_compositions_are_typed_errors(spec: str, why: str) -> None:
 
 
 def test_cli_refuses_a_bad_composition_in_one_line(smollm2_default: Model) -> None:
-    result = CliRunner().invoke(app, ["run", "Hello", "-n", "1", "--engine", "h2o+turbo-quant"])
+    result = CliRunner().invoke(app, ["run", "Hello", "-n", "1", "--engine", "turbo-quant+h2o"])
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: h2o evicts while decoding")
+    assert len(lines) == 1 and lines[0].startswith("error: 'turbo-quant+h2o': write the eviction")
 
 
 @pytest.mark.parametrize(
@@ -188,7 +188,7 @@ def test_a_request_may_name_a_composition(smollm2: Model) -> None:
         for spec, words in [
             ("snapkv:budget=4+turbo-quant:recent=29", "turbo-quant: recent=29 is more than"),
             ("snapkv:budget=29+kv-quant", "snapkv: budget=29 is more than"),
-            ("h2o:budget=8,recent=2+kv-quant", "h2o evicts while decoding"),
+            ("standard+kv-quant", "standard is not an eviction engine"),
         ]:
             refused = client.post("/v1/completions", json={**asked, "engine": spec})
             assert refused.status_code == 400, (spec, refused.text)
@@ -293,3 +293,158 @@ def test_adaptive_sessions_decode_in_a_batch_as_alone(smollm2: Model) -> None:
     for i, reference in enumerate(alone):
         ours = torch.cat([step[i : i + 1] for step in rows])  # [steps, H]
         assert relative_error(ours, reference) <= 2e-3
+
+
+# ---------------------------------------------------------------- evicting while decoding
+
+
+def _greedy(engine, model: Model, ids: list[int], steps: int) -> list[int]:
+    """The prompt, then `steps` greedy tokens, each decoded in turn."""
+    ffn = DenseFfn(model)
+    with torch.inference_mode():
+        hidden = engine.prefill(model, ffn, ids)[-1:]
+        tokens = []
+        for _ in range(steps):
+            tokens.append(int(final_logits(model, hidden)[0].argmax()))
+            hidden = engine.decode_step(model, ffn, tokens[-1])
+    return tokens
+
+
+def test_decode_time_eviction_holds_its_budget_in_codes(smollm2: Model) -> None:
+    """`h2o` composed with turbo-quant drops rows from the store as it decodes: every layer
+    holds exactly the rows the budget allows at each position, as codes (the quantiser's
+    sinks aside), and what the stores allocate does not grow."""
+    spec = "h2o:keep=0.25,recent=4+turbo-quant:bits=4"
+    ids = smollm2.tokenizer.encode(LONG)
+    engine = _prefilled(spec, smollm2, ids)
+    alone = _prefilled("h2o:keep=0.25,recent=4", smollm2, ids)
+    budget = engine.budget  # type: ignore[attr-defined]
+    ffn = DenseFfn(smollm2)
+    allocated = [layer.codes.capacity for layer in engine._layers]
+    with torch.inference_mode():
+        for token in [11, 260, 3575, 42, 11, 260, 3575, 42, 11]:
+            engine.decode_step(smollm2, ffn, token)
+            alone.decode_step(smollm2, ffn, token)
+            rows = budget.per_head(engine.position)
+            for layer in engine._layers:
+                assert isinstance(layer, KeptCodes) and len(layer) == rows
+                assert layer.score is not None and layer.score.shape == (layer.kv_heads, rows)
+    assert engine.position - len(ids) == 9 and rows == 33  # decoded past the prompt's 30
+    coded = sum(len(layer.codes) * layer.row_bytes for layer in engine._layers)
+    # the quantiser's sinks: K and V of each head at 16 bits (a float32 model's in float16)
+    exact = sum(len(layer.sinks) * layer.kv_heads * 2 * 64 * 2 for layer in engine._layers)
+    scored = sum(4 * (layer.score.numel() + layer.mean.numel()) for layer in engine._layers)
+    assert engine.memory().state == coded + exact + scored
+    assert engine.memory().state < 0.25 * alone.memory().state
+    # the dropped rows' room is reused: the codes' storage never grew while decoding
+    assert [layer.codes.capacity for layer in engine._layers] == allocated
+
+
+def test_drop_rows_keeps_each_heads_own_rows(smollm2: Model) -> None:
+    """A store of real K/V (2 exact sinks, codes, 3 exact recent rows): each head keeps other
+    rows, a sink and a recent row among the dropped; every kept row reads back as before — an
+    exact row leaving its window coded as the quantiser codes it."""
+    ids = smollm2.tokenizer.encode(PROMPT)
+    engine = _prefilled("h2o:budget=64,recent=8+kv-quant:bits=8,sinks=2,recent=3", smollm2, ids)
+    store = engine._layers[3]
+    n, score = len(store), store.score
+    before_k, before_v = store.keys_values(torch.float32, None)  # [Hkv, n, D]
+    drop = [[0, 5, n - 1], [7, 8, 9], [1, n - 2, n - 3]]  # per head: the rows it loses
+    index = torch.stack(
+        [torch.tensor([i for i in range(n) if i not in d]) for d in drop]
+    )  # [Hkv, n - 3]
+    with torch.inference_mode():
+        store.keep(index)
+    # the sinks and recent rows every head still keeps exact (1 each); the rest are codes
+    assert len(store) == n - 3 and len(store.sinks) == 1 and len(store.recent) == 1
+    assert store.sink_room == 1  # a store that lost a sink takes no new ones
+    after_k, after_v = store.keys_values(torch.float32, None)
+    for h in range(3):
+        for ours, theirs in ((after_k[h], before_k[h]), (after_v[h], before_v[h])):
+            wanted = theirs[index[h]]
+            assert relative_error(ours, wanted) <= 0.01
+            assert torch.equal(ours[[0, -1]], wanted[[0, -1]])  # still exact: unchanged
+    assert torch.equal(store.score, torch.gather(score, 1, index))
+
+
+@pytest.mark.parametrize(
+    "eviction", ["h2o:budget=10,recent=3", "tova:budget=10,sinks=1,recent=2,heads=adaptive"]
+)
+def test_decode_time_eviction_over_exact_rows_is_the_eviction_alone(
+    eviction: str, smollm2: Model
+) -> None:
+    """A quantiser holding every row exact (its recent window wider than the budget; bfloat16,
+    the dtype exact rows are kept in): the composition drops the very rows the eviction alone
+    drops, by the same scores, and decodes the same tokens."""
+    model = smollm2.to(dtype=torch.bfloat16)
+    ids = model.tokenizer.encode(PROMPT)
+    both = parse_engine(f"{eviction}+kv-quant:bits=8,recent=64").build(model)
+    alone = parse_engine(eviction).build(model)
+    assert _greedy(both, model, ids, 6) == _greedy(alone, model, ids, 6)
+    for ours, theirs in zip(both._layers, alone._layers, strict=True):
+        assert torch.equal(ours.score, theirs.score)
+        if isinstance(ours, RaggedCodes):
+            assert ours.counts() == theirs.counts()
+        else:
+            assert len(ours) == len(theirs) == 10
+
+
+@pytest.mark.slow
+def test_decode_time_eviction_over_8_bit_codes_decodes_as_the_eviction_alone(
+    smollm2: Model,
+) -> None:
+    """Rows coded at 8 bits (the quantiser's window none): the same greedy tokens."""
+    ids = smollm2.tokenizer.encode(PROMPT)
+    both = parse_engine("h2o:budget=10,recent=3+kv-quant:bits=8").build(smollm2)
+    alone = parse_engine("h2o:budget=10,recent=3").build(smollm2)
+    assert _greedy(both, smollm2, ids, 6) == _greedy(alone, smollm2, ids, 6)
+    assert all(len(layer) == 10 and len(layer.codes) == 10 for layer in both._layers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "h2o:budget=8,recent=2+turbo-quant:bits=4",
+        "tova:budget=8,sinks=1,recent=2,heads=adaptive+kv-quant:bits=4",
+    ],
+)
+def test_decode_time_eviction_forks_and_batches_as_alone(spec: str, smollm2: Model) -> None:
+    prompts = [PROMPT, "Alice put the red ball in the box, and Bob took it out again"]
+    steps = [[11, 260, 3575], [260, 11, 42]]
+    ffn = DenseFfn(smollm2)
+    alone, batched = [], []
+    for prompt, tokens in zip(prompts, steps, strict=True):
+        engine = _prefilled(spec, smollm2, smollm2.tokenizer.encode(prompt))
+        fork = engine.fork(smollm2)  # through the saved state, scores included
+        with torch.inference_mode():
+            alone.append(torch.cat([engine.decode_step(smollm2, ffn, t) for t in tokens]))
+            forked = torch.cat([fork.decode_step(smollm2, ffn, t) for t in tokens])
+        assert torch.equal(forked, alone[-1])
+        batched.append(_prefilled(spec, smollm2, smollm2.tokenizer.encode(prompt)))
+    assert batched[0].batch_key() == batched[1].batch_key() is not None
+    with torch.inference_mode():
+        rows = [decode_batch(batched, smollm2, ffn, list(t)) for t in zip(*steps, strict=True)]
+    for i, reference in enumerate(alone):
+        ours = torch.cat([step[i : i + 1] for step in rows])  # [steps, H]
+        assert relative_error(ours, reference) <= 2e-3
+    for layer in batched[0]._layers:  # the batch evicted as it went, too
+        assert len(layer) == 8 and layer.score.shape[-1] == 8 * (
+            1 if isinstance(layer, KeptCodes) else 3
+        )
+
+
+def test_cli_runs_h2o_with_turbo_quant(smollm2_default: Model) -> None:
+    result = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "The capital of France is",
+            "-n",
+            "8",
+            "--engine",
+            "h2o:keep=0.5+turbo-quant:bits=4",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert result.output.strip()

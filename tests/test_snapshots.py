@@ -57,6 +57,8 @@ SNAPSHOTTING = [
     "h2o:budget=6,recent=2",
     "snapkv:budget=4,window=2+turbo-quant",
     "snapkv:budget=4,window=2+kv-quant:sinks=2,recent=2",
+    "h2o:budget=6,recent=2+turbo-quant",
+    "tova:budget=6,sinks=1,recent=2,heads=adaptive+kv-quant:bits=4,sinks=2,recent=2",
     "semantic-promotion:base=markov-rs-codec:window=4",
 ]
 # exact against `standard` here: a fresh prefill of the same tokens gives the same logits

@@ -19,6 +19,7 @@ import torch
 
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.snapshots import StateReader, StateWriter
+from larql.kv.composed.dropping import drop_rows
 from larql.kv.eviction.ragged import RaggedRows
 from larql.kv.turbo_quant.store import QuantisedLayer, rotate
 from larql.models.model import Model
@@ -29,9 +30,19 @@ StoreMaker = Callable[[int], QuantisedLayer]
 
 
 class RaggedCodes:
-    def __init__(self, heads: list[QuantisedLayer], tail: QuantisedLayer) -> None:
+    def __init__(
+        self,
+        heads: list[QuantisedLayer],
+        tail: QuantisedLayer,
+        score: torch.Tensor | None = None,
+    ) -> None:
         self.heads = heads  # per K/V head: its kept prompt rows, [1, n_h, D] coded
         self.tail = tail  # the decoded rows of every head, [Hkv, m, D] coded
+        # a policy that evicts as it decodes: each packed row's score [N] float32 (head-major);
+        # the decoded rows then go to their head's own store (`tail` stays empty) and the
+        # last step's weights stay in `weights` (packed [N], decoded [Hkv, 1])
+        self.score = score
+        self.weights: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def held(cls, rows: RaggedRows, make: StoreMaker) -> RaggedCodes:
@@ -49,7 +60,7 @@ class RaggedCodes:
             tail.mean = torch.cat(means, dim=1)  # type: ignore[arg-type]  # [2, Hkv, D]
         if len(rows.tail):
             tail.append(rows.tail.keys, rows.tail.values)
-        return cls(heads, tail)
+        return cls(heads, tail, None if rows.score is None else rows.score.float())
 
     def __len__(self) -> int:
         """Rows per head, on average (as `RaggedRows` counts them)."""
@@ -59,9 +70,43 @@ class RaggedCodes:
         """Each head's rows, the decoded ones included."""
         return [len(store) + len(self.tail) for store in self.heads]
 
-    def offsets(self, device: torch.device) -> torch.Tensor:
+    def _offsets(self, device: torch.device) -> torch.Tensor:
         counts = torch.tensor([len(store) for store in self.heads], device=device)
         return torch.cat((counts.new_zeros(1), counts.cumsum(0)))  # [Hkv + 1] int64
+
+    # ------------------------------------------------------------------ dropping rows
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """[Hkv + 1] int64: head h's rows are packed rows offsets[h]..offsets[h+1] (where the
+        scores are, as `RaggedRows.offsets`)."""
+        assert self.score is not None, "only a store that drops rows packs its scores"
+        return self._offsets(self.score.device)
+
+    def head_of_rows(self) -> torch.Tensor:
+        """[N] each packed row's head."""
+        assert self.score is not None
+        counts = torch.tensor([len(store) for store in self.heads], device=self.score.device)
+        heads = torch.arange(len(self.heads), device=self.score.device)
+        return torch.repeat_interleave(heads, counts, output_size=self.score.shape[0])
+
+    def merge(self, tail_score: torch.Tensor) -> None:
+        """The decoded rows' scores tail_score [Hkv, m] put after their head's (`attend` put
+        the rows themselves in each head's store already)."""
+        assert self.score is not None
+        m = tail_score.shape[1]
+        before = [len(store) - m for store in self.heads]
+        parts = self.score.split(before)
+        self.score = torch.cat([t for h, part in enumerate(parts) for t in (part, tail_score[h])])
+
+    def keep(self, head: torch.Tensor, index: torch.Tensor) -> None:
+        """Keep the packed rows `index` [N'] (in order), head[i] the head of index[i]: each
+        head's store compacted to its own (`drop_rows`)."""
+        assert self.score is not None
+        local = index - self.offsets[head]  # [N'] each row's index in its head's store
+        for h, store in enumerate(self.heads):
+            drop_rows(store, local[head == h][None, :])
+        self.score = self.score[index]
 
     def memory(self) -> MemoryBreakdown:
         total = MemoryBreakdown()
@@ -104,7 +149,7 @@ class RaggedCodes:
         rows = RaggedRows(
             torch.cat(packed_k) if packed_k else empty,  # [N, D']
             torch.cat(packed_v) if packed_v else empty,
-            self.offsets(device),
+            self._offsets(device),
         )
         tail_k, tail_v = self.tail.keys_values(dtype, rotation)  # [Hkv, m, D']
         if tail_k.shape[1]:
@@ -112,7 +157,12 @@ class RaggedCodes:
         rows.append(new_k, new_v)
         query = q if rotation is None else rotate(q, rotation).to(dtype)
         attn = rows.attend(model, layer, query)  # [1, Hq·D']
-        self.tail.append(k, v)  # the exact new row, coded as the quantiser codes it
+        if self.score is None:
+            self.tail.append(k, v)  # the exact new row, coded as the quantiser codes it
+        else:  # each head's row into its own store, where rows are dropped
+            self.weights = rows.weights
+            for h, store in enumerate(self.heads):
+                store.append(k[h : h + 1], v[h : h + 1])
         if rotation is None:
             return attn
         cfg = model.config
@@ -123,17 +173,20 @@ class RaggedCodes:
 
     def write_state(self, state: StateWriter) -> None:
         """`ragged.N.*` head N's store, `ragged.tail.*` the decoded rows' store (each its
-        `rows` count, then `QuantisedLayer.write_state`)."""
+        `rows` count, then `QuantisedLayer.write_state`); `ragged.score` [N] float32 where
+        the policy drops rows."""
         scoped = state.scope("ragged")
         for h, store in enumerate(self.heads):
             store.write_state(scoped.scope(h))
         self.tail.write_state(scoped.scope("tail"))
+        scoped.tensor("score", self.score)
 
     @classmethod
     def read_state(
-        cls, state: StateReader, make: StoreMaker, kv_heads: int, most: int
+        cls, state: StateReader, make: StoreMaker, kv_heads: int, most: int, scored: bool
     ) -> RaggedCodes:
-        """What `write_state` wrote after `most` tokens: each store at most `most` rows."""
+        """What `write_state` wrote after `most` tokens: each store at most `most` rows (with
+        the packed rows' scores where `scored`)."""
         scoped = state.scope("ragged")
         heads = []
         for h in range(kv_heads):
@@ -148,7 +201,9 @@ class RaggedCodes:
         if count == 0 and tail.layout.center and all(mean is not None for mean in means):
             # `held` gave the tail the heads' means before any row (read back only with rows)
             tail.mean = part.tensor("mean", torch.float32, (2, kv_heads, tail.layout.k_codec.dim))
-        return cls(heads, tail)
+        total = sum(len(store) for store in heads)
+        score = scoped.tensor("score", torch.float32, (total,)) if scored else None
+        return cls(heads, tail, score)
 
 
 def _tail(make: StoreMaker, kv_heads: int) -> QuantisedLayer:

@@ -1,8 +1,9 @@
-"""`EVICTION+QUANTISER` specs: an eviction engine that compresses once (after the prefill) whose
-kept rows a quantiser codes — `snapkv:budget=256+turbo-quant:bits=4`. Each half is a spec of the
-catalog, parsed under the same policy (so a request's bounds apply to both), and the pair must
-be an eviction that compresses once, then a quantiser; anything else is a
-`CompositionRefused` naming what composes.
+"""`EVICTION+QUANTISER` specs: an eviction engine whose kept rows a quantiser codes —
+`snapkv:budget=256+turbo-quant:bits=4`, or `h2o:keep=0.5+turbo-quant:bits=4` where the policy
+goes on evicting as it decodes (the quantiser's store then drops rows: `dropping`). Each half is
+a spec of the catalog, parsed under the same policy (so a request's bounds apply to both), and
+the pair must be an eviction, then a quantiser; anything else is a `CompositionRefused` naming
+what composes.
 
 The quantiser's `recent` window: in a composition an unset `recent` is 0, so every kept row
 but the quantiser's sinks is coded and the bytes are the product of the two (kept rows × code
@@ -32,6 +33,7 @@ from larql.specs import split_name
 
 SEPARATOR = "+"
 GRAMMAR = "EVICTION+QUANTISER"
+EVICTIONS = ("eviction", "evicts-in-decode")  # the roles of a composition's first half
 
 
 class CompositionRefused(MalformedEngineSpec):
@@ -61,7 +63,7 @@ class ComposedSpec(EngineSpec):
         assert isinstance(policy, EvictingEngine) and isinstance(quantiser, TurboQuantEngine)
         params = self.eviction.params
         adaptive = params.get("heads") == "adaptive" or params.get("layers") == "adaptive"
-        policy.storage = QuantisedStorage(quantiser, adaptive)
+        policy.storage = QuantisedStorage(quantiser, adaptive, drops=not policy.compresses_once)
         policy.name = self.entry.name  # type: ignore[misc]  # this engine's name, not the class's
         policy.spec_string = self.spec()
         if self.entry.refuses_ffn:
@@ -97,7 +99,7 @@ def composable(entries: Iterable[EngineEntry]) -> tuple[list[str], list[str]]:
     evictions, quantisers = [], []
     for entry in entries:
         role = _role(EngineSpec(entry, {p.name: p.default for p in entry.params}))
-        if role == "eviction":
+        if role in EVICTIONS:
             evictions.append(entry.name)
         elif role == "quantiser":
             quantisers.append(entry.name)
@@ -107,7 +109,7 @@ def composable(entries: Iterable[EngineEntry]) -> tuple[list[str], list[str]]:
 def what_composes(entries: Iterable[EngineEntry]) -> str:
     evictions, quantisers = composable(entries)
     return (
-        f"{GRAMMAR} composes an eviction that compresses once ({', '.join(evictions)}) with a "
+        f"{GRAMMAR} composes an eviction ({', '.join(evictions)}) with a "
         f"quantiser ({', '.join(quantisers)})"
     )
 
@@ -117,19 +119,23 @@ def composition_doc(entries: Iterable[EngineEntry]) -> str:
     evictions, quantisers = composable(entries)
     names = ", ".join(f"`{n}`" for n in evictions), ", ".join(f"`{n}`" for n in quantisers)
     return (
-        f"`{GRAMMAR}` (e.g. `snapkv:budget=256+turbo-quant:bits=4`) runs an eviction that "
-        f"compresses once ({names[0]}) with its kept rows coded by a quantiser ({names[1]}): "
+        f"`{GRAMMAR}` (e.g. `snapkv:budget=256+turbo-quant:bits=4`) runs an eviction "
+        f"({names[0]}) with its kept rows coded by a quantiser ({names[1]}): "
         "the eviction chooses the rows after an exact prefill, the quantiser's own store codes "
         "them and every decoded row, and decode attends through the quantiser's own path, so "
-        "the bytes held are the product of the two. Each half takes its own parameters (a "
-        "request's bounds apply to both); in a composition the quantiser's `recent` is 0 unless "
+        "the bytes held are the product of the two. An eviction that evicts while decoding "
+        "(`h2o`, `tova`) goes on choosing: each step it scores the rows by the attention over "
+        "them as the store holds them (decoded) and the store drops the rows it evicts, "
+        "compacting its codes, so the rows held stay at its budget (`budget` rows, or `keep` "
+        "of the positions seen: `h2o:keep=0.5+turbo-quant:bits=4`); its decode runs the "
+        "quantiser's torch path. Each half takes its own parameters (a request's bounds apply "
+        "to both); in a composition the quantiser's `recent` is 0 unless "
         "given, so every kept row but its sinks is coded. With `heads=adaptive` each K/V head "
         "keeps its own count of rows, each head's in a store of its own (its own sinks and "
         "mean), so the layer codes exactly the rows its heads kept; decode then reads them "
-        "through the quantiser's torch path on every device. An eviction that evicts while "
-        "decoding (`h2o`) does not compose. In `larql serve` a composed session batches with "
-        "sessions of the same composition and parameters; on CUDA it runs the quantiser's "
-        "torch path (not its Triton kernels)."
+        "through the quantiser's torch path on every device. In `larql serve` a composed "
+        "session batches with sessions of the same composition and parameters; on CUDA it "
+        "runs the quantiser's torch path (not its Triton kernels)."
     )
 
 
@@ -156,13 +162,9 @@ def parse_composed(
         refuse(f"{spec.strip()!r} names {len(pieces)} engines")
     eviction, quantiser = parse_half(pieces[0]), parse_half(pieces[1])
     roles = _role(eviction), _role(quantiser)
-    if roles == ("quantiser", "eviction"):
+    if roles[0] == "quantiser" and roles[1] in EVICTIONS:
         refuse(f"{spec.strip()!r}: write the eviction first ({pieces[1]}+{pieces[0]})")
-    if roles[0] == "evicts-in-decode":
-        refuse(
-            f"{eviction.entry.name} evicts while decoding, and a quantised store does not drop rows"
-        )
-    if roles[0] != "eviction":
+    if roles[0] not in EVICTIONS:
         refuse(f"{eviction.entry.name} is not an eviction engine")
     if roles[1] != "quantiser":
         refuse(f"{quantiser.entry.name} is not a quantiser")

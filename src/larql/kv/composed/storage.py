@@ -20,13 +20,17 @@ import torch
 from larql.inference.batching import IsolatedRows
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import attend, batched_layer_step
+from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.inference.shared_kv import SharedKv
 from larql.inference.snapshots import StateReader, StateWriter
 from larql.kernels.cpu import cpu_extension
 from larql.kv.buffers import KvBuffer
+from larql.kv.composed.dropping import drop_rows
 from larql.kv.composed.ragged import RaggedCodes
 from larql.kv.eviction.base import EvictingEngine
 from larql.kv.eviction.ragged import RaggedRows
+from larql.kv.eviction.scored import ScoredRows
+from larql.kv.eviction.scores import attention_mass
 from larql.kv.kv_quant.compiled import attend_grouped, grouped_in_place
 from larql.kv.kv_quant.engine import KvQuantEngine
 from larql.kv.turbo_quant.codec import TurboQuantCodec
@@ -39,7 +43,29 @@ from larql.models.model import Model
 
 class KeptCodes(QuantisedLayer):
     """One layer's kept rows in a quantiser's store, with the row count a saved state needs
-    (how many rows eviction kept is not a function of the position)."""
+    (how many rows eviction kept is not a function of the position). Under a policy that
+    evicts as it decodes (`drops`) it also holds each row's score [Hkv, n] float32 and the
+    weights the last decode query put on its rows (`weights` [Hkv, n]), and drops rows
+    (`keep`, `larql.kv.composed.dropping`)."""
+
+    def __init__(self, *args, drops: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.drops = drops
+        self.score: torch.Tensor | None = None  # [Hkv, n] float32, where the policy drops rows
+        self.weights: torch.Tensor | None = None  # [Hkv, n]: the last step's attention
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`QuantisedLayer.append`; a scored row enters at score 0 (the policy rescores it)."""
+        super().append(k, v)
+        if self.score is not None:
+            fresh = self.score.new_zeros(self.kv_heads, k.shape[1])
+            self.score = torch.cat((self.score, fresh), dim=1)
+
+    def keep(self, index: torch.Tensor) -> None:
+        """index [Hkv, m]: the rows each head keeps, in order (`ScoredRows.keep`)."""
+        drop_rows(self, index)
+        if self.score is not None:
+            self.score = torch.gather(self.score, 1, index)
 
     def nbytes(self) -> int:
         return self.memory().total
@@ -47,21 +73,51 @@ class KeptCodes(QuantisedLayer):
     def live_nbytes(self) -> int:
         return self.memory().state
 
+    def memory(self) -> MemoryBreakdown:
+        return super().memory() + MemoryBreakdown(hot=tensor_bytes(self.score))
+
     def write_state(self, state: StateWriter) -> None:
-        """`rows` (the count), then the store's tensors (`QuantisedLayer.write_state`)."""
+        """`rows` (the count), the store's tensors (`QuantisedLayer.write_state`) and, where the
+        policy drops rows, `score` [n, Hkv] float32."""
         state.put("rows", len(self))
         super().write_state(state)
+        if self.score is not None:
+            state.tensor("score", self.score.transpose(0, 1))
+
+    def read_state(self, state: StateReader, tokens: int) -> None:
+        """`QuantisedLayer.read_state`; a store that dropped sink rows holds fewer of them (and
+        takes no new ones)."""
+        if self.drops:
+            room = min(tokens, self.sink_room)
+            held = state.row_count("sinks", 0, room)
+            if held < room:
+                self.sink_room = held
+        super().read_state(state, tokens)
+
+    def read_score(self, state: StateReader) -> None:
+        """The rows' `score` as `write_state` wrote it."""
+        score = state.rows("score", torch.float32, len(self), (self.kv_heads,))
+        if score is None:
+            self.score = torch.zeros(self.kv_heads, 0, device=self._device())
+        else:
+            self.score = score.transpose(0, 1).contiguous()  # [Hkv, n]
 
 
 class QuantisedStorage:
     """A `KeptStorage` (`larql.kv.eviction.base`) coding the kept rows with `quantiser`'s
     layout. It holds no rows itself (each layer's `KeptCodes` does), so forks share it."""
 
-    def __init__(self, quantiser: TurboQuantEngine, adaptive: bool = False) -> None:
+    def __init__(
+        self, quantiser: TurboQuantEngine, adaptive: bool = False, drops: bool = False
+    ) -> None:
         self.quantiser = quantiser
         # the policy keeps another count of rows on each head (`heads=adaptive`): its layers'
         # rows are `RaggedCodes`, except a layer whose K/V a later layer shares (kept uniform)
         self.adaptive = adaptive
+        # the policy evicts as it decodes (`h2o`, `tova`): the stores keep each row's score
+        # and drop rows; decode attends on the torch path, which gives the weights it rescores
+        # by (the attention over the rows the store holds, as decoded)
+        self.drops = drops
         self._layouts: dict[int, KvLayout] = {}  # head_dim → the quantiser's layout
 
     def describe(self) -> str:
@@ -118,7 +174,9 @@ class QuantisedStorage:
             attn = attend(model, layer, q, keys, values, engine.position, None)
             held.clip()
             return attn
-        return self.attend(model, layer, held, q, k, v, engine.position, shared[i])
+        attn = self.attend(model, layer, held, q, k, v, engine.position, shared[i])
+        engine._attended(model, layer, held, q)  # a policy that evicts as it decodes: here
+        return attn
 
     # ------------------------------------------------------------------ the stores
 
@@ -130,15 +188,20 @@ class QuantisedStorage:
             layout = self._layouts[width] = self.quantiser._kv_layout(width)
         compiled = self.quantiser._compiled(model, layout)
         kv_heads = model.config.kv_heads_of(layer) if heads is None else heads
-        return KeptCodes(layout, None, kv_heads, model.dtype, compiled)
+        return KeptCodes(layout, None, kv_heads, model.dtype, compiled, drops=self.drops)
 
     def hold(self, model: Model, layer: int, rows) -> KeptCodes | RaggedCodes:
         """The policy's rows (`.keys`, `.values` [Hkv, n, D], or a `RaggedRows` of each head's
-        own count) coded into new stores."""
+        own count; with `.score` [Hkv, n] where it drops rows) coded into new stores."""
+        kept_whole = self.drops and self.adaptive and isinstance(rows, ScoredRows)
+        if kept_whole and not SharedKv(model.config).is_source(layer):
+            rows = _every_row(rows)  # the prompt fit: each head's rows its own store yet
         if isinstance(rows, RaggedRows):
             return RaggedCodes.held(rows, partial(self._empty, model, layer))
         store = self._empty(model, layer)
         store.append(rows.keys, rows.values)
+        if self.drops:
+            store.score = rows.score.float()
         return store
 
     def read(
@@ -147,9 +210,12 @@ class QuantisedStorage:
         # a layer the policy kept whole is held as one store even under heads=adaptive
         if self.adaptive and state.has_field("ragged.tail.rows"):
             make = partial(self._empty, model, layer)
-            return RaggedCodes.read_state(state, make, model.config.kv_heads_of(layer), most)
+            heads = model.config.kv_heads_of(layer)
+            return RaggedCodes.read_state(state, make, heads, most, self.drops)
         store = self._empty(model, layer)
         store.read_state(state, state.integer("rows", 0, most))
+        if self.drops:
+            store.read_score(state)
         return store
 
     # ------------------------------------------------------------------ decode attention
@@ -172,7 +238,7 @@ class QuantisedStorage:
             return held.attend(model, layer, q, k, v, rotation)
         # a layer whose K/V a later layer shares hands on rows in the model's basis
         rotation = None if shared.is_source(layer) else self._rotation(held, model.device)
-        attn = self._in_place(model, layer, held, q, k, v, rotation, shared)
+        attn = None if self.drops else self._in_place(model, layer, held, q, k, v, rotation, shared)
         if attn is None:
             keys, values = held.keys_values(model.dtype, rotation)  # [Hkv, n, D']
             new_k, new_v = k, v
@@ -182,6 +248,9 @@ class QuantisedStorage:
             keys, values = torch.cat((keys, new_k), dim=1), torch.cat((values, new_v), dim=1)
             shared.keep(layer, keys, values)
             attn = _attend_in_basis(model, layer, q, keys, values, position, rotation)
+            if self.drops:  # the weights this step's query puts on the rows held, the new one
+                query = q if rotation is None else rotate(q, rotation).to(model.dtype)
+                held.weights = attention_mass(model, query, keys, keys.shape[1] - 1)
         held.append(k, v)  # the exact new row, coded as the quantiser codes it
         return attn
 
@@ -231,3 +300,13 @@ def _attend_in_basis(
     attn = attend(model, layer, q_rot, keys, values, position, None)  # [1, Hq·D']
     back = attn.view(cfg.num_heads, -1).float() @ rotation  # [Hq, D'] (R·R = I)
     return back[:, : cfg.head_dim_of(layer)].to(dtype).reshape(1, cfg.q_dim_of(layer))
+
+
+def _every_row(rows: ScoredRows) -> RaggedRows:
+    """Every row of rows (keys, values [Hkv, n, D], score [Hkv, n]) packed per head, with its
+    score: the per-head stores a policy dropping rows across heads (`heads=adaptive`) holds."""
+    heads, n = rows.score.shape
+    device = rows.keys.device
+    head = torch.arange(heads, device=device).repeat_interleave(n)  # [Hkv·n]
+    position = torch.arange(n, device=device).repeat(heads)
+    return RaggedRows.picked(rows.keys, rows.values, head, position, rows.score)

@@ -298,6 +298,7 @@ class EvictingEngine(KvEngine):
             sliding = model.config.layers[layer].sliding_window is not None
             if self.storage is not None and not sliding:
                 attn = self.storage.attend(model, layer, rows, q, k, v, self.position, shared)
+                self._attended(model, layer, rows, q)
                 h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn, inputs)
                 continue
             if isinstance(rows, RaggedRows):  # each K/V head its own rows (never a K/V source)

@@ -127,14 +127,17 @@ class ScoringEngine(EvictingEngine):
         if not self.evicts_in_decode:
             return
         count = self.budget.per_head(self.position + 1, layer, model.config.num_layers)
-        if isinstance(rows, RaggedRows):
-            self._evict_ragged(rows, count)
+        if not isinstance(rows, ScoredRows | KvBuffer) and rows.score.dim() == 1:
+            self._evict_ragged(rows, count)  # `RaggedRows`, or a storage's rows per head
             return
-        weights = attention_mass(model, q, rows.keys, len(rows) - 1)  # [Hkv, n]
+        if isinstance(rows, ScoredRows):
+            weights = attention_mass(model, q, rows.keys, len(rows) - 1)  # [Hkv, n]
+        else:  # a storage's rows (`KeptStorage`): the weights its step's attention put on them
+            weights = rows.weights
         rows.score = self._rescored(rows.score, weights)
         if len(rows) <= count:
             return
-        if self._adaptive(model, layer):
+        if isinstance(rows, ScoredRows) and self._adaptive(model, layer):
             head, position = self.budget.adaptive(rows.score, count)
             self._layers[layer] = RaggedRows.picked(
                 rows.keys, rows.values, head, position, rows.score
@@ -142,16 +145,19 @@ class ScoringEngine(EvictingEngine):
         else:
             rows.keep(self.budget.uniform(rows.score, count))
 
-    def _evict_ragged(self, rows: RaggedRows, count: int) -> None:
+    def _evict_ragged(self, rows, count: int) -> None:
+        """rows: a `RaggedRows`, or a storage's rows packed per head alike (`score` [N],
+        `weights`, `merge`, `offsets`, `head_of_rows`, `keep`)."""
         packed, decoded = rows.weights  # this step's, from `RaggedRows.attend`
         assert rows.score is not None
         rows.score = self._rescored(rows.score, packed)
         rows.merge(self._rescored(torch.zeros_like(decoded), decoded))
-        total = rows.heads * count
-        if rows.keys.shape[0] <= total:
+        offsets = rows.offsets  # [Hkv + 1], the decoded rows merged
+        total = (offsets.shape[0] - 1) * count
+        if rows.score.shape[0] <= total:
             return
         head = rows.head_of_rows()  # [N]
-        index = self.budget.adaptive_packed(rows.score, head, rows.offsets, total)
+        index = self.budget.adaptive_packed(rows.score, head, offsets, total)
         rows.keep(head[index], index)
 
     def _read_kept(self, state: StateReader, dtype: torch.dtype, heads: int, dim: int):

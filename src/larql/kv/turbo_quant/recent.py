@@ -87,9 +87,32 @@ class RecentRows:
         self.codes.truncate(n)
         self.scales.truncate(n)
 
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """index [m, Hkv]: row index[j, h] of head h becomes its row j (each head its own rows,
+        in order; the stored form kept, int8 codes and scales alike)."""
+        for store in self.storages():
+            if len(store):
+                refill(store, gather_per_head(store.rows, index))
+
     def pop_front(self, n: int) -> torch.Tensor:
         """Remove the n oldest rows → [n, 2, Hkv, D] as `rows` gives them."""
         codes = self.codes.pop_front(n)
         if self.bits == 16:
             return codes
         return int8_decode(codes, self.scales.pop_front(n))
+
+
+def gather_per_head(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """rows [n, 2, Hkv, D], index [m, Hkv] → [m, 2, Hkv, D]: head h's row j is its row
+    index[j, h] (its K and V alike)."""
+    m, heads = index.shape
+    picked = index[:, None, :, None].expand(m, rows.shape[1], heads, rows.shape[-1])
+    return torch.gather(rows, 0, picked)
+
+
+def refill(store: GrowableRows, rows: torch.Tensor) -> None:
+    """Replace the store's live rows by rows [m, *row_shape] (a new tensor, not a view of
+    them), in its own storage where they fit."""
+    store.truncate(0)
+    if rows.shape[0]:
+        store.append(rows)

@@ -143,12 +143,15 @@ class QuantisedLayer:
             self.recent.append(rows[direct:])
 
     def _encode(self, rows: torch.Tensor) -> None:
-        """rows: [S, 2, Hkv, D] → one code row per token, [K heads ; V heads]."""
+        """rows: [S, 2, Hkv, D] → one code row per token, [K heads ; V heads], appended."""
+        self.codes.append(self.coded(rows))
+        self.codes.clip()
+
+    def coded(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [S, 2, Hkv, D] → their code rows [S, row_bytes] uint8, as `append` codes them."""
         s = rows.shape[0]
         if self.compiled:
-            self.codes.append(encode_rows(self.layout.k_codec, rows, self.mean))  # type: ignore[arg-type]
-            self.codes.clip()
-            return
+            return encode_rows(self.layout.k_codec, rows, self.mean)  # type: ignore[arg-type]
         x = rows.to(torch.promote_types(rows.dtype, torch.float32))  # float64 stays float64
         if self.mean is not None:
             x = x - self.mean
@@ -158,8 +161,7 @@ class QuantisedLayer:
             k = self.layout.k_codec.encode(x[:, 0].reshape(s * self.kv_heads, -1))
             v = self.layout.v_codec.encode(x[:, 1].reshape(s * self.kv_heads, -1))
             coded = torch.cat((k.view(s, -1), v.view(s, -1)), dim=1)
-        self.codes.append(coded)
-        self.codes.clip()
+        return coded
 
     # ------------------------------------------------------------------ reading
 
