@@ -82,7 +82,8 @@ def _unbuilt(params: Mapping[str, Any], model: Model | None) -> Engine:
 
 
 def _role(spec: EngineSpec) -> str:
-    """`eviction` (compresses once), `evicts-in-decode`, `quantiser` or `other`."""
+    """`eviction` (compresses once), `evicts-in-decode` (both compose), `quantiser` or
+    `other`."""
     try:
         engine = spec.entry.factory({**spec.params, "profiling": False}, None)
     except EngineSpecError:
@@ -126,8 +127,9 @@ def composition_doc(entries: Iterable[EngineEntry]) -> str:
         "the bytes held are the product of the two. An eviction that evicts while decoding "
         "(`h2o`, `tova`) goes on choosing: each step it scores the rows by the attention over "
         "them as the store holds them (decoded) and the store drops the rows it evicts, "
-        "compacting its codes, so the rows held stay at its budget (`budget` rows, or `keep` "
-        "of the positions seen: `h2o:keep=0.5+turbo-quant:bits=4`); its decode runs the "
+        "compacting its codes (the quantiser's exact sinks and recent rows are evicted by "
+        "the policy's rules as any row), so the rows held stay at its budget (`budget` rows, "
+        "or `keep` of the positions seen: `h2o:keep=0.5+turbo-quant:bits=4`); its decode runs the "
         "quantiser's torch path. Each half takes its own parameters (a request's bounds apply "
         "to both); in a composition the quantiser's `recent` is 0 unless "
         "given, so every kept row but its sinks is coded. With `heads=adaptive` each K/V head "

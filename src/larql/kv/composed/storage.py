@@ -8,7 +8,11 @@ Row i of each K/V head is that head's i-th kept row: the heads keep different po
 decode query sees every kept row (keys carry their rotary position already), so only the count
 and the order matter. Nothing of the prompt's exact K/V outlives the prefill. Sessions of one
 composition decode in a batch (`step_batch`): the projections and the FFN once for every row,
-each row attending over its own engine's coded rows."""
+each row attending over its own engine's coded rows.
+
+A policy that evicts as it decodes (`h2o`, `tova`: `drops`) decodes on the torch path, whose
+decoded keys give the weights it rescores the rows by, and its stores drop the rows it evicts
+(`larql.kv.composed.dropping`)."""
 
 from __future__ import annotations
 

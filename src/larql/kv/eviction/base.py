@@ -3,10 +3,12 @@ and hands each layer's K/V (and queries) to the policy; decode attends over what
 kept, every K/V head its own rows. A layer with the architecture's own sliding window keeps
 its window like `standard` (it is bounded already).
 
-A policy that evicts only at the prefill (`compresses_once`) may have its kept rows held by a
-`KeptStorage` instead of in the model's dtype — eviction composed with a quantiser
-(`larql.kv.composed`): the policy still chooses the rows, the storage codes them, appends each
-decoded row and runs the decode attention over what it holds."""
+A policy may have its kept rows held by a `KeptStorage` instead of in the model's dtype —
+eviction composed with a quantiser (`larql.kv.composed`): the policy still chooses the rows, the
+storage codes them, appends each decoded row and runs the decode attention over what it holds.
+A policy that goes on evicting as it decodes (not `compresses_once`) then rescores the storage's
+rows by the weights that attention put on them and has the storage drop the rows it evicts
+(`_attended`)."""
 
 from __future__ import annotations
 
@@ -85,8 +87,7 @@ class KeptStorage(Protocol):
 
 
 class EvictingEngine(KvEngine):
-    # the policy evicts only at the prefill; decode appends every row (a `KeptStorage` may
-    # then hold the kept rows)
+    # the policy evicts only at the prefill; decode appends every row
     compresses_once: ClassVar[bool] = False
 
     def __init__(self, profiling: bool = False) -> None:

@@ -13,6 +13,8 @@ score per row (`ScoredRows`, or `RaggedRows` with scores) and holds each layer t
 the positions seen so far (`keep` of them, or `budget` rows) — so `keep=1` never evicts; every
 step rescores the rows by the step's attention (`_rescored`) and drops the lowest past the
 budget (adaptive: across heads, as the prompt's selection). The others keep every decoded row.
+Composed with a quantiser, the rows are the storage's (`larql.kv.composed`): scored by the
+weights its decode attention put on the rows it holds, dropped by its `keep`.
 """
 
 from __future__ import annotations
