@@ -17,7 +17,7 @@ from itertools import pairwise
 
 import torch
 
-from larql.inference.memory import MemoryBreakdown
+from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.inference.snapshots import StateReader, StateWriter
 from larql.kv.composed.dropping import drop_rows
 from larql.kv.eviction.ragged import RaggedRows
@@ -112,7 +112,7 @@ class RaggedCodes:
         total = MemoryBreakdown()
         for store in (*self.heads, self.tail):
             total = total + store.memory()
-        return total
+        return total + MemoryBreakdown(hot=tensor_bytes(self.score))
 
     def nbytes(self) -> int:
         return self.memory().total

@@ -52,9 +52,16 @@ class KeptCodes(QuantisedLayer):
     weights the last decode query put on its rows (`weights` [Hkv, n]), and drops rows
     (`keep`, `larql.kv.composed.dropping`)."""
 
-    def __init__(self, *args, drops: bool = False, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.drops = drops
+    def __init__(
+        self,
+        layout: KvLayout,
+        kv_heads: int,
+        dtype: torch.dtype,
+        compiled: bool = False,
+        drops: bool = False,
+    ) -> None:
+        super().__init__(layout, None, kv_heads, dtype, compiled)  # every kept row, no window
+        self.drops = drops  # the policy drops rows as it decodes
         self.score: torch.Tensor | None = None  # [Hkv, n] float32, where the policy drops rows
         self.weights: torch.Tensor | None = None  # [Hkv, n]: the last step's attention
 
@@ -192,7 +199,7 @@ class QuantisedStorage:
             layout = self._layouts[width] = self.quantiser._kv_layout(width)
         compiled = self.quantiser._compiled(model, layout)
         kv_heads = model.config.kv_heads_of(layer) if heads is None else heads
-        return KeptCodes(layout, None, kv_heads, model.dtype, compiled, drops=self.drops)
+        return KeptCodes(layout, kv_heads, model.dtype, compiled, drops=self.drops)
 
     def hold(self, model: Model, layer: int, rows) -> KeptCodes | RaggedCodes:
         """The policy's rows (`.keys`, `.values` [Hkv, n, D], or a `RaggedRows` of each head's
