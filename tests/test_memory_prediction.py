@@ -32,7 +32,14 @@ def prompt_ids(n: int) -> list[int]:
 
 
 # budgets and sinks that evict within the prompt (the default specs' are sized for thousands)
-EVICTING = ["standard:window=8,sinks=4", "snapkv:budget=16", "h2o:budget=16,recent=8"]
+EVICTING = [
+    "standard:window=8,sinks=4",
+    "snapkv:budget=16",
+    "h2o:budget=16,recent=8",
+    # dropping rows from a quantised store while decoding (the quantiser's sinks the policy's)
+    "h2o:budget=16,recent=8,sinks=4+turbo-quant:bits=4",
+    "tova:budget=16+kv-quant:bits=4",
+]
 
 
 def live_specs() -> list[str]:

@@ -26,8 +26,12 @@ def drop_rows(store: QuantisedLayer, index: torch.Tensor) -> None:
     if m == len(store):
         return
     first_recent = s + c
-    sinks = int((index < s).sum(dim=1).min())  # the sinks every head still keeps
-    recent = int((index >= first_recent).sum(dim=1).min())
+    if index.is_meta:  # `larql memory` (no values): as if the exact rows stayed, the codes went
+        sinks = min(s, m)
+        recent = min(len(store.recent), m - sinks)
+    else:
+        sinks = int((index < s).sum(dim=1).min())  # the sinks every head still keeps
+        recent = int((index >= first_recent).sum(dim=1).min())
     by_row = index.T  # [m, Hkv]
     coded = _codes_of(store, by_row[sinks : m - recent], s, first_recent)
     if sinks < s:
@@ -48,12 +52,12 @@ def _codes_of(
     if index.shape[0] == 0:
         return torch.empty(0, store.row_bytes, dtype=torch.uint8)
     pool, start = [], s
-    if bool((index < s).any()):
+    if s and (index.is_meta or bool((index < s).any())):
         pool.append(store.coded(store.sinks.rows))
         start = 0
     if len(store.codes):
         pool.append(store.codes.rows)
-    if bool((index >= first_recent).any()):
+    if len(store.recent) and (index.is_meta or bool((index >= first_recent).any())):
         pool.append(store.coded(store.recent.rows))
     return _gather_codes(store, torch.cat(pool), index - start)
 
