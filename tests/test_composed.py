@@ -180,11 +180,10 @@ def test_a_request_may_name_a_composition(smollm2: Model) -> None:
     settings = ServerSettings(max_prompt_tokens=24, max_new_tokens=4)
     asked = {"prompt": "Once upon a time there was", "max_tokens": 3, "temperature": 0}
     with TestClient(create_app(smollm2, settings)) as client:
-        ok = client.post(
-            "/v1/completions", json={**asked, "engine": "snapkv:budget=4,window=2+tq4"}
-        )
-        assert ok.status_code == 200, ok.text
-        assert ok.json()["usage"]["completion_tokens"] == 3
+        for spec in ("snapkv:budget=4,window=2+tq4", "h2o:budget=4,recent=2+kv-quant:bits=4"):
+            ok = client.post("/v1/completions", json={**asked, "engine": spec})
+            assert ok.status_code == 200, ok.text
+            assert ok.json()["usage"]["completion_tokens"] == 3
         for spec, words in [
             ("snapkv:budget=4+turbo-quant:recent=29", "turbo-quant: recent=29 is more than"),
             ("snapkv:budget=29+kv-quant", "snapkv: budget=29 is more than"),
