@@ -20,7 +20,7 @@ float rows.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
@@ -64,6 +64,13 @@ class TensorShard:
                 f"rank {self.rank}: a tensor-parallel all-reduce failed: {_line(e)}"
             ) from e
         return summed
+
+    def total(self, counts: Sequence[int]) -> list[int]:
+        """Every rank's `counts` summed, on every rank (what the whole run holds: each rank
+        counts its own share)."""
+        if self.world == 1:
+            return list(counts)
+        return [int(n) for n in self.all_reduce(torch.tensor(counts, dtype=torch.int64))]
 
     def agree(self, token: int) -> int:
         """Rank 0's token, on every rank (sampling draws on rank 0 alone: all ranks then feed
