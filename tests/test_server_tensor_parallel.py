@@ -78,8 +78,9 @@ class Server:
         return [p for p in pids if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
 
     def complete(self, body: dict[str, Any], answers: dict[str, Any], key: str) -> None:
+        sent = time.monotonic()
         r = httpx.post(f"{self.url}/v1/completions", json=body, timeout=SETTLE_S)
-        answers[key] = r.json()
+        answers[key] = {**r.json(), "sent": sent, "answered": time.monotonic()}
 
 
 def concurrently(server: Server, bodies: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -102,7 +103,7 @@ def test_three_ranks_serve_one_process_tokens_and_end_on_sigterm(smollm2_default
     """The default model under three ranks: two concurrent greedy requests (the second joins
     the first's batch) get the tokens `larql run` gets for each alone; SIGTERM ends every rank
     and the server exits 0."""
-    prompts = {"a": ("The capital of France is", 16), "b": ("Once upon a time", 10)}
+    prompts = {"a": ("The capital of France is", 12), "b": ("Once upon a time", 6)}
     server = Server("--tensor-parallel", "3")
     try:
         ranks = server.ranks()
@@ -117,6 +118,7 @@ def test_three_ranks_serve_one_process_tokens_and_end_on_sigterm(smollm2_default
     finally:
         server.proc.kill()
     assert "3 tensor-parallel ranks" in server.lines[0]
+    assert answers["b"]["sent"] < answers["a"]["answered"]  # both in the server at once
     for key, (text, n) in prompts.items():
         ids = smollm2_default.tokenizer.encode(text)
         engine = parse_engine("standard").build(smollm2_default)

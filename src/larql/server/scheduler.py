@@ -418,7 +418,7 @@ class Scheduler:
         try:
             self._loop()
         except RankFailed as e:  # the server's own failure: every session ends, then the loop
-            log.error("the server stops: %s", e)
+            log.debug("the server stops: %s", e)  # (the error itself reaches the caller)
             self.failure = e
             with _turn_events():
                 self._shut_down(ErrorEvent(503, f"the server stopped: {e}", "server_error"))

@@ -103,8 +103,8 @@ class MirroredSteps(Steps):
         self._finished = True
         try:
             self._send(("stop",))
-        except RankFailed as e:
-            log.error("the other ranks could not be told to stop: %s", e)
+        except RankFailed as e:  # (a rank is gone: what found it says so)
+            log.debug("the other ranks could not be told to stop: %s", e)
 
     def _id(self, generation: GenerationSession) -> int:
         with self._lock:
