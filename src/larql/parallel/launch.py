@@ -188,6 +188,17 @@ def _wait(ranks: list) -> int:  # (multiprocessing's SpawnProcess)
         time.sleep(0.02)
 
 
+def _end_with_parent() -> None:
+    """On Linux, a rank gets SIGTERM when its launcher dies, however it died (a `kill -9`
+    too): no rank runs on alone (a server's rank 0 would go on serving)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def _rank_main(
     rank: int,
     world: int,
@@ -201,6 +212,10 @@ def _rank_main(
     (rank 0's as the command's own, another rank's naming it) and the exit status."""
     status = 0
     os.setpgrp()  # the terminal's Ctrl-C reaches the parent, which hands it to rank 0
+    # what the parent hands over is meant (a parent started in the background ignores SIGINT,
+    # and its children would inherit that)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _end_with_parent()
     try:
         own = rank_device(device, rank)
         if own.startswith("cuda"):
