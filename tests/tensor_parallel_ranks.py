@@ -76,3 +76,29 @@ def one_rank_stalls(shard: TensorShard, options: dict[str, Any]) -> None:
     if shard.rank == 1:
         time.sleep(options["stall_s"])
     shard.all_reduce(torch.ones(4))
+
+
+def server_loses_a_rank(shard: TensorShard, options: dict[str, Any]) -> None:
+    """Rank 0 runs a server's scheduler with nothing to do (heartbeats every 0.2 s); rank 1
+    follows one heartbeat, then leaves without an error (the launcher sees nothing wrong).
+    Rank 0 saves what stopped its scheduler, and after how long, to options['out']."""
+    from larql.server.app import create_app
+    from larql.server.settings import ServerSettings
+    from larql.server.tensor_parallel import MirroredSteps
+
+    torch.set_num_threads(1)
+    model = load_model(options["model"], shard=shard)
+    if shard.rank == 1:
+        shard.share(None)
+        os._exit(0)
+    app = create_app(model, ServerSettings(prefix_cache_bytes=0), MirroredSteps(shard, 0.2))
+    scheduler = app.state.scheduler
+    scheduler.claim_this_thread()
+    started = time.monotonic()
+    try:
+        scheduler.run()
+        raised = None
+    except Exception as e:
+        raised = type(e).__name__
+    failure = str(scheduler.failure) if scheduler.failure is not None else None
+    torch.save((raised, failure, time.monotonic() - started), options["out"])

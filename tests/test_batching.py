@@ -16,7 +16,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quantize
 
-import larql.server.scheduler as scheduler_module
+import larql.server.steps as steps_module
 from helpers import torch_threads
 from larql.inference.batching import advance_batch, batch_groups, decode_batch
 from larql.inference.errors import InvariantViolation
@@ -170,13 +170,13 @@ def test_the_server_batches_concurrent_streams_without_changing_their_tokens(
     smollm2_default: Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sizes: list[int] = []
-    real = scheduler_module.step_together
+    real = steps_module.step_together
 
     def counting(sessions):  # type: ignore[no-untyped-def]
         sizes.append(len(sessions))
         return real(sessions)
 
-    monkeypatch.setattr(scheduler_module, "step_together", counting)
+    monkeypatch.setattr(steps_module, "step_together", counting)
     model = smollm2_default
 
     async def scenario() -> list[list]:
@@ -262,13 +262,13 @@ def test_a_new_prompt_rides_in_the_running_streams_steps(
     operators of the float ones)."""
     model = smollm2_default if weights == "blocks" else smollm2
     steps: list[list[int]] = []  # per step: the prompt tokens each session took (0: decode)
-    real = scheduler_module.advance_together
+    real = steps_module.advance_together
 
     def recording(sessions, chunks):  # type: ignore[no-untyped-def]
         steps.append([0 if s.started else c for s, c in zip(sessions, chunks, strict=True)])
         return real(sessions, chunks)
 
-    monkeypatch.setattr(scheduler_module, "advance_together", recording)
+    monkeypatch.setattr(steps_module, "advance_together", recording)
     short, long, first_events, second_events = _a_long_prompt_beside_a_stream(model, "standard")
     # the prompt's chunks: 16 a step where the products cost by the row; else what fills the
     # decode row's pass (15 of AMX's 16 rows, 7 of the AVX2 tiles' 8) and, while at least

@@ -20,7 +20,7 @@ from larql.inference.sampling import SamplingParams
 from larql.kv.buffers import KvBuffer
 from larql.kv.standard import StandardEngine
 from larql.models import Model, load_model
-from larql.server import scheduler as scheduler_module
+from larql.server import steps as steps_module
 from larql.server.metrics import ServerMetrics
 from larql.server.scheduler import (
     DoneEvent,
@@ -191,7 +191,7 @@ def _serve(
 def batch_sizes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, bool]]]:
     """Each batched decode step's session count, and whether some session failed in it."""
     sizes: list[tuple[int, bool]] = []
-    real = scheduler_module.step_together
+    real = steps_module.step_together
 
     def recording(sessions):  # type: ignore[no-untyped-def]
         try:
@@ -202,7 +202,7 @@ def batch_sizes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, boo
         sizes.append((len(sessions), False))
         return tokens
 
-    monkeypatch.setattr(scheduler_module, "step_together", recording)
+    monkeypatch.setattr(steps_module, "step_together", recording)
     yield sizes
 
 

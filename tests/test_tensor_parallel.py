@@ -7,6 +7,7 @@ ends the run instead of hanging it."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -218,6 +219,78 @@ def test_bench_times_every_engine_on_two_ranks(tiny_models: dict[str, str], tmp_
         assert 0 < share["memory"]["state"] <= whole["memory"]["state"]
     # standard keeps K/V of its rank's heads alone (markov-rs keeps the whole residual too)
     assert ranks[0]["memory"]["state"] * 2 == alone[0]["memory"]["state"]
+
+
+def _close(one: object, other: object) -> bool:
+    """Two JSON reports equal: every count and label exactly, every float up to the order of
+    the ranks' sums (a quantiser's KL of 1e-9 moves in its third digit)."""
+    if isinstance(one, dict) and isinstance(other, dict):
+        return one.keys() == other.keys() and all(_close(one[k], other[k]) for k in one)
+    if isinstance(one, list) and isinstance(other, list):
+        return len(one) == len(other) and all(_close(a, b) for a, b in zip(one, other, strict=True))
+    if isinstance(one, float) and isinstance(other, float):
+        both_nan = math.isnan(one) and math.isnan(other)
+        return both_nan or math.isclose(one, other, rel_tol=1e-3, abs_tol=1e-8)
+    return one == other
+
+
+@pytest.mark.slow
+def test_accuracy_under_two_ranks_reports_what_one_process_does(
+    tiny_models: dict[str, str], tmp_path: Path
+) -> None:
+    """`larql accuracy --tensor-parallel 2` on the tiny Llama (its own words as the fidelity
+    text): rank 0's tables are one process's, and its JSON too — the state bytes are the
+    ranks' sum, one process's bytes, and the floats one process's up to the order of sums."""
+    words = torch.randint(3, 96, (160,), generator=torch.Generator().manual_seed(3))
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(f"w{i}" for i in words.tolist()))
+    args = ["accuracy", "-m", tiny_models["llama"], "--text", str(text), "-q"]
+    args += ["--engine", "standard;standard:window=8;turbo-quant:bits=4", "--no-conflict"]
+    args += ["--parametric-n", "2", "--needle-max-tokens", "64", "--positions", "16"]
+    runs = []
+    for extra in (["--threads", "1"], ["--tensor-parallel", "2"]):
+        out = tmp_path / f"{extra[0]}.json"
+        done = subprocess.run(
+            [*LARQL, *args, *extra, "--output-file", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0 and not done.stderr, done.stderr
+        runs.append((done.stdout, json.loads(out.read_text())))
+    (one_text, one), (two_text, two) = runs
+    assert _close(one, two)
+    fidelity = {row["spec"]: row for row in two["fidelity"]}
+    assert fidelity["standard"]["memory_bytes"] > fidelity["standard:window=8"]["memory_bytes"]
+    # the exact engines' rows of the fidelity table and the whole score table, to the digit
+    same = [line for line in one_text.splitlines() if "turbo-quant" not in line]
+    assert same == [line for line in two_text.splitlines() if "turbo-quant" not in line]
+
+
+@pytest.mark.long  # ~2 min on a loaded 2-core machine: three ranks over the suite's steps
+def test_accuracy_on_the_default_model_under_three_ranks_prints_one_process_table(
+    tmp_path: Path,
+) -> None:
+    args = ["accuracy", "--engine", "standard;standard:window=8", "--no-conflict", "-q"]
+    args += ["--parametric-n", "1", "--needle-max-tokens", "64", "--positions", "8"]
+    args += ["--weights", "float"]
+    one = subprocess.run([*LARQL, *args], capture_output=True, text=True, timeout=600)
+    three = subprocess.run(
+        [*LARQL, *args, "--tensor-parallel", "3"], capture_output=True, text=True, timeout=600
+    )
+    assert one.returncode == 0 and three.returncode == 0, three.stderr
+    assert three.stdout == one.stdout and "standard:window=8" in one.stdout
+
+
+def test_accuracy_refuses_workers_and_other_ffns_with_tensor_parallel() -> None:
+    both = CliRunner().invoke(app, ["accuracy", "--workers", "2", "--tensor-parallel", "3"])
+    assert both.exit_code == 2
+    assert both.stderr.strip() == "error: give --workers or --tensor-parallel, not both"
+    walk = CliRunner().invoke(app, ["accuracy", "--ffn-policy", "walk", "--tensor-parallel", "3"])
+    assert walk.exit_code == 2 and "--ffn-policy" in walk.stderr
+    assert len(walk.stderr.strip().splitlines()) == 1
+    odd = CliRunner().invoke(app, ["accuracy", "--tensor-parallel", "2"])
+    assert odd.exit_code == 2 and "valid sizes: 1, 3" in odd.stderr
 
 
 @pytest.mark.long  # ~100 s on a loaded 2-core machine (three ranks, two weight modes)

@@ -15,6 +15,8 @@ from larql.cli.options import DeviceOption, DtypeOption, ModelOption, ThreadsOpt
 from larql.cli.outputs import check_output_file, check_plot_file, write_text, writing
 from larql.cli.progress import progress_lines
 from larql.cli.renamed import output_format, renamed
+from larql.cli.tensor_parallel import TensorParallelOption, check_model, launch, threads_per_rank
+from larql.cli.tensor_parallel import wanted as tensor_parallel_wanted
 
 
 def default_engines(suite: str = "prompts") -> str:
@@ -146,6 +148,7 @@ def accuracy(
     weights: WeightsOption = "auto",
     device: DeviceOption = "cpu",
     threads: ThreadsOption = None,
+    tensor_parallel: TensorParallelOption = 1,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
     quiet: Annotated[
         bool,
@@ -164,6 +167,12 @@ def accuracy(
     engines = renamed(engines, old_engines, "--engine", "--engines", None)
     ffn = renamed(ffn, old_ffn, "--ffn-policy", "--ffn", "dense")
     depths = renamed(depths, old_depths, "--depth-percent", "--depths", None)
+    # a rank runs this command again with these options (the old spellings already read)
+    options = {
+        name: value
+        for name, value in locals().items()
+        if name not in ("tensor_parallel", "old_engines", "old_ffn", "old_depths")
+    }
     from larql.api import accuracy as run_accuracy
     from larql.harness.accuracy.aggregate import served_lines, split_table
     from larql.harness.accuracy.report import fidelity_table
@@ -200,6 +209,20 @@ def accuracy(
         raise InvalidInput("--plot draws the fidelity results: leave out --no-fidelity")
     check_output_file(output_file, "--output-file")
     check_plot_file(plot)
+    if tensor_parallel_wanted(tensor_parallel):
+        if workers > 1:
+            raise InvalidInput("give --workers or --tensor-parallel, not both")
+        if ffn_specs != ["dense"]:
+            from larql.models.shard import TensorParallelError
+
+            raise TensorParallelError(
+                "--tensor-parallel runs the model's own dense MLP, split; it does not take "
+                "--ffn-policy or --moe-shards"
+            )
+        check_model(model, tensor_parallel)
+        options["threads"] = threads_per_rank(threads, tensor_parallel)
+        launch(tensor_parallel, _rank_accuracy, options, device)
+        return
     if suite == "ruler":
         from larql.cli.ruler_cmd import RulerGrid, run_ruler_suite
 
@@ -279,3 +302,11 @@ def accuracy(
             )
     if report.fidelity:
         stdout.print(fidelity_table(report.fidelity, report.meta["fidelity_text"]))
+
+
+def _rank_accuracy(shard: object, options: dict) -> None:
+    """One rank of `larql accuracy --tensor-parallel`: the same suite on its share of the model
+    (`open_model` loads it); rank 0 alone reports and writes files."""
+    if getattr(shard, "rank", 0) != 0:
+        options = {**options, "output_file": None, "plot": None, "quiet": True, "verbose": False}
+    accuracy(**options)

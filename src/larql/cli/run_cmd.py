@@ -29,7 +29,13 @@ from larql.cli.state_options import (
     check_state_directory,
     describe_state,
 )
-from larql.cli.tensor_parallel import TensorParallelOption, check_model, launch, threads_per_rank
+from larql.cli.tensor_parallel import (
+    TensorParallelOption,
+    check_engine,
+    check_model,
+    launch,
+    threads_per_rank,
+)
 from larql.cli.tensor_parallel import wanted as tensor_parallel_wanted
 
 if TYPE_CHECKING:  # torch loads in the command's body, not for `--help`
@@ -132,9 +138,7 @@ def run(
 
 def _check_tensor_parallel(options: dict, size: int) -> None:
     """What a tensor-parallel run refuses, before any process starts."""
-    from larql.kv.catalog import parse_engine
     from larql.kv.resolve import resolve_engine
-    from larql.kv.spec import OperatorOnlyParameter, SpecPolicy
     from larql.models.shard import TensorParallelError
 
     for flag, key in (
@@ -154,14 +158,7 @@ def _check_tensor_parallel(options: dict, size: int) -> None:
                 f"--tensor-parallel runs the model's own dense MLP, split; it does not take {flag}"
             )
     choice = resolve_engine(options["engine"], options["kv_cache"], options["context_window"])
-    choice.engine.require_live_decode()
-    try:  # every rank would write the same files
-        parse_engine(choice.engine.spec(), SpecPolicy(files=False))
-    except OperatorOnlyParameter:
-        raise TensorParallelError(
-            f"--tensor-parallel does not run an engine that writes files "
-            f"({choice.engine.spec()}): every rank would write them"
-        ) from None
+    check_engine(choice.engine)
     check_model(options["model"], size)
 
 

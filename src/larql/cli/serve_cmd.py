@@ -17,10 +17,19 @@ from larql.cli.options import (
     WeightsOption,
     parse_layer_range,
 )
+from larql.cli.tensor_parallel import (
+    TensorParallelOption,
+    check_engine,
+    check_model,
+    launch,
+    threads_per_rank,
+)
+from larql.cli.tensor_parallel import wanted as tensor_parallel_wanted
 
 if TYPE_CHECKING:  # torch loads in the command's body, not for `--help`
     from larql.inference.engine import Engine
     from larql.models.model import Model
+    from larql.models.shard import TensorShard
     from larql.server.settings import ServerSettings
 
 
@@ -114,11 +123,18 @@ def serve(
             "of its MoE layers, for clients' --moe-shards.",
         ),
     ] = None,
+    tensor_parallel: TensorParallelOption = 1,
 ) -> None:
     """Serve the model over HTTP: OpenAI completions and chat, decoded through the KV engines."""
+    options = dict(locals())
+    del options["tensor_parallel"]
     if not 0 <= port <= 65535:
         raise InvalidInput(f"--port must be in 0..65535, got {port}")
     if ffn_only:
+        if tensor_parallel_wanted(tensor_parallel):
+            from larql.models.shard import TensorParallelError
+
+            raise TensorParallelError("--tensor-parallel serves the whole model; not --ffn-only")
         layer_range = parse_layer_range(layers) if layers is not None else None
         expert_range = parse_layer_range(experts, "--experts") if experts is not None else None
         lm = open_model(model, dtype, device, threads, weights)
@@ -141,12 +157,28 @@ def serve(
 
     choice = resolve_engine(engine)
     choice.engine.require_live_decode()
+    if tensor_parallel_wanted(tensor_parallel):
+        _check_tensor_parallel(choice.engine, cache_bytes, model, tensor_parallel)
+        options["threads"] = threads_per_rank(threads, tensor_parallel)
+        launch(tensor_parallel, _rank_serve, options, device)
+        return
+    from larql.parallel.launch import current_shard
+
+    shard = current_shard()
+    if shard is not None:
+        cache_bytes = 0  # (refused above where asked for: a cached state would be rank 0's)
     lm = open_model(model, dtype, device, threads, weights)
     built = choice.engine.build(lm)  # a spec that cannot be built fails now, not per request
+    if shard is not None and shard.rank != 0:
+        from larql.server.tensor_parallel import follow
+
+        follow(lm, shard)
+        return
 
     from larql.server.app import create_app
     from larql.server.runner import serve_forever
     from larql.server.settings import ServerSettings
+    from larql.server.tensor_parallel import MirroredSteps
 
     settings = ServerSettings(
         default_engine=choice.engine,
@@ -166,15 +198,42 @@ def serve(
         debug_log()
 
     def announce(url: str) -> None:
+        ranks = f", {shard.world} tensor-parallel ranks" if shard is not None else ""
         stderr.print(
             f"larql serve: {lm.name} on {url}  (engine {choice.engine.spec()} from "
-            f"{choice.source}, {max_sessions} sessions, queue {max_queue})"
+            f"{choice.source}, {max_sessions} sessions, queue {max_queue}{ranks})"
         )
         if verbose:
             for line in served_facts(lm, built, settings):
                 stderr.print(line, markup=False)
 
-    serve_forever(create_app(lm, settings), host, port, announce)
+    steps = MirroredSteps(shard) if shard is not None else None
+    try:
+        serve_forever(create_app(lm, settings, steps), host, port, announce)
+    finally:
+        if steps is not None:  # the other ranks wait for rank 0's word (once the loop ran, said)
+            steps.finish()
+
+
+def _check_tensor_parallel(
+    kind: object, cache_bytes: int | None, model: str | None, size: int
+) -> None:
+    """What a tensor-parallel server refuses, before any process starts."""
+    from larql.models.shard import TensorParallelError
+
+    if cache_bytes:
+        raise TensorParallelError(
+            "--tensor-parallel keeps no prefix cache (a cached state would be rank 0's share "
+            "alone); leave out --prefix-cache-bytes or give 0"
+        )
+    check_engine(kind)
+    check_model(model, size)
+
+
+def _rank_serve(shard: TensorShard, options: dict) -> None:
+    """One rank of `larql serve --tensor-parallel`: rank 0 serves and schedules, the others
+    follow its model calls (`larql.server.tensor_parallel`)."""
+    serve(**options)
 
 
 def debug_log() -> None:

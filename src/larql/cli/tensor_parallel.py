@@ -40,6 +40,23 @@ def check_model(model: str | None, size: int) -> None:
     check_splits(load_config(model), size)
 
 
+def check_engine(kind: Any) -> None:
+    """An engine every rank can run: a live-decode one that writes no files (every rank
+    would write the same ones). `kind`: an `EngineSpec`."""
+    from larql.kv.catalog import parse_engine
+    from larql.kv.spec import OperatorOnlyParameter, SpecPolicy
+    from larql.models.shard import TensorParallelError
+
+    kind.require_live_decode()
+    try:
+        parse_engine(kind.spec(), SpecPolicy(files=False))
+    except OperatorOnlyParameter:
+        raise TensorParallelError(
+            f"--tensor-parallel does not run an engine that writes files ({kind.spec()}): "
+            "every rank would write them"
+        ) from None
+
+
 def threads_per_rank(threads: int | None, size: int) -> int:
     """Torch CPU threads of each rank: --threads, else this process's cores shared out."""
     if threads is not None:

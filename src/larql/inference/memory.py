@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from larql.models.model import Model
 
 MIB = 1_048_576  # bytes; every "MiB" larql prints is this binary unit
 
@@ -92,6 +95,13 @@ def _live(storage: Storage) -> int:
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def over_ranks(model: Model, *counts: int) -> tuple[int, ...]:
+    """Byte counts of one engine on `model`, summed over the ranks of its tensor-parallel run
+    (every rank calls it, in the same order); alone, the counts themselves. A rank holds its
+    heads' share, so the sum is the whole run's bytes."""
+    return counts if model.shard is None else tuple(model.shard.total(counts))
 
 
 def mib_value(n_bytes: int) -> float:

@@ -20,9 +20,10 @@ float rows.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,26 @@ class TensorShard:
                 f"rank {self.rank}: a tensor-parallel all-reduce failed: {_line(e)}"
             ) from e
         return summed
+
+    def total(self, counts: Sequence[int]) -> list[int]:
+        """Every rank's `counts` summed, on every rank (what the whole run holds: each rank
+        counts its own share)."""
+        if self.world == 1:
+            return list(counts)
+        return [int(n) for n in self.all_reduce(torch.tensor(counts, dtype=torch.int64))]
+
+    def share(self, payload: object) -> Any:
+        """Rank 0's `payload` (any picklable value; another rank's is ignored), on every rank."""
+        if self.world == 1:
+            return payload
+        held = [payload]
+        try:
+            dist.broadcast_object_list(held, src=0, group=self.group)
+        except RuntimeError as e:
+            raise RankFailed(
+                f"rank {self.rank}: a tensor-parallel broadcast failed: {_line(e)}"
+            ) from e
+        return held[0]
 
     def agree(self, token: int) -> int:
         """Rank 0's token, on every rank (sampling draws on rank 0 alone: all ranks then feed

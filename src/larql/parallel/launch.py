@@ -6,13 +6,16 @@ a group over localhost; under `torchrun` (its environment names RANK / WORLD_SIZ
 MASTER_ADDR) `join_from_environment` joins the group torchrun set up instead, which is how one
 run spans several hosts. Every collective waits at most `timeout` for the other ranks, and the
 parent ends every rank as soon as one of them ends with an error: a dead rank ends the run
-with an error, never a hang."""
+with an error, never a hang. The ranks have a process group of their own: Ctrl-C and SIGTERM
+reach the parent, which hands them to rank 0, and rank 0 ends the command."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -139,14 +142,32 @@ def run_ranks(
     ]
     for process in ranks:
         process.start()
+    previous = _forward_signals(ranks[0])
     try:
         return _wait(ranks)
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         for process in ranks:
             if process.is_alive():
                 process.terminate()
         for process in ranks:
             process.join(timeout=10)
+
+
+def _forward_signals(first: Any) -> dict[int, Any]:
+    """Ctrl-C and SIGTERM go to rank 0 alone (the ranks have a process group of their own, out
+    of the terminal's reach): it ends the command as one process would — `larql serve` ends
+    its sessions and then tells the other ranks to stop; another command's rank 0 exits and
+    `_wait` ends the rest. → the handlers they replace (none off the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def forward(sig: int, _: object) -> None:
+        if first.pid is not None and first.exitcode is None:
+            os.kill(first.pid, sig)
+
+    return {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _wait(ranks: list) -> int:  # (multiprocessing's SpawnProcess)
@@ -167,6 +188,17 @@ def _wait(ranks: list) -> int:  # (multiprocessing's SpawnProcess)
         time.sleep(0.02)
 
 
+def _end_with_parent() -> None:
+    """On Linux, a rank gets SIGTERM when its launcher dies, however it died (a `kill -9`
+    too): no rank runs on alone (a server's rank 0 would go on serving)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def _rank_main(
     rank: int,
     world: int,
@@ -179,6 +211,11 @@ def _rank_main(
     """One spawned rank: join the group, run the task, leave; an error is one line on stderr
     (rank 0's as the command's own, another rank's naming it) and the exit status."""
     status = 0
+    os.setpgrp()  # the terminal's Ctrl-C reaches the parent, which hands it to rank 0
+    # what the parent hands over is meant (a parent started in the background ignores SIGINT,
+    # and its children would inherit that)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _end_with_parent()
     try:
         own = rank_device(device, rank)
         if own.startswith("cuda"):

@@ -43,6 +43,7 @@ from larql.server.schemas import (
     usage,
 )
 from larql.server.settings import ServerSettings
+from larql.server.steps import Steps
 from larql.server.streaming import collect, larql_extra, stream_events
 from larql.server.tokenize import TOKENIZER_ENDPOINTS, add_tokenizer_routes
 
@@ -57,14 +58,17 @@ ENDPOINTS = (
 )
 
 
-def create_app(model: Model, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(
+    model: Model, settings: ServerSettings | None = None, steps: Steps | None = None
+) -> FastAPI:
+    """The app over `model`; `steps` runs the scheduler's model work (default: here; a
+    tensor-parallel rank 0: `larql.server.tensor_parallel.MirroredSteps`)."""
     settings = settings or ServerSettings()
     metrics = ServerMetrics()
     cache_bytes = settings.prefix_cache_bytes
     cache = PrefixCache(default_size(model) if cache_bytes is None else cache_bytes)
-    scheduler = Scheduler(
-        model, DenseFfn(model), settings.scheduler_limits(), metrics, prefix_cache=cache
-    )
+    limits = settings.scheduler_limits()
+    scheduler = Scheduler(model, DenseFfn(model), limits, metrics, prefix_cache=cache, steps=steps)
     started = int(time.time())
 
     @asynccontextmanager

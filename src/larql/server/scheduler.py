@@ -52,6 +52,12 @@ on 2 cores). Tokens travel to the request's coroutine through an `asyncio.Queue`
 `call_soon_threadsafe`. A cancelled session (its client went away) is dropped before the next
 step of any session, which frees its engine.
 
+The model work of a turn (a session's generation made, a part of its prompt, a decode step, a
+batched step) goes through `Steps` (`larql.server.steps`): in one process it runs here; under
+tensor parallelism rank 0's `MirroredSteps` has every rank run the same call
+(`larql.server.tensor_parallel`). A failed collective there (`RankFailed`) is the server's
+failure, not a session's: every session ends with a 503 error event and the loop stops with it.
+
 Shutdown (`begin_shutdown`): new sessions are refused and queued ones end at once; running
 ones go on until they finish or `shutdown_timeout_s` passes, then end with an error event, so
 their streams end cleanly instead of being cut.
@@ -74,22 +80,18 @@ from larql.inference.decode_path import decode_path
 from larql.inference.engine import Engine
 from larql.inference.errors import BackendUnavailable, EngineError
 from larql.inference.ffn import FfnBackend
-from larql.inference.generation import (
-    FinishReason,
-    GenerationSession,
-    SessionsFailed,
-    advance_together,
-    step_together,
-)
+from larql.inference.generation import FinishReason, GenerationSession, SessionsFailed
 from larql.inference.linear import rows_per_pass
 from larql.inference.logprobs import PromptScorer, TokenLogprob, token_logprob
 from larql.inference.lookahead import Lookahead, goes_ahead
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.prefix_cache import CachedStart, PrefixCache
-from larql.inference.sampling import Sampler, SamplingParams
+from larql.inference.sampling import SamplingParams
 from larql.models.model import Model
+from larql.models.shard import RankFailed
 from larql.server.logprobs import Entry, GeneratedTrack
 from larql.server.metrics import ServerMetrics
+from larql.server.steps import Opening, Steps
 from larql.server.text import TextAssembler
 
 log = logging.getLogger("larql.server")
@@ -297,13 +299,16 @@ class Scheduler:
         metrics: ServerMetrics,
         step_ahead: bool | None = None,
         prefix_cache: PrefixCache | None = None,
+        steps: Steps | None = None,
     ) -> None:
         """`step_ahead`: batched greedy decode steps are queued before the step before them is
         read (`larql.inference.lookahead`); None: where the model is on CUDA (on the CPU the
         host does the computing, so there is nothing to overlap). `prefix_cache`: a prompt
         starts from the state of the longest prefix it shares with earlier prompts of its
-        engine, and each prompt's state is offered to it once it is in."""
+        engine, and each prompt's state is offered to it once it is in. `steps`: what runs
+        the model work of a turn (default: this process, `Steps`)."""
         self.model = model
+        self.steps = steps or Steps()
         self.prefix_cache = (
             prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
         )
@@ -321,6 +326,8 @@ class Scheduler:
         self._stopped = threading.Event()  # the loop has ended
         self._rows_per_pass = rows_per_pass(model)
         self._step_ahead = model.device.type == "cuda" if step_ahead is None else step_ahead
+        self._step_ahead = self._step_ahead and self.steps.may_go_ahead
+        self.failure: RankFailed | None = None  # what stopped the loop, where something did
         self._ahead = Lookahead()
         self._ahead_sessions: dict[int, Session] = {}  # id(generation) → its session
         metrics.watch_engine_memory(self.memory_by_engine)
@@ -408,11 +415,25 @@ class Scheduler:
     # ------------------------------------------------------------------ the scheduler thread
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except RankFailed as e:  # the server's own failure: every session ends, then the loop
+            log.debug("the server stops: %s", e)  # (the error itself reaches the caller)
+            self.failure = e
+            with _turn_events():
+                self._shut_down(ErrorEvent(503, f"the server stopped: {e}", "server_error"))
+            raise
+        finally:
+            self._stopped.set()
+            self.steps.finish()
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 self._admit()
                 while not self._closing and not self._active:
-                    self._cond.wait()
+                    if not self._cond.wait(self.steps.idle_s):
+                        self.steps.idle()
                     self._admit()
                 if self._closing and (not self._active or time.perf_counter() >= self._shutdown_at):
                     break
@@ -421,7 +442,6 @@ class Scheduler:
                 self._turn(batch)
         with _turn_events():
             self._shut_down()
-        self._stopped.set()
 
     def _turn(self, batch: list[Session]) -> None:
         """One step for the picked sessions: a step ahead where it goes ahead, else (after the
@@ -570,12 +590,16 @@ class Scheduler:
         try:
             if any(riding):
                 chunks = [s.prefill_chunk for s in batch]
-                tokens: list[int | None] = advance_together(generations, chunks)
+                tokens: list[int | None] = self.steps.advance_together(generations, chunks)
             else:
-                tokens = list(step_together(generations))
+                tokens = list(self.steps.step_together(generations))
+        except RankFailed:
+            raise
         except SessionsFailed as e:
             tokens, failures = e.tokens, e.failures
-        except StepRolledBack:
+        except StepRolledBack as e:
+            if isinstance(e.__cause__, RankFailed):
+                raise e.__cause__ from None
             log.exception("a batched step failed; its sessions step alone")
             for stream in batch:
                 self._advance(stream)
@@ -770,6 +794,8 @@ class Scheduler:
             return
         try:
             token = self._next_token(stream)
+        except RankFailed:
+            raise
         except LarqlError as e:
             stream.emit(error_event(e))
             self._retire(stream, "error")
@@ -790,7 +816,7 @@ class Scheduler:
         generation = self._generation(stream)
         request = stream.request
         if generation.started:
-            token = generation.step_part(stream.step_rows)
+            token = self.steps.step_part(generation, stream.step_rows)
             if token is None:
                 return None
             now = time.perf_counter()
@@ -798,12 +824,12 @@ class Scheduler:
             stream.last_token_at = now
             return token
         if request.max_new_tokens == 0:
-            done = generation.feed_prompt(stream.prefill_chunk) is not None
+            done = self.steps.feed_prompt(generation, stream.prefill_chunk)
             self._score(stream)
             if done:
                 self._scored(stream)
             return None
-        token = generation.prefill_part(stream.prefill_chunk)
+        token = self.steps.prefill_part(generation, stream.prefill_chunk)
         self._score(stream)
         if token is None:
             return None
@@ -844,17 +870,16 @@ class Scheduler:
             prompt, resumed = request.prompt_ids, self._cached_start(request)
             if resumed is not None:
                 stream.engine, prompt = resumed.engine, prompt[resumed.tokens :]
-            stream.generation = GenerationSession(
-                stream.engine,
-                self.model,
-                self.ffn,
-                prompt,
+            opening = Opening(
+                request.engine_spec,
+                tuple(prompt),
                 request.max_new_tokens,
-                Sampler(request.sampling),
+                request.sampling,
                 stop_ids=frozenset() if request.ignore_eos else None,
                 keep_prompt_rows=request.scores_prompt,
                 resumes=resumed is not None,
             )
+            stream.generation = self.steps.open(opening, stream.engine, self.model, self.ffn)
             if request.logprobs is not None and request.scores_prompt:
                 stream.scorer = PromptScorer(self.model, request.prompt_ids, request.logprobs)
             log.debug(
@@ -952,16 +977,18 @@ class Scheduler:
             return
         self._note_what_ran(stream)
         stream.ended = True
+        if stream.generation is not None:
+            self.steps.close(stream.generation)
         stream.generation = None
         stream.engine = None
         stream.memory = MemoryBreakdown()
         self.metrics.sessions.labels(outcome).inc()
         self._update_gauges()
 
-    def _shut_down(self) -> None:
+    def _shut_down(self, event: ErrorEvent | None = None) -> None:
         with self._cond:
             for stream in [*self._active, *self._queue]:
-                stream.emit(_SHUTTING_DOWN)
+                stream.emit(event or _SHUTTING_DOWN)
                 self._end(stream, "shutdown")
             self._active.clear()
             self._queue.clear()

@@ -30,6 +30,7 @@ from larql.inference.engine import Engine
 from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import generate, logits_of, teacher_forced_hidden
+from larql.inference.memory import over_ranks
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 
@@ -151,6 +152,9 @@ def measure_fidelity(
     except EngineError as e:
         return Fidelity(kind.spec(), 0, *([math.nan] * 7), 0, 0, error=f"{type(e).__name__}: {e}")
     held_tokens = prompt_len + len(kls) - 1  # the last position's token is never fed
+    held = engine.memory()
+    state, reserved = over_ranks(model, held.state, held.reserved)
+    world = model.shard.world if model.shard is not None else 1  # (the config is a rank's)
     cosines, squares = _hidden_agreement(hidden, reference.hidden)
     return Fidelity(
         spec=kind.spec(),
@@ -162,10 +166,10 @@ def measure_fidelity(
         same_top1=sum(top1) / len(top1),
         delta_p_rms=math.sqrt(sum(x * x for x in dp) / len(dp)),
         ln_ppl_ratio=(sum(nll_q) - sum(nll_p)) / len(kls),
-        memory_bytes=engine.memory().state,
-        reserve_bytes=engine.memory().reserved,
-        ratio_vs_fp16=engine.memory().state / model.config.kv_bytes_per_token(2) / held_tokens
-        if engine.memory().state
+        memory_bytes=state,
+        reserve_bytes=reserved,
+        ratio_vs_fp16=state / (world * model.config.kv_bytes_per_token(2)) / held_tokens
+        if state
         else None,
         mean_js=sum(js) / len(js),
         top5_overlap=sum(overlap) / len(overlap),

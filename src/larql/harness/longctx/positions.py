@@ -20,6 +20,7 @@ from larql.harness.formatting import Unbroken, shown
 from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend, build_ffn
 from larql.inference.generation import logits_of, teacher_forced_hidden
+from larql.inference.memory import over_ranks
 from larql.kv.catalog import parse_engine
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
@@ -62,7 +63,7 @@ def position_curve(model: Model, ffn: FfnBackend, spec: EngineSpec, ids: list[in
     except EngineError as e:
         return Curve(spec.spec(), edges, [], 0, f"{type(e).__name__}: {e}")
     means = [sum(nll[a - 1 : b - 1]) / max(1, b - a) for a, b in itertools.pairwise(edges)]
-    return Curve(spec.spec(), edges, means, engine.memory().state)
+    return Curve(spec.spec(), edges, means, over_ranks(model, engine.memory().state)[0])
 
 
 def position_job(model: Model, job: tuple[str, list[int]]) -> Curve:

@@ -19,6 +19,7 @@ from larql.inference.engine import RetrievalEngine
 from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend, build_ffn
 from larql.inference.generation import logits_of, teacher_forced_hidden
+from larql.inference.memory import over_ranks
 from larql.kv.apollo.store import ApolloStoreError
 from larql.kv.catalog import parse_engine
 from larql.kv.spec import EngineSpec
@@ -84,7 +85,7 @@ def score_sample(model: Model, ffn: FfnBackend, spec: EngineSpec, sample: Sample
         depth_percent=sample.depth,
         score=float(picked == answer),
         answer_logprob=sum(float(row[token]) for row, token in zip(log_probs, answer, strict=True)),
-        memory_bytes=engine.memory().state,
+        memory_bytes=over_ranks(model, engine.memory().state)[0],
         context_tokens=len(context),
         predicted=tokenizer.decode(picked),
     )

@@ -20,6 +20,7 @@ from larql.inference.engine import Engine, RetrievalEngine
 from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend, build_ffn
 from larql.inference.generation import generate
+from larql.inference.memory import over_ranks
 from larql.inference.snapshots.errors import SnapshotError
 from larql.kv.catalog import parse_engine
 from larql.kv.spec import EngineSpec
@@ -71,7 +72,7 @@ def score_sample(model: Model, ffn: FfnBackend, spec: EngineSpec, sample: Sample
         if isinstance(engine, RetrievalEngine):
             raise EngineError(f"{label} is a retrieval engine; the ruler suite prefills a cache")
         hidden = engine.prefill(model, ffn, context)
-        held = engine.memory().state
+        (held,) = over_ranks(model, engine.memory().state)
         scores, texts = [], []
         for i, query in enumerate(sample.queries):
             asking, start = (
