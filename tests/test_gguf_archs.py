@@ -194,6 +194,10 @@ def test_config_reads_the_file(tiny: TinyGguf) -> None:
     experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None)
     routing = config.experts
     assert (routing.num_experts, routing.top_k) == (experts, 2) if experts else routing is None
+    if experts:  # the widths tensor parallelism splits, read from the tensor table
+        width = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
+        shared = getattr(hf, "shared_expert_intermediate_size", None) or 0
+        assert (routing.expert_width, routing.shared_width) == (width, shared)
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
         hf.num_hidden_layers,
         hf.num_attention_heads,

@@ -51,12 +51,16 @@ class ExpertRouting:
     same as GPT-OSS's softmax over the top_k logits); each token's FFN output is Σ weight ·
     expert(x) (+ a shared expert, whose output a sigmoid gate scales where the weights have
     one). An expert is a gated MLP with the model's activation, or with `clamped_swiglu` = (α,
-    limit) GPT-OSS's (up + 1) · g·σ(α·g), g = min(gate, limit), up clamped to ±limit."""
+    limit) GPT-OSS's (up + 1) · g·σ(α·g), g = min(gate, limit), up clamped to ±limit.
+    `expert_width` / `shared_width`: an expert's and the shared expert's intermediate width
+    (what tensor parallelism splits; None: not given, 0: no shared expert)."""
 
     num_experts: int
     top_k: int
     normalize_top_k: bool
     clamped_swiglu: tuple[float, float] | None = None
+    expert_width: int | None = None
+    shared_width: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:

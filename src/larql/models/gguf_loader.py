@@ -210,9 +210,21 @@ def _expert_routing(gguf: GgufFile, keys: Fields) -> ExpertRouting | None:
             keys.integer("expert_used_count", 0),
             keys.flag("expert_weights_norm", preset.gguf_experts_normalized),
             clamped_swiglu=preset.gguf_clamped_swiglu,
+            expert_width=_stored_width(gguf, "ffn_gate_exps"),
+            shared_width=_stored_width(gguf, "ffn_gate_shexp") or 0,
         )
     except ValueError as e:
         raise ModelFormatError(f"bad mixture-of-experts settings: {e}") from None
+
+
+def _stored_width(gguf: GgufFile, kind: str) -> int | None:
+    """The intermediate width F of the first `blk.i.{kind}.weight` in the tensor table (the
+    experts' [E, F, H], the shared expert's [F, H]), None where no layer has one."""
+    for name, info in gguf.tensors.items():
+        parts = name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] == kind and parts[3] == "weight":
+            return int(info.shape[-2])
+    return None
 
 
 def gguf_state_dict(

@@ -231,8 +231,12 @@ def _expert_routing(c: Fields, preset: ArchPreset) -> ExpertRouting | None:
     if limit is not None:
         swiglu = (c.number("swiglu_alpha", 1.702), limit)
     top_k = c.optional_integer("num_experts_per_tok") or c.integer("top_k_experts")
+    # Mixtral's and GPT-OSS's experts are `intermediate_size` wide (they have no dense MLP)
+    width = c.optional_integer("moe_intermediate_size", low=1, high=MAX_WIDTH)
+    width = width or c.integer("intermediate_size", low=1, high=MAX_WIDTH)
+    shared = c.optional_integer("shared_expert_intermediate_size", high=MAX_WIDTH)
     try:
-        return ExpertRouting(count, top_k, normalized, clamped_swiglu=swiglu)
+        return ExpertRouting(count, top_k, normalized, swiglu, width, shared)
     except ValueError as e:
         raise ModelFormatError(f"bad mixture-of-experts settings: {e}") from None
 

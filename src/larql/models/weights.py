@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from larql.models.blocks import BlockRows, fuse_layer_blocks
-from larql.models.config import ModelConfig
+from larql.models.config import ExpertRouting, ModelConfig
 from larql.models.errors import ModelFormatError
 
 StateDict = Mapping[str, torch.Tensor]
@@ -250,7 +250,7 @@ class ModelWeights:
                     raise ModelFormatError(
                         f"layer {i} has {count} experts, the config {config.experts.num_experts}"
                     )
-                expected.update(_expert_shapes(lw.experts, f"layers.{i}.", h))
+                expected.update(_expert_shapes(lw.experts, config.experts, f"layers.{i}.", h))
         self._check_per_layer_shapes(config, expected)
         for i, lw in enumerate(self.layers):
             if lw.w_gate_up is not None and lw.w_down is not None:
@@ -385,12 +385,15 @@ def expected_shape(config: ModelConfig, name: str) -> tuple[int, ...] | None:
 
 
 def _expert_shapes(
-    experts: ExpertWeights, prefix: str, hidden: int
+    experts: ExpertWeights, routing: ExpertRouting, prefix: str, hidden: int
 ) -> dict[str, tuple[torch.Size, tuple[int, ...]]]:
-    """One layer's experts against each other: E experts of width F (from `gate_up`'s 2·F rows)
-    over the hidden size, their biases and the shared expert's matrices to match."""
+    """One layer's experts against each other and the config: E experts of the config's width F
+    (where it gives one, else `gate_up`'s 2·F rows') over the hidden size, their biases and the
+    shared expert's matrices to match."""
     e = experts.router.shape[0]
     f2 = experts.gate_up.shape[1] if experts.gate_up.dim() == 3 else -1
+    if routing.expert_width is not None:
+        f2 = 2 * routing.expert_width
     out = {
         prefix + "router": (experts.router.shape, (e, hidden)),
         prefix + "experts_gate_up": (experts.gate_up.shape, (e, f2 - f2 % 2, hidden)),
@@ -412,6 +415,8 @@ def _expert_shapes(
         raise ModelFormatError(f"{prefix}shared expert has only part of its matrices")
     if shared is not None and down is not None:
         fs2 = shared.shape[0] if shared.dim() == 2 else -1
+        if routing.shared_width is not None:  # 0: the config has no shared expert
+            fs2 = 2 * routing.shared_width
         out[prefix + "shared_gate_up"] = (shared.shape, (fs2 - fs2 % 2, hidden))
         out[prefix + "shared_down"] = (down.shape, (hidden, fs2 // 2))
     return out
