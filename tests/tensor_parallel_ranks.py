@@ -45,19 +45,22 @@ def engines_logits(shard: TensorShard, options: dict[str, Any]) -> None:
 
 def greedy_tokens(shard: TensorShard, options: dict[str, Any]) -> None:
     """Each of options['specs']'s greedy tokens and teacher-forced logits over them on this
-    rank's share of the default model, loaded with each of options['weights'] (`larql run`'s
-    `--weights`); rank 0 saves {(weights, spec): (tokens, logits)} to options['out']."""
+    rank's share of each of options['models'] (float32), loaded with each of
+    options['weights'] (`larql run`'s `--weights`); rank 0 saves
+    {(model, weights, spec): (tokens, logits)} to options['out']."""
     torch.set_num_threads(1)
     results = {}
-    for weights in options["weights"]:
-        model = load_model(options["model"], weights=weights, shard=shard)
-        ids = model.tokenizer.encode(options["prompt"])
-        for spec in options["specs"]:
-            engine = parse_engine(spec).build(model)
-            ffn = DenseFfn(model)
-            tokens = generate(engine, model, ffn, ids, options["n"], stop_ids=frozenset()).tokens
-            logits = teacher_forced(model, spec, ids + tokens, len(ids))
-            results[weights, spec] = (tokens, logits)
+    for name in options["models"]:
+        for weights in options["weights"]:
+            model = load_model(name, weights=weights, shard=shard)
+            ids = model.tokenizer.encode(options["prompt"])
+            for spec in options["specs"]:
+                engine = parse_engine(spec).build(model)
+                ffn = DenseFfn(model)
+                n = options["n"]
+                tokens = generate(engine, model, ffn, ids, n, stop_ids=frozenset()).tokens
+                logits = teacher_forced(model, spec, ids + tokens, len(ids))
+                results[name, weights, spec] = (tokens, logits)
     if shard.rank == 0:
         torch.save(results, options["out"])
 

@@ -30,8 +30,10 @@ from larql.kv import parse_engine
 from larql.models import Model, load_model
 from larql.models.gguf_file import GgufFile
 from larql.models.gguf_loader import gguf_block_rows
+from larql.models.model import load_config
 from larql.models.shard import (
     TensorParallelError,
+    TensorShard,
     check_splits,
     shard_blocks,
     shard_config,
@@ -40,7 +42,7 @@ from larql.models.shard import (
 )
 from larql.parallel.launch import run_ranks
 from test_engine_compliance import LIVE_SPECS
-from tiny_models import build_tiny_model, random_ids
+from tiny_models import build_tiny_model, random_ids, rewrite_config
 
 
 def test_the_default_model_splits_three_ways_or_not_at_all(smollm2: Model) -> None:
@@ -307,9 +309,9 @@ def test_the_default_model_under_three_ranks_decodes_one_process_tokens(tmp_path
     )
     modes = ["float", "auto"]
     out = tmp_path / "ranks.pt"
-    options = dict(model="smollm2-135m", weights=modes, specs=specs, prompt=prompt, n=n, out=out)
+    options = dict(models=["smollm2-135m"], weights=modes, specs=specs, prompt=prompt, n=n, out=out)
     assert run_ranks(3, tensor_parallel_ranks.greedy_tokens, options) == 0
-    ranks = torch.load(out)
+    ranks = {(w, spec): got for (_, w, spec), got in torch.load(out).items()}
     for weights in modes:
         model = load_model("smollm2-135m", weights=weights)
         ids = model.tokenizer.encode(prompt)
@@ -321,6 +323,108 @@ def test_the_default_model_under_three_ranks_decodes_one_process_tokens(tmp_path
             exact = weights == "float" and spec != "turbo-quant:bits=4"
             bound = 1e-5 if exact else 1e-3
             assert relative_error(ranks[weights, spec][1], logits) <= bound, (weights, spec)
+
+
+# every tiny mixture of experts (4 experts, 2 per token): Mixtral's 80 wide; Qwen2-MoE's 40
+# wide, a 64-wide shared expert with its gate and a dense layer; Qwen3-MoE's; GPT-OSS's with
+# biases and a clamped SwiGLU; Gemma 4's 24 wide beside a dense MLP, routed on the residual
+MOE_ARCHITECTURES = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "gemma4_moe"]
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    pytest.importorskip("transformers")
+    directories = {}
+    for arch in MOE_ARCHITECTURES:
+        directory = tmp_path_factory.mktemp(f"tp-{arch}")
+        build_tiny_model(arch, directory)
+        directories[arch] = str(directory)
+    return directories
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_the_ranks_expert_shares_sum_to_the_whole_block(
+    arch: str, moe_models: dict[str, str]
+) -> None:
+    """Each of two ranks holds half of every expert's (and the shared expert's) width, the
+    router whole, an expert's output bias on rank 0 alone; the ranks' outputs of every layer's
+    FFN (and of Gemma 4's experts beside its MLP) sum to one process's, for a decode row (each
+    pair gathers its expert) and for a prefill (each chosen expert over its rows)."""
+    whole = load_model(moe_models[arch], dtype=torch.float64)
+    ranks = [
+        load_model(moe_models[arch], dtype=torch.float64, shard=TensorShard(rank, 2))
+        for rank in range(2)
+    ]
+    routing, share = whole.config.experts, ranks[1].config.experts
+    assert routing is not None and share is not None and routing.expert_width is not None
+    assert share.expert_width == routing.expert_width // 2
+    experts, mine = whole.weights.layers[0].experts, ranks[1].weights.layers[0].experts
+    assert experts is not None and mine is not None
+    assert torch.equal(mine.router, experts.router)
+    assert torch.equal(mine.down, experts.down[:, :, routing.expert_width // 2 :])
+    if experts.down_bias is not None:  # GPT-OSS: added once, by rank 0
+        assert torch.equal(ranks[0].weights.layers[0].experts.down_bias, experts.down_bias)
+        assert not mine.down_bias.any()
+    g = torch.Generator().manual_seed(5)
+    for rows in (1, 6):
+        x = torch.randn(rows, whole.config.hidden_size, generator=g, dtype=torch.float64)
+        for layer, lw in enumerate(whole.weights.layers):
+            parts = [DenseFfn(m).forward(layer, x) for m in ranks]  # [S, H] each
+            assert relative_error(sum(parts), DenseFfn(whole).forward(layer, x)) < 1e-12
+            if lw.experts_norm is not None:
+                parts = [DenseFfn(m).parallel_experts(layer, x) for m in ranks]
+                reference = DenseFfn(whole).parallel_experts(layer, x)
+                assert relative_error(sum(parts), reference) < 1e-12
+
+
+@pytest.mark.slow
+def test_mixtures_of_experts_decode_one_process_tokens_under_two_ranks(
+    moe_models: dict[str, str], tmp_path: Path
+) -> None:
+    """Every tiny mixture of experts under two ranks (float32): one process's greedy tokens
+    for `standard` and `markov-rs`, and its teacher-forced logits up to the order of the
+    ranks' sums."""
+    specs, prompt, n = ["standard", "markov-rs"], "w5 w17 w40 w3 w77 w21 w9", 8
+    models = [moe_models[arch] for arch in MOE_ARCHITECTURES]
+    out = tmp_path / "ranks.pt"
+    options = dict(models=models, weights=["float"], specs=specs, prompt=prompt, n=n, out=out)
+    assert run_ranks(2, tensor_parallel_ranks.greedy_tokens, options) == 0
+    ranks = torch.load(out)
+    for directory in models:
+        model = load_model(directory, weights="float")
+        ids = model.tokenizer.encode(prompt)
+        for spec in specs:
+            engine = parse_engine(spec).build(model)
+            tokens = generate(engine, model, DenseFfn(model), ids, n, stop_ids=frozenset()).tokens
+            logits = teacher_forced(model, spec, ids + tokens, len(ids))
+            got_tokens, got_logits = ranks[directory, "float", spec]
+            assert got_tokens == tokens, (directory, spec)
+            assert relative_error(got_logits, logits) <= 1e-4, (directory, spec)
+
+
+def test_an_expert_width_that_does_not_split_is_named_with_the_valid_sizes(
+    moe_models: dict[str, str], tmp_path: Path
+) -> None:
+    """Qwen2-MoE's widths all split two ways; a Qwen3-MoE whose experts are 25 wide splits no
+    way, and `larql run` says so in one line, naming that width, before loading any weight."""
+    config = load_config(moe_models["qwen2_moe"])
+    assert valid_sizes(config) == [1, 2]
+    assert shard_config(config, 2).experts == replace(
+        config.experts, expert_width=20, shared_width=32
+    )
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (odd / name).write_bytes((Path(moe_models["qwen3_moe"]) / name).read_bytes())
+    rewrite_config(odd, moe_intermediate_size=25)  # and no weights at all
+    assert valid_sizes(load_config(str(odd))) == [1]
+    result = CliRunner().invoke(
+        app, ["run", "-m", str(odd), "w5 w6", "-n", "2", "--tensor-parallel", "2"]
+    )
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in lines[0]
+    assert "MLP width 80, expert width 25) into equal shares; valid sizes: 1" in lines[0]
 
 
 @pytest.mark.slow

@@ -534,11 +534,15 @@ def _ffn_residual(model: Model, layer: int, h: torch.Tensor, ffn: FfnBackend) ->
     if fused is not None:
         return fused
     out = ffn.forward(layer, rms_norm(h, lw.ffn_norm, eps))
-    if model.shard is not None:  # this rank's share of the MLP's units, summed over the ranks
-        out = model.shard.all_reduce(out)  # [S, H]
-    if lw.experts_norm is not None:  # experts beside the MLP: each output normed, then summed
+    routed = ffn.parallel_experts(layer, h) if lw.experts_norm is not None else None  # [S, H]
+    if model.shard is not None:  # this rank's share of the MLP's (and experts') units, summed
+        if routed is None:
+            out = model.shard.all_reduce(out)  # [S, H]
+        else:  # both partial sums in one all-reduce
+            out, routed = model.shard.all_reduce(torch.cat([out, routed], dim=-1)).chunk(2, -1)
+    if routed is not None:  # experts beside the MLP: each output normed, then summed
         assert lw.post_mlp_norm is not None and lw.post_experts_norm is not None
-        routed = rms_norm(ffn.parallel_experts(layer, h), lw.post_experts_norm, eps)
+        routed = rms_norm(routed, lw.post_experts_norm, eps)
         out = rms_norm(out, lw.post_mlp_norm, eps) + routed
     if lw.post_ffn_norm is not None:
         out = rms_norm(out, lw.post_ffn_norm, eps)

@@ -11,6 +11,16 @@ of the ranks: one all-reduce after attention's output projection and one after t
 projection (`larql.inference.layer`), each before the bias, post-norm and residual add, which
 every rank applies to the same sum.
 
+A mixture-of-experts layer splits each expert the same way, by its intermediate width: a rank
+holds 1/N of every expert's gate/up rows and the matching down columns (and likewise of the
+shared expert), the router, the shared expert's gate and the routing scales whole. Every rank
+routes the same replicated hidden state to the same experts, computes its share of each chosen
+expert, and the one all-reduce after the MLP adds the shares, as for a dense MLP; an expert's
+output bias is kept by rank 0 alone (zeros elsewhere), so the sum adds it once. Splitting by
+experts instead (expert parallelism) would put a decode token's few chosen experts on one or two
+ranks while the others wait, and needs an all-to-all; the column split keeps every rank's work
+equal whatever the routing.
+
 GGUF block matrices (`BlockRows`) are sliced the same way where the cut falls on whole blocks
 of 32 (a head width or MLP share that is a multiple of 32), so a rank's products read the same
 blocks, with the same per-block input rounding, as one process's; elsewhere the rank reads its
@@ -105,10 +115,19 @@ def _line(error: Exception, limit: int = 240) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _expert_widths(config: ModelConfig) -> list[int]:
+    """The experts' and the shared expert's intermediate widths, where the config gives them."""
+    routing = config.experts
+    if routing is None:
+        return []
+    return [w for w in (routing.expert_width, routing.shared_width) if w]
+
+
 def valid_sizes(config: ModelConfig) -> list[int]:
     """The tensor-parallel sizes that split `config` into whole heads and equal MLP shares: the
-    divisors of the gcd of the query heads, every layer's K/V heads and MLP widths."""
-    widths = [config.num_heads]
+    divisors of the gcd of the query heads, every layer's K/V heads and MLP widths, and the
+    experts' widths."""
+    widths = [config.num_heads, *_expert_widths(config)]
     for layer in range(config.num_layers):
         widths.append(config.kv_heads_of(layer))
         widths.append(config.intermediate_size_of(layer))
@@ -122,19 +141,20 @@ def check_splits(config: ModelConfig, world: int) -> None:
         raise TensorParallelError(f"--tensor-parallel must be ≥ 1, got {world}")
     if world == 1:
         return
-    if config.experts is not None:
-        raise TensorParallelError(
-            f"{config.name or 'this model'} has mixture-of-experts layers, which tensor "
-            "parallelism does not split; run it with --tensor-parallel 1"
-        )
     sizes = valid_sizes(config)
     if world not in sizes:
         kv = sorted({config.kv_heads_of(i) for i in range(config.num_layers)})
         mlp = sorted({config.intermediate_size_of(i) for i in range(config.num_layers)})
+        routing = config.experts
+        experts = ""
+        if routing is not None and routing.expert_width:
+            experts = f", expert width {routing.expert_width}"
+        if routing is not None and routing.shared_width:
+            experts += f", shared expert width {routing.shared_width}"
         raise TensorParallelError(
             f"--tensor-parallel {world} does not split {config.name or 'this model'} "
             f"({config.num_heads} query heads, {'/'.join(map(str, kv))} K/V heads, MLP width "
-            f"{'/'.join(map(str, mlp))}) into equal shares; valid sizes: "
+            f"{'/'.join(map(str, mlp))}{experts}) into equal shares; valid sizes: "
             f"{', '.join(map(str, sizes))}"
         )
 
@@ -150,16 +170,26 @@ def shard_config(config: ModelConfig, world: int) -> ModelConfig:
         )
         for spec in config.layers
     )
+    routing = config.experts
+    if routing is not None:
+        routing = replace(
+            routing,
+            expert_width=routing.expert_width // world if routing.expert_width else None,
+            shared_width=routing.shared_width // world if routing.shared_width else None,
+        )
     return replace(
         config,
         num_heads=config.num_heads // world,
         num_kv_heads=config.num_kv_heads // world,
         intermediate_size=config.intermediate_size // world,
         layers=layers,
+        experts=routing,
     )
 
 
 def _share(size: int, rank: int, world: int) -> slice:
+    if size % world:  # a width the config did not give (`check_splits` names the others)
+        raise TensorParallelError(f"--tensor-parallel {world} does not divide a width of {size}")
     part = size // world
     return slice(rank * part, (rank + 1) * part)
 
@@ -169,6 +199,19 @@ def _share(size: int, rank: int, world: int) -> slice:
 _HEAD_ROWS = {"wq": "q", "bq": "q", "wk": "kv", "bk": "kv", "wv": "kv", "bv": "kv"}
 _MLP_ROWS = ("w_gate", "w_up")
 _COLUMNS = {"wo": "q", "w_down": "mlp"}
+# a mixture of experts' matrices → the axis of their intermediate width, cut as the MLP's (the
+# width read from the tensor: experts and the shared expert have their own); the router, the
+# shared expert's gate and the routing scales are whole
+_EXPERT_AXES = {
+    "experts_gate": 1,  # [E, F, H]
+    "experts_up": 1,
+    "experts_gate_bias": 1,  # [E, F]
+    "experts_up_bias": 1,
+    "experts_down": 2,  # [E, H, F]
+    "shared_gate": 0,  # [Fs, H]
+    "shared_up": 0,
+    "shared_down": 1,  # [H, Fs]
+}
 
 
 def shard_state(
@@ -229,7 +272,24 @@ def _cut(
     if key == "attn_sinks":  # one logit per query head
         heads = _share(config.num_heads, rank, world)
         return lambda t: t[heads].contiguous()
+    if key in _EXPERT_AXES:
+        return _along(_EXPERT_AXES[key], rank, world)
+    if key == "experts_gate_up":  # [E, 2F, H], gate rows then up rows (Gemma 4)
+        halves = _along(1, rank, world)
+        return lambda t: torch.cat([halves(half) for half in t.chunk(2, dim=1)], dim=1)
+    if key == "experts_down_bias":  # [E, H]: added once, by rank 0, to the ranks' sum
+        return lambda t: t if rank == 0 else torch.zeros_like(t)
     return None
+
+
+def _along(axis: int, rank: int, world: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The rank's share of a tensor along `axis`, the width read from the tensor."""
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        index = (slice(None),) * axis + (_share(t.shape[axis], rank, world),)
+        return t[index].contiguous()
+
+    return cut
 
 
 def _block_part(
@@ -241,6 +301,8 @@ def _block_part(
     if rows.tiled:
         return None  # tiled blocks are read whole; shards are cut at load, before any tiling
     key = found[1]
+    if key in _EXPERT_AXES:
+        return None  # the experts' products read their float weights
     if key in _HEAD_ROWS or key in _MLP_ROWS:
         share = _share(rows.out_features, rank, world)
         return replace(rows, data=rows.data[share].contiguous())
