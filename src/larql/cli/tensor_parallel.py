@@ -14,8 +14,9 @@ TensorParallelOption = Annotated[
     typer.Option(
         "--tensor-parallel",
         help="Split the model over N processes (gloo on the CPU, NCCL on cuda, one GPU each): "
-        "each holds 1/N of every layer's query and K/V heads and of its MLP; N must divide "
-        "them (SmolLM2-135M: 1 or 3). Under torchrun, N is its WORLD_SIZE.",
+        "each holds 1/N of every layer's query and K/V heads and of its MLP (or of each "
+        "expert); N must divide them (SmolLM2-135M: 1 or 3). Under torchrun, N is its "
+        "WORLD_SIZE.",
         metavar="N",
     ),
 ]
