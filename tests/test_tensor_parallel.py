@@ -1,8 +1,9 @@
 """Tensor parallelism (`larql.parallel`): a rank's share of the weights rebuilds the whole
 model's products, the sizes that do not split a model are refused by name before anything
 starts, every live engine gives one process's logits under two ranks (gloo, a tiny random
-model), the default model's greedy tokens are one process's under three, and a rank that dies
-ends the run instead of hanging it."""
+model), every tiny mixture of experts (each expert split by its width) decodes one process's
+tokens under two, the default model's greedy tokens are one process's under three, and a rank
+that dies ends the run instead of hanging it."""
 
 from __future__ import annotations
 
