@@ -63,6 +63,17 @@ def test_valid_sizes_divide_every_layers_kv_heads(smollm2: Model) -> None:
     assert valid_sizes(wider) == [1, 2, 3, 6]
 
 
+def test_a_group_of_one_loads_the_model_a_process_alone_does(tiny_models: dict[str, str]) -> None:
+    """torchrun with one process: no shard on the model, so the step is the one-process step
+    (CUDA graphs and fused layers take a sharded model's layers nowhere)."""
+    alone = load_model(tiny_models["llama"])
+    one = load_model(tiny_models["llama"], shard=TensorShard(0, 1))
+    assert one.shard is None and one.config == alone.config
+    for name, tensor in alone.weights.layers[0].__dict__.items():
+        if isinstance(tensor, torch.Tensor):
+            assert torch.equal(tensor, getattr(one.weights.layers[0], name)), name
+
+
 def test_run_refuses_a_size_that_does_not_divide_the_heads_before_starting() -> None:
     started = time.perf_counter()
     result = CliRunner().invoke(app, ["run", "Hi", "-n", "2", "--tensor-parallel", "2"])

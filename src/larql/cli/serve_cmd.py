@@ -165,6 +165,8 @@ def serve(
     from larql.parallel.launch import current_shard
 
     shard = current_shard()
+    if shard is not None and shard.world == 1:  # a group of one serves as a process alone
+        shard = None
     if shard is not None:
         cache_bytes = 0  # (refused above where asked for: a cached state would be rank 0's)
     lm = open_model(model, dtype, device, threads, weights)

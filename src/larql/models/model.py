@@ -139,7 +139,10 @@ def load_model(
     too and read as `blocks-int16` reads a GGUF's.
 
     shard: this process's rank in a tensor-parallel group; the model is then that rank's share
-    of the heads and MLP (`larql.models.shard`), its blocks cut alike."""
+    of the heads and MLP (`larql.models.shard`), its blocks cut alike. A group of one holds
+    the whole model and runs exactly as a process alone (CUDA graphs, fused layers)."""
+    if shard is not None and shard.world == 1:
+        shard = None
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     device = parse_device(device) if isinstance(device, str) else device
     if weights not in WEIGHT_MODES:
@@ -153,7 +156,7 @@ def load_model(
     if weights in LOAD_FORMATS:
         state, blocks = quantise_state(state, weights)
     whole = config
-    if shard is not None and shard.world > 1:
+    if shard is not None:
         config = shard_config(whole, shard.world)
         state = shard_state(whole, state, shard.rank, shard.world)
     with reading(path):
@@ -162,7 +165,7 @@ def load_model(
     if activation is not None and _reads_blocks(device, dtype):
         if blocks is None and not path.is_dir():
             blocks = gguf_block_rows(GgufFile(path), whole)
-        if blocks and shard is not None and shard.world > 1:
+        if blocks and shard is not None:
             blocks = shard_blocks(whole, blocks, shard.rank, shard.world)
         if blocks:
             held.attach_blocks(blocks, activation)
