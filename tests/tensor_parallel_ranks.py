@@ -4,8 +4,10 @@ it, and rank 0 saves what they produced for the test to compare with one process
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -105,3 +107,26 @@ def server_loses_a_rank(shard: TensorShard, options: dict[str, Any]) -> None:
         raised = type(e).__name__
     failure = str(scheduler.failure) if scheduler.failure is not None else None
     torch.save((raised, failure, time.monotonic() - started), options["out"])
+
+
+def gloo_threads() -> list[str]:
+    """The names of this process's threads that gloo runs (its workers and connection loop)."""
+    tasks = Path("/proc/self/task")
+    names = ((tasks / task / "comm").read_text().strip() for task in os.listdir(tasks))
+    return sorted(name for name in names if "gloo" in name)
+
+
+def join_reduce_and_leave(out: str) -> None:
+    """A rank started as torchrun starts one (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in
+    its environment): joins the group as a command does, runs a decode's collectives, leaves,
+    and writes {before, after: its gloo threads before and after leaving, left: whether every
+    rank was there} to `out`."""
+    from larql.parallel.launch import join_from_environment, leave_group
+
+    shard = join_from_environment(2, "cpu")
+    shard.all_reduce(torch.ones(3, 8))
+    shard.agree(5)
+    shard.share({"calls": [("heartbeat",)]})
+    before = gloo_threads()
+    left = leave_group()
+    Path(out).write_text(json.dumps({"before": before, "after": gloo_threads(), "left": left}))

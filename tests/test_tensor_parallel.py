@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -41,7 +43,7 @@ from larql.models.shard import (
     shard_state,
     valid_sizes,
 )
-from larql.parallel.launch import run_ranks
+from larql.parallel.launch import free_port, run_ranks
 from test_engine_compliance import LIVE_SPECS
 from tiny_models import build_tiny_model, random_ids, rewrite_config
 
@@ -233,6 +235,87 @@ def test_bench_times_every_engine_on_two_ranks(tiny_models: dict[str, str], tmp_
         assert 0 < share["memory"]["state"] <= whole["memory"]["state"]
     # standard keeps K/V of its rank's heads alone (markov-rs keeps the whole residual too)
     assert ranks[0]["memory"]["state"] * 2 == alone[0]["memory"]["state"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc's thread names")
+def test_a_torchrun_rank_ends_its_groups_threads_when_it_leaves(tmp_path: Path) -> None:
+    """Two ranks in torchrun's environment (no torchrun: the variables it sets) join, reduce
+    and leave: after `leave_group` no gloo thread is left, so none is still running (and
+    holding a collective's tensors) when the interpreter exits, which aborted the process."""
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = str(free_port())
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
+    script = "import sys, tensor_parallel_ranks as r; r.join_reduce_and_leave(sys.argv[1])"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path / f"{rank}.json")],
+            env={**env, "RANK": str(rank)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        errors = [rank.communicate(timeout=120)[1] for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    for rank, error in zip(ranks, errors, strict=True):
+        assert rank.returncode == 0, error
+    for rank in range(2):
+        threads = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert threads["before"] and threads["left"]  # (the group ran on gloo's threads)
+        assert threads["after"] == []
+
+
+def _torchrun_node(port: int, args: list[str]) -> subprocess.Popen[str]:
+    """One node of the two-host form of docs/SCALE.md (torchrun, c10d rendezvous), one rank on
+    it; in a session of its own, so that what it started ends with it."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+    launcher += ["--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    launcher += ["--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "larql"]
+    return subprocess.Popen(
+        [*launcher, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_print_one_process_tokens_and_both_exit_cleanly(
+    tmp_path: Path,
+) -> None:
+    """`larql run --tensor-parallel 2` as two torchrun nodes on this machine: the node that got
+    rank 0 prints one process's tokens, and both nodes exit 0 within the bound. A rank whose
+    group outlived its command aborted at the interpreter's exit (`terminate called`), and the
+    other node's agent then waited 300 s for it."""
+    build_tiny_model("llama", tmp_path)
+    args = ["run", "-m", str(tmp_path), "w5 w17 w40 w8 w61", "-n", "8", "--output", "json"]
+    port = free_port()
+    nodes = [_torchrun_node(port, [*args, "--tensor-parallel", "2"]) for _ in range(2)]
+    try:
+        one = subprocess.run([*LARQL, *args], capture_output=True, text=True, timeout=120)
+        ended = [node.communicate(timeout=90) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:  # (timed out: its agent and rank end with it)
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+    assert one.returncode == 0, one.stderr
+    for node, (_, err) in zip(nodes, ended, strict=True):
+        assert node.returncode == 0, err
+        assert "terminate called" not in err and "SIGABRT" not in err, err
+    printed = [json.loads(out) for out, _ in ended if out.strip()]
+    assert len(printed) == 1  # rank 0's node alone writes
+    alone = json.loads(one.stdout)
+    same = ["prompt_tokens", "token_ids", "text", "finish_reason"]
+    assert {k: printed[0][k] for k in same} == {k: alone[k] for k in same}
+    assert len(alone["token_ids"]) == 8
 
 
 def _close(one: object, other: object) -> bool:

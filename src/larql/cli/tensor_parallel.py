@@ -74,7 +74,12 @@ def launch(size: int, task: Any, options: dict[str, Any], device: str) -> None:
     if under_torchrun():
         if device == "cuda":  # one GPU per process on each host
             device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
-        task(join_from_environment(size, device), {**options, "device": device})
+        shard = join_from_environment(size, device)
+        try:
+            task(shard, {**options, "device": device})
+        except BaseException:
+            leave_group(done=False)  # the other ranks fail too: no node waits on for this one
+            raise
         if not leave_group():
             raise RankFailed("another rank of the tensor-parallel run did not finish")
         return

@@ -57,7 +57,9 @@ class RankFailed(TensorParallelError):
 @dataclass
 class TensorShard:
     """This process's place in a tensor-parallel group: rank `rank` of `world` (rank 0 tokenizes,
-    samples and writes the output)."""
+    samples and writes the output). `group`: the ranks' process group; None, the default group
+    (the launcher's: a shard then holds no reference that keeps the group and its threads alive
+    once the rank leaves it)."""
 
     rank: int
     world: int

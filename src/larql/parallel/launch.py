@@ -7,7 +7,13 @@ MASTER_ADDR) `join_from_environment` joins the group torchrun set up instead, wh
 run spans several hosts. Every collective waits at most `timeout` for the other ranks, and the
 parent ends every rank as soon as one of them ends with an error: a dead rank ends the run
 with an error, never a hang. The ranks have a process group of their own: Ctrl-C and SIGTERM
-reach the parent, which hands them to rank 0, and rank 0 ends the command."""
+reach the parent, which hands them to rank 0, and rank 0 ends the command.
+
+A rank leaves its group in order (`leave_group`): a barrier, then the group destroyed while
+the interpreter still runs, which joins its threads (gloo's workers and connection loop). A
+group left to the interpreter's exit would end those threads then, and a worker that still
+held a collective's tensors would abort the process (`terminate called`) — under torchrun,
+whose agents then wait for a node that failed after its run succeeded."""
 
 from __future__ import annotations
 
@@ -73,7 +79,7 @@ def join_from_environment(
         )
     _quiet_unless_first(rank)
     _init_group(backend_for(device), "env://", rank, size, timeout, device)
-    return _joined(TensorShard(rank, size, dist.group.WORLD))
+    return _joined(TensorShard(rank, size))
 
 
 def _quiet_unless_first(rank: int) -> None:
@@ -82,16 +88,27 @@ def _quiet_unless_first(rank: int) -> None:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's life)
 
 
-def leave_group() -> bool:
-    """Wait until every rank is done, then close the group → whether all were there."""
+def leave_group(done: bool = True) -> bool:
+    """Close this process's group → whether every rank was there. `done`: this rank finished
+    its work, and waits (at most the collectives' timeout) until every rank has; otherwise
+    (it failed) it leaves at once, and the others' next collective fails now instead of at
+    their timeout. Either way the group is destroyed here, which ends its threads: the shards
+    name the default group and hold no reference that would keep it (and them) alive."""
+    global _current
+    _current = None
     if not dist.is_initialized():
         return True
+    together = True
+    if done:
+        try:
+            dist.barrier()
+        except (RuntimeError, dist.DistError):
+            together = False
     try:
-        dist.barrier()
         dist.destroy_process_group()
     except (RuntimeError, dist.DistError):
-        return False
-    return True
+        together = False
+    return together
 
 
 def _init_group(
@@ -223,7 +240,7 @@ def _rank_main(
         timeout = timedelta(seconds=timeout_s)
         _quiet_unless_first(rank)
         _init_group(backend_for(own), f"tcp://127.0.0.1:{port}", rank, world, timeout, own)
-        task(_joined(TensorShard(rank, world, dist.group.WORLD)), {**options, "device": own})
+        task(_joined(TensorShard(rank, world)), {**options, "device": own})
     except KeyboardInterrupt:
         status = 130
     except SystemExit as e:
@@ -244,7 +261,6 @@ def _rank_main(
     sys.stderr.flush()
     if status == 0 and not leave_group():
         status = EXIT_FAILED
-    # no interpreter teardown: the group's threads may still be closing their connections
-    # (a teardown then aborts the process), and after an error the others may be waiting in a
-    # collective: leave at once
+    # no interpreter teardown: after an error the group is still up (another thread of the
+    # rank may be in a collective, and the others waiting in one): leave at once
     os._exit(status)
