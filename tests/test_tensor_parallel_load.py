@@ -4,6 +4,8 @@ of are read from the files as that slice, never whole."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from larql.models import load_model
 from larql.models.hf_loader import hf_config, hf_state_dict, read_hf_config
 from larql.models.shard import TensorShard, shard_config, shard_state
 from larql.models.weights import ModelWeights
-from tiny_models import build_tiny_model
+from tiny_models import VOCAB, build_tiny_model, save_tokenizer
 
 # a dense Llama, experts stored one by one (Mixtral), a shared expert (Qwen2-MoE), fused
 # experts with their output bias (GPT-OSS), experts beside the MLP (Gemma 4), folded
@@ -142,3 +144,38 @@ def _by_name(weights: ModelWeights) -> dict[str, torch.Tensor]:
     for i, layer in enumerate(weights.layers):
         held.update({f"{i}.{k}": t for k, t in vars(layer).items() if isinstance(t, torch.Tensor)})
     return held
+
+
+def test_the_gpu_benchmarks_directories_load_alike_in_transformers_and_larql(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`benchmarks/tensor_parallel_gpu.py` writes HF shards with an index (here 4 of a tiny
+    shape) that transformers reads as larql does; no value is NaN or Inf and no two rows of a
+    matrix agree; a rank reads its share across the shards."""
+    transformers = pytest.importorskip("transformers")
+    path = Path(__file__).parents[1] / "benchmarks" / "tensor_parallel_gpu.py"
+    spec = importlib.util.spec_from_file_location("tensor_parallel_gpu", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "tensor_parallel_gpu", bench)  # (its dataclasses look it up)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "SHARD_BYTES", 60_000)
+    tokenizer = tmp_path / "tokenizer.json"
+    save_tokenizer(tmp_path)
+    built = bench.build("tiny", tmp_path / "tiny", tokenizer, workers=2)
+    assert built["shards"] == 4 and built["vocab"] == VOCAB
+    directory = tmp_path / "tiny"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+    hf_state = {k: v.float() for k, v in hf.state_dict().items()}
+    model = load_model(str(directory))
+    layer = model.weights.layers[1]
+    assert torch.equal(layer.w_down, hf_state["model.layers.1.mlp.down_proj.weight"])
+    assert torch.equal(model.weights.lm_head, hf_state["lm_head.weight"])
+    for name, tensor in hf_state.items():
+        assert torch.isfinite(tensor).all(), name
+        if tensor.dim() == 2:
+            assert torch.unique(tensor, dim=0).shape[0] == tensor.shape[0], name
+    config = hf_config(read_hf_config(directory))
+    cut = shard_state(config, hf_state_dict(directory, config), 1, 2)
+    share = hf_state_dict(directory, config, share=(1, 2))
+    assert all(torch.equal(share[name], t) for name, t in cut.items())
