@@ -34,6 +34,7 @@ from larql.models.fields import (
 from larql.models.hf_rope import rope_context, rope_spec
 from larql.models.multipliers import fold_multipliers, multiplier_folds
 from larql.models.mxfp4 import dequantize_mxfp4
+from larql.models.shard import shard_state, share_index
 from larql.models.weights import expected_shape
 
 _ACTIVATIONS = {
@@ -353,16 +354,29 @@ def _rope_for(c: Fields, preset: ArchPreset, layer_type: str, head_dim: int) -> 
 
 
 def hf_state_dict(
-    directory: Path, config: ModelConfig, meta: bool = False
+    directory: Path,
+    config: ModelConfig,
+    meta: bool = False,
+    share: tuple[int, int] | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, torch.Tensor]:
-    """The canonical float32 state of the directory's safetensors files. `meta`: every tensor
-    on torch's meta device instead, its shape (and the checks on it) from the files' headers,
-    no weight read (`larql.models.structure`)."""
+    """The canonical state of the directory's safetensors files, each tensor converted to
+    `dtype` as it is read (through float32, where the loader's own fixes are made: a norm's
+    offset; a model whose multipliers are folded into its weights, or an MXFP4 tensor, is held
+    in float32 until the end). `meta`: every tensor on torch's meta device instead, its shape
+    (and the checks on it) from the files' headers, no weight read (`larql.models.structure`).
+
+    share: (rank, world) of a tensor-parallel group → that rank's share of the state, as
+    `larql.models.shard.shard_state` cuts the whole one; every tensor the cut takes one slice of
+    (`share_index`) is read as that slice alone, so a rank never holds another rank's rows."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ModelFormatError(f"{directory} has no *.safetensors files")
     layout = _POST_NORM_LAYOUT if config.arch.post_norms else _PRE_NORM_LAYOUT
+    # the dtype a tensor takes as it is read; None: float32 until the folds are made
+    early = None if _folds(config) else dtype
     state: dict[str, torch.Tensor] = {}
+    sliced: set[str] = set()  # the canonical names read as the rank's slice
     packed: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 tensors: name → blocks, scales
     for file in files:
         try:
@@ -375,11 +389,18 @@ def hf_state_dict(
                         )
                         continue
                     canonical = _canonical_name(key, layout)
-                    if canonical is not None:
-                        tensor = _read_tensor(f, key, canonical, config, meta)
-                        if canonical.rsplit(".", 1)[-1] in _NORMS or canonical == "final_norm":
-                            tensor = tensor + config.arch.norm_offset
-                        state[canonical] = tensor
+                    if canonical is None:
+                        continue
+                    index = None
+                    if share is not None:
+                        shape = tuple(f.get_slice(key).get_shape())
+                        index = share_index(config, canonical, shape, *share)
+                    tensor = _read_tensor(f, key, canonical, config, meta, index)
+                    if canonical.rsplit(".", 1)[-1] in _NORMS or canonical == "final_norm":
+                        tensor = tensor.to(torch.float32) + config.arch.norm_offset
+                    state[canonical] = _convert(tensor, early)
+                    if index is not None:
+                        sliced.add(canonical)
         except (OSError, SafetensorError) as e:
             raise ModelFormatError(f"{file.name} is not a readable safetensors file: {e}") from None
     state.update(_dequantized_mxfp4(packed, layout))
@@ -389,6 +410,9 @@ def hf_state_dict(
                 state.pop(f"layers.{i}.{name}", None)
         elif config.arch.keys_as_values and f"layers.{i}.wk" in state:
             state.setdefault(f"layers.{i}.wv", state[f"layers.{i}.wk"])
+            if f"layers.{i}.wk" in sliced:  # (a file's own wv is read as a slice alike)
+                sliced.add(f"layers.{i}.wv")
+    sliced |= {_stacked_name(name) for name in sliced if ".experts." in name}
     _stack_experts(state, config)
     _unfuse_experts(state)
     fold_multipliers(state, config)
@@ -396,7 +420,10 @@ def hf_state_dict(
         state.pop("lm_head", None)
     elif "lm_head" not in state:
         raise ModelFormatError(f"{directory}: untied model without lm_head.weight")
-    return state
+    if share is not None:  # what was read whole and is cut other than as one slice
+        rest = {name: t for name, t in state.items() if name not in sliced}
+        state.update(shard_state(config, rest, *share))
+    return {name: _convert(t, dtype) for name, t in state.items()}
 
 
 _MXFP4_PARTS = ("_blocks", "_scales")
@@ -404,11 +431,39 @@ _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 _OWN_KV = ("wk", "wv", "bk", "bv", "k_norm")  # what a layer sharing another's K/V drops
 
 
+def _folds(config: ModelConfig) -> bool:
+    """Whether `fold_multipliers` changes any weight of `config`'s (then in float32)."""
+    return bool({"residual_multiplier", "logits_scaling"} & set(config.extra))
+
+
+def _convert(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`tensor` in `dtype` (None: float32) as the float32 state converted to it: a float64
+    file's values are rounded to float32 first, as that state's were; the other float dtypes
+    convert to any dtype through float32 exactly."""
+    if tensor.device.type == "meta":
+        return tensor
+    if dtype is None or tensor.dtype == torch.float64:
+        tensor = tensor.to(torch.float32)
+    return tensor if dtype is None else tensor.to(dtype)
+
+
+def _stacked_name(name: str) -> str:
+    """`layers.i.experts.j.w_gate` → `layers.i.experts_gate` (as `_stack_experts` names it)."""
+    layer, _, rest = name.partition(".experts.")
+    return f"{layer}.experts_{rest.rpartition('.w_')[2]}"
+
+
 def _read_tensor(
-    f: Any, key: str, canonical: str, config: ModelConfig, meta: bool = False
+    f: Any,
+    key: str,
+    canonical: str,
+    config: ModelConfig,
+    meta: bool = False,
+    index: tuple[slice, ...] | None = None,
 ) -> torch.Tensor:
-    """One tensor as float32, its dtype and shape checked from the file's header first (`meta`:
-    a float32 meta tensor of that shape, nothing read)."""
+    """One tensor in its file's dtype, its dtype and shape checked from the file's header first
+    (`meta`: a float32 meta tensor of that shape, nothing read); `index`: that slice of it
+    alone is read."""
     part = f.get_slice(key)
     dtype, shape = part.get_dtype(), tuple(part.get_shape())
     if dtype not in _FLOAT_DTYPES:
@@ -421,8 +476,9 @@ def _read_tensor(
     if want is not None and shape != want:
         raise ModelFormatError(f"tensor {key} has shape {shape}; config.json implies {want}")
     if meta:
-        return torch.empty(shape, dtype=torch.float32, device="meta")
-    return f.get_tensor(key).to(torch.float32)
+        whole = torch.empty(shape, dtype=torch.float32, device="meta")
+        return whole if index is None else whole[index]
+    return f.get_tensor(key) if index is None else part[index]
 
 
 def _meta_tensor(f: Any, key: str) -> torch.Tensor:

@@ -18,7 +18,13 @@ from larql.models.gguf_loader import gguf_block_rows, gguf_config, gguf_state_di
 from larql.models.hf_loader import hf_config, hf_state_dict, read_hf_config
 from larql.models.quantise import LOAD_FORMATS, quantise_state
 from larql.models.registry import resolve_model_path
-from larql.models.shard import TensorShard, shard_blocks, shard_config, shard_state
+from larql.models.shard import (
+    TensorShard,
+    check_splits,
+    shard_blocks,
+    shard_config,
+    shard_state,
+)
 from larql.models.tokenizer import (
     TextTokenizer,
     chat_template_from_dir,
@@ -148,17 +154,24 @@ def load_model(
     if weights not in WEIGHT_MODES:
         raise ModelError(f"unknown weights mode {weights!r}; accepted: {', '.join(WEIGHT_MODES)}")
     name, path = resolve_model_path(model)
+    # an HF directory's tensors are read as this rank's share, each converted to `dtype` as it
+    # is read; a GGUF's state (and one quantised at load, from the whole float32 matrices) is
+    # read whole and cut after
+    quantised = weights in LOAD_FORMATS
+    share = shard if path.is_dir() and not quantised else None
     if path.is_dir():
-        config, state, tokenizer = _load_hf_dir(path, name)
+        hold = torch.float32 if quantised else dtype
+        config, state, tokenizer = _load_hf_dir(path, name, hold, share)
     else:
         config, state, tokenizer = _load_gguf(path, name)
     blocks = None
-    if weights in LOAD_FORMATS:
+    if quantised:
         state, blocks = quantise_state(state, weights)
     whole = config
     if shard is not None:
         config = shard_config(whole, shard.world)
-        state = shard_state(whole, state, shard.rank, shard.world)
+        if share is None:
+            state = shard_state(whole, state, shard.rank, shard.world)
     with reading(path):
         held = ModelWeights.from_state(config, state, dtype, device)
     activation = WEIGHT_MODES[weights]
@@ -227,16 +240,23 @@ def _load_gguf(path: Path, name: str) -> tuple[ModelConfig, dict, TextTokenizer]
     return config, state, tokenizer
 
 
-def _load_hf_dir(path: Path, name: str) -> tuple[ModelConfig, dict, TextTokenizer]:
+def _load_hf_dir(
+    path: Path, name: str, dtype: torch.dtype, shard: TensorShard | None
+) -> tuple[ModelConfig, dict, TextTokenizer]:
+    """The whole model's config, the state in `dtype` (`shard`: that rank's share alone, read
+    as such) and the tokenizer."""
     with reading(path / "config.json"):
         config = hf_config(read_hf_config(path), name)
+    if shard is not None:
+        check_splits(config, shard.world)  # before any tensor is read
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.exists():
         raise ModelFormatError(f"{path} has no tokenizer.json")
     with reading(tokenizer_file):
         tok = tokenizer_from_file(tokenizer_file, config.vocab_size)
     with reading(path):
-        state = hf_state_dict(path, config)
+        share = None if shard is None else (shard.rank, shard.world)
+        state = hf_state_dict(path, config, share=share, dtype=dtype)
         template = chat_template_from_dir(path)
     bos = config.bos_token_id
     eos = config.eos_token_ids[0] if config.eos_token_ids else None

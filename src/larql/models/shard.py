@@ -255,6 +255,42 @@ def _cut(
     found = _layer_and_key(name)
     if found is None:
         return None
+    key = found[1]
+    if key == "experts_gate_up":  # [E, 2F, H], gate rows then up rows (Gemma 4)
+        halves = _along(1, rank, world)
+        return lambda t: torch.cat([halves(half) for half in t.chunk(2, dim=1)], dim=1)
+    if key == "experts_down_bias":  # [E, H]: added once, by rank 0, to the ranks' sum
+        return lambda t: t if rank == 0 else torch.zeros_like(t)
+    if _plain_cut(config, name) is None:
+        return None
+    return lambda t: t[share_index(config, name, tuple(t.shape), rank, world)].contiguous()
+
+
+def share_index(
+    config: ModelConfig, name: str, shape: tuple[int, ...], rank: int, world: int
+) -> tuple[slice, ...] | None:
+    """The rank's share of the canonical tensor `name` (whole: `shape`) as one index into it —
+    what `shard_state` keeps of it, so a loader can read that slice alone; None where the
+    tensor is kept whole or is not cut as one slice (the two halves of Gemma 4's fused experts,
+    an expert's output bias: `shard_state` cuts those). Besides the canonical names it takes
+    one expert's matrix before the experts are stacked (`layers.i.experts.j.w_gate`)."""
+    plain = _plain_cut(config, name)
+    if plain is None:
+        return None
+    axis, width = plain
+    return (slice(None),) * axis + (_share(width or shape[axis], rank, world),)
+
+
+# one expert's matrix before stacking: its axes are the stacked tensor's less the first
+_ONE_EXPERT = {"w_gate": "experts_gate", "w_up": "experts_up", "w_down": "experts_down"}
+
+
+def _plain_cut(config: ModelConfig, name: str) -> tuple[int, int | None] | None:
+    """The axis along which `name` is cut as one slice and the whole width cut there (None:
+    the tensor's own size along that axis); None where it is not."""
+    found = _layer_and_key(name)
+    if found is None:
+        return None
     layer, key = found
     dim = config.head_dim_of(layer)
     widths = {
@@ -263,24 +299,18 @@ def _cut(
         "mlp": config.intermediate_size_of(layer),
     }
     if key in _HEAD_ROWS:
-        rows = _share(widths[_HEAD_ROWS[key]], rank, world)
-        return lambda t: t[rows].contiguous()
+        return 0, widths[_HEAD_ROWS[key]]
     if key in _MLP_ROWS:
-        rows = _share(widths["mlp"], rank, world)
-        return lambda t: t[rows].contiguous()
+        return 0, widths["mlp"]
     if key in _COLUMNS:
-        columns = _share(widths[_COLUMNS[key]], rank, world)
-        return lambda t: t[:, columns].contiguous()
+        return 1, widths[_COLUMNS[key]]
     if key == "attn_sinks":  # one logit per query head
-        heads = _share(config.num_heads, rank, world)
-        return lambda t: t[heads].contiguous()
+        return 0, config.num_heads
     if key in _EXPERT_AXES:
-        return _along(_EXPERT_AXES[key], rank, world)
-    if key == "experts_gate_up":  # [E, 2F, H], gate rows then up rows (Gemma 4)
-        halves = _along(1, rank, world)
-        return lambda t: torch.cat([halves(half) for half in t.chunk(2, dim=1)], dim=1)
-    if key == "experts_down_bias":  # [E, H]: added once, by rank 0, to the ranks' sum
-        return lambda t: t if rank == 0 else torch.zeros_like(t)
+        return _EXPERT_AXES[key], None
+    expert, _, matrix = key.rpartition(".")
+    if expert.startswith("experts.") and matrix in _ONE_EXPERT:
+        return _EXPERT_AXES[_ONE_EXPERT[matrix]] - 1, None
     return None
 
 
