@@ -110,6 +110,18 @@ def test_an_hf_directory_from_its_headers(arch: str, tmp_path: Path) -> None:
         assert predicted.memory == run.memory_breakdown, (arch, spec)
 
 
+def test_scorers_reading_a_long_prompt_in_parts_count_it_whole_on_meta(tmp_path: Path) -> None:
+    """Past the query chunks of the attention scores and kvzip's reconstruction chunk, a real
+    run scores in parts and the meta count in one pass: the same bytes."""
+    build_tiny_model("llama", tmp_path, max_position_embeddings=1024)
+    real, meta = load_model(str(tmp_path)), load_structure(str(tmp_path))
+    ids = random_ids(600)
+    for spec in ("kvzip:keep=0.25,layers=adaptive", "h2o:budget=64,recent=16"):
+        run = generate(real, spec, ids, max_new_tokens=NEW)
+        (predicted,) = predict_memory(meta, [parse_engine(spec)], len(ids), len(run.token_ids))
+        assert predicted.memory == run.memory_breakdown, spec
+
+
 def test_config_json_alone_gives_the_headers_shapes(tmp_path: Path) -> None:
     """Without weight files, the shapes come from config.json: those the headers give."""
     build_tiny_model("llama", tmp_path)

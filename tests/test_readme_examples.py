@@ -1,9 +1,12 @@
 """Every command the docs show runs as pasted: each shell block of docs/CLI.md (every ``` block
-without a language), line by line through bash, in a scratch directory, with the project's
-virtualenv first on PATH; and the README's tour shows only commands that docs/CLI.md runs. A
-`larql serve` line is left running in the background (as in another terminal) until its block
-ends; a line ending in `&` too. `notes.txt`, the corpus the apollo example indexes, is the
-shipped licence text.
+without a language), line by line in a scratch directory, with the project's virtualenv first on
+PATH; and the README's tour shows only commands that docs/CLI.md runs. A plain `larql …` line
+(environment assignments at most before it, no other shell syntax) runs through the CLI app in
+this process, as the `larql` script calls it, without an interpreter start each; every other
+line (a pipe, `larql serve`, a `--tensor-parallel` run, curl) runs the installed script through
+bash, as does test_cli.py's `test_console_script_runs`. A `larql serve` line is left running in
+the background (as in another terminal) until its block ends; a line ending in `&` too.
+`notes.txt`, the corpus the apollo example indexes, is the shipped licence text.
 
 The bench and accuracy examples take minutes each; they run in `make test-all` (marked long)."""
 
@@ -19,7 +22,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
+from larql.cli.app import app
 from larql.data import default_text
 from larql.kv.resolve import ENV_VAR
 
@@ -107,10 +112,14 @@ def test_the_readme_tour_shows_commands_the_cli_doc_runs() -> None:
     ],
 )
 @pytest.mark.slow
-def test_cli_doc_block_runs_as_pasted(heading: str, commands: list[str], tmp_path: Path) -> None:
+def test_cli_doc_block_runs_as_pasted(
+    heading: str, commands: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "notes.txt").write_text(default_text())
     env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.chdir(tmp_path)
     background: list[subprocess.Popen[bytes]] = []
     try:
         for command in commands:
@@ -119,6 +128,14 @@ def test_cli_doc_block_runs_as_pasted(heading: str, commands: list[str], tmp_pat
                 background.append(start(command.rstrip("& "), tmp_path, env))
                 if server and "--ffn-only" not in command:
                     wait_for_health(command, background[-1])
+                continue
+            plain = plain_larql(command)
+            if plain is not None:
+                assignments, args = plain
+                result = CliRunner().invoke(app, args, env=assignments)
+                shown = f"{command}\n{result.output[-1600:]}"
+                assert result.exit_code == 0, shown
+                assert result.exception is None or isinstance(result.exception, SystemExit), shown
                 continue
             done = subprocess.run(
                 ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True
@@ -132,6 +149,45 @@ def test_cli_doc_block_runs_as_pasted(heading: str, commands: list[str], tmp_pat
         for proc in background:
             proc.terminate()
             proc.wait(30)
+
+
+SHELL_SYNTAX = re.compile(r"[$`|&;<>(){}*?\[\]~\\]")  # outside quotes: bash's to run
+ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def plain_larql(command: str) -> tuple[dict[str, str], list[str]] | None:
+    """A plain `larql …` line's environment assignments and arguments; None for any other line
+    (other shell syntax, `larql serve`, a tensor-parallel run): bash runs those."""
+    command = command.replace("\\\n", " ")  # a continued line
+    unquoted = re.sub(r"'[^']*'|\"[^\"]*\"", "''", command).split("#", 1)[0]
+    if SHELL_SYNTAX.search(unquoted):
+        return None
+    args = words(command)
+    assignments: dict[str, str] = {}
+    while args and ASSIGNMENT.match(args[0]):
+        name, value = args.pop(0).split("=", 1)
+        assignments[name] = value
+    if args[:1] != ["larql"] or args[1:2] == ["serve"] or "--tensor-parallel" in args:
+        return None
+    return assignments, args[1:]
+
+
+def test_plain_larql_lines_are_told_from_shell_ones() -> None:
+    assert plain_larql('LARQL_KV_ENGINE=no-cache larql run "Hi; there?" -n 8  # a note') == (
+        {"LARQL_KV_ENGINE": "no-cache"},
+        ["run", "Hi; there?", "-n", "8"],
+    )
+    assert plain_larql('larql run "The" \\\n  -n 1') == ({}, ["run", "The", "-n", "1"])
+    for shell in (
+        'echo "Once" | larql run - -n 32',
+        "mkdir x && larql models",
+        "larql models > out.txt",
+        "larql run $PROMPT",
+        "larql serve --port 8080",
+        "larql run Hi --tensor-parallel 3",
+        "curl -s localhost:8080/health",
+    ):
+        assert plain_larql(shell) is None, shell
 
 
 def start(command: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:

@@ -382,6 +382,8 @@ def _sdpa(
 ) -> torch.Tensor:
     """torch's fused attention, K/V heads shared by query groups: → [Hq, S, D]."""
     cfg = model.config
+    if q.device.type == "meta":  # `larql memory`: the shape and dtype, without torch's meta rules
+        return q.new_empty(q.shape[0], q.shape[1], values.shape[-1])
     return F.scaled_dot_product_attention(
         q.unsqueeze(0),
         keys.unsqueeze(0),

@@ -11,6 +11,8 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.device.type == "meta":  # `larql memory`: the shape and dtype, without torch's meta rules
+        return torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
     if x.dtype in LOW_PRECISION:
         # As the reference implementations do: statistics in float32, the normalised row rounded
         # to the model's dtype, then × weight. Folding the weight into the fused kernel (one

@@ -120,8 +120,11 @@ class KvZipEngine(ScoringEngine):
             for layer in range(cfg.num_layers)
         ]
         peak: list[torch.Tensor | None] = [None] * cfg.num_layers
-        for first in range(0, queries.shape[0], RECONSTRUCTION_CHUNK):
-            h = queries[first : first + RECONSTRUCTION_CHUNK]
+        # on meta (`larql memory`) nothing is allocated: one pass holds the same rows in the
+        # end and dispatches a chunk's ops once instead of once per chunk
+        chunk = queries.shape[0] if queries.device.type == "meta" else RECONSTRUCTION_CHUNK
+        for first in range(0, queries.shape[0], chunk):
+            h = queries[first : first + chunk]
             part = None if query_inputs is None else query_inputs[first : first + h.shape[0]]
             start = prompt + first
             shared = SharedKv(cfg)

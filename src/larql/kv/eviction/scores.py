@@ -36,8 +36,10 @@ def _attention_reduced(
     grouped = q.reshape(kv_heads, group, q.shape[1], dim).float()  # [Hkv, G, S, D]
     k = keys.float()
     out = torch.zeros(kv_heads, t, dtype=torch.float32, device=keys.device)
-    for start in range(0, q.shape[1], _QUERY_CHUNK):
-        chunk = grouped[:, :, start : start + _QUERY_CHUNK]  # [Hkv, G, C, D]
+    # on meta (`larql memory`) nothing is allocated: one product, the same [Hkv, T] out
+    step = max(1, q.shape[1]) if keys.device.type == "meta" else _QUERY_CHUNK
+    for start in range(0, q.shape[1], step):
+        chunk = grouped[:, :, start : start + step]  # [Hkv, G, C, D]
         scores = torch.einsum("hgcd,htd->hgct", chunk, k) * cfg.attn_scale  # [Hkv, G, C, T]
         if cfg.arch.attn_softcap is not None:
             cap = cfg.arch.attn_softcap
