@@ -213,7 +213,10 @@ ACCEPTANCE_SPECS = [
 ]
 
 
-@pytest.mark.slow
+# long: test_engine_compliance's test_exact_engine_greedy_tokens_match_standard checks the same
+# tokens for these engines, and test_engine_option_and_window and test_json_output_schema the
+# CLI path that passes --engine through
+@pytest.mark.long
 def test_exact_engines_give_standard_tokens_through_the_cli(cli) -> None:
     """The exact engines' contract: the same 24 tokens from `larql run` for every exact engine."""
     prompt = "Alice put the red ball in the box, and Bob"
@@ -222,7 +225,9 @@ def test_exact_engines_give_standard_tokens_through_the_cli(cli) -> None:
         assert run_json(cli, prompt, "-n", "24", "--engine", spec)["tokens"] == reference, spec
 
 
-@pytest.mark.slow
+# long: test_turbo_quant's test_memory_is_the_bytes_stored checks turbo-quant's bytes exactly,
+# and test_json_output_schema that `larql run` reports the engine's memory
+@pytest.mark.long
 def test_turbo_quant_reports_its_compressed_memory(cli) -> None:
     """Every row quantised (no exact rows): under a quarter of the float32 cache; with the
     default exact newest rows, a 13-token run is held exactly at 16 bits: half of float32."""

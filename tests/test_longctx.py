@@ -150,7 +150,10 @@ def _cells(model: Model, spec: str, samples) -> list:
     return [score_sample(model, DenseFfn(model), parse_engine(spec), s) for s in samples]
 
 
-@pytest.mark.slow
+# long: test_engine_compliance checks these engines' tokens against standard, and
+# test_scoring_sees_what_is_forgotten_after_the_prefill that scoring sees what an engine
+# changes after the prefill
+@pytest.mark.long
 def test_exact_engines_score_cell_for_cell_like_standard(smollm2: Model) -> None:
     """(`no-cache`, which recomputes the whole context for every answer token, is left out: its
     tokens and logits against standard's are test_exactness.py's.)"""
@@ -168,7 +171,9 @@ def test_exact_engines_score_cell_for_cell_like_standard(smollm2: Model) -> None
         )
 
 
-@pytest.mark.slow
+# long: test_cli_longctx_report checks a 32-row window forgets a needle standard finds, and
+# test_scoring_sees_what_is_forgotten_after_the_prefill that scoring sees it
+@pytest.mark.long
 def test_a_window_forgets_exactly_the_needles_beyond_it(smollm2: Model) -> None:
     # seed 5's needles sit 284 and 59 tokens back from the answer: just beyond, well within
     samples = generate_samples(smollm2.tokenizer, ("needle-number",), (512,), (50, 90), 5)

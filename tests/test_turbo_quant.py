@@ -304,7 +304,15 @@ def run_engine(model: Model, spec: str, prompt: list[int], steps: list[int]) -> 
     return engine
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize(
+    "bits",
+    [
+        # long: bits=4 packs whole bytes as 2 does; bits=3 checks the odd packing
+        pytest.param(2, marks=pytest.mark.long),
+        3,
+        4,
+    ],
+)
 def test_memory_is_the_bytes_stored(bits: int, smollm2: Model) -> None:
     cfg = smollm2.config
     ids = smollm2.tokenizer.encode(PROMPT)
@@ -363,6 +371,9 @@ def lossless_turbo_logits(model: Model, ids: list[int], prompt_len: int) -> torc
     return teacher_forced_logits(engine, model, DenseFfn(model), ids, prompt_len)
 
 
+# long: test_sliding_layers_keep_only_the_window checks the same lossless-codec policy against
+# standard (on a tiny gemma3, sliding layers included)
+@pytest.mark.long
 def test_state_policy_with_a_lossless_codec_equals_standard(smollm2_f64: Model) -> None:
     ids = smollm2_f64.tokenizer.encode(PROMPT + " took it out again")
     ours = lossless_turbo_logits(smollm2_f64, ids, 6)
@@ -411,7 +422,14 @@ def rotated_vs_decoded(model: Model, ids: list[int], prompt_len: int, bits: int)
     return ((ours - reference).norm() / reference.norm()).item()
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize(
+    "bits",
+    [
+        2,
+        # long: bits=2 above and the tiny gemma cases below (3 and 4 bits) check the same path
+        pytest.param(4, marks=pytest.mark.long),
+    ],
+)
 def test_rotated_basis_attention_equals_decoding_every_row(bits: int, smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode(PROMPT + " took it out again and ran away with it")
     assert rotated_vs_decoded(smollm2, ids, 6, bits) <= 1e-5  # float32 rounding only
@@ -449,6 +467,9 @@ class ScaledFfn(FfnBackend):
         return self.dense.forward(layer, x) * self.scale
 
 
+# long: test_ffn_policy's test_every_engine_sends_every_position_and_layer_through_the_router
+# checks every live engine, turbo-quant included, sends each step through the FFN it is given
+@pytest.mark.long
 def test_the_given_ffn_backend_is_used(smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode(PROMPT)
     layers = smollm2.config.num_layers

@@ -17,19 +17,23 @@ from larql.kv import parse_engine
 from larql.models import Model
 
 PROMPT = "The quick brown fox jumps over the lazy dog because it was tired of running"
+# long: a case whose engine takes its prompt in parts through the same code as another case
+# here (the residual engines' parts; TurboQuantEngine's, which kv-quant subclasses; the
+# eviction base's, which h2o, keydiff and expected-attention also check)
+_SAME_PARTS = pytest.mark.long
 IN_PARTS = [  # every live engine, with parameters that make its policy act on this prompt
     "standard",
     "no-cache",
-    "markov-rs:window=4",
+    pytest.param("markov-rs:window=4", marks=_SAME_PARTS),  # as markov-rs-codec:window=4
     "markov-rs-codec:window=4",
-    "markov-rs:window=4,kv_cache=0",
+    pytest.param("markov-rs:window=4,kv_cache=0", marks=_SAME_PARTS),  # as markov-rs-codec
     "boundary-per-layer:window=4",
     "windowed-checkpoint:window=5",
-    "turbo-quant",
+    pytest.param("turbo-quant", marks=_SAME_PARTS),  # as kv-quant
     "kv-quant",
-    "snapkv:budget=4,window=3",
+    pytest.param("snapkv:budget=4,window=3", marks=_SAME_PARTS),  # as the eviction cases
     "h2o:budget=6,recent=2",
-    "tova:budget=6,recent=2,sinks=1",
+    pytest.param("tova:budget=6,recent=2,sinks=1", marks=_SAME_PARTS),  # as the eviction cases
     "keydiff:budget=6,recent=2,sinks=1,heads=adaptive",
     "expected-attention:budget=6,recent=2,sinks=1,queries=4",
     "expected-attention:budget=6,recent=2,sinks=3",
@@ -98,7 +102,14 @@ def test_a_prompt_in_parts_is_one_prefill(smollm2_f64: Model, spec: str) -> None
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["no-cache", "h2o:budget=6,recent=2"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        # long: no-cache's parts are checked at fixed cuts above; h2o here takes any cut
+        pytest.param("no-cache", marks=pytest.mark.long),
+        "h2o:budget=6,recent=2",
+    ],
+)
 @settings(max_examples=4, deadline=None)
 @given(cuts=st.lists(st.integers(1, 9), min_size=1, max_size=3))
 def test_any_cut_of_a_prompt_is_one_prefill(smollm2_f64: Model, spec: str, cuts: list[int]) -> None:
