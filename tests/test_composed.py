@@ -35,7 +35,12 @@ LONG = " ".join(
     [
         # the quantiser's own recent window, written out: the composition's default is none
         ("snapkv:budget=4096+turbo-quant:bits=4,recent=8", "turbo-quant:bits=4,recent=8"),
-        ("snapkv:budget=4096+turbo-quant:bits=3", "turbo-quant:bits=3,recent=0"),
+        # long: bits=4,recent=8 above checks the same store and path
+        pytest.param(
+            "snapkv:budget=4096+turbo-quant:bits=3",
+            "turbo-quant:bits=3,recent=0",
+            marks=pytest.mark.long,
+        ),
         ("snapkv:budget=4096+kv-quant:bits=4,sinks=2", "kv-quant:bits=4,sinks=2"),
     ],
 )
@@ -79,7 +84,9 @@ def test_bytes_held_are_the_product_and_decode_appends_codes(smollm2: Model) -> 
     assert "turbo-quant" in both.info().description
 
 
-@pytest.mark.slow
+# long: keeping_every_row_is_the_quantiser_alone checks this store's path exactly, and
+# adaptive_composition_stays_close_to_the_eviction_alone the same closeness under an eviction
+@pytest.mark.long
 def test_a_real_eviction_stays_close_to_the_eviction_alone(smollm2: Model) -> None:
     ids = smollm2.tokenizer.encode(LONG)
     prompt = len(ids) - 4
@@ -196,7 +203,15 @@ def test_a_request_may_name_a_composition(smollm2: Model) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantiser", ["turbo-quant:bits=4", "kv-quant:bits=4"])
+@pytest.mark.parametrize(
+    "quantiser",
+    [
+        "turbo-quant:bits=4",
+        # long: turbo-quant:bits=4 checks the same batch-vs-alone path; kv-quant's codes batch
+        # in test_decode_time_eviction_forks_and_batches_as_alone[tova:…+kv-quant:bits=4]
+        pytest.param("kv-quant:bits=4", marks=pytest.mark.long),
+    ],
+)
 def test_sessions_of_one_composition_decode_in_a_batch_as_alone(
     quantiser: str, smollm2: Model
 ) -> None:
@@ -275,7 +290,9 @@ def test_adaptive_composition_stays_close_to_the_eviction_alone(smollm2: Model) 
     assert (both.argmax(-1) == evicted.argmax(-1)).float().mean() >= 0.8
 
 
-@pytest.mark.slow
+# long: test_decode_time_eviction_forks_and_batches_as_alone[tova:…+kv-quant:bits=4] batches
+# the same per-head stores of kv-quant codes and checks them against each alone
+@pytest.mark.long
 def test_adaptive_sessions_decode_in_a_batch_as_alone(smollm2: Model) -> None:
     spec = "kvzip:budget=8,heads=adaptive+kv-quant:bits=4"
     prompts = [PROMPT, "Alice put the red ball in the box, and Bob took it out again"]
@@ -388,7 +405,9 @@ def test_decode_time_eviction_over_exact_rows_is_the_eviction_alone(
             assert len(ours) == len(theirs) == 10
 
 
-@pytest.mark.slow
+# long: over_exact_rows_is_the_eviction_alone[h2o:…] checks the same rows dropped as the eviction
+# alone, and holds_its_budget_in_codes the coded decode of a decode-time eviction
+@pytest.mark.long
 def test_decode_time_eviction_over_8_bit_codes_decodes_as_the_eviction_alone(
     smollm2: Model,
 ) -> None:
@@ -404,7 +423,9 @@ def test_decode_time_eviction_over_8_bit_codes_decodes_as_the_eviction_alone(
 @pytest.mark.parametrize(
     "spec",
     [
-        "h2o:budget=8,recent=2+turbo-quant:bits=4",
+        # long: test_snapshots round-trips h2o:…+turbo-quant's state (a fork is the same declared
+        # state), and the tova case below batches a decode-time eviction against each alone
+        pytest.param("h2o:budget=8,recent=2+turbo-quant:bits=4", marks=pytest.mark.long),
         "tova:budget=8,sinks=1,recent=2,heads=adaptive+kv-quant:bits=4",
     ],
 )

@@ -63,11 +63,16 @@ def test_the_tree_matches_as_a_brute_force_search(stored, probe, drop) -> None:
 # cut exactly: every row of the prefix is the one a prefill of it computes (the codec engines
 # code nothing without a window)
 EXACT_CUTS = [
-    "standard",
-    "markov-rs",
+    # long: test_a_cut_prefix_of_standard_continues_as_the_whole_prefill cuts standard the same
+    # way, and test_a_session_from_the_cache_gives_the_tokens_of_a_fresh_one continues it
+    pytest.param("standard", marks=pytest.mark.long),
+    # long: window=16 below cuts the same engine, in its cold tier as well as its hot one
+    pytest.param("markov-rs", marks=pytest.mark.long),
     "markov-rs:window=16",
     "markov-rs:kv_cache=0",
-    "markov-rs-codec",
+    # long: without a window it codes nothing, so its cut is markov-rs's (window=16 above);
+    # the codec's own cut is test_a_residual_cut_keeps_…[markov-rs-codec:window=16]
+    pytest.param("markov-rs-codec", marks=pytest.mark.long),
     "boundary-per-layer",
 ]
 
@@ -158,7 +163,14 @@ def test_a_lossy_engine_keeps_its_coded_rows_of_the_prefix(smollm2: Model) -> No
     assert engine.position == len(prompt)  # the original is untouched
 
 
-@pytest.mark.parametrize("spec", ["markov-rs:window=16", "markov-rs-codec:window=16"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        # long: markov-rs-codec:window=16 below cuts the same two tiers (its cold rows coded)
+        pytest.param("markov-rs:window=16", marks=pytest.mark.long),
+        "markov-rs-codec:window=16",
+    ],
+)
 def test_a_residual_cut_keeps_its_cold_rows_as_they_are_stored(smollm2: Model, spec: str) -> None:
     prompt = _ids(smollm2, "What is kept?")
     engine = _prefilled(smollm2, spec, prompt)

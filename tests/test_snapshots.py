@@ -37,6 +37,7 @@ from larql.models import Model
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 STEPS = 4
+LONG = pytest.mark.long
 SNAPSHOTTING = [
     "standard",
     "standard:window=8",
@@ -61,6 +62,49 @@ SNAPSHOTTING = [
     "tova:budget=6,sinks=1,recent=2,heads=adaptive+kv-quant:bits=4,sinks=2,recent=2",
     "semantic-promotion:base=markov-rs-codec:window=4",
 ]
+# the round trip on the CPU: one spec per engine family and store in `make test`; the rest
+# (another option of a store a kept spec already round-trips) in `make test-all`
+ROUND_TRIP = [
+    "standard",
+    # long: window=8,sinks=2 below round-trips the same windowed buffer
+    pytest.param("standard:window=8", marks=LONG),
+    "standard:window=8,sinks=2",
+    # long: test_restored_exact_engine_matches_a_fresh_prefill[no-cache] restores it (a fork
+    # goes through the same declared state)
+    pytest.param("no-cache", marks=LONG),
+    "markov-rs:window=4",
+    # long: test_prefix_cache's cut of markov-rs:kv_cache=0 forks this state and continues it
+    # exactly; markov-rs:window=4 above round-trips the same engine
+    pytest.param("markov-rs:window=4,kv_cache=0", marks=LONG),
+    # long: semantic-promotion below round-trips this very engine as its base
+    pytest.param("markov-rs-codec:window=4", marks=LONG),
+    "boundary-per-layer:window=4",
+    # long: bits=3 below round-trips the same store
+    pytest.param("turbo-quant", marks=LONG),
+    "turbo-quant:bits=3",
+    # long: recent=4,sinks=2,recent_bits=8 below round-trips the same store, with more in it
+    pytest.param("kv-quant", marks=LONG),
+    "kv-quant:recent=4,sinks=2,recent_bits=8",
+    # long: fp8 codes are bytes of the same store as the kv-quant spec above
+    pytest.param("kv-quant:format=fp8", marks=LONG),
+    "windowed-checkpoint:window=8",
+    "boundary-kv:chunk_tokens=4",
+    # long: test_eviction_scorers' restored states (tova, h2o, kvzip, …) cover the eviction
+    # stores; the compositions below cover snapkv's and h2o's rows under a quantiser
+    pytest.param("snapkv:budget=4,window=2", marks=LONG),
+    pytest.param("h2o:budget=6,recent=2", marks=LONG),
+    # long: snapkv+kv-quant below holds the same kept codes, h2o+turbo-quant turbo-quant's
+    pytest.param("snapkv:budget=4,window=2+turbo-quant", marks=LONG),
+    "snapkv:budget=4,window=2+kv-quant:sinks=2,recent=2",
+    "h2o:budget=6,recent=2+turbo-quant",
+    # long: test_composed's forks_and_batches[tova:…+kv-quant:bits=4] forks the same ragged
+    # store through its declared state and decodes as the original
+    pytest.param(
+        "tova:budget=6,sinks=1,recent=2,heads=adaptive+kv-quant:bits=4,sinks=2,recent=2",
+        marks=LONG,
+    ),
+    "semantic-promotion:base=markov-rs-codec:window=4",
+]
 # exact against `standard` here: a fresh prefill of the same tokens gives the same logits
 EXACT = ["standard", "no-cache", "markov-rs:window=4", "boundary-kv", "windowed-checkpoint"]
 
@@ -82,7 +126,7 @@ def stepped(spec: str, model: Model, ids: list[int], steps: list[int]) -> State:
     return State(model, state.engine, hidden, (*ids, *steps))
 
 
-@pytest.mark.parametrize("spec", SNAPSHOTTING)
+@pytest.mark.parametrize("spec", ROUND_TRIP)
 def test_restored_and_forked_states_decode_as_the_original(
     spec: str, smollm2: Model, tmp_path: Path
 ) -> None:
