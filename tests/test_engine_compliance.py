@@ -54,6 +54,19 @@ def exact_specs() -> list[str]:
     return [s for s in EXACT_SPECS if registered(s)]
 
 
+# Each exact spec is checked on the real model in `make test` once: by its float64 logits, or
+# (where it holds more steps: the windowed specs past their window, and no-cache, whose float64
+# run is the slowest) by its 32 greedy float32 tokens. The other check of each is `long`.
+GREEDY_IN_MAKE_TEST = {"no-cache", "markov-rs:window=4", "windowed-checkpoint:window=128"}
+
+
+def exact_cases(greedy: bool) -> list:
+    return [
+        pytest.param(s, marks=() if (s in GREEDY_IN_MAKE_TEST) == greedy else pytest.mark.long)
+        for s in exact_specs()
+    ]
+
+
 @pytest.mark.parametrize("spec", ALL_SPECS)
 def test_nothing_held_before_prefill(spec: str, smollm2: Model) -> None:
     engine = parse_engine(spec).build(smollm2)
@@ -91,8 +104,29 @@ def test_info_is_complete(spec: str, smollm2: Model) -> None:
     assert info.name in info.summary()
 
 
-@pytest.mark.parametrize("spec", LIVE_SPECS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+# float64 on the real model for one engine of each kind; the rest of the float64 runs are
+# `long`: every live engine runs in float32 here, and in float64 on the tiny llama and
+# gemma4_global models below (the exact ones on the real model in float64 too)
+F64_DECODE_SPECS = {
+    "standard",
+    "turbo-quant",
+    "kv-quant",
+    "snapkv",
+    "snapkv:budget=4,window=2+turbo-quant:bits=3",
+}
+DTYPE_CASES = [
+    pytest.param(
+        dtype,
+        spec,
+        id=f"dtype{i}-{spec}",
+        marks=() if dtype == torch.float32 or spec in F64_DECODE_SPECS else pytest.mark.long,
+    )
+    for i, dtype in enumerate((torch.float32, torch.float64))
+    for spec in LIVE_SPECS
+]
+
+
+@pytest.mark.parametrize(("dtype", "spec"), DTYPE_CASES)
 def test_live_engines_decode_in_both_cpu_dtypes(
     spec: str, dtype: torch.dtype, smollm2: Model, smollm2_f64: Model
 ) -> None:
@@ -112,7 +146,7 @@ def standard_f64_logits(smollm2_f64: Model) -> torch.Tensor:
     return teacher_forced(smollm2_f64, "standard", smollm2_f64.tokenizer.encode(F64_TEXT), 8)
 
 
-@pytest.mark.parametrize("spec", exact_specs())
+@pytest.mark.parametrize("spec", exact_cases(greedy=False))
 @pytest.mark.slow
 def test_exact_engine_logits_match_standard_in_float64(
     spec: str, smollm2_f64: Model, standard_f64_logits: torch.Tensor
@@ -133,7 +167,7 @@ def standard_greedy_tokens(smollm2: Model) -> list[int]:
     return _greedy_tokens(smollm2, "standard")
 
 
-@pytest.mark.parametrize("spec", exact_specs())
+@pytest.mark.parametrize("spec", exact_cases(greedy=True))
 @pytest.mark.slow
 def test_exact_engine_greedy_tokens_match_standard(
     spec: str, smollm2: Model, standard_greedy_tokens: list[int]
@@ -141,39 +175,92 @@ def test_exact_engine_greedy_tokens_match_standard(
     assert _greedy_tokens(smollm2, spec) == standard_greedy_tokens
 
 
-@pytest.fixture(
-    scope="module",
-    params=[
-        "llama",
-        "gemma3",
-        "gemma4",
-        "gemma4_moe",
-        "gemma4_shared",
-        "gemma4_ple",
-        "mixtral",
-        "qwen2_moe",
-        "gpt_oss",
-    ],
-)
-def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Model:
+TINY_ARCHS = [
+    "llama",
+    "gemma3",
+    "gemma4",
+    "gemma4_moe",
+    "gemma4_shared",
+    "gemma4_ple",
+    "mixtral",
+    "qwen2_moe",
+    "gpt_oss",
+]
+# Every live engine runs on the tiny llama here (and on gemma4_global below); on the other
+# architectures one engine of each kind does, and the others there are `long`: the eviction
+# policies and the default compositions score and drop tokens alike on every architecture, and
+# snapkv and the evicting composition stand for them there.
+EVERY_ARCH_SPECS = {
+    "standard",
+    "no-cache",
+    "markov-rs",
+    "markov-rs-codec",
+    "windowed-checkpoint",
+    "turbo-quant",
+    "kv-quant",
+    "snapkv",
+    "boundary-kv",
+    "boundary-per-layer",
+    "semantic-promotion",
+    "snapkv:budget=4,window=2+turbo-quant:bits=3",
+}
+EVERY_ARCH_LIVE = [s for s in LIVE_SPECS if s in EVERY_ARCH_SPECS]
+LLAMA_ONLY_LIVE = [s for s in LIVE_SPECS if s not in EVERY_ARCH_SPECS]
+
+
+def _tiny(arch: str, tmp_path_factory: pytest.TempPathFactory) -> Model:
     pytest.importorskip("transformers")
-    directory: Path = tmp_path_factory.mktemp(f"compliance-{request.param}")
-    build_tiny_model(request.param, directory)
+    directory: Path = tmp_path_factory.mktemp(f"compliance-{arch}")
+    build_tiny_model(arch, directory)
     return load_model(str(directory), dtype=torch.float64)
 
 
-@pytest.mark.parametrize("spec", LIVE_SPECS)
-def test_live_engines_run_on_tiny_architectures(spec: str, tiny_model: Model) -> None:
+@pytest.fixture(scope="module", params=TINY_ARCHS)
+def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Model:
+    return _tiny(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    return _tiny("llama", tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=[a for a in TINY_ARCHS if a != "llama"])
+def other_tiny_model(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Model:
+    return _tiny(request.param, tmp_path_factory)
+
+
+def _runs_on_tiny(spec: str, model: Model) -> None:
     """The gemma3 tiny model has sliding layers narrower than the prompt."""
     ids = random_ids(20, seed=7)
     try:
-        logits = teacher_forced(tiny_model, spec, ids, 10)
+        logits = teacher_forced(model, spec, ids, 10)
     except EngineError as e:
-        pytest.fail(f"{spec} failed on {tiny_model.config.arch.name}: {e}")
+        pytest.fail(f"{spec} failed on {model.config.arch.name}: {e}")
     assert torch.isfinite(logits).all()
     if spec in exact_specs() or spec == "standard":
-        reference = teacher_forced(tiny_model, "standard", ids, 10)
+        reference = teacher_forced(model, "standard", ids, 10)
         assert ((logits - reference).abs().max() / reference.abs().max()).item() <= 1e-9
+
+
+@pytest.mark.parametrize("spec", EVERY_ARCH_LIVE)
+def test_live_engines_run_on_tiny_architectures(spec: str, tiny_model: Model) -> None:
+    _runs_on_tiny(spec, tiny_model)
+
+
+@pytest.mark.parametrize("spec", LLAMA_ONLY_LIVE)
+def test_the_other_live_engines_run_on_the_tiny_llama(spec: str, tiny_llama: Model) -> None:
+    _runs_on_tiny(spec, tiny_llama)
+
+
+@pytest.mark.long  # the tiny llama above, and gemma4_global below, run these engines
+@pytest.mark.parametrize("spec", LLAMA_ONLY_LIVE)
+def test_the_other_live_engines_run_on_the_other_tiny_architectures(
+    spec: str, other_tiny_model: Model
+) -> None:
+    _runs_on_tiny(spec, other_tiny_model)
 
 
 @pytest.fixture(scope="module")

@@ -130,15 +130,18 @@ def test_compiled_encoding_is_the_codecs(cpu_kernels, width: int, dim: int, bits
 SPECS = [
     "turbo-quant",
     "turbo-quant:center=0,sinks=0,recent=0",
-    "turbo-quant:bits=3",
-    "turbo-quant:bits=2",
+    # long: the coded attention's own test above runs 2, 3 and 4 bits against the decoded rows
+    pytest.param("turbo-quant:bits=3", marks=pytest.mark.long),
+    pytest.param("turbo-quant:bits=2", marks=pytest.mark.long),
     # kv-quant's integer codes (`kv/kv_quant/compiled`): the same step through its own call
     "kv-quant",
-    "kv-quant:bits=8,group=64,rotate=1",
+    # long: the bits=2 rotated groups below step over the same kind of codes
+    pytest.param("kv-quant:bits=8,group=64,rotate=1", marks=pytest.mark.long),
     "kv-quant:bits=2,group=64,rotate=1,recent=64,recent_bits=8,sinks=4",
     # its fp8 codes (attended in place, encoded by torch)
     "kv-quant:format=fp8",
-    "kv-quant:format=fp8,group=64,rotate=1",
+    # long: plain fp8 above, and the rotated integer groups, cover its parts
+    pytest.param("kv-quant:format=fp8,group=64,rotate=1", marks=pytest.mark.long),
 ]
 
 
@@ -170,7 +173,15 @@ def test_the_step_over_codes_is_the_step_over_the_decoded_history(
     assert max(gaps) < 2e-5
 
 
-@pytest.mark.parametrize("spec", ["turbo-quant", "kv-quant"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        # long: kv-quant (the same engine class's batched step) checks the same, and
+        # test_turbo_quant_coded_layers turbo-quant's batch against each session alone
+        pytest.param("turbo-quant", marks=pytest.mark.long),
+        "kv-quant",
+    ],
+)
 def test_batched_steps_over_codes_equal_each_session_alone(
     cpu_kernels, spec: str, smollm2: Model
 ) -> None:

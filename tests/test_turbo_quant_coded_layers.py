@@ -61,7 +61,9 @@ def _run(model: Model, spec: str, prompt: int, steps: int, fused: bool, monkeypa
     ("spec", "prompt", "in_one_call"),
     [
         ("turbo-quant", 60, 6),  # the oldest recent row coded at every step
-        ("turbo-quant:bits=3", 200, 6),  # int8 recent rows, 3-bit codes
+        pytest.param(  # long: bits=2 below holds int8 recent rows too
+            "turbo-quant:bits=3", 200, 6, marks=pytest.mark.long
+        ),  # int8 recent rows, 3-bit codes
         ("turbo-quant:bits=2", 128, 6),  # the recent rows fill up on the way: both modes
         ("turbo-quant:center=0,sinks=0,recent=0,norm=0", 30, 6),  # the new row coded at once
         ("turbo-quant:recent=100", 20, 6),  # no codes yet: the new row joins the recent ones
@@ -69,9 +71,13 @@ def _run(model: Model, spec: str, prompt: int, steps: int, fused: bool, monkeypa
         ("turbo-quant:attention=sdpa", 60, 0),  # the torch reference stays the torch path
         # kv-quant's integer codes through the same call
         ("kv-quant", 60, 6),
-        ("kv-quant:bits=8,group=64,rotate=1", 100, 6),
+        pytest.param(  # long: the bits=2 rotated groups below take the same call
+            "kv-quant:bits=8,group=64,rotate=1", 100, 6, marks=pytest.mark.long
+        ),
         ("kv-quant:bits=2,group=64,rotate=1,recent=64,recent_bits=8,sinks=4", 64, 6),
-        ("kv-quant:format=fp8", 60, 6),  # e4m3 codes, encoded in the call too
+        pytest.param(  # long: the fp8 rotated groups below encode e4m3 in the call too
+            "kv-quant:format=fp8", 60, 6, marks=pytest.mark.long
+        ),  # e4m3 codes, encoded in the call too
         ("kv-quant:format=fp8,group=64,rotate=1", 100, 6),
     ],
 )
@@ -89,7 +95,14 @@ def test_one_call_is_the_layer_by_layer_step(
 
 
 @pytest.mark.parametrize(
-    "spec", ["turbo-quant", "turbo-quant:bits=3", "kv-quant", "kv-quant:format=fp8"]
+    "spec",
+    [
+        "turbo-quant",
+        # long: turbo-quant and kv-quant:format=fp8 check the same batch against each alone
+        pytest.param("turbo-quant:bits=3", marks=pytest.mark.long),
+        pytest.param("kv-quant", marks=pytest.mark.long),
+        "kv-quant:format=fp8",
+    ],
 )
 @pytest.mark.slow
 def test_a_batch_in_one_call_is_each_session_alone(
@@ -127,7 +140,15 @@ def test_a_batch_in_one_call_is_each_session_alone(
             assert all(torch.equal(x, y) for x, y in zip(got_layer, want_layer, strict=True))
 
 
-@pytest.mark.parametrize("spec", ["turbo-quant", "kv-quant", "kv-quant:format=fp8"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "turbo-quant",
+        "kv-quant",
+        # long: kv-quant above splits the same call over two threads
+        pytest.param("kv-quant:format=fp8", marks=pytest.mark.long),
+    ],
+)
 @pytest.mark.slow
 def test_a_batch_on_two_threads_is_the_one_thread_batch(
     cpu_kernels, smollm2_default: Model, spec: str
@@ -152,7 +173,15 @@ def test_a_batch_on_two_threads_is_the_one_thread_batch(
     assert torch.equal(runs[0], runs[1])
 
 
-@pytest.mark.parametrize("spec", ["turbo-quant", "turbo-quant:bits=3", "kv-quant"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "turbo-quant",
+        # long: the prompt is standard's call for every spec; turbo-quant checks the same
+        pytest.param("turbo-quant:bits=3", marks=pytest.mark.long),
+        "kv-quant",
+    ],
+)
 def test_a_prompt_in_one_call_is_standards_prefill_and_the_layer_by_layer_state(
     cpu_kernels, smollm2_default: Model, spec: str, monkeypatch
 ) -> None:
