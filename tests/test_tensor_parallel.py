@@ -320,14 +320,16 @@ def test_two_torchrun_nodes_print_one_process_tokens_and_both_exit_cleanly(
 
 def _close(one: object, other: object) -> bool:
     """Two JSON reports equal: every count and label exactly, every float up to the order of
-    the ranks' sums (a quantiser's KL of 1e-9 moves in its third digit)."""
+    the ranks' sums: 1e-3 relative, or 1e-6 nats for the near-zero differences of nearly equal
+    log-probabilities (a quantiser's log-perplexity ratio of 5e-5 moves by 2e-7 when the order
+    of a sum tips a coordinate into the next code)."""
     if isinstance(one, dict) and isinstance(other, dict):
         return one.keys() == other.keys() and all(_close(one[k], other[k]) for k in one)
     if isinstance(one, list) and isinstance(other, list):
         return len(one) == len(other) and all(_close(a, b) for a, b in zip(one, other, strict=True))
     if isinstance(one, float) and isinstance(other, float):
         both_nan = math.isnan(one) and math.isnan(other)
-        return both_nan or math.isclose(one, other, rel_tol=1e-3, abs_tol=1e-8)
+        return both_nan or math.isclose(one, other, rel_tol=1e-3, abs_tol=1e-6)
     return one == other
 
 
