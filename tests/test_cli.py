@@ -195,7 +195,7 @@ def test_models_lists_the_registry(cli) -> None:
 
 
 # long: test_help_and_version_answer_without_loading_torch and test_readme_examples' piped lines
-# run the console script, test_server's signal test `larql serve` through it, and
+# run the console script, test_server_shutdown `larql serve` through it, and
 # test_json_output_schema checks `larql run`'s generation
 @pytest.mark.long
 @pytest.mark.slow
