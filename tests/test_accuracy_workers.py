@@ -33,7 +33,16 @@ def test_workers_give_the_report_of_one_process() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize(
+    "suite",
+    [
+        # long: the three suites spread their cells over the workers through one `gather`
+        # (cli/accuracy_longctx.py); ppl-position checks it, and its report, here
+        pytest.param("longctx", marks=pytest.mark.long),
+        pytest.param("ruler", marks=pytest.mark.long),
+        "ppl-position",
+    ],
+)
 def test_workers_give_a_suite_of_one_process(suite: str, tmp_path: Path) -> None:
     """The grid's cells over two workers: the same tables and JSON as one process, and a
     progress line per cell on stderr, in the order the cells finish."""

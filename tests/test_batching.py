@@ -116,7 +116,14 @@ def test_batched_steps_with_int8_inputs_are_bit_identical() -> None:
         assert torch.equal(a.logits, b.logits)
 
 
-@pytest.mark.parametrize("spec", ["standard", "standard:window=6"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        # long: window=6 runs the same many-row float products; standard is bit for bit above
+        pytest.param("standard", marks=pytest.mark.long),
+        "standard:window=6",
+    ],
+)
 @pytest.mark.slow
 def test_batched_steps_on_the_float_path_give_the_same_greedy_tokens(
     smollm2: Model, spec: str
@@ -125,7 +132,7 @@ def test_batched_steps_on_the_float_path_give_the_same_greedy_tokens(
     tokens stay equal. (A quantising engine may round a value on a cell boundary to the
     neighbouring cell there and diverge later — seen with turbo-quant on some machines — so
     it is held bit-identical on the block path, the default, above.)"""
-    alone, batched = _alone_and_batched(smollm2, spec, 16)
+    alone, batched = _alone_and_batched(smollm2, spec, 8)  # window=6: past it by step 2
     for a, b in zip(alone, batched, strict=True):
         assert a.tokens == b.tokens
         assert torch.allclose(a.logits, b.logits, atol=1e-3, rtol=0)

@@ -183,7 +183,7 @@ def test_greedy_tokens_through_the_blocks_equal_the_float_paths(
         tokens = []
         with torch.inference_mode():
             token = int(next_token_logits(model, engine.prefill(model, ffn, ids)).argmax())
-            for _ in range(40):
+            for _ in range(16):
                 tokens.append(token)
                 token = int(
                     next_token_logits(model, engine.decode_step(model, ffn, token)).argmax()
@@ -359,11 +359,11 @@ def test_fused_decode_step_matches_the_operator_path(
     ("spec", "prompt", "weights"),
     [
         # a prompt longer than the compiled layer takes: prefilled by the operators both times
-        *(
-            (spec, 0, weights)
-            for spec in ("standard", "standard:window=24")
-            for weights in ("blocks-float", "auto")
-        ),
+        ("standard", 0, "blocks-float"),
+        ("standard", 0, "auto"),
+        ("standard:window=24", 0, "blocks-float"),
+        # long: the standard case checks the int16 inputs' long prompt, window=24 its window
+        pytest.param("standard:window=24", 0, "auto", marks=pytest.mark.long),
         # a short prompt's rows (causal, windowed) through the compiled layer too; with int16
         # inputs its many rows' roundings differ from the operators' by a code here and there
         # (rms_norm's sums in another order), so the float inputs show the arithmetic alike

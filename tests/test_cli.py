@@ -90,6 +90,9 @@ def test_engine_option_and_window(cli) -> None:
     assert out["engine"] == "standard:window=8"
 
 
+# long: test_spec's resolve tests hold the env var's place in the precedence, and test_server's
+# test_serve_default_engine_precedence reads it through the CLI
+@pytest.mark.long
 def test_env_var_selects_the_engine(cli) -> None:
     out = run_json(cli, "Hello", "-n", "3", env={ENV_VAR: "no-cache"})
     assert out["engine"] == "no-cache"
@@ -97,6 +100,9 @@ def test_env_var_selects_the_engine(cli) -> None:
     assert out["engine"] == "standard"
 
 
+# long: test_spec's resolve tests map --kv-cache none / markov-bounded and warn where --engine
+# wins, and test_cli_small_gaps runs --kv-cache through `larql run` with its warning
+@pytest.mark.long
 def test_kv_cache_legacy_flag_and_warning(cli) -> None:
     assert run_json(cli, "Hello", "-n", "2", "--kv-cache", "none")["engine"] == "no-cache"
     bounded = run_json(
@@ -188,6 +194,10 @@ def test_models_lists_the_registry(cli) -> None:
     assert "gemma3-270m" in rows
 
 
+# long: test_help_and_version_answer_without_loading_torch and test_readme_examples' piped lines
+# run the console script, test_server_shutdown `larql serve` through it, and
+# test_json_output_schema checks `larql run`'s generation
+@pytest.mark.long
 @pytest.mark.slow
 def test_console_script_runs(tmp_path: Path) -> None:
     larql = Path(sys.executable).with_name("larql")

@@ -678,6 +678,10 @@ def test_ffn_only_dispatches_to_the_shard(monkeypatch: pytest.MonkeyPatch, smoll
     assert refused.exit_code == 2 and "--ffn-only" in refused.output
 
 
+# long: both signals go to one handler (server/runner.py's _EXIT_SIGNALS), and
+# test_server_shutdown's SIGTERM test ends open streams with an error event and exits 0 the same
+# way, decoding on the main thread as here
+@pytest.mark.long
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 @pytest.mark.slow
 def test_a_signal_ends_open_streams_with_an_error_and_the_server_exits_cleanly(
