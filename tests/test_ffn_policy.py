@@ -385,7 +385,7 @@ def test_every_engine_sends_every_position_and_layer_through_the_router(
     ffn = LayerFfnRouter(counting, router.name)
     ids = smollm2.tokenizer.encode("Alice put the red ball in the box, and Bob")
     engine = parse_engine(spec).build(smollm2)
-    steps = [len(ids), 1, 1, 1]
+    steps = [len(ids), 1, 1]  # the prefill, and decode steps after it
     with torch.inference_mode():
         for i, rows in enumerate(steps):
             for c in counting:
@@ -405,15 +405,26 @@ def policy_references(smollm2: Model) -> tuple[list[int], torch.Tensor, torch.Te
     ids = smollm2.tokenizer.encode("Alice put the red ball in the box, and Bob went to the")
     oracle = parse_engine("no-cache")
     policy = build_ffn(smollm2, POLICY)
-    with_policy = teacher_forced_logits(oracle.build(smollm2), smollm2, policy, ids, 8)
-    dense = teacher_forced_logits(oracle.build(smollm2), smollm2, DenseFfn(smollm2), ids, 8)
+    start = len(ids) - 3  # the prefill's last position and 3 decode steps
+    with_policy = teacher_forced_logits(oracle.build(smollm2), smollm2, policy, ids, start)
+    dense = teacher_forced_logits(oracle.build(smollm2), smollm2, DenseFfn(smollm2), ids, start)
     return ids, with_policy, dense
 
 
 POLICY = "{null}@layers=3-5;{walk:k=300}@layers=20-25;{dense}@otherwise"
 
 
-@pytest.mark.parametrize("spec", LIVE_KV)
+# long: no-cache is the oracle the references are computed with (the other engines follow it);
+# snapkv, tova and keydiff keep every position of this prompt under their default budgets, so
+# they run the eviction base's path that h2o and expected-attention here run too
+_SAME_AS_ANOTHER = {"no-cache", "snapkv", "tova", "keydiff"}
+POLICY_ENGINES = [
+    pytest.param(spec, marks=pytest.mark.long) if spec in _SAME_AS_ANOTHER else spec
+    for spec in LIVE_KV
+]
+
+
+@pytest.mark.parametrize("spec", POLICY_ENGINES)
 def test_every_engine_computes_with_the_policy_it_is_given(
     spec: str, smollm2: Model, policy_references: tuple[list[int], torch.Tensor, torch.Tensor]
 ) -> None:
@@ -422,7 +433,7 @@ def test_every_engine_computes_with_the_policy_it_is_given(
     the dense model (lossy engines: closer to the policy than to dense)."""
     ids, with_policy, dense = policy_references
     ours = teacher_forced_logits(
-        parse_engine(spec).build(smollm2), smollm2, build_ffn(smollm2, POLICY), ids, 8
+        parse_engine(spec).build(smollm2), smollm2, build_ffn(smollm2, POLICY), ids, len(ids) - 3
     )
     to_policy = (ours - with_policy).abs().max().item()
     to_dense = (ours - dense).abs().max().item()

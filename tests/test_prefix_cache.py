@@ -17,7 +17,9 @@ from larql.inference.prefix_cache import PrefixCache, PrefixCacheError, PrefixTr
 from larql.kv import parse_engine
 from larql.models import Model
 
-DOC = " ".join(f"Clause {i}: the licensee keeps every notice intact." for i in range(12))
+# ~120 tokens with a question: past the cuts at 100 below (in a 16-row window's cold tier)
+DOC = " ".join(f"Clause {i}: the licensee keeps every notice intact." for i in range(9))
+ANSWER = 3  # greedy tokens each continuation is compared over
 
 
 def _ids(model: Model, question: str) -> list[int]:
@@ -91,19 +93,20 @@ def test_a_cut_prefix_continues_as_a_prefill_of_the_prefix(smollm2: Model, spec:
     torch.testing.assert_close(cut_logits, fresh_logits, atol=1e-4, rtol=1e-4)
     assert cut_tokens == fresh_tokens
     engine = parse_engine(spec).build(smollm2)
-    whole = generate(engine, smollm2, DenseFfn(smollm2), second, 6, stop_ids=frozenset())
+    whole = generate(engine, smollm2, DenseFfn(smollm2), second, ANSWER, stop_ids=frozenset())
     assert cut_tokens == whole.tokens
 
 
 def _answer(model: Model, engine, rest: list[int]) -> tuple[torch.Tensor, list[int]]:  # type: ignore[no-untyped-def]
-    """`rest` after the state `engine` holds → the first pick's logits [V] and 6 greedy tokens."""
+    """`rest` after the state `engine` holds → the first pick's logits [V] and ANSWER greedy
+    tokens."""
     session = GenerationSession(
-        engine, model, DenseFfn(model), rest, 6, stop_ids=frozenset(), resumes=True
+        engine, model, DenseFfn(model), rest, ANSWER, stop_ids=frozenset(), resumes=True
     )
     tokens = [session.prefill()]
     assert session.logits is not None
     logits = session.logits.clone()
-    return logits, tokens + [session.step() for _ in range(5)]
+    return logits, tokens + [session.step() for _ in range(ANSWER - 1)]
 
 
 def test_a_cut_prefix_of_standard_continues_as_the_whole_prefill(smollm2: Model) -> None:
@@ -126,7 +129,7 @@ def test_a_session_from_the_cache_gives_the_tokens_of_a_fresh_one(smollm2: Model
     ffn, prompt = DenseFfn(smollm2), _ids(smollm2, "Which notice?")
     cache = PrefixCache(2**30, min_tokens=8)
     engine = parse_engine("standard").build(smollm2)
-    fresh = generate(engine, smollm2, ffn, prompt, 6, stop_ids=frozenset()).tokens
+    fresh = generate(engine, smollm2, ffn, prompt, ANSWER, stop_ids=frozenset()).tokens
     cache.store(smollm2, "standard", prompt, _prefilled(smollm2, "standard", prompt))
     for _ in range(2):  # twice from the same cached state: the first run must not change it
         resumed = cache.lookup(smollm2, "standard", prompt)
@@ -136,11 +139,11 @@ def test_a_session_from_the_cache_gives_the_tokens_of_a_fresh_one(smollm2: Model
             smollm2,
             ffn,
             prompt[resumed.tokens :],
-            6,
+            ANSWER,
             stop_ids=frozenset(),
             resumes=True,
         )
-        tokens = [session.prefill()] + [session.step() for _ in range(5)]
+        tokens = [session.prefill()] + [session.step() for _ in range(ANSWER - 1)]
         assert tokens == fresh
 
 
@@ -157,9 +160,9 @@ def test_a_lossy_engine_keeps_its_coded_rows_of_the_prefix(smollm2: Model) -> No
         assert torch.equal(codes, full[: codes.shape[0]])
     ffn = DenseFfn(smollm2)
     session = GenerationSession(
-        cut, smollm2, ffn, prompt[100:], 4, stop_ids=frozenset(), resumes=True
+        cut, smollm2, ffn, prompt[100:], 2, stop_ids=frozenset(), resumes=True
     )
-    assert len([session.prefill()] + [session.step() for _ in range(3)]) == 4
+    assert len([session.prefill(), session.step()]) == 2
     assert engine.position == len(prompt)  # the original is untouched
 
 
@@ -193,10 +196,10 @@ def test_a_residual_cut_keeps_its_cold_rows_as_they_are_stored(smollm2: Model, s
     assert engine.position == len(prompt) and store.cold_len == len(prompt) - 16
     ffn = DenseFfn(smollm2)
     session = GenerationSession(
-        cut, smollm2, ffn, prompt[cut.position :], 4, stop_ids=frozenset(), resumes=True
+        cut, smollm2, ffn, prompt[cut.position :], 2, stop_ids=frozenset(), resumes=True
     )
-    assert len([session.prefill()] + [session.step() for _ in range(3)]) == 4
-    assert (cut.store.cold_len, cut.store.hot_len) == (len(prompt) + 3 - 16, 16)
+    assert len([session.prefill(), session.step()]) == 2
+    assert (cut.store.cold_len, cut.store.hot_len) == (len(prompt) + 1 - 16, 16)
 
 
 def test_least_recently_used_states_go_first_within_the_bytes(smollm2: Model) -> None:
@@ -240,10 +243,10 @@ def test_the_api_starts_from_the_cache_and_says_so(smollm2: Model) -> None:
     cache = larql.PrefixCache(2**30)
     prompts = [DOC + "\nQuestion: What is kept?\nAnswer:", DOC + "\nQuestion: Why?\nAnswer:"]
     runs = [
-        larql.generate(smollm2, "standard", p, max_new_tokens=4, prefix_cache=cache)
+        larql.generate(smollm2, "standard", p, max_new_tokens=2, prefix_cache=cache)
         for p in prompts
     ]
-    plain = larql.generate(smollm2, "standard", prompts[1], max_new_tokens=4)
+    plain = larql.generate(smollm2, "standard", prompts[1], max_new_tokens=2)
     assert runs[0].cached_prompt_tokens == 0 and runs[1].cached_prompt_tokens > 100
     assert runs[1].token_ids == plain.token_ids and runs[1].prompt_ids == plain.prompt_ids
 

@@ -324,13 +324,15 @@ def test_cli_load_state_continues_like_one_run(
     document, question = "The capital of France is Paris.", " The capital of Italy is"
     tok = smollm2.tokenizer
     assert tok.encode(document) + tok.encode(question) == tok.encode(document + question)
+    # the model `--weights float` loads, loaded once for the three runs
+    monkeypatch.setattr("larql.cli.run_cmd.open_model", lambda *a, **k: smollm2)
     engine = ["--engine", "markov-rs:window=4"]
     saved = run_cli(monkeypatch, document, "-n", "1", *engine, "--save-state", str(tmp_path))
     assert saved.exit_code == 0, saved.output
     assert "saved state" in saved.stderr
-    loaded = run_cli(monkeypatch, question, "-n", "8", "--load-state", str(tmp_path))
+    loaded = run_cli(monkeypatch, question, "-n", "4", "--load-state", str(tmp_path))
     assert loaded.exit_code == 0, loaded.output
-    whole = run_cli(monkeypatch, document + question, "-n", "8", *engine)
+    whole = run_cli(monkeypatch, document + question, "-n", "4", *engine)
     tokens = [json.loads(r.stdout.strip().splitlines()[-1])["tokens"] for r in (loaded, whole)]
     assert tokens[0] == tokens[1]
 
@@ -350,6 +352,8 @@ def test_cli_loads_a_state_saved_from_python(
     empty prompt as the run that saved it would have gone on."""
     document = "The capital of France is Paris. The capital of Italy is"
     larql.prefill(smollm2_default, "standard", document).save(tmp_path)
+    # the model `larql run` loads by default (`weights=auto`), loaded once by the fixture
+    monkeypatch.setattr("larql.cli.run_cmd.open_model", lambda *a, **k: smollm2_default)
     loaded = CliRunner().invoke(
         app, ["run", "", "-n", "4", "--load-state", str(tmp_path), "--output", "json"]
     )
