@@ -80,8 +80,10 @@ def standard_tokens(smollm2: Model) -> list[int]:
         "tova:budget=512",
         # long: kvzip:keep=1 and tova:budget=512 check the same whole-prompt budget
         pytest.param("kvzip:budget=512,heads=adaptive", marks=pytest.mark.long),
-        "snapkv:keep=1",
-        "h2o:keep=1",
+        # long: test_eviction's exact_while_everything_fits checks snapkv and h2o holding
+        # every row (in float64)
+        pytest.param("snapkv:keep=1", marks=pytest.mark.long),
+        pytest.param("h2o:keep=1", marks=pytest.mark.long),
     ],
 )
 def test_keeping_every_row_is_exact(spec: str, smollm2: Model, standard_tokens) -> None:
