@@ -70,13 +70,20 @@ def standard_tokens(smollm2: Model) -> list[int]:
 
 @pytest.mark.parametrize(
     "spec",
-    [f"{name}:keep=1" for name in SCORERS]
-    + [
+    [
+        "tova:keep=1",
+        # long: tova's and kvzip's keep=1 check the same store holding every row (the scorers
+        # differ only in which rows they would drop)
+        pytest.param("keydiff:keep=1", marks=pytest.mark.long),
+        pytest.param("expected-attention:keep=1", marks=pytest.mark.long),
+        "kvzip:keep=1",
         "tova:budget=512",
         # long: kvzip:keep=1 and tova:budget=512 check the same whole-prompt budget
         pytest.param("kvzip:budget=512,heads=adaptive", marks=pytest.mark.long),
-        "snapkv:keep=1",
-        "h2o:keep=1",
+        # long: test_eviction's exact_while_everything_fits checks snapkv and h2o holding
+        # every row (in float64)
+        pytest.param("snapkv:keep=1", marks=pytest.mark.long),
+        pytest.param("h2o:keep=1", marks=pytest.mark.long),
     ],
 )
 def test_keeping_every_row_is_exact(spec: str, smollm2: Model, standard_tokens) -> None:
@@ -87,10 +94,11 @@ def test_keeping_every_row_is_exact(spec: str, smollm2: Model, standard_tokens) 
     "spec",
     [
         "tova:keep=0.5",
-        "keydiff:keep=0.5",
-        "expected-attention:keep=0.5",
         # long: the share is the budget's, the same for every scorer (the others above check
-        # it); kvzip:keep=0.5 is prefilled and decoded in the adaptive-heads test too
+        # it); kvzip:keep=0.5 and keydiff:keep=0.5 are prefilled and decoded in the
+        # adaptive-heads test too
+        pytest.param("keydiff:keep=0.5", marks=pytest.mark.long),
+        "expected-attention:keep=0.5",
         pytest.param("kvzip:keep=0.5", marks=pytest.mark.long),
         pytest.param("snapkv:keep=0.5", marks=pytest.mark.long),
         "h2o:keep=0.5,recent=16",
@@ -113,9 +121,9 @@ def test_half_kept_holds_half_the_prompt_bytes_and_decodes(spec: str, smollm2: M
 @pytest.mark.parametrize(
     "name",
     [
-        "tova",
+        # long: keydiff and kvzip check the same one packed budget per layer
+        pytest.param("tova", marks=pytest.mark.long),
         "keydiff",
-        # long: tova, keydiff and kvzip check the same one packed budget per layer
         pytest.param("expected-attention", marks=pytest.mark.long),
         "kvzip",
     ],
@@ -179,7 +187,7 @@ def test_a_pyramid_moves_the_budget_down_the_layers_in_the_same_bytes(
 def test_kvzip_across_layers_keeps_one_budget_for_the_model(smollm2: Model) -> None:
     """layers=adaptive: the rows picked across every layer and head by raw score — the layers'
     and heads' counts differ, their sum is the uniform budget's, the protected rows stay."""
-    ids = smollm2.tokenizer.encode(" ".join([TEXT] * 4))
+    ids = smollm2.tokenizer.encode(" ".join([TEXT] * 2))  # the floors (sinks + recent) far below
     engines = {}
     for spec in ("kvzip:keep=0.25", "kvzip:keep=0.25,layers=adaptive"):
         engines[spec] = engine = parse_engine(spec).build(smollm2)
@@ -290,9 +298,9 @@ def decode(engine, model: Model, tokens: list[int]) -> list[torch.Tensor]:
 @pytest.mark.parametrize(
     "spec",
     [
-        "tova:keep=0.5",
-        # long: tova:keep=0.5 saves the same even rows; kvzip and h2o adaptive the same packed
-        # rows and offsets
+        # long: tova:keep=0.5,layers=pyramid saves the same even rows (a count per layer); kvzip
+        # and h2o adaptive the same packed rows and offsets
+        pytest.param("tova:keep=0.5", marks=pytest.mark.long),
         pytest.param("tova:keep=0.5,heads=adaptive", marks=pytest.mark.long),
         pytest.param("keydiff:keep=0.5,heads=adaptive", marks=pytest.mark.long),
         pytest.param("expected-attention:keep=0.5", marks=pytest.mark.long),
