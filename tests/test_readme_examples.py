@@ -6,7 +6,9 @@ this process, as the `larql` script calls it, without an interpreter start each;
 line (a pipe, `larql serve`, a `--tensor-parallel` run, curl) runs the installed script through
 bash, as does test_cli.py's `test_console_script_runs`. A `larql serve` line is left running in
 the background (as in another terminal) until its block ends; a line ending in `&` too.
-`notes.txt`, the corpus the apollo example indexes, is the shipped licence text.
+`notes.txt`, the corpus the apollo example indexes, is the first part of the shipped licence
+text. A few commands run here with the same flags and fewer new tokens (`-n`) than pasted, where
+what they show does not depend on the count: FEWER_TOKENS names them.
 
 The bench and accuracy examples take minutes each; they run in `make test-all` (marked long)."""
 
@@ -33,6 +35,24 @@ README = ROOT / "README.md"
 CLI_DOC = ROOT / "docs" / "CLI.md"
 LONG_BLOCKS = ("larql bench", "larql accuracy")  # headings of blocks that take minutes
 STARTUP_S = 180
+NOTES_CHARS = 3000  # of the licence: ~700 tokens, a store of eleven 64-token windows
+
+# a docs command (its words, as shlex.join spells them) → the `-n` it runs with here: the same
+# flags, fewer new tokens; the behaviour each shows (a stdin prompt, a predicted walk, frames
+# archived and resumed, a saved state loaded, ranks, another model) is there at that count
+FEWER_TOKENS = {
+    "echo 'Once upon a time' '|' larql run - -n 32 -v": 8,
+    "larql run 'Once upon a time' -n 16 -m gemma3-270m": 4,
+    "larql run ' Q: Who wrote it? A:' -n 16 --load-state doc.state": 4,
+    "larql run 'The capital of France is' -n 16 --tensor-parallel 3": 4,
+    "larql walk 'The capital of France is' --predict -n 16 --engine markov-rs -k 1024": 4,
+    # 32 new tokens on the 4-token prompt: two 16-token frames to list and resume
+    "larql run 'Once upon a time' -n 64 --engine boundary-kv:chunk_tokens=16,archive=frames/": 32,
+    "larql run 'Once upon a time' -n 64 --engine"
+    " boundary-kv:chunk_tokens=16,archive=frames/,sequence_id=story": 32,
+    "larql run ' Then the dragon' -n 32 --engine boundary-kv:chunk_tokens=16,archive=frames/"
+    " --resume story": 8,
+}
 
 
 def shell_blocks(text: str) -> list[tuple[str, list[str]]]:
@@ -79,6 +99,25 @@ def words(command: str) -> list[str]:
     return shlex.split(command, comments=True)
 
 
+N_FLAG = re.compile(r"(?<= )-n \d+(?= )")
+
+
+def as_run(command: str) -> str:
+    """`command` as this test runs it: with FEWER_TOKENS's `-n` where it names the command."""
+    fewer = FEWER_TOKENS.get(shlex.join(words(command)))
+    return command if fewer is None else N_FLAG.sub(f"-n {fewer}", command, count=1)
+
+
+def test_fewer_tokens_names_docs_commands_and_changes_only_their_count() -> None:
+    pasted = {shlex.join(words(c)): c for _, commands in BLOCKS for c in commands}
+    for key, fewer in FEWER_TOKENS.items():
+        assert key in pasted, f"{key!r} is no docs/CLI.md command"
+        doc, run = words(pasted[key]), words(as_run(pasted[key]))
+        at = doc.index("-n") + 1
+        assert run[:at] + run[at + 1 :] == doc[:at] + doc[at + 1 :]  # the same flags
+        assert int(run[at]) == fewer < int(doc[at])
+
+
 def test_every_command_section_has_examples() -> None:
     headings = [h for h, _ in BLOCKS]
     for command in (
@@ -115,14 +154,14 @@ def test_the_readme_tour_shows_commands_the_cli_doc_runs() -> None:
 def test_cli_doc_block_runs_as_pasted(
     heading: str, commands: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "notes.txt").write_text(default_text())
+    (tmp_path / "notes.txt").write_text(default_text()[:NOTES_CHARS])
     env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     monkeypatch.delenv(ENV_VAR, raising=False)
     monkeypatch.chdir(tmp_path)
     background: list[subprocess.Popen[bytes]] = []
     try:
-        for command in commands:
+        for command in map(as_run, commands):
             server = command.startswith("larql serve")
             if command.endswith("&") or server:
                 background.append(start(command.rstrip("& "), tmp_path, env))

@@ -105,7 +105,11 @@ def test_markov_rs_logits_match_standard_in_float64(
     assert relative_error(ours, standard_f64) <= 1e-9
 
 
-@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize(
+    "window",
+    # long: window 4 rebuilds the K/V of the hot rows and the cold ones; without one, hot alone
+    [pytest.param(None, marks=pytest.mark.long), 4],
+)
 @pytest.mark.slow
 def test_recompute_mode_is_exact_and_holds_the_residuals_alone(
     window: int | None,
@@ -139,11 +143,13 @@ def test_markov_rs_greedy_tokens_match_standard_in_float32(smollm2: Model) -> No
 
     def tokens(spec: str) -> list[int]:
         engine = parse_engine(spec).build(smollm2)
-        return generate(engine, smollm2, ffn, ids, 32, stop_ids=frozenset()).tokens
+        return generate(engine, smollm2, ffn, ids, 16, stop_ids=frozenset()).tokens
 
     reference = tokens("standard")
-    assert len(reference) == 32
-    for window in (1, 32):  # (no window and window 4: test_engine_compliance's greedy test)
+    assert len(reference) == 16 and len(ids) == 10
+    # window 1 overflows at prefill, 12 during the decode (no window and window 4:
+    # test_engine_compliance's greedy test)
+    for window in (1, 12):
         assert tokens(markov_spec(window)) == reference, window
 
 
@@ -294,33 +300,39 @@ def test_codec_equals_markov_rs_in_a_bf16_model(smollm2: Model) -> None:
     """In a bfloat16 model the bf16 cold tier loses nothing, so the codec engine keeps the K/V it
     computed (no recompute) and decodes exactly as markov-rs at the same window."""
     model = smollm2.to(dtype=torch.bfloat16)
-    ids = model.tokenizer.encode(LONG_TEXT)
+    ids = model.tokenizer.encode(LONG_TEXT)[:18]  # 8 steps after a prompt of 10, window 4
     ffn = DenseFfn(model)
     outputs = []
     for name in ("markov-rs", "markov-rs-codec"):
         engine = parse_engine(markov_spec(4, name)).build(model, profiling=True)
-        outputs.append(teacher_forced_logits(engine, model, ffn, ids, PROMPT_LEN))
+        outputs.append(teacher_forced_logits(engine, model, ffn, ids, 10))
         summary = engine.stage_summary()
         assert engine.cold_bytes() > 0 and summary is not None
         assert summary.avg_recompute_cold_us == 0  # every step evicted a row; none recomputed
     assert torch.equal(outputs[0], outputs[1])
     lossy = parse_engine(markov_spec(4, "markov-rs-codec")).build(smollm2, profiling=True)
-    teacher_forced_logits(lossy, smollm2, DenseFfn(smollm2), ids, PROMPT_LEN)
+    teacher_forced_logits(lossy, smollm2, DenseFfn(smollm2), ids, 10)
     summary = lossy.stage_summary()
     assert summary is not None and summary.avg_recompute_cold_us > 0  # float32: recomputed
 
 
+@pytest.mark.parametrize(
+    "window",
+    # long: window 64, never reached, runs the same path as no window, with the window set
+    [pytest.param(None, marks=pytest.mark.long), 64],
+)
 @pytest.mark.slow
-def test_codec_is_bit_identical_to_markov_rs_without_overflow(smollm2: Model) -> None:
+def test_codec_is_bit_identical_to_markov_rs_without_overflow(
+    window: int | None, smollm2: Model
+) -> None:
     ids = smollm2.tokenizer.encode(LONG_TEXT)[:16]
     ffn = DenseFfn(smollm2)
-    for window in (None, 64):
-        outputs = []
-        for name in ("markov-rs", "markov-rs-codec"):
-            engine = parse_engine(markov_spec(window, name)).build(smollm2)
-            outputs.append(teacher_forced_logits(engine, smollm2, ffn, ids, 8))
-            assert engine.cold_bytes() == 0
-        assert torch.equal(outputs[0], outputs[1])
+    outputs = []
+    for name in ("markov-rs", "markov-rs-codec"):
+        engine = parse_engine(markov_spec(window, name)).build(smollm2)
+        outputs.append(teacher_forced_logits(engine, smollm2, ffn, ids, 8))
+        assert engine.cold_bytes() == 0
+    assert torch.equal(outputs[0], outputs[1])
 
 
 @pytest.mark.slow
@@ -341,7 +353,13 @@ def test_codec_mean_kl_vs_standard_over_64_positions(smollm2: Model) -> None:
 
 @pytest.mark.parametrize(
     "spec",
-    ["markov-rs", "markov-rs:window=4", "markov-rs-codec:window=4", "boundary-per-layer:window=2"],
+    [
+        # long: markov-rs:window=4 rebuilds the same tier's K/V, of hot rows and cold ones
+        pytest.param("markov-rs", marks=pytest.mark.long),
+        "markov-rs:window=4",
+        "markov-rs-codec:window=4",
+        "boundary-per-layer:window=2",
+    ],
 )
 @pytest.mark.slow
 def test_dropped_kv_is_rebuilt_from_residuals(spec: str, smollm2_f64: Model) -> None:
@@ -428,24 +446,28 @@ def test_boundary_per_layer_refusals_are_typed(smollm2: Model) -> None:
     assert "kl_bound=0.004 nats" in engine.info().description
 
 
+@pytest.mark.parametrize(
+    "window",
+    # long: without a window no row goes cold, so neither engine's codec codes a row
+    [pytest.param(None, marks=pytest.mark.long), 8],
+)
 @pytest.mark.slow
-def test_boundary_per_layer_parity_gate_vs_codec(smollm2: Model) -> None:
+def test_boundary_per_layer_parity_gate_vs_codec(window: int | None, smollm2: Model) -> None:
     """First greedy divergence from markov-rs-codec at the same window not before step 5 (over
     50 steps measured: no divergence, 50/50, unbounded and at window 8; 24 here)."""
     ids = smollm2.tokenizer.encode(PROMPT)
     ffn = DenseFfn(smollm2)
-    for window in (None, 8):
-        runs = []
-        for name in ("markov-rs-codec", "boundary-per-layer"):
-            engine = parse_engine(markov_spec(window, name)).build(smollm2)
-            runs.append(generate(engine, smollm2, ffn, ids, 24, stop_ids=frozenset()).tokens)
-        codec, per_layer = runs
-        assert len(codec) == 24
-        divergence = next(
-            (i for i, (a, b) in enumerate(zip(codec, per_layer, strict=True)) if a != b), 24
-        )
-        assert divergence >= 5
-        assert per_layer == codec  # measured agreement: identical streams
+    runs = []
+    for name in ("markov-rs-codec", "boundary-per-layer"):
+        engine = parse_engine(markov_spec(window, name)).build(smollm2)
+        runs.append(generate(engine, smollm2, ffn, ids, 24, stop_ids=frozenset()).tokens)
+    codec, per_layer = runs
+    assert len(codec) == 24
+    divergence = next(
+        (i for i, (a, b) in enumerate(zip(codec, per_layer, strict=True)) if a != b), 24
+    )
+    assert divergence >= 5
+    assert per_layer == codec  # measured agreement: identical streams
 
 
 # ---------------------------------------------------------------------------- profiling, memory

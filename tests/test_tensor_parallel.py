@@ -223,11 +223,12 @@ def test_bench_times_every_engine_on_two_ranks(tiny_models: dict[str, str], tmp_
         "2",
     ]
     args += ["--repeats", "1", "--warmup", "0", "--output", "json", "-q"]
-    one = subprocess.run([*LARQL, *args], capture_output=True, text=True, timeout=300)
+    one = CliRunner().invoke(app, args)  # one process: this one
     two = subprocess.run(
         [*LARQL, *args, "--tensor-parallel", "2"], capture_output=True, text=True, timeout=300
     )
-    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    assert one.exit_code == 0, one.output
+    assert two.returncode == 0, two.stderr
     alone, ranks = json.loads(one.stdout)["rows"], json.loads(two.stdout)["rows"]
     assert [r["spec"] for r in ranks] == [r["spec"] for r in alone]
     for whole, share in zip(alone, ranks, strict=True):
@@ -299,14 +300,14 @@ def test_two_torchrun_nodes_print_one_process_tokens_and_both_exit_cleanly(
     port = free_port()
     nodes = [_torchrun_node(port, [*args, "--tensor-parallel", "2"]) for _ in range(2)]
     try:
-        one = subprocess.run([*LARQL, *args], capture_output=True, text=True, timeout=120)
+        one = CliRunner().invoke(app, args)  # one process: this one, while the nodes start
         ended = [node.communicate(timeout=90) for node in nodes]
     finally:
         for node in nodes:
             if node.poll() is None:  # (timed out: its agent and rank end with it)
                 os.killpg(node.pid, signal.SIGKILL)
                 node.wait()
-    assert one.returncode == 0, one.stderr
+    assert one.exit_code == 0, one.output
     for node, (_, err) in zip(nodes, ended, strict=True):
         assert node.returncode == 0, err
         assert "terminate called" not in err and "SIGABRT" not in err, err
