@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 import larql
+from helpers import first_layers
 from larql.api.generation import prompt_ids
 from larql.cli.app import app
 from larql.errors import InvalidInput, LarqlError
@@ -55,10 +56,17 @@ class Written:
 
 
 @pytest.fixture(scope="module")
-def written(smollm2: Model, tmp_path_factory: pytest.TempPathFactory) -> Written:
+def model(smollm2: Model) -> Model:
+    """The real model's first two layers: frames, chains and residual checks work on any
+    depth, and every run here is compared with the same model's own."""
+    return first_layers(smollm2, 2)
+
+
+@pytest.fixture(scope="module")
+def written(model: Model, tmp_path_factory: pytest.TempPathFactory) -> Written:
     archive = tmp_path_factory.mktemp("archive")
     spec = f"boundary-kv:chunk_tokens={CHUNK},archive={archive}"
-    run = larql.generate(smollm2, spec, TEXT, max_new_tokens=NEW_TOKENS)
+    run = larql.generate(model, spec, TEXT, max_new_tokens=NEW_TOKENS)
     fed = len(run.prompt_ids) + NEW_TOKENS - 1  # the last id is picked, never fed
     assert 2 * CHUNK <= len(run.prompt_ids) < 3 * CHUNK <= fed < 4 * CHUNK
     (sequence,) = DirectoryBoundaryArchive(archive).sequences()
@@ -99,14 +107,12 @@ def test_the_chain_holds_every_token_fed_up_to_its_last_frame(written: Written) 
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly_as_the_uninterrupted_run(
-    written: Written, smollm2: Model
-) -> None:
+def test_resume_continues_exactly_as_the_uninterrupted_run(written: Written, model: Model) -> None:
     resumed = larql.generate(
-        smollm2, written.spec, QUESTION, max_new_tokens=10, resume=written.sequence
+        model, written.spec, QUESTION, max_new_tokens=10, resume=written.sequence
     )
-    whole = archived_ids(written) + prompt_ids(smollm2, QUESTION)
-    reference = larql.generate(smollm2, "standard", whole, max_new_tokens=10)
+    whole = archived_ids(written) + prompt_ids(model, QUESTION)
+    reference = larql.generate(model, "standard", whole, max_new_tokens=10)
     assert resumed.token_ids == reference.token_ids
     info = resumed.resumed
     assert info is not None and info.sequence_id == written.sequence
@@ -116,51 +122,51 @@ def test_resume_continues_exactly_as_the_uninterrupted_run(
     assert info.continued_as not in (None, written.sequence)
     onward = chain(written.archive, info.continued_as)
     assert [t for f in onward for t in f.token_ids][: 3 * CHUNK] == archived_ids(written)
-    again = larql.resume(smollm2, "standard", info.continued_as, archive=written.archive)
+    again = larql.resume(model, "standard", info.continued_as, archive=written.archive)
     assert list(again.token_ids[: len(whole)]) == whole
 
 
 @pytest.mark.slow
 def test_resume_gives_a_state_with_the_uninterrupted_runs_logits(
-    written: Written, smollm2: Model
+    written: Written, model: Model
 ) -> None:
-    state = larql.resume(smollm2, "standard", written.sequence, archive=written.archive)
+    state = larql.resume(model, "standard", written.sequence, archive=written.archive)
     assert list(state.token_ids) == archived_ids(written) and state.position == 3 * CHUNK
-    fresh = larql.prefill(smollm2, "standard", archived_ids(written))
+    fresh = larql.prefill(model, "standard", archived_ids(written))
     torch.testing.assert_close(state.logits(), fresh.logits(), rtol=0, atol=1e-4)
-    continued = larql.generate(smollm2, state, QUESTION, max_new_tokens=6)
-    from_fresh = larql.generate(smollm2, fresh, QUESTION, max_new_tokens=6)
+    continued = larql.generate(model, state, QUESTION, max_new_tokens=6)
+    from_fresh = larql.generate(model, fresh, QUESTION, max_new_tokens=6)
     assert continued.token_ids == from_fresh.token_ids
     assert state.position == 3 * CHUNK  # generate continued a fork
 
 
 def test_the_residual_check_refuses_a_rebuild_that_computes_otherwise(
-    written: Written, smollm2: Model
+    written: Written, model: Model
 ) -> None:
     windowed = "standard:window=4"
     with pytest.raises(ArchiveMismatch, match="does not reproduce frame") as error:
-        larql.resume(smollm2, windowed, written.sequence, archive=written.archive)
+        larql.resume(model, windowed, written.sequence, archive=written.archive)
     assert "window" in one_line(error)
-    state = larql.resume(smollm2, windowed, written.sequence, archive=written.archive, verify=False)
+    state = larql.resume(model, windowed, written.sequence, archive=written.archive, verify=False)
     assert state.position == 3 * CHUNK
 
 
-def test_int8_payloads_are_checked_within_their_codec(smollm2: Model, tmp_path: Path) -> None:
+def test_int8_payloads_are_checked_within_their_codec(model: Model, tmp_path: Path) -> None:
     engine = BoundaryKvEngine(
         chunk_tokens=2,
         sequence_id="gated",
         archive=DirectoryBoundaryArchive(tmp_path),
         gate=GateConfig(calibration_mode=False),
     )
-    ids = smollm2.tokenizer.encode(TEXT)[:16]
+    ids = model.tokenizer.encode(TEXT)[:16]
     with torch.inference_mode():
-        engine.prefill(smollm2, DenseFfn(smollm2), ids)
+        engine.prefill(model, DenseFfn(model), ids)
     codecs_written = {f.payload.codec for f in chain(tmp_path, "gated")}
     assert "int8_clip3sigma" in codecs_written  # the gate compressed the confident ones
-    state = larql.resume(smollm2, "standard", "gated", archive=tmp_path)
+    state = larql.resume(model, "standard", "gated", archive=tmp_path)
     assert list(state.token_ids) == ids
     with torch.inference_mode():
-        rows = StandardEngine().prefill_all(smollm2, DenseFfn(smollm2), ids)  # [16, H]
+        rows = StandardEngine().prefill_all(model, DenseFfn(model), ids)  # [16, H]
     for frame in chain(tmp_path, "gated"):
         if frame.payload.codec == "int8_clip3sigma":  # its own row within tolerance, no other
             assert residual_distance(frame, rows[frame.token_end - 1]) < 0.05
@@ -170,76 +176,76 @@ def test_int8_payloads_are_checked_within_their_codec(smollm2: Model, tmp_path: 
 # ---------------------------------------------------------------------------- bad archives
 
 
-def test_an_unknown_sequence_names_those_there_are(written: Written, smollm2: Model) -> None:
+def test_an_unknown_sequence_names_those_there_are(written: Written, model: Model) -> None:
     with pytest.raises(UnknownSequence) as error:
-        larql.resume(smollm2, written.spec, "nope")
+        larql.resume(model, written.spec, "nope")
     message = one_line(error)
     assert "'nope'" in message and written.sequence in message
 
 
 def test_names_from_a_file_are_shown_on_one_line(
-    written: Written, smollm2: Model, tmp_path: Path
+    written: Written, model: Model, tmp_path: Path
 ) -> None:
     archive = copy_of(written, tmp_path)
     first = chain(archive, written.sequence)[0]
     rewrite(archive, dataclasses.replace(first, sequence_id="evil\n[/bold]"))
     with pytest.raises(UnknownSequence) as error:
-        larql.resume(smollm2, "standard", "nope", archive=archive)
+        larql.resume(model, "standard", "nope", archive=archive)
     assert "'evil\\n(/bold)'" in one_line(error)
 
 
 def test_a_refused_rebuild_leaves_no_frames_behind(
-    written: Written, smollm2: Model, tmp_path: Path
+    written: Written, model: Model, tmp_path: Path
 ) -> None:
     archive = copy_of(written, tmp_path)
     before = DirectoryBoundaryArchive(archive).sequences()
     windowed = f"boundary-kv:chunk_tokens={CHUNK},window=4,archive={archive}"
     with pytest.raises(ArchiveMismatch):
-        larql.generate(smollm2, windowed, "x", max_new_tokens=1, resume=written.sequence)
+        larql.generate(model, windowed, "x", max_new_tokens=1, resume=written.sequence)
     assert DirectoryBoundaryArchive(archive).sequences() == before
 
 
-def test_a_missing_or_empty_archive(smollm2: Model, tmp_path: Path) -> None:
+def test_a_missing_or_empty_archive(model: Model, tmp_path: Path) -> None:
     with pytest.raises(BoundaryArchiveError, match="no boundary archive") as error:
-        larql.resume(smollm2, "standard", "s", archive=tmp_path / "nowhere")
+        larql.resume(model, "standard", "s", archive=tmp_path / "nowhere")
     one_line(error)
     with pytest.raises(UnknownSequence, match="holds no frames"):
-        larql.resume(smollm2, "standard", "s", archive=tmp_path)
+        larql.resume(model, "standard", "s", archive=tmp_path)
     with pytest.raises(InvalidInput, match="boundary-kv:archive=DIR"):
-        larql.resume(smollm2, "standard", "s")
+        larql.resume(model, "standard", "s")
 
 
-def test_a_corrupt_frame_file_is_named(written: Written, smollm2: Model, tmp_path: Path) -> None:
+def test_a_corrupt_frame_file_is_named(written: Written, model: Model, tmp_path: Path) -> None:
     archive = copy_of(written, tmp_path)
     target = archive / frame_file_name(written.sequence, CHUNK)
     target.write_bytes(target.read_bytes()[:100])
     with pytest.raises(BoundaryFormatError) as error:
-        larql.resume(smollm2, "standard", written.sequence, archive=archive)
+        larql.resume(model, "standard", written.sequence, archive=archive)
     assert target.name in one_line(error)
 
 
 def test_frames_of_another_model_are_refused(
-    written: Written, smollm2: Model, tmp_path: Path
+    written: Written, model: Model, tmp_path: Path
 ) -> None:
     archive = copy_of(written, tmp_path)
     last = chain(archive, written.sequence)[-1]
     other = BoundaryModelIdentity("smollm2-135m", "other.gguf@0123", "sha256:x", "llama")
     rewrite(archive, dataclasses.replace(last, identity=other))
     with pytest.raises(ArchiveMismatch, match=r"model_revision other\.gguf@0123\)") as error:
-        larql.resume(smollm2, "standard", written.sequence, archive=archive)
+        larql.resume(model, "standard", written.sequence, archive=archive)
     one_line(error)
 
 
-def test_a_gap_in_the_chain_is_refused(written: Written, smollm2: Model, tmp_path: Path) -> None:
+def test_a_gap_in_the_chain_is_refused(written: Written, model: Model, tmp_path: Path) -> None:
     archive = copy_of(written, tmp_path)
     (archive / frame_file_name(written.sequence, 2 * CHUNK)).unlink()
     with pytest.raises(NotResumable, match=f"no frame for tokens {CHUNK}–{2 * CHUNK}") as error:
-        larql.resume(smollm2, "standard", written.sequence, archive=archive)
+        larql.resume(model, "standard", written.sequence, archive=archive)
     one_line(error)
 
 
 def test_frames_without_token_ids_are_refused(
-    written: Written, smollm2: Model, tmp_path: Path
+    written: Written, model: Model, tmp_path: Path
 ) -> None:
     archive = copy_of(written, tmp_path)
     first = chain(archive, written.sequence)[0]
@@ -250,7 +256,7 @@ def test_frames_without_token_ids_are_refused(
     path = archive / frame_file_name(written.sequence, CHUNK)
     save_file({"payload": payload}, str(path), metadata={METADATA_KEY: json.dumps(doc)})
     with pytest.raises(NotResumable, match="version 2") as error:
-        larql.resume(smollm2, "standard", written.sequence, archive=archive)
+        larql.resume(model, "standard", written.sequence, archive=archive)
     one_line(error)
 
 
@@ -281,35 +287,33 @@ def test_token_ids_survive_the_file_format_and_their_count_is_checked(
 
 
 def test_ids_outside_the_vocabulary_and_changed_ids(
-    written: Written, smollm2: Model, tmp_path: Path
+    written: Written, model: Model, tmp_path: Path
 ) -> None:
     archive = copy_of(written, tmp_path)
     last = chain(archive, written.sequence)[-1]
     ids = list(last.token_ids)
     rewrite(archive, dataclasses.replace(last, token_ids=(*ids[:-1], 10**7)))
     with pytest.raises(NotResumable, match="outside smollm2-135m's vocabulary") as error:
-        larql.resume(smollm2, "standard", written.sequence, archive=archive)
+        larql.resume(model, "standard", written.sequence, archive=archive)
     one_line(error)
-    changed = (ids[-1] + 1) % smollm2.config.vocab_size
+    changed = (ids[-1] + 1) % model.config.vocab_size
     rewrite(archive, dataclasses.replace(last, token_ids=(*ids[:-1], changed)))
     with pytest.raises(ArchiveMismatch, match=f"frame {written.sequence}:{3 * CHUNK}"):
-        larql.resume(smollm2, "standard", written.sequence, archive=archive)
+        larql.resume(model, "standard", written.sequence, archive=archive)
 
 
-def test_a_sequence_of_two_runs_is_refused(
-    written: Written, smollm2: Model, tmp_path: Path
-) -> None:
+def test_a_sequence_of_two_runs_is_refused(written: Written, model: Model, tmp_path: Path) -> None:
     archive = copy_of(written, tmp_path)
     last = chain(archive, written.sequence)[-1]
     rewrite(archive, dataclasses.replace(last, run_id="0123456789abcdef"))
     with pytest.raises(NotResumable, match="2 runs"):
-        larql.resume(smollm2, "standard", written.sequence, archive=archive)
+        larql.resume(model, "standard", written.sequence, archive=archive)
 
 
-def test_resume_is_refused_beside_a_state(written: Written, smollm2: Model) -> None:
-    state = larql.prefill(smollm2, "standard", "Hello")
+def test_resume_is_refused_beside_a_state(written: Written, model: Model) -> None:
+    state = larql.prefill(model, "standard", "Hello")
     with pytest.raises(InvalidInput, match="not both"):
-        larql.generate(smollm2, state, "x", resume=written.sequence)
+        larql.generate(model, state, "x", resume=written.sequence)
 
 
 # ---------------------------------------------------------------------------- the CLI

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import larql.kernels
-from helpers import kernel_module, model_for_kernels, relative_error
+from helpers import first_layers, kernel_module, model_for_kernels, relative_error
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import generate, teacher_forced_logits
 from larql.kv import parse_engine
@@ -98,7 +98,8 @@ def test_rows_past_the_position_are_never_read(kernels) -> None:
 def test_engine_with_the_kernel_equals_the_eager_engine(
     kernels, window, smollm2: Model, monkeypatch
 ) -> None:
-    model = model_for_kernels(smollm2, monkeypatch)
+    # one layer in the interpreter: every layer's attention is the same launch
+    model = model_for_kernels(smollm2, monkeypatch, interpreted_layers=1)
     ffn = DenseFfn(model)
     ids = model.tokenizer.encode(PROMPT + " took it out again and ran")
     static = StandardEngine(window=window, static=True)  # the static step, eagerly
@@ -138,9 +139,10 @@ def test_attention_choice(
     """auto = the Triton kernel wherever Triton runs (6.7 µs against SDPA's 12.2 per layer on
     the H200, docs/PERFORMANCE.md); sdpa keeps torch's attention."""
     monkeypatch.setattr(larql.kernels, "triton_available", lambda device: True)
+    model = first_layers(smollm2, 1)  # the choice is made once for every layer
     engine = StandardEngine(static=True, compile=compile_step, attention=spec_attention)
     with torch.inference_mode():
-        engine.prefill(smollm2, DenseFfn(smollm2), smollm2.tokenizer.encode(PROMPT))
+        engine.prefill(model, DenseFfn(model), model.tokenizer.encode(PROMPT))
     assert f"{expected} attention" in engine.info().description
 
 

@@ -152,14 +152,22 @@ def test_every_layer_remote_over_f32_is_exactly_dense(smollm2: Model, shard: str
     remote.close()
 
 
+@pytest.fixture(scope="module")
+def dense_logits(smollm2: Model) -> torch.Tensor:
+    """The dense FFN's teacher-forced logits over TEXT after 4 tokens: [N, V]."""
+    ids = smollm2.tokenizer.encode(TEXT)
+    engine = parse_engine("standard").build(smollm2)
+    return teacher_forced_logits(engine, smollm2, DenseFfn(smollm2), ids, 4)
+
+
 @pytest.mark.parametrize(("wire", "max_mean_kl"), [(F16, 1e-4), (I8, 0.5)])
 @pytest.mark.slow
 def test_lossy_wires_report_their_kl(
-    smollm2: Model, shard: str, wire: str, max_mean_kl: float
+    smollm2: Model, shard: str, dense_logits: torch.Tensor, wire: str, max_mean_kl: float
 ) -> None:
     ids = smollm2.tokenizer.encode(TEXT)
     engine = parse_engine("standard")
-    dense = teacher_forced_logits(engine.build(smollm2), smollm2, DenseFfn(smollm2), ids, 4)
+    dense = dense_logits
     remote = build_ffn(smollm2, f"remote-walk:endpoint={shard},wire={wire}")
     over = teacher_forced_logits(engine.build(smollm2), smollm2, remote, ids, 4)
     remote.close()

@@ -180,7 +180,8 @@ def test_engine_on_the_kernels_equals_its_torch_path(
     greedy tokens, float rounding apart), and both store the same bytes: the prompt's codes by
     the torch codec, each step's leaving row by the kernel (but for a code on a rounding
     boundary: the two paths project the new row in different products)."""
-    model = model_for_kernels(smollm2, monkeypatch)
+    # one layer in the interpreter: every layer's codes go through the same launches
+    model = model_for_kernels(smollm2, monkeypatch, interpreted_layers=1)
     ids = model.tokenizer.encode(PROMPT + " took it out again")
     engine = KvQuantEngine(bits=bits, **LEVERS[levers])
     ours, theirs = steps_on_shared_state(model, ids, 8, engine, torch_twin)

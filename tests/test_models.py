@@ -4,6 +4,7 @@ a user sees for a missing or malformed model."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -81,14 +82,23 @@ def test_run_with_an_hf_directory_and_a_gguf_path(tmp_path: Path, smollm2: Model
     assert json.loads(result.stdout)["model"] == smollm2.source.stem
 
 
+@pytest.fixture(scope="module")
+def first_load(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Model]:
+    """A first load of the default model into an empty cache → the cache and the model."""
+    root = tmp_path_factory.mktemp("larql-cache")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LARQL_CACHE_DIR", str(root))
+        return root, load_model("smollm2-135m")
+
+
 @pytest.mark.slow
 def test_second_load_reads_the_weight_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2: Model
+    first_load: tuple[Path, Model], monkeypatch: pytest.MonkeyPatch, smollm2: Model
 ) -> None:
-    monkeypatch.setenv("LARQL_CACHE_DIR", str(tmp_path))
-    first = load_model("smollm2-135m")
-    assert list((tmp_path / "weights").glob("*.safetensors"))
-    assert list((tmp_path / "tokenizers").glob("*.json"))
+    cache, first = first_load
+    monkeypatch.setenv("LARQL_CACHE_DIR", str(cache))
+    assert list((cache / "weights").glob("*.safetensors"))
+    assert list((cache / "tokenizers").glob("*.json"))
 
     def no_dequantization(*args, **kwargs):
         raise AssertionError("the cache should have been used")
@@ -101,10 +111,12 @@ def test_second_load_reads_the_weight_cache(
 
 
 @pytest.mark.slow
-def test_corrupt_cache_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LARQL_CACHE_DIR", str(tmp_path))
-    load_model("smollm2-135m")
-    (cached,) = (tmp_path / "weights").glob("*.safetensors")
+def test_corrupt_cache_is_rebuilt(
+    first_load: tuple[Path, Model], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = shutil.copytree(first_load[0], tmp_path / "cache")  # the first load's cache
+    monkeypatch.setenv("LARQL_CACHE_DIR", str(cache))
+    (cached,) = (cache / "weights").glob("*.safetensors")
     cached.write_bytes(b"garbage")
     model = load_model("smollm2-135m")
     assert model.weights.embed.shape == (49152, 576)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import larql
-from helpers import forget_package
+from helpers import first_layers, forget_package
 from larql.kv import CATALOG
 from larql.kv.plugins import GROUP, plugin_entries
 from larql.kv.spec import EngineCatalog, UnknownEngine
@@ -141,18 +141,19 @@ def test_an_unusable_plugin_is_left_out_with_one_warning(
 def test_a_plugin_engine_runs_in_bench_and_accuracy(
     example_on_path: None, smollm2_default: Model
 ) -> None:
+    model = first_layers(smollm2_default, 2)  # what is checked is the plugin's way through
     catalog = catalog_with(("echo-standard", "larql_plugin_example:ENTRY"))
     echo = catalog.parse("echo:window=4")
-    bench = larql.bench(
-        smollm2_default, [echo], prompt_tokens=8, max_new_tokens=2, warmup=0, repeats=1
-    )
+    bench = larql.bench(model, [echo], prompt_tokens=8, max_new_tokens=2, warmup=0, repeats=1)
     assert [r.spec for r in bench.rows] == ["echo-standard:window=4"]
     assert bench.rows[0].tok_s and bench.rows[0].memory.state > 0
     report = larql.accuracy(
-        smollm2_default,
+        model,
         [catalog.parse("echo")],
         quick=True,
+        parametric_n=4,
         positions=8,
+        prompt_tokens=16,
         needle_max_tokens=0,
         conflict=False,
     )

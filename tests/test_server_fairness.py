@@ -18,6 +18,7 @@ import httpx
 import pytest
 import torch
 
+from helpers import first_layers
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import GenerationSession, generate, teacher_forced_logits
 from larql.inference.sampling import SamplingParams
@@ -95,6 +96,13 @@ def _drained(arrival: Session) -> list[Event]:
     return out
 
 
+@pytest.fixture(scope="module")
+def model(smollm2: Model) -> Model:
+    """The real model's first two layers: the turns a scheduler gives are the same at any
+    depth, and every stream here is checked against the same model's run alone."""
+    return first_layers(smollm2, 2)
+
+
 @pytest.fixture
 def turns(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, int]]:
     """Each turn's work, in order: (engine, "prompt" / "step", prompt tokens or step rows)."""
@@ -130,49 +138,45 @@ def _stream_alone(model: Model) -> list[int]:
 
 @pytest.mark.slow
 def test_scoring_a_prompt_goes_in_parts_between_a_streams_steps(
-    smollm2: Model, turns: list[tuple[str, str, int]]
+    model: Model, turns: list[tuple[str, str, int]]
 ) -> None:
     """echo + logprobs with max_tokens 0 through no-cache: its 41 prompt tokens go in 8 a
     turn, the stream stepping between them, and every prompt token is scored as the whole
     prompt's one pass scores it."""
-    scored = _request(smollm2, LONG, 0, "no-cache", echo=True, logprobs=2)
-    stream, arrival, _ = _beside_a_stream(smollm2, scored)
+    scored = _request(model, LONG, 0, "no-cache", echo=True, logprobs=2)
+    stream, arrival, _ = _beside_a_stream(model, scored)
     other = _drained(arrival)
     parts = -(-len(scored.prompt_ids) // CHUNK)
     assert [kind for _, kind, _ in _alternate(turns, "no-cache")] == ["prompt"] * parts
     assert isinstance(other[0], PromptEvent) and isinstance(other[-1], DoneEvent)
     ids = list(scored.prompt_ids)
     whole = teacher_forced_logits(
-        parse_engine("no-cache").build(smollm2), smollm2, DenseFfn(smollm2), ids, len(ids), True
+        parse_engine("no-cache").build(model), model, DenseFfn(model), ids, len(ids), True
     )  # [S, V]: row i predicts ids[i + 1]
     expected = torch.log_softmax(whole[:-1].double(), -1).gather(1, torch.tensor(ids[1:])[:, None])
     served = torch.tensor([r.logprob for r in other[0].logprobs], dtype=torch.float64)
     assert len(served) == len(ids) - 1 and all(len(r.top) == 2 for r in other[0].logprobs)
     assert (served - expected.squeeze(1)).abs().max().item() <= 1e-4  # float32, other shapes
-    assert isinstance(stream[-1], DoneEvent) and list(stream[-1].token_ids) == _stream_alone(
-        smollm2
-    )
+    assert isinstance(stream[-1], DoneEvent) and list(stream[-1].token_ids) == _stream_alone(model)
 
 
 @pytest.mark.slow
 def test_a_step_that_reruns_the_context_goes_in_parts(
-    smollm2: Model, turns: list[tuple[str, str, int]]
+    model: Model, turns: list[tuple[str, str, int]]
 ) -> None:
     """no-cache after a 41-token prompt: each of its steps re-runs 42+ positions, 8 a turn,
     with the stream's steps between; its tokens are the ones it generates alone."""
-    request = _request(smollm2, LONG, 3, "no-cache", ignore_eos=True)
-    stream, arrival, _ = _beside_a_stream(smollm2, request)
+    request = _request(model, LONG, 3, "no-cache", ignore_eos=True)
+    stream, arrival, _ = _beside_a_stream(model, request)
     other = _drained(arrival)
     steps = [rows for _, kind, rows in _alternate(turns, "no-cache") if kind == "step"]
     per_step = -(-(len(request.prompt_ids) + 1) // CHUNK)
     assert len(steps) >= 2 * per_step and set(steps) == {CHUNK}  # 2 steps, 8 rows a part
-    engine = parse_engine("no-cache").build(smollm2)
+    engine = parse_engine("no-cache").build(model)
     ids = list(request.prompt_ids)
-    alone = generate(engine, smollm2, DenseFfn(smollm2), ids, 3, stop_ids=frozenset()).tokens
+    alone = generate(engine, model, DenseFfn(model), ids, 3, stop_ids=frozenset()).tokens
     assert isinstance(other[-1], DoneEvent) and list(other[-1].token_ids) == alone
-    assert isinstance(stream[-1], DoneEvent) and list(stream[-1].token_ids) == _stream_alone(
-        smollm2
-    )
+    assert isinstance(stream[-1], DoneEvent) and list(stream[-1].token_ids) == _stream_alone(model)
 
 
 def _stopped_after_two_parts(
@@ -200,7 +204,7 @@ def _stopped_after_two_parts(
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["cancel", "deadline", "shutdown"])
 def test_cancel_deadline_and_shutdown_take_effect_after_the_part_under_way(
-    smollm2: Model, turns: list[tuple[str, str, int]], how: str
+    model: Model, turns: list[tuple[str, str, int]], how: str
 ) -> None:
     def stop(s: Scheduler, arrival: Session) -> None:
         if how == "cancel":
@@ -210,7 +214,7 @@ def test_cancel_deadline_and_shutdown_take_effect_after_the_part_under_way(
         else:
             s.begin_shutdown(0.0)
 
-    other, s = _stopped_after_two_parts(smollm2, stop)
+    other, s = _stopped_after_two_parts(model, stop)
     assert len([t for t in turns if t[0] == "no-cache"]) == 2  # none after the one under way
     status = {"cancel": None, "deadline": 408, "shutdown": 503}[how]
     if status is None:
@@ -221,22 +225,22 @@ def test_cancel_deadline_and_shutdown_take_effect_after_the_part_under_way(
     assert s.metrics.registry.get_sample_value("larql_sessions_total", {"outcome": outcome})
 
 
-def test_shutdown_lets_a_running_stream_finish_within_its_grace(smollm2: Model) -> None:
+def test_shutdown_lets_a_running_stream_finish_within_its_grace(model: Model) -> None:
     """Once shutdown begins, new sessions are refused at once and a running one goes on to its
     end while the grace lasts."""
 
     async def scenario() -> list[Event]:
         limits = SchedulerLimits(max_sessions=1, shutdown_timeout_s=BOUND_S)
-        s = Scheduler(smollm2, DenseFfn(smollm2), limits, ServerMetrics())
+        s = Scheduler(model, DenseFfn(model), limits, ServerMetrics())
         loop = asyncio.get_running_loop()
-        running = s.submit(_request(smollm2, STREAM, 12, ignore_eos=True), _standard(smollm2), loop)
-        queued = s.submit(_request(smollm2, STREAM, 2), _standard(smollm2), loop)
+        running = s.submit(_request(model, STREAM, 12, ignore_eos=True), _standard(model), loop)
+        queued = s.submit(_request(model, STREAM, 2), _standard(model), loop)
         await asyncio.wait_for(running.events.get(), BOUND_S)  # it is decoding
         s.begin_shutdown()
         queued_events = await _events(queued)
         assert isinstance(queued_events[-1], ErrorEvent) and queued_events[-1].status == 503
         with pytest.raises(SchedulerClosed):
-            s.submit(_request(smollm2, STREAM, 2), _standard(smollm2), loop)
+            s.submit(_request(model, STREAM, 2), _standard(model), loop)
         events = await _events(running)
         s.close()
         return events

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import larql
+from helpers import first_layers
 from larql.errors import LarqlError
 from larql.inference.ffn import DenseFfn
 from larql.inference.snapshots.store import DIGEST, MANIFEST, TENSORS, manifest_digest
@@ -65,19 +66,26 @@ json_values = st.recursive(
 
 
 @pytest.fixture(scope="module")
-def saved(smollm2: Model, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def model(smollm2: Model) -> Model:
+    """The real model's first two layers: a state's manifest and tensors have every layer's
+    kind of entry, and the fuzzing loads and decodes hundreds of them."""
+    return first_layers(smollm2, 2)
+
+
+@pytest.fixture(scope="module")
+def saved(model: Model, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A state of every engine after the prompt and two decode steps."""
-    ids = smollm2.tokenizer.encode(PROMPT)
+    ids = model.tokenizer.encode(PROMPT)
     root = tmp_path_factory.mktemp("states")
     out = {}
-    ffn = DenseFfn(smollm2)
+    ffn = DenseFfn(model)
     for index, spec in enumerate(ENGINES):
-        state = larql.prefill(smollm2, spec, ids)
+        state = larql.prefill(model, spec, ids)
         with torch.inference_mode():
             for token in STEPS:
-                hidden = state.engine.decode_step(smollm2, ffn, token)
+                hidden = state.engine.decode_step(model, ffn, token)
         out[spec] = root / str(index)
-        State(smollm2, state.engine, hidden, (*ids, *STEPS)).save(out[spec])
+        State(model, state.engine, hidden, (*ids, *STEPS)).save(out[spec])
     return out
 
 
@@ -181,12 +189,12 @@ FUZZ = settings(
 @FUZZ
 @given(data=st.data())
 def test_a_damaged_state_is_refused_in_one_line(
-    saved: dict[str, Path], smollm2: Model, tmp_path: Path, data: st.DataObject
+    saved: dict[str, Path], model: Model, tmp_path: Path, data: st.DataObject
 ) -> None:
     spec = data.draw(st.sampled_from(ENGINES))
     target = tmp_path / "damaged"
     changed = damaged_copy(saved[spec], target, data, reseal=False)
-    state = load_guarded(target, smollm2, tmp_path / "ran")
+    state = load_guarded(target, model, tmp_path / "ran")
     if changed:
         assert state is None, "a damaged state was accepted"
 
@@ -195,14 +203,14 @@ def test_a_damaged_state_is_refused_in_one_line(
 @FUZZ
 @given(data=st.data())
 def test_an_edited_state_is_refused_or_decodes(
-    saved: dict[str, Path], smollm2: Model, tmp_path: Path, data: st.DataObject
+    saved: dict[str, Path], model: Model, tmp_path: Path, data: st.DataObject
 ) -> None:
     spec = data.draw(st.sampled_from(ENGINES))
     target = tmp_path / "edited"
     damaged_copy(saved[spec], target, data, reseal=True)
-    state = load_guarded(target, smollm2, tmp_path / "ran")
+    state = load_guarded(target, model, tmp_path / "ran")
     if state is not None:
-        ffn = DenseFfn(smollm2)
+        ffn = DenseFfn(model)
         with torch.inference_mode():
             for token in (3575, 42):
-                state.engine.decode_step(smollm2, ffn, token)
+                state.engine.decode_step(model, ffn, token)

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import steps_on_shared_state, teacher_forced
+from helpers import first_layers, steps_on_shared_state, teacher_forced
 from larql.inference.engine import Engine, KvEngine
 from larql.inference.ffn import DenseFfn, FfnBackend
 from larql.inference.generation import teacher_forced_logits
@@ -304,6 +304,12 @@ def run_engine(model: Model, spec: str, prompt: list[int], steps: list[int]) -> 
     return engine
 
 
+@pytest.fixture(scope="module")
+def two_layers(smollm2: Model) -> Model:
+    """The real model's first two layers, for what every layer does alike (bytes, profiling)."""
+    return first_layers(smollm2, 2)
+
+
 @pytest.mark.parametrize(
     "bits",
     [
@@ -313,18 +319,18 @@ def run_engine(model: Model, spec: str, prompt: list[int], steps: list[int]) -> 
         4,
     ],
 )
-def test_memory_is_the_bytes_stored(bits: int, smollm2: Model) -> None:
-    cfg = smollm2.config
-    ids = smollm2.tokenizer.encode(PROMPT)
-    engine = parse_engine(f"turbo-quant:bits={bits},recent=0,sinks=0,center=0").build(smollm2)
-    ffn = DenseFfn(smollm2)
+def test_memory_is_the_bytes_stored(bits: int, two_layers: Model) -> None:
+    cfg = two_layers.config
+    ids = two_layers.tokenizer.encode(PROMPT)
+    engine = parse_engine(f"turbo-quant:bits={bits},recent=0,sinks=0,center=0").build(two_layers)
+    ffn = DenseFfn(two_layers)
     row = 2 * cfg.num_kv_heads * (4 + math.ceil(cfg.head_dim * bits / 8))
     with torch.inference_mode():
-        engine.prefill(smollm2, ffn, ids)
+        engine.prefill(two_layers, ffn, ids)
         assert engine.memory().state == cfg.num_layers * len(ids) * row
         for step in range(3):
             before = engine.memory().state
-            engine.decode_step(smollm2, ffn, 42 + step)
+            engine.decode_step(two_layers, ffn, 42 + step)
             assert engine.memory().state - before == cfg.num_layers * row
     memory = engine.memory()
     assert memory.hot == memory.state and memory.cold == memory.derivative == 0
@@ -487,15 +493,15 @@ def test_the_given_ffn_backend_is_used(smollm2: Model) -> None:
         assert not torch.allclose(ours, dense)
 
 
-def test_profiling_does_not_change_outputs(smollm2: Model) -> None:
-    ids = smollm2.tokenizer.encode(PROMPT)
-    ffn = DenseFfn(smollm2)
+def test_profiling_does_not_change_outputs(two_layers: Model) -> None:
+    ids = two_layers.tokenizer.encode(PROMPT)
+    ffn = DenseFfn(two_layers)
     outputs = {}
     for profiling in (False, True):
         # the torch path, which decodes the history (the compiled CPU step has no such stage)
-        engine = parse_engine("tq3:attention=sdpa").build(smollm2, profiling=profiling)
+        engine = parse_engine("tq3:attention=sdpa").build(two_layers, profiling=profiling)
         outputs[profiling] = teacher_forced_logits(
-            engine, smollm2, ffn, [*ids, 42, 43, 44], len(ids)
+            engine, two_layers, ffn, [*ids, 42, 43, 44], len(ids)
         )
         summary = engine.stage_summary()
         if profiling:

@@ -10,6 +10,7 @@ import torch
 
 import larql.kv.kv_quant.engine as kv_engine_module
 import larql.kv.turbo_quant.engine as engine_module
+from helpers import first_layers
 from larql.data import default_text
 from larql.harness.contexts import context_ids
 from larql.inference.ffn import DenseFfn
@@ -127,6 +128,17 @@ def test_compiled_encoding_is_the_codecs(cpu_kernels, width: int, dim: int, bits
         assert ((indices_got - indices_want).abs()[differ] == 1).all()
 
 
+@pytest.fixture(scope="module")
+def model(smollm2: Model) -> Model:
+    """The real model's first two layers: its heads and codes, every layer's step alike."""
+    return first_layers(smollm2, 2)
+
+
+@pytest.fixture(scope="module")
+def model_f64(model: Model) -> Model:
+    return model.to(dtype=torch.float64)
+
+
 SPECS = [
     "turbo-quant",
     "turbo-quant:center=0,sinks=0,recent=0",
@@ -147,12 +159,12 @@ SPECS = [
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_the_step_over_codes_is_the_step_over_the_decoded_history(
-    cpu_kernels, spec: str, smollm2: Model, monkeypatch
+    cpu_kernels, spec: str, model: Model, monkeypatch
 ) -> None:
     """Every layer's attention output of three decode steps after a 200-token prompt, both
     ways on the same state: within float32 rounding of each other."""
-    ids = context_ids(smollm2, 200, default_text())
-    engine = parse_engine(spec).build(smollm2)
+    ids = context_ids(model, 200, default_text())
+    engine = parse_engine(spec).build(model)
     in_place = engine._attend_in_place
     gaps: list[float] = []
 
@@ -165,11 +177,11 @@ def test_the_step_over_codes_is_the_step_over_the_decoded_history(
         return want
 
     monkeypatch.setattr(engine, "_attend_in_place", both)
-    session = GenerationSession(engine, smollm2, DenseFfn(smollm2), ids, 8, stop_ids=frozenset())
+    session = GenerationSession(engine, model, DenseFfn(model), ids, 8, stop_ids=frozenset())
     session.prefill()
     for _ in range(3):
         session.step()
-    assert len(gaps) == 3 * smollm2.config.num_layers
+    assert len(gaps) == 3 * model.config.num_layers
     assert max(gaps) < 2e-5
 
 
@@ -183,15 +195,15 @@ def test_the_step_over_codes_is_the_step_over_the_decoded_history(
     ],
 )
 def test_batched_steps_over_codes_equal_each_session_alone(
-    cpu_kernels, spec: str, smollm2: Model
+    cpu_kernels, spec: str, model: Model
 ) -> None:
-    prompts = [context_ids(smollm2, n, default_text()) for n in (40, 90)]
-    ffn = DenseFfn(smollm2)
+    prompts = [context_ids(model, n, default_text()) for n in (40, 90)]
+    ffn = DenseFfn(model)
 
     def sessions():
         made = [
             GenerationSession(
-                parse_engine(spec).build(smollm2), smollm2, ffn, p, 8, stop_ids=frozenset()
+                parse_engine(spec).build(model), model, ffn, p, 8, stop_ids=frozenset()
             )
             for p in prompts
         ]
@@ -209,14 +221,16 @@ def test_batched_steps_over_codes_equal_each_session_alone(
     assert tokens_together == tokens_alone
 
 
-def test_the_torch_path_keeps_what_the_kernel_does_not_cover(smollm2: Model, smollm2_f64) -> None:
-    ids = context_ids(smollm2, 60, default_text())
-    for model, spec in ((smollm2, "turbo-quant:k_bits=4,v_bits=2"), (smollm2_f64, "turbo-quant")):
-        engine = parse_engine(spec).build(model)
-        engine.prefill(model, DenseFfn(model), ids)
-        rotation = engine._rotation(model.device, 0)
-        shared = engine_module.SharedKv(model.config)
-        assert not codes_in_place(model, 0, engine._layers[0], rotation, shared)
+def test_the_torch_path_keeps_what_the_kernel_does_not_cover(
+    model: Model, model_f64: Model
+) -> None:
+    ids = context_ids(model, 60, default_text())
+    for m, spec in ((model, "turbo-quant:k_bits=4,v_bits=2"), (model_f64, "turbo-quant")):
+        engine = parse_engine(spec).build(m)
+        engine.prefill(m, DenseFfn(m), ids)
+        rotation = engine._rotation(m.device, 0)
+        shared = engine_module.SharedKv(m.config)
+        assert not codes_in_place(m, 0, engine._layers[0], rotation, shared)
 
 
 @pytest.mark.parametrize(
@@ -229,7 +243,7 @@ def test_the_torch_path_keeps_what_the_kernel_does_not_cover(smollm2: Model, smo
     ],
 )
 def test_what_keeps_the_path_that_decodes(
-    smollm2: Model, monkeypatch, module, call: str, torch_path: str, in_place: str
+    model: Model, monkeypatch, module, call: str, torch_path: str, in_place: str
 ) -> None:
     calls: list[int] = []
     original = getattr(module, call)
@@ -239,13 +253,13 @@ def test_what_keeps_the_path_that_decodes(
         return original(*args, **kwargs)
 
     monkeypatch.setattr(module, call, counted)
-    ids = context_ids(smollm2, 60, default_text())
-    for spec, expected in ((torch_path, 0), (in_place, smollm2.config.num_layers)):
+    ids = context_ids(model, 60, default_text())
+    for spec, expected in ((torch_path, 0), (in_place, model.config.num_layers)):
         calls.clear()
         session = GenerationSession(
-            parse_engine(spec).build(smollm2),
-            smollm2,
-            DenseFfn(smollm2),
+            parse_engine(spec).build(model),
+            model,
+            DenseFfn(model),
             ids,
             4,
             stop_ids=frozenset(),

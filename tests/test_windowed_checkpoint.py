@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import full_forward_logits, relative_error, teacher_forced
+from helpers import first_layers, full_forward_logits, relative_error, teacher_forced
 from larql.inference.errors import InvariantViolation
 from larql.inference.ffn import DenseFfn
 from larql.inference.layer import (
@@ -97,24 +97,36 @@ def test_spec_names_defaults_and_validation() -> None:
         WindowedCheckpointEngine(window=0)
 
 
+@pytest.fixture(scope="module")
+def model(smollm2: Model) -> Model:
+    """The real model's first two layers: the windows, checkpoints and archive work layer by
+    layer alike, and the oracle is computed on the same layers."""
+    return first_layers(smollm2, 2)
+
+
+@pytest.fixture(scope="module")
+def model_f64(model: Model) -> Model:
+    return model.to(dtype=torch.float64)
+
+
 # ---------------------------------------------------------------------------- contract
 
 
-def test_exact_inside_the_first_window_in_float64(smollm2_f64: Model) -> None:
-    ids = smollm2_f64.tokenizer.encode(TEXT)[:12]
-    ours = teacher_forced(smollm2_f64, "windowed-checkpoint:window=12", ids, 8)
-    reference = full_forward_logits(smollm2_f64, ids)[7:]
+def test_exact_inside_the_first_window_in_float64(model_f64: Model) -> None:
+    ids = model_f64.tokenizer.encode(TEXT)[:12]
+    ours = teacher_forced(model_f64, "windowed-checkpoint:window=12", ids, 8)
+    reference = full_forward_logits(model_f64, ids)[7:]
     assert relative_error(ours, reference) <= 1e-9
 
 
 @pytest.mark.slow
-def test_after_the_first_window_equals_the_tumbling_oracle(smollm2_f64: Model) -> None:
+def test_after_the_first_window_equals_the_tumbling_oracle(model_f64: Model) -> None:
     window, prompt_len = 4, 10  # the prompt itself crosses two window boundaries
-    ids = smollm2_f64.tokenizer.encode(TEXT)[:16]
-    ours = teacher_forced(smollm2_f64, f"windowed-checkpoint:window={window}", ids, prompt_len)
-    oracle = tumbling_oracle_logits(smollm2_f64, ids, window)[prompt_len - 1 :]
+    ids = model_f64.tokenizer.encode(TEXT)[:16]
+    ours = teacher_forced(model_f64, f"windowed-checkpoint:window={window}", ids, prompt_len)
+    oracle = tumbling_oracle_logits(model_f64, ids, window)[prompt_len - 1 :]
     assert relative_error(ours, oracle) <= 1e-9
-    standard = full_forward_logits(smollm2_f64, ids)[prompt_len - 1 :]
+    standard = full_forward_logits(model_f64, ids)[prompt_len - 1 :]
     assert relative_error(ours, standard) > 1e-3  # the documented loss is real
     # Each row differs: every position after the first window lost its earlier context.
     per_row = (ours - standard).abs().amax(dim=-1)
@@ -122,14 +134,14 @@ def test_after_the_first_window_equals_the_tumbling_oracle(smollm2_f64: Model) -
 
 
 @pytest.mark.parametrize("prompt_len", [8, 9])  # the open window holds 2 tokens / none
-def test_batched_prefill_equals_token_by_token(smollm2_f64: Model, prompt_len: int) -> None:
+def test_batched_prefill_equals_token_by_token(model_f64: Model, prompt_len: int) -> None:
     """A prompt over several windows runs in one masked pass; feeding it token by token gives
     the same hidden rows, checkpoints, archive and state to decode on from."""
-    ids = smollm2_f64.tokenizer.encode(TEXT)[: prompt_len + 3]
+    ids = model_f64.tokenizer.encode(TEXT)[: prompt_len + 3]
     batched = WindowedCheckpointEngine(window=3)
     stepped = WindowedCheckpointEngine(window=3)
-    h_batched = run(batched, smollm2_f64, ids, prompt_len)
-    h_stepped = run(stepped, smollm2_f64, ids, 1)[prompt_len - 1 :]
+    h_batched = run(batched, model_f64, ids, prompt_len)
+    h_stepped = run(stepped, model_f64, ids, 1)[prompt_len - 1 :]
     for a, b in zip(h_batched, h_stepped, strict=True):
         assert relative_error(a, b) <= 1e-10
     assert len(batched.checkpoints) == len(stepped.checkpoints) == len(ids) // 3
@@ -145,14 +157,14 @@ def test_batched_prefill_equals_token_by_token(smollm2_f64: Model, prompt_len: i
     assert list(batched.key_positions()) == list(stepped.key_positions())
 
 
-def test_appendix_c_walk_through(smollm2_f64: Model) -> None:
+def test_appendix_c_walk_through(model_f64: Model) -> None:
     """A worked example: window=3, prompt of 5, then decode at positions 5 and 6."""
-    ids = smollm2_f64.tokenizer.encode(TEXT)[:7]
+    ids = model_f64.tokenizer.encode(TEXT)[:7]
     engine = WindowedCheckpointEngine(window=3)
-    ffn = DenseFfn(smollm2_f64)
-    oracle = tumbling_oracle_logits(smollm2_f64, ids, 3)
+    ffn = DenseFfn(model_f64)
+    oracle = tumbling_oracle_logits(model_f64, ids, 3)
     with torch.inference_mode():
-        h = engine.prefill(smollm2_f64, ffn, ids[:5])
+        h = engine.prefill(model_f64, ffn, ids[:5])
         # Window 0 = {0,1,2} closed: checkpoint = position 2, archive {0,1,2} at offset 0.
         assert engine.checkpoints.get(0).position == 2
         assert engine.archive.get(0).offset == 0
@@ -160,31 +172,31 @@ def test_appendix_c_walk_through(smollm2_f64: Model) -> None:
         # Window 1 holds {3,4} seeded by checkpoint 2; token 5 will attend {2,3,4,5}.
         assert engine.window_id == 1 and engine.window_tokens() == 2
         assert engine.key_positions() == range(2, 5)
-        assert relative_error(final_logits(smollm2_f64, h), oracle[4:5]) <= 1e-9
+        assert relative_error(final_logits(model_f64, h), oracle[4:5]) <= 1e-9
 
-        h = engine.decode_step(smollm2_f64, ffn, ids[5])
+        h = engine.decode_step(model_f64, ffn, ids[5])
         # Window 1 is full: checkpoint = position 5, archive {3,4,5} at offset 3.
         assert engine.checkpoints.get(1).position == 5
         assert engine.archive.get(1).offset == 3
         assert engine.archive.get(1).token_ids.tolist() == ids[3:6]
         assert engine.window_id == 2 and engine.window_tokens() == 0
         assert engine.key_positions() == range(5, 6)  # token 6 attends {5, 6}
-        assert relative_error(final_logits(smollm2_f64, h), oracle[5:6]) <= 1e-9
+        assert relative_error(final_logits(model_f64, h), oracle[5:6]) <= 1e-9
 
-        h = engine.decode_step(smollm2_f64, ffn, ids[6])
+        h = engine.decode_step(model_f64, ffn, ids[6])
         assert engine.window_tokens() == 1
         assert engine.key_positions() == range(5, 7)
-        assert relative_error(final_logits(smollm2_f64, h), oracle[6:7]) <= 1e-9
+        assert relative_error(final_logits(model_f64, h), oracle[6:7]) <= 1e-9
 
 
-def test_replay_window_rebuilds_the_closed_windows_kv(smollm2_f64: Model) -> None:
-    ids = smollm2_f64.tokenizer.encode(TEXT)[:9]
+def test_replay_window_rebuilds_the_closed_windows_kv(model_f64: Model) -> None:
+    ids = model_f64.tokenizer.encode(TEXT)[:9]
     engine = WindowedCheckpointEngine(window=4)
-    run(engine, smollm2_f64, ids[:7], 7)  # window 0 closed; window 1 holds positions 4, 5, 6
+    run(engine, model_f64, ids[:7], 7)  # window 0 closed; window 1 holds positions 4, 5, 6
     open_kv = engine.current_window_kv()
-    assert len(open_kv) == smollm2_f64.config.num_layers and open_kv[0][0].shape[1] == 3
+    assert len(open_kv) == model_f64.config.num_layers and open_kv[0][0].shape[1] == 3
     with torch.inference_mode():
-        engine.decode_step(smollm2_f64, DenseFfn(smollm2_f64), ids[7])  # closes window 1
+        engine.decode_step(model_f64, DenseFfn(model_f64), ids[7])  # closes window 1
     for window_id, live_rows in ((1, open_kv), (0, None)):
         replayed = engine.replay_window(window_id)
         checkpoint = engine.checkpoints.get(window_id)
@@ -201,10 +213,10 @@ def test_replay_window_rebuilds_the_closed_windows_kv(smollm2_f64: Model) -> Non
         engine.replay_window(2)  # still open
 
 
-def test_flush_closes_the_partial_window(smollm2_f64: Model) -> None:
-    ids = smollm2_f64.tokenizer.encode(TEXT)[:9]
+def test_flush_closes_the_partial_window(model_f64: Model) -> None:
+    ids = model_f64.tokenizer.encode(TEXT)[:9]
     engine = WindowedCheckpointEngine(window=4)
-    run(engine, smollm2_f64, ids[:6], 6)  # window 0 closed; window 1 holds positions 4, 5
+    run(engine, model_f64, ids[:6], 6)  # window 0 closed; window 1 holds positions 4, 5
     open_kv = engine.current_window_kv()
     cold = engine.memory().cold
     engine.flush()
@@ -217,7 +229,7 @@ def test_flush_closes_the_partial_window(smollm2_f64: Model) -> None:
         assert relative_error(k, open_kv[layer][0]) <= 1e-10
         assert relative_error(v, open_kv[layer][1]) <= 1e-10
     with torch.inference_mode():
-        engine.decode_step(smollm2_f64, DenseFfn(smollm2_f64), ids[6])  # opens window 2
+        engine.decode_step(model_f64, DenseFfn(model_f64), ids[6])  # opens window 2
     assert engine.window_tokens() == 1 and list(engine.key_positions()) == [5, 6]
     engine.flush()
     engine.flush()  # nothing open: no change
@@ -227,11 +239,11 @@ def test_flush_closes_the_partial_window(smollm2_f64: Model) -> None:
 # ---------------------------------------------------------------------------- accounting
 
 
-def test_stats_memory_and_info(smollm2: Model) -> None:
-    cfg = smollm2.config
-    ids = smollm2.tokenizer.encode(TEXT)[:23]
+def test_stats_memory_and_info(model: Model) -> None:
+    cfg = model.config
+    ids = model.tokenizer.encode(TEXT)[:23]
     engine = WindowedCheckpointEngine(window=8)
-    run(engine, smollm2, ids, 20)  # 23 tokens: windows 0 and 1 closed, 7 tokens open
+    run(engine, model, ids, 20)  # 23 tokens: windows 0 and 1 closed, 7 tokens open
     stats = engine.stats()
     assert stats.windows == 2 and stats.tokens == 23
     row_bytes = cfg.num_layers * 2 * cfg.kv_dim * 4  # K+V of one row on every layer, float32
@@ -253,28 +265,28 @@ def test_stats_memory_and_info(smollm2: Model) -> None:
     assert "windows=2" in info.description and "tokens=23" in info.description
 
 
-def test_memory_stays_bounded_by_the_window(smollm2: Model) -> None:
-    ids = smollm2.tokenizer.encode(TEXT)[:14]
+def test_memory_stays_bounded_by_the_window(model: Model) -> None:
+    ids = model.tokenizer.encode(TEXT)[:14]
     engine = WindowedCheckpointEngine(window=3)
-    ffn = DenseFfn(smollm2)
+    ffn = DenseFfn(model)
     hot = []
     with torch.inference_mode():
-        engine.prefill(smollm2, ffn, ids[:2])
+        engine.prefill(model, ffn, ids[:2])
         for t in ids[2:]:
-            engine.decode_step(smollm2, ffn, t)
+            engine.decode_step(model, ffn, t)
             hot.append(engine.memory().hot)
-    cfg = smollm2.config
+    cfg = model.config
     full_window = cfg.num_layers * 2 * (3 + 1) * cfg.kv_dim * 4  # 3 rows + the checkpoint row
     assert max(hot) <= full_window  # the live window never grows past its bound
     assert hot[3:6] == hot[6:9] == hot[9:12]  # and cycles window after window
     assert len(engine.checkpoints) == 14 // 3
 
 
-def test_profiling_is_bit_identical_and_reports_stages(smollm2: Model) -> None:
-    ids = smollm2.tokenizer.encode(TEXT)[:9]
+def test_profiling_is_bit_identical_and_reports_stages(model: Model) -> None:
+    ids = model.tokenizer.encode(TEXT)[:9]
     plain = WindowedCheckpointEngine(window=3)
     profiled = WindowedCheckpointEngine(window=3, profiling=True)
-    for a, b in zip(run(plain, smollm2, ids, 5), run(profiled, smollm2, ids, 5), strict=True):
+    for a, b in zip(run(plain, model, ids, 5), run(profiled, model, ids, 5), strict=True):
         assert torch.equal(a, b)
     assert plain.stage_summary() is None
     summary = profiled.stage_summary()
@@ -294,21 +306,21 @@ class CountingFfn(DenseFfn):
         return super().forward(layer, x)
 
 
-def test_the_given_ffn_backend_is_used(smollm2: Model) -> None:
-    ffn = CountingFfn(smollm2)
+def test_the_given_ffn_backend_is_used(model: Model) -> None:
+    ffn = CountingFfn(model)
     engine = WindowedCheckpointEngine(window=4)
-    ids = smollm2.tokenizer.encode(TEXT)[:6]
+    ids = model.tokenizer.encode(TEXT)[:6]
     with torch.inference_mode():
-        engine.prefill(smollm2, ffn, ids)  # one pass over both windows
-        engine.decode_step(smollm2, ffn, 42)
-    assert ffn.calls == 2 * smollm2.config.num_layers
+        engine.prefill(model, ffn, ids)  # one pass over both windows
+        engine.decode_step(model, ffn, 42)
+    assert ffn.calls == 2 * model.config.num_layers
 
 
-def test_second_prefill_starts_afresh(smollm2: Model) -> None:
-    ids = smollm2.tokenizer.encode(TEXT)[:10]
+def test_second_prefill_starts_afresh(model: Model) -> None:
+    ids = model.tokenizer.encode(TEXT)[:10]
     engine = WindowedCheckpointEngine(window=4)
-    first = run(engine, smollm2, ids, 10)[-1]
-    again = run(engine, smollm2, ids, 10)[-1]
+    first = run(engine, model, ids, 10)[-1]
+    again = run(engine, model, ids, 10)[-1]
     assert torch.equal(first, again)
     assert len(engine.checkpoints) == 2 and engine.archive.total_tokens == 10
 
