@@ -13,11 +13,22 @@ from larql.models import KNOWN_MODELS, Model, load_model
 
 def threads_per_test_process() -> int:
     """Threads for each test process: `LARQL_TEST_THREADS`, else the cores shared among
-    pytest-xdist's workers (`make test` runs one worker per core, so one thread each there)."""
+    pytest-xdist's workers (`make test` runs one more worker than cores, so one thread each there)."""
     if "LARQL_TEST_THREADS" in os.environ:
         return int(os.environ["LARQL_TEST_THREADS"])
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     return max(1, len(os.sched_getaffinity(0)) // workers)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """Workers for `-n logical` (`make test`): one more than the CPUs this process may use, or
+    `PYTEST_XDIST_AUTO_NUM_WORKERS`. Many tests wait on a subprocess or a server (a CLI run,
+    torchrun ranks, an HTTP client), and the extra worker runs while they wait (the suite's time
+    with each count: docs/PERFORMANCE.md, "The tools' own speed")."""
+    explicit = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if explicit:
+        return int(explicit)
+    return len(os.sched_getaffinity(0)) + 1
 
 
 torch.set_num_threads(threads_per_test_process())
