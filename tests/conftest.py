@@ -13,7 +13,7 @@ from larql.models import KNOWN_MODELS, Model, load_model
 
 def threads_per_test_process() -> int:
     """Threads for each test process: `LARQL_TEST_THREADS`, else the cores shared among
-    pytest-xdist's workers (`make test` runs one more worker than cores, so one thread each there)."""
+    pytest-xdist's workers (`make test` runs one more worker than cores: one thread each)."""
     if "LARQL_TEST_THREADS" in os.environ:
         return int(os.environ["LARQL_TEST_THREADS"])
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
