@@ -43,6 +43,9 @@ PROMPT = "The capital of France is"
 MODEL = "smollm2-135m"
 STARTUP_S = 180  # bounds on waiting, never asserted as timings
 SETTLE_S = 60
+# the cores this test process may use (conftest shares them among pytest-xdist's workers): a
+# server with more threads than its share spins OpenMP workers against the other workers' tests
+THREADS = os.environ.get("OMP_NUM_THREADS", "1")
 
 
 # ---------------------------------------------------------------------------- servers
@@ -104,11 +107,16 @@ def wait_until(condition: Callable[[], bool], bound_s: float) -> None:
         time.sleep(0.05)
 
 
+# each running server's stderr lines, by URL (shown where a test against it fails)
+SERVER_LOGS: dict[str, list[str]] = {}
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     proc = ServerProcess(
-        "--threads", "2", "--max-sessions", "8", "--max-queue", "8", "--max-new-tokens", "64"
+        "--threads", THREADS, "--max-sessions", "8", "--max-queue", "8", "--max-new-tokens", "64"
     )
+    SERVER_LOGS[proc.url] = proc.log
     yield proc.url
     proc.stop()
     assert proc.proc.returncode is not None
@@ -339,13 +347,18 @@ def test_concurrent_streams_with_different_engines_are_isolated(server: str) -> 
         out = complete(server, prompt=prompt, max_tokens=6, temperature=0, engine=spec).json()
         alone[spec] = (out["choices"][0]["text"], out["larql"]["token_ids"])
     together: dict[str, tuple[str, list[int]]] = {}
+    errors: dict[str, str] = {}
     start = threading.Barrier(len(jobs))
 
     def one(spec: str, prompt: str) -> None:
         start.wait()
-        text, final = stream_completion(
-            server, prompt=prompt, max_tokens=6, temperature=0, engine=spec
-        )
+        try:
+            text, final = stream_completion(
+                server, prompt=prompt, max_tokens=6, temperature=0, engine=spec
+            )
+        except Exception as e:  # shown below with the server's log
+            errors[spec] = f"{type(e).__name__}: {e}"
+            return
         together[spec] = (text, final["larql"]["token_ids"])
 
     threads = [threading.Thread(target=one, args=job) for job in jobs]
@@ -353,7 +366,8 @@ def test_concurrent_streams_with_different_engines_are_isolated(server: str) -> 
         t.start()
     for t in threads:
         t.join(SETTLE_S * 4)
-    assert together == alone
+    log = "".join(SERVER_LOGS.get(server, [])[-40:])
+    assert together == alone, f"errors: {errors}\nthe server's log:\n{log}"
 
 
 def test_streams_interleave_token_by_token(server: str) -> None:
@@ -689,7 +703,7 @@ def test_a_signal_ends_open_streams_with_an_error_and_the_server_exits_cleanly(
 ) -> None:
     """`larql serve` decodes on its main thread and serves HTTP on another: a signal still ends
     every open stream with an error event, then the process exits 0."""
-    proc = ServerProcess("--threads", "2", "--max-new-tokens", "4096")
+    proc = ServerProcess("--threads", THREADS, "--max-new-tokens", "4096")
     body = {"prompt": PROMPT, "max_tokens": 4096, "ignore_eos": True, "stream": True}
     chunks: list[dict[str, Any]] = []
     with httpx.stream("POST", f"{proc.url}/v1/completions", json=body, timeout=SETTLE_S) as r:

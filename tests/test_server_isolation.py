@@ -276,3 +276,40 @@ def test_a_shared_part_failing_once_costs_no_stream_its_tokens(
         assert isinstance(events[-1], DoneEvent), (prompt, events[-1])
         assert list(events[-1].token_ids) == _alone(model, prompt), prompt
     assert _sessions_ended(s, "finished") == len(PROMPTS)
+
+
+class FailsToSayItsBatch(StandardEngine):
+    """A `standard` engine whose `batch_key` raises once its prompt is in: a bug the scheduler
+    meets while picking a step, outside every session's own guarded part."""
+
+    def batch_key(self):  # type: ignore[no-untyped-def]
+        raise RuntimeError("injected: the engine cannot say which batch it joins")
+
+
+def test_a_turn_that_fails_outside_any_session_ends_its_sessions_not_the_server(
+    smollm2: Model, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One session active, one queued behind it: picking the first one's decode step raises,
+    that session ends with a 500 error, and the scheduler goes on to serve the queued one
+    exactly (before, the scheduler thread died there and every stream waited forever)."""
+    limits = SchedulerLimits(max_sessions=1, max_queue=1)
+    s = Scheduler(smollm2, DenseFfn(smollm2), limits, ServerMetrics())
+    prompts = PROMPTS[:2]
+
+    async def scenario() -> list[list[Event]]:
+        loop = asyncio.get_running_loop()
+        engines = [FailsToSayItsBatch(graph=False), StandardEngine(graph=False)]
+        sessions = [
+            s.submit(_request(smollm2, p), e, loop) for p, e in zip(prompts, engines, strict=True)
+        ]
+        results = await asyncio.gather(*(_events(x) for x in sessions))
+        s.close()
+        return list(results)
+
+    broken, served = asyncio.run(scenario())
+    assert isinstance(broken[-1], ErrorEvent) and broken[-1].status == 500
+    assert "cannot say which batch it joins" in broken[-1].message
+    assert isinstance(served[-1], DoneEvent)
+    assert list(served[-1].token_ids) == _alone(smollm2, prompts[1])
+    assert "a scheduler turn failed" in caplog.text
+    assert _sessions_ended(s, "error") == 1 and _sessions_ended(s, "finished") == 1

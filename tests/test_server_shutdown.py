@@ -81,8 +81,9 @@ def test_sigterm_lets_streams_finish_then_ends_the_rest_cleanly() -> None:
     one is ended when the grace is over with an error event and `[DONE]`; new requests are
     refused meanwhile; the process exits 0."""
     grace_s = 3
+    share = os.environ.get("OMP_NUM_THREADS", "1")  # this test process's share of the cores
     proc, url = _serve(
-        "--threads", "2", "--max-new-tokens", "8000", "--shutdown-timeout", str(grace_s)
+        "--threads", share, "--max-new-tokens", "8000", "--shutdown-timeout", str(grace_s)
     )
     try:
         short: list[dict[str, Any] | str] = []

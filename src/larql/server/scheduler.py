@@ -37,6 +37,9 @@ Isolation. One session's failure ends that session only:
   it was before the step where it can (`standard` without a window, eager or static:
   `batching.StepRolledBack`), and each session then takes that step alone, so only a session
   whose own step fails ends.
+- Anything else a turn raises (a bug outside those guarded parts, in picking a step or around
+  it) ends the sessions of that turn with a 500 error, and the loop goes on with the rest:
+  the scheduler thread never dies of one turn, so no stream waits forever on it.
 Not isolated: a shared part's failure for engines that cannot roll a step back (a windowed
 `standard`, `markov-rs`' and `turbo-quant`'s compiled all-sessions calls, `turbo-quant`'s CUDA
 kernel step) ends every session in that step; on CUDA, a step queued ahead that fails on the
@@ -437,11 +440,33 @@ class Scheduler:
                     self._admit()
                 if self._closing and (not self._active or time.perf_counter() >= self._shutdown_at):
                     break
-                batch = self._pick()
+                try:
+                    batch = self._pick()
+                except RankFailed:
+                    raise
+                except Exception as e:  # a bug in picking: any active session may be touched
+                    with _turn_events():
+                        self._turn_failed(list(self._active), e)
+                    continue
             with _turn_events():
-                self._turn(batch)
+                try:
+                    self._turn(batch)
+                except RankFailed:
+                    raise
+                except Exception as e:  # a bug outside every session's own guarded part
+                    self._turn_failed(batch, e)
         with _turn_events():
             self._shut_down()
+
+    def _turn_failed(self, sessions: list[Session], error: Exception) -> None:
+        """The last guard: a turn failed outside the parts that end one session alone (a bug).
+        The sessions it may have left half-stepped end with the error; the step queued ahead
+        is dropped with its sessions; the queued and the other active sessions go on, so one
+        bug never stops the server for everyone."""
+        log.exception("a scheduler turn failed; its sessions end, the server goes on")
+        failed = {id(s): s for s in [*sessions, *self._ahead_sessions.values()]}
+        self._ahead, self._ahead_sessions = Lookahead(), {}
+        self._fail_batch([s for s in failed.values() if not s.ended], error)
 
     def _turn(self, batch: list[Session]) -> None:
         """One step for the picked sessions: a step ahead where it goes ahead, else (after the
@@ -568,7 +593,7 @@ class Scheduler:
             return 0
         try:
             generation = self._generation(filling)
-        except LarqlError:  # (its own turn reports it)
+        except Exception:  # (its own turn, alone, reports it and ends it)
             return 0
         chunk = min(len(generation.prompt_ids) - generation.prompt_done, room)
         return chunk if generation.takes_prompt_in_batch(chunk) else 0
