@@ -4,6 +4,7 @@ optional Gemma 3 model, and tiny random HF models of every supported architectur
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -32,6 +33,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 torch.set_num_threads(threads_per_test_process())
+
+
 # the commands tests start (`larql …` in a subprocess) share the cores the same way
 os.environ["OMP_NUM_THREADS"] = str(threads_per_test_process())
 
@@ -39,6 +42,16 @@ os.environ["OMP_NUM_THREADS"] = str(threads_per_test_process())
 # for their tests; `triton.jit` reads this when a kernel is defined, before any test imports one.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _threads_restored() -> Iterator[None]:
+    """A test that runs a command in this process (`--threads 2` through typer's CliRunner)
+    sets torch's thread count for the process; the next test gets the share back, so no test's
+    result depends on which one ran before it in its worker."""
+    yield
+    if torch.get_num_threads() != threads_per_test_process():
+        torch.set_num_threads(threads_per_test_process())
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ import larql.inference.fused_layer as fused_layer_module
 import larql.inference.layer as layer_module
 import larql.inference.linear as linear_module
 import larql.kv.standard.engine as standard_engine_module
-from helpers import torch_threads
+from helpers import relative_error, torch_threads
 from larql.data import default_text
 from larql.harness.contexts import context_ids
 from larql.inference.ffn import DenseFfn
@@ -408,7 +408,10 @@ def test_the_compiled_decode_layer_is_the_layer_step(
         logits.append(torch.stack([next_token_logits(model, s) for s in steps]))
     # every decode step (and a prompt of up to model_block_rows) ran all its layers in one call
     assert len(compiled_calls) == 6 + (len(ids) <= model_block_rows(model)) and all(compiled_calls)
-    assert torch.allclose(logits[0], logits[1], rtol=1e-5, atol=1e-4)
+    # float32 sums in another order over 30 layers: within 2e-5 of the logits' scale (a
+    # prompt's rows through the compiled layer measured 8e-6 on one machine, 0 on another)
+    assert relative_error(logits[0], logits[1]) <= 2e-5
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
 
 
 def _random_q4_k(out: int, width: int, seed: int) -> np.ndarray:
