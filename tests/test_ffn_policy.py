@@ -5,7 +5,6 @@ per-layer router, the null ablation, and — catalog-wide — that every live KV
 from __future__ import annotations
 
 from itertools import pairwise
-from pathlib import Path
 
 import pytest
 import torch
@@ -40,8 +39,7 @@ from larql.inference.forward import run_layers
 from larql.inference.generation import teacher_forced_logits
 from larql.inference.layer import embed, ffn_block, token_tensor
 from larql.kv import CATALOG, parse_engine
-from larql.models import Model, load_model
-from tiny_models import build_tiny_model
+from larql.models import Model
 
 LAYERS = 30  # SmolLM2-135M
 DENSE, NULL = FfnSpec("dense"), FfnSpec("null")
@@ -352,14 +350,6 @@ def test_null_ffn_adds_nothing(smollm2: Model) -> None:
     for layer in (0, 15, 29):
         assert torch.equal(ffn_block(smollm2, layer, h, NullFfn()), h)
         assert not torch.equal(ffn_block(smollm2, layer, h, DenseFfn(smollm2)), h)
-
-
-@pytest.fixture(scope="module")
-def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    pytest.importorskip("transformers")
-    directory: Path = tmp_path_factory.mktemp("ffn-gemma3")
-    build_tiny_model("gemma3", directory)
-    return load_model(str(directory), dtype=torch.float64)
 
 
 def test_null_ffn_adds_nothing_behind_a_post_ffn_norm(tiny_gemma3: Model) -> None:

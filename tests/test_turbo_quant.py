@@ -387,14 +387,6 @@ def test_state_policy_with_a_lossless_codec_equals_standard(smollm2_f64: Model) 
     assert ((ours - reference).abs().max() / reference.abs().max()).item() <= 1e-9
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    pytest.importorskip("transformers")
-    directory: Path = tmp_path_factory.mktemp("tq-gemma3")
-    build_tiny_model("gemma3", directory)
-    return load_model(str(directory), dtype=torch.float64)
-
-
 def test_sliding_layers_keep_only_the_window(tiny_gemma3: Model) -> None:
     """gemma3 tiny: head_dim 12 (padded to 16), sliding layers of 6 keys."""
     ids = random_ids(24, seed=11)

@@ -9,8 +9,6 @@ different after it.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,8 +28,8 @@ from larql.inference.layer import (
 from larql.kv import parse_engine
 from larql.kv.spec import EngineBuildError, MalformedEngineSpec
 from larql.kv.windowed_checkpoint import WindowedCheckpointEngine
-from larql.models import Model, load_model
-from tiny_models import build_tiny_model, random_ids
+from larql.models import Model
+from tiny_models import random_ids
 
 TEXT = (
     "Alice put the red ball in the box, and Bob took it out again and ran away to the park "
@@ -326,14 +324,6 @@ def test_second_prefill_starts_afresh(model: Model) -> None:
 
 
 # ---------------------------------------------------------------------------- sliding layers
-
-
-@pytest.fixture(scope="module")
-def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    pytest.importorskip("transformers")
-    directory: Path = tmp_path_factory.mktemp("wc-gemma3")
-    build_tiny_model("gemma3", directory)
-    return load_model(str(directory), dtype=torch.float64)
 
 
 @pytest.mark.parametrize("window", [4, 9])  # narrower and wider than the sliding layers' 6

@@ -6,7 +6,10 @@ torch path over the decoded rows, in the codec's rotated basis for turbo-quant).
 
 Row i of each K/V head is that head's i-th kept row: the heads keep different positions, but a
 decode query sees every kept row (keys carry their rotary position already), so only the count
-and the order matter. Nothing of the prompt's exact K/V outlives the prefill. Sessions of one
+and the order matter. A layer with the architecture's own sliding window keeps its window (the
+policy does not evict there) in the quantiser's windowed store, coded as the quantiser alone
+codes it (`window`), so a composition never holds more than its quantiser alone on a model of
+sliding layers. Nothing of the prompt's exact K/V outlives the prefill. Sessions of one
 composition decode in a batch (`step_batch`): the projections and the FFN once for every row,
 each row attending over its own engine's coded rows.
 
@@ -28,7 +31,6 @@ from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.inference.shared_kv import SharedKv
 from larql.inference.snapshots import StateReader, StateWriter
 from larql.kernels.cpu import cpu_extension
-from larql.kv.buffers import KvBuffer
 from larql.kv.composed.dropping import drop_rows
 from larql.kv.composed.ragged import RaggedCodes
 from larql.kv.eviction.base import EvictingEngine
@@ -59,8 +61,10 @@ class KeptCodes(QuantisedLayer):
         dtype: torch.dtype,
         compiled: bool = False,
         drops: bool = False,
+        keep: int | None = None,
     ) -> None:
-        super().__init__(layout, None, kv_heads, dtype, compiled)  # every kept row, no window
+        # every kept row (None), or a sliding layer's last `keep` rows
+        super().__init__(layout, keep, kv_heads, dtype, compiled)
         self.drops = drops  # the policy drops rows as it decodes
         self.score: torch.Tensor | None = None  # [Hkv, n] float32, where the policy drops rows
         self.weights: torch.Tensor | None = None  # [Hkv, n]: the last step's attention
@@ -179,27 +183,45 @@ class QuantisedStorage:
         if k is None or v is None:
             keys, values, allowed = shared[i].of(layer)
             return attend(model, layer, q, keys, values, engine.position, None, allowed)
-        if isinstance(held, KvBuffer):  # a sliding layer keeps its window exact
-            keys, values = held.append(k, v)
-            shared[i].keep(layer, keys, values)
-            attn = attend(model, layer, q, keys, values, engine.position, None)
-            held.clip()
-            return attn
         attn = self.attend(model, layer, held, q, k, v, engine.position, shared[i])
-        engine._attended(model, layer, held, q)  # a policy that evicts as it decodes: here
+        if model.config.layers[layer].sliding_window is None:
+            engine._attended(model, layer, held, q)  # a policy that evicts as it decodes: here
         return attn
 
     # ------------------------------------------------------------------ the stores
 
-    def _empty(self, model: Model, layer: int, heads: int | None = None) -> KeptCodes:
-        """A new store of the layer's K/V heads (or of `heads` of them)."""
+    def _empty(
+        self, model: Model, layer: int, heads: int | None = None, keep: int | None = None
+    ) -> KeptCodes:
+        """A new store of the layer's K/V heads (or of `heads` of them); with `keep`, a sliding
+        layer's store of its last `keep` rows (the policy drops none there)."""
         width = model.config.head_dim_of(layer)
         layout = self._layouts.get(width)
         if layout is None:
             layout = self._layouts[width] = self.quantiser._kv_layout(width)
         compiled = self.quantiser._compiled(model, layout)
         kv_heads = model.config.kv_heads_of(layer) if heads is None else heads
-        return KeptCodes(layout, kv_heads, model.dtype, compiled, drops=self.drops)
+        drops = self.drops and keep is None
+        return KeptCodes(layout, kv_heads, model.dtype, compiled, drops=drops, keep=keep)
+
+    def window(
+        self, model: Model, layer: int, keys: torch.Tensor, values: torch.Tensor, keep: int
+    ) -> KeptCodes:
+        """A sliding layer's rows keys, values [Hkv, n, D] → a store of its last `keep` rows,
+        coded as the quantiser alone codes that layer."""
+        store = self._empty(model, layer, keep=keep)
+        store.append(keys, values)
+        return store
+
+    def read_window(
+        self, state: StateReader, model: Model, layer: int, keep: int, tokens: int
+    ) -> KeptCodes:
+        """What `window` gave, back from a saved state after `tokens` tokens."""
+        store = self._empty(model, layer, keep=keep)
+        held = min(tokens, keep)
+        state.integer("rows", held, held)  # (the window's rows, as `write_state` counts them)
+        store.read_state(state, tokens)
+        return store
 
     def hold(self, model: Model, layer: int, rows) -> KeptCodes | RaggedCodes:
         """The policy's rows (`.keys`, `.values` [Hkv, n, D], or a `RaggedRows` of each head's
@@ -249,7 +271,8 @@ class QuantisedStorage:
             return held.attend(model, layer, q, k, v, rotation)
         # a layer whose K/V a later layer shares hands on rows in the model's basis
         rotation = None if shared.is_source(layer) else self._rotation(held, model.device)
-        attn = None if self.drops else self._in_place(model, layer, held, q, k, v, rotation, shared)
+        drops = held.drops  # the policy rescores these rows (never a sliding layer's window)
+        attn = None if drops else self._in_place(model, layer, held, q, k, v, rotation, shared)
         if attn is None:
             keys, values = held.keys_values(model.dtype, rotation)  # [Hkv, n, D']
             new_k, new_v = k, v
@@ -259,7 +282,7 @@ class QuantisedStorage:
             keys, values = torch.cat((keys, new_k), dim=1), torch.cat((values, new_v), dim=1)
             shared.keep(layer, keys, values)
             attn = _attend_in_basis(model, layer, q, keys, values, position, rotation)
-            if self.drops:  # the weights this step's query puts on the rows held, the new one
+            if drops:  # the weights this step's query puts on the rows held, the new one
                 query = q if rotation is None else rotate(q, rotation).to(model.dtype)
                 held.weights = attention_mass(model, query, keys, keys.shape[1] - 1)
         held.append(k, v)  # the exact new row, coded as the quantiser codes it

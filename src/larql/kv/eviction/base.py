@@ -1,7 +1,8 @@
 """What every eviction engine shares: the prefill runs exact attention over the whole prompt
 and hands each layer's K/V (and queries) to the policy; decode attends over what each layer
 kept, every K/V head its own rows. A layer with the architecture's own sliding window keeps
-its window like `standard` (it is bounded already).
+its window like `standard` (it is bounded already; under a storage, in the storage's windowed
+form).
 
 A policy may have its kept rows held by a `KeptStorage` instead of in the model's dtype —
 eviction composed with a quantiser (`larql.kv.composed`): the policy still chooses the rows, the
@@ -64,6 +65,17 @@ class KeptStorage(Protocol):
 
     def read(self, state: StateReader, model: Model, layer: int, most: int) -> object:
         """What `hold` gave, back from a saved state of at most `most` rows."""
+
+    def window(
+        self, model: Model, layer: int, keys: torch.Tensor, values: torch.Tensor, keep: int
+    ) -> object:
+        """A sliding layer's rows keys, values [Hkv, n, D] → what holds its last `keep` rows
+        (attended and appended to through `attend`, like the kept rows)."""
+
+    def read_window(
+        self, state: StateReader, model: Model, layer: int, keep: int, tokens: int
+    ) -> object:
+        """What `window` gave, back from a saved state after `tokens` tokens."""
 
     def describe(self) -> str: ...
 
@@ -139,6 +151,19 @@ class EvictingEngine(KvEngine):
         """The policy's rows of a full-attention layer → what the layer holds."""
         return rows if self.storage is None else self.storage.hold(model, layer, rows)
 
+    def _window(self, model: Model, layer: int, k: torch.Tensor, v: torch.Tensor) -> object:
+        """A sliding layer's rows k, v [Hkv, n, D] → what holds the rows its later queries can
+        still see: its window, as they are or in the storage's windowed form."""
+        window = model.config.layers[layer].sliding_window
+        keep = kept_rows(window)
+        assert keep is not None, "only a sliding layer keeps a window"
+        if self.storage is not None:
+            return self.storage.window(model, layer, k, v, keep)
+        buffer = KvBuffer(keep=keep)
+        buffer.append(k, v)
+        buffer.clip()
+        return buffer
+
     def prompt_part_way(self) -> bool:
         return self._prompt is not None
 
@@ -156,7 +181,12 @@ class EvictingEngine(KvEngine):
             scoped = state.scope(f"layers.{layer}")
             shape = (model.dtype, cfg.kv_heads_of(layer), cfg.head_dim_of(layer))
             window = cfg.layers[layer].sliding_window
-            if shares(cfg, layer) or window is not None:
+            if window is not None and not shares(cfg, layer) and self.storage is not None:
+                keep = kept_rows(window)
+                assert keep is not None
+                read = self.storage.read_window(scoped, model, layer, keep, self.position)
+                self._layers.append(read)
+            elif shares(cfg, layer) or window is not None:
                 buffer = KvBuffer() if window is None else KvBuffer(keep=kept_rows(window))
                 held = 0 if shares(cfg, layer) else self.position
                 kept = held if buffer.keep is None else min(held, buffer.keep)
@@ -238,10 +268,7 @@ class EvictingEngine(KvEngine):
         if shares(model.config, layer):
             self._layers.append(KvBuffer())
         elif window is not None:
-            buffer = KvBuffer(keep=kept_rows(window))
-            buffer.append(exact.keys, exact.values)
-            buffer.clip()
-            self._layers.append(buffer)
+            self._layers.append(self._window(model, layer, exact.keys, exact.values))
         else:
             kept = self._compressed_from(model, layer, held, exact.keys, exact.values)
             self._layers.append(self._kept(model, layer, kept))
@@ -274,12 +301,8 @@ class EvictingEngine(KvEngine):
             shared.keep(layer, k, v)
             attn = attend(model, layer, q, k, v, 0, None)  # exact over the prompt
             h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn, inputs)
-            window = model.config.layers[layer].sliding_window
-            if window is not None:
-                buffer = KvBuffer(keep=kept_rows(window))
-                buffer.append(k, v)
-                buffer.clip()
-                self._layers.append(buffer)
+            if model.config.layers[layer].sliding_window is not None:
+                self._layers.append(self._window(model, layer, k, v))
             else:
                 kept = self._compressed(model, layer, q, k, v)
                 self._layers.append(self._kept(model, layer, kept))
@@ -297,9 +320,10 @@ class EvictingEngine(KvEngine):
                 continue
             q, k, v = project_qkv(model, layer, h, self.position)
             sliding = model.config.layers[layer].sliding_window is not None
-            if self.storage is not None and not sliding:
+            if self.storage is not None:  # the kept rows, or a sliding layer's window, coded
                 attn = self.storage.attend(model, layer, rows, q, k, v, self.position, shared)
-                self._attended(model, layer, rows, q)
+                if not sliding:
+                    self._attended(model, layer, rows, q)
                 h = ffn_block(model, layer, attention_output(model, layer, h, attn), ffn, inputs)
                 continue
             if isinstance(rows, RaggedRows):  # each K/V head its own rows (never a K/V source)
