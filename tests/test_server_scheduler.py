@@ -196,3 +196,28 @@ def test_an_unstreamed_requests_pieces_arrive_with_its_end(smollm2: Model) -> No
     assert isinstance(streamed[-1], DoneEvent) and isinstance(held[-1], DoneEvent)
     assert [e.text for e in held[:-1]] == [e.text for e in streamed[:-1]]  # type: ignore[union-attr]
     assert len(held) > 2 and held[-1].token_ids == streamed[-1].token_ids
+
+
+def test_a_prompt_all_in_but_not_finished_is_not_picked_to_ride(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `turbo-quant` prompt whose tokens are all in while its engine still codes it (its first
+    token not out yet) has nothing to put into a batched prompt step: it is not picked for one
+    (it was, then left the step at once with a warning)."""
+    spec = "turbo-quant:bits=3"
+    s = Scheduler(smollm2, DenseFfn(smollm2), SchedulerLimits(max_sessions=2), ServerMetrics())
+    monkeypatch.setattr(s, "start", lambda: None)  # the turns below are taken by hand
+
+    async def scenario() -> tuple[Session, list[Session]]:
+        loop = asyncio.get_running_loop()
+        sessions = [
+            s.submit(request(smollm2, 6, spec), parse_engine(spec).build(smollm2), loop)
+            for _ in range(2)
+        ]
+        generation = s._generation(sessions[0])
+        assert s.steps.prefill_part(generation, 64) is None  # the coding of its prompt waits
+        return sessions[0], sessions
+
+    coding, sessions = asyncio.run(scenario())
+    assert coding.generation is not None and not coding.generation.started
+    assert coding not in s._prompts_together(sessions)

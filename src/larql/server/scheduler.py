@@ -567,7 +567,7 @@ class Scheduler:
         together, room = [], self.limits.prefill_chunk
         for stream in filling if key is not None else ():
             rest = _prompt_left(stream)
-            if rest <= room and self._ride_chunk(stream, key, room) == rest:
+            if 0 < rest <= room and self._ride_chunk(stream, key, room) == rest:
                 stream.prefill_chunk = rest
                 together.append(stream)
                 room -= rest
