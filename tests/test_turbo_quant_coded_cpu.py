@@ -22,6 +22,7 @@ from larql.kv.turbo_quant.coded_cpu import codes_in_place
 from larql.kv.turbo_quant.compiled_codec import encode_rows
 from larql.kv.turbo_quant.rotation import rotation_matrix
 from larql.models import Model
+from tiny_models import random_ids
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -164,13 +165,20 @@ def test_the_step_over_codes_is_the_step_over_the_decoded_history(
     """Every layer's attention output of three decode steps after a 200-token prompt, both
     ways on the same state: within float32 rounding of each other."""
     ids = context_ids(model, 200, default_text())
-    engine = parse_engine(spec).build(model)
+    gaps = _gaps_in_three_steps(parse_engine(spec).build(model), model, ids, monkeypatch)
+    assert len(gaps) == 3 * model.config.num_layers
+    assert max(gaps) < 2e-5
+
+
+def _gaps_in_three_steps(engine, model: Model, ids: list[int], monkeypatch) -> list[float]:
+    """Each layer's attention of three decode steps after `ids`, in place and over the decoded
+    history on the same state: their gaps (relative to the decoded one's largest)."""
     in_place = engine._attend_in_place
     gaps: list[float] = []
 
     def both(model, layer, q, k, v, rotation, shared):
         got = in_place(model, layer, q, k, v, rotation, shared)
-        assert got is not None
+        assert got is not None, f"layer {layer} did not attend in place"
         keys, values = engine._history_with_row(model, layer, k, v, rotation)
         want = engine._attend_in_basis(model, layer, q, keys, values, rotation)
         gaps.append(((got - want).abs().max() / want.abs().max()).item())
@@ -181,8 +189,7 @@ def test_the_step_over_codes_is_the_step_over_the_decoded_history(
     session.prefill()
     for _ in range(3):
         session.step()
-    assert len(gaps) == 3 * model.config.num_layers
-    assert max(gaps) < 2e-5
+    return gaps
 
 
 @pytest.mark.parametrize(
@@ -267,3 +274,19 @@ def test_what_keeps_the_path_that_decodes(
         session.prefill()
         session.step()
         assert len(calls) == expected
+
+
+@pytest.mark.parametrize("spec", ["turbo-quant:recent=2", "kv-quant:recent=2,group=8"])
+def test_sliding_layers_attend_their_windows_codes_in_place(
+    cpu_kernels, spec: str, tiny_gemma3: Model, monkeypatch
+) -> None:
+    """tiny gemma3 in float32 (sliding layers of 6 keys beside global ones): a sliding layer's
+    store holds just its window, so its step runs over the window's codes in place too, within
+    float32 rounding of the path that decodes them, past the window (24 tokens, 3 steps)."""
+    model = tiny_gemma3.to(dtype=torch.float32)
+    engine = parse_engine(spec).build(model)
+    gaps = _gaps_in_three_steps(engine, model, random_ids(24, seed=11), monkeypatch)
+    assert len(gaps) == 3 * model.config.num_layers
+    assert max(gaps) < 2e-5
+    sliding = [i for i, spec in enumerate(model.config.layers) if spec.sliding_window]
+    assert sliding and all(len(engine._layers[i].codes) > 0 for i in sliding)

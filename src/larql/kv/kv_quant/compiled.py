@@ -49,7 +49,7 @@ def grouped_in_place(model: Model, layer: int, store: QuantisedLayer, shared: Sh
         return False
     if vars(codec) != vars(v_codec):
         return False
-    return codec.padded_dim % 8 == 0 and attends_in_place(model, layer, shared)
+    return codec.padded_dim % 8 == 0 and attends_in_place(model, layer, shared, store)
 
 
 def attend_grouped(

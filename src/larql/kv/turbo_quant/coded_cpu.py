@@ -12,8 +12,9 @@ torch path's up to float rounding. A leaving row is encoded by one call too
 
 Used where it applies: a float32 model on the CPU with the extension built, the rotated-basis
 attention (not `attention=sdpa`, the torch reference), `TurboQuantCodec` codes of one codec
-for K and V (`compiled_codec.compiled_codes`); the attention also needs a full-attention layer
-without soft caps or attention sinks whose K/V no other layer shares (`codes_in_place`).
+for K and V (`compiled_codec.compiled_codes`); the attention also needs a layer without soft
+caps or attention sinks whose K/V no other layer shares, and that attends every row it holds: a
+full-attention layer, or a sliding layer whose store holds just its window (`codes_in_place`).
 Everything else keeps the torch path.
 """
 
@@ -23,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-from larql.inference.layer import effective_window
+from larql.inference.layer import effective_window, kept_rows
 from larql.inference.shared_kv import SharedKv
 from larql.kernels.ran import FUSED_PIECES, ran
 from larql.kv.turbo_quant.codebook import codebook
@@ -33,17 +34,30 @@ from larql.kv.turbo_quant.store import QuantisedLayer
 from larql.models.model import Model
 
 
-def attends_in_place(model: Model, layer: int, shared: SharedKv) -> bool:
+def attends_in_place(
+    model: Model, layer: int, shared: SharedKv, store: QuantisedLayer | None = None
+) -> bool:
     """Whether a layer's decode attention can run over its stored codes in the extension: a
-    float32 model on the CPU, a full-attention layer without soft caps or attention sinks, whose
-    K/V no other layer shares."""
+    float32 model on the CPU, a layer without soft caps or attention sinks whose K/V no other
+    layer shares, whose query sees every row held: a full-attention layer, or a sliding one
+    whose `store` holds its window and no more (the extension masks nothing)."""
     if model.device.type != "cpu" or model.dtype != torch.float32 or shared.is_source(layer):
         return False
     if model.config.arch.attn_softcap is not None:
         return False
     if model.weights.layers[layer].attn_sinks is not None:
         return False
-    return effective_window(model, layer, None) is None
+    window = effective_window(model, layer, None)
+    return window is None or (store is not None and holds_its_window(store, window))
+
+
+def holds_its_window(store: QuantisedLayer, window: int) -> bool:
+    """Whether `store` keeps at most the rows a query of a layer of this sliding `window` sees
+    beside the new row: no sinks, and its codes' and recent rows' room the window's."""
+    keep = store.codes.keep
+    if keep is None or store.sink_room != 0:
+        return False
+    return keep + store.recent_room == kept_rows(window)
 
 
 def codes_in_place(
@@ -55,7 +69,8 @@ def codes_in_place(
 ) -> bool:
     """Whether this layer's step attends over its codes in place (in the extension, where
     `cpu_extension()` has it)."""
-    return rotation is not None and store.compiled and attends_in_place(model, layer, shared)
+    in_place = attends_in_place(model, layer, shared, store)
+    return rotation is not None and store.compiled and in_place
 
 
 def attend_coded(
