@@ -95,6 +95,7 @@ def test_cli_longctx_report(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["schema"] == "larql.longctx/2" and len(report["dataset_hash"]) == 16
     cells = {(c["engine"], c["depth_percent"]): c for c in report["cells"]}
+    assert all(c["depth"] == c["depth_percent"] for c in report["cells"])  # the first schema's
     assert set(cells) == {(e, d) for e in ("standard", "standard:window=32") for d in (0, 100)}
     assert all(cells[("standard", d)]["score"] == 1.0 for d in (0, 100))
     assert cells[("standard:window=32", 0)]["score"] == 0.0  # 250 tokens before the question

@@ -42,7 +42,9 @@ class Cell:
     error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
+        """The cell's JSON record; `depth` repeats `depth_percent` for the scripts that read
+        the first schema's name."""
+        return {**vars(self), "depth": self.depth_percent}
 
 
 def score_sample(model: Model, ffn: FfnBackend, spec: EngineSpec, sample: Sample) -> Cell:
