@@ -593,6 +593,8 @@ class Scheduler:
             return 0
         try:
             generation = self._generation(filling)
+        except RankFailed:
+            raise
         except Exception:  # (its own turn, alone, reports it and ends it)
             return 0
         chunk = min(len(generation.prompt_ids) - generation.prompt_done, room)
