@@ -139,9 +139,12 @@ def composition_doc(entries: Iterable[EngineEntry]) -> str:
         "given, so every kept row but its sinks is coded. With `heads=adaptive` each K/V head "
         "keeps its own count of rows, each head's in a store of its own (its own sinks and "
         "mean), so the layer codes exactly the rows its heads kept; decode then reads them "
-        "through the quantiser's torch path on every device. In `larql serve` a composed "
-        "session batches with sessions of the same composition and parameters; on CUDA it "
-        "runs the quantiser's torch path (not its Triton kernels)."
+        "through the quantiser's torch path on every device. On CUDA a compress-once eviction "
+        "with one count of rows a layer decodes on the quantiser's own Triton kernels, the "
+        "step in a CUDA graph (each layer's stores laid out by its row count, RoPE at the "
+        "tokens' positions); such a session steps alone and refuses snapshots (as the "
+        "quantiser's kernel path does: give it `attention=sdpa`). Elsewhere, in `larql serve`, "
+        "a composed session batches with sessions of the same composition and parameters."
     )
 
 

@@ -2,7 +2,9 @@
 of a full-attention layer, held in the quantiser's own per-layer store (`QuantisedLayer`: its
 codec, rotation, codebooks, centering, exact sinks and recent rows) and attended through the
 quantiser's own decode attention (over the codes in place where its CPU extension runs, else its
-torch path over the decoded rows, in the codec's rotated basis for turbo-quant).
+torch path over the decoded rows, in the codec's rotated basis for turbo-quant). Where the
+quantiser's Triton kernels take the model (CUDA), the rows of a compress-once policy keeping one
+count of rows a layer go into the quantiser's kernel path instead (`on_kernels`).
 
 Row i of each K/V head is that head's i-th kept row: the heads keep different positions, but a
 decode query sees every kept row (keys carry their rotary position already), so only the count
@@ -32,6 +34,7 @@ from larql.inference.shared_kv import SharedKv
 from larql.inference.snapshots import StateReader, StateWriter
 from larql.kernels.cpu import cpu_extension
 from larql.kv.composed.dropping import drop_rows
+from larql.kv.composed.on_kernels import ExactKept, kernels_take, settle
 from larql.kv.composed.ragged import RaggedCodes
 from larql.kv.eviction.base import EvictingEngine
 from larql.kv.eviction.ragged import RaggedRows
@@ -41,7 +44,8 @@ from larql.kv.kv_quant.compiled import attend_grouped, grouped_in_place
 from larql.kv.kv_quant.engine import KvQuantEngine
 from larql.kv.turbo_quant.codec import TurboQuantCodec
 from larql.kv.turbo_quant.coded_cpu import attend_coded, codes_in_place
-from larql.kv.turbo_quant.engine import TurboQuantEngine
+from larql.kv.turbo_quant.engine import TurboQuantEngine, kernel_path_label
+from larql.kv.turbo_quant.kernel_path import KernelPath
 from larql.kv.turbo_quant.rotation import rotation_matrix
 from larql.kv.turbo_quant.store import KvLayout, QuantisedLayer, rotate
 from larql.models.model import Model
@@ -135,8 +139,11 @@ class QuantisedStorage:
         self.drops = drops
         self._layouts: dict[int, KvLayout] = {}  # head_dim → the quantiser's layout
 
-    def describe(self) -> str:
-        return f"kept rows coded by {self.quantiser.name}: {self.quantiser.describe()}"
+    def describe(self, fast: KernelPath | None = None) -> str:
+        """What codes the kept rows and (`fast`: the engine's kernel path) attends them."""
+        q = self.quantiser
+        path = q.describe() if fast is None else f"{q.codes_label()}, {kernel_path_label(fast)}"
+        return f"kept rows coded by {q.name}: {path}"
 
     def config(self) -> str:
         return self.quantiser.config()
@@ -204,11 +211,38 @@ class QuantisedStorage:
         drops = self.drops and keep is None
         return KeptCodes(layout, kv_heads, model.dtype, compiled, drops=drops, keep=keep)
 
+    def _waits(self, model: Model) -> bool:
+        """Whether the prompt's kept rows wait as they are for the quantiser's kernel path
+        (`on_kernels`): a policy that keeps its rows once, on a model the kernels take."""
+        return not self.drops and kernels_take(self.quantiser, model)
+
+    def settle(self, model: Model, layers: list, prompt_length: int) -> KernelPath | None:
+        """The prompt's layers, each kept (rows waiting for the kernel path as `ExactKept`) →
+        the kernel path holding them (the waiting layers then None), or None with the waiting
+        layers coded into the torch path's stores."""
+        return settle(self.quantiser, model, layers, prompt_length, partial(self._coded, model))
+
+    def _coded(self, model: Model, layer: int, rows: ExactKept) -> KeptCodes:
+        """Rows that waited for the kernel path, coded into the torch path's store instead."""
+        if rows.window is not None:
+            return self._window_store(model, layer, rows.keys, rows.values, rows.window)
+        store = self._empty(model, layer)
+        store.append(rows.keys, rows.values)
+        return store
+
     def window(
         self, model: Model, layer: int, keys: torch.Tensor, values: torch.Tensor, keep: int
-    ) -> KeptCodes:
+    ) -> KeptCodes | ExactKept:
         """A sliding layer's rows keys, values [Hkv, n, D] → a store of its last `keep` rows,
-        coded as the quantiser alone codes that layer."""
+        coded as the quantiser alone codes that layer (or the rows, waiting for the kernel
+        path)."""
+        if self._waits(model):
+            return ExactKept(keys, values, window=keep)
+        return self._window_store(model, layer, keys, values, keep)
+
+    def _window_store(
+        self, model: Model, layer: int, keys: torch.Tensor, values: torch.Tensor, keep: int
+    ) -> KeptCodes:
         store = self._empty(model, layer, keep=keep)
         store.append(keys, values)
         return store
@@ -223,9 +257,12 @@ class QuantisedStorage:
         store.read_state(state, tokens)
         return store
 
-    def hold(self, model: Model, layer: int, rows) -> KeptCodes | RaggedCodes:
+    def hold(self, model: Model, layer: int, rows) -> KeptCodes | RaggedCodes | ExactKept:
         """The policy's rows (`.keys`, `.values` [Hkv, n, D], or a `RaggedRows` of each head's
-        own count; with `.score` [Hkv, n] where it drops rows) coded into new stores."""
+        own count; with `.score` [Hkv, n] where it drops rows) coded into new stores, or
+        waiting as they are for the kernel path (`settle`)."""
+        if not isinstance(rows, RaggedRows) and self._waits(model):
+            return ExactKept(rows.keys, rows.values)
         kept_whole = self.drops and self.adaptive and isinstance(rows, ScoredRows)
         if kept_whole and not SharedKv(model.config).is_source(layer):
             rows = _every_row(rows)  # the prompt fit: each head's rows its own store yet

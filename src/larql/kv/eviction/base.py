@@ -43,6 +43,29 @@ from larql.models.model import Model
 
 
 # ---------------------------------------------------------------- storage hook (composition)
+class StoredStep(Protocol):
+    """A storage's own decode step over every layer's kept rows (the quantiser's kernel path)."""
+
+    @property
+    def captured(self) -> bool:
+        """Whether the step replays a captured CUDA graph."""
+
+    def decode(
+        self,
+        model: Model,
+        ffn: FfnBackend,
+        position: int,
+        token_id: int = 0,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The token (or the input row `hidden` [1, H]) at `position` through every layer, its
+        K/V kept → hidden [1, H]."""
+
+    def memory(self) -> MemoryBreakdown: ...
+
+    def stored_rows(self, layer: int) -> int: ...
+
+
 class KeptStorage(Protocol):
     """How a full-attention layer holds the rows its policy keeps, when not as they are."""
 
@@ -77,7 +100,13 @@ class KeptStorage(Protocol):
     ) -> object:
         """What `window` gave, back from a saved state after `tokens` tokens."""
 
-    def describe(self) -> str: ...
+    def settle(self, model: Model, layers: list, prompt_length: int) -> StoredStep | None:
+        """The prompt's layers once each is kept (`hold`, `window`) → a decode step of the
+        storage's own holding them all (their entries then None), or None (each layer holds
+        what `hold` or `window` gave, now final)."""
+
+    def describe(self, fast: StoredStep | None = None) -> str:
+        """What holds the kept rows (`fast`: the engine's step from `settle`)."""
 
     def config(self) -> str: ...
 
@@ -105,23 +134,42 @@ class EvictingEngine(KvEngine):
     def __init__(self, profiling: bool = False) -> None:
         super().__init__(profiling)
         self.storage: KeptStorage | None = None  # None: the policy's rows as they are
+        self._fast: StoredStep | None = None  # the storage's own step, holding every layer
         self._layers: list = []  # per layer: a KvBuffer (sliding layers) or the policy's rows
         self._prompt: PassInParts | None = None  # a prompt part-way in (`prefill_part`)
         self._observed: list[object] = []  # per layer: what the policy keeps of its queries
 
     def window_tokens(self) -> int:
+        if self._fast is not None:
+            layers = range(len(self._layers))
+            return max((self._fast.stored_rows(layer) for layer in layers), default=0)
         return max((len(layer) for layer in self._layers), default=0)
 
     def supports_multimodal(self) -> bool:
         return True
 
     def memory(self) -> MemoryBreakdown:
+        if self._fast is not None:
+            return self._fast.memory()
         return MemoryBreakdown.of(hot=self._layers)
+
+    def dispatch_path(self) -> str | None:
+        if self._fast is None:
+            return None
+        return "cuda-graph" if self._fast.captured else "static"
+
+    def snapshot_refusal(self) -> str | None:
+        if self._fast is not None:
+            return (
+                "its quantiser's CUDA kernel path keeps codes in fixed slots; give the "
+                "quantiser attention=sdpa"
+            )
+        return None
 
     def info(self) -> EngineInfo:
         if self.storage is None:
             return super().info()
-        described = f"{self.describe()}; {self.storage.describe()}"
+        described = f"{self.describe()}; {self.storage.describe(self._fast)}"
         config = f"{self.config()}+{self.storage.config()}"
         brief = self.memory().brief()
         return EngineInfo(self.name, f"{described} ({brief})", self._backend, config)
@@ -129,8 +177,8 @@ class EvictingEngine(KvEngine):
     def batch_key(self) -> Hashable | None:
         """Sessions whose kept rows storages of one kind hold batch (the storage steps them);
         the policy's own rows step alone."""
-        if self.storage is None or not self._prefilled:
-            return None
+        if self.storage is None or not self._prefilled or self._fast is not None:
+            return None  # (a storage's own step steps alone)
         return (type(self), self.config(), self.storage.batch_key())
 
     @classmethod
@@ -176,7 +224,7 @@ class EvictingEngine(KvEngine):
         """Each layer's rows: none on a layer sharing another's K/V, a sliding layer's window,
         else what the policy keeps of `position` tokens (`_read_kept`)."""
         cfg = model.config
-        self._layers, self._prompt, self._observed = [], None, []
+        self._layers, self._prompt, self._observed, self._fast = [], None, [], None
         for layer in range(cfg.num_layers):
             scoped = state.scope(f"layers.{layer}")
             shape = (model.dtype, cfg.kv_heads_of(layer), cfg.head_dim_of(layer))
@@ -258,6 +306,7 @@ class EvictingEngine(KvEngine):
             partial(self._keep_prompt_layer, model, layer, exact, held)
             for layer, (exact, held) in enumerate(zip(prompt.layers, observed, strict=True))
         ]
+        self._finishing.append(partial(self._settle, model, prompt.length))
         self._started(prompt.length)
         return rows
 
@@ -273,6 +322,14 @@ class EvictingEngine(KvEngine):
             kept = self._compressed_from(model, layer, held, exact.keys, exact.values)
             self._layers.append(self._kept(model, layer, kept))
         return len(exact)
+
+    def _settle(self, model: Model, prompt_length: int) -> int:
+        """Every layer kept: the storage's own step takes them where it has one → 0 (rows of
+        the prompt's work: `finish_prompt` counts the layers')."""
+        self._fast = None
+        if self.storage is not None:
+            self._fast = self.storage.settle(model, self._layers, prompt_length)
+        return 0
 
     def _observe_part(
         self, model: Model, layer: int, h: torch.Tensor, start: int, kv: KvBuffer
@@ -306,11 +363,19 @@ class EvictingEngine(KvEngine):
             else:
                 kept = self._compressed(model, layer, q, k, v)
                 self._layers.append(self._kept(model, layer, kept))
+        self._settle(model, rows.shape[0])
         return h
+
+    def _step_token(self, model: Model, ffn: FfnBackend, token_id: int) -> torch.Tensor:
+        if self._fast is not None:  # embeds on the device (a captured graph)
+            return self._fast.decode(model, ffn, self.position, token_id=token_id)
+        return super()._step_token(model, ffn, token_id)
 
     def _step(
         self, model: Model, ffn: FfnBackend, row: torch.Tensor, inputs: torch.Tensor | None
     ) -> torch.Tensor:
+        if self._fast is not None:  # (a model with per-layer inputs never takes it)
+            return self._fast.decode(model, ffn, self.position, hidden=row)
         h = row
         shared = SharedKv(model.config)
         for layer, rows in enumerate(self._layers):

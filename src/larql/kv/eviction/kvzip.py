@@ -65,6 +65,7 @@ class KvZipEngine(ScoringEngine):
                 self._keep_prompt_layer(model, layer, kv, score)
             else:
                 self._layers.append(self._kept(model, layer, across[layer]))
+        self._settle(model, rows.shape[0])
         return h
 
     def _across_layers(

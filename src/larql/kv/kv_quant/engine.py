@@ -64,7 +64,7 @@ class KvQuantEngine(TurboQuantEngine):
             recent_bits=recent_bits,
         )
 
-    def describe(self) -> str:
+    def codes_label(self) -> str:
         kind = "fp8 e4m3" if self.fp8 else f"int{self.bits}"
         rotated = " after a Walsh–Hadamard rotation" if self.rotate else ""
         exact = (
@@ -72,7 +72,7 @@ class KvQuantEngine(TurboQuantEngine):
             if self.recent or self.sinks
             else ""
         )
-        return f"{kind} K/V in groups of {self.group}{rotated}{exact}, {self._path()}"
+        return f"{kind} K/V in groups of {self.group}{rotated}{exact}"
 
     def config(self) -> str:
         parts = ["format=fp8" if self.fp8 else f"bits={self.bits}", f"group={self.group}"]

@@ -125,14 +125,18 @@ class TurboQuantEngine(KvEngine):
 
     # ------------------------------------------------------------------ description
 
-    def describe(self) -> str:
+    def codes_label(self) -> str:
+        """What the codes are (`describe` adds the path that attends them)."""
         levers = []
         if self.recent or self.sinks:
             levers.append(exact_rows_label(self.sinks, self.recent, self.recent_bits))
         levers += ["norm-corrected"] if self.norm_correction else []
         levers += ["centered"] if self.center else []
         extra = f" ({'; '.join(levers)})" if levers else ""
-        return f"{self._bits_label()} WHT+Lloyd-Max K/V{extra}, {self._path()}"
+        return f"{self._bits_label()} WHT+Lloyd-Max K/V{extra}"
+
+    def describe(self) -> str:
+        return f"{self.codes_label()}, {self._path()}"
 
     def config(self) -> str:
         parts = [f"bits={self.bits}"]
@@ -281,8 +285,7 @@ class TurboQuantEngine(KvEngine):
         """Empty stores for a prompt of `prompt_tokens` tokens: the torch path's layers, or the
         kernel path → the rows each layer keeps."""
         keeps = self._prepare_layouts(model)
-        # the kernels keep one codec for every layer
-        self._fast = self._kernel_path(model, keeps) if model.config.uniform_attention else None
+        self._fast = self._kernel_path(model, keeps)
         self._layers = None if self._fast is not None else self._torch_layers(model, keeps)
         if self._fast is not None:
             self._fast.start(model, prompt_tokens)
@@ -531,21 +534,32 @@ class TurboQuantEngine(KvEngine):
 
         return kernels
 
-    def _kernel_path(self, model: Model, keeps: list[int | None]) -> KernelPath | None:
-        """The Triton kernels' path when asked (auto/triton), where they run, for a codec that
-        has them (`_kernels_for_codec`) and a layout they take; else None (the torch path)."""
+    def kernels_taking(self, model: Model, keeps: list[int | None]) -> ModuleType | None:
+        """The module of the Triton launches that would run this engine's step on `model` (the
+        layouts prepared: `_prepare_layouts` → `keeps`): when asked (auto/triton), where they
+        run, for a codec that has them (`_kernels_for_codec`) and a layout they take; else
+        None (the torch path)."""
         if self.attention == "sdpa" or not self._kernels_for_codec():
             return None
         if model.config.arch.attention_sinks:  # the kernels have no attention sinks
             return None
         if model.weights.per_layer is not None or model.config.shares_kv:
             return None  # its captured step has neither per-layer inputs nor shared K/V
+        if not model.config.uniform_attention:  # the kernels keep one codec for every layer
+            return None
         if not larql.kernels.triton_available(model.device):
             return None
         kernels = self._triton_kernels()
         assert self._layout is not None
-        if not KernelPath.supports(kernels, self._layout, keeps):
+        return kernels if KernelPath.supports(kernels, self._layout, keeps) else None
+
+    def _kernel_path(self, model: Model, keeps: list[int | None]) -> KernelPath | None:
+        """The Triton kernels' path where they take this engine on `model` (`kernels_taking`);
+        else None (the torch path)."""
+        kernels = self.kernels_taking(model, keeps)
+        if kernels is None:
             return None
+        assert self._layout is not None
         return KernelPath(
             kernels,
             self._layout,
@@ -577,9 +591,7 @@ class TurboQuantEngine(KvEngine):
 
     def _path(self) -> str:
         if self._fast is not None:
-            graph = ", cuda-graph step" if self._fast.captured else ""
-            cuda = " with the CUDA C++ partial launch" if self._fast.partial_in_cuda else ""
-            return f"triton kernels{cuda}{graph}"
+            return kernel_path_label(self._fast)
         return "rotated-basis attention" if self.rotated_attention else "decoded attention"
 
     def _rotation(self, device: torch.device, layer: int) -> torch.Tensor | None:
@@ -593,6 +605,13 @@ class TurboQuantEngine(KvEngine):
     @staticmethod
     def _keep(model: Model, layer: int) -> int | None:
         return kept_rows(effective_window(model, layer, None))
+
+
+def kernel_path_label(fast: KernelPath) -> str:
+    """What `describe` says of a step on the Triton kernels."""
+    graph = ", cuda-graph step" if fast.captured else ""
+    cuda = " with the CUDA C++ partial launch" if fast.partial_in_cuda else ""
+    return f"triton kernels{cuda}{graph}"
 
 
 def exact_rows_label(sinks: int, recent: int, recent_bits: int) -> str:

@@ -199,6 +199,11 @@ class KernelPath:
         self._profiler = profiler
         self._capacity = 0
         self.position = 0  # the next token's
+        # rows a layer holds = position − its offset: an eviction composed with this codec
+        # keeps fewer rows than the prompt's tokens (`start`'s `rows`); 0 everywhere otherwise
+        self._offsets = [0] * len(keeps)
+        self._offsets_on_device = torch.zeros(len(keeps), dtype=torch.long, device=model.device)
+        self._rows_at = torch.zeros(len(keeps), dtype=torch.long, device=model.device)  # [L]
         self.partial_in_cuda = use_cuda_partial and self._partial_in_cuda(model)
 
     @staticmethod
@@ -261,24 +266,42 @@ class KernelPath:
             self._batch_rows = (operands, torch.tensor(rows, dtype=torch.long))
         return self._batch_rows[1]
 
+    @property
+    def shifted(self) -> bool:
+        """Whether some layer holds fewer rows than the position (`start`'s `rows`): such a
+        path steps alone (the batched step's layers read one position a row)."""
+        return any(self._offsets)
+
+    def rows(self, layer: int) -> int:
+        """The rows layer `layer` holds (its layout's position): the token position less the
+        prompt's rows it did not keep."""
+        return self.position - self._offsets[layer]
+
+    def _least_offset(self) -> int:
+        """The least offset of a full-attention layer (the one holding the most rows): the
+        capacity counts its rows."""
+        full = [o for o, keep in zip(self._offsets, self.keeps, strict=True) if keep is None]
+        return min(full, default=0)
+
     def ensure_room(self, model: Model, position: int) -> None:
         """Room in every store for the token at `position` (a full layer's doubles)."""
-        if position >= self._capacity:
+        while position - self._least_offset() >= self._capacity:
             self._reserve(model, self._capacity * 2)
 
     def memory(self) -> MemoryBreakdown:
         live = reserved = 0
-        for slots, where, levers in zip(self.layers, self.layouts, self.levers, strict=True):
-            first, end = where.coded(self.position)
+        for layer, (slots, where, levers) in enumerate(
+            zip(self.layers, self.layouts, self.levers, strict=True)
+        ):
+            rows = self.rows(layer)
+            first, end = where.coded(rows)
             coded = (end - first) * slots.row_bytes
-            recent_first, recent_end = where.recent_tokens(self.position)
+            recent_first, recent_end = where.recent_tokens(rows)
             sink_row = levers.exact[0].numel() * levers.exact.element_size()
             recent_row = sink_row
             if levers.ring is not None and levers.ring_scales is not None:
                 recent_row = levers.ring[0].numel() + 2 * levers.ring_scales[0].numel()
-            exact = (
-                where.sink_rows(self.position) * sink_row + (recent_end - recent_first) * recent_row
-            )
+            exact = where.sink_rows(rows) * sink_row + (recent_end - recent_first) * recent_row
             # (the 1-row stand-ins of an empty part are not state)
             ring = ring_slots(where.recent) if where.recent else 0
             exact_held = where.sinks * sink_row + ring * recent_row
@@ -288,22 +311,22 @@ class KernelPath:
         return MemoryBreakdown(hot=live, reserved=reserved)
 
     def stored_rows(self, layer: int) -> int:
-        where = self.layouts[layer]
-        first, end = where.coded(self.position)
-        recent_first, recent_end = where.recent_tokens(self.position)
-        return where.sink_rows(self.position) + end - first + recent_end - recent_first
+        where, rows = self.layouts[layer], self.rows(layer)
+        first, end = where.coded(rows)
+        recent_first, recent_end = where.recent_tokens(rows)
+        return where.sink_rows(rows) + end - first + recent_end - recent_first
 
     def codes_in_token_order(self, layer: int) -> torch.Tensor:
         """The coded rows, oldest first: uint8 [n, row_bytes]."""
-        first, end = self.layouts[layer].coded(self.position)
+        first, end = self.layouts[layer].coded(self.rows(layer))
         return self.layers[layer].tokens(first, end)
 
     def exact_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(sink rows, recent rows), oldest first: [n, 2, Hkv, D], the sinks at 16 bits, the
         recent rows at 16 bits or decoded from int8 (float32)."""
-        where, levers = self.layouts[layer], self.levers[layer]
-        sinks = levers.exact[: where.sink_rows(self.position)]
-        first, end = where.recent_tokens(self.position)
+        where, levers, rows = self.layouts[layer], self.levers[layer], self.rows(layer)
+        sinks = levers.exact[: where.sink_rows(rows)]
+        first, end = where.recent_tokens(rows)
         slots = [where.exact_slot(t) for t in range(first, end)]
         index = torch.tensor(slots, dtype=torch.long, device=levers.exact.device)
         if levers.ring is None or levers.ring_scales is None:
@@ -315,8 +338,14 @@ class KernelPath:
         """The layer's centering rows [2, Hkv, D] float32, or None."""
         return self.levers[layer].mean if self._center else None
 
-    def start(self, model: Model, prompt_length: int) -> None:
-        self._reserve(model, initial_capacity(prompt_length))
+    def start(self, model: Model, prompt_length: int, rows: list[int] | None = None) -> None:
+        """Stores for a prompt of `prompt_length` tokens of which layer i keeps rows[i] (None:
+        every token; `store_prompt` then takes each layer's kept rows as tokens 0 … rows[i] − 1,
+        and its later rows follow them whatever their position)."""
+        kept = [prompt_length] * len(self.layers) if rows is None else rows
+        self._offsets = [prompt_length - n for n in kept]
+        self._offsets_on_device.copy_(torch.tensor(self._offsets, dtype=torch.long))
+        self._reserve(model, initial_capacity(prompt_length - self._least_offset()))
         self.position = prompt_length
 
     def store_prompt(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -383,6 +412,9 @@ class KernelPath:
         stage, device = self._profiler.stage, model.device
         position = self._inputs.position
         rope = RopeAtPosition(position)
+        shifted = self.shifted
+        if shifted:  # each layer's rows before the new one: [L]
+            torch.sub(position, self._offsets_on_device, out=self._rows_at)
         h = embed(model, self._inputs.token) if hidden is None else hidden  # [1, H]
         softcap = cfg.arch.attn_softcap or 0.0
         for layer, slots in enumerate(self.layers):
@@ -393,7 +425,7 @@ class KernelPath:
                     k,
                     v,
                     slots.data,
-                    position,
+                    self._rows_at[layer : layer + 1] if shifted else position,
                     self._tables,
                     cfg.attn_scale,
                     softcap,
@@ -430,11 +462,14 @@ class KernelPath:
         )
 
     def _reserve(self, model: Model, capacity: int) -> None:
+        """Room for `capacity` rows in each full layer; a sliding layer's ring slots (all of
+        them at once where the path is shifted: its rows, every token's, outrun the capacity)."""
+        shifted = self.shifted
         for slots, meta in zip(self.layers, self._metas, strict=True):
-            slots.reserve(capacity)
+            slots.reserve(capacity if slots.keep is None or not shifted else slots.keep)
             meta.copy_(self._kernels.single_meta(slots.data))
         self._batch_rows = None
-        reserve_rope(model, capacity)
+        reserve_rope(model, capacity + max(self._offsets))  # positions run ahead of the rows
         self._capacity = capacity
         self._graph.invalidate()
 
