@@ -118,6 +118,39 @@ def test_attention_over_the_codes_equals_float64_over_the_decoded_rows(
     assert steps.item() <= 1.5  # at most a code or so apart where the rotation's sums differ
 
 
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float16,
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(
+                not CUDA, reason="Triton's interpreter computes bfloat16 products wrongly"
+            ),
+        ),
+    ],
+)
+def test_16_bit_products_over_biased_codes_equal_float64(kernels, dtype: torch.dtype) -> None:
+    """In 16 bits the 4-bit codes enter the products as code + 128 (bfloat16) or + 1024
+    (float16), written into a power of two's mantissa; the bias comes back out of the scores
+    and the weights: the attention is float64's over the decoded rows to 16-bit rounding."""
+    heads, kv_heads, dim, n, slots = 9, 3, 64, 70, 96
+    codec = IntCodec(dim, 4, 32, False)
+    generator = torch.Generator().manual_seed(3)
+    q, k_new, v_new = (draw(generator, h, 1, dim).to(dtype) for h in (heads, kv_heads, kv_heads))
+    history = draw(generator, n * 2 * kv_heads, dim) + 3.0  # zero points far from 0
+    rows = codec.encode(history).view(n, 2 * kv_heads * codec.bytes_per_vector)
+    store = torch.zeros((slots, rows.shape[1]), dtype=torch.uint8, device=DEVICE)
+    held = torch.arange(n, device=DEVICE)
+    planes.write_rows(store, held, rows, codec.bytes_per_vector, header(codec))
+    tables = kernels.CodecTables.of(codec, DEVICE)
+    out = kernels.attention(
+        q, k_new, v_new, store, torch.tensor([n], device=DEVICE), tables, dim**-0.5
+    )
+    expected = reference_attention(q, k_new, v_new, rows, codec, dim**-0.5)
+    assert relative_error(out.double(), expected) <= 1e-2
+
+
 def test_kernels_take_integer_codes_of_power_of_two_widths(kernels) -> None:
     assert kernels.supports(IntCodec(64, 4)) and kernels.supports(IntCodec(48, 8, rotate=True))
     assert kernels.supports(IntCodec(128, 2, group=64))

@@ -180,22 +180,53 @@ def _group_affine(header_ptr, at, present, g, NG: tl.constexpr):
 
 
 @triton.jit
+def _code_bias(dot: tl.constexpr):
+    """What `_biased_codes` adds to a 4-bit code in the products' dtype `dot`: 128 in
+    bfloat16, 1024 in float16 (the codes become the low mantissa bits of a power of two), 0 in
+    float32."""
+    if dot == tl.bfloat16:
+        return 128.0
+    elif dot == tl.float16:
+        return 1024.0
+    else:
+        return 0.0
+
+
+@triton.jit
+def _biased_codes(codes, dot: tl.constexpr):
+    """4-bit codes [B, W] int32 → code + `_code_bias` in the products' dtype `dot`, exactly: in
+    16 bits the code ORed into the mantissa of 128 (bfloat16) or 1024 (float16) and the bits
+    read as that dtype — integer logic instead of an int-to-float conversion per code."""
+    if dot == tl.bfloat16:
+        return (codes | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    elif dot == tl.float16:
+        return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        return codes.to(dot)
+
+
+@triton.jit
 def _group_scores(q, codes, in_group):
-    """q [GP, W] (dot dtype) against codes [B, W] (dot dtype) on one group's lanes (in_group
-    [1, W]) → (q_g · c_g [GP, B] float32, Σ q_g [GP] float32)."""
+    """q [GP, W] (dot dtype) against biased codes [B, W] (dot dtype, each code + the dtype's
+    `_code_bias`: `_biased_codes`) on one group's lanes (in_group [1, W]) → (q_g · c_g [GP, B]
+    float32, Σ q_g [GP] float32), the bias taken back out: q_g · (c + bias) − bias · Σ q_g."""
     q_g = tl.where(in_group, q, tl.zeros_like(q))
     dots = tl.dot(q_g, tl.trans(codes), input_precision="ieee")
-    return dots, tl.sum(q_g.to(tl.float32), axis=1)
+    q_sum = tl.sum(q_g.to(tl.float32), axis=1)
+    return dots - _code_bias(q.dtype) * q_sum[:, None], q_sum
 
 
 @triton.jit
 def _group_values(weights, codes, in_group, scale, zero, DOT: tl.constexpr):
     """Σ_b p[r, b] · (c[b, lane] · scale[b] + zero[b]) on one group's lanes (0 on the others),
     as Σ_b (p · scale)[r, b] · c[b, lane] + Σ_b p[r, b] · zero[b]: weights p [GP, B] float32,
-    codes [B, W] in DOT's dtype, in_group [1, W], scale and zero [B] → [GP, W] float32."""
+    biased codes [B, W] in DOT's dtype (c + bias: `_biased_codes`), in_group [1, W], scale and
+    zero [B] → [GP, W] float32. The bias comes back out through the weights as the product
+    rounded them (Σ_b round(p · scale)[b] · bias)."""
     scaled = (weights * scale[None, :]).to(DOT)
     part = tl.dot(scaled, codes, input_precision="ieee")
-    shift = tl.sum(weights * zero[None, :], axis=1)  # [GP]
+    bias = _code_bias(DOT)
+    shift = tl.sum(weights * zero[None, :] - bias * scaled.to(tl.float32), axis=1)  # [GP]
     return tl.where(in_group, part + shift[:, None], 0.0)
 
 
@@ -295,7 +326,7 @@ def _grouped_split_state(
             read = slot >= 0  # every code byte is read; the headers only where present
             if FACTORED:  # s = Σ_g scale_g · (q_g · c_g) + zero_g · Σ q_g: codes into the dot
                 even, odd = _nibbles(codes_ptr, key_starts, read, lanes)  # [B, DP/2] each
-                even, odd = even.to(dot_dtype), odd.to(dot_dtype)
+                even, odd = _biased_codes(even, dot_dtype), _biased_codes(odd, dot_dtype)
                 s = tl.zeros([GP, BLOCK], tl.float32)
                 for g in tl.static_range(NG):
                     k_scale, k_zero = _group_affine(header_ptr, key_headers, present, g, NG)
@@ -325,7 +356,7 @@ def _grouped_split_state(
             weights = p.to(dot_dtype)
             if FACTORED:  # Σ_b p·(c·scale + zero) = Σ_b (p·scale)·c + Σ_b p·zero, per group
                 even, odd = _nibbles(codes_ptr, value_starts, read, lanes)
-                even, odd = even.to(dot_dtype), odd.to(dot_dtype)
+                even, odd = _biased_codes(even, dot_dtype), _biased_codes(odd, dot_dtype)
                 acc_even = acc_even * alpha[:, None]
                 acc_odd = acc_odd * alpha[:, None]
                 for g in tl.static_range(NG):
