@@ -14,7 +14,13 @@ import pytest
 import torch
 
 import larql.kernels
-from helpers import kernel_module, model_for_kernels, relative_error, teacher_forced
+from helpers import (
+    greedy_streams,
+    kernel_module,
+    model_for_kernels,
+    relative_error,
+    teacher_forced,
+)
 from larql.inference.engine import KvEngine
 from larql.inference.ffn import DenseFfn
 from larql.kv import captured_step, parse_engine
@@ -47,16 +53,12 @@ def prefilled(spec: str, model: Model, ids: list[int]) -> KvEngine:
 
 @pytest.mark.parametrize(
     "spec",
-    [
-        "snapkv:keep=0.5,window=4+turbo-quant:bits=4",
-        # long: the kv-quant launches' own tests cover its codes; the plumbing is the above's
-        pytest.param("keydiff:keep=0.25+kv-quant:bits=4", marks=pytest.mark.long),
-    ],
+    ["snapkv:keep=0.5,window=4+turbo-quant:bits=4", "keydiff:keep=0.25+kv-quant:bits=4"],
 )
 @pytest.mark.slow
 def test_kernel_path_decodes_as_the_torch_path(spec: str, smollm2: Model, monkeypatch) -> None:
     """Fewer rows held than the position: the same logits, rows and bytes as the torch path."""
-    model = model_for_kernels(smollm2, monkeypatch)
+    model = model_for_kernels(smollm2, monkeypatch, interpreted_layers=1)
     ids = model.tokenizer.encode(TEXT)
     prompt = len(ids) - 5
     ours = teacher_forced(model, spec, ids, prompt)
@@ -76,9 +78,32 @@ def test_kernel_path_decodes_as_the_torch_path(spec: str, smollm2: Model, monkey
     assert "triton kernels" in fast.info().description
     assert "triton kernels" not in torch_path.info().description
     assert fast.dispatch_path() == ("cuda-graph" if CUDA else "static")
-    assert fast.batch_key() is None  # its layers hold their own row counts: it steps alone
     assert "attention=sdpa" in (fast.snapshot_refusal() or "")
     assert fast.fork_prefix(model, fast.position) is None
+
+
+@pytest.mark.slow
+def test_sessions_batched_give_their_tokens_alone(smollm2: Model, monkeypatch) -> None:
+    """Three sessions of other prompt lengths (so other rows kept, other offsets) decoded in one
+    batched step — the codec's batched launches, each layer laid out by each session's rows —
+    get the tokens and logits they get alone; the same composition on the torch path, or the
+    quantiser alone, never shares their step (the batch keys differ)."""
+    model = model_for_kernels(smollm2, monkeypatch, interpreted_layers=1)
+    # (kv-quant's launches: turbo-quant's batched ones are those its own batching test runs)
+    spec = "snapkv:keep=0.5,window=4+kv-quant:bits=4"
+    prompts = [TEXT, TEXT[:60], TEXT[:100]]
+    alone = [parse_engine(spec).build(model) for _ in prompts]
+    alone_tokens, alone_logits = greedy_streams(model, alone, prompts, 4, batched=False)
+    engines = [parse_engine(spec).build(model) for _ in prompts]
+    tokens, logits = greedy_streams(model, engines, prompts, 4, batched=True)
+    paths = [e._fast for e in engines]  # type: ignore[attr-defined]
+    assert all(isinstance(p, KernelPath) and p.shifted for p in paths)
+    assert len({tuple(p.offsets) for p in paths}) == 3
+    assert tokens == alone_tokens
+    assert torch.allclose(logits, alone_logits, atol=1e-3, rtol=0)
+    ids = model.tokenizer.encode(TEXT)
+    for other in (on_torch_path(spec), "kv-quant:bits=4"):
+        assert prefilled(other, model, ids).batch_key() != engines[0].batch_key()
 
 
 @pytest.mark.slow
@@ -86,7 +111,7 @@ def test_a_prompt_in_parts_ends_on_the_kernel_path(smollm2: Model, monkeypatch) 
     """The layers kept one turn at a time (`finish_prompt`) go into the path with the last:
     the next step's logits are those after one whole prefill."""
     model = model_for_kernels(smollm2, monkeypatch)
-    spec = "snapkv:keep=0.5,window=4+turbo-quant:bits=4"
+    spec = "snapkv:keep=0.5,window=4+kv-quant:bits=4"
     ids = model.tokenizer.encode(TEXT)
     ffn = DenseFfn(model)
     whole = prefilled(spec, model, ids[:-1])
@@ -140,9 +165,9 @@ def test_sliding_layers_keep_their_window_while_full_layers_grow(
         monkeypatch.setattr(larql.kernels, "triton_available", lambda device: True)
     monkeypatch.setattr(captured_step, "MIN_CAPACITY", 4)
     monkeypatch.setattr(captured_step, "DECODE_HEADROOM", 0)
-    spec = "keydiff:keep=0.5+turbo-quant:bits=4"
-    ids = random_ids(24, seed=5)
-    prompt = 16
+    spec = "keydiff:keep=0.5,recent=2+turbo-quant:bits=4"
+    ids = random_ids(20, seed=5)
+    prompt = 14
     ours = teacher_forced(model, spec, ids, prompt)
     reference = teacher_forced(model, on_torch_path(spec), ids, prompt)
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))

@@ -45,6 +45,7 @@ from larql.kv.kv_quant.engine import KvQuantEngine
 from larql.kv.turbo_quant.codec import TurboQuantCodec
 from larql.kv.turbo_quant.coded_cpu import attend_coded, codes_in_place
 from larql.kv.turbo_quant.engine import TurboQuantEngine, kernel_path_label
+from larql.kv.turbo_quant.kernel_batch import BatchedKernelStep
 from larql.kv.turbo_quant.kernel_path import KernelPath
 from larql.kv.turbo_quant.rotation import rotation_matrix
 from larql.kv.turbo_quant.store import KvLayout, QuantisedLayer, rotate
@@ -163,7 +164,14 @@ class QuantisedStorage:
     ) -> torch.Tensor:
         """rows [B, H], row i engine i's next token → [B, H]: projections and FFN once for
         every row, each row attending over its own engine's rows (`_attend_row`); an engine
-        whose part fails fails alone (`IsolatedRows`)."""
+        whose part fails fails alone (`IsolatedRows`). Engines on the quantiser's kernel path
+        (`settle`; the batch key keeps them together) take its batched step."""
+        paths = [e._fast for e in engines]
+        if paths[0] is not None:
+            kernel_paths = [path for path in paths if isinstance(path, KernelPath)]
+            assert len(kernel_paths) == len(engines), "batch_key groups kernel-path engines"
+            step = BatchedKernelStep.of(model, engines[0].batch_key(), kernel_paths[0])
+            return step.step(model, ffn, kernel_paths, [e.position for e in engines], rows)
         shared = [SharedKv(model.config) for _ in engines]  # each session's, for sharing layers
         positions = [e.position for e in engines]
         isolated = IsolatedRows()

@@ -65,6 +65,9 @@ class StoredStep(Protocol):
 
     def stored_rows(self, layer: int) -> int: ...
 
+    def batch_key(self) -> Hashable:
+        """What steps of this kind must agree on, besides their engines', to run together."""
+
 
 class KeptStorage(Protocol):
     """How a full-attention layer holds the rows its policy keeps, when not as they are."""
@@ -177,9 +180,10 @@ class EvictingEngine(KvEngine):
     def batch_key(self) -> Hashable | None:
         """Sessions whose kept rows storages of one kind hold batch (the storage steps them);
         the policy's own rows step alone."""
-        if self.storage is None or not self._prefilled or self._fast is not None:
-            return None  # (a storage's own step steps alone)
-        return (type(self), self.config(), self.storage.batch_key())
+        if self.storage is None or not self._prefilled:
+            return None
+        fast = None if self._fast is None else self._fast.batch_key()
+        return (type(self), self.config(), self.storage.batch_key(), fast)
 
     @classmethod
     def _step_batch(

@@ -7,7 +7,10 @@ program per (K/V head, split, session), each finding its session's state by offs
 anchor tensor. The step's inputs (the rows, each row's position and, per layer, its offsets and
 store size) live in device tensors filled before each replay, so on CUDA one captured graph
 per batch-size bucket (`captured_step.bucket`) and largest capacity serves any set of sessions:
-rows past the real ones attend over and write into a one-slot pad state at position 0.
+rows past the real ones attend over and write into a one-slot pad state at position 0. Sessions
+whose layers hold fewer rows than their position (an eviction composed with the codec:
+`KernelPath.shifted`) step in buckets of their own, whose step lays each layer out by the row's
+rows (its position less the layer's offset) and rotates by the position.
 
 Greedy tokens batched equal the tokens alone; logits agree to float rounding (the splits of the
 stored rows follow the batch's largest store, not each session's own).
@@ -46,6 +49,10 @@ class _BucketStep:
     meta: torch.Tensor  # [L, Bb, META] int64: per layer, each row's offsets and store slots
     workspace: object  # kernels.Workspace for Bb sessions
     graph: CapturedStep = field(default_factory=CapturedStep)
+    # shifted buckets: [L, Bb] int64, each layer's rows not kept of each row's prompt (`offsets`),
+    # and the rows each layer holds before the row's new one (`rows_at`, computed in the step)
+    offsets: torch.Tensor | None = None
+    rows_at: torch.Tensor | None = None
 
 
 class BatchedKernelStep:
@@ -95,12 +102,19 @@ class BatchedKernelStep:
             path.ensure_room(model, position)
         count = rows.shape[0]
         capacity = next_power_of_two(max(path.capacity for path in paths))
-        inputs = self._inputs(model, bucket(count), capacity)
+        shifted = any(path.shifted for path in paths)
+        # RoPE's rows for every position: beyond the capacity where a layer holds fewer rows
+        rope = next_power_of_two(max(capacity, max(positions) + 1)) if shifted else capacity
+        inputs = self._inputs(model, bucket(count), capacity, rope, shifted)
         size = inputs.rows.shape[0]
         metas = [path.batch_meta(self.operands) for path in paths]
         metas += [self._pad_meta] * (size - count)
         inputs.meta.copy_(torch.stack(metas, dim=1))  # [L, Bb, META]
         inputs.positions.copy_(torch.tensor([*positions, *[0] * (size - count)]))
+        if inputs.offsets is not None:
+            offsets = [path.offsets for path in paths]
+            offsets += [[0] * model.config.num_layers] * (size - count)
+            inputs.offsets.copy_(torch.tensor(offsets, dtype=torch.long).T)  # [L, Bb]
         inputs.rows[:count].copy_(rows)
         inputs.rows[count:].zero_()
 
@@ -115,19 +129,24 @@ class BatchedKernelStep:
             path.position = position + 1
         return out
 
-    def _inputs(self, model: Model, size: int, capacity: int) -> _BucketStep:
-        key = (size, capacity)
+    def _inputs(
+        self, model: Model, size: int, capacity: int, rope: int, shifted: bool
+    ) -> _BucketStep:
+        key = (size, capacity, rope, shifted)
         if key not in self._buckets:
-            reserve_rope(model, capacity)
+            reserve_rope(model, rope)
             cfg, device = model.config, model.device
             long = {"dtype": torch.long, "device": device}
+            per_layer = (cfg.num_layers, size)
             self._buckets[key] = _BucketStep(
                 rows=torch.zeros((size, cfg.hidden_size), dtype=model.dtype, device=device),
                 positions=torch.zeros(size, **long),
-                meta=torch.zeros((cfg.num_layers, size, self._kernels.META.value), **long),
+                meta=torch.zeros((*per_layer, self._kernels.META.value), **long),
                 workspace=self._kernels.Workspace.of(
                     cfg.num_heads, cfg.num_kv_heads, self._pad.tables, device, size
                 ),
+                offsets=torch.zeros(per_layer, **long) if shifted else None,
+                rows_at=torch.zeros(per_layer, **long) if shifted else None,
             )
         return self._buckets[key]
 
@@ -138,6 +157,9 @@ class BatchedKernelStep:
         cfg = model.config
         softcap = cfg.arch.attn_softcap or 0.0
         rope = RopeAtPosition(inputs.positions)
+        rows_at = inputs.rows_at
+        if rows_at is not None and inputs.offsets is not None:  # [L, Bb]
+            torch.sub(inputs.positions[None, :], inputs.offsets, out=rows_at)
         h = inputs.rows
         for layer in range(cfg.num_layers):
             q, k, v = project_qkv_with_rope(model, layer, h, *rope(model, layer))  # [H·, Bb, D]
@@ -149,7 +171,7 @@ class BatchedKernelStep:
                 v.transpose(0, 1),
                 self.operands,
                 inputs.meta[layer],
-                inputs.positions,
+                inputs.positions if rows_at is None else rows_at[layer],
                 slots,
                 self._pad.tables,
                 cfg.attn_scale,

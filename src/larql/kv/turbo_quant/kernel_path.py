@@ -24,6 +24,7 @@ launches over every session's state, found by offsets (`batch_meta`).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -268,9 +269,17 @@ class KernelPath:
 
     @property
     def shifted(self) -> bool:
-        """Whether some layer holds fewer rows than the position (`start`'s `rows`): such a
-        path steps alone (the batched step's layers read one position a row)."""
+        """Whether some layer holds fewer rows than the position (`start`'s `rows`)."""
         return any(self._offsets)
+
+    @property
+    def offsets(self) -> list[int]:
+        """Each layer's prompt rows not kept: it holds `position − offset` rows."""
+        return list(self._offsets)
+
+    def batch_key(self) -> Hashable:
+        """What paths stepping together must agree on besides their engines' configuration."""
+        return ("kernels", self.use_graph, self.partial_in_cuda)
 
     def rows(self, layer: int) -> int:
         """The rows layer `layer` holds (its layout's position): the token position less the
