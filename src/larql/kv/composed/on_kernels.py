@@ -24,8 +24,9 @@ from collections.abc import Callable
 import torch
 
 from larql.inference.memory import tensor_bytes
-from larql.kv.turbo_quant.engine import TurboQuantEngine
+from larql.kv.turbo_quant.engine import TurboQuantEngine, on_kernel_path
 from larql.kv.turbo_quant.kernel_path import KernelPath
+from larql.kv.turbo_quant.store import QuantisedLayer
 from larql.models.model import Model
 
 
@@ -83,4 +84,22 @@ def settle(
         held = layers[i]
         path.store_prompt(i, held.keys, held.values)
         layers[i] = None  # the rows live in the path now
+    return path
+
+
+def resettle(
+    quantiser: TurboQuantEngine, model: Model, layers: list, position: int
+) -> KernelPath | None:
+    """Every layer's store read back from a saved state at `position` tokens (a full-attention
+    layer's kept rows, a sliding layer's window) → the kernel path holding them as `settle`
+    would (the entries then None), or None where a layer is held otherwise (each head its own
+    count) or a store is not laid out as the path lays out its rows."""
+    if not layers or not all(isinstance(held, QuantisedLayer) for held in layers):
+        return None
+    keeps = quantiser._prepare_layouts(model)
+    # a sliding layer keeps its window by position: it holds every token (offset 0)
+    rows = [len(held) if held.codes.keep is None else position for held in layers]
+    path = on_kernel_path(quantiser._kernel_path(model, keeps), model, position, layers, rows)
+    if path is not None:
+        layers[:] = [None] * len(layers)
     return path

@@ -142,9 +142,9 @@ def composition_doc(entries: Iterable[EngineEntry]) -> str:
         "through the quantiser's torch path on every device. On CUDA a compress-once eviction "
         "with one count of rows a layer decodes on the quantiser's own Triton kernels, the "
         "step in a CUDA graph (each layer's stores laid out by its row count, RoPE at the "
-        "tokens' positions) and refuses snapshots (as the quantiser's kernel path does: give "
-        "it `attention=sdpa`). In `larql serve` a composed session batches with sessions of "
-        "the same composition, parameters and path."
+        "tokens' positions); its saved state is the torch path's, and reads back onto "
+        "either path. In `larql serve` a composed session batches with sessions of the same "
+        "composition, parameters and path."
     )
 
 

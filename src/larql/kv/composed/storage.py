@@ -34,7 +34,7 @@ from larql.inference.shared_kv import SharedKv
 from larql.inference.snapshots import StateReader, StateWriter
 from larql.kernels.cpu import cpu_extension
 from larql.kv.composed.dropping import drop_rows
-from larql.kv.composed.on_kernels import ExactKept, kernels_take, settle
+from larql.kv.composed.on_kernels import ExactKept, kernels_take, resettle, settle
 from larql.kv.composed.ragged import RaggedCodes
 from larql.kv.eviction.base import EvictingEngine
 from larql.kv.eviction.ragged import RaggedRows
@@ -229,6 +229,13 @@ class QuantisedStorage:
         the kernel path holding them (the waiting layers then None), or None with the waiting
         layers coded into the torch path's stores."""
         return settle(self.quantiser, model, layers, prompt_length, partial(self._coded, model))
+
+    def resettle(self, model: Model, layers: list, position: int) -> KernelPath | None:
+        """The stores read back from a saved state → the kernel path holding them where
+        `settle` would have put them there (their entries then None), else None."""
+        if self.drops or not kernels_take(self.quantiser, model):
+            return None
+        return resettle(self.quantiser, model, layers, position)
 
     def _coded(self, model: Model, layer: int, rows: ExactKept) -> KeptCodes:
         """Rows that waited for the kernel path, coded into the torch path's store instead."""

@@ -65,6 +65,9 @@ class StoredStep(Protocol):
 
     def stored_rows(self, layer: int) -> int: ...
 
+    def write_layer_state(self, layer: int, state: StateWriter) -> None:
+        """The layer's rows as the storage's own store of the layer writes them."""
+
     def batch_key(self) -> Hashable:
         """What steps of this kind must agree on, besides their engines', to run together."""
 
@@ -107,6 +110,10 @@ class KeptStorage(Protocol):
         """The prompt's layers once each is kept (`hold`, `window`) → a decode step of the
         storage's own holding them all (their entries then None), or None (each layer holds
         what `hold` or `window` gave, now final)."""
+
+    def resettle(self, model: Model, layers: list, position: int) -> StoredStep | None:
+        """The layers read back from a saved state (`read`, `read_window`) → the step `settle`
+        gives holding them (their entries then None), or None (the layers stay as read)."""
 
     def describe(self, fast: StoredStep | None = None) -> str:
         """What holds the kept rows (`fast`: the engine's step from `settle`)."""
@@ -161,14 +168,6 @@ class EvictingEngine(KvEngine):
             return None
         return "cuda-graph" if self._fast.captured else "static"
 
-    def snapshot_refusal(self) -> str | None:
-        if self._fast is not None:
-            return (
-                "its quantiser's CUDA kernel path keeps codes in fixed slots; give the "
-                "quantiser attention=sdpa"
-            )
-        return None
-
     def info(self) -> EngineInfo:
         if self.storage is None:
             return super().info()
@@ -220,9 +219,16 @@ class EvictingEngine(KvEngine):
         return self._prompt is not None
 
     def write_state(self, state: StateWriter) -> None:
-        """Each layer's kept rows (`layers.N.*`)."""
+        """Each layer's kept rows (`layers.N.*`: their count `rows` and what holds them), in
+        one form whether the storage's own step holds them or each layer's store does."""
         for layer, rows in enumerate(self._layers):
-            rows.write_state(state.scope(f"layers.{layer}"))
+            scoped = state.scope(f"layers.{layer}")
+            if rows is not None:
+                rows.write_state(scoped)
+                continue
+            assert self._fast is not None, "only the storage's step takes a layer's rows"
+            scoped.put("rows", self._fast.stored_rows(layer))
+            self._fast.write_layer_state(layer, scoped)
 
     def read_state(self, state: StateReader, model: Model) -> None:
         """Each layer's rows: none on a layer sharing another's K/V, a sliding layer's window,
@@ -248,6 +254,8 @@ class EvictingEngine(KvEngine):
                 self._layers.append(self.storage.read(scoped, model, layer, self.position))
             else:
                 self._layers.append(self._read_kept(scoped, *shape))
+        if self.storage is not None:
+            self._fast = self.storage.resettle(model, self._layers, self.position)
 
     @abstractmethod
     def _read_kept(self, state: StateReader, dtype: torch.dtype, heads: int, dim: int):

@@ -189,11 +189,6 @@ class TurboQuantEngine(KvEngine):
     def supports_multimodal(self) -> bool:
         return True
 
-    def snapshot_refusal(self) -> str | None:
-        if self._fast is not None:
-            return "its CUDA kernel path keeps codes in fixed slots; use attention=sdpa"
-        return None
-
     def prompt_part_way(self) -> bool:
         return self._prompt is not None
 
@@ -205,6 +200,8 @@ class TurboQuantEngine(KvEngine):
             return super().fork_prefix(model, tokens)
         if any(shares(model.config, layer) for layer in range(model.config.num_layers)):
             return None
+        if self._fast is not None:  # its prefix keeps rows coded the kernel path holds exact
+            return None
         clone = super().fork_prefix(model, self.position)
         if not isinstance(clone, TurboQuantEngine) or clone._layers is None:
             return None
@@ -214,19 +211,30 @@ class TurboQuantEngine(KvEngine):
         return clone
 
     def write_state(self, state: StateWriter) -> None:
-        """Each layer's stored rows (`layers.N.*`: sinks, codes, recent rows, mean)."""
+        """Each layer's stored rows (`layers.N.*`: sinks, codes, recent rows, mean), in one
+        form whichever path holds them."""
+        if self._fast is not None:
+            for layer in range(len(self._fast.layers)):
+                self._fast.write_layer_state(layer, state.scope(f"layers.{layer}"))
+            return
         for layer, store in enumerate(self._layers or []):
             store.write_state(state.scope(f"layers.{layer}"))
 
     def read_state(self, state: StateReader, model: Model) -> None:
-        """Every layer's rows of `position` tokens on the torch path (none on a layer that
-        shares another's K/V)."""
+        """Every layer's rows of `position` tokens (none on a layer that shares another's
+        K/V), then onto the kernel path where its kernels run and the rows are laid out as
+        it lays them out (`on_kernel_path`)."""
         keeps = self._prepare_layouts(model)
         self._fast, self._prompt = None, None
         self._layers = self._torch_layers(model, keeps)
         for layer, store in enumerate(self._layers):
             held = 0 if shares(model.config, layer) else self.position
             store.read_state(state.scope(f"layers.{layer}"), held)
+        self._fast = on_kernel_path(
+            self._kernel_path(model, keeps), model, self.position, self._layers
+        )
+        if self._fast is not None:
+            self._layers = None
 
     # ------------------------------------------------------------------ prefill
 
@@ -642,3 +650,21 @@ def _attend_and_keep(
         return engine._attend_in_basis(model, layer, q, keys, values, rotation)  # [1, q_dim]
     new[i] = (k, v)
     return engine._attend_and_share(model, layer, q, k, v, rotation, shared[i])
+
+
+def on_kernel_path(
+    path: KernelPath | None,
+    model: Model,
+    position: int,
+    stores: list[QuantisedLayer],
+    rows: list[int] | None = None,
+) -> KernelPath | None:
+    """Torch-path stores read back from a saved state (`rows[i]` rows in store i; None: the
+    position in each) → `path` holding them, or None where there is no path or a store is not
+    laid out as the path lays out its rows (then the stores stay the engine's)."""
+    if path is None:
+        return None
+    path.start(model, position, rows)
+    if not all(path.take_layer(layer, store) for layer, store in enumerate(stores)):
+        return None
+    return path

@@ -40,6 +40,7 @@ from larql.inference.layer import (
 )
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.inference.profiling import EngineProfiler
+from larql.inference.snapshots import StateWriter
 from larql.kernels.ran import TRITON, ran
 from larql.kv.captured_step import (
     CapturedStep,
@@ -52,7 +53,7 @@ from larql.kv.turbo_quant import planes
 from larql.kv.turbo_quant.codec import NORM_BYTES
 from larql.kv.turbo_quant.layout import ring_slots, token_vectors
 from larql.kv.turbo_quant.recent import int8_decode, int8_encode
-from larql.kv.turbo_quant.store import KvLayout, exact_dtype, rotate
+from larql.kv.turbo_quant.store import KvLayout, QuantisedLayer, exact_dtype, rotate
 from larql.models.model import Model
 
 if TYPE_CHECKING:  # the kernels import Triton: only where they run
@@ -335,17 +336,71 @@ class KernelPath:
         recent rows at 16 bits or decoded from int8 (float32)."""
         where, levers, rows = self.layouts[layer], self.levers[layer], self.rows(layer)
         sinks = levers.exact[: where.sink_rows(rows)]
-        first, end = where.recent_tokens(rows)
-        slots = [where.exact_slot(t) for t in range(first, end)]
-        index = torch.tensor(slots, dtype=torch.long, device=levers.exact.device)
+        index = self._recent_slots(layer)[0]
         if levers.ring is None or levers.ring_scales is None:
             return sinks, levers.exact[index]
         ring = index - where.sinks
         return sinks, int8_decode(levers.ring[ring], levers.ring_scales[ring].unsqueeze(-1))
 
+    def _recent_slots(self, layer: int) -> tuple[torch.Tensor, int, int]:
+        """The exact slots of the layer's recent rows, oldest first: (long [n], first token,
+        end token)."""
+        where, rows = self.layouts[layer], self.rows(layer)
+        first, end = where.recent_tokens(rows)
+        slots = [where.exact_slot(t) for t in range(first, end)]
+        device = self.levers[layer].exact.device
+        return torch.tensor(slots, dtype=torch.long, device=device), first, end
+
     def mean(self, layer: int) -> torch.Tensor | None:
         """The layer's centering rows [2, Hkv, D] float32, or None."""
         return self.levers[layer].mean if self._center else None
+
+    # ------------------------------------------------------------------ saved state
+
+    def write_layer_state(self, layer: int, state: StateWriter) -> None:
+        """The layer's rows as the torch path's store writes them (`QuantisedLayer.write_state`:
+        `sinks`, `codes`, `recent.codes` — and at 8 bits `recent.scales` — and `mean`), so a
+        state saved on either path reads back on either."""
+        where, levers = self.layouts[layer], self.levers[layer]
+        state.tensor("sinks", levers.exact[: where.sink_rows(self.rows(layer))])
+        state.tensor("codes", self.codes_in_token_order(layer))
+        slots, _, _ = self._recent_slots(layer)
+        recent = state.scope("recent")
+        if levers.ring is None or levers.ring_scales is None:
+            recent.tensor("codes", levers.exact[slots])  # [n, 2, Hkv, D]
+        else:
+            ring = slots - where.sinks
+            recent.tensor("codes", levers.ring[ring])  # [n, 2, Hkv, D] int8
+            recent.tensor("scales", levers.ring_scales[ring].unsqueeze(-1))  # [n, 2, Hkv, 1]
+        state.tensor("mean", self.mean(layer))
+
+    def take_layer(self, layer: int, store: QuantisedLayer) -> bool:
+        """The rows of a torch-path store (read back from a saved state) into the layer's slots,
+        where they are laid out as this path lays out `rows(layer)` rows → whether they were: a
+        store cut back to a prefix keeps rows coded that this path would hold exact (then
+        nothing is taken)."""
+        where, levers, rows = self.layouts[layer], self.levers[layer], self.rows(layer)
+        first, end = where.coded(rows)
+        slots, recent_first, recent_end = self._recent_slots(layer)
+        counts = (where.sink_rows(rows), end - first, recent_end - recent_first)
+        if (len(store.sinks), len(store.codes), len(store.recent)) != counts:
+            return False
+        if counts[0]:
+            levers.exact[: counts[0]] = store.sinks.rows
+        if counts[2]:
+            recent = store.recent
+            if levers.ring is None or levers.ring_scales is None:
+                levers.exact[slots] = recent.codes.rows.to(levers.exact.dtype)
+            else:
+                ring = slots - where.sinks
+                levers.ring[ring] = recent.codes.rows  # int8 [n, 2, Hkv, D]
+                levers.ring_scales[ring] = recent.scales.rows.squeeze(-1)
+        if counts[1]:
+            self.layers[layer].write(store.codes.rows, first)  # [n, row_bytes]
+        if self._center and store.mean is not None:
+            levers.mean.copy_(store.mean)
+            levers.mean_rotated.copy_(rotate(store.mean, self._tables.rotation))
+        return True
 
     def start(self, model: Model, prompt_length: int, rows: list[int] | None = None) -> None:
         """Stores for a prompt of `prompt_length` tokens of which layer i keeps rows[i] (None:
