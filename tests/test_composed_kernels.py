@@ -23,8 +23,6 @@ from helpers import (
 )
 from larql.inference.engine import KvEngine
 from larql.inference.ffn import DenseFfn
-from larql.inference.prefix_cache import PrefixCache
-from larql.inference.snapshots import StateReader, StateWriter, declared_state, restore_into
 from larql.kv import captured_step, parse_engine
 from larql.kv.composed.storage import KeptCodes
 from larql.kv.turbo_quant.kernel_path import KernelPath
@@ -127,80 +125,6 @@ def test_a_prompt_in_parts_ends_on_the_kernel_path(smollm2: Model, monkeypatch) 
         ours = parts.decode_step(model, ffn, ids[-1])
         reference = whole.decode_step(model, ffn, ids[-1])
     assert relative_error(ours, reference) <= 1e-5
-
-
-def restored(spec: str, model: Model, state: StateWriter, position: int) -> KvEngine:
-    """A fresh engine of `spec` holding `state` at `position` tokens, as a saved state or a
-    fork is read back."""
-    engine = parse_engine(spec).build(model)
-    assert isinstance(engine, KvEngine)
-    reader = StateReader(state.fields, state.tensors, model.device)
-    restore_into(engine, reader, model, position)
-    reader.finish()
-    return engine
-
-
-@pytest.mark.parametrize(
-    "spec",
-    ["snapkv:keep=0.5,window=4+kv-quant:bits=4", "turbo-quant:bits=4,recent=3,sinks=2,center=1"],
-)
-@pytest.mark.slow
-def test_a_state_on_the_kernel_path_reads_back_onto_either_path(
-    spec: str, smollm2: Model, monkeypatch
-) -> None:
-    """The kernel path writes the torch path's state: a fork stays on the kernel path and steps
-    as the engine it came from; read where the kernels do not run, the state steps on the
-    torch path to the kernel path's logits; a state the torch path wrote reads back onto the
-    kernel path."""
-    model = model_for_kernels(smollm2, monkeypatch, interpreted_layers=1)
-    ids = model.tokenizer.encode(TEXT)
-    ffn = DenseFfn(model)
-    engine = prefilled(spec, model, ids[:-4])
-    with torch.inference_mode():
-        engine.decode_step(model, ffn, ids[-4])  # a decoded row among those saved
-        fork = engine.fork(model)
-        state, held = declared_state(engine), engine.memory().state
-        assert isinstance(fork._fast, KernelPath)  # type: ignore[attr-defined]
-        ours = engine.decode_step(model, ffn, ids[-3])
-        assert relative_error(fork.decode_step(model, ffn, ids[-3]), ours) <= 1e-6
-        monkeypatch.setattr(larql.kernels, "triton_available", lambda device: False)
-        on_torch = restored(spec, model, state, engine.position - 1)
-        assert on_torch._fast is None  # type: ignore[attr-defined]
-        assert on_torch.memory().state == held
-        theirs = on_torch.decode_step(model, ffn, ids[-3])
-        assert relative_error(theirs, ours) <= 1e-4
-        state = declared_state(on_torch)
-        monkeypatch.setattr(larql.kernels, "triton_available", lambda device: True)
-        back = restored(spec, model, state, on_torch.position)
-        assert isinstance(back._fast, KernelPath)  # type: ignore[attr-defined]
-        assert back.memory().state == on_torch.memory().state == engine.memory().state
-        assert (
-            relative_error(
-                back.decode_step(model, ffn, ids[-2]), on_torch.decode_step(model, ffn, ids[-2])
-            )
-            <= 1e-4
-        )
-
-
-@pytest.mark.slow
-def test_the_prefix_cache_holds_kernel_path_states(smollm2: Model, monkeypatch) -> None:
-    """A prompt that extends a cached one resumes on the kernel path, stepping as the cached
-    engine would; one that leaves it part-way misses (a kernel-path state is not cut back)."""
-    model = model_for_kernels(smollm2, monkeypatch, interpreted_layers=1)
-    spec = "snapkv:keep=0.5,window=4+turbo-quant:bits=4"
-    ids = model.tokenizer.encode(TEXT)
-    prompt, ffn = ids[:-3], DenseFfn(model)
-    engine = prefilled(spec, model, prompt)
-    cache = PrefixCache(2**30, min_tokens=8)
-    assert cache.store(model, spec, prompt, engine)
-    resumed = cache.lookup(model, spec, ids)
-    assert resumed is not None and resumed.tokens == len(prompt)
-    assert isinstance(resumed.engine._fast, KernelPath)  # type: ignore[attr-defined]
-    with torch.inference_mode():
-        ours = resumed.engine.decode_step(model, ffn, ids[-3])
-        reference = engine.decode_step(model, ffn, ids[-3])
-    assert relative_error(ours, reference) <= 1e-6
-    assert cache.lookup(model, spec, prompt[:-5] + [ids[0]] * 4) is None
 
 
 @pytest.mark.slow

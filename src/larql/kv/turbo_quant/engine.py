@@ -66,7 +66,7 @@ from larql.inference.layer import (
 )
 from larql.inference.memory import MemoryBreakdown
 from larql.inference.shared_kv import SharedKv, shares
-from larql.inference.snapshots import StateReader, StateWriter
+from larql.inference.snapshots import StateReader, StateWriter, declared_state
 from larql.kernels.cpu import cpu_extension
 from larql.kv.buffers import KvBuffer
 from larql.kv.pass_in_parts import PassInParts
@@ -193,15 +193,17 @@ class TurboQuantEngine(KvEngine):
         return self._prompt is not None
 
     def fork_prefix(self, model: Model, tokens: int) -> Engine | None:
-        """On the torch path, every layer's rows of the first `tokens` tokens as this engine
-        keeps them: rows coded over the longer context stay coded, and the mean a centred
-        codec subtracts stays the longer prompt's (what it kept of them, not a fresh prefill)."""
+        """Every layer's rows of the first `tokens` tokens as this engine keeps them: rows
+        coded over the longer context stay coded, and the mean a centred codec subtracts
+        stays the longer prompt's (what it kept of them, not a fresh prefill). On the kernel
+        path, whose newest rows are exact, the newest coded ones go back among them decoded
+        (`QuantisedLayer.uncode_newest`): the values their codes hold."""
         if tokens == self.position or not 0 < tokens < self.position:
             return super().fork_prefix(model, tokens)
         if any(shares(model.config, layer) for layer in range(model.config.num_layers)):
             return None
-        if self._fast is not None:  # its prefix keeps rows coded the kernel path holds exact
-            return None
+        if self._fast is not None:
+            return self._fork_prefix_on_kernels(model, tokens)
         clone = super().fork_prefix(model, self.position)
         if not isinstance(clone, TurboQuantEngine) or clone._layers is None:
             return None
@@ -209,6 +211,23 @@ class TurboQuantEngine(KvEngine):
             return None
         clone.position = tokens
         return clone
+
+    def _fork_prefix_on_kernels(self, model: Model, tokens: int) -> Engine | None:
+        """`fork_prefix` of a kernel-path engine: its state read into the torch path's stores,
+        cut back, its newest rows made exact again, then forked onto the kernel path."""
+        if not self._forkable():
+            return None
+        whole = declared_state(self, keep_device=True)
+        reader = StateReader(whole.fields, whole.tensors, model.device)
+        stores = self._torch_layers(model, self._prepare_layouts(model))
+        prefix = StateWriter(keep_device=True)
+        for layer, store in enumerate(stores):
+            store.read_state(reader.scope(f"layers.{layer}"), self.position)
+            if not store.cut_back(tokens):
+                return None
+            store.uncode_newest()
+            store.write_state(prefix.scope(f"layers.{layer}"))
+        return self._fork_holding(model, prefix, tokens)
 
     def write_state(self, state: StateWriter) -> None:
         """Each layer's stored rows (`layers.N.*`: sinks, codes, recent rows, mean), in one

@@ -121,6 +121,25 @@ class QuantisedLayer:
         self.recent.truncate(tokens - sinks - codes)
         return True
 
+    def uncode_newest(self) -> None:
+        """After `cut_back`: the newest coded rows back among the recent rows, decoded (the
+        values the codes hold), until the recent rows are as many as a layer of this length
+        holds when its rows came one after another — the layout a path keeping the newest
+        rows in a ring needs (`KernelPath.take_layer`)."""
+        held = min(self.recent_room, len(self) - len(self.sinks))
+        n = min(held - len(self.recent), len(self.codes))
+        if n <= 0:
+            return
+        keys, values = self._decoded(torch.float32, None, self.codes.rows[-n:])  # [Hkv, n, D]
+        newer = [store.live_rows() for store in self.recent.storages()]
+        newer = [None if rows is None else rows.clone() for rows in newer]
+        self.codes.truncate(len(self.codes) - n)
+        self.recent.truncate(0)
+        self.recent.append(torch.stack((keys, values)).permute(2, 0, 1, 3))  # [n, 2, Hkv, D]
+        for store, rows in zip(self.recent.storages(), newer, strict=True):
+            if rows is not None and rows.shape[0]:
+                store.append(rows)  # in their stored form
+
     # ------------------------------------------------------------------ writing
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -212,9 +231,11 @@ class QuantisedLayer:
         return x[0].to(dtype), x[1].to(dtype)
 
     def _decoded(
-        self, dtype: torch.dtype, rotation: torch.Tensor | None
+        self, dtype: torch.dtype, rotation: torch.Tensor | None, codes: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        codes = self.codes.rows  # [n, row_bytes]: K heads' vectors, then V heads'
+        """The code rows (every one, or `codes` [n, row_bytes]: K heads' vectors, then V
+        heads') decoded → keys, values [Hkv, n, D], or [Hkv, n, D'] in the rotated basis."""
+        codes = self.codes.rows if codes is None else codes
         n = codes.shape[0]
         k_codec, v_codec = self.layout.k_codec, self.layout.v_codec
         if k_codec is v_codec:  # both halves in one call
