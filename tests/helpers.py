@@ -143,3 +143,12 @@ def greedy_streams(
             for stream, token in zip(tokens, last, strict=True):
                 stream.append(token)
     return tokens, torch.stack(logits)
+
+
+def prefilled_engine(spec: str, model: Model, ids: list[int]) -> KvEngine:
+    """An engine of `spec` after the prompt `ids`."""
+    engine = parse_engine(spec).build(model)
+    assert isinstance(engine, KvEngine)
+    with torch.inference_mode():
+        engine.prefill(model, DenseFfn(model), ids)
+    return engine

@@ -18,6 +18,7 @@ from helpers import (
     greedy_streams,
     kernel_module,
     model_for_kernels,
+    prefilled_engine,
     relative_error,
     teacher_forced,
 )
@@ -43,14 +44,6 @@ def on_torch_path(spec: str) -> str:
     return spec.replace("-quant:bits=", "-quant:attention=sdpa,bits=")
 
 
-def prefilled(spec: str, model: Model, ids: list[int]) -> KvEngine:
-    engine = parse_engine(spec).build(model)
-    assert isinstance(engine, KvEngine)
-    with torch.inference_mode():
-        engine.prefill(model, DenseFfn(model), ids)
-    return engine
-
-
 @pytest.mark.parametrize(
     "spec",
     ["snapkv:keep=0.5,window=4+turbo-quant:bits=4", "keydiff:keep=0.25+kv-quant:bits=4"],
@@ -65,7 +58,8 @@ def test_kernel_path_decodes_as_the_torch_path(spec: str, smollm2: Model, monkey
     reference = teacher_forced(model, on_torch_path(spec), ids, prompt)
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
     assert relative_error(ours, reference) <= 1e-4
-    fast, torch_path = (prefilled(s, model, ids[:prompt]) for s in (spec, on_torch_path(spec)))
+    specs = (spec, on_torch_path(spec))
+    fast, torch_path = (prefilled_engine(s, model, ids[:prompt]) for s in specs)
     path = fast._fast  # type: ignore[attr-defined]
     assert isinstance(path, KernelPath) and path.shifted
     assert fast._layers == [None] * model.config.num_layers  # type: ignore[attr-defined]
@@ -101,7 +95,7 @@ def test_sessions_batched_give_their_tokens_alone(smollm2: Model, monkeypatch) -
     assert torch.allclose(logits, alone_logits, atol=1e-3, rtol=0)
     ids = model.tokenizer.encode(TEXT)
     for other in (on_torch_path(spec), "kv-quant:bits=4"):
-        assert prefilled(other, model, ids).batch_key() != engines[0].batch_key()
+        assert prefilled_engine(other, model, ids).batch_key() != engines[0].batch_key()
 
 
 @pytest.mark.slow
@@ -112,7 +106,7 @@ def test_a_prompt_in_parts_ends_on_the_kernel_path(smollm2: Model, monkeypatch) 
     spec = "snapkv:keep=0.5,window=4+kv-quant:bits=4"
     ids = model.tokenizer.encode(TEXT)
     ffn = DenseFfn(model)
-    whole = prefilled(spec, model, ids[:-1])
+    whole = prefilled_engine(spec, model, ids[:-1])
     parts = parse_engine(spec).build(model)
     assert isinstance(parts, KvEngine)
     with torch.inference_mode():
@@ -132,7 +126,7 @@ def test_rows_kept_per_head_stay_on_the_torch_path(smollm2: Model, monkeypatch) 
     """`heads=adaptive` keeps another count of rows on each head: the kernels' one count a
     layer does not hold them, so the rows are coded into the torch path's stores."""
     model = model_for_kernels(smollm2, monkeypatch, interpreted_layers=1)
-    engine = prefilled(
+    engine = prefilled_engine(
         "snapkv:keep=0.5,window=4,heads=adaptive+turbo-quant:bits=4",
         model,
         model.tokenizer.encode(TEXT),
@@ -170,7 +164,7 @@ def test_sliding_layers_keep_their_window_while_full_layers_grow(
     reference = teacher_forced(model, on_torch_path(spec), ids, prompt)
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
     assert relative_error(ours, reference) <= 1e-4
-    fast, torch_path = (prefilled(s, model, ids) for s in (spec, on_torch_path(spec)))
+    fast, torch_path = (prefilled_engine(s, model, ids) for s in (spec, on_torch_path(spec)))
     path = fast._fast  # type: ignore[attr-defined]
     assert isinstance(path, KernelPath) and path.shifted
     for layer, spec_of_layer in enumerate(model.config.layers):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import larql.kernels
-from helpers import kernel_module, model_for_kernels, relative_error
+from helpers import kernel_module, model_for_kernels, prefilled_engine, relative_error
 from larql.inference.engine import KvEngine
 from larql.inference.ffn import DenseFfn
 from larql.inference.prefix_cache import PrefixCache
@@ -27,14 +27,6 @@ TEXT = "Alice put the red ball in the box, and Bob took it out again and then " 
 @pytest.fixture(scope="module", autouse=True)
 def kernels() -> None:
     kernel_module("larql.kv.turbo_quant.kernels")  # skips without Triton
-
-
-def prefilled(spec: str, model: Model, ids: list[int]) -> KvEngine:
-    engine = parse_engine(spec).build(model)
-    assert isinstance(engine, KvEngine)
-    with torch.inference_mode():
-        engine.prefill(model, DenseFfn(model), ids)
-    return engine
 
 
 def restored(spec: str, model: Model, state: StateWriter, position: int) -> KvEngine:
@@ -63,7 +55,7 @@ def test_a_state_on_the_kernel_path_reads_back_onto_either_path(
     model = model_for_kernels(smollm2, monkeypatch, interpreted_layers=1)
     ids = model.tokenizer.encode(TEXT)
     ffn = DenseFfn(model)
-    engine = prefilled(spec, model, ids[:-4])
+    engine = prefilled_engine(spec, model, ids[:-4])
     with torch.inference_mode():
         engine.decode_step(model, ffn, ids[-4])  # a decoded row among those saved
         fork = engine.fork(model)
@@ -104,7 +96,7 @@ def test_the_prefix_cache_holds_kernel_path_states(
     model = model_for_kernels(smollm2, monkeypatch, interpreted_layers=1)
     ids = model.tokenizer.encode(TEXT)
     prompt, ffn = ids[:-3], DenseFfn(model)
-    engine = prefilled(spec, model, prompt)
+    engine = prefilled_engine(spec, model, prompt)
     cache = PrefixCache(2**30, min_tokens=8)
     assert cache.store(model, spec, prompt, engine)
     resumed = cache.lookup(model, spec, ids)
@@ -140,7 +132,7 @@ def test_a_prefix_cut_from_the_kernel_path_holds_its_newest_rows_exact(
     model = model_for_kernels(smollm2, monkeypatch, interpreted_layers=1)
     ids = model.tokenizer.encode(TEXT)
     ffn = DenseFfn(model)
-    engine = prefilled(spec, model, ids[:-6])
+    engine = prefilled_engine(spec, model, ids[:-6])
     with torch.inference_mode():
         engine.decode_step(model, ffn, ids[-6])
         state, position = declared_state(engine), engine.position
