@@ -101,6 +101,17 @@ def gemma3() -> Model:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma2(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """A tiny random Gemma 2 (float64): attention logits soft-capped, grouped query heads."""
+    pytest.importorskip("transformers")
+    from tiny_models import build_tiny_model
+
+    directory = tmp_path_factory.mktemp("tiny-gemma2")
+    build_tiny_model("gemma2", directory)
+    return load_model(str(directory), dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Model:
     """A tiny random Gemma 3 (float64): sliding layers of 6 keys beside global ones, head_dim 12
     (a codec pads it to 16)."""

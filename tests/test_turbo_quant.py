@@ -33,8 +33,8 @@ from larql.kv.turbo_quant.rotation import (
     signed_walsh_hadamard,
     walsh_hadamard,
 )
-from larql.models import Model, load_model
-from tiny_models import build_tiny_model, random_ids
+from larql.models import Model
+from tiny_models import random_ids
 
 PROMPT = "Alice put the red ball in the box, and Bob"
 LLOYD_MAX_MSE = {2: 0.1175, 3: 0.0345, 4: 0.0095}  # Gaussian coordinate, unit-variance scaled
@@ -437,14 +437,6 @@ def test_rotated_basis_attention_with_a_padded_head_width(tiny_gemma3: Model) ->
     """head_dim 12 rotates in 16 coordinates; sliding layers and q/k norms on the way."""
     assert TurboQuantCodec(12, 3).rotated_dim == 16
     assert rotated_vs_decoded(tiny_gemma3, random_ids(24, seed=5), 9, 3) <= 1e-5  # codec: f32
-
-
-@pytest.fixture(scope="module")
-def tiny_gemma2(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    pytest.importorskip("transformers")
-    directory: Path = tmp_path_factory.mktemp("tq-gemma2")
-    build_tiny_model("gemma2", directory)
-    return load_model(str(directory), dtype=torch.float64)
 
 
 def test_rotated_basis_attention_with_soft_capped_scores(tiny_gemma2: Model) -> None:

@@ -270,8 +270,8 @@ KVZIP = EngineEntry(
     params=selection_params(sinks=4, recent=16),
     keeps=_KEEPS,
     contract=_LOSSY + "(destructive: prompt rows evicted once, at the prompt's end, "
-    "query-agnostic); the prefill costs ~2×: a second pass reconstructs the context from the "
-    "cache to score its rows",
+    "query-agnostic); the prefill costs ~3× `standard`'s: a second pass, over twice the keys, "
+    "reconstructs the context from the cache to score its rows",
     factory=lambda p, model: KvZipEngine(budget_of("kvzip", p), profiling=p["profiling"]),
 )
 

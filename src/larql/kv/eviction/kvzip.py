@@ -6,8 +6,10 @@ the group) attends to it. Rows nothing needs to rebuild the context are the ones
 whatever question comes later: query-agnostic by construction.
 
 The reconstruction is a second forward pass over about as many positions as the prompt (the
-instruction's few more), attending over twice the prompt's rows: about 2× the prefill's cost,
-once per prompt, in `reconstruction_chunk`-position chunks. Its K/V are dropped after scoring.
+instruction's few more), attending over twice the prompt's rows, in `RECONSTRUCTION_CHUNK`-position
+chunks: the prefill then costs about 3× `standard`'s. A scored layer's attention weights are
+computed once, in float32, for both its output and the rows' scores (`attended_with_peak`). Its
+K/V are dropped after scoring.
 A prompt is therefore taken whole (not in parts): its rows are needed again at the end."""
 
 from __future__ import annotations
@@ -15,12 +17,19 @@ from __future__ import annotations
 import torch
 
 from larql.inference.ffn import FfnBackend
-from larql.inference.layer import embed_rows, layer_step, project_qkv, token_tensor
+from larql.inference.layer import (
+    attention_output,
+    embed_rows,
+    ffn_block,
+    layer_step,
+    project_qkv,
+    token_tensor,
+)
 from larql.inference.shared_kv import SharedKv, shares
 from larql.kv.buffers import KvBuffer
 from larql.kv.eviction.budget import Budget
 from larql.kv.eviction.ragged import RaggedRows
-from larql.kv.eviction.scores import attention_peak
+from larql.kv.eviction.scores import attended_with_peak
 from larql.kv.eviction.scoring import ScoringEngine
 from larql.models.model import Model
 
@@ -117,7 +126,9 @@ class KvZipEngine(ScoringEngine):
         queries = torch.cat((head, rows))  # [I + S, H]
         query_inputs = None if inputs is None else torch.cat((head_inputs, inputs))
         scored = [
-            not shares(cfg, layer) and cfg.layers[layer].sliding_window is None
+            not shares(cfg, layer)
+            and cfg.layers[layer].sliding_window is None
+            and model.weights.layers[layer].attn_sinks is None
             for layer in range(cfg.num_layers)
         ]
         peak: list[torch.Tensor | None] = [None] * cfg.num_layers
@@ -130,13 +141,33 @@ class KvZipEngine(ScoringEngine):
             start = prompt + first
             shared = SharedKv(cfg)
             for layer, kv in enumerate(exact):
-                q = project_qkv(model, layer, h, start)[0] if scored[layer] else None
-                h = layer_step(model, layer, h, start, kv, ffn, inputs=part, shared=shared)
-                if q is not None:
-                    seen = attention_peak(model, q, kv.keys, start)[:, :prompt]  # [Hkv, S]
-                    held = peak[layer]
-                    peak[layer] = seen if held is None else torch.maximum(held, seen)
+                if not scored[layer]:
+                    h = layer_step(model, layer, h, start, kv, ffn, inputs=part, shared=shared)
+                    continue
+                h, seen = _scored_layer(model, layer, h, start, kv, prompt, shared)  # [Hkv, S]
+                h = ffn_block(model, layer, h, ffn, part)
+                held = peak[layer]
+                peak[layer] = seen if held is None else torch.maximum(held, seen)
         for kv in exact:
             if len(kv):  # (a layer sharing another's K/V holds none)
                 kv.truncate(prompt)
         return peak
+
+
+def _scored_layer(
+    model: Model,
+    layer: int,
+    h: torch.Tensor,
+    start: int,
+    kv: KvBuffer,
+    prompt: int,
+    shared: SharedKv,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention_block` for reconstruction rows h [n, H] at positions start.. whose K/V go
+    into `kv`, reading the attention weights it computes → (the residual after attention
+    [n, H], each of the first `prompt` rows' peak weight [Hkv, prompt])."""
+    q, k, v = project_qkv(model, layer, h, start)
+    keys, values = kv.append(k, v)
+    shared.keep(layer, keys, values)
+    attn, peak = attended_with_peak(model, q, keys, values, start, prompt)  # [n, q_dim]
+    return attention_output(model, layer, h, attn), peak
