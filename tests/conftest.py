@@ -112,6 +112,18 @@ def tiny_gemma2(tmp_path_factory: pytest.TempPathFactory) -> Model:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_float32(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """The tiny Gemma 3 in float32, on the GPU where there is one (for the Triton kernels)."""
+    pytest.importorskip("transformers")
+    from tiny_models import build_tiny_model
+
+    directory = tmp_path_factory.mktemp("tiny-gemma3-float32")
+    build_tiny_model("gemma3", directory)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return load_model(str(directory), dtype=torch.float32, device=device)
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Model:
     """A tiny random Gemma 3 (float64): sliding layers of 6 keys beside global ones, head_dim 12
     (a codec pads it to 16)."""

@@ -8,8 +8,6 @@ default model's first layers (tests/conftest.py turns it on); without Triton the
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -27,8 +25,8 @@ from larql.inference.ffn import DenseFfn
 from larql.kv import captured_step, parse_engine
 from larql.kv.composed.storage import KeptCodes
 from larql.kv.turbo_quant.kernel_path import KernelPath
-from larql.models import Model, load_model
-from tiny_models import build_tiny_model, random_ids
+from larql.models import Model
+from tiny_models import random_ids
 
 CUDA = torch.cuda.is_available()
 TEXT = "Alice put the red ball in the box, and Bob took it out again and then " * 3
@@ -133,16 +131,6 @@ def test_rows_kept_per_head_stay_on_the_torch_path(smollm2: Model, monkeypatch) 
     )
     assert engine._fast is None  # type: ignore[attr-defined]
     assert "triton kernels" not in engine.info().description
-
-
-@pytest.fixture(scope="module")
-def tiny_gemma3_float32(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    """A float32 tiny Gemma 3: sliding layers of 6 keys beside full ones, heads of 12 (the
-    codec pads them to 16)."""
-    pytest.importorskip("transformers")
-    directory: Path = tmp_path_factory.mktemp("composed-kernels-gemma3")
-    build_tiny_model("gemma3", directory)
-    return load_model(str(directory), dtype=torch.float32, device="cuda" if CUDA else "cpu")
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from larql.inference.snapshots import StateReader, StateWriter, declared_state, 
 from larql.kv import parse_engine
 from larql.kv.turbo_quant.kernel_path import KernelPath
 from larql.models import Model
+from tiny_models import random_ids
 
 TEXT = "Alice put the red ball in the box, and Bob took it out again and then " * 3
 
@@ -152,3 +153,42 @@ def test_a_prefix_cut_from_the_kernel_path_holds_its_newest_rows_exact(
         theirs = reference.decode_step(model, ffn, ids[-5])
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
     assert relative_error(ours, theirs) <= 1e-3
+
+
+@pytest.mark.slow
+def test_a_composition_on_sliding_layers_forks_and_reads_back(
+    tiny_gemma3_float32: Model, monkeypatch
+) -> None:
+    """Gemma 3's sliding layers hold their window by position and its full layers their kept
+    rows (each laid out by its own count): a fork and a state read back both ways step as the
+    engine they came from."""
+    model = tiny_gemma3_float32
+    if model.device.type != "cuda":
+        monkeypatch.setattr(larql.kernels, "triton_available", lambda device: True)
+    spec = "keydiff:keep=0.5,recent=2+turbo-quant:bits=4"
+    ids = random_ids(20, seed=5)
+    ffn = DenseFfn(model)
+    engine = prefilled_engine(spec, model, ids[:14])
+    with torch.inference_mode():
+        for token in ids[14:17]:  # past the 6-key windows: their rings wrap
+            engine.decode_step(model, ffn, token)
+        fork, state = engine.fork(model), declared_state(engine)
+        path = fork._fast  # type: ignore[attr-defined]
+        assert isinstance(path, KernelPath) and path.shifted
+        ours = engine.decode_step(model, ffn, ids[17])
+        assert relative_error(fork.decode_step(model, ffn, ids[17]), ours) <= 1e-6
+        monkeypatch.setattr(larql.kernels, "triton_available", lambda device: False)
+        on_torch = restored(spec, model, state, engine.position - 1)
+        assert on_torch._fast is None  # type: ignore[attr-defined]
+        assert relative_error(on_torch.decode_step(model, ffn, ids[17]), ours) <= 1e-4
+        state = declared_state(on_torch)
+        monkeypatch.setattr(larql.kernels, "triton_available", lambda device: True)
+        back = restored(spec, model, state, on_torch.position)
+        assert isinstance(back._fast, KernelPath)  # type: ignore[attr-defined]
+        assert back._fast.offsets == path.offsets  # type: ignore[attr-defined]
+        assert (
+            relative_error(
+                back.decode_step(model, ffn, ids[18]), on_torch.decode_step(model, ffn, ids[18])
+            )
+            <= 1e-4
+        )
