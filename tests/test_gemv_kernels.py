@@ -13,10 +13,13 @@ import torch.nn.functional as F
 import larql.inference.ffn.backend as ffn_backend
 import larql.inference.row_products as row_products
 from helpers import kernel_module, teacher_forced
+from larql.inference.ffn import DenseFfn
+from larql.inference.generation import teacher_forced_logits
 from larql.inference.layer import final_logits
 from larql.inference.norm import rms_norm
 from larql.inference.rope import RopeTable, apply_rope
 from larql.kernels import gemv_kernels
+from larql.kv.standard.engine import StandardEngine
 from larql.models import load_model
 from larql.models.rope import RopeSpec
 from tiny_models import TinyModel, build_tiny_model, random_ids
@@ -142,6 +145,34 @@ def test_normed_product_with_rope_equals_norm_linear_then_rope(
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_product_with_rope_stores_k_and_v_at_the_position(gemv_with, dtype) -> None:
+    """Two q heads, two K heads (rotated) and two V heads of 16: with the cache given, the
+    result is the same and its K and V heads are also the caches' row at the position,
+    nothing else of the caches written."""
+    gemv = gemv_with((4, 64, 4))
+    q_heads, kv_heads, dim, capacity, position = 2, 2, 16, 7, 3
+    heads = q_heads + 2 * kv_heads
+    t = _inputs(heads * dim, 100, dtype, seed=3)
+    cos, sin = _rope_inputs(heads, dim, position=position, dtype=dtype)
+    rotated = q_heads + kv_heads
+    alone = gemv.normed_gemv_rope(
+        t["h"], t["norm"], 1e-5, t["weight"], None, cos, sin, rotated, dim
+    )
+    keys, values = (
+        torch.full((kv_heads, capacity, dim), -7.0, dtype=dtype, device=DEVICE) for _ in range(2)
+    )
+    pos = torch.tensor([position], device=DEVICE)
+    got = gemv.normed_gemv_rope(
+        t["h"], t["norm"], 1e-5, t["weight"], None, cos, sin, rotated, dim, (keys, values, pos)
+    )
+    torch.testing.assert_close(got, alone, rtol=0, atol=0)
+    k, v = alone.view(heads, dim)[q_heads:rotated], alone.view(heads, dim)[rotated:]
+    assert torch.equal(keys[:, position], k) and torch.equal(values[:, position], v)
+    others = [row for row in range(capacity) if row != position]
+    assert bool((keys[:, others] == -7).all()) and bool((values[:, others] == -7).all())
+
+
 def test_rope_is_folded_only_where_a_program_holds_whole_pairs(gemv_with) -> None:
     gemv = gemv_with(None)
     assert gemv.rope_fits(64, 64, 3072)
@@ -172,7 +203,7 @@ def test_decode_steps_through_the_folded_products_match_transformers(
 ) -> None:
     """A tiny Qwen2 (a QKV bias, the LM head tied to the embedding), float32: every decode
     step's products go through the kernels (on a CPU machine, let run there in Triton's
-    interpreter) and the logits stay transformers'."""
+    interpreter) and the logits stay transformers', the static cache's too."""
     gemv = kernel_module("larql.kernels.gemv")
     calls: dict[str, int] = {}
 
@@ -181,6 +212,8 @@ def test_decode_steps_through_the_folded_products_match_transformers(
 
         def wrapper(*args, **kwargs):
             calls[name] = calls.get(name, 0) + 1
+            if name == "normed_gemv_rope" and len(args) == 10 and args[9] is not None:
+                calls["stores K/V"] = calls.get("stores K/V", 0) + 1  # (its `cache`)
             return launch(*args, **kwargs)
 
         return wrapper
@@ -218,4 +251,11 @@ def test_decode_steps_through_the_folded_products_match_transformers(
         rms_norm(row, model.weights.final_norm, model.config.norm_eps), model.weights.lm_head
     )
     assert calls["normed_gemv"] == before + 1
+    # `standard`'s static cache (its CUDA graph path; eager on a CPU machine): each decode
+    # row's K/V written by the QKV product's own launch, no store of its own
+    engine = StandardEngine(static=True)
+    static = teacher_forced_logits(engine, model, DenseFfn(model), ids, prompt).cpu()
+    assert engine.dispatch_path() in ("static", "cuda-graph")
+    assert calls.get("stores K/V", 0) >= steps * layers
+    assert (static - theirs[prompt - 1 :]).abs().max().item() < 1e-4 * theirs.abs().max().item()
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)

@@ -28,7 +28,7 @@ from larql.inference.norm import LOW_PRECISION, rms_norm
 from larql.inference.rope import RopeTable, apply_rope
 from larql.inference.row_products import normed_linear, normed_linear_rope, residual_linear
 from larql.inference.shared_kv import SharedKv, shares
-from larql.kernels import DecodeAttention
+from larql.kernels import DecodeAttention, elementwise_kernels
 from larql.kernels.cpu import cpu_extension
 from larql.kernels.ran import FUSED_PIECES, ran
 from larql.models.model import Model
@@ -222,6 +222,43 @@ def project_qkv_with_rope(
     q = apply_rope(q.transpose(0, 1), cos, sin)
     k, v = _heads_k_v(model, layer, k, v, cos, sin)
     return q, k, v
+
+
+def project_qkv_storing(
+    model: Model,
+    layer: int,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    position: torch.Tensor,
+) -> torch.Tensor:
+    """A decode row's q, its K/V row stored: h [1, H] with its RoPE cos/sin [1, rotary_dim]
+    → q [Hq, 1, D]; k and v go into the layer's cache keys, values [Hkv, C, D] (contiguous,
+    the model's dtype) at row `position` ([1] int64 on the device, read there). Where the
+    kernels run a plain QKV product (no q/k norm), one launch does the norm, product, RoPE and
+    store; else the projection, then the store (one launch on CUDA)."""
+    cfg, lw = model.config, model.weights.layers[layer]
+    heads, kv_heads, dim = cfg.num_heads, cfg.kv_heads_of(layer), cfg.head_dim_of(layer)
+    q_dim = cfg.q_dim_of(layer)
+    blocks = lw.blocks.get("wqkv")
+    plain = lw.q_norm is None and lw.k_norm is None
+    on_cpu_extension = blocks is not None and takes_fused(h, blocks)  # `project_qkv_with_rope`'s
+    if plain and not on_cpu_extension and keys.dtype == h.dtype:
+        cache = (keys, values, position)
+        rotated = normed_linear_rope(
+            h, lw.attn_norm, cfg.norm_eps, lw.wqkv, lw.bqkv, cos, sin, heads + kv_heads, dim, cache
+        )
+        if rotated is not None:
+            return rotated[:, :q_dim].view(1, heads, dim).transpose(0, 1)
+    q, k, v = project_qkv_with_rope(model, layer, h, cos, sin)
+    if (row_kernels := elementwise_kernels(k)) is not None:
+        row_kernels.store_row(keys, values, k, v, position)
+    else:
+        keys.index_copy_(1, position, k)
+        values.index_copy_(1, position, v)
+    return q
 
 
 def project_q(model: Model, layer: int, h: torch.Tensor, start: int) -> torch.Tensor:

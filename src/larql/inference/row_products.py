@@ -38,14 +38,19 @@ def normed_linear_rope(
     sin: torch.Tensor,
     rotated_heads: int,
     head_dim: int,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """linear(rms_norm(h, norm, eps), weight, bias) with the first `rotated_heads` heads of
     head_dim rotated (`apply_rope`, cos and sin [1, rotary_dim]), in one launch where the
-    kernels run it (h [1, K] → [1, N]); None elsewhere (the caller runs the product and RoPE)."""
+    kernels run it (h [1, K] → [1, N]); None elsewhere (the caller runs the product and RoPE).
+    `cache` (keys, values, position): the K and V heads also stored there in that launch
+    (`gemv.normed_gemv_rope`)."""
     kernels = gemv_kernels(h, weight)
     if kernels is None or not kernels.rope_fits(head_dim, cos.shape[-1], weight.shape[0]):
         return None
-    return kernels.normed_gemv_rope(h, norm, eps, weight, bias, cos, sin, rotated_heads, head_dim)
+    return kernels.normed_gemv_rope(
+        h, norm, eps, weight, bias, cos, sin, rotated_heads, head_dim, cache
+    )
 
 
 def residual_linear(

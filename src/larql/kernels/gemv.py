@@ -5,7 +5,8 @@ products.
 
 In a graph-replayed decode step on an H200 each of those small launches costs ~1.5–2 µs however
 little it computes, and a layer had eight of them beside its four products. Folded in, a layer
-launches four products, the K/V row write and its attention. The product itself is a plain GEMV:
+launches four products and its attention: a static cache's K/V row is written by the QKV
+product's own launch (`normed_gemv_rope`'s `cache`). The product itself is a plain GEMV:
 each program reduces `BN` whole output rows, `BK` columns at a time, in float32, and the weight is
 read once. Each program reads its first tile of the weight (a row of up to `BK`: all of it)
 before it waits for the previous launch (`dependent_launch`): no launch writes a weight, and the
@@ -129,7 +130,12 @@ def _normed_gemv_rope_kernel(
     cos_ptr,  # [D] the row's cos, [cos θ, cos θ]
     sin_ptr,  # [D] the row's signed sin, [−sin θ, sin θ]
     y_ptr,  # [N]
+    keys_ptr,  # [Hkv, C, D] contiguous (STORE_KV)
+    values_ptr,  # [Hkv, C, D] contiguous (STORE_KV)
+    pos_ptr,  # [1] int64: the cache row the K/V heads go to (STORE_KV)
+    capacity,  # C
     rotated_heads,  # the first heads of the output are rotated (q and k), the rest not (v)
+    kv_heads,  # the last rotated heads are K's, as many after them V's (STORE_KV)
     eps,
     K: tl.constexpr,
     D: tl.constexpr,  # head dim, all of it rotated
@@ -137,11 +143,14 @@ def _normed_gemv_rope_kernel(
     BK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     WIDE: tl.constexpr,
+    STORE_KV: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """`_gemv_kernel` with the norm before and RoPE after: each program's rows are PAIRS
     consecutive dims of a head's first half and their partners in its second half, so the
-    rotation of each pair (x₁·cos − x₂·sin, x₂·cos + x₁·sin) needs no other program's result."""
+    rotation of each pair (x₁·cos − x₂·sin, x₂·cos + x₁·sin) needs no other program's result.
+    With STORE_KV a program of a K or V head also writes its rows into the cache's row at the
+    position (the K/V row store folded in)."""
     half: tl.constexpr = D // 2
     pid = tl.program_id(0)
     head = pid // (half // PAIRS)
@@ -183,7 +192,16 @@ def _normed_gemv_rope_kernel(
         (low_cos + high.to(tl.float32) * sin_low).to(dtype),
         (high_cos + low.to(tl.float32) * sin_high).to(dtype),
     )  # [PAIRS, 2]
-    tl.store(y_ptr + rows, tl.where(head < rotated_heads, rotated, y))
+    out = tl.where(head < rotated_heads, rotated, y)
+    tl.store(y_ptr + rows, out)
+    if STORE_KV:
+        kv_head = head - (rotated_heads - kv_heads)  # K heads 0 … Hkv − 1, then V heads
+        if kv_head >= 0:
+            row = ((kv_head % kv_heads) * capacity + tl.load(pos_ptr)) * D + (rows - head * D)
+            if kv_head < kv_heads:
+                tl.store(keys_ptr + row, out)
+            else:
+                tl.store(values_ptr + row, out)
 
 
 def _shape(out_features: int, in_features: int) -> tuple[int, int, int]:
@@ -278,14 +296,19 @@ def normed_gemv_rope(
     sin: torch.Tensor,
     rotated_heads: int,
     head_dim: int,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """rms_norm(h) · weightᵀ (+ bias), the first `rotated_heads` heads of the result rotated
     (as `apply_rope` rotates each head's halves), in one launch. h: [1, K]; norm: [K]; weight:
     [N, K] contiguous, N a multiple of head_dim (`rope_fits`); cos, sin: [1, head_dim] of the
-    `RopeTable` → [1, N]."""
+    `RopeTable` → [1, N]. `cache` (keys, values, position): the result's last heads — K's, the
+    last rotated ones, then as many of V's — also go into keys, values [Hkv, C, D] (contiguous,
+    of h's dtype) at row `position` ([1] int64 on the device), in the same launch."""
     out_features, in_features = weight.shape
     out = torch.empty((1, out_features), dtype=h.dtype, device=h.device)
     block_n, block_k, warps = _shape(out_features, in_features)
+    keys, values, position = cache if cache is not None else (out, out, out)
+    kv_heads, capacity = (keys.shape[0], keys.shape[1]) if cache is not None else (0, 0)
     _normed_gemv_rope_kernel[(out_features // block_n,)](
         weight,
         _row(h),
@@ -294,7 +317,12 @@ def normed_gemv_rope(
         _row(cos),
         _row(sin),
         out,
+        keys,
+        values,
+        position,
+        capacity,
         rotated_heads,
+        kv_heads,
         eps,
         K=in_features,
         D=head_dim,
@@ -302,6 +330,7 @@ def normed_gemv_rope(
         BK=block_k,
         HAS_BIAS=bias is not None,
         WIDE=weight.numel() >= 2**31,
+        STORE_KV=cache is not None,
         num_warps=warps,
         **dependent_options(h.device),
     )

@@ -34,13 +34,13 @@ from larql.inference.layer import (
     kept_rows,
     layer_step,
     project_q_with_rope,
-    project_qkv_with_rope,
+    project_qkv_storing,
     static_mask,
     token_tensor,
 )
 from larql.inference.memory import MemoryBreakdown, tensor_bytes
 from larql.inference.shared_kv import SharedKv, shares
-from larql.kernels import DecodeAttention, decode_attention_kernel, elementwise_kernels
+from larql.kernels import DecodeAttention, decode_attention_kernel
 from larql.kernels.ran import COMPILED, ran
 from larql.kv.buffers import KvBuffer
 from larql.kv.captured_step import (
@@ -211,13 +211,11 @@ class StaticCache:
                 masks[window] = static_mask(capacity, pos, window)
             if shares(model.config, layer):  # its buffers are its source's, written already
                 q = project_q_with_rope(model, layer, h, *rope(model, layer))
-            else:
-                q, k, v = project_qkv_with_rope(model, layer, h, *rope(model, layer))
-                if (row_kernels := elementwise_kernels(k)) is not None:
-                    row_kernels.store_row(self._keys[layer], self._values[layer], k, v, pos)
-                else:
-                    self._keys[layer].index_copy_(1, pos, k)
-                    self._values[layer].index_copy_(1, pos, v)
+            else:  # q, its K/V row into the cache
+                cos, sin = rope(model, layer)
+                q = project_qkv_storing(
+                    model, layer, h, cos, sin, self._keys[layer], self._values[layer], pos
+                )
             kv = self._keys[layer], self._values[layer]  # [Hkv, C, D] each
             if kernel is not None:
                 attn = attend_static_kernel(model, q, *kv, pos, window, kernel)
