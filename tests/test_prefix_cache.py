@@ -6,6 +6,8 @@ stays within its bytes."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -266,3 +268,48 @@ def test_a_cut_prefix_on_cuda_continues_as_a_fresh_prompt(spec: str) -> None:
         assert runs[1].token_ids == plain.token_ids
     else:  # the question attends what the engine kept of the cached document
         assert runs[1].token_ids and plain.token_ids
+
+
+# evictions (and one composed with a quantiser): their rows depend on the whole prompt, so the
+# cache keeps states along a prompt taken in parts instead of cutting one back
+PART_WAY = ["snapkv:keep=0.5,window=4", "h2o:keep=0.5", "keydiff:keep=0.5+kv-quant:bits=4"]
+
+
+@pytest.mark.parametrize("spec", PART_WAY)
+def test_a_part_way_copy_holds_what_a_prefill_of_the_parts_keeps(smollm2: Model, spec: str) -> None:
+    """At a part boundary of a prompt taken in parts, the copy `fork_part_way` makes steps as
+    an engine prefilled with those tokens; the engine it came from goes on to the same state a
+    whole prefill of its prompt leaves; the cache resumes a prompt sharing those tokens from
+    the copy."""
+    ffn, ids = DenseFfn(smollm2), _ids(smollm2, "What is kept?")
+    parts = parse_engine(spec).build(smollm2)
+    with torch.inference_mode():
+        parts.prefill_part(smollm2, ffn, ids[:40], more=True)
+        parts.prefill_part(smollm2, ffn, ids[40:80], more=True)
+        copy = parts.fork_part_way(smollm2)
+        assert copy is not None and copy.position == 80 and parts.prompt_part_way()
+        alone = _prefilled(smollm2, spec, ids[:80])
+        torch.testing.assert_close(
+            copy.decode_step(smollm2, ffn, ids[80]),
+            alone.decode_step(smollm2, ffn, ids[80]),
+            atol=1e-4,
+            rtol=1e-4,
+        )
+        assert copy.memory().state == alone.memory().state
+        parts.prefill_part(smollm2, ffn, ids[80:-1], more=False)
+        assert parts.finish_prompt(sys.maxsize)
+        whole = _prefilled(smollm2, spec, ids[:-1])
+        torch.testing.assert_close(
+            parts.decode_step(smollm2, ffn, ids[-1]),
+            whole.decode_step(smollm2, ffn, ids[-1]),
+            atol=1e-4,
+            rtol=1e-4,
+        )
+    cache = PrefixCache(2**30, min_tokens=8)
+    engine = parse_engine(spec).build(smollm2)
+    with torch.inference_mode():
+        engine.prefill_part(smollm2, ffn, ids[:80], more=True)
+    assert cache.store_part_way(smollm2, spec, ids[:80], engine)
+    other = _ids(smollm2, "Why?")
+    resumed = cache.lookup(smollm2, spec, other)
+    assert resumed is not None and resumed.tokens == 80

@@ -389,6 +389,14 @@ class Engine(ABC):
         except SnapshotUnsupported:
             return None
 
+    def fork_part_way(self, model: Model) -> Engine | None:
+        """While a prompt goes in a part at a time (`prefill_part` with more to come): an
+        independent copy holding what a prefill of the parts so far leaves — its policy's
+        whole-prompt work (coding, evicting) done on the copy, this engine going on as it was
+        — for a prefix cache, where a state is not cut back to a prefix (an eviction's rows
+        depend on the whole prompt); None by default and where no prompt is part-way."""
+        return None
+
     def _forkable(self) -> bool:
         """Whether the state now is one a fork can take: a prompt whole in, the work its policy
         does on it done, and nothing that refuses a snapshot."""

@@ -2,7 +2,9 @@
 the state the engine held after the part they share, and only the rest goes in.
 
 Per engine spec, a radix tree over token ids holds states at the end of the prompts that went
-in (`PrefixTree`). A lookup walks a new prompt down the tree as far as it matches — at most to
+in (`PrefixTree`) and, for an engine that cannot cut a longer prompt's state back to a prefix
+(an eviction: its rows depend on the whole prompt), at boundaries of a prompt taken in parts
+(`store_part_way`). A lookup walks a new prompt down the tree as far as it matches — at most to
 its last token but one, so at least one token goes in and gives the first pick — and takes the
 deepest state it can reach there:
 - one stored below the point where the prompt leaves the tree (a longer prompt that shares
@@ -25,7 +27,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from larql.errors import LarqlError
@@ -252,6 +254,30 @@ class PrefixCache:
         engine that cannot fork."""
         if not self.enabled or engine.position != len(prompt):
             return False
+        return self._store(
+            model, spec, prompt, from_cache, lambda: engine.fork_prefix(model, len(prompt))
+        )
+
+    def store_part_way(
+        self, model: Model, spec: str, prompt: Sequence[int], engine: Engine
+    ) -> bool:
+        """`store` for a prompt still going in a part at a time, `prompt` the tokens in so far:
+        a copy holding what a prefill of them leaves (`Engine.fork_part_way`). An engine whose
+        state cannot be cut back to a prefix (an eviction) so keeps states along a long prompt,
+        and a later prompt sharing its start resumes from the last of them before it leaves."""
+        if not self.enabled or engine.position != len(prompt):
+            return False
+        return self._store(model, spec, prompt, 0, lambda: engine.fork_part_way(model))
+
+    def _store(
+        self,
+        model: Model,
+        spec: str,
+        prompt: Sequence[int],
+        from_cache: int,
+        copy_of: Callable[[], Engine | None],
+    ) -> bool:
+        """`store` with the copy `copy_of()` makes (None: no copy)."""
         if len(prompt) - from_cache < self.min_tokens:
             return False
         with self._lock:
@@ -261,7 +287,7 @@ class PrefixCache:
             if node.entry is not None:  # the same prompt again: it is fresh, nothing to copy
                 self._touch(node.entry)
                 return True
-        copy = engine.fork_prefix(model, len(prompt))  # outside the lock: it copies the state
+        copy = copy_of()  # outside the lock: it copies the state
         if copy is None:
             with self._lock:
                 if node.entry is None:

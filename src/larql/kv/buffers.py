@@ -60,6 +60,13 @@ class KvBuffer:
         self._k.commit(rows)
         self._v.commit(rows)
 
+    def copy(self) -> KvBuffer:
+        """An independent buffer of the same live rows (copied)."""
+        out = KvBuffer(self.keep)
+        if len(self):
+            out.append(self.keys, self.values)
+        return out
+
     def clip(self) -> None:
         """Drop the oldest rows beyond `keep`."""
         if self.keep is None:  # (every layer of every session's step calls this)

@@ -193,6 +193,12 @@ class SchedulerLimits:
 # seen between them.
 SOLO_TURN_CHUNKS = 4
 
+# A prompt taken in parts by an engine whose state after a prefix cannot be cut out of a longer
+# prompt's (an eviction's rows depend on the whole prompt) leaves a copy of what its parts so
+# far keep in the prefix cache at most once per this many tokens: a later prompt sharing its
+# start (another question about a document) resumes from the last one before they part.
+PART_STATES_EVERY = 256
+
 
 class Session:
     """One request's generation; only the scheduler thread touches its engine."""
@@ -218,6 +224,7 @@ class Session:
         self.cancelled = False
         self.ended = False
         self.prefill_chunk = 0  # this turn's prompt tokens
+        self.part_cached = 0  # prompt tokens the last part-way state offered to the cache held
         self.step_rows = 1  # rows of work this turn's decode step may do (a step in parts)
         self.scorer: PromptScorer | None = None  # an echoed prompt's scores, as parts go in
         self.held: list[TokenEvent] = []  # an unstreamed request's pieces, until its end
@@ -641,6 +648,7 @@ class Scheduler:
                 self._fail(stream, failures[i])
                 continue
             if token is None:  # a chunk of its prompt went in
+                self._offer_part_to_cache(stream)
                 continue
             if rode:
                 self.metrics.time_to_first_token.observe(now - stream.arrived)
@@ -859,6 +867,7 @@ class Scheduler:
         token = self.steps.prefill_part(generation, stream.prefill_chunk)
         self._score(stream)
         if token is None:
+            self._offer_part_to_cache(stream)
             return None
         if request.echo:
             scored = tuple(stream.scorer.records) if stream.scorer is not None else ()
@@ -939,6 +948,25 @@ class Scheduler:
             )
         except Exception:  # the cache is a saving, never a reason for a stream to fail
             log.exception("a prompt's state could not be cached")
+
+    def _offer_part_to_cache(self, stream: Session) -> None:
+        """A fresh prompt part-way in: what its parts so far keep, kept for later prompts that
+        share them (`PrefixCache.store_part_way`; engines that cut a longer prompt's state back
+        make no such copy), at most once per `PART_STATES_EVERY` tokens."""
+        engine, generation = stream.engine, stream.generation
+        if self.prefix_cache is None or engine is None or generation is None or generation.held:
+            return
+        done = engine.position
+        if done - stream.part_cached < PART_STATES_EVERY or not engine.prompt_part_way():
+            return
+        stream.part_cached = done
+        try:
+            with torch.inference_mode():
+                self.prefix_cache.store_part_way(
+                    self.model, stream.request.engine_spec, stream.request.prompt_ids[:done], engine
+                )
+        except Exception:  # the cache is a saving, never a reason for a stream to fail
+            log.exception("a prompt's part-way state could not be cached")
 
     def _deliver(self, stream: Session, token: int) -> None:
         generation = stream.generation

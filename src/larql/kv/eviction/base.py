@@ -13,6 +13,8 @@ rows by the weights that attention put on them and has the storage drop the rows
 
 from __future__ import annotations
 
+import copy
+import sys
 from abc import abstractmethod
 from collections.abc import Hashable, Sequence
 from functools import partial
@@ -34,6 +36,7 @@ from larql.inference.layer import (
     token_tensor,
 )
 from larql.inference.memory import MemoryBreakdown
+from larql.inference.profiling import EngineProfiler
 from larql.inference.shared_kv import SharedKv, shares
 from larql.inference.snapshots import StateReader, StateWriter
 from larql.kv.buffers import KvBuffer
@@ -321,6 +324,25 @@ class EvictingEngine(KvEngine):
         self._finishing.append(partial(self._settle, model, prompt.length))
         self._started(prompt.length)
         return rows
+
+    def fork_part_way(self, model: Model) -> Engine | None:
+        """`Engine.fork_part_way`: a copy given the parts' exact K/V and what the policy read of
+        their queries (copied), which keeps what a prefill of those tokens keeps."""
+        if self._prompt is None or not self._prompt.length:
+            return None
+        clone = copy.copy(self)
+        clone._profiler = EngineProfiler(enabled=self._profiler.enabled)
+        exact = [buffer.copy() for buffer in self._prompt.layers]
+        observed = copy.deepcopy(self._observed)
+        clone._prompt, clone._observed, clone._layers, clone._fast = None, [], [], None
+        clone._finishing = [
+            partial(clone._keep_prompt_layer, model, layer, kv, held)
+            for layer, (kv, held) in enumerate(zip(exact, observed, strict=True))
+        ]
+        clone._finishing.append(partial(clone._settle, model, self._prompt.length))
+        clone._started(self._prompt.length)
+        clone.finish_prompt(sys.maxsize)
+        return clone
 
     def _keep_prompt_layer(self, model: Model, layer: int, exact: KvBuffer, held: object) -> int:
         """What layer `layer` keeps of a whole prompt's exact K/V (its policy's rows, or its
