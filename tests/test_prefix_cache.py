@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from larql.inference import prefix_cache
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import GenerationSession, generate
 from larql.inference.prefix_cache import PrefixCache, PrefixCacheError, PrefixTree, _Entry
@@ -251,6 +252,27 @@ def test_the_api_starts_from_the_cache_and_says_so(smollm2: Model) -> None:
     plain = larql.generate(smollm2, "standard", prompts[1], max_new_tokens=2)
     assert runs[0].cached_prompt_tokens == 0 and runs[1].cached_prompt_tokens > 100
     assert runs[1].token_ids == plain.token_ids and runs[1].prompt_ids == plain.prompt_ids
+
+
+def test_the_api_resumes_an_eviction_from_a_state_along_the_document(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`generate` with a cache takes an eviction's prompt in parts and leaves a state at each
+    boundary: the second question resumes from the last before the prompts part and answers
+    as an engine prefilled with those tokens, then given the rest."""
+    import larql
+
+    monkeypatch.setattr(prefix_cache, "PART_STATES_EVERY", 48)
+    spec, cache = "snapkv:keep=0.5,window=4", larql.PrefixCache(2**30)
+    prompts = [DOC + "\nQuestion: What is kept?\nAnswer:", DOC + "\nQuestion: Why?\nAnswer:"]
+    runs = [
+        larql.generate(smollm2, spec, p, max_new_tokens=ANSWER, prefix_cache=cache) for p in prompts
+    ]
+    held = runs[1].cached_prompt_tokens
+    assert runs[0].cached_prompt_tokens == 0 and held > 0 and held % 48 == 0
+    ids = runs[1].prompt_ids
+    _, expected = _answer(smollm2, _prefilled(smollm2, spec, ids[:held]), ids[held:])
+    assert runs[1].token_ids == expected[: len(runs[1].token_ids)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

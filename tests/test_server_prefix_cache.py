@@ -110,7 +110,7 @@ def test_an_eviction_resumes_from_a_state_along_the_document(
     """An eviction's state after the document cannot be cut out of the first prompt's, so the
     first prompt, taken in parts, leaves a copy of what its parts kept; the second question
     resumes from it and answers as an engine prefilled with those tokens, then given the rest."""
-    monkeypatch.setattr(scheduler_module, "PART_STATES_EVERY", 64)
+    monkeypatch.setattr(scheduler_module, "PART_STATES_EVERY", 64)  # (its copy of the name)
     spec = "snapkv:keep=0.5,window=4"
     first, second = _request(smollm2, "What is kept?", spec), _request(smollm2, "Why?", spec)
     assert len(first.prompt_ids) > SOLO_TURN_CHUNKS * SchedulerLimits().prefill_chunk  # parts

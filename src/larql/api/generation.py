@@ -21,7 +21,7 @@ from larql.inference.ffn.policy import FfnLayerPolicy
 from larql.inference.generation import GenerationSession
 from larql.inference.generation import teacher_forced_logits as teacher_forced_run
 from larql.inference.memory import MemoryBreakdown
-from larql.inference.prefix_cache import PrefixCache
+from larql.inference.prefix_cache import PrefixCache, prefill_leaving_states
 from larql.inference.prompt import check_context, encode_prompt
 from larql.inference.sampling import Sampler, SamplingParams
 from larql.inference.snapshots import SavedState, model_fingerprint, save_state
@@ -259,7 +259,7 @@ class _TextRun:
             )
             self.session = session
             decoder = tokenizer.stream_decoder()
-            token = None if session.finished else session.prefill()
+            token = None if session.finished else self._prefill(session)
             if token is not None and self.prefix_cache is not None:
                 self.prefix_cache.store(
                     self.model, self._cache_key(), self.prompt_ids, self.engine, self.cached_tokens
@@ -287,6 +287,15 @@ class _TextRun:
         if rest:
             self.text += rest
             yield rest
+
+    def _prefill(self, session: GenerationSession) -> int:
+        """The prompt in → the first token; with a prefix cache, states along the prompt left
+        in it where the engine makes them (`prefill_leaving_states`)."""
+        if self.prefix_cache is None:
+            return session.prefill()
+        return prefill_leaving_states(
+            session, self.prefix_cache, self.model, self._cache_key(), self.prompt_ids
+        )
 
     def result(self) -> Generation:
         assert self.session is not None, "result() before pieces() ran"

@@ -86,6 +86,8 @@ class Engine(ABC):
     name: ClassVar[str] = ""
     # the version of the state `write_state` declares: a state of another version is refused
     STATE_VERSION: ClassVar[int] = 1
+    # `fork_part_way` copies a prompt's state at its part boundaries (for a prefix cache)
+    leaves_part_way_states: ClassVar[bool] = False
     # FFN backend kinds (`FfnBackend.kind`) it may not run with, and why: its catalog entry's
     # `refuses_ffn`, set when the engine is built from a spec
     refused_ffn: Mapping[str, str] = MappingProxyType({})
@@ -394,7 +396,8 @@ class Engine(ABC):
         independent copy holding what a prefill of the parts so far leaves — its policy's
         whole-prompt work (coding, evicting) done on the copy, this engine going on as it was
         — for a prefix cache, where a state is not cut back to a prefix (an eviction's rows
-        depend on the whole prompt); None by default and where no prompt is part-way."""
+        depend on the whole prompt); None by default and where no prompt is part-way. An
+        engine that makes such copies says so in `leaves_part_way_states`."""
         return None
 
     def _forkable(self) -> bool:

@@ -29,6 +29,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from larql.errors import LarqlError
 from larql.inference.engine import Engine
@@ -40,6 +41,10 @@ MIN_CACHED_TOKENS = 32
 
 # the default cache's share of the memory its states live in (the host's, or the GPU's)
 DEFAULT_SHARE = 1 / 8
+
+# A prompt taken in parts by an engine that leaves part-way states (`fork_part_way`) offers
+# one to the cache at most once per this many tokens
+PART_STATES_EVERY = 256
 
 
 class PrefixCacheError(LarqlError):
@@ -353,3 +358,30 @@ class PrefixCache:
             raise PrefixCacheError(
                 "a prefix cache holds the states of one model; make one per model"
             )
+
+
+class Prefilling(Protocol):
+    """What `prefill_leaving_states` needs of a generation session."""
+
+    engine: Engine
+    resumes: bool
+
+    def prefill(self) -> int: ...
+
+    def prefill_part(self, max_tokens: int) -> int | None: ...
+
+
+def prefill_leaving_states(
+    session: Prefilling, cache: PrefixCache, model: Model, key: str, prompt: Sequence[int]
+) -> int:
+    """`session.prefill()` of a fresh `prompt` → the first token; where the engine leaves
+    part-way states (`Engine.leaves_part_way_states`), in parts of `PART_STATES_EVERY` tokens,
+    each boundary's state offered to `cache` under `key`."""
+    engine = session.engine
+    parts = engine.leaves_part_way_states and engine.takes_prompt_in_parts(model)
+    if session.resumes or not cache.enabled or not parts:
+        return session.prefill()
+    while (token := session.prefill_part(PART_STATES_EVERY)) is None:
+        if engine.prompt_part_way():
+            cache.store_part_way(model, key, prompt[: engine.position], engine)
+    return token

@@ -88,7 +88,7 @@ from larql.inference.linear import rows_per_pass
 from larql.inference.logprobs import PromptScorer, TokenLogprob, token_logprob
 from larql.inference.lookahead import Lookahead, goes_ahead
 from larql.inference.memory import MemoryBreakdown
-from larql.inference.prefix_cache import CachedStart, PrefixCache
+from larql.inference.prefix_cache import PART_STATES_EVERY, CachedStart, PrefixCache
 from larql.inference.sampling import SamplingParams
 from larql.models.model import Model
 from larql.models.shard import RankFailed
@@ -192,12 +192,6 @@ class SchedulerLimits:
 # a long prompt alone, each still short enough that deadlines, cancellation and shutdown are
 # seen between them.
 SOLO_TURN_CHUNKS = 4
-
-# A prompt taken in parts by an engine whose state after a prefix cannot be cut out of a longer
-# prompt's (an eviction's rows depend on the whole prompt) leaves a copy of what its parts so
-# far keep in the prefix cache at most once per this many tokens: a later prompt sharing its
-# start (another question about a document) resumes from the last one before they part.
-PART_STATES_EVERY = 256
 
 
 class Session:
@@ -957,14 +951,15 @@ class Scheduler:
         if self.prefix_cache is None or engine is None or generation is None or generation.held:
             return
         done = engine.position
-        if done - stream.part_cached < PART_STATES_EVERY or not engine.prompt_part_way():
+        if not engine.leaves_part_way_states or not engine.prompt_part_way():
+            return
+        if done - stream.part_cached < PART_STATES_EVERY:
             return
         stream.part_cached = done
         try:
-            with torch.inference_mode():
-                self.prefix_cache.store_part_way(
-                    self.model, stream.request.engine_spec, stream.request.prompt_ids[:done], engine
-                )
+            self.prefix_cache.store_part_way(
+                self.model, stream.request.engine_spec, stream.request.prompt_ids[:done], engine
+            )
         except Exception:  # the cache is a saving, never a reason for a stream to fail
             log.exception("a prompt's part-way state could not be cached")
 

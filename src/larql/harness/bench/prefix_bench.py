@@ -17,7 +17,7 @@ from larql.harness.bench.machine import sync
 from larql.inference.errors import EngineError
 from larql.inference.ffn import FfnBackend
 from larql.inference.generation import GenerationSession
-from larql.inference.prefix_cache import PrefixCache
+from larql.inference.prefix_cache import PrefixCache, prefill_leaving_states
 from larql.kv.spec import EngineSpec
 from larql.models.model import Model
 
@@ -76,7 +76,7 @@ def _first_token_ms(
     session = GenerationSession(
         engine, model, ffn, prompt[held:], 1, stop_ids=frozenset(), resumes=held > 0
     )
-    session.prefill()
+    prefill_leaving_states(session, cache, model, key, prompt)  # (states along it, for some)
     sync(model.device)
     t1 = time.perf_counter()
     cache.store(model, key, prompt, engine, held)

@@ -143,6 +143,7 @@ class KeptStorage(Protocol):
 class EvictingEngine(KvEngine):
     # the policy evicts only at the prefill; decode appends every row
     compresses_once: ClassVar[bool] = False
+    leaves_part_way_states = True  # its rows depend on the whole prompt: no cut-back prefix
 
     def __init__(self, profiling: bool = False) -> None:
         super().__init__(profiling)
@@ -330,17 +331,22 @@ class EvictingEngine(KvEngine):
         their queries (copied), which keeps what a prefill of those tokens keeps."""
         if self._prompt is None or not self._prompt.length:
             return None
+        with torch.inference_mode():
+            return self._finished_copy(model, self._prompt)
+
+    def _finished_copy(self, model: Model, prompt: PassInParts) -> EvictingEngine:
+        """`fork_part_way`'s copy, the parts `prompt` finished on it."""
         clone = copy.copy(self)
         clone._profiler = EngineProfiler(enabled=self._profiler.enabled)
-        exact = [buffer.copy() for buffer in self._prompt.layers]
+        exact = [buffer.copy() for buffer in prompt.layers]
         observed = copy.deepcopy(self._observed)
         clone._prompt, clone._observed, clone._layers, clone._fast = None, [], [], None
         clone._finishing = [
             partial(clone._keep_prompt_layer, model, layer, kv, held)
             for layer, (kv, held) in enumerate(zip(exact, observed, strict=True))
         ]
-        clone._finishing.append(partial(clone._settle, model, self._prompt.length))
-        clone._started(self._prompt.length)
+        clone._finishing.append(partial(clone._settle, model, prompt.length))
+        clone._started(prompt.length)
         clone.finish_prompt(sys.maxsize)
         return clone
 
