@@ -9,12 +9,10 @@ import asyncio
 
 import httpx
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import larql.server.scheduler as scheduler_module
 from larql.inference.ffn import DenseFfn
-from larql.inference.generation import GenerationSession
 from larql.inference.prefix_cache import PrefixCache
 from larql.inference.sampling import SamplingParams
 from larql.kv import parse_engine
@@ -108,24 +106,18 @@ def test_an_eviction_resumes_from_a_state_along_the_document(
     smollm2: Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An eviction's state after the document cannot be cut out of the first prompt's, so the
-    first prompt, taken in parts, leaves a copy of what its parts kept; the second question
-    resumes from it and answers as an engine prefilled with those tokens, then given the rest."""
+    first prompt, taken in parts, leaves copies part-way along it; the second question resumes
+    from the last before the prompts part, takes the rest as its next parts, and answers as
+    a server without the cache does."""
     monkeypatch.setattr(scheduler_module, "PART_STATES_EVERY", 64)  # (its copy of the name)
     spec = "snapkv:keep=0.5,window=4"
     first, second = _request(smollm2, "What is kept?", spec), _request(smollm2, "Why?", spec)
     assert len(first.prompt_ids) > SOLO_TURN_CHUNKS * SchedulerLimits().prefill_chunk  # parts
-    answers, s = _answers(smollm2, 2**30, [[first], [second]])
+    cached, s = _answers(smollm2, 2**30, [[first], [second]])
+    plain, _ = _answers(smollm2, 0, [[first], [second]])
+    assert cached == plain
     assert _sample(s, "hits_total") == 1
-    resumed = int(_sample(s, "tokens_saved_total"))
-    assert 64 <= resumed < len(second.prompt_ids)
-    engine = parse_engine(spec).build(smollm2)
-    ffn = DenseFfn(smollm2)
-    with torch.inference_mode():
-        engine.prefill(smollm2, ffn, list(second.prompt_ids[:resumed]))
-    rest = list(second.prompt_ids[resumed:])
-    session = GenerationSession(engine, smollm2, ffn, rest, 6, stop_ids=frozenset(), resumes=True)
-    expected = [session.prefill()] + [session.step() for _ in range(5)]
-    assert list(answers[1]) == expected
+    assert 64 <= _sample(s, "tokens_saved_total") < len(second.prompt_ids)
 
 
 def test_a_prompt_whose_rows_are_scored_starts_afresh(smollm2: Model) -> None:

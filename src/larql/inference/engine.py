@@ -393,11 +393,11 @@ class Engine(ABC):
 
     def fork_part_way(self, model: Model) -> Engine | None:
         """While a prompt goes in a part at a time (`prefill_part` with more to come): an
-        independent copy holding what a prefill of the parts so far leaves — its policy's
-        whole-prompt work (coding, evicting) done on the copy, this engine going on as it was
-        — for a prefix cache, where a state is not cut back to a prefix (an eviction's rows
-        depend on the whole prompt); None by default and where no prompt is part-way. An
-        engine that makes such copies says so in `leaves_part_way_states`."""
+        independent copy, part-way at the same point, whose next parts (`prefill_part`) go on
+        as this engine's would — for a prefix cache, where the state after a whole prompt
+        cannot be cut back to a prefix (an eviction's rows depend on the whole prompt); None
+        by default and where no prompt is part-way. An engine that makes such copies says so
+        in `leaves_part_way_states`."""
         return None
 
     def _forkable(self) -> bool:

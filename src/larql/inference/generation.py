@@ -5,6 +5,7 @@ callback."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -264,7 +265,8 @@ class GenerationSession:
         with torch.inference_mode():
             t0 = time.perf_counter()
             if self.resumes:
-                hidden = self._continue(self.prompt_ids, self.resume_hidden)
+                hidden = self._continue(self.prompt_ids, self.resume_hidden, more=False)
+                self.engine.finish_prompt(sys.maxsize)  # (a prompt it took part-way: its end)
             elif self.keep_prompt_rows:
                 self.prompt_rows = self.engine.prefill_all(self.model, self.ffn, self.prompt_ids)
                 hidden = self.prompt_rows[-1:]
@@ -342,7 +344,7 @@ class GenerationSession:
             t0 = time.perf_counter()
             if resumed:
                 hidden = self._continue(
-                    chunk, self.resume_hidden if start == 0 else self.last_hidden
+                    chunk, self.resume_hidden if start == 0 else self.last_hidden, more
                 )
             elif in_parts:
                 rows = self.engine.prefill_part(self.model, self.ffn, chunk, more)
@@ -362,9 +364,15 @@ class GenerationSession:
         self._finishing = self.budget > 0 and not self.engine.finish_prompt(0)
         return None if self._finishing else hidden
 
-    def _continue(self, tokens: Sequence[int], hidden: torch.Tensor | None) -> torch.Tensor:
-        """Put `tokens` after the state the engine holds → the last one's hidden [1, H] (the
-        state's own last row, `hidden`, where there are none)."""
+    def _continue(
+        self, tokens: Sequence[int], hidden: torch.Tensor | None, more: bool
+    ) -> torch.Tensor:
+        """Put `tokens` after the state the engine holds (`more`: more of the prompt follows)
+        → the last one's hidden [1, H] (the state's own last row, `hidden`, where there are
+        none). A state with a prompt part-way in (a prefix cache's part boundary) takes them
+        as that prompt's next part."""
+        if tokens and self.engine.prompt_part_way():
+            return self.engine.prefill_part(self.model, self.ffn, tokens, more)[-1:]
         if tokens and self.engine.extends_exactly(self.model):
             return self.engine.extend(self.model, self.ffn, tokens)
         for token in tokens:

@@ -493,6 +493,21 @@ def attention_block(
     The new rows' K (k-normed, rotated) and V go to `kv`; `allowed` as in `attend`. On a model
     sharing K/V across layers, `shared` carries what each source layer attended over to the
     layers that share it (which project queries alone and leave `kv` empty)."""
+    return attention_block_and_queries(model, layer, h, start, kv, window, allowed, shared)[0]
+
+
+def attention_block_and_queries(
+    model: Model,
+    layer: int,
+    h: torch.Tensor,
+    start: int,
+    kv: KvSink,
+    window: int | None = None,
+    allowed: torch.Tensor | None = None,
+    shared: SharedKv | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention_block` → (the residual after attention [S, H], the queries it attended
+    with, q [Hq, S, D]: normed, rotated)."""
     if shared is not None and shares(model.config, layer):
         keys, values, allowed = shared.of(layer)
         q = project_q(model, layer, h, start)
@@ -502,7 +517,7 @@ def attention_block(
         if shared is not None:
             shared.keep(layer, keys, values, allowed)
     attn = attend(model, layer, q, keys, values, start, window, allowed)  # [S, q_dim]
-    return attention_output(model, layer, h, attn)
+    return attention_output(model, layer, h, attn), q
 
 
 def attention_output(model: Model, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

@@ -267,9 +267,10 @@ class PrefixCache:
         self, model: Model, spec: str, prompt: Sequence[int], engine: Engine
     ) -> bool:
         """`store` for a prompt still going in a part at a time, `prompt` the tokens in so far:
-        a copy holding what a prefill of them leaves (`Engine.fork_part_way`). An engine whose
-        state cannot be cut back to a prefix (an eviction) so keeps states along a long prompt,
-        and a later prompt sharing its start resumes from the last of them before it leaves."""
+        a copy part-way at the same point (`Engine.fork_part_way`). An engine whose state after
+        a whole prompt cannot be cut back to a prefix (an eviction) so keeps states along a
+        long prompt; a later prompt sharing its start resumes from the last of them before it
+        leaves and takes the rest in parts, as a prompt of its own would have."""
         if not self.enabled or engine.position != len(prompt):
             return False
         return self._store(model, spec, prompt, 0, lambda: engine.fork_part_way(model))
@@ -333,7 +334,7 @@ class PrefixCache:
         for entry in reversed(match.path):
             if len(entry.tokens) < self.min_tokens:
                 break
-            engine = entry.engine.fork_prefix(model, len(entry.tokens))
+            engine = _copy_whole(model, entry.engine)
             if engine is not None:
                 return entry, CachedStart(engine, len(entry.tokens))
         return None
@@ -358,6 +359,14 @@ class PrefixCache:
             raise PrefixCacheError(
                 "a prefix cache holds the states of one model; make one per model"
             )
+
+
+def _copy_whole(model: Model, engine: Engine) -> Engine | None:
+    """A fresh copy of a stored state, whole: a prompt's end (`fork_prefix`), or a prompt
+    part-way in (`fork_part_way`: its next parts go in as they would have)."""
+    if engine.prompt_part_way():
+        return engine.fork_part_way(model)
+    return engine.fork_prefix(model, engine.position)
 
 
 class Prefilling(Protocol):

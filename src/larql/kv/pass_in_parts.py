@@ -11,11 +11,17 @@ from collections.abc import Callable
 import torch
 
 from larql.inference.ffn import FfnBackend
-from larql.inference.layer import embed_rows, layer_step
+from larql.inference.layer import (
+    attention_block_and_queries,
+    embed_rows,
+    ffn_block,
+    layer_step,
+)
 from larql.inference.shared_kv import SharedKv
 from larql.kv.buffers import KvBuffer
 from larql.models.model import Model
 
+# (layer, the part's queries q [Hq, n, D] as the layer attended with them, start, its K/V)
 Observer = Callable[[int, torch.Tensor, int, KvBuffer], None]
 
 
@@ -28,18 +34,27 @@ class PassInParts:
         self, model: Model, ffn: FfnBackend, ids: torch.Tensor, observe: Observer | None = None
     ) -> torch.Tensor:
         """The next positions' token ids [n] → their pre-final-norm hidden rows [n, H].
-        `observe(layer, h, start, kv)` sees each layer's input rows h [n, H] (at positions
-        start..) once the layer's K/V `kv` holds them too."""
+        `observe(layer, q, start, kv)` sees each layer's queries q [Hq, n, D] (at positions
+        start..) once the layer's K/V `kv` holds the part's rows too."""
         h, inputs = embed_rows(model, ids.long())  # [n, H], [n, L, P] or None
         start = self.length
         shared = SharedKv(model.config)  # a K/V-sharing layer's buffer stays empty
         for layer, kv in enumerate(self.layers):
-            layer_input = h
-            h = layer_step(model, layer, h, start, kv, ffn, inputs=inputs, shared=shared)
-            if observe is not None:
-                observe(layer, layer_input, start, kv)
+            if observe is None:
+                h = layer_step(model, layer, h, start, kv, ffn, inputs=inputs, shared=shared)
+                continue
+            h, q = attention_block_and_queries(model, layer, h, start, kv, shared=shared)
+            h = ffn_block(model, layer, h, ffn, inputs)
+            observe(layer, q, start, kv)
         self.length += ids.shape[0]
         return h
+
+    def copy(self) -> PassInParts:
+        """An independent pass at the same point: its exact K/V copied."""
+        out = PassInParts.__new__(PassInParts)
+        out.layers = [layer.copy() for layer in self.layers]
+        out.length = self.length
+        return out
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

@@ -14,7 +14,6 @@ rows by the weights that attention put on them and has the storage drop the rows
 from __future__ import annotations
 
 import copy
-import sys
 from abc import abstractmethod
 from collections.abc import Hashable, Sequence
 from functools import partial
@@ -165,7 +164,10 @@ class EvictingEngine(KvEngine):
     def memory(self) -> MemoryBreakdown:
         if self._fast is not None:
             return self._fast.memory()
-        return MemoryBreakdown.of(hot=self._layers)
+        held = MemoryBreakdown.of(hot=self._layers)
+        if self._prompt is not None:  # a prompt part-way in: its exact K/V so far
+            held = held + MemoryBreakdown(hot=self._prompt.nbytes())
+        return held
 
     def dispatch_path(self) -> str | None:
         if self._fast is None:
@@ -327,27 +329,16 @@ class EvictingEngine(KvEngine):
         return rows
 
     def fork_part_way(self, model: Model) -> Engine | None:
-        """`Engine.fork_part_way`: a copy given the parts' exact K/V and what the policy read of
-        their queries (copied), which keeps what a prefill of those tokens keeps."""
+        """`Engine.fork_part_way`: a copy of the parts' exact K/V and of what the policy read of
+        their queries, which goes on taking the prompt as this engine would."""
         if self._prompt is None or not self._prompt.length:
             return None
-        with torch.inference_mode():
-            return self._finished_copy(model, self._prompt)
-
-    def _finished_copy(self, model: Model, prompt: PassInParts) -> EvictingEngine:
-        """`fork_part_way`'s copy, the parts `prompt` finished on it."""
         clone = copy.copy(self)
         clone._profiler = EngineProfiler(enabled=self._profiler.enabled)
-        exact = [buffer.copy() for buffer in prompt.layers]
-        observed = copy.deepcopy(self._observed)
-        clone._prompt, clone._observed, clone._layers, clone._fast = None, [], [], None
-        clone._finishing = [
-            partial(clone._keep_prompt_layer, model, layer, kv, held)
-            for layer, (kv, held) in enumerate(zip(exact, observed, strict=True))
-        ]
-        clone._finishing.append(partial(clone._settle, model, prompt.length))
-        clone._started(prompt.length)
-        clone.finish_prompt(sys.maxsize)
+        with torch.inference_mode():
+            clone._prompt = self._prompt.copy()
+            clone._observed = copy.deepcopy(self._observed)
+        clone._layers, clone._fast, clone._finishing = [], None, []
         return clone
 
     def _keep_prompt_layer(self, model: Model, layer: int, exact: KvBuffer, held: object) -> int:
@@ -372,11 +363,12 @@ class EvictingEngine(KvEngine):
         return 0
 
     def _observe_part(
-        self, model: Model, layer: int, h: torch.Tensor, start: int, kv: KvBuffer
+        self, model: Model, layer: int, q: torch.Tensor, start: int, kv: KvBuffer
     ) -> None:
+        """A part's queries q [Hq, n, D] at positions start.. (its layer's own) → what the
+        policy keeps of them."""
         if shares(model.config, layer) or model.config.layers[layer].sliding_window is not None:
             return
-        q = project_qkv(model, layer, h, start)[0]  # [Hq, n, D], as the layer's attention
         self._observed[layer] = self._observe(
             model, layer, self._observed[layer], q, start, kv.keys
         )
