@@ -488,26 +488,13 @@ def attention_block(
     window: int | None = None,
     allowed: torch.Tensor | None = None,
     shared: SharedKv | None = None,
+    queries: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Pre-layer residual h: [S, H] at positions start.. → residual after attention [S, H].
     The new rows' K (k-normed, rotated) and V go to `kv`; `allowed` as in `attend`. On a model
     sharing K/V across layers, `shared` carries what each source layer attended over to the
-    layers that share it (which project queries alone and leave `kv` empty)."""
-    return attention_block_and_queries(model, layer, h, start, kv, window, allowed, shared)[0]
-
-
-def attention_block_and_queries(
-    model: Model,
-    layer: int,
-    h: torch.Tensor,
-    start: int,
-    kv: KvSink,
-    window: int | None = None,
-    allowed: torch.Tensor | None = None,
-    shared: SharedKv | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attention_block` → (the residual after attention [S, H], the queries it attended
-    with, q [Hq, S, D]: normed, rotated)."""
+    layers that share it (which project queries alone and leave `kv` empty). `queries`, where
+    given, receives the queries it attended with, q [Hq, S, D] (normed, rotated)."""
     if shared is not None and shares(model.config, layer):
         keys, values, allowed = shared.of(layer)
         q = project_q(model, layer, h, start)
@@ -516,8 +503,10 @@ def attention_block_and_queries(
         keys, values = kv.append(k, v)
         if shared is not None:
             shared.keep(layer, keys, values, allowed)
+    if queries is not None:
+        queries.append(q)
     attn = attend(model, layer, q, keys, values, start, window, allowed)  # [S, q_dim]
-    return attention_output(model, layer, h, attn), q
+    return attention_output(model, layer, h, attn)
 
 
 def attention_output(model: Model, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

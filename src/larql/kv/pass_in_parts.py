@@ -12,7 +12,7 @@ import torch
 
 from larql.inference.ffn import FfnBackend
 from larql.inference.layer import (
-    attention_block_and_queries,
+    attention_block,
     embed_rows,
     ffn_block,
     layer_step,
@@ -43,9 +43,10 @@ class PassInParts:
             if observe is None:
                 h = layer_step(model, layer, h, start, kv, ffn, inputs=inputs, shared=shared)
                 continue
-            h, q = attention_block_and_queries(model, layer, h, start, kv, shared=shared)
+            queries: list[torch.Tensor] = []
+            h = attention_block(model, layer, h, start, kv, shared=shared, queries=queries)
             h = ffn_block(model, layer, h, ffn, inputs)
-            observe(layer, q, start, kv)
+            observe(layer, queries[0], start, kv)
         self.length += ids.shape[0]
         return h
 
