@@ -5,9 +5,10 @@ Per engine spec, a radix tree over token ids holds states at the end of the prom
 in (`PrefixTree`) and, for an engine that cannot cut a longer prompt's state back to a prefix
 (an eviction: its rows depend on the whole prompt), copies of a prompt part-way in, at
 boundaries of its parts (`store_part_way`): a prompt resuming one takes its own rest as the
-next parts, so the policy compresses its whole prompt, as without the cache. A lookup walks a new prompt down the tree as far as it matches — at most to
-its last token but one, so at least one token goes in and gives the first pick — and takes the
-deepest state it can reach there:
+next parts, so the policy compresses its whole prompt, as without the cache. A lookup walks
+a new prompt down the tree as far as it matches — at most to its last token but one, so at
+least one token goes in and gives the first pick — and takes the deepest state it can reach
+there:
 - one stored below the point where the prompt leaves the tree (a longer prompt that shares
   those tokens), cut back to them (`Engine.fork_prefix`) where the engine can do that: exact
   engines keep every row per position, so the cut state is the prefix's own;
