@@ -43,7 +43,12 @@ def restored(spec: str, model: Model, state: StateWriter, position: int) -> KvEn
 
 @pytest.mark.parametrize(
     "spec",
-    ["snapkv:keep=0.5,window=4+kv-quant:bits=4", "turbo-quant:bits=4,recent=3,sinks=2,center=1"],
+    [
+        "snapkv:keep=0.5,window=4+kv-quant:bits=4",
+        # long: the cut and cache tests below fork turbo-quant's kernel-path state through the
+        # same write and read, and the composition above runs the same round trip
+        pytest.param("turbo-quant:bits=4,recent=3,sinks=2,center=1", marks=pytest.mark.long),
+    ],
 )
 @pytest.mark.slow
 def test_a_state_on_the_kernel_path_reads_back_onto_either_path(
@@ -85,7 +90,11 @@ def test_a_state_on_the_kernel_path_reads_back_onto_either_path(
 
 @pytest.mark.parametrize(
     ("spec", "cuts_back"),
-    [("turbo-quant:bits=4", True), ("snapkv:keep=0.5,window=4+turbo-quant:bits=4", False)],
+    [
+        ("turbo-quant:bits=4", True),
+        # long: a composition's fork onto the kernel path is the round trip test's above
+        pytest.param("snapkv:keep=0.5,window=4+turbo-quant:bits=4", False, marks=pytest.mark.long),
+    ],
 )
 @pytest.mark.slow
 def test_the_prefix_cache_holds_kernel_path_states(

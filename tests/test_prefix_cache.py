@@ -293,7 +293,13 @@ def test_a_cut_prefix_on_cuda_continues_as_a_fresh_prompt(spec: str) -> None:
 
 # evictions (and one composed with a quantiser): their rows depend on the whole prompt, so the
 # cache keeps states along a prompt taken in parts instead of cutting one back
-PART_WAY = ["snapkv:keep=0.5,window=4", "h2o:keep=0.5", "keydiff:keep=0.5+kv-quant:bits=4"]
+PART_WAY = [
+    # long: the server's and the API's tests resume snapkv's part-way copies
+    pytest.param("snapkv:keep=0.5,window=4", marks=pytest.mark.long),
+    # long: h2o's copy is the same fork_part_way, its own statistics copied as any policy's
+    pytest.param("h2o:keep=0.5", marks=pytest.mark.long),
+    "keydiff:keep=0.5+kv-quant:bits=4",
+]
 
 
 @pytest.mark.parametrize("spec", PART_WAY)
