@@ -6,11 +6,14 @@ through the batched attention kernel in Triton's interpreter)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 import larql.kv.standard.static as static_module
-from helpers import first_layers, kernel_module, model_for_kernels
+from helpers import first_layers, kernel_module, model_for_kernels, relative_error
+from larql.inference.engine import Engine
 from larql.inference.errors import BackendUnavailable
 from larql.inference.ffn import DenseFfn
 from larql.inference.generation import GenerationSession
@@ -18,6 +21,7 @@ from larql.inference.lookahead import Lookahead, goes_ahead
 from larql.inference.sampling import Sampler, SamplingParams
 from larql.kv.captured_step import next_power_of_two
 from larql.kv.standard import StandardEngine
+from larql.kv.turbo_quant import TurboQuantEngine
 from larql.models import Model
 
 PROMPTS = ["The capital of France is", "Alice put the red ball in the box, and Bob", "One two"]
@@ -32,13 +36,20 @@ def shallow(smollm2: Model) -> Model:
     return first_layers(smollm2, 4)
 
 
+def _static() -> Engine:
+    return StandardEngine(static=True)
+
+
 def _sessions(
-    model: Model, budgets: list[int], stop_ids: frozenset[int] = frozenset()
+    model: Model,
+    budgets: list[int],
+    stop_ids: frozenset[int] = frozenset(),
+    make: Callable[[], Engine] = _static,
 ) -> list[GenerationSession]:
     ffn = DenseFfn(model)
     sessions = []
     for prompt, budget in zip(PROMPTS, budgets, strict=True):
-        engine = StandardEngine(static=True)
+        engine = make()
         ids = model.tokenizer.encode(prompt)
         sessions.append(GenerationSession(engine, model, ffn, ids, budget, stop_ids=stop_ids))
     for session in sessions:
@@ -46,8 +57,13 @@ def _sessions(
     return sessions
 
 
-def _alone(model: Model, budgets: list[int], stop_ids: frozenset[int] = frozenset()):
-    sessions = _sessions(model, budgets, stop_ids)
+def _alone(
+    model: Model,
+    budgets: list[int],
+    stop_ids: frozenset[int] = frozenset(),
+    make: Callable[[], Engine] = _static,
+):
+    sessions = _sessions(model, budgets, stop_ids, make)
     for session in sessions:
         while not session.finished:
             session.step()
@@ -153,6 +169,46 @@ def test_through_the_batched_attention_kernel(
     _same_as_alone(sessions, alone)
     grown = [s.engine.fast_path.capacity for s in sessions if s.engine.fast_path]
     assert any(after > before for after, before in zip(grown, capacities, strict=True))
+
+
+@pytest.mark.slow
+def test_turbo_quant_on_its_kernels_takes_a_step_back(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """turbo-quant's kernel path goes ahead and takes a step back: its 3 newest rows exact, so
+    the step taken back has coded the row leaving the ring and written its own into the ring.
+    The stopped session holds the rows it holds alone and, stepped on, steps as alone."""
+    kernel_module("larql.kv.turbo_quant.kernels")
+    model = model_for_kernels(smollm2, monkeypatch, interpreted_layers=1)
+
+    def make() -> Engine:
+        return TurboQuantEngine(recent=3, sinks=2, center=True)
+
+    alone = _sessions(model, [10, 10, 10], make=make)
+    for session in alone:
+        for _ in range(4):
+            session.step()
+    sessions = _sessions(model, [10, 10, 10], make=make)
+    assert all(s.engine.dispatch_path() is not None for s in sessions)  # the kernel path
+    assert goes_ahead(sessions)
+    lookahead = Lookahead()
+    for _ in range(5):  # four steps read, the fifth queued
+        lookahead.advance(sessions)
+    sessions[1].stop()
+    lookahead.withdraw(sessions[1])
+    lookahead.drain()
+    stopped, by_itself = sessions[1], alone[1]
+    assert stopped.tokens == by_itself.tokens
+    assert stopped.engine.position == by_itself.engine.position
+    assert isinstance(stopped.engine, TurboQuantEngine)
+    assert isinstance(by_itself.engine, TurboQuantEngine)
+    assert stopped.engine.stored_rows(0) == by_itself.engine.stored_rows(0)
+    ffn = DenseFfn(model)
+    with torch.inference_mode():
+        for token in stopped.tokens[:4]:  # past the ring: every slot taken back written anew
+            mine = stopped.engine.decode_step(model, ffn, token)
+            theirs = by_itself.engine.decode_step(model, ffn, token)
+            assert relative_error(mine, theirs) <= 1e-3
 
 
 def test_only_greedy_sessions_of_engines_that_take_steps_back_go_ahead(smollm2: Model) -> None:

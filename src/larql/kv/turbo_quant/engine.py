@@ -550,6 +550,21 @@ class TurboQuantEngine(KvEngine):
                     batch[i]._layers[layer].append(k, v)  # type: ignore[index]
         return isolated.check(h)
 
+    def withdraws_steps(self) -> bool:
+        """On the kernel path a step writes its row into the exact ring's slot of a row already
+        coded (the ring has one slot more than the exact rows) and codes the row leaving the
+        ring into the slot after the coded ones: with the position moved back, neither slot is
+        read, and stepping again writes both anew."""
+        return self._fast is not None
+
+    def withdraw_step(self) -> None:
+        if self._fast is None:
+            super().withdraw_step()
+        self._require_prefill()
+        self.position -= 1
+        assert self._fast is not None
+        self._fast.position -= 1
+
     def _kernels_for_codec(self) -> bool:
         """Whether this engine's codec has Triton kernels (`_triton_kernels`): the TurboQuant
         codec attending in its rotated basis."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from larql.inference.ffn import FfnBackend
+from larql.inference.host_copy import ints_to_device, tensor_to_device
 from larql.inference.layer import attention_output, ffn_block, project_qkv_with_rope
 from larql.inference.profiling import EngineProfiler
 from larql.kv.captured_step import (
@@ -53,6 +54,9 @@ class _BucketStep:
     # and the rows each layer holds before the row's new one (`rows_at`, computed in the step)
     offsets: torch.Tensor | None = None
     rows_at: torch.Tensor | None = None
+    # the host rows `meta` was last filled from (each session's `batch_meta`), so an unchanged
+    # set of sessions is not copied again
+    meta_from: list[torch.Tensor] = field(default_factory=list)
 
 
 class BatchedKernelStep:
@@ -107,14 +111,22 @@ class BatchedKernelStep:
         rope = next_power_of_two(max(capacity, max(positions) + 1)) if shifted else capacity
         inputs = self._inputs(model, bucket(count), capacity, rope, shifted)
         size = inputs.rows.shape[0]
+        # Every copy below is queued without waiting for the device (a plain copy from the
+        # host waits for all queued work): a step may be queued before the one before is read.
+        device = inputs.meta.device
         metas = [path.batch_meta(self.operands) for path in paths]
         metas += [self._pad_meta] * (size - count)
-        inputs.meta.copy_(torch.stack(metas, dim=1))  # [L, Bb, META]
-        inputs.positions.copy_(torch.tensor([*positions, *[0] * (size - count)]))
+        if len(metas) != len(inputs.meta_from) or any(
+            now is not then for now, then in zip(metas, inputs.meta_from, strict=True)
+        ):
+            inputs.meta.copy_(tensor_to_device(torch.stack(metas, dim=1), device))  # [L, Bb, META]
+            inputs.meta_from = metas
+        inputs.positions.copy_(ints_to_device([*positions, *[0] * (size - count)], device))
         if inputs.offsets is not None:
             offsets = [path.offsets for path in paths]
             offsets += [[0] * model.config.num_layers] * (size - count)
-            inputs.offsets.copy_(torch.tensor(offsets, dtype=torch.long).T)  # [L, Bb]
+            offsets_host = torch.tensor(offsets, dtype=torch.long).T.contiguous()  # [L, Bb]
+            inputs.offsets.copy_(tensor_to_device(offsets_host, device))
         inputs.rows[:count].copy_(rows)
         inputs.rows[count:].zero_()
 
