@@ -34,6 +34,12 @@ from larql.kernels.ran import FUSED_PIECES, ran
 from larql.models.model import Model
 
 # fused attention on CUDA where shapes vary per call: every backend but cuDNN (see `attend`)
+# A masked prompt (a window, an engine's `allowed`) whose scores would pass this many elements
+# (Hq · S · T: 1 GiB in float32) attends in blocks of queries, each over the keys it can reach:
+# where no fused kernel takes the mask (grouped heads on CUDA, soft-caps, sinks) the scores are
+# materialised, and a 32,000-token windowed prompt asked for 122 GiB at once.
+MASKED_SCORES_LIMIT = 1 << 28
+
 _VARYING_SHAPE_BACKENDS = [
     SDPBackend.FLASH_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,
@@ -324,6 +330,8 @@ def attend(
     if s > 1 or (w is not None and t > w) or allowed is not None:
         if t == s and w is None and allowed is None:
             causal = True
+        elif s > 1 and q.shape[0] * s * t > MASKED_SCORES_LIMIT:
+            return _attend_in_blocks(model, layer, q, keys, values, start, window, w, allowed)
         else:
             q_pos = torch.arange(start, start + s, device=q.device).unsqueeze(1)  # [S, 1]
             k_pos = torch.arange(start + s - t, start + s, device=q.device).unsqueeze(0)  # [1, T]
@@ -357,6 +365,44 @@ def attend(
     else:
         out = _sdpa(model, q, keys, values, mask, causal)
     return out.transpose(0, 1).reshape(s, -1)  # [S, Hq·D] (D: the width q and keys came in)
+
+
+def _attend_in_blocks(
+    model: Model,
+    layer: int,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    window: int | None,
+    w: int | None,
+    allowed: torch.Tensor | None,
+) -> torch.Tensor:
+    """`attend` a block of queries at a time, each block over the keys its queries can reach
+    (none after its last query; none a window before its first), so that no block's scores
+    pass `MASKED_SCORES_LIMIT`. Arguments as `attend`'s (`w` the layer's effective window).
+    → [S, q_dim]"""
+    heads, s, _ = q.shape
+    t = keys.shape[1]
+    block = max(1, MASKED_SCORES_LIMIT // (heads * t))
+    outputs = []
+    for first in range(0, s, block):
+        end = min(s, first + block)
+        key_end = end + t - s  # the key of the block's last query's position, + 1
+        key_first = 0 if w is None else max(0, key_end - (w + end - first - 1))
+        outputs.append(
+            attend(
+                model,
+                layer,
+                q[:, first:end],
+                keys[:, key_first:key_end],
+                values[:, key_first:key_end],
+                start + first,
+                window,
+                None if allowed is None else allowed[first:end, key_first:key_end],
+            )
+        )
+    return torch.cat(outputs)  # [S, q_dim]
 
 
 def static_mask(capacity: int, position: torch.Tensor, window: int | None) -> torch.Tensor:
