@@ -316,9 +316,9 @@ def test_a_part_way_copy_goes_on_as_the_engine_it_came_from(smollm2: Model, spec
         copy = parts.fork_part_way(smollm2)
         assert copy is not None and copy.position == 80 and copy.prompt_part_way()
         assert copy.memory().state == parts.memory().state > 0
-        # the same parts without a copy: a part after the first may take another product path
-        # than the whole prompt's (on AVX-512 the compiled int16 layer takes a first part of up
-        # to 256 rows), and an eviction's choice or a code can turn on a rounding
+        # the same parts without a copy: parts attend over earlier rows through other products
+        # than one causal pass (on an AVX-512 machine a rounding apart, ~0.03 at the next step
+        # for keydiff alone), and an eviction's choice or a 4-bit code can turn on a rounding
         alone = parse_engine(spec).build(smollm2)
         for part, more in ((ids[:40], True), (ids[40:80], True), (ids[80:-1], False)):
             alone.prefill_part(smollm2, ffn, part, more=more)
