@@ -42,9 +42,10 @@ def store_split(m_ptr, l_ptr, acc_ptr, slot, rows, dims, m_i, l_i, acc, DP: tl.c
     tl.store(acc_ptr + stat[:, None] * DP + dims[None, :], acc)
 
 
-# Splits merged per unrolled step: a [SPLITS_AT_ONCE, R(, DP)] tile each. Unrolling one step a split
-# made the merge of 128 splits (`standard` at depth 32,000) take ~190 s in Triton's TTGIR passes
-# on its first launch; eight steps of sixteen compile in seconds and load as wide.
+# Splits merged per unrolled step: [SPLITS_AT_ONCE, R(, DP)] tiles, summed elementwise across
+# steps and reduced over the splits once at the end (a reduction per step crosses warps each
+# time). Unrolling one step a split made the merge of 128 splits (`standard` at depth 32,000)
+# take ~190 s in Triton's TTGIR passes on its first launch; eight steps of sixteen take seconds.
 SPLITS_AT_ONCE: tl.constexpr = tl.constexpr(16)
 
 
@@ -67,26 +68,31 @@ def merge_splits(
     covers every split's m (see `splits_max`) → (total, out) rescaled to `top`. A split holds GP
     query rows; `rows` are the first of them the caller merges (the real ones: the padding the
     matrix units needed in the splits is not read)."""
-    for first in tl.static_range(0, NS, SPLITS_AT_ONCE):
-        splits = first + tl.arange(0, SPLITS_AT_ONCE)  # [C]
+    C: tl.constexpr = SPLITS_AT_ONCE
+    totals = tl.zeros([C, rows.shape[0]], tl.float32)  # [C, R]
+    outs = tl.zeros([C, rows.shape[0], DP], tl.float32)  # [C, R, DP]
+    for first in tl.static_range(0, NS, C):
+        splits = first + tl.arange(0, C)  # [C]
         real = (splits < NS)[:, None]  # [C, 1]
         stat = (head * NS + splits)[:, None] * GP + rows[None, :]  # [C, R]
         m = tl.load(m_ptr + stat, mask=real, other=float("-inf"))
         weight = tl.exp(m - top[None, :])  # [C, R]; 0 for an empty or absent split
-        total += tl.sum(weight * tl.load(l_ptr + stat, mask=real, other=0.0), axis=0)
+        totals += weight * tl.load(l_ptr + stat, mask=real, other=0.0)
         acc = tl.load(
             acc_ptr + stat[:, :, None] * DP + dims[None, None, :], mask=real[:, :, None], other=0.0
         )  # [C, R, DP]
-        out += tl.sum(weight[:, :, None] * acc, axis=0)
-    return total, out
+        outs += weight[:, :, None] * acc
+    return total + tl.sum(totals, axis=0), out + tl.sum(outs, axis=0)
 
 
 @triton.jit
 def splits_max(m_ptr, head, rows, top, NS: tl.constexpr, GP: tl.constexpr):
     """The larger of `top` [R] and every split's running max (rows of GP stored per split)."""
-    for first in tl.static_range(0, NS, SPLITS_AT_ONCE):
-        splits = first + tl.arange(0, SPLITS_AT_ONCE)  # [C]
+    C: tl.constexpr = SPLITS_AT_ONCE
+    tops = tl.full([C, rows.shape[0]], float("-inf"), tl.float32)  # [C, R]
+    for first in tl.static_range(0, NS, C):
+        splits = first + tl.arange(0, C)  # [C]
         stat = (head * NS + splits)[:, None] * GP + rows[None, :]  # [C, R]
         m = tl.load(m_ptr + stat, mask=(splits < NS)[:, None], other=float("-inf"))
-        top = tl.maximum(top, tl.max(m, axis=0))
-    return top
+        tops = tl.maximum(tops, m)
+    return tl.maximum(top, tl.max(tops, axis=0))
