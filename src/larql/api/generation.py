@@ -259,7 +259,7 @@ class _TextRun:
             )
             self.session = session
             decoder = tokenizer.stream_decoder()
-            token = None if session.finished else self._prefill(session)
+            token = None if session.finished else self._prefill()
             if token is not None and self.prefix_cache is not None:
                 self.prefix_cache.store(
                     self.model, self._cache_key(), self.prompt_ids, self.engine, self.cached_tokens
@@ -288,9 +288,11 @@ class _TextRun:
             self.text += rest
             yield rest
 
-    def _prefill(self, session: GenerationSession) -> int:
-        """The prompt in → the first token; with a prefix cache, states along the prompt left
-        in it where the engine makes them (`prefill_leaving_states`)."""
+    def _prefill(self) -> int:
+        """The session's prompt in → the first token; with a prefix cache, states along the
+        prompt left in it where the engine makes them (`prefill_leaving_states`)."""
+        session = self.session
+        assert session is not None
         if self.prefix_cache is None:
             return session.prefill()
         return prefill_leaving_states(

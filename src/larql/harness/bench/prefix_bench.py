@@ -73,10 +73,10 @@ def _first_token_ms(
     resumed = cache.lookup(model, key, prompt)
     engine = resumed.engine if resumed is not None else kind.build(model)
     held = resumed.tokens if resumed is not None else 0
-    session = GenerationSession(
+    generation = GenerationSession(
         engine, model, ffn, prompt[held:], 1, stop_ids=frozenset(), resumes=held > 0
     )
-    prefill_leaving_states(session, cache, model, key, prompt)  # (states along it, for some)
+    prefill_leaving_states(generation, cache, model, key, prompt)  # (states along it, for some)
     sync(model.device)
     t1 = time.perf_counter()
     cache.store(model, key, prompt, engine, held)
