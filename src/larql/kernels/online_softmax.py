@@ -50,6 +50,34 @@ SPLITS_AT_ONCE: tl.constexpr = tl.constexpr(16)
 
 
 @triton.jit
+def _weighted_tile(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    head,
+    rows,
+    dims,
+    top,
+    first,
+    NS: tl.constexpr,
+    DP: tl.constexpr,
+    GP: tl.constexpr,
+):
+    """Splits first.. first + SPLITS_AT_ONCE of head `head`, each rescaled to `top` → (their
+    l [C, R], their acc [C, R, DP]); splits past NS weigh nothing."""
+    splits = first + tl.arange(0, SPLITS_AT_ONCE)  # [C]
+    real = (splits < NS)[:, None]  # [C, 1]
+    stat = (head * NS + splits)[:, None] * GP + rows[None, :]  # [C, R]
+    m = tl.load(m_ptr + stat, mask=real, other=float("-inf"))
+    weight = tl.exp(m - top[None, :])  # [C, R]; 0 for an empty or absent split
+    l_sum = weight * tl.load(l_ptr + stat, mask=real, other=0.0)
+    acc = tl.load(
+        acc_ptr + stat[:, :, None] * DP + dims[None, None, :], mask=real[:, :, None], other=0.0
+    )  # [C, R, DP]
+    return l_sum, weight[:, :, None] * acc
+
+
+@triton.jit
 def merge_splits(
     m_ptr,
     l_ptr,
@@ -68,31 +96,28 @@ def merge_splits(
     covers every split's m (see `splits_max`) → (total, out) rescaled to `top`. A split holds GP
     query rows; `rows` are the first of them the caller merges (the real ones: the padding the
     matrix units needed in the splits is not read)."""
-    C: tl.constexpr = SPLITS_AT_ONCE
-    totals = tl.zeros([C, rows.shape[0]], tl.float32)  # [C, R]
-    outs = tl.zeros([C, rows.shape[0], DP], tl.float32)  # [C, R, DP]
-    for first in tl.static_range(0, NS, C):
-        splits = first + tl.arange(0, C)  # [C]
-        real = (splits < NS)[:, None]  # [C, 1]
-        stat = (head * NS + splits)[:, None] * GP + rows[None, :]  # [C, R]
-        m = tl.load(m_ptr + stat, mask=real, other=float("-inf"))
-        weight = tl.exp(m - top[None, :])  # [C, R]; 0 for an empty or absent split
-        totals += weight * tl.load(l_ptr + stat, mask=real, other=0.0)
-        acc = tl.load(
-            acc_ptr + stat[:, :, None] * DP + dims[None, None, :], mask=real[:, :, None], other=0.0
-        )  # [C, R, DP]
-        outs += weight[:, :, None] * acc
+    totals, outs = _weighted_tile(
+        m_ptr, l_ptr, acc_ptr, head, rows, dims, top, 0, NS, DP, GP
+    )  # [C, R], [C, R, DP]
+    for first in tl.static_range(SPLITS_AT_ONCE, NS, SPLITS_AT_ONCE):
+        l_sum, acc = _weighted_tile(m_ptr, l_ptr, acc_ptr, head, rows, dims, top, first, NS, DP, GP)
+        totals += l_sum
+        outs += acc
     return total + tl.sum(totals, axis=0), out + tl.sum(outs, axis=0)
+
+
+@triton.jit
+def _tile_max(m_ptr, head, rows, first, NS: tl.constexpr, GP: tl.constexpr):
+    """The running maxes [C, R] of splits first.. first + SPLITS_AT_ONCE (−inf past NS)."""
+    splits = first + tl.arange(0, SPLITS_AT_ONCE)  # [C]
+    stat = (head * NS + splits)[:, None] * GP + rows[None, :]  # [C, R]
+    return tl.load(m_ptr + stat, mask=(splits < NS)[:, None], other=float("-inf"))
 
 
 @triton.jit
 def splits_max(m_ptr, head, rows, top, NS: tl.constexpr, GP: tl.constexpr):
     """The larger of `top` [R] and every split's running max (rows of GP stored per split)."""
-    C: tl.constexpr = SPLITS_AT_ONCE
-    tops = tl.full([C, rows.shape[0]], float("-inf"), tl.float32)  # [C, R]
-    for first in tl.static_range(0, NS, C):
-        splits = first + tl.arange(0, C)  # [C]
-        stat = (head * NS + splits)[:, None] * GP + rows[None, :]  # [C, R]
-        m = tl.load(m_ptr + stat, mask=(splits < NS)[:, None], other=float("-inf"))
-        tops = tl.maximum(tops, m)
+    tops = _tile_max(m_ptr, head, rows, 0, NS, GP)  # [C, R]
+    for first in tl.static_range(SPLITS_AT_ONCE, NS, SPLITS_AT_ONCE):
+        tops = tl.maximum(tops, _tile_max(m_ptr, head, rows, first, NS, GP))
     return tl.maximum(top, tl.max(tops, axis=0))
