@@ -274,6 +274,28 @@ def test_the_api_resumes_an_eviction_from_a_state_along_the_document(
     assert runs[1].token_ids == plain.token_ids
 
 
+def test_a_prompt_in_parts_keeps_its_first_and_deepest_copies(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prompt taken in parts offers a copy at each boundary; the cache keeps the first
+    (a shared start) and the deepest, dropping those passed. Later questions resume from the
+    deepest."""
+    import larql
+
+    monkeypatch.setattr(prefix_cache, "PART_STATES_EVERY", 48)
+    spec, cache = "snapkv:keep=0.5,window=4", larql.PrefixCache(2**30)
+    doc = DOC + " " + DOC  # ~220 tokens: boundaries at 48, 96, 144 and 192
+    prompts = [doc + "\nQuestion: What is kept?\nAnswer:", doc + "\nQuestion: Why?\nAnswer:"]
+    first = larql.generate(smollm2, spec, prompts[0], max_new_tokens=1, prefix_cache=cache)
+    boundaries = (len(first.prompt_ids) - 1) // 48
+    assert boundaries >= 4
+    assert cache.stats().entries == 3  # the first copy, the deepest and the whole prompt's
+    second = larql.generate(smollm2, spec, prompts[1], max_new_tokens=1, prefix_cache=cache)
+    assert second.cached_prompt_tokens == 48 * boundaries
+    third = larql.generate(smollm2, spec, doc + "\nAnother?", max_new_tokens=1, prefix_cache=cache)
+    assert third.cached_prompt_tokens == 48 * boundaries
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("spec", ["standard", "turbo-quant:bits=4,attention=sdpa"])
 def test_a_cut_prefix_on_cuda_continues_as_a_fresh_prompt(spec: str) -> None:

@@ -84,6 +84,7 @@ class _Entry:
     node: _Node
     spec: str
     used: int = 0  # the cache's clock when it was last stored or used
+    part_way: bool = False  # a copy part-way into a prompt (`store_part_way`)
 
 
 @dataclass(frozen=True)
@@ -275,7 +276,13 @@ class PrefixCache:
         leaves and takes the rest in parts, as a prompt of its own would have."""
         if not self.enabled or engine.position != len(prompt):
             return False
-        return self._store(model, spec, prompt, 0, lambda: engine.fork_part_way(model))
+        stored = self._store(
+            model, spec, prompt, 0, lambda: engine.fork_part_way(model), part_way=True
+        )
+        if stored:
+            with self._lock:
+                self._drop_passed_copies(spec, prompt)
+        return stored
 
     def _store(
         self,
@@ -284,6 +291,7 @@ class PrefixCache:
         prompt: Sequence[int],
         from_cache: int,
         copy_of: Callable[[], Engine | None],
+        part_way: bool = False,
     ) -> bool:
         """`store` with the copy `copy_of()` makes (None: no copy)."""
         if len(prompt) - from_cache < self.min_tokens:
@@ -307,12 +315,27 @@ class PrefixCache:
                 if node.entry is None:
                     tree.remove(node)
                 return node.entry is not None
-            node.entry = _Entry(tuple(prompt), copy, nbytes, node, spec)
+            node.entry = _Entry(tuple(prompt), copy, nbytes, node, spec, part_way=part_way)
             self._lru[id(node.entry)] = node.entry
             self._touch(node.entry)
             self._bytes += nbytes
             self._evict()
             return True
+
+    def _drop_passed_copies(self, spec: str, prompt: Sequence[int]) -> None:
+        """A prompt going in parts leaves a copy at each boundary; once a deeper one is held,
+        the ones it passed are rarely the deepest start of a later prompt. Dropped: the
+        part-way copies on `prompt`'s path other than its first (a shared system prompt's or
+        document's start) and its deepest, where no other prompt branches off (lock held).
+        A prompt resuming from a copy leaves none of its own, so no copy a prompt resumed
+        from is passed."""
+        path = self._trees[spec].match(prompt).path
+        copies = [entry for entry in path if entry.part_way]
+        for entry in copies[1:-1]:
+            if len(entry.node.children) <= 1:
+                del self._lru[id(entry)]
+                self._bytes -= entry.nbytes
+                self._trees[spec].remove(entry.node)
 
     def clear(self) -> None:
         with self._lock:
