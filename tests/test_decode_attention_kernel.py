@@ -54,6 +54,7 @@ SHAPES = [
     (9, 3, 64, 256, 255, 0, 0.0),  # the last row of the buffer
     (4, 1, 32, 16384, 16000, 0, 0.0),  # 256 blocks: several blocks per split
     (4, 1, 32, 2560, 2000, 0, 0.0),  # 40 splits: the merge's last tile of splits part-filled
+    (4, 1, 32, 40960, 40000, 0, 0.0),  # 5 blocks a split: a loop, not unrolled
     (8, 2, 80, 512, 300, 50, 0.0),  # a head width padded to 128, a window
     (4, 4, 16, 128, 90, 0, 0.0),  # no grouping
     (4, 2, 64, 256, 200, 0, 30.0),  # soft-capped scores (Gemma 2)

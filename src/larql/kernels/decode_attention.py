@@ -37,6 +37,9 @@ from larql.kernels.online_softmax import (
 )
 
 BLOCK_N = 64  # keys per block
+# A split's blocks are unrolled up to this many (a cache of up to 32,768 rows at 128 splits);
+# past it they are a loop: unrolled, 16 blocks (131,072 rows) took 22 s to compile for sm_90
+UNROLLED_BLOCKS = tl.constexpr(4)
 # the combine loops over splits; past this a split takes several blocks. 128, not 32: on an H200
 # one decode step of the 1B shape at depth 32,000 went from 727.6 to 811.8 tok/s (16,384: 750.7
 # → 883.6), the shorter depths unchanged (docs/PERFORMANCE.md)
@@ -91,18 +94,57 @@ def _partial_kernel(
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
-    for b in tl.static_range(BLOCKS_PER_SPLIT):
-        keys = (split * BLOCKS_PER_SPLIT + b) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-        visible = (keys <= pos) & (keys >= lowest) & (keys < capacity)
-        offsets = base + keys[:, None] * D + dims[None, :]  # [BLOCK, DP]
-        load_mask = visible[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + offsets, mask=load_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GP, BLOCK]
-        s = soft_capped(s, softcap, SOFTCAP)
-        m_i, l_i, p, alpha = block_update(m_i, l_i, s, visible)
-        v = tl.load(v_ptr + offsets, mask=load_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # [GP, DP]
+    first = split * BLOCKS_PER_SPLIT
+    if BLOCKS_PER_SPLIT <= UNROLLED_BLOCKS:
+        for b in tl.static_range(BLOCKS_PER_SPLIT):
+            m_i, l_i, acc = _attend_block(
+                k_ptr, v_ptr, q, m_i, l_i, acc, first + b, base, dims, dim_ok, pos, lowest,
+                capacity, scale, softcap, D, BLOCK, SOFTCAP, PRECISION,
+            )  # fmt: skip
+    else:  # a deep cache: a loop, not unrolled (the compile time grows with the unrolling)
+        for b in tl.range(0, BLOCKS_PER_SPLIT):
+            m_i, l_i, acc = _attend_block(
+                k_ptr, v_ptr, q, m_i, l_i, acc, first + b, base, dims, dim_ok, pos, lowest,
+                capacity, scale, softcap, D, BLOCK, SOFTCAP, PRECISION,
+            )  # fmt: skip
     store_split(m_ptr, l_ptr, acc_ptr, head * NS + split, rows, dims, m_i, l_i, acc, DP)
+
+
+@triton.jit
+def _attend_block(
+    k_ptr,
+    v_ptr,
+    q,
+    m_i,
+    l_i,
+    acc,
+    block,
+    base,
+    dims,
+    dim_ok,
+    pos,
+    lowest,
+    capacity,
+    scale,
+    softcap,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Keys block · BLOCK.. of one K/V head (from `base`) into the running state m_i [GP],
+    l_i [GP], acc [GP, DP]: those at or before `pos`, from `lowest`, within `capacity`."""
+    keys = block * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    visible = (keys <= pos) & (keys >= lowest) & (keys < capacity)
+    offsets = base + keys[:, None] * D + dims[None, :]  # [BLOCK, DP]
+    load_mask = visible[:, None] & dim_ok[None, :]
+    k = tl.load(k_ptr + offsets, mask=load_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GP, BLOCK]
+    s = soft_capped(s, softcap, SOFTCAP)
+    m_i, l_i, p, alpha = block_update(m_i, l_i, s, visible)
+    v = tl.load(v_ptr + offsets, mask=load_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # [GP, DP]
+    return m_i, l_i, acc
 
 
 @triton.jit
