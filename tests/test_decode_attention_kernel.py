@@ -84,6 +84,21 @@ def test_kernel_equals_float64_attention(kernels, shape, dtype) -> None:
     assert relative_error(out, expected) <= TOLERANCE[dtype]
 
 
+def test_the_last_split_of_each_head_merges_and_leaves_the_counts_at_zero(kernels) -> None:
+    """One launch: the last of a head's splits to finish merges them and sets the head's count
+    back to 0, so the next launch (here of another shape, sharing the counters) counts afresh."""
+    generator = torch.Generator().manual_seed(5)
+    for heads, kv_heads, capacity, position in ((9, 3, 1024, 700), (8, 8, 512, 511)):
+        q = torch.randn(heads, 1, 64, generator=generator).to(DEVICE)
+        keys, values = torch.randn(2, kv_heads, capacity, 64, generator=generator).to(DEVICE)
+        assert kernels.layout(heads, kv_heads, 64, capacity)[-1] > 1  # several splits
+        pos = torch.tensor([position], device=DEVICE)
+        out = kernels.decode_attention(q, keys, values, pos, 0.125)
+        expected = reference(q, keys, values, position, 0.125, 0, 0.0)
+        assert relative_error(out, expected) <= 1e-5
+        assert not kernels._split_counters(q.device).any()
+
+
 def test_rows_past_the_position_are_never_read(kernels) -> None:
     """The rows after the position hold garbage (NaN): masking after a product would spread it."""
     q = torch.randn(9, 1, 64, device=DEVICE)

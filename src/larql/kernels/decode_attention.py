@@ -4,14 +4,17 @@ The static-cache engine keeps each layer's K/V in [Hkv, C, D] buffers whose row 
 and reads the current position from a device tensor, so the step can be captured in a CUDA
 graph. torch's fused attention over that buffer takes a mask over all C rows and costs ~17 µs
 per layer on an H200 for one query (it is built for many). This is the flash-decoding scheme
-instead, in two launches:
+instead, in one launch:
 
 1. `_partial_kernel`, one program per (K/V head, split of the keys): the G query heads that
    share the K/V head, padded to 16 rows for the matrix units, against BLOCK_N keys at a time;
    keys past the position (or before the window) are masked off, so their loads never happen.
    Each split leaves its running max m, sum l and unnormalised output acc (float32).
-2. `combine_kernel`, one program per K/V head: rescales the splits to the global max and
-   divides, → [Hq, D] in the query's dtype.
+2. The last of a head's splits to finish (counted on a per-head counter, which it sets back to
+   0) merges them: rescales the splits to the global max and divides, → [Hq, D] in the query's
+   dtype. A second launch for the merge (`combine_kernel`, which the batched kernel keeps)
+   cost a launch a layer: the decode step of a small model is a chain of launches of a few
+   microseconds each.
 
 Soft-capped scores (Gemma 2: cap·tanh(s / cap)) are supported; tanh(x) = 2σ(2x) − 1.
 `decode_attention` is the function to call; `decode_attention_op` is the same thing registered
@@ -29,6 +32,7 @@ import triton.language as tl
 from larql.kernels.dependent_launch import options as dependent_options
 from larql.kernels.dependent_launch import wait_for_previous
 from larql.kernels.online_softmax import (
+    SPLITS_AT_ONCE,
     block_update,
     merge_splits,
     soft_capped,
@@ -47,6 +51,9 @@ MAX_SPLITS = 128
 # a batched step's programs multiply by its sessions: it keeps the 32 it was measured with
 BATCH_MAX_SPLITS = 32
 _MIN_DOT = 16  # tl.dot needs every dimension ≥ 16
+# the partial launch's merge takes this many splits a step: sixteen (the combine launch's) held
+# [16, rows, D] tiles beside the split's own registers and spilled at 128 splits (sm_90)
+MERGE_AT_ONCE = tl.constexpr(16)
 
 
 @triton.jit
@@ -58,12 +65,15 @@ def _partial_kernel(
     m_ptr,  # [Hkv, NS, GP] float32
     l_ptr,  # [Hkv, NS, GP] float32
     acc_ptr,  # [Hkv, NS, GP, DP] float32
+    out_ptr,  # [Hq, D] the query's dtype
+    done_ptr,  # [≥ Hkv] int32: splits of each head done in this launch, 0 between launches
     scale,
     window,
     softcap,
     capacity,
     G: tl.constexpr,
     GP: tl.constexpr,
+    GR: tl.constexpr,  # the rows merged: G rounded up to a power of two
     D: tl.constexpr,
     DP: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -108,6 +118,18 @@ def _partial_kernel(
                 capacity, scale, softcap, D, BLOCK, SOFTCAP, PRECISION,
             )  # fmt: skip
     store_split(m_ptr, l_ptr, acc_ptr, head * NS + split, rows, dims, m_i, l_i, acc, DP)
+    if NS == 1:
+        _merged(m_ptr, l_ptr, acc_ptr, out_ptr, head, G, GP, GR, D, DP, NS, "", MERGE_AT_ONCE)
+    else:
+        # every thread's stores precede the count, which releases them to the program that
+        # counts last and acquires them (read past its L1); it sets the count back for the next
+        tl.debug_barrier()
+        done = tl.atomic_add(done_ptr + head, 1, sem="acq_rel", scope="gpu")
+        if done == NS - 1:
+            _merged(
+                m_ptr, l_ptr, acc_ptr, out_ptr, head, G, GP, GR, D, DP, NS, ".cg", MERGE_AT_ONCE
+            )
+            tl.atomic_xchg(done_ptr + head, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -148,6 +170,38 @@ def _attend_block(
 
 
 @triton.jit
+def _merged(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    head,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    GR: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    NS: tl.constexpr,
+    CACHE: tl.constexpr,
+    AT_ONCE: tl.constexpr,
+):
+    """Head `head`'s NS split states ([Hkv, NS, GP(, DP)]) merged → its G rows of out_ptr
+    [Hq, D]. CACHE: the state loads' cache modifier; AT_ONCE: the splits a step merges."""
+    rows = tl.arange(0, GR)
+    dims = tl.arange(0, DP)
+    lowest = tl.full([GR], float("-inf"), tl.float32)
+    top = splits_max(m_ptr, head, rows, lowest, NS, GP, CACHE, AT_ONCE)
+    zeros = (tl.zeros([GR], tl.float32), tl.zeros([GR, DP], tl.float32))
+    total, out = merge_splits(
+        m_ptr, l_ptr, acc_ptr, head, rows, dims, top, *zeros, NS, DP, GP, CACHE, AT_ONCE
+    )
+    out = out / total[:, None]
+    mask = (rows < G)[:, None] & (dims < D)[None, :]
+    offsets = (head * G + rows)[:, None] * D + dims[None, :]
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def combine_kernel(
     m_ptr,  # [Hkv, NS, GP] float32
     l_ptr,
@@ -161,17 +215,11 @@ def combine_kernel(
     NS: tl.constexpr,
     PDL: tl.constexpr = False,  # launched with `dependent_launch.options`
 ):
+    """The splits' states of a launch before this one merged, one program per K/V head (of
+    each sequence, for the batched kernel)."""
     wait_for_previous(PDL)
     head = tl.program_id(0)
-    rows = tl.arange(0, GR)
-    dims = tl.arange(0, DP)
-    top = splits_max(m_ptr, head, rows, tl.full([GR], float("-inf"), tl.float32), NS, GP)
-    zeros = (tl.zeros([GR], tl.float32), tl.zeros([GR, DP], tl.float32))
-    total, out = merge_splits(m_ptr, l_ptr, acc_ptr, head, rows, dims, top, *zeros, NS, DP, GP)
-    out = out / total[:, None]
-    mask = (rows < G)[:, None] & (dims < D)[None, :]
-    offsets = (head * G + rows)[:, None] * D + dims[None, :]
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+    _merged(m_ptr, l_ptr, acc_ptr, out_ptr, head, G, GP, GR, D, DP, NS, "", SPLITS_AT_ONCE)
 
 
 def _next_power_of_two(n: int) -> int:
@@ -223,6 +271,20 @@ def partial_constants(
     }
 
 
+# Per device, the heads' split counters of the single-query launch: all 0 between launches
+# (each launch's last split of a head sets its back), so every launch on the device shares them
+# — the launches of a stream run one after another (a launch waits for the one before it, even
+# with programmatic dependent launch, before its programs touch anything).
+_MAX_KV_HEADS = 1024
+
+
+@functools.cache
+def _split_counters(device: torch.device) -> torch.Tensor:
+    # made by a first launch outside any CUDA graph capture (a captured step runs once first)
+    assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+    return torch.zeros(_MAX_KV_HEADS, dtype=torch.int32, device=device)
+
+
 def _launch(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -234,6 +296,7 @@ def _launch(
 ) -> torch.Tensor:
     heads, _, dim = q.shape
     kv_heads, capacity, _ = keys.shape
+    assert kv_heads <= _MAX_KV_HEADS, f"at most {_MAX_KV_HEADS} K/V heads"
     group, gp, dp, _, splits = layout(heads, kv_heads, dim, capacity)
     f32 = {"dtype": torch.float32, "device": q.device}
     m = torch.empty((kv_heads, splits, gp), **f32)
@@ -248,24 +311,14 @@ def _launch(
         m,
         l_sum,
         acc,
+        out,
+        _split_counters(q.device),
         scale,
         window,
         softcap,
         capacity,
-        **partial_constants(heads, kv_heads, dim, capacity, window, softcap, q.dtype),
-        **dependent_options(q.device),
-    )
-    combine_kernel[(kv_heads,)](
-        m,
-        l_sum,
-        acc,
-        out,
-        G=group,
-        GP=gp,
         GR=_next_power_of_two(group),
-        D=dim,
-        DP=dp,
-        NS=splits,
+        **partial_constants(heads, kv_heads, dim, capacity, window, softcap, q.dtype),
         **dependent_options(q.device),
     )
     return out.view(heads, 1, dim)

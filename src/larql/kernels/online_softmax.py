@@ -62,17 +62,22 @@ def _weighted_tile(
     NS: tl.constexpr,
     DP: tl.constexpr,
     GP: tl.constexpr,
+    CACHE: tl.constexpr,
+    C: tl.constexpr,
 ):
-    """Splits first.. first + SPLITS_AT_ONCE of head `head`, each rescaled to `top` → (their
-    l [C, R], their acc [C, R, DP]); splits past NS weigh nothing."""
-    splits = first + tl.arange(0, SPLITS_AT_ONCE)  # [C]
+    """Splits first.. first + C of head `head`, each rescaled to `top` → (their l [C, R], their
+    acc [C, R, DP]); splits past NS weigh nothing. CACHE: the loads' cache modifier."""
+    splits = first + tl.arange(0, C)  # [C]
     real = (splits < NS)[:, None]  # [C, 1]
     stat = (head * NS + splits)[:, None] * GP + rows[None, :]  # [C, R]
-    m = tl.load(m_ptr + stat, mask=real, other=float("-inf"))
+    m = tl.load(m_ptr + stat, mask=real, other=float("-inf"), cache_modifier=CACHE)
     weight = tl.exp(m - top[None, :])  # [C, R]; 0 for an empty or absent split
-    l_sum = weight * tl.load(l_ptr + stat, mask=real, other=0.0)
+    l_sum = weight * tl.load(l_ptr + stat, mask=real, other=0.0, cache_modifier=CACHE)
     acc = tl.load(
-        acc_ptr + stat[:, :, None] * DP + dims[None, None, :], mask=real[:, :, None], other=0.0
+        acc_ptr + stat[:, :, None] * DP + dims[None, None, :],
+        mask=real[:, :, None],
+        other=0.0,
+        cache_modifier=CACHE,
     )  # [C, R, DP]
     return l_sum, weight[:, :, None] * acc
 
@@ -91,33 +96,58 @@ def merge_splits(
     NS: tl.constexpr,
     DP: tl.constexpr,
     GP: tl.constexpr,
+    CACHE: tl.constexpr = "",
+    AT_ONCE: tl.constexpr = SPLITS_AT_ONCE,
 ):
     """Merge head `head`'s NS splits into a state (top, total, out) whose max `top` already
     covers every split's m (see `splits_max`) → (total, out) rescaled to `top`. A split holds GP
     query rows; `rows` are the first of them the caller merges (the real ones: the padding the
-    matrix units needed in the splits is not read)."""
+    matrix units needed in the splits is not read). CACHE: the loads' cache modifier (".cg" reads
+    past the SM's L1, for states other programs of the same launch wrote). AT_ONCE: the splits
+    a step merges (fewer hold fewer registers)."""
     totals, outs = _weighted_tile(
-        m_ptr, l_ptr, acc_ptr, head, rows, dims, top, 0, NS, DP, GP
+        m_ptr, l_ptr, acc_ptr, head, rows, dims, top, 0, NS, DP, GP, CACHE, AT_ONCE
     )  # [C, R], [C, R, DP]
-    for first in tl.static_range(SPLITS_AT_ONCE, NS, SPLITS_AT_ONCE):
-        l_sum, acc = _weighted_tile(m_ptr, l_ptr, acc_ptr, head, rows, dims, top, first, NS, DP, GP)
+    for first in tl.static_range(AT_ONCE, NS, AT_ONCE):
+        l_sum, acc = _weighted_tile(
+            m_ptr, l_ptr, acc_ptr, head, rows, dims, top, first, NS, DP, GP, CACHE, AT_ONCE
+        )
         totals += l_sum
         outs += acc
     return total + tl.sum(totals, axis=0), out + tl.sum(outs, axis=0)
 
 
 @triton.jit
-def _tile_max(m_ptr, head, rows, first, NS: tl.constexpr, GP: tl.constexpr):
-    """The running maxes [C, R] of splits first.. first + SPLITS_AT_ONCE (−inf past NS)."""
-    splits = first + tl.arange(0, SPLITS_AT_ONCE)  # [C]
+def _tile_max(
+    m_ptr,
+    head,
+    rows,
+    first,
+    NS: tl.constexpr,
+    GP: tl.constexpr,
+    CACHE: tl.constexpr,
+    C: tl.constexpr,
+):
+    """The running maxes [C, R] of splits first.. first + C (−inf past NS)."""
+    splits = first + tl.arange(0, C)  # [C]
     stat = (head * NS + splits)[:, None] * GP + rows[None, :]  # [C, R]
-    return tl.load(m_ptr + stat, mask=(splits < NS)[:, None], other=float("-inf"))
+    real = (splits < NS)[:, None]
+    return tl.load(m_ptr + stat, mask=real, other=float("-inf"), cache_modifier=CACHE)
 
 
 @triton.jit
-def splits_max(m_ptr, head, rows, top, NS: tl.constexpr, GP: tl.constexpr):
+def splits_max(
+    m_ptr,
+    head,
+    rows,
+    top,
+    NS: tl.constexpr,
+    GP: tl.constexpr,
+    CACHE: tl.constexpr = "",
+    AT_ONCE: tl.constexpr = SPLITS_AT_ONCE,
+):
     """The larger of `top` [R] and every split's running max (rows of GP stored per split)."""
-    tops = _tile_max(m_ptr, head, rows, 0, NS, GP)  # [C, R]
-    for first in tl.static_range(SPLITS_AT_ONCE, NS, SPLITS_AT_ONCE):
-        tops = tl.maximum(tops, _tile_max(m_ptr, head, rows, first, NS, GP))
+    tops = _tile_max(m_ptr, head, rows, 0, NS, GP, CACHE, AT_ONCE)  # [C, R]
+    for first in tl.static_range(AT_ONCE, NS, AT_ONCE):
+        tops = tl.maximum(tops, _tile_max(m_ptr, head, rows, first, NS, GP, CACHE, AT_ONCE))
     return tl.maximum(top, tl.max(tops, axis=0))
