@@ -113,6 +113,7 @@ def rows_in(store: torch.Tensor, codec, slots: list[int]) -> torch.Tensor:
     [
         (9, 3, 64, 4, 70, 96, 0.0),  # SmolLM2's heads
         (9, 3, 64, 2, 1, 4, 0.0),  # one stored row
+        (4, 2, 64, 2, 50, 64, 0.0),  # 2 bits: four coordinates a byte, loaded once
         (9, 3, 64, 3, 0, 8, 0.0),  # none: the new row alone
         (4, 1, 48, 3, 600, 1024, 0.0),  # padded head width, 3 bits (one byte per coordinate)
         (4, 1, 48, 4, 600, 1024, 0.0),  # padded head width, 4 bits (even / odd nibbles)

@@ -134,20 +134,36 @@ class CodecTables:
 
 
 @triton.jit
+def _header_tile(header_ptr, at, present, NG: tl.constexpr):
+    """The headers (float16 [NG scales ; NG zero points]) of the vectors beginning at `at` [B],
+    one contiguous load a vector → [B, 2·NG] float32, 0 where not `present`."""
+    cols = tl.arange(0, 2 * NG)
+    tile = tl.load(header_ptr + at[:, None] + cols[None, :], mask=present[:, None], other=0.0)
+    return tile.to(tl.float32)
+
+
+@triton.jit
+def _group_affine(tile, g, NG: tl.constexpr):
+    """Group g's (scale, zero) [B] float32 from a header tile [B, 2·NG] (`_header_tile`)."""
+    cols = tl.arange(0, 2 * NG)[None, :]
+    scale = tl.sum(tl.where(cols == g, tile, 0.0), axis=1)
+    zero = tl.sum(tl.where(cols == NG + g, tile, 0.0), axis=1)
+    return scale, zero
+
+
+@triton.jit
 def _affine(header_ptr, at, present, group_of, NG: tl.constexpr, B: tl.constexpr, W: tl.constexpr):
     """The scale and zero point of each lane's group for the vectors whose headers (float16
     [NG scales ; NG zero points]) begin at `at` [B] → (scale, zero) [B, W] float32, 0 where
     not `present` (so an absent row decodes to 0 whatever its slot holds). group_of [W]: each
     lane's group. Few groups: each lane picks its group's (loaded once a row); many: gathered."""
     if NG <= SELECT_GROUPS:
-        last = header_ptr + at + NG - 1  # the last group's, then each other group picks its own
-        s = tl.load(last, mask=present, other=0.0).to(tl.float32)  # [B]
-        z = tl.load(last + NG, mask=present, other=0.0).to(tl.float32)
+        tile = _header_tile(header_ptr, at, present, NG)  # [B, 2·NG]: one load a vector
+        s, z = _group_affine(tile, NG - 1, NG)  # the last group's, then each other picks its own
         scale = tl.broadcast_to(s[:, None], [B, W])
         zero = tl.broadcast_to(z[:, None], [B, W])
         for g in tl.static_range(NG - 1):
-            s = tl.load(header_ptr + at + g, mask=present, other=0.0).to(tl.float32)
-            z = tl.load(header_ptr + at + NG + g, mask=present, other=0.0).to(tl.float32)
+            s, z = _group_affine(tile, g, NG)
             pick = (group_of == g)[None, :]
             scale = tl.where(pick, s[:, None], scale)
             zero = tl.where(pick, z[:, None], zero)
@@ -168,15 +184,6 @@ def _query_lanes(
     if ROTATE:
         return tl.load(q_rot_ptr + rows[:, None] * DP + cols[None, :], mask=real, other=0.0)
     return tl.load(q_ptr + rows[:, None] * D + cols[None, :], mask=real, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _group_affine(header_ptr, at, present, g, NG: tl.constexpr):
-    """Group g's scale and zero point of the vectors whose headers begin at `at` [B] →
-    (scale, zero) [B] float32, 0 where not `present`."""
-    scale = tl.load(header_ptr + at + g, mask=present, other=0.0).to(tl.float32)
-    zero = tl.load(header_ptr + at + NG + g, mask=present, other=0.0).to(tl.float32)
-    return scale, zero
 
 
 @triton.jit
@@ -328,8 +335,9 @@ def _grouped_split_state(
                 even, odd = _nibbles(codes_ptr, key_starts, read, lanes)  # [B, DP/2] each
                 even, odd = _biased_codes(even, dot_dtype), _biased_codes(odd, dot_dtype)
                 s = tl.zeros([GP, BLOCK], tl.float32)
+                k_header = _header_tile(header_ptr, key_headers, present, NG)  # [B, 2·NG]
                 for g in tl.static_range(NG):
-                    k_scale, k_zero = _group_affine(header_ptr, key_headers, present, g, NG)
+                    k_scale, k_zero = _group_affine(k_header, g, NG)
                     in_group = (lane_group == g)[None, :]
                     dots, q_sum = _group_scores(q_even, even, in_group)
                     dots_odd, q_sum_odd = _group_scores(q_odd, odd, in_group)
@@ -359,8 +367,9 @@ def _grouped_split_state(
                 even, odd = _biased_codes(even, dot_dtype), _biased_codes(odd, dot_dtype)
                 acc_even = acc_even * alpha[:, None]
                 acc_odd = acc_odd * alpha[:, None]
+                v_header = _header_tile(header_ptr, value_headers, present, NG)
                 for g in tl.static_range(NG):
-                    v_scale, v_zero = _group_affine(header_ptr, value_headers, present, g, NG)
+                    v_scale, v_zero = _group_affine(v_header, g, NG)
                     in_group = (lane_group == g)[None, :]
                     acc_even += _group_values(p, even, in_group, v_scale, v_zero, dot_dtype)
                     acc_odd += _group_values(p, odd, in_group, v_scale, v_zero, dot_dtype)

@@ -258,8 +258,23 @@ def _queries(q_ptr, head, rows, dims, G: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def _indices(codes_ptr, starts, present, dims, BITS: tl.constexpr, BPV: tl.constexpr):
     """The quantiser indices of the vectors whose packed indices begin at byte offsets
-    `starts` [B], one byte load per coordinate → [B, DP] int32 in the rotated basis (0 where
-    not `present`)."""
+    `starts` [B] → [B, DP] int32 in the rotated basis (0 where not `present`). Widths that
+    divide a byte: each vector's packed bytes loaded once, contiguously, and the indices of
+    each position in a byte interleaved back into coordinate order; else one byte load per
+    coordinate (a 3-bit index may straddle two bytes)."""
+    if BITS == 8:
+        return tl.load(
+            codes_ptr + starts[:, None] + dims[None, :], mask=present[:, None], other=0
+        ).to(tl.int32)
+    if BITS == 2:  # byte j holds coordinates 4j .. 4j + 3, two bits each from the lowest
+        lanes = tl.arange(0, dims.shape[0] // 4)
+        packed = tl.load(
+            codes_ptr + starts[:, None] + lanes[None, :], mask=present[:, None], other=0
+        ).to(tl.int32)  # [B, DP/4]
+        pairs = tl.join(
+            tl.join(packed & 3, (packed >> 4) & 3), tl.join((packed >> 2) & 3, packed >> 6)
+        )
+        return tl.reshape(pairs, [starts.shape[0], dims.shape[0]])  # [j, b, a] → 4j + 2b + a
     bit = dims * BITS
     byte = bit // 8  # [DP]
     where = starts[:, None] + byte[None, :]  # [B, DP]
