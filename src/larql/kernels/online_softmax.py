@@ -47,6 +47,8 @@ def store_split(m_ptr, l_ptr, acc_ptr, slot, rows, dims, m_i, l_i, acc, DP: tl.c
 # time). Unrolling one step a split made the merge of 128 splits (`standard` at depth 32,000)
 # take ~190 s in Triton's TTGIR passes on its first launch; eight steps of sixteen take seconds.
 SPLITS_AT_ONCE: tl.constexpr = tl.constexpr(16)
+# the merge's loads' default cache modifier (the default's: a plain "" fails on Triton 3.6)
+CACHED: tl.constexpr = tl.constexpr("")
 
 
 @triton.jit
@@ -96,7 +98,7 @@ def merge_splits(
     NS: tl.constexpr,
     DP: tl.constexpr,
     GP: tl.constexpr,
-    CACHE: tl.constexpr = "",
+    CACHE: tl.constexpr = CACHED,
     AT_ONCE: tl.constexpr = SPLITS_AT_ONCE,
 ):
     """Merge head `head`'s NS splits into a state (top, total, out) whose max `top` already
@@ -143,7 +145,7 @@ def splits_max(
     top,
     NS: tl.constexpr,
     GP: tl.constexpr,
-    CACHE: tl.constexpr = "",
+    CACHE: tl.constexpr = CACHED,
     AT_ONCE: tl.constexpr = SPLITS_AT_ONCE,
 ):
     """The larger of `top` [R] and every split's running max (rows of GP stored per split)."""
