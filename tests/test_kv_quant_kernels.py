@@ -66,19 +66,22 @@ def reference_attention(q, k_new, v_new, stored, codec: IntCodec, scale: float) 
     return torch.softmax(scores, -1) @ values.repeat_interleave(group, 0)
 
 
+ATTENTION_CASES = [
+    (9, 3, 64, 4, 32, False, 70, 96),  # SmolLM2's heads, int4 (even / odd nibbles)
+    (4, 2, 64, 8, 32, False, 40, 64),  # int8 (a byte a coordinate)
+    (8, 2, 128, 4, 32, False, 45, 64),  # int4, 4 groups of a 128-wide head (factored)
+    (4, 1, 256, 4, 32, False, 24, 32),  # int4, 8 groups (factored, a product a group)
+    (4, 2, 128, 4, 64, False, 33, 64),  # int4, one group of 64 (factored)
+    (4, 1, 64, 2, 16, False, 30, 32),  # int2, 4 groups (each lane picks its group's)
+    (4, 2, 48, 4, 32, True, 50, 64),  # rotated: a head of 48 coded at 64
+    (4, 2, 64, 4, 8, False, 20, 8),  # a ring (tokens 12..19 in 8 slots), 8 groups (gathered)
+    (9, 3, 64, 4, 32, False, 0, 8),  # nothing stored: the new row alone
+]
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "bits", "group", "rotate", "n", "slots"),
-    [
-        (9, 3, 64, 4, 32, False, 70, 96),  # SmolLM2's heads, int4 (even / odd nibbles)
-        (4, 2, 64, 8, 32, False, 40, 64),  # int8 (a byte a coordinate)
-        (8, 2, 128, 4, 32, False, 45, 64),  # int4, 4 groups of a 128-wide head (factored)
-        (4, 1, 256, 4, 32, False, 24, 32),  # int4, 8 groups (factored, a product a group)
-        (4, 2, 128, 4, 64, False, 33, 64),  # int4, one group of 64 (factored)
-        (4, 1, 64, 2, 16, False, 30, 32),  # int2, 4 groups (each lane picks its group's)
-        (4, 2, 48, 4, 32, True, 50, 64),  # rotated: a head of 48 coded at 64
-        (4, 2, 64, 4, 8, False, 20, 8),  # a ring (tokens 12..19 in 8 slots), 8 groups (gathered)
-        (9, 3, 64, 4, 32, False, 0, 8),  # nothing stored: the new row alone
-    ],
+    ATTENTION_CASES,
 )
 def test_attention_over_the_codes_equals_float64_over_the_decoded_rows(
     kernels, heads, kv_heads, dim, bits, group, rotate, n, slots

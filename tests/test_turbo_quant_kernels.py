@@ -108,20 +108,23 @@ def rows_in(store: torch.Tensor, codec, slots: list[int]) -> torch.Tensor:
     return planes.read_rows(store, at, codec.bytes_per_vector)
 
 
+ATTENTION_CASES = [
+    (9, 3, 64, 4, 70, 96, 0.0),  # SmolLM2's heads
+    (9, 3, 64, 2, 1, 4, 0.0),  # one stored row
+    (4, 2, 64, 2, 50, 64, 0.0),  # 2 bits: four coordinates a byte, loaded once
+    (9, 3, 64, 3, 0, 8, 0.0),  # none: the new row alone
+    (4, 1, 48, 3, 600, 1024, 0.0),  # padded head width, 3 bits (one byte per coordinate)
+    (4, 1, 48, 4, 600, 1024, 0.0),  # padded head width, 4 bits (even / odd nibbles)
+    (4, 2, 16, 4, 40, 64, 0.0),  # 4 bits too narrow to split in nibbles
+    (4, 1, 64, 4, 3000, 8192, 0.0),  # a deep store: several blocks per split
+    (4, 2, 64, 4, 90, 128, 30.0),  # soft-capped scores (Gemma 2)
+    (4, 2, 64, 4, 20, 8, 0.0),  # a ring (sliding layer): tokens 12..19 in 8 slots
+]
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "bits", "n", "slots", "softcap"),
-    [
-        (9, 3, 64, 4, 70, 96, 0.0),  # SmolLM2's heads
-        (9, 3, 64, 2, 1, 4, 0.0),  # one stored row
-        (4, 2, 64, 2, 50, 64, 0.0),  # 2 bits: four coordinates a byte, loaded once
-        (9, 3, 64, 3, 0, 8, 0.0),  # none: the new row alone
-        (4, 1, 48, 3, 600, 1024, 0.0),  # padded head width, 3 bits (one byte per coordinate)
-        (4, 1, 48, 4, 600, 1024, 0.0),  # padded head width, 4 bits (even / odd nibbles)
-        (4, 2, 16, 4, 40, 64, 0.0),  # 4 bits too narrow to split in nibbles
-        (4, 1, 64, 4, 3000, 8192, 0.0),  # a deep store: several blocks per split
-        (4, 2, 64, 4, 90, 128, 30.0),  # soft-capped scores (Gemma 2)
-        (4, 2, 64, 4, 20, 8, 0.0),  # a ring (sliding layer): tokens 12..19 in 8 slots
-    ],
+    ATTENTION_CASES,
 )
 def test_attention_equals_float64_over_the_stored_rows_and_stores_the_new_one(
     kernels, heads, kv_heads, dim, bits, n, slots, softcap
