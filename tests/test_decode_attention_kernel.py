@@ -57,6 +57,7 @@ SHAPES = [
     (4, 1, 32, 40960, 40000, 0, 0.0),  # 5 blocks a split: a loop, not unrolled
     (8, 2, 80, 512, 300, 50, 0.0),  # a head width padded to 128, a window
     (4, 4, 16, 128, 90, 0, 0.0),  # no grouping
+    (9, 3, 64, 64, 40, 0, 0.0),  # one split: its state is the output
     (4, 2, 64, 256, 200, 0, 30.0),  # soft-capped scores (Gemma 2)
 ]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}

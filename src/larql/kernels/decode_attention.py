@@ -117,10 +117,12 @@ def _partial_kernel(
                 k_ptr, v_ptr, q, m_i, l_i, acc, first + b, base, dims, dim_ok, pos, lowest,
                 capacity, scale, softcap, D, BLOCK, SOFTCAP, PRECISION,
             )  # fmt: skip
-    store_split(m_ptr, l_ptr, acc_ptr, head * NS + split, rows, dims, m_i, l_i, acc, DP)
-    if NS == 1:
-        _merged(m_ptr, l_ptr, acc_ptr, out_ptr, head, G, GP, GR, D, DP, NS, "", MERGE_AT_ONCE)
+    if NS == 1:  # the one split's state is the head's: its output, no state stored
+        offsets = (head * G + rows)[:, None] * D + dims[None, :]
+        mask = row_ok[:, None] & dim_ok[None, :]  # (a split sees the query's own row: l > 0)
+        tl.store(out_ptr + offsets, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
     else:
+        store_split(m_ptr, l_ptr, acc_ptr, head * NS + split, rows, dims, m_i, l_i, acc, DP)
         # every thread's stores precede the count, which releases them to the program that
         # counts last and acquires them (read past its L1); it sets the count back for the next
         tl.debug_barrier()
