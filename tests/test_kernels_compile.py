@@ -4,7 +4,8 @@ The kernel tests run in Triton's interpreter here, which runs a kernel's Python 
 compiler. This runs a sample of them again with their launches noted (`kernel_compile`) — each
 kernel in the shapes the tests give it, the decode step's kernels through the real model's
 kernel path — and compiles each distinct launch for sm_90, as a CUDA machine's first launch
-would. On a CUDA machine the kernel tests compile their launches themselves: this skips."""
+would, the attention launches also as a bfloat16 model's (with turbo-quant's PTX code lookup).
+On a CUDA machine the kernel tests compile their launches themselves: this skips."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import test_turbo_quant_batching as turbo_batching_tests
 import test_turbo_quant_kernels as turbo_tests
 from helpers import kernel_module
 from kernel_compile import Launch, compile_failures, recorded
+from larql.kv.turbo_quant.codebook import codebook
 from larql.models import Model
 
 pytestmark = [
@@ -81,6 +83,45 @@ def _coded_launches() -> None:
         )
 
 
+# the parameters that carry the model's dtype, where a launch has them
+MODEL_DTYPE = {
+    "q_ptr",
+    "k_ptr",
+    "v_ptr",
+    "anchor_ptr",
+    "out_ptr",
+    "k_new_ptr",
+    "v_new_ptr",
+    "exact_ptr",
+}
+
+
+def in_bfloat16(launch: Launch) -> Launch | None:
+    """An attention launch the interpreter ran in float32 or float16, as a bfloat16 model's
+    (the GPU's dtype; the interpreter computes bfloat16 products wrongly) — with turbo-quant's
+    4-bit codes decoded by `centroid_lookup`'s PTX, as on CUDA. None for other launches."""
+    signature = dict(launch.signature)
+    if signature.get("q_ptr") not in ("*fp32", "*fp16"):
+        return None
+    model = signature["q_ptr"]
+    kinds = tuple(
+        (k, "*bf16" if k in MODEL_DTYPE and v == model else v) for k, v in launch.signature
+    )
+    constants = dict(launch.constants)
+    if constants.get("LOOKUP") == "" and constants.get("NIBBLES"):
+        turbo = kernel_module("larql.kv.turbo_quant.kernels")
+        book = codebook(constants["DP"], 4, torch.device("cpu"))
+        constants["LOOKUP"] = turbo.centroid_lookup(book.centroids, torch.bfloat16)
+    return Launch(
+        launch.module,
+        launch.name,
+        kinds,
+        tuple(constants.items()),
+        launch.aligned,
+        launch.options,
+    )
+
+
 def test_every_kernel_launch_compiles_for_sm90(
     smollm2: Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -95,7 +136,9 @@ def test_every_kernel_launch_compiles_for_sm90(
         )
     kernels = {(launch.module, launch.name) for launch in launches}
     assert len(kernels) >= 12, sorted(kernels)  # every module above launched its kernels
-    failures = compile_failures(launches)
+    in_16_bits = [v for v in map(in_bfloat16, dict.fromkeys(launches)) if v is not None]
+    assert any("LOOKUP" in dict(v.constants) and dict(v.constants)["LOOKUP"] for v in in_16_bits)
+    failures = compile_failures(launches + in_16_bits)
     assert not failures, "\n\n".join(f"{k}:\n{v}" for k, v in failures.items())
 
 
