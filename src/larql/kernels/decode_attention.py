@@ -282,8 +282,10 @@ _MAX_KV_HEADS = 1024
 
 @functools.cache
 def _split_counters(device: torch.device) -> torch.Tensor:
-    # made by a first launch outside any CUDA graph capture (a captured step runs once first)
-    assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+    # made by a first launch outside any CUDA graph capture (a captured step runs once first):
+    # zeros made inside one would be zeroed only when the graph replays
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    assert not capturing, "decode attention's first launch on a device runs before a capture"
     return torch.zeros(_MAX_KV_HEADS, dtype=torch.int32, device=device)
 
 
