@@ -100,6 +100,24 @@ def test_the_last_split_of_each_head_merges_and_leaves_the_counts_at_zero(kernel
         assert not kernels._split_counters(q.device).any()
 
 
+@pytest.mark.parametrize(
+    "shape", [SHAPES[0], (9, 3, 64, 64, 40, 0, 0.0)], ids=["splits", "one-split"]
+)
+def test_the_merge_in_a_second_launch_gives_the_same_output(kernels, shape) -> None:
+    """The merge kept for comparison (`one_launch=False`: `combine_kernel` after the splits)
+    gives what the one launch gives."""
+    heads, kv_heads, dim, capacity, position, window, softcap = shape
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(heads, 1, dim, generator=generator).to(DEVICE)
+    keys, values = torch.randn(2, kv_heads, capacity, dim, generator=generator).to(DEVICE)
+    pos = torch.tensor([position], device=DEVICE)
+    outputs = [
+        kernels.decode_attention(q, keys, values, pos, dim**-0.5, window, softcap, one_launch)
+        for one_launch in (True, False)
+    ]
+    assert relative_error(outputs[1], outputs[0]) <= 1e-6
+
+
 def test_rows_past_the_position_are_never_read(kernels) -> None:
     """The rows after the position hold garbage (NaN): masking after a product would spread it."""
     q = torch.randn(9, 1, 64, device=DEVICE)

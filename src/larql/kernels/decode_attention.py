@@ -82,6 +82,7 @@ def _partial_kernel(
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for float32 operands (not tf32); ignored for 16-bit ones
+    MERGE: tl.constexpr = True,  # the last split merges (False: `combine_kernel` does, after)
     PDL: tl.constexpr = False,  # launched with `dependent_launch.options`
 ):
     wait_for_previous(PDL)
@@ -117,21 +118,23 @@ def _partial_kernel(
                 k_ptr, v_ptr, q, m_i, l_i, acc, first + b, base, dims, dim_ok, pos, lowest,
                 capacity, scale, softcap, D, BLOCK, SOFTCAP, PRECISION,
             )  # fmt: skip
-    if NS == 1:  # the one split's state is the head's: its output, no state stored
+    if NS == 1 and MERGE:  # the one split's state is the head's: its output, no state stored
         offsets = (head * G + rows)[:, None] * D + dims[None, :]
         mask = row_ok[:, None] & dim_ok[None, :]  # (a split sees the query's own row: l > 0)
         tl.store(out_ptr + offsets, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
     else:
         store_split(m_ptr, l_ptr, acc_ptr, head * NS + split, rows, dims, m_i, l_i, acc, DP)
-        # every thread's stores precede the count, which releases them to the program that
-        # counts last and acquires them (read past its L1); it sets the count back for the next
-        tl.debug_barrier()
-        done = tl.atomic_add(done_ptr + head, 1, sem="acq_rel", scope="gpu")
-        if done == NS - 1:
-            _merged(
-                m_ptr, l_ptr, acc_ptr, out_ptr, head, G, GP, GR, D, DP, NS, ".cg", MERGE_AT_ONCE
-            )
-            tl.atomic_xchg(done_ptr + head, 0, sem="relaxed", scope="gpu")
+        if MERGE:
+            # every thread's stores precede the count, which releases them to the program that
+            # counts last and acquires them (read past its L1); it sets the count back
+            tl.debug_barrier()
+            done = tl.atomic_add(done_ptr + head, 1, sem="acq_rel", scope="gpu")
+            if done == NS - 1:
+                _merged(
+                    m_ptr, l_ptr, acc_ptr, out_ptr, head, G, GP, GR, D, DP, NS, ".cg",
+                    MERGE_AT_ONCE,
+                )  # fmt: skip
+                tl.atomic_xchg(done_ptr + head, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -297,6 +300,7 @@ def _launch(
     scale: float,
     window: int,
     softcap: float,
+    one_launch: bool = True,
 ) -> torch.Tensor:
     heads, _, dim = q.shape
     kv_heads, capacity, _ = keys.shape
@@ -322,9 +326,15 @@ def _launch(
         softcap,
         capacity,
         GR=_next_power_of_two(group),
+        MERGE=one_launch,
         **partial_constants(heads, kv_heads, dim, capacity, window, softcap, q.dtype),
         **dependent_options(q.device),
     )
+    if not one_launch:
+        constants = {"G": group, "GP": gp, "GR": _next_power_of_two(group), "D": dim, "DP": dp}
+        combine_kernel[(kv_heads,)](
+            m, l_sum, acc, out, **constants, NS=splits, **dependent_options(q.device)
+        )
     return out.view(heads, 1, dim)
 
 
@@ -336,11 +346,13 @@ def decode_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    one_launch: bool = True,
 ) -> torch.Tensor:
     """One query per head q: [Hq, 1, D] (contiguous) at `position` ([1] int64 on the device)
     over keys/values [Hkv, C, D] whose row i is position i; a key is seen iff i ≤ position and
-    (window > 0) position − i < window. softcap > 0: scores cap·tanh(s / cap). → [Hq, 1, D]."""
-    return _launch(q.contiguous(), keys, values, position, scale, window, softcap)
+    (window > 0) position − i < window. softcap > 0: scores cap·tanh(s / cap). → [Hq, 1, D].
+    `one_launch=False` merges the splits in a second launch instead (to compare the two)."""
+    return _launch(q.contiguous(), keys, values, position, scale, window, softcap, one_launch)
 
 
 @torch.library.custom_op("larql::decode_attention", mutates_args=())
